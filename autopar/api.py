@@ -1,0 +1,289 @@
+"""Public entry points: :func:`plan`, :func:`auto_parallel`, :class:`ParallelModule`."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from autopar.annotate import annotate
+from autopar.capture import Captured, capture
+from autopar.cost_models import MeshSpec
+from autopar.placement import is_replicate, parse_placements
+from autopar.plan import Plan
+from autopar.search import PlanOptions, make_plan
+from autopar.sharding import gather_tensor, shard_tensor
+
+
+def _mesh(mesh: MeshSpec | str | tuple | None) -> MeshSpec:
+    if isinstance(mesh, MeshSpec):
+        return mesh
+    if mesh is None:
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+        return MeshSpec.preset("cpu-gloo", shape=(world,))
+    if isinstance(mesh, str) and (mesh.endswith(".json") or mesh.lstrip().startswith("{")):
+        return MeshSpec.from_json(mesh)
+    if isinstance(mesh, str) and not mesh.replace("x", "").isdigit():
+        return MeshSpec.preset(mesh)
+    return MeshSpec.preset("cpu-gloo", shape=MeshSpec.parse_shape(mesh))
+
+
+def _capture_and_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec,
+                      example_kwargs: dict | None, opts: PlanOptions) -> tuple[Captured, Plan]:
+    cap = capture(model, example_inputs, example_kwargs)
+    t0 = time.perf_counter()
+    annotate(cap.gm)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        p = make_plan(cap.gm, mesh, cap.aliases, opts)
+    for w in caught:
+        warnings.warn(str(w.message), stacklevel=3)
+        p.warnings.append(str(w.message))
+    p.timings["capture"] = cap.seconds
+    p.timings["annotate"] = time.perf_counter() - t0 - p.timings.get("solve", 0) - p.timings.get(
+        "enumerate_and_price", 0)
+    return cap, p
+
+
+def plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec | str | tuple | None = None, *,
+         example_kwargs: dict | None = None, pins: Mapping | None = None,
+         memory_budget: float | None = None, optimizer: str = "adamw",
+         time_limit: float = 30.0) -> Plan:
+    """Plan only: capture, cost and search; needs no process group and no real devices."""
+    opts = PlanOptions(memory_budget=memory_budget, optimizer=optimizer, time_limit=time_limit,
+                       pins=dict(pins or {}))
+    return _capture_and_plan(model, tuple(example_inputs), _mesh(mesh), example_kwargs, opts)[1]
+
+
+class ParallelModule(nn.Module):
+    """This rank's part of a planned model.
+
+    Parameters hold only this rank's shards; ``forward`` takes the same (whole)
+    inputs as the original model and returns the same (replicated) outputs.  Without a
+    process group the module is *planning only*: ``plan``, ``code`` and ``export``
+    work; calling it raises.
+    """
+
+    def __init__(self, inner: nn.Module, plan: Plan, aliases: dict[str, list[str]],
+                 in_spec, out_spec, state_keys: list[str], full_state: Mapping[str, torch.Tensor] | None,
+                 runtime: bool) -> None:
+        super().__init__()
+        self.inner = inner
+        self.plan = plan
+        self.aliases = aliases
+        self._in_spec, self._out_spec = in_spec, out_spec
+        self.state_keys = state_keys
+        self._placements = {t: parse_placements(p) for t, p in plan.params().items()}
+        self._mesh_rt = None
+        self.rank = 0
+        if runtime:
+            from autopar.runtime.mesh import init_mesh
+            self._mesh_rt = init_mesh(tuple(plan.mesh.shape))
+            self.rank = dist.get_rank()
+        if full_state is not None:
+            self._load_targets(full_state, self._coord())
+        if runtime:
+            self._start_grad_sync()
+
+    # ------------------------------------------------------------ running
+    def _coord(self) -> tuple[int, ...]:
+        return self._mesh_rt.coord if self._mesh_rt is not None else (0,) * len(self.plan.mesh.shape)
+
+    def _start_grad_sync(self) -> None:
+        from autopar.runtime.grad_sync import GradSync
+        params = []
+        for t, p in self._targets():
+            pl = self._placements.get(t)
+            if pl is None or not isinstance(p, nn.Parameter):
+                continue
+            axes = tuple(a for a, x in enumerate(pl) if is_replicate(x) and self.plan.mesh.shape[a] > 1)
+            params.append((p, axes))
+        self.grad_sync = GradSync(params)
+
+    def _targets(self) -> list[tuple[str, torch.Tensor]]:
+        out = []
+        for t in self.aliases:
+            try:
+                out.append((t, self.inner.get_parameter(t)))
+            except AttributeError:
+                out.append((t, self.inner.get_buffer(t)))
+        return out
+
+    def forward(self, *args, **kwargs):
+        """Run this rank's part: same inputs and outputs as the original model."""
+        if self._mesh_rt is None:
+            raise RuntimeError("this ParallelModule is planning-only (no process group); "
+                               "launch under torchrun to run it, or export() it")
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        if self._in_spec is not None and spec != self._in_spec:
+            raise ValueError(f"inputs do not match the traced call's structure: {spec} vs {self._in_spec}")
+        out = self.inner(*flat)
+        return pytree.tree_unflatten(list(out), self._out_spec) if self._out_spec is not None else out
+
+    @property
+    def code(self) -> str:
+        """The generated per-rank forward code, collectives included."""
+        return self.inner.code
+
+    # ------------------------------------------------------------ checkpoints
+    def _load_targets(self, full_state: Mapping[str, torch.Tensor], coord) -> None:
+        for t, p in self._targets():
+            names = self.aliases[t]
+            src = next((full_state[n] for n in names if n in full_state), None)
+            if src is None:
+                raise KeyError(f"state dict has none of {names}")
+            pl = self._placements.get(t, tuple(parse_placements("R" * len(coord))))
+            local = shard_tensor(src.detach(), pl, self.plan.mesh.shape, coord)
+            with torch.no_grad():
+                if tuple(p.shape) != tuple(local.shape):
+                    p.data = local.clone()
+                else:
+                    p.copy_(local)
+
+    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load an original-model state dict (whole tensors) by sharding it in."""
+        self._load_targets(state_dict, self._coord())
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The original model's state dict: original names, whole tensors.
+
+        Collective when running: every rank must call it."""
+        whole = {}
+        for t, p in self._targets():
+            pl = self._placements.get(t)
+            if pl is None or self._mesh_rt is None:
+                whole[t] = p.detach().clone()
+            else:
+                whole[t] = gather_tensor(p, pl, self._mesh_rt.group)
+        out = {}
+        for key in self.state_keys:
+            for t, names in self.aliases.items():
+                if key in names:
+                    out[key] = whole[t]
+        return out
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's shards, keyed by graph target."""
+        return {t: p.detach().clone() for t, p in self._targets()}
+
+    def export(self, directory: str | Path) -> Path:
+        """Write code, plan and weights so :func:`autopar.load` runs it without re-planning."""
+        from autopar.export import export_module
+        return export_module(self, Path(directory))
+
+    def shutdown(self) -> None:
+        """Destroy the process group (call once at the end of a torchrun script)."""
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+        from autopar.runtime.mesh import reset
+        reset()
+
+
+def build_parallel_module(model: nn.Module, example_inputs: tuple, mesh: MeshSpec,
+                          opts: PlanOptions, example_kwargs: dict | None = None,
+                          runtime: bool | None = None) -> ParallelModule:
+    """Capture, plan, lower and shard: the body of :func:`auto_parallel`."""
+    from autopar.passes.lower import lower
+
+    cap, p = _capture_and_plan(model, example_inputs, mesh, example_kwargs, opts)
+    t0 = time.perf_counter()
+    gm = lower(cap.gm, p)
+    p.timings["lower"] = time.perf_counter() - t0
+    if runtime is None:
+        runtime = dist.is_initialized() or "RANK" in os.environ
+    full = {k: v for k, v in model.state_dict().items()}
+    return ParallelModule(gm, p, cap.aliases, cap.in_spec, cap.out_spec, cap.state_keys, full, runtime)
+
+
+def auto_parallel(model: nn.Module | Callable | None = None, *, example_inputs: tuple | None = None,
+                  mesh: MeshSpec | str | tuple | None = None, pins: Mapping | None = None,
+                  memory_budget: float | None = None, optimizer: str = "adamw",
+                  time_limit: float = 30.0, example_kwargs: dict | None = None):
+    """Plan and shard ``model`` for ``mesh``.
+
+    * ``auto_parallel(model, example_inputs=..., mesh=...)`` returns a
+      :class:`ParallelModule` (this rank's module under torchrun; planning-only
+      without a process group).
+    * ``@auto_parallel(mesh=...)`` on an ``nn.Module`` class or a factory returns a
+      wrapper that plans on the first batch it is called with.
+    """
+    opts = PlanOptions(memory_budget=memory_budget, optimizer=optimizer, time_limit=time_limit,
+                       pins=dict(pins or {}))
+    m = _mesh(mesh)
+    if model is None:
+        return lambda target: _decorate(target, m, opts)
+    if isinstance(model, nn.Module) and example_inputs is not None:
+        return build_parallel_module(model, tuple(example_inputs), m, opts, example_kwargs)
+    return _decorate(model, m, opts)
+
+
+class LazyParallel(nn.Module):
+    """Plans on the first call: wraps a model until its first batch is seen."""
+
+    def __init__(self, model: nn.Module, mesh: MeshSpec, opts: PlanOptions) -> None:
+        super().__init__()
+        self._model = model
+        self._mesh = mesh
+        self._opts = opts
+        self.pmodel: ParallelModule | None = None
+
+    def forward(self, *args, **kwargs):
+        """First call: plan on this batch; every call: run the parallel module."""
+        if self.pmodel is None:
+            self.pmodel = build_parallel_module(self._model, args, self._mesh, self._opts,
+                                                kwargs or None)
+            del self._model
+        return self.pmodel(*args, **kwargs)
+
+    def parameters(self, recurse: bool = True):
+        """The parallel module's (local) parameters; plan first by calling once."""
+        if self.pmodel is None:
+            raise RuntimeError("call the model on one batch first: it plans on the first batch")
+        return self.pmodel.parameters(recurse)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            pm = self.__dict__.get("_modules", {}).get("pmodel")
+            if pm is not None:
+                return getattr(pm, name)
+            raise
+
+
+def _decorate(target, mesh: MeshSpec, opts: PlanOptions):
+    if isinstance(target, type) and issubclass(target, nn.Module):
+        @functools.wraps(target, updated=())
+        def make(*a, **k):
+            return LazyParallel(target(*a, **k), mesh, opts)
+        return make
+    if isinstance(target, nn.Module):
+        return LazyParallel(target, mesh, opts)
+    if callable(target):
+        @functools.wraps(target)
+        def factory(*a, **k):
+            out = target(*a, **k)
+            model = out[0] if isinstance(out, tuple) else out
+            wrapped = LazyParallel(model, mesh, opts)
+            return (wrapped, *out[1:]) if isinstance(out, tuple) else wrapped
+        return factory
+    raise TypeError(f"auto_parallel cannot wrap {type(target).__name__}")
+
+
+def copy_model(model: nn.Module) -> nn.Module:
+    """Deep copy helper for tests and examples (the original keeps its weights)."""
+    return copy.deepcopy(model)
+
+
+__all__ = ["LazyParallel", "ParallelModule", "auto_parallel", "build_parallel_module", "plan",
+           "fx"]

@@ -1,0 +1,111 @@
+"""Capture a user's ``nn.Module`` into the aten-level IR.
+
+``torch.export.export(strict=False)`` is the capture path: it handles hand-written
+models and Hugging Face models alike (``fx.symbolic_trace`` fails on the control flow
+of HF GPT-2 and Llama, design.md §4) and gives aten ops with shapes attached, which
+keeps the rule registry to one op vocabulary.  ``fx.symbolic_trace`` is still tried
+first as a cheap check that reports *why* a model is dynamic when export also fails.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+
+from autopar.errors import CaptureError
+
+_DROP_TARGETS = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size"}
+
+
+@dataclass
+class Captured:
+    """A captured model: the graph module and how its names map back to the model.
+
+    ``aliases`` maps each graph parameter/buffer target (the ``get_attr`` name) to
+    every name the original ``state_dict`` uses for that tensor, so tied weights show
+    up once in the graph and under all their names in :meth:`full_state_dict`.
+    """
+
+    gm: fx.GraphModule
+    method: str
+    seconds: float
+    aliases: dict[str, list[str]] = field(default_factory=dict)
+    num_inputs: int = 0
+    in_spec: object = None
+    out_spec: object = None
+    state_keys: list[str] = field(default_factory=list)
+
+
+def _strip_guards(gm: fx.GraphModule) -> None:
+    """Remove export's guard call and metadata assertions: they check the inputs
+    against the traced ones, which no longer holds once inputs are sharded."""
+    g = gm.graph
+    for n in list(g.nodes):
+        if n.op == "call_module" and n.target == "_guards_fn":
+            n.replace_all_uses_with(None) if n.users else None
+            g.erase_node(n)
+        elif n.op == "call_function" and getattr(n.target, "__name__", "").split(".")[0] in _DROP_TARGETS:
+            g.erase_node(n)
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
+    g.eliminate_dead_code()
+    gm.recompile()
+
+
+def _aliases(model: nn.Module, gm: fx.GraphModule) -> dict[str, list[str]]:
+    by_id: dict[int, list[str]] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        by_id.setdefault(id(t), []).append(name)
+    out: dict[str, list[str]] = {}
+    for n in gm.graph.nodes:
+        if n.op != "get_attr":
+            continue
+        try:
+            t = model.get_parameter(n.target)
+        except AttributeError:
+            try:
+                t = model.get_buffer(n.target)
+            except AttributeError:
+                continue  # a constant export lifted (e.g. a tensor literal)
+        out[n.target] = by_id.get(id(t), [n.target])
+    return out
+
+
+def capture(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None = None) -> Captured:
+    """Capture ``model`` called as ``model(*example_inputs, **example_kwargs)``.
+
+    Raises :class:`CaptureError` naming both tracers' failures when neither works.
+    """
+    t0 = time.perf_counter()
+    kwargs = example_kwargs or {}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ep = torch.export.export(model, tuple(example_inputs), kwargs, strict=False)
+    except Exception as export_err:  # noqa: BLE001 - reported with context below
+        try:
+            fx.symbolic_trace(model)
+            fx_msg = "torch.fx.symbolic_trace succeeded but the graph needs shapes export could not give"
+        except Exception as fx_err:  # noqa: BLE001
+            fx_msg = f"torch.fx.symbolic_trace failed: {type(fx_err).__name__}: {str(fx_err)[:300]}"
+        raise CaptureError(
+            f"cannot capture {type(model).__name__}: torch.export (non-strict) failed with "
+            f"{type(export_err).__name__}: {str(export_err)[:500]}; {fx_msg}. autopar needs a "
+            "graph with static shapes: data-dependent control flow or shapes (e.g. routing "
+            "with nonzero) cannot be planned; use fixed-capacity routing."
+        ) from export_err
+    gm = ep.module()
+    _strip_guards(gm)
+    # Flat calling convention: the ParallelModule flattens inputs and unflattens
+    # outputs with these specs, so the generated code is plain and exportable.
+    in_spec, out_spec = gm._in_spec, gm._out_spec
+    gm.graph._codegen = fx.graph.CodeGen()
+    gm.recompile()
+    nin = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
+    return Captured(gm=gm, method="export", seconds=time.perf_counter() - t0,
+                    aliases=_aliases(model, gm), num_inputs=nin, in_spec=in_spec,
+                    out_spec=out_spec, state_keys=list(model.state_dict().keys()))

@@ -1,0 +1,143 @@
+"""Price strategies and edges with ``autopar.cost_models`` (the search's inputs).
+
+Forward compute is priced by the roofline and multiplied by ``1 + backward_factor``
+(backward costs about twice the forward); a redistribution in the forward has a dual
+collective of the same size in the backward, so edges count twice; parameter gradient
+synchronisation is priced once per step.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+from torch import fx
+
+from autopar.annotate import VIEW_OPS
+from autopar.cost_models import (
+    MeshSpec,
+    all_gather_time,
+    all_reduce_time,
+    all_to_all_time,
+    compute_time,
+    optimizer_state_bytes,
+    reduce_scatter_time,
+)
+from autopar.ir import TensorInfo, info, tensor_inputs
+from autopar.placement import Placements, Shard, is_partial, is_replicate, local_shape
+from autopar.redistribute import StepKind, plan_redistribution, step_shapes
+from autopar.rules import OpStrategy
+
+aten = __import__("torch").ops.aten
+
+
+@dataclass
+class CostModel:
+    """Prices for one mesh and optimizer; caches redistribution prices."""
+
+    mesh: MeshSpec
+    optimizer: str = "adamw"
+    backward_factor: float = 2.0
+    _cache: dict = field(default_factory=dict)
+
+    # ------------------------------------------------------------ edges
+    def redistribution(self, src: Placements, dst: Placements, t: TensorInfo) -> float:
+        """Seconds per step (forward + its backward dual) to turn ``src`` into ``dst``;
+        ``inf`` when impossible."""
+        key = (src, dst, t.shape, t.dtype)
+        if key not in self._cache:
+            self._cache[key] = 2.0 * self._redistribution_once(src, dst, t)
+        return self._cache[key]
+
+    def _redistribution_once(self, src: Placements, dst: Placements, t: TensorInfo) -> float:
+        if src == dst:
+            return 0.0
+        try:
+            steps = plan_redistribution(src, dst)
+        except ValueError:
+            return math.inf
+        isz = t.nbytes / max(t.numel, 1)
+        shapes = step_shapes(steps, local_shape(t.shape, src, self.mesh.shape), self.mesh.shape)
+        total = 0.0
+        for s, before in zip(steps, shapes):
+            b = math.prod(before) * isz
+            n = self.mesh.shape[s.axis]
+            if s.kind is StepKind.ALL_REDUCE:
+                total += all_reduce_time(self.mesh, s.axis, b)
+            elif s.kind is StepKind.ALL_GATHER:
+                total += all_gather_time(self.mesh, s.axis, b * n)
+            elif s.kind is StepKind.REDUCE_SCATTER:
+                total += reduce_scatter_time(self.mesh, s.axis, b)
+            elif s.kind is StepKind.ALL_TO_ALL:
+                total += all_to_all_time(self.mesh, s.axis, b)
+        return total
+
+    # ------------------------------------------------------------ nodes
+    def node_cost(self, node: fx.Node, s: OpStrategy) -> float:
+        """Compute (forward + backward) plus the op's own communication."""
+        if node.op == "get_attr" and info(node).param is not None:
+            return self.grad_sync(s.outputs[0], info(node).out)
+        if node.op != "call_function" or node.target in VIEW_OPS or node.target is operator.getitem:
+            return 0.0
+        ni = info(node)
+        div = 1
+        for a, n in enumerate(self.mesh.shape):
+            if any(isinstance(p[a], Shard) for p in (*s.inputs, *s.outputs)):
+                div *= n
+        local_bytes = sum(
+            math.prod(local_shape(x.shape, p, self.mesh.shape)) * (x.nbytes / max(x.numel, 1))
+            for x, p in zip([info(u).out for u in tensor_inputs(node)] + list(ni.outputs),
+                            list(s.inputs) + list(s.outputs))
+        )
+        t = compute_time(self.mesh, ni.flops / div, local_bytes)
+        return t * (1.0 + self.backward_factor) + self.own_comm(node, s)
+
+    def own_comm(self, node: fx.Node, s: OpStrategy) -> float:
+        """Collectives an op issues inside its lowering (vocab-parallel cross-entropy)."""
+        if node.target is not aten.cross_entropy_loss.default:
+            return 0.0
+        x = info(node.args[0]).out
+        rows = math.prod(local_shape(x.shape, s.inputs[0], self.mesh.shape)[:1])
+        total = 0.0
+        for a, p in enumerate(s.inputs[0]):
+            if isinstance(p, Shard) and p.dim == 1:
+                total += 3 * all_reduce_time(self.mesh, a, rows * 4.0)
+            elif isinstance(p, Shard) and p.dim == 0:
+                total += all_reduce_time(self.mesh, a, 8.0)
+        return total
+
+    def grad_sync(self, p: Placements, t: TensorInfo) -> float:
+        """All-reduce of a parameter's gradient over the axes it is replicated on."""
+        axes = tuple(a for a, pa in enumerate(p) if is_replicate(pa) and self.mesh.shape[a] > 1)
+        if not axes:
+            return 0.0
+        b = math.prod(local_shape(t.shape, p, self.mesh.shape)) * (t.nbytes / max(t.numel, 1))
+        return all_reduce_time(self.mesh, axes, b)
+
+    def node_memory(self, node: fx.Node, s: OpStrategy) -> float:
+        """Bytes a strategy keeps per device: parameter + gradient + optimizer state
+        for parameters; the output kept for backward for compute ops."""
+        ni = info(node)
+        if node.op == "get_attr":
+            if ni.param is None:
+                return float(ni.out.nbytes)
+            b = math.prod(local_shape(ni.out.shape, s.outputs[0], self.mesh.shape)) * (
+                ni.out.nbytes / max(ni.out.numel, 1))
+            return 2.0 * b + optimizer_state_bytes(b, self.optimizer)
+        if node.op != "call_function" or node.target in VIEW_OPS or node.target is operator.getitem:
+            return 0.0
+        total = 0.0
+        for t, p in zip(ni.outputs, s.outputs):
+            total += math.prod(local_shape(t.shape, p, self.mesh.shape)) * (t.nbytes / max(t.numel, 1))
+        return total
+
+
+def param_state_split(node: fx.Node, p: Placements, mesh: MeshSpec, optimizer: str) -> tuple[float, float, float]:
+    """(param, grad, optimizer) bytes per device for a parameter placed ``p``."""
+    t = info(node).out
+    b = math.prod(local_shape(t.shape, p, mesh.shape)) * (t.nbytes / max(t.numel, 1))
+    return b, b, optimizer_state_bytes(b, optimizer)
+
+
+__all__ = ["CostModel", "is_partial", "param_state_split"]

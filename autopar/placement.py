@@ -1,0 +1,138 @@
+"""Placements on a device mesh and the arithmetic on them.
+
+A tensor on an n-axis mesh has one :class:`Placement` per mesh axis (the public
+``torch.distributed.tensor`` classes ``Shard(dim)``, ``Replicate()`` and
+``Partial()``); the tuple is called ``Placements``.  When several mesh axes shard the
+same tensor dim, the earlier axis shards first and the later one shards each chunk
+again (DTensor's order), so the local chunk index along that dim is the row-major
+index of the mesh coordinates of those axes.  Only even sharding is used: a dim is
+sharded only if every mesh axis that shards it divides it exactly, so every rank
+holds the same local shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+Placements = tuple[Placement, ...]
+
+R = Replicate()
+P = Partial()
+
+__all__ = [
+    "P",
+    "R",
+    "Partial",
+    "Placement",
+    "Placements",
+    "Replicate",
+    "Shard",
+    "fmt_placements",
+    "is_partial",
+    "is_replicate",
+    "is_shard",
+    "local_shape",
+    "normalize_dim",
+    "parse_placements",
+    "shard_factor",
+    "valid_for_shape",
+]
+
+
+def is_shard(p: Placement, dim: int | None = None) -> bool:
+    """True when ``p`` is ``Shard`` (of ``dim`` when given)."""
+    return isinstance(p, Shard) and (dim is None or p.dim == dim)
+
+
+def is_replicate(p: Placement) -> bool:
+    """True when ``p`` is ``Replicate``."""
+    return isinstance(p, Replicate)
+
+
+def is_partial(p: Placement) -> bool:
+    """True when ``p`` is ``Partial`` (a pending sum)."""
+    return isinstance(p, Partial)
+
+
+def normalize_dim(dim: int, ndim: int) -> int:
+    """Map a possibly negative dim to ``0..ndim-1``."""
+    return dim + ndim if dim < 0 else dim
+
+
+def shard_factor(placements: Placements, mesh_shape: Sequence[int], dim: int) -> int:
+    """How many pieces tensor dim ``dim`` is cut into by ``placements``."""
+    f = 1
+    for p, n in zip(placements, mesh_shape):
+        if is_shard(p, dim):
+            f *= n
+    return f
+
+
+def valid_for_shape(placements: Placements, shape: Sequence[int], mesh_shape: Sequence[int]) -> bool:
+    """True when every sharded dim exists and is divided evenly by its mesh axes."""
+    for p in placements:
+        if isinstance(p, Shard) and not 0 <= p.dim < len(shape):
+            return False
+    return all(
+        shape[d] % shard_factor(placements, mesh_shape, d) == 0 for d in range(len(shape))
+    )
+
+
+def local_shape(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape each rank holds (even sharding, so the same on every rank)."""
+    out = list(shape)
+    for p, n in zip(placements, mesh_shape):
+        if isinstance(p, Shard):
+            if out[p.dim] % n:
+                raise ValueError(
+                    f"mesh axis of size {n} does not divide tensor dim {p.dim} of size "
+                    f"{out[p.dim]} (global shape {tuple(shape)})"
+                )
+            out[p.dim] //= n
+    return tuple(out)
+
+
+def fmt_placement(p: Placement) -> str:
+    """Short form: ``S(1)``, ``R`` or ``P``."""
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Partial):
+        return "P"
+    return "R"
+
+
+def fmt_placements(ps: Placements) -> str:
+    """Short form of a placement tuple, e.g. ``S(0)R``; one entry per mesh axis."""
+    return "".join(fmt_placement(p) for p in ps)
+
+
+def parse_placement(s: str) -> Placement:
+    """Inverse of :func:`fmt_placement`."""
+    s = s.strip()
+    if s == "R":
+        return Replicate()
+    if s == "P":
+        return Partial()
+    if s.startswith("S(") and s.endswith(")"):
+        return Shard(int(s[2:-1]))
+    raise ValueError(f"cannot parse placement {s!r}; expected R, P or S(dim)")
+
+
+def parse_placements(s: str) -> Placements:
+    """Inverse of :func:`fmt_placements` (``"S(0)R"`` -> ``(Shard(0), Replicate())``)."""
+    out: list[Placement] = []
+    i = 0
+    while i < len(s):
+        if s[i] in "RP":
+            out.append(parse_placement(s[i]))
+            i += 1
+        elif s[i] == "S":
+            j = s.index(")", i)
+            out.append(parse_placement(s[i : j + 1]))
+            i = j + 1
+        else:
+            raise ValueError(f"cannot parse placements {s!r}")
+    return tuple(out)

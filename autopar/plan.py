@@ -1,0 +1,225 @@
+"""The Plan: every decision the search made, its price, and how to read it.
+
+A Plan prints as a table (``print(plan)``), explains one node
+(``plan.explain("linear_3")``), diffs against another plan and round-trips through
+JSON, so a plan made on a laptop can be shipped to the cluster and lowered there.
+Placements are stored in their short string form (``"S(0)R"``: one entry per mesh axis).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from autopar.cost_models import MeshSpec, format_bytes
+
+
+@dataclass
+class Redistribution:
+    """Collectives inserted on one input edge of a node."""
+
+    input: str
+    src: str
+    dst: str
+    steps: list[str]
+    seconds: float
+
+
+@dataclass
+class Alternative:
+    """A strategy the search did not choose, priced with the neighbours fixed."""
+
+    inputs: list[str]
+    outputs: list[str]
+    seconds: float
+
+
+@dataclass
+class NodePlan:
+    """The decision for one graph node."""
+
+    name: str
+    op: str
+    kind: str  # "input", "param", "buffer", "op"
+    shape: list[list[int]]
+    inputs: list[str]
+    in_placements: list[str]
+    out_placements: list[str]
+    compute: float = 0.0
+    comm: float = 0.0
+    memory: float = 0.0
+    param: str | None = None
+    redistributions: list[Redistribution] = field(default_factory=list)
+    alternatives: list[Alternative] = field(default_factory=list)
+
+
+@dataclass
+class SolverInfo:
+    """Which searcher produced the plan and how it ended."""
+
+    searcher: str
+    backend: str
+    status: str
+    gap: float | None
+    seconds: float
+    message: str = ""
+    problem_nodes: int = 0
+    problem_edges: int = 0
+
+
+@dataclass
+class Plan:
+    """A complete parallel plan for one model on one mesh."""
+
+    mesh: MeshSpec
+    nodes: dict[str, NodePlan]
+    objective: float
+    compute_seconds: float
+    comm_seconds: float
+    grad_sync_seconds: float
+    memory: dict[str, float]
+    solver: SolverInfo
+    pins: dict[str, str] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    # ------------------------------------------------------------ queries
+    def placement(self, name: str) -> str:
+        """Output placement of node or parameter ``name`` (graph node name or param FQN)."""
+        return self._find(name).out_placements[0]
+
+    def params(self) -> dict[str, str]:
+        """Parameter FQN -> placement."""
+        return {n.param: n.out_placements[0] for n in self.nodes.values() if n.kind == "param"}
+
+    def collectives(self) -> list[tuple[str, str]]:
+        """(node, step) for every collective the forward issues, in graph order."""
+        out = []
+        for n in self.nodes.values():
+            for r in n.redistributions:
+                for s in r.steps:
+                    if not s.startswith(("local_slice", "to_partial")):
+                        out.append((n.name, s))
+        return out
+
+    def _find(self, name: str) -> NodePlan:
+        if name in self.nodes:
+            return self.nodes[name]
+        for n in self.nodes.values():
+            if n.param == name:
+                return n
+        raise KeyError(f"no node or parameter named {name!r} in the plan")
+
+    # ------------------------------------------------------------ explaining
+    def explain(self, name: str) -> str:
+        """Why node ``name`` got its strategy: its price and the best alternatives."""
+        n = self._find(name)
+        lines = [f"{n.name} ({n.op}, shape {n.shape}) on mesh {self.mesh.shape} "
+                 f"axes {self.mesh.axis_names}:",
+                 f"  chosen: inputs {n.in_placements} -> output {n.out_placements}; "
+                 f"compute {n.compute * 1e3:.4f} ms, communication {n.comm * 1e3:.4f} ms, "
+                 f"memory {format_bytes(n.memory)}"]
+        for r in n.redistributions:
+            lines.append(f"  input {r.input}: {r.src} -> {r.dst} via {', '.join(r.steps)} "
+                         f"({r.seconds * 1e3:.4f} ms)")
+        if n.alternatives:
+            best = min(a.seconds for a in n.alternatives)
+            lines.append("  alternatives (this node's cost with its neighbours' choices fixed):")
+            for a in n.alternatives:
+                lines.append(f"    inputs {a.inputs} -> {a.outputs}: {a.seconds * 1e3:.4f} ms"
+                             f" (+{(a.seconds - best) * 1e3:.4f} ms)")
+        return "\n".join(lines)
+
+    def diff(self, other: Plan) -> str:
+        """Nodes whose placements differ between ``self`` and ``other``."""
+        lines = []
+        for name, a in self.nodes.items():
+            b = other.nodes.get(name)
+            if b is None:
+                lines.append(f"{name}: only in this plan")
+            elif (a.in_placements, a.out_placements) != (b.in_placements, b.out_placements):
+                lines.append(f"{name}: {a.in_placements}->{a.out_placements} vs "
+                             f"{b.in_placements}->{b.out_placements}")
+        lines.append(f"objective {self.objective * 1e3:.4f} ms vs {other.objective * 1e3:.4f} ms")
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------ printing
+    def table(self, max_rows: int | None = None, show_views: bool = False) -> str:
+        """The plan as a text table (rich); views and getitems are hidden by default."""
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title=f"autopar plan: mesh {self.mesh.shape} {self.mesh.axis_names} "
+                        f"({self.mesh.name}), searcher {self.solver.searcher}/{self.solver.backend}")
+        for col in ("node", "op", "shape", "placement", "inserted collectives",
+                    "compute ms", "comm ms", "memory"):
+            t.add_column(col, overflow="fold")
+        rows = 0
+        for n in self.nodes.values():
+            if not show_views and n.kind == "op" and n.compute == 0 and not n.redistributions \
+                    and n.memory == 0:
+                continue
+            if max_rows is not None and rows >= max_rows:
+                t.add_row("...", "", "", "", "", "", "", "")
+                break
+            coll = "; ".join(f"{r.input}: {' '.join(r.steps)}" for r in n.redistributions
+                             if any(not s.startswith("local") for s in r.steps))
+            t.add_row(n.param or n.name, n.op, "x".join(map(str, n.shape[0])) if n.shape else "",
+                      ",".join(n.out_placements), coll, f"{n.compute * 1e3:.4f}",
+                      f"{n.comm * 1e3:.4f}", format_bytes(n.memory))
+            rows += 1
+        mem = self.memory
+        t.caption = (
+            f"step time {self.objective * 1e3:.4f} ms = compute {self.compute_seconds * 1e3:.4f} + "
+            f"communication {self.comm_seconds * 1e3:.4f} + gradient sync "
+            f"{self.grad_sync_seconds * 1e3:.4f}; memory per device "
+            f"{format_bytes(mem.get('total', 0))} (params {format_bytes(mem.get('params', 0))}, "
+            f"grads {format_bytes(mem.get('grads', 0))}, optimizer "
+            f"{format_bytes(mem.get('optimizer', 0))}, activations "
+            f"{format_bytes(mem.get('activations', 0))}); solver {self.solver.status}"
+            + (f", gap {self.solver.gap:.2%}" if self.solver.gap else "")
+            + f" in {self.solver.seconds:.2f} s"
+            + (f"; {self.solver.message}" if self.solver.message else "")
+        )
+        buf = io.StringIO()
+        Console(file=buf, width=170, force_terminal=False, color_system=None).print(t)
+        return buf.getvalue()
+
+    def __str__(self) -> str:
+        return self.table()
+
+    # ------------------------------------------------------------ JSON
+    def to_dict(self) -> dict:
+        """Plain-data form (JSON-serialisable)."""
+        d = asdict(self)
+        d["mesh"] = self.mesh.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Plan:
+        """Inverse of :meth:`to_dict`."""
+        nodes = {}
+        for k, v in d["nodes"].items():
+            v = dict(v)
+            v["redistributions"] = [Redistribution(**r) for r in v.get("redistributions", [])]
+            v["alternatives"] = [Alternative(**a) for a in v.get("alternatives", [])]
+            nodes[k] = NodePlan(**v)
+        rest = {k: v for k, v in d.items() if k not in ("mesh", "nodes", "solver")}
+        return cls(mesh=MeshSpec.from_dict(d["mesh"]), nodes=nodes,
+                   solver=SolverInfo(**d["solver"]), **rest)
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        """JSON text; also written to ``path`` when given."""
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_json(cls, path_or_text: str | Path) -> Plan:
+        """Load a plan from a JSON file or text."""
+        s = str(path_or_text)
+        text = Path(s).read_text() if not s.lstrip().startswith("{") else s
+        return cls.from_dict(json.loads(text))

@@ -1,0 +1,147 @@
+"""Redistribution: the collectives that turn one placement tuple into another.
+
+:func:`plan_redistribution` is the single source of truth used both by the search (to
+price an edge) and by the lowering (to emit the nodes), so the plan's predicted
+communication is exactly what the generated code issues.
+
+Order matters when several mesh axes shard the same tensor dim (the earlier axis
+shards first): pending sums are resolved first, then shards that must go are gathered
+innermost-axis-first, then new shards are sliced outermost-axis-first (free), and
+finally Replicate -> Partial keeps the value on coordinate 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from autopar.placement import Placements, R, Shard, is_partial, is_replicate, is_shard
+
+
+class StepKind(str, Enum):
+    """One redistribution step."""
+
+    ALL_REDUCE = "all_reduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_GATHER = "all_gather"
+    ALL_TO_ALL = "all_to_all"
+    SLICE = "local_slice"
+    TO_PARTIAL = "to_partial"
+
+
+@dataclass(frozen=True)
+class Step:
+    """A collective (or local op) on one mesh axis.  ``dim`` is the tensor dim it
+    gathers/scatters; ``dim2`` the scatter dim of an all-to-all."""
+
+    kind: StepKind
+    axis: int
+    dim: int | None = None
+    dim2: int | None = None
+
+    def __str__(self) -> str:
+        d = "" if self.dim is None else f", dim={self.dim}"
+        d2 = "" if self.dim2 is None else f"->{self.dim2}"
+        return f"{self.kind.value}(axis={self.axis}{d}{d2})"
+
+
+class RedistributionError(ValueError):
+    """The requested change of placement is not expressible (e.g. S -> P)."""
+
+
+def _shards_dim(ps: Sequence, d: int, axes: Sequence[int]) -> bool:
+    return any(is_shard(ps[j], d) for j in axes)
+
+
+def plan_redistribution(src: Placements, dst: Placements) -> list[Step]:
+    """Steps turning ``src`` into ``dst`` (same number of mesh axes).
+
+    Raises :class:`RedistributionError` for Shard -> Partial, which no plan needs.
+    """
+    if src == dst:
+        return []
+    n = len(src)
+    cur = list(src)
+    steps: list[Step] = []
+    for i in range(n):
+        if is_partial(dst[i]) and is_shard(cur[i]):
+            raise RedistributionError(f"cannot turn {src} into {dst}: Shard -> Partial")
+    # 1. pending sums
+    for i in range(n):
+        if is_partial(cur[i]) and not is_partial(dst[i]):
+            if is_shard(dst[i]):
+                d = dst[i].dim
+                others = [j for j in range(n) if j != i]
+                later = [j for j in range(i + 1, n)]
+                if not _shards_dim(cur, d, others) and not _shards_dim(dst, d, later):
+                    steps.append(Step(StepKind.REDUCE_SCATTER, i, d))
+                    cur[i] = dst[i]
+                    continue
+            steps.append(Step(StepKind.ALL_REDUCE, i))
+            cur[i] = R
+    # 2. which shards must go: changed ones, plus every later axis sharding the same
+    # dim (it must be gathered first), plus later axes that already shard a dim an
+    # earlier axis is about to shard (slicing would nest in the wrong order).
+    need = {i for i in range(n) if is_shard(cur[i]) and cur[i] != dst[i]}
+    changed = True
+    while changed:
+        changed = False
+        for i in range(n):
+            if i in need or not is_shard(cur[i]):
+                continue
+            d = cur[i].dim
+            outer_changing = any(j < i and j in need and is_shard(cur[j], d) for j in range(n))
+            outer_new = any(j < i and is_shard(dst[j], d) and cur[j] != dst[j] for j in range(n))
+            if outer_changing or outer_new:
+                need.add(i)
+                changed = True
+    # all-to-all where the swap is local to one axis and no other axis touches either dim
+    done: set[int] = set()
+    for i in sorted(need):
+        if is_shard(dst[i]) and is_shard(cur[i]) and not any(j > i and j in need for j in range(n)):
+            a, b = cur[i].dim, dst[i].dim
+            others = [j for j in range(n) if j != i]
+            if not _shards_dim(cur, a, others) and not _shards_dim(cur, b, others) \
+                    and not _shards_dim(dst, a, others) and not _shards_dim(dst, b, others):
+                steps.append(Step(StepKind.ALL_TO_ALL, i, a, b))
+                cur[i] = dst[i]
+                done.add(i)
+    for i in sorted(need, reverse=True):
+        if i in done:
+            continue
+        steps.append(Step(StepKind.ALL_GATHER, i, cur[i].dim))
+        cur[i] = R
+    # 3. new shards, outermost axis first: local slices
+    for i in range(n):
+        if is_shard(dst[i]) and is_replicate(cur[i]):
+            steps.append(Step(StepKind.SLICE, i, dst[i].dim))
+            cur[i] = dst[i]
+    # 4. Replicate -> Partial
+    for i in range(n):
+        if is_partial(dst[i]) and is_replicate(cur[i]):
+            steps.append(Step(StepKind.TO_PARTIAL, i))
+            cur[i] = dst[i]
+    if tuple(cur) != tuple(dst):
+        raise RedistributionError(f"internal: could not redistribute {src} -> {dst} (got {cur})")
+    return steps
+
+
+def step_shapes(steps: Sequence[Step], local: Sequence[int], mesh_shape: Sequence[int]) -> list[tuple[int, ...]]:
+    """Local shape before each step (and after the last), for pricing."""
+    shapes = [tuple(local)]
+    cur = list(local)
+    for s in steps:
+        n = mesh_shape[s.axis]
+        if s.kind is StepKind.ALL_GATHER:
+            cur[s.dim] *= n
+        elif s.kind in (StepKind.REDUCE_SCATTER, StepKind.SLICE):
+            cur[s.dim] //= n
+        elif s.kind is StepKind.ALL_TO_ALL:
+            cur[s.dim] *= n
+            cur[s.dim2] //= n
+        shapes.append(tuple(cur))
+    return shapes
+
+
+__all__ = ["RedistributionError", "Step", "StepKind", "Shard", "plan_redistribution", "step_shapes"]

@@ -1,0 +1,1 @@
+"""What generated code calls at run time: mesh groups, collectives, gradient sync."""

@@ -1,0 +1,107 @@
+"""Data-parallel gradient synchronisation with bucketing.
+
+A parameter replicated on some mesh axes has a Partial gradient there (dual
+placement convention), so its gradient is all-reduced (summed) over exactly those
+axes.  Gradients are fused into buckets (seed idea: tensor fusion) of parameters that
+share the same axes; a bucket is launched asynchronously as soon as all its gradients
+are ready, but buckets launch strictly in bucket order, so every rank issues the same
+collectives in the same order and the reduction overlaps the rest of backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopar.runtime.mesh import current
+
+
+@dataclass
+class Bucket:
+    """Parameters whose gradients are reduced together over ``axes``."""
+
+    params: list[nn.Parameter]
+    axes: tuple[int, ...]
+    ready: int = 0
+    flat: torch.Tensor | None = None
+    work: object = None
+    launched: bool = False
+    waiting_axes: tuple[int, ...] = field(default_factory=tuple)
+
+
+class GradSync:
+    """Hooks that all-reduce replicated parameters' gradients after backward."""
+
+    def __init__(self, params: list[tuple[nn.Parameter, tuple[int, ...]]], bucket_bytes: int = 4 << 20) -> None:
+        """``params``: (parameter, axes it is replicated on), in forward order."""
+        self.buckets: list[Bucket] = []
+        self.enabled = True
+        groups: dict[tuple[int, ...], list[nn.Parameter]] = {}
+        order: list[tuple[int, ...]] = []
+        # reverse forward order: gradients become ready roughly back to front
+        for p, axes in reversed(params):
+            if not axes:
+                continue
+            if axes not in groups:
+                groups[axes] = []
+                order.append(axes)
+            groups[axes].append(p)
+        for axes in order:
+            cur: list[nn.Parameter] = []
+            size = 0
+            for p in groups[axes]:
+                cur.append(p)
+                size += p.numel() * p.element_size()
+                if size >= bucket_bytes:
+                    self.buckets.append(Bucket(cur, axes))
+                    cur, size = [], 0
+            if cur:
+                self.buckets.append(Bucket(cur, axes))
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._next = 0
+        self._armed = False
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook)
+                         for b in self.buckets for p in b.params]
+
+    def _hook(self, p: nn.Parameter) -> None:
+        if not self.enabled:
+            return
+        if not self._armed:
+            self._armed = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        b = self._bucket_of[id(p)]
+        b.ready += 1
+        while self._next < len(self.buckets) and \
+                self.buckets[self._next].ready == len(self.buckets[self._next].params):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, b: Bucket) -> None:
+        b.flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                            for p in b.params])
+        m = current()
+        b.work = dist.all_reduce(b.flat, group=m.group(b.axes[0]), async_op=True)
+        b.waiting_axes = b.axes[1:]
+        b.launched = True
+
+    def _finish(self) -> None:
+        while self._next < len(self.buckets):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+        m = current()
+        for b in self.buckets:
+            b.work.wait()
+            for a in b.waiting_axes:
+                dist.all_reduce(b.flat, group=m.group(a))
+            off = 0
+            for p in b.params:
+                n = p.numel()
+                if p.grad is not None:
+                    p.grad.copy_(b.flat[off:off + n].view_as(p))
+                off += n
+            b.ready, b.flat, b.work, b.launched = 0, None, None, False
+        self._next = 0
+        self._armed = False

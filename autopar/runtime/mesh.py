@@ -1,0 +1,76 @@
+"""The process-group side of a mesh: one ``DeviceMesh`` per process, looked up by the
+collectives that generated code calls with a plain mesh-axis index."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from autopar.errors import MeshMismatchError
+
+
+@dataclass
+class RuntimeMesh:
+    """The running mesh: shape, this rank's coordinate, one group per mesh axis."""
+
+    shape: tuple[int, ...]
+    device_mesh: DeviceMesh
+    coord: tuple[int, ...]
+
+    def group(self, axis: int) -> dist.ProcessGroup:
+        """Process group of the ranks that differ only along ``axis``."""
+        return self.device_mesh.get_group(axis)
+
+
+_CURRENT: RuntimeMesh | None = None
+
+
+def init_mesh(shape: tuple[int, ...], backend: str | None = None) -> RuntimeMesh:
+    """Initialise (or reuse) the default process group and build the mesh.
+
+    Raises :class:`MeshMismatchError` when the world size differs from the mesh size:
+    running a plan on the wrong number of ranks would silently compute garbage.
+    """
+    global _CURRENT
+    size = 1
+    for s in shape:
+        size *= s
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            raise MeshMismatchError(
+                f"the plan is for a mesh of {size} ranks {shape} but no process group is "
+                "initialised and RANK is not set; launch with torchrun "
+                f"--nproc-per-node {size} (planning alone needs no process group)"
+            )
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend)
+    world = dist.get_world_size()
+    if world != size:
+        raise MeshMismatchError(
+            f"the plan's mesh {shape} has {size} devices but the world size is {world}; "
+            f"re-plan for {world} devices or launch {size} ranks"
+        )
+    if _CURRENT is not None and _CURRENT.shape == tuple(shape):
+        return _CURRENT
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    dm = init_device_mesh(device, tuple(shape))
+    coord = tuple(int(c) for c in dm.get_coordinate())
+    _CURRENT = RuntimeMesh(tuple(shape), dm, coord)
+    return _CURRENT
+
+
+def current() -> RuntimeMesh:
+    """The mesh set up by :func:`init_mesh`."""
+    if _CURRENT is None:
+        raise RuntimeError("autopar: no mesh initialised; create the ParallelModule first")
+    return _CURRENT
+
+
+def reset() -> None:
+    """Forget the current mesh (tests re-create it between process groups)."""
+    global _CURRENT
+    _CURRENT = None

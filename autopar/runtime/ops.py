@@ -1,0 +1,70 @@
+"""Local forms of ops whose sharded version needs more than the plain op: the
+vocabulary-parallel embedding and cross-entropy (Megatron's), and cross-entropy over
+sharded rows whose mean divides by the global count of non-ignored targets."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from autopar.runtime.collectives import all_reduce, all_reduce_nograd
+from autopar.runtime.mesh import current
+
+
+def _shard_offset(axes: tuple[int, ...], local: int) -> int:
+    """Start index of this rank's chunk of a dim sharded over ``axes`` (in order)."""
+    m = current()
+    idx = 0
+    for a in axes:
+        idx = idx * m.shape[a] + m.coord[a]
+    return idx * local
+
+
+def vocab_embedding(weight: torch.Tensor, idx: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
+    """Embedding with the vocabulary (weight dim 0) sharded over ``axes``: look up the
+    rows this rank owns, zeros elsewhere; the result is a Partial sum."""
+    vl = weight.shape[0]
+    off = _shard_offset(axes, vl)
+    mine = (idx >= off) & (idx < off + vl)
+    local = torch.where(mine, idx - off, torch.zeros_like(idx))
+    return F.embedding(local, weight) * mine.unsqueeze(-1).to(weight.dtype)
+
+
+def cross_entropy(x: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: int,
+                  row_axes: tuple[int, ...], class_axes: tuple[int, ...]) -> torch.Tensor:
+    """Cross-entropy with rows sharded over ``row_axes`` and/or classes over ``class_axes``.
+
+    Rows: the mean divides the local sum by the global count of non-ignored targets
+    (output Partial over ``row_axes``).  Classes (``x`` is 2-D ``[rows, classes]``):
+    max, sum of exponentials and the target logit are all-reduced over ``class_axes``
+    (output replicated there).  ``reduction`` uses aten's enum (0 none, 1 mean, 2 sum).
+    """
+    valid = target != ignore_index
+    if class_axes:
+        cl = x.shape[1]
+        off = _shard_offset(class_axes, cl)
+        with torch.no_grad():
+            m = x.max(dim=1).values
+            for a in class_axes:
+                g = current().group(a)
+                torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=g)
+        e = torch.exp(x - m.unsqueeze(1))
+        s = e.sum(dim=1)
+        mine = (target >= off) & (target < off + cl) & valid
+        local_t = torch.where(mine, target - off, torch.zeros_like(target))
+        picked = x.gather(1, local_t.unsqueeze(1)).squeeze(1) * mine.to(x.dtype)
+        for a in class_axes:
+            s = all_reduce(s, a)
+            picked = all_reduce(picked, a)
+        per_row = (torch.log(s) + m - picked) * valid.to(x.dtype)
+    else:
+        per_row = F.cross_entropy(x, target, ignore_index=ignore_index, reduction="none")
+    if reduction == 0:
+        return per_row
+    total = per_row.sum()
+    if reduction == 2:
+        return total
+    count = valid.sum()
+    if row_axes:
+        count = all_reduce_nograd(count, row_axes)
+    return total / count.to(total.dtype)

@@ -1,0 +1,211 @@
+"""Build the strategy-selection problem from the annotated graph, solve it, and turn
+the choice into a :class:`~autopar.plan.Plan`.
+
+Problem: one variable per tensor node (its strategy), node costs from
+:class:`~autopar.costs.CostModel`, one edge per (producer, consumer input) priced by
+the redistribution between the producer's output and the consumer's required input,
+and the memory budget over parameters, gradients, optimizer state and activations.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from torch import fx
+
+from autopar.cost_models import MeshSpec
+from autopar.costs import CostModel
+from autopar.errors import PlanError
+from autopar.ir import info, tensor_inputs
+from autopar.placement import R, fmt_placements
+from autopar.plan import Alternative, NodePlan, Plan, Redistribution, SolverInfo
+from autopar.redistribute import plan_redistribution
+from autopar.rules import OpStrategy
+from autopar.solve.ilp import solve_ilp
+from autopar.solve.problem import InfeasibleError, StrategyProblem
+from autopar.strategies import apply_pins, enumerate_strategies
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """Knobs of the search.
+
+    ``memory_budget`` is bytes per device (default: the mesh's device capacity);
+    ``optimizer`` sizes optimizer state; ``time_limit`` bounds the solver (the best
+    feasible plan is returned when it runs out, and the plan says so).
+    """
+
+    memory_budget: float | None = None
+    optimizer: str = "adamw"
+    time_limit: float = 30.0
+    search: str = "ilp"
+    pins: dict = field(default_factory=dict)
+
+
+@dataclass
+class Problem:
+    """The solver's problem plus the bookkeeping to read its answer back."""
+
+    nodes: list[fx.Node]
+    strategies: dict[fx.Node, list[OpStrategy]]
+    problem: StrategyProblem
+    edge_src: list[tuple[fx.Node, fx.Node, int]]  # (producer, consumer, input index)
+
+
+def _producer(u: fx.Node) -> fx.Node:
+    return u
+
+
+def build_problem(gm: fx.GraphModule, mesh: MeshSpec, strategies: dict[fx.Node, list[OpStrategy]],
+                  cm: CostModel, budget: float | None) -> Problem:
+    """Assemble :class:`StrategyProblem` arrays (see module docstring)."""
+    nodes = list(strategies)
+    index = {n: i for i, n in enumerate(nodes)}
+    costs, mems = [], []
+    for n in nodes:
+        c = np.array([cm.node_cost(n, s) for s in strategies[n]], dtype=np.float64)
+        # the loss (or any output) must end up replicated: price that here
+        for user in n.users:
+            if user.op == "output":
+                c = c + np.array([cm.redistribution(s.outputs[0], (R,) * len(mesh.shape), info(n).out)
+                                  for s in strategies[n]])
+        costs.append(c)
+        mems.append(np.array([cm.node_memory(n, s) for s in strategies[n]], dtype=np.float64))
+    edges, edge_src = [], []
+    for v in nodes:
+        if v.op == "call_function" and v.target is operator.getitem:
+            u = v.args[0]
+            k = len(strategies[u])
+            m = np.full((k, k), np.inf)
+            np.fill_diagonal(m, 0.0)
+            edges.append((index[u], index[v], m))
+            edge_src.append((u, v, -1))
+            continue
+        for i, u in enumerate(tensor_inputs(v)):
+            if u not in index:
+                continue
+            t = info(u).out
+            m = np.array([[cm.redistribution(a.outputs[0], b.inputs[i], t) for b in strategies[v]]
+                          for a in strategies[u]], dtype=np.float64)
+            edges.append((index[u], index[v], m))
+            edge_src.append((u, v, i))
+    prob = StrategyProblem(node_costs=costs, node_memory=mems, edges=edges,
+                           memory_budget=budget, names=[n.name for n in nodes])
+    return Problem(nodes, strategies, prob, edge_src)
+
+
+def _kind(n: fx.Node) -> str:
+    if n.op == "placeholder":
+        return "input"
+    if n.op == "get_attr":
+        return "param" if info(n).param else "buffer"
+    return "op"
+
+
+def _op_name(n: fx.Node) -> str:
+    if n.op == "call_function":
+        return getattr(n.target, "__name__", str(n.target)).replace(".default", "")
+    return n.op
+
+
+def make_plan(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts: PlanOptions) -> Plan:
+    """Enumerate, price, solve and assemble the plan for an annotated graph."""
+    t0 = time.perf_counter()
+    strategies = enumerate_strategies(gm, tuple(mesh.shape))
+    apply_pins(strategies, opts.pins, tuple(mesh.shape), aliases, gm)
+    cm = CostModel(mesh, optimizer=opts.optimizer)
+    budget = opts.memory_budget if opts.memory_budget is not None else mesh.mem_capacity
+    pb = build_problem(gm, mesh, strategies, cm, budget)
+    t1 = time.perf_counter()
+    try:
+        sol = solve_ilp(pb.problem, time_limit=opts.time_limit)
+    except InfeasibleError as e:
+        raise PlanError(f"no plan fits the memory budget: {e}") from e
+    t2 = time.perf_counter()
+    if not math.isfinite(sol.objective):
+        raise PlanError("the search found no finite-cost plan (contradictory pins?)")
+    choice = {n: pb.strategies[n][c] for n, c in zip(pb.nodes, sol.choice)}
+    plan = assemble(gm, mesh, pb, choice, cm, sol, opts)
+    plan.timings.update(enumerate_and_price=t1 - t0, solve=t2 - t1)
+    return plan
+
+
+def assemble(gm: fx.GraphModule, mesh: MeshSpec, pb: Problem, choice: dict[fx.Node, OpStrategy],
+             cm: CostModel, sol, opts: PlanOptions) -> Plan:
+    """Turn the solver's choice into a Plan with per-node prices and alternatives."""
+    index = {n: i for i, n in enumerate(pb.nodes)}
+    chosen = {n: pb.strategies[n].index(s) for n, s in choice.items()}
+    incident: dict[fx.Node, list[tuple[int, np.ndarray, bool]]] = {n: [] for n in pb.nodes}
+    for (u, v, _), (_, _, m) in zip(pb.edge_src, pb.problem.edges):
+        incident[v].append((index[u], m, True))
+        incident[u].append((index[v], m, False))
+    nodes: dict[str, NodePlan] = {}
+    compute = comm = sync = 0.0
+    mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0, "buffers": 0.0}
+    for n in pb.nodes:
+        s = choice[n]
+        ni = info(n)
+        kind = _kind(n)
+        own = pb.problem.node_costs[index[n]][chosen[n]]
+        reds: list[Redistribution] = []
+        edge_comm = 0.0
+        if n.op == "call_function" and n.target is not operator.getitem:
+            for i, u in enumerate(tensor_inputs(n)):
+                if u not in choice:
+                    continue
+                src, dst = choice[u].outputs[0], s.inputs[i]
+                if src != dst:
+                    sec = cm.redistribution(src, dst, info(u).out)
+                    edge_comm += sec
+                    reds.append(Redistribution(u.name, fmt_placements(src), fmt_placements(dst),
+                                               [str(st) for st in plan_redistribution(src, dst)], sec))
+        alts = []
+        for j, alt in enumerate(pb.strategies[n]):
+            if j == chosen[n]:
+                continue
+            sec = pb.problem.node_costs[index[n]][j]
+            for other, m, is_in in incident[n]:
+                oc = chosen[pb.nodes[other]]
+                sec += m[oc, j] if is_in else m[j, oc]
+            if math.isfinite(sec):
+                alts.append(Alternative([fmt_placements(p) for p in alt.inputs],
+                                        [fmt_placements(p) for p in alt.outputs], float(sec)))
+        alts.sort(key=lambda a: a.seconds)
+        memory = pb.problem.node_memory[index[n]][chosen[n]]
+        if kind == "param":
+            sync += own
+            b = memory / (2.0 + (memory and 0) + 0) if False else None
+            from autopar.costs import param_state_split
+            pbytes, gbytes, obytes = param_state_split(n, s.outputs[0], mesh, opts.optimizer)
+            mem["params"] += pbytes
+            mem["grads"] += gbytes
+            mem["optimizer"] += obytes
+            del b
+        elif kind == "buffer":
+            mem["buffers"] += memory
+        else:
+            mem["activations"] += memory
+            compute += own
+        comm += edge_comm
+        nodes[n.name] = NodePlan(
+            name=n.name, op=_op_name(n), kind=kind,
+            shape=[list(t.shape) for t in ni.outputs],
+            inputs=[u.name for u in tensor_inputs(n)],
+            in_placements=[fmt_placements(p) for p in s.inputs],
+            out_placements=[fmt_placements(p) for p in s.outputs],
+            compute=float(own if kind == "op" else 0.0), comm=float(edge_comm),
+            memory=float(memory), param=ni.param, redistributions=reds, alternatives=alts[:5],
+        )
+    mem["total"] = sum(mem.values())
+    return Plan(
+        mesh=mesh, nodes=nodes, objective=float(sol.objective), compute_seconds=compute,
+        comm_seconds=float(sol.objective) - compute - sync, grad_sync_seconds=sync, memory=mem,
+        solver=SolverInfo(searcher="ilp", backend=sol.solver, status=str(sol.status),
+                          gap=sol.gap, seconds=sol.wall_time, message=sol.message,
+                          problem_nodes=len(pb.nodes), problem_edges=len(pb.problem.edges)),
+        pins={k: (v if isinstance(v, str) else fmt_placements(tuple(v))) for k, v in opts.pins.items()},
+    )

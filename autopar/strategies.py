@@ -1,0 +1,101 @@
+"""Enumerate every node's candidate strategies (the search space) and apply pins.
+
+Placeholders and parameters may take any non-Partial placement the mesh divides;
+inputs arrive whole on every rank and are sliced locally (free), and parameters are
+sharded once at start-up.  ``getitem`` of a tuple takes its producer's strategy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Mapping
+
+from torch import fx
+
+from autopar.errors import PlanError
+from autopar.ir import info
+from autopar.placement import (
+    Placements,
+    R,
+    Shard,
+    fmt_placements,
+    parse_placements,
+    valid_for_shape,
+)
+from autopar.rules import OpStrategy, RuleCtx, op_strategies
+
+Pins = Mapping[str, "Placements | str"]
+
+
+def tensor_placements(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[Placements]:
+    """All non-Partial placement tuples that divide ``shape`` evenly."""
+    per_axis = [R] + [Shard(d) for d in range(len(shape))]
+    return [ps for ps in itertools.product(per_axis, repeat=len(mesh_shape))
+            if valid_for_shape(ps, shape, mesh_shape)]
+
+
+def input_index(gm: fx.GraphModule) -> dict[str, int]:
+    """Placeholder name -> position among the model's inputs."""
+    return {n.name: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+
+
+def enumerate_strategies(gm: fx.GraphModule, mesh_shape: tuple[int, ...]) -> dict[fx.Node, list[OpStrategy]]:
+    """Candidate strategies of every tensor-producing node (in graph order)."""
+    ctx = RuleCtx(tuple(mesh_shape))
+    out: dict[fx.Node, list[OpStrategy]] = {}
+    for node in gm.graph.nodes:
+        ni = info(node)
+        if node.op in ("placeholder", "get_attr"):
+            if not ni.outputs:
+                continue
+            if node.op == "get_attr" and ni.param is None:
+                out[node] = [OpStrategy((), ((R,) * len(mesh_shape),))]  # buffers, constants
+            else:
+                out[node] = [OpStrategy((), (p,)) for p in tensor_placements(ni.out.shape, mesh_shape)]
+        elif node.op == "call_function":
+            if node.target is operator.getitem:
+                src = node.args[0]
+                if src in out and info(src).tuple_output:
+                    idx = node.args[1]
+                    out[node] = [OpStrategy((), (s.outputs[idx],)) for s in out[src]]
+                continue
+            if ni.outputs:
+                out[node] = op_strategies(node, ctx)
+    return out
+
+
+def _pin_key_matches(key: str, node: fx.Node, aliases: Mapping[str, list[str]],
+                     inputs: Mapping[str, int]) -> bool:
+    if node.op == "get_attr":
+        return key == node.target or key in aliases.get(node.target, ())
+    if node.op == "placeholder":
+        return key in (f"input:{inputs[node.name]}", node.name)
+    return key == node.name
+
+
+def apply_pins(strategies: dict[fx.Node, list[OpStrategy]], pins: Pins, mesh_shape: tuple[int, ...],
+               aliases: Mapping[str, list[str]], gm: fx.GraphModule) -> None:
+    """Keep only the strategies whose output placement equals each pin.
+
+    A pin names a parameter (original or graph name), ``input:i`` or a node name and
+    gives one placement per mesh axis (``(Shard(0), Replicate())`` or ``"S(0)R"``).
+    """
+    inputs = input_index(gm)
+    for key, value in pins.items():
+        want = parse_placements(value) if isinstance(value, str) else tuple(value)
+        if len(want) != len(mesh_shape):
+            raise PlanError(f"pin {key!r}: {len(want)} placements for a {len(mesh_shape)}-axis mesh")
+        hits = [n for n in strategies if _pin_key_matches(key, n, aliases, inputs)]
+        if not hits:
+            raise PlanError(f"pin {key!r} names no parameter, input or node of the model")
+        for n in hits:
+            kept = [s for s in strategies[n] if s.outputs[0] == want]
+            if not kept:
+                options = sorted({fmt_placements(s.outputs[0]) for s in strategies[n]})
+                raise PlanError(
+                    f"pin {key!r} = {fmt_placements(want)} is not possible for {n.name} "
+                    f"(shape {info(n).outputs[0].shape} on mesh {tuple(mesh_shape)}); "
+                    f"possible: {', '.join(options)}"
+                )
+            strategies[n] = kept

@@ -1,0 +1,49 @@
+"""Cost models: device mesh description, compute roofline, collectives and memory.
+
+Installed as ``autopar.cost_models``; imports nothing else from ``autopar`` so every other
+package can depend on it without cycles. ``calibrate`` imports torch lazily.
+"""
+
+from .calibrate import calibrate, fit_alpha_beta
+from .collectives import (
+    CollectiveKind,
+    all_gather_time,
+    all_reduce_time,
+    all_to_all_time,
+    broadcast_time,
+    collective_time,
+    reduce_scatter_time,
+    send_recv_time,
+)
+from .compute import compute_time, matmul_flops
+from .memory import (
+    MemoryBreakdown,
+    OptimizerKind,
+    format_bytes,
+    optimizer_state_bytes,
+    peak_live_bytes,
+)
+from .mesh import PRESET_NAMES, LinkSpec, MeshSpec
+
+__all__ = [
+    "PRESET_NAMES",
+    "CollectiveKind",
+    "LinkSpec",
+    "MemoryBreakdown",
+    "MeshSpec",
+    "OptimizerKind",
+    "all_gather_time",
+    "all_reduce_time",
+    "all_to_all_time",
+    "broadcast_time",
+    "calibrate",
+    "collective_time",
+    "compute_time",
+    "fit_alpha_beta",
+    "format_bytes",
+    "matmul_flops",
+    "optimizer_state_bytes",
+    "peak_live_bytes",
+    "reduce_scatter_time",
+    "send_recv_time",
+]

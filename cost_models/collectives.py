@@ -1,0 +1,159 @@
+"""Alpha-beta cost of collectives on a :class:`~autopar.cost_models.mesh.MeshSpec`.
+
+Ring formulas for ``p`` ranks on one link (latency ``a``, bandwidth ``B``), design.md section 5:
+
+=================  ====================================  =========================
+collective         time                                  ``nbytes`` means
+=================  ====================================  =========================
+all-reduce         2(p-1)a + 2(p-1)/p * S/B              the tensor's bytes
+all-gather         (p-1)a + (p-1)/p * S/B                the FULL (gathered) bytes
+reduce-scatter     (p-1)a + (p-1)/p * S/B                the FULL (input) bytes
+all-to-all         (p-1)a + (p-1)/p * S/B                bytes each rank holds
+broadcast          min(ceil(log2 p)(a + S/B),            the tensor's bytes
+                   (p-1)a + S/B)  (tree or pipelined)
+send/recv          a + S/B                               the message's bytes
+=================  ====================================  =========================
+
+A collective over several mesh axes at once (a flattened group), or over one hierarchical axis,
+is split into flat levels ``(link, ranks)`` and composed hierarchically: the fastest link goes
+first with the full message, and each later level sees the message shrunk by the ranks already
+covered (all-reduce = reduce-scatter down the levels, all-gather back up)::
+
+    all-reduce over (intra g, inter m) = 2(g-1)a_i + 2(g-1)/g S/B_i
+                                       + 2(m-1)a_o + 2(m-1)/m (S/g)/B_o
+
+All-to-all keeps ``S`` at every level (two-phase exchange), broadcast adds the levels, and
+send/recv pays the slowest level it crosses. Any group of one rank, or ``nbytes == 0``, costs 0.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+
+from ._compat import StrEnum
+from .mesh import LinkSpec, MeshSpec
+
+__all__ = [
+    "CollectiveKind",
+    "all_gather_time",
+    "all_reduce_time",
+    "all_to_all_time",
+    "broadcast_time",
+    "collective_time",
+    "reduce_scatter_time",
+    "send_recv_time",
+]
+
+Axes = int | str | Sequence[int | str]
+"""One mesh axis or several, by index or by name."""
+
+
+class CollectiveKind(StrEnum):
+    """The collectives the cost model prices."""
+
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+    BROADCAST = "broadcast"
+    SEND_RECV = "send_recv"
+
+
+def _levels(mesh: MeshSpec, axes: Axes) -> list[tuple[LinkSpec, int]]:
+    """Flat ``(link, ranks)`` levels of the group spanned by ``axes``, fastest link first.
+
+    Levels are listed innermost first (last mesh axis first, a hierarchical axis' in-node part
+    before its inter-node part) and then stably sorted by bandwidth, so the hierarchical
+    composition gives the largest message to the fastest link. Single-rank levels are dropped.
+    """
+    raw = [axes] if isinstance(axes, (numbers.Integral, str)) else list(axes)
+    idx = [mesh.axis_index(a) for a in raw]
+    if len(set(idx)) != len(idx):
+        raise ValueError(f"mesh axes {tuple(raw)!r} repeat an axis")
+    levels: list[tuple[LinkSpec, int]] = []
+    for i in sorted(idx, reverse=True):
+        levels.extend(mesh.links[i].levels(mesh.shape[i]))
+    levels.sort(key=lambda lv: -lv[0].beta)
+    return [(link, p) for link, p in levels if p > 1]
+
+
+def _flat_time(kind: CollectiveKind, link: LinkSpec, p: int, nbytes: float) -> float:
+    """Ring / tree time of ``kind`` on ``p > 1`` ranks of one flat link (module table)."""
+    a, b = link.alpha, link.beta
+    if kind is CollectiveKind.ALL_REDUCE:
+        return 2 * (p - 1) * a + 2 * (p - 1) / p * nbytes / b
+    if kind in (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_TO_ALL):
+        return (p - 1) * a + (p - 1) / p * nbytes / b
+    if kind is CollectiveKind.BROADCAST:
+        # A binomial tree wins for small messages, a pipelined chain for large ones; NCCL and
+        # gloo both switch algorithms, so take the cheaper.
+        tree = math.ceil(math.log2(p)) * (a + nbytes / b)
+        pipelined = (p - 1) * a + nbytes / b
+        return min(tree, pipelined)
+    if kind is CollectiveKind.SEND_RECV:
+        return a + nbytes / b
+    raise ValueError(f"unknown collective kind {kind!r}")  # pragma: no cover
+
+
+def collective_time(kind: CollectiveKind | str, mesh: MeshSpec, axes: Axes, nbytes: float) -> float:
+    """Seconds for collective ``kind`` over mesh ``axes`` (index, name, or several) of ``mesh``.
+
+    ``nbytes`` follows the module table: tensor bytes for all-reduce and broadcast, FULL
+    (gathered) bytes for all-gather / reduce-scatter, bytes each rank holds for all-to-all,
+    message bytes for send/recv (``axes`` = the axis the message crosses). Several axes are
+    one flattened group priced by hierarchical composition; a single-rank group costs 0.0.
+    """
+    kind = CollectiveKind(kind)
+    if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Real):
+        raise ValueError(f"nbytes must be a number, got {nbytes!r}")
+    if not math.isfinite(nbytes) or nbytes < 0:
+        raise ValueError(f"nbytes must be finite and >= 0, got {nbytes!r}")
+    levels = _levels(mesh, axes)
+    # No ranks to talk to or nothing to send: no collective is issued at all.
+    if not levels or nbytes == 0:
+        return 0.0
+    if kind is CollectiveKind.SEND_RECV:
+        # A point-to-point message is not split across levels; a pipeline is paced by its
+        # slowest hop, so price the slowest link the axes cross.
+        return max(_flat_time(kind, link, p, nbytes) for link, p in levels)
+    total = 0.0
+    size = float(nbytes)
+    for link, p in levels:
+        total += _flat_time(kind, link, p, size)
+        if kind in (CollectiveKind.ALL_REDUCE, CollectiveKind.ALL_GATHER,
+                    CollectiveKind.REDUCE_SCATTER):
+            # Each level leaves 1/p of the data per rank for the next (slower) level.
+            size /= p
+    return total
+
+
+def all_reduce_time(mesh: MeshSpec, axes: Axes, nbytes: float) -> float:
+    """:func:`collective_time` for an all-reduce of a tensor of ``nbytes`` bytes."""
+    return collective_time(CollectiveKind.ALL_REDUCE, mesh, axes, nbytes)
+
+
+def all_gather_time(mesh: MeshSpec, axes: Axes, nbytes: float) -> float:
+    """:func:`collective_time` for an all-gather producing a FULL tensor of ``nbytes`` bytes."""
+    return collective_time(CollectiveKind.ALL_GATHER, mesh, axes, nbytes)
+
+
+def reduce_scatter_time(mesh: MeshSpec, axes: Axes, nbytes: float) -> float:
+    """:func:`collective_time` for a reduce-scatter of a FULL tensor of ``nbytes`` bytes."""
+    return collective_time(CollectiveKind.REDUCE_SCATTER, mesh, axes, nbytes)
+
+
+def all_to_all_time(mesh: MeshSpec, axes: Axes, nbytes: float) -> float:
+    """:func:`collective_time` for an all-to-all where each rank holds ``nbytes`` bytes."""
+    return collective_time(CollectiveKind.ALL_TO_ALL, mesh, axes, nbytes)
+
+
+def broadcast_time(mesh: MeshSpec, axes: Axes, nbytes: float) -> float:
+    """:func:`collective_time` for a broadcast of a tensor of ``nbytes`` bytes."""
+    return collective_time(CollectiveKind.BROADCAST, mesh, axes, nbytes)
+
+
+def send_recv_time(mesh: MeshSpec, axes: Axes, nbytes: float) -> float:
+    """:func:`collective_time` for one point-to-point message of ``nbytes`` crossing ``axes``."""
+    return collective_time(CollectiveKind.SEND_RECV, mesh, axes, nbytes)

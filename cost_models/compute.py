@@ -1,0 +1,47 @@
+"""Roofline compute cost of one kernel on one device of a :class:`~autopar.cost_models.mesh.MeshSpec`.
+
+``time = max(flops / (peak_flops * flops_efficiency), bytes_moved / mem_bandwidth, kernel_floor)``
+(design.md section 3). A node that moves no bytes and does no FLOPs (a view) is free.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+from .mesh import MeshSpec
+
+__all__ = ["compute_time", "matmul_flops"]
+
+
+def _check_amount(name: str, value: float) -> None:
+    """Raise ValueError unless ``value`` is a finite number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
+
+
+def compute_time(mesh: MeshSpec, flops: float, bytes_moved: float) -> float:
+    """Seconds one device of ``mesh`` needs for a kernel doing ``flops`` and moving ``bytes_moved``.
+
+    The max of the compute-bound time (at ``flops_efficiency`` of peak), the memory-bound time,
+    and the per-kernel launch floor; 0.0 when both amounts are zero, since views launch nothing.
+    """
+    _check_amount("flops", flops)
+    _check_amount("bytes_moved", bytes_moved)
+    if flops == 0 and bytes_moved == 0:
+        return 0.0
+    return max(
+        flops / (mesh.peak_flops * mesh.flops_efficiency),
+        bytes_moved / mesh.mem_bandwidth,
+        mesh.kernel_floor,
+    )
+
+
+def matmul_flops(m: int, k: int, n: int, batch: int = 1) -> float:
+    """FLOPs of ``batch`` products of an (m, k) by a (k, n) matrix: ``2 * batch * m * k * n``
+    (one multiply and one add per inner-product term)."""
+    for name, v in (("m", m), ("k", k), ("n", n), ("batch", batch)):
+        _check_amount(name, v)
+    return float(2 * batch * m * k * n)

@@ -1,0 +1,430 @@
+"""Device mesh description used by every cost formula: :class:`LinkSpec` and :class:`MeshSpec`.
+
+A :class:`MeshSpec` is a logical mesh shape with one name per mesh axis, one :class:`LinkSpec`
+(latency ``alpha`` in seconds, bandwidth ``beta`` in bytes/s) per mesh axis, and the per-device
+roofline numbers (peak FLOP/s, memory bandwidth, memory capacity).
+
+Presets describe a node (devices per node, the intra-node link, the inter-node link) and derive
+the per-axis links for any shape. Ranks are laid out row-major, so the LAST mesh axis is the
+fastest-varying one and is placed inside a node first::
+
+    >>> m = MeshSpec.preset("multinode-a100-ib")          # shape (4, 8)
+    >>> m.links[1] == m.intra, m.links[0] == m.inter       # 8 in a node, 4 nodes
+    (True, True)
+    >>> MeshSpec.preset("multinode-a100-ib", "16").links[0].group   # straddles 2 nodes
+    8
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from os import PathLike
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PRESET_NAMES", "LinkSpec", "MeshSpec"]
+
+
+def _check_positive_finite(owner: str, name: str, value: float) -> None:
+    """Raise ValueError unless ``value`` is a finite number > 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{owner}.{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{owner}.{name} must be finite and > 0, got {value!r}")
+
+
+def _check_int(owner: str, name: str, value: object, minimum: int) -> None:
+    """Raise ValueError unless ``value`` is an int (not bool) >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{owner}.{name} must be an int >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """The link one mesh axis communicates over (alpha-beta model, design.md section 5).
+
+    ``alpha`` is the latency of one message step in seconds and ``beta`` the bandwidth in
+    bytes/s of one rank's link. A hierarchical axis that spans nodes sets ``inter``: then
+    ``group`` ranks of the axis share a node and talk over this link (``alpha``, ``beta``), and the
+    remaining ``p / group`` factor of the axis crosses the ``inter`` link.
+    """
+
+    alpha: float
+    beta: float
+    inter: LinkSpec | None = None
+    group: int = 1
+
+    def __post_init__(self) -> None:
+        """Validate: alpha >= 0 finite, beta > 0 finite, group >= 1 and only with ``inter``."""
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, numbers.Real):
+            raise ValueError(f"LinkSpec.alpha must be a number, got {self.alpha!r}")
+        if not math.isfinite(self.alpha) or self.alpha < 0:
+            raise ValueError(f"LinkSpec.alpha must be finite and >= 0, got {self.alpha!r}")
+        _check_positive_finite("LinkSpec", "beta", self.beta)
+        _check_int("LinkSpec", "group", self.group, 1)
+        if self.inter is not None and not isinstance(self.inter, LinkSpec):
+            raise ValueError(f"LinkSpec.inter must be a LinkSpec or None, got {self.inter!r}")
+        # Without an inter link there is no second level, so a group size would be silently
+        # meaningless; reject it rather than let a typo change nothing.
+        if self.inter is None and self.group != 1:
+            raise ValueError(f"LinkSpec.group={self.group} only applies when inter is set")
+
+    @property
+    def hierarchical(self) -> bool:
+        """True when the axis spans nodes (``inter`` is set)."""
+        return self.inter is not None
+
+    def levels(self, p: int) -> list[tuple[LinkSpec, int]]:
+        """Split an axis of ``p`` ranks on this link into flat ``(link, ranks)`` levels.
+
+        The innermost level comes first: ``[(intra, group), (inter, p // group)]`` for a
+        hierarchical link, ``[(self, p)]`` otherwise. Returned links never have ``inter`` set.
+        """
+        _check_int("LinkSpec.levels", "p", p, 1)
+        if self.inter is None:
+            return [(self, p)]
+        if p % self.group:
+            raise ValueError(f"axis of {p} ranks is not a multiple of LinkSpec.group={self.group}")
+        flat = LinkSpec(alpha=self.alpha, beta=self.beta)
+        return [(flat, self.group), *self.inter.levels(p // self.group)]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-compatible dict; ``inter`` nests as a dict or None."""
+        return {
+            "alpha": self.alpha,
+            "beta": self.beta,
+            "inter": None if self.inter is None else self.inter.to_dict(),
+            "group": self.group,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LinkSpec:
+        """Inverse of :meth:`to_dict`; unknown keys are a ValueError."""
+        unknown = set(d) - {"alpha", "beta", "inter", "group"}
+        if unknown:
+            raise ValueError(f"unknown LinkSpec keys: {sorted(unknown)}")
+        inter = d.get("inter")
+        return cls(
+            alpha=d["alpha"],
+            beta=d["beta"],
+            inter=None if inter is None else cls.from_dict(inter),
+            group=d.get("group", 1),
+        )
+
+
+@dataclass(frozen=True)
+class _NodePreset:
+    """A cluster description from which per-axis links are derived for any mesh shape."""
+
+    gpus_per_node: int | None  # None: one host with no node boundary
+    intra: LinkSpec
+    inter: LinkSpec | None  # None: a single node, shapes larger than a node are rejected
+    peak_flops: float
+    mem_bandwidth: float
+    mem_capacity: float
+    default_shape: tuple[int, ...]
+    kernel_floor: float = 5e-6
+    hint: str = ""
+
+
+_GIB = 2**30
+# NVLink numbers are effective per-direction bandwidth per GPU (A100 NVLink3 600 GB/s
+# bidirectional -> ~300e9; H100 NVLink4 900 GB/s -> ~450e9). InfiniBand is one HDR (200 Gb/s,
+# 25e9 B/s) or NDR (400 Gb/s, 50e9 B/s) NIC per GPU. GPU peak_flops is the dense bf16
+# tensor-core peak, since that is the dtype large models train in; cpu-gloo uses fp32.
+_NVLINK_A100 = LinkSpec(alpha=5e-6, beta=300e9)
+_NVLINK_H100 = LinkSpec(alpha=5e-6, beta=450e9)
+_IB_HDR = LinkSpec(alpha=1e-5, beta=25e9)
+_IB_NDR = LinkSpec(alpha=1e-5, beta=50e9)
+_A100 = {"peak_flops": 312e12, "mem_bandwidth": 2.039e12, "mem_capacity": 80.0 * _GIB}
+_H100 = {"peak_flops": 989e12, "mem_bandwidth": 3.35e12, "mem_capacity": 80.0 * _GIB}
+
+_PRESETS: dict[str, _NodePreset] = {
+    "8xA100-nvlink": _NodePreset(8, _NVLINK_A100, None, default_shape=(8,),
+                                 hint="use 'multinode-a100-ib' for more than one node", **_A100),
+    "8xH100-nvlink": _NodePreset(8, _NVLINK_H100, None, default_shape=(8,),
+                                 hint="use 'multinode-h100-ib' for more than one node", **_H100),
+    "multinode-a100-ib": _NodePreset(8, _NVLINK_A100, _IB_HDR, default_shape=(4, 8), **_A100),
+    "multinode-h100-ib": _NodePreset(8, _NVLINK_H100, _IB_NDR, default_shape=(4, 8), **_H100),
+    # One CPU host running gloo over loopback: every rank is on the same host, so there is no
+    # node boundary. Numbers are deliberately modest (a few cores per rank, fp32).
+    "cpu-gloo": _NodePreset(None, LinkSpec(alpha=5e-5, beta=2e9), None, peak_flops=5e10,
+                            mem_bandwidth=1e10, mem_capacity=8.0 * _GIB, default_shape=(2,),
+                            kernel_floor=1e-5),
+}
+
+PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
+"""Names accepted by :meth:`MeshSpec.preset`."""
+
+
+def _derive_links(
+    shape: tuple[int, ...], gpus_per_node: int | None, intra: LinkSpec, inter: LinkSpec | None,
+    where: str,
+) -> tuple[LinkSpec, ...]:
+    """Assign a link to every axis, walking from the last (fastest-varying) axis backwards.
+
+    While the product of trailing axes fits in a node the axis is intra-node; an axis whose
+    stride already covers a whole node is entirely inter-node; an axis in between straddles and
+    gets a hierarchical link with ``group`` = members of the axis that share a node.
+    """
+    total = math.prod(shape)
+    if gpus_per_node is None:
+        return tuple(intra for _ in shape)
+    if inter is None and total > gpus_per_node:
+        raise ValueError(
+            f"{where} is one node of {gpus_per_node} devices but shape {shape} has {total}"
+        )
+    links: list[LinkSpec] = []
+    inner = 1  # product of the axes already assigned (the stride of the current axis)
+    for size in reversed(shape):
+        if inner * size <= gpus_per_node:
+            links.append(intra)
+        elif inner >= gpus_per_node:
+            assert inter is not None  # total > gpus_per_node was rejected above
+            links.append(inter)
+        else:
+            assert inter is not None
+            # gcd keeps the model well defined when the layout does not tile nodes evenly
+            # (e.g. 12 ranks on 8-GPU nodes); it then under-counts in-node members, which
+            # errs toward a slower, safer estimate.
+            group = math.gcd(size, gpus_per_node // inner)
+            links.append(inter if group == 1 else replace(intra, inter=inter, group=group))
+        inner *= size
+    return tuple(reversed(links))
+
+
+def _default_axis_names(ndim: int) -> tuple[str, ...]:
+    """``("a0", "a1", ...)``."""
+    return tuple(f"a{i}" for i in range(ndim))
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """Logical device mesh: shape, axis names, a link per mesh axis, and device roofline numbers.
+
+    ``peak_flops`` is per device in FLOP/s (GPU presets: dense bf16 tensor-core peak; cpu-gloo
+    and calibrated meshes: fp32), ``mem_bandwidth`` in bytes/s, ``mem_capacity`` in bytes per
+    device. ``flops_efficiency`` is the fraction of peak a real kernel reaches and
+    ``kernel_floor`` the minimum time of any kernel in seconds. ``gpus_per_node``, ``intra`` and
+    ``inter`` keep the node description of a preset so :meth:`with_shape` can re-derive links;
+    ``gpus_per_node=None`` with ``intra`` set means one host without node boundaries.
+
+    An empty ``axis_names`` tuple is replaced by the default names ``("a0", "a1", ...)``;
+    lists are accepted for sequence fields and stored as tuples.
+    """
+
+    shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    links: tuple[LinkSpec, ...]
+    peak_flops: float
+    mem_bandwidth: float
+    mem_capacity: float
+    flops_efficiency: float = 0.6
+    kernel_floor: float = 5e-6
+    name: str = "custom"
+    gpus_per_node: int | None = None
+    intra: LinkSpec | None = None
+    inter: LinkSpec | None = None
+
+    def __post_init__(self) -> None:
+        """Normalise sequences to tuples and validate every field (ValueError on bad input)."""
+        # Frozen dataclass: normalisation has to bypass __setattr__.
+        object.__setattr__(self, "shape", self.parse_shape(self.shape))
+        names = tuple(self.axis_names) if self.axis_names else _default_axis_names(self.ndim)
+        object.__setattr__(self, "axis_names", names)
+        object.__setattr__(self, "links", tuple(self.links))
+        if len(names) != self.ndim:
+            raise ValueError(f"MeshSpec has {self.ndim} axes but axis_names={names!r}")
+        if any(not isinstance(n, str) or not n for n in names) or len(set(names)) != len(names):
+            raise ValueError(f"MeshSpec.axis_names must be distinct non-empty str, got {names!r}")
+        if len(self.links) != self.ndim:
+            raise ValueError(f"MeshSpec has {self.ndim} axes but {len(self.links)} links")
+        for i, (link, size) in enumerate(zip(self.links, self.shape)):
+            if not isinstance(link, LinkSpec):
+                raise ValueError(f"MeshSpec.links[{i}] must be a LinkSpec, got {link!r}")
+            try:
+                link.levels(size)
+            except ValueError as e:
+                raise ValueError(f"MeshSpec.links[{i}] (axis {names[i]!r}): {e}") from None
+        for attr in ("peak_flops", "mem_bandwidth", "mem_capacity", "flops_efficiency"):
+            _check_positive_finite("MeshSpec", attr, getattr(self, attr))
+        if self.flops_efficiency > 1:
+            raise ValueError(f"MeshSpec.flops_efficiency must be <= 1, got {self.flops_efficiency}")
+        kf = self.kernel_floor
+        if isinstance(kf, bool) or not isinstance(kf, numbers.Real) or not 0 <= kf < math.inf:
+            raise ValueError(f"MeshSpec.kernel_floor must be finite and >= 0, got {kf!r}")
+        if not isinstance(self.name, str):
+            raise ValueError(f"MeshSpec.name must be a str, got {self.name!r}")
+        if self.gpus_per_node is not None:
+            _check_int("MeshSpec", "gpus_per_node", self.gpus_per_node, 1)
+            if self.intra is None:
+                raise ValueError("MeshSpec.gpus_per_node needs MeshSpec.intra")
+        for attr in ("intra", "inter"):
+            v = getattr(self, attr)
+            if v is not None and not isinstance(v, LinkSpec):
+                raise ValueError(f"MeshSpec.{attr} must be a LinkSpec or None, got {v!r}")
+
+    @property
+    def size(self) -> int:
+        """Number of devices (product of the shape)."""
+        return math.prod(self.shape)
+
+    @property
+    def ndim(self) -> int:
+        """Number of mesh axes."""
+        return len(self.shape)
+
+    def axis_index(self, axis: int | str) -> int:
+        """Index of a mesh axis given by index (negative allowed) or by name."""
+        if isinstance(axis, str):
+            if axis not in self.axis_names:
+                raise ValueError(f"unknown mesh axis {axis!r}; axes are {self.axis_names}")
+            return self.axis_names.index(axis)
+        if (isinstance(axis, bool) or not isinstance(axis, numbers.Integral)
+                or not -self.ndim <= axis < self.ndim):
+            raise ValueError(f"mesh axis {axis!r} out of range for a {self.ndim}-D mesh")
+        return int(axis) % self.ndim
+
+    @staticmethod
+    def parse_shape(s: str | int | Sequence[int]) -> tuple[int, ...]:
+        """Parse ``"2x4"`` -> ``(2, 4)``, ``"8"`` -> ``(8,)``; also accepts an int or a sequence.
+
+        Every entry must be a positive int; anything else is a ValueError.
+        """
+        if isinstance(s, str):
+            parts = s.lower().replace("*", "x").replace(",", "x").split("x")
+            try:
+                dims = tuple(int(p.strip()) for p in parts)
+            except ValueError:
+                raise ValueError(f"cannot parse mesh shape {s!r}; expected e.g. '8' or '2x4'") from None
+        elif isinstance(s, bool):
+            raise ValueError(f"mesh shape must be positive ints, got {s!r}")
+        elif isinstance(s, numbers.Integral):
+            dims = (s,)
+        else:
+            try:
+                dims = tuple(s)
+            except TypeError:
+                raise ValueError(f"mesh shape must be positive ints, got {s!r}") from None
+        bad = ValueError(f"mesh shape must be a non-empty tuple of positive ints, got {s!r}")
+        if not dims or any(isinstance(d, bool) or not isinstance(d, numbers.Integral) for d in dims):
+            raise bad
+        # Store plain ints: numpy integers would not survive json.dumps.
+        out = tuple(int(d) for d in dims)
+        if any(d < 1 for d in out):
+            raise bad
+        return out
+
+    @classmethod
+    def preset(
+        cls,
+        name: str,
+        shape: tuple[int, ...] | str | None = None,
+        axis_names: Sequence[str] | None = None,
+    ) -> MeshSpec:
+        """A mesh for a known cluster (see :data:`PRESET_NAMES`), optionally reshaped.
+
+        Single-node presets default to shape ``(8,)`` and reject shapes larger than a node;
+        multinode presets default to ``(4, 8)`` (nodes x GPUs per node).
+        """
+        if name not in _PRESETS:
+            raise ValueError(f"unknown mesh preset {name!r}; known presets: {', '.join(PRESET_NAMES)}")
+        p = _PRESETS[name]
+        dims = p.default_shape if shape is None else cls.parse_shape(shape)
+        where = f"preset {name!r}" + (f" ({p.hint})" if p.hint else "")
+        return cls(
+            shape=dims,
+            axis_names=tuple(axis_names) if axis_names is not None else (),
+            links=_derive_links(dims, p.gpus_per_node, p.intra, p.inter, where),
+            peak_flops=p.peak_flops,
+            mem_bandwidth=p.mem_bandwidth,
+            mem_capacity=p.mem_capacity,
+            kernel_floor=p.kernel_floor,
+            name=name,
+            gpus_per_node=p.gpus_per_node,
+            intra=p.intra,
+            inter=p.inter,
+        )
+
+    def with_shape(
+        self, shape: tuple[int, ...] | str, axis_names: Sequence[str] | None = None
+    ) -> MeshSpec:
+        """The same cluster with a new logical shape; links are re-derived.
+
+        With a node description (``intra`` set, as on presets) links follow the preset rule.
+        Without one, links are kept when the number of axes is unchanged, or broadcast when all
+        axes share one link; otherwise ValueError. Axis names are kept when the number of axes
+        is unchanged and ``axis_names`` is not given, else they default to ``a0, a1, ...``.
+        """
+        dims = self.parse_shape(shape)
+        if self.intra is not None:
+            links = _derive_links(dims, self.gpus_per_node, self.intra, self.inter, f"mesh {self.name!r}")
+        elif len(dims) == self.ndim:
+            links = self.links
+        elif len(set(self.links)) == 1 and not self.links[0].hierarchical:
+            links = (self.links[0],) * len(dims)
+        else:
+            raise ValueError(
+                f"mesh {self.name!r} has no node description (intra/gpus_per_node) and per-axis "
+                f"links {self.links}; cannot derive links for shape {dims}"
+            )
+        if axis_names is None:
+            axis_names = self.axis_names if len(dims) == self.ndim else ()
+        return replace(self, shape=dims, axis_names=tuple(axis_names), links=links)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-compatible dict (lists for tuples, nested dicts for links)."""
+        return {
+            "name": self.name,
+            "shape": list(self.shape),
+            "axis_names": list(self.axis_names),
+            "links": [link.to_dict() for link in self.links],
+            "peak_flops": self.peak_flops,
+            "mem_bandwidth": self.mem_bandwidth,
+            "mem_capacity": self.mem_capacity,
+            "flops_efficiency": self.flops_efficiency,
+            "kernel_floor": self.kernel_floor,
+            "gpus_per_node": self.gpus_per_node,
+            "intra": None if self.intra is None else self.intra.to_dict(),
+            "inter": None if self.inter is None else self.inter.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> MeshSpec:
+        """Inverse of :meth:`to_dict`; unknown keys are a ValueError, missing optional keys
+        take their defaults."""
+        known = set(cls.__dataclass_fields__)
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown MeshSpec keys: {sorted(unknown)}")
+        kw = dict(d)
+        kw["shape"] = tuple(kw.get("shape", ()))
+        kw["axis_names"] = tuple(kw.get("axis_names", ()))
+        kw["links"] = tuple(LinkSpec.from_dict(x) for x in kw.get("links", ()))
+        for attr in ("intra", "inter"):
+            if kw.get(attr) is not None:
+                kw[attr] = LinkSpec.from_dict(kw[attr])
+        try:
+            return cls(**kw)
+        except TypeError as e:  # a required key is missing
+            raise ValueError(f"incomplete MeshSpec dict: {e}") from None
+
+    def to_json(self, path: str | PathLike[str] | None = None) -> str:
+        """Serialise to JSON text; also write it to ``path`` when given."""
+        text = json.dumps(self.to_dict(), indent=2)
+        if path is not None:
+            Path(path).write_text(text + "\n")
+        return text
+
+    @classmethod
+    def from_json(cls, path_or_text: str | PathLike[str]) -> MeshSpec:
+        """Load from JSON text (a string starting with ``{``) or from a file path."""
+        if isinstance(path_or_text, str) and path_or_text.lstrip().startswith("{"):
+            text = path_or_text
+        else:
+            text = Path(path_or_text).read_text()
+        return cls.from_dict(json.loads(text))

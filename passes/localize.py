@@ -1,0 +1,85 @@
+"""Localize: rewrite ops whose local (per-rank) form differs from the global op.
+
+Before: a graph whose edges already carry planned placements (after redistribution).
+After: literal shape arguments are local sizes (``view(x, [8, 32, 64])`` on a batch
+split in two becomes ``view(x, [4, 32, 64])``); means over sharded dims are rescaled
+to Partial sums; vocabulary-sharded embeddings and cross-entropies call the
+vocab-parallel forms in :mod:`autopar.runtime.ops`; row-sharded cross-entropy divides
+by the global count of non-ignored targets.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import fx
+
+from autopar.ir import info
+from autopar.placement import Placements, Shard, local_shape, parse_placements
+from autopar.plan import Plan
+from autopar.rules.reductions import reduced_dims
+from autopar.runtime import ops as O
+
+aten = torch.ops.aten
+
+SHAPE_ARG_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+                 aten.expand.default}
+MEAN_OPS = {aten.mean.dim, aten.mean.default}
+ELEMENTWISE_LOSSES = {aten.mse_loss.default, aten.l1_loss.default}
+
+
+def _places(plan: Plan, node: fx.Node) -> tuple[list[Placements], list[Placements]]:
+    np_ = plan.nodes[node.name]
+    return ([parse_placements(p) for p in np_.in_placements],
+            [parse_placements(p) for p in np_.out_placements])
+
+
+def _scale_after(g: fx.Graph, node: fx.Node, factor: float) -> None:
+    if factor == 1.0:
+        return
+    users = list(node.users)
+    with g.inserting_after(node):
+        y = g.call_function(aten.mul.Tensor, (node, factor))
+    for u in users:
+        u.replace_input_with(node, y)
+
+
+def localize(gm: fx.GraphModule, plan: Plan) -> None:
+    """Rewrite ``gm`` in place (see the module docstring)."""
+    g = gm.graph
+    mesh = plan.mesh.shape
+    for node in list(g.nodes):
+        if node.op != "call_function" or node.name not in plan.nodes:
+            continue
+        t = node.target
+        ins, outs = _places(plan, node)
+        if t in SHAPE_ARG_OPS:
+            local = list(local_shape(info(node).out.shape, outs[0], mesh))
+            node.args = (node.args[0], local, *node.args[2:])
+        elif t in MEAN_OPS:
+            x = info(node.args[0]).out
+            red, _ = reduced_dims(node)
+            loc = local_shape(x.shape, ins[0], mesh)
+            _scale_after(g, node, math.prod(loc[d] for d in red) / math.prod(x.shape[d] for d in red))
+        elif t in ELEMENTWISE_LOSSES:
+            reduction = node.args[2] if len(node.args) > 2 else node.kwargs.get("reduction", 1)
+            if reduction == 1:
+                x = info(node.args[0]).out
+                _scale_after(g, node, math.prod(local_shape(x.shape, ins[0], mesh)) / x.numel)
+        elif t is aten.cross_entropy_loss.default:
+            xp = ins[0]
+            rows = tuple(a for a, p in enumerate(xp) if isinstance(p, Shard) and p.dim == 0)
+            classes = tuple(a for a, p in enumerate(xp) if isinstance(p, Shard) and p.dim == 1)
+            if rows or classes:
+                reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
+                ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
+                node.target = O.cross_entropy
+                node.args = (node.args[0], node.args[1], ignore, reduction, rows, classes)
+                node.kwargs = {}
+        elif t is aten.embedding.default:
+            vocab = tuple(a for a, p in enumerate(ins[0]) if isinstance(p, Shard) and p.dim == 0)
+            if vocab:
+                node.target = O.vocab_embedding
+                node.args = (node.args[0], node.args[1], vocab)
+                node.kwargs = {}

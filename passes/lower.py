@@ -1,0 +1,114 @@
+"""Lowering: turn the captured graph into the per-rank graph a plan describes.
+
+Before: the annotated aten graph (every node has ``meta["autopar"]``) and a Plan for it.
+After: the same graph where
+
+* each placeholder is sliced to its planned placement (callers pass whole inputs);
+* every edge whose producer placement differs from the consumer's required input
+  placement goes through the collectives of :func:`autopar.redistribute.plan_redistribution`,
+  emitted as calls to :mod:`autopar.runtime.collectives` (one value per (producer,
+  placement) is shared by all consumers that need it);
+* ops whose local form differs from the global one are rewritten
+  (:mod:`autopar.passes.localize`);
+* each output is made replicated and wrapped in ``scale_grad(1/world)`` so the loss
+  seeds of all ranks sum to one (see the dual-placement convention in
+  :mod:`autopar.runtime.collectives`).
+
+Parameters are not touched here: the module holding the graph stores local shards.
+Example (MLP, batch-sharded on a 1-D mesh): ``linear(local_slice(x, 0, 0), w, b)``;
+the loss ends in ``all_reduce(mse_loss(...), 0)``.
+"""
+
+from __future__ import annotations
+
+import operator
+
+from autopar.passes.localize import localize
+from torch import fx
+
+from autopar.ir import info, tensor_inputs
+from autopar.placement import Placements, R, parse_placements
+from autopar.plan import Plan
+from autopar.redistribute import StepKind, plan_redistribution
+from autopar.runtime import collectives as C
+
+_EMIT = {
+    StepKind.ALL_REDUCE: lambda x, s: (C.all_reduce, (x, s.axis)),
+    StepKind.ALL_GATHER: lambda x, s: (C.all_gather, (x, s.dim, s.axis)),
+    StepKind.REDUCE_SCATTER: lambda x, s: (C.reduce_scatter, (x, s.dim, s.axis)),
+    StepKind.ALL_TO_ALL: lambda x, s: (C.all_to_all, (x, s.dim, s.dim2, s.axis)),
+    StepKind.SLICE: lambda x, s: (C.local_slice, (x, s.dim, s.axis)),
+    StepKind.TO_PARTIAL: lambda x, s: (C.to_partial, (x, s.axis)),
+}
+
+
+def emit_redistribution(graph: fx.Graph, x: fx.Node, src: Placements, dst: Placements) -> fx.Node:
+    """Insert the steps turning ``x`` from ``src`` into ``dst`` at the graph's current
+    insertion point and return the final node."""
+    for step in plan_redistribution(src, dst):
+        fn, args = _EMIT[step.kind](x, step)
+        x = graph.call_function(fn, args)
+    return x
+
+
+def out_placement(plan: Plan, node: fx.Node) -> Placements:
+    """The planned output placement of ``node``."""
+    return parse_placements(plan.nodes[node.name].out_placements[0])
+
+
+def lower(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    """Apply the plan to ``gm`` in place (see the module docstring) and return it."""
+    g = gm.graph
+    replicated = (R,) * len(plan.mesh.shape)
+    # value[u]: the graph node that holds u in its planned placement
+    value: dict[fx.Node, fx.Node] = {}
+    # 1. inputs arrive whole: slice each placeholder to its planned placement
+    for node in list(g.nodes):
+        if node.op == "placeholder" and node.name in plan.nodes:
+            dst = out_placement(plan, node)
+            last = node
+            for step in plan_redistribution(replicated, dst):
+                fn, args = _EMIT[step.kind](last, step)
+                with g.inserting_after(last):
+                    last = g.call_function(fn, args)
+            value[node] = last
+    # 2. redistribute every edge whose placements differ
+    cache: dict[tuple[fx.Node, Placements], fx.Node] = {}
+    for v in list(g.nodes):
+        if v.op != "call_function" or v.name not in plan.nodes or v.target is operator.getitem:
+            continue
+        np_ = plan.nodes[v.name]
+        ins = tensor_inputs(v)
+        if [u.name for u in ins] != np_.inputs:
+            raise ValueError(f"plan does not match graph at {v.name}: {np_.inputs} vs {[u.name for u in ins]}")
+        for i, u in enumerate(ins):
+            src = out_placement(plan, u)
+            dst = parse_placements(np_.in_placements[i])
+            feed = value.get(u, u)
+            if src != dst:
+                key = (u, dst)
+                if key not in cache:
+                    with g.inserting_before(v):
+                        cache[key] = emit_redistribution(g, feed, src, dst)
+                feed = cache[key]
+            if feed is not u:
+                v.replace_input_with(u, feed)
+    # 3. local forms of ops
+    localize(gm, plan)
+    # 4. outputs: replicated, and the loss seeds summed to one
+    out = next(n for n in g.nodes if n.op == "output")
+    flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    new_args = []
+    for a in flat:
+        if isinstance(a, fx.Node) and a.name in plan.nodes and info(a).outputs:
+            with g.inserting_before(out):
+                y = emit_redistribution(g, a, out_placement(plan, a), replicated)
+                y = g.call_function(C.scale_grad, (y, 1.0 / plan.mesh.size))
+            new_args.append(y)
+        else:
+            new_args.append(a)
+    out.args = (type(out.args[0])(new_args) if isinstance(out.args[0], (tuple, list)) else new_args[0],)
+    g.eliminate_dead_code()
+    g.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,61 @@
+"""``calibrate`` on a real 2-rank gloo process group: both ranks must return the identical
+MeshSpec (deterministic planning) with positive, finite measured numbers."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from autopar.cost_models import MeshSpec, calibrate
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    """One rank: join the group, calibrate, write the result as JSON."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        base = MeshSpec.preset("cpu-gloo")
+        mesh = calibrate(repeats=3)
+        based = calibrate(sizes=(2**10, 2**18), repeats=2, base=base)
+        Path(out_dir, f"rank{rank}.json").write_text(mesh.to_json())
+        Path(out_dir, f"based{rank}.json").write_text(based.to_json())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_calibrate_two_ranks_agree(tmp_path: Path) -> None:
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    meshes = [MeshSpec.from_json(tmp_path / f"rank{r}.json") for r in range(WORLD)]
+    assert meshes[0] == meshes[1]
+    m = meshes[0]
+    assert m.name == "calibrated" and m.shape == (WORLD,) and m.ndim == 1
+    (link,) = m.links
+    for v in (link.alpha, link.beta, m.peak_flops, m.mem_bandwidth, m.mem_capacity):
+        assert 0 < v < math.inf
+    based = [MeshSpec.from_json(tmp_path / f"based{r}.json") for r in range(WORLD)]
+    assert based[0] == based[1]
+    # base supplies what calibrate does not measure.
+    assert based[0].mem_capacity == MeshSpec.preset("cpu-gloo").mem_capacity
+    assert based[0].kernel_floor == MeshSpec.preset("cpu-gloo").kernel_floor
+
+
+def test_calibrate_needs_process_group() -> None:
+    if dist.is_initialized():  # pragma: no cover - another test leaked a group
+        pytest.skip("a process group is already initialised in this process")
+    with pytest.raises(RuntimeError, match="process group"):
+        calibrate()
