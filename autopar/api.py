@@ -189,13 +189,34 @@ class ParallelModule(nn.Module):
         reset()
 
 
+def _shared_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOptions,
+                 example_kwargs: dict | None, given: Plan | None) -> tuple[Captured, Plan]:
+    """Capture on every rank; search on rank 0 only and broadcast the plan.
+
+    A solver stopped by its time limit may return different incumbents on different
+    ranks; broadcasting makes every rank lower the identical plan, so all ranks issue
+    the same collectives in the same order (and the other ranks skip the search)."""
+    multi = dist.is_initialized() and dist.get_world_size() > 1
+    if given is not None or (multi and dist.get_rank() != 0):
+        cap = capture(model, example_inputs, example_kwargs)
+        annotate(cap.gm)
+        p = given
+    else:
+        cap, p = _capture_and_plan(model, example_inputs, mesh, example_kwargs, opts)
+    if multi and given is None:
+        box = [p.to_json() if p is not None else None]
+        dist.broadcast_object_list(box, src=0)
+        p = Plan.from_json(box[0])
+    return cap, p
+
+
 def build_parallel_module(model: nn.Module, example_inputs: tuple, mesh: MeshSpec,
                           opts: PlanOptions, example_kwargs: dict | None = None,
-                          runtime: bool | None = None) -> ParallelModule:
-    """Capture, plan, lower and shard: the body of :func:`auto_parallel`."""
+                          runtime: bool | None = None, plan: Plan | None = None) -> ParallelModule:
+    """Capture, plan (or take ``plan``), lower and shard: the body of :func:`auto_parallel`."""
     from autopar.passes.lower import lower
 
-    cap, p = _capture_and_plan(model, example_inputs, mesh, example_kwargs, opts)
+    cap, p = _shared_plan(model, example_inputs, mesh, opts, example_kwargs, plan)
     t0 = time.perf_counter()
     gm = lower(cap.gm, p)
     p.timings["lower"] = time.perf_counter() - t0
@@ -208,7 +229,8 @@ def build_parallel_module(model: nn.Module, example_inputs: tuple, mesh: MeshSpe
 def auto_parallel(model: nn.Module | Callable | None = None, *, example_inputs: tuple | None = None,
                   mesh: MeshSpec | str | tuple | None = None, pins: Mapping | None = None,
                   memory_budget: float | None = None, optimizer: str = "adamw",
-                  time_limit: float = 30.0, example_kwargs: dict | None = None):
+                  time_limit: float = 30.0, example_kwargs: dict | None = None,
+                  plan: Plan | None = None):
     """Plan and shard ``model`` for ``mesh``.
 
     * ``auto_parallel(model, example_inputs=..., mesh=...)`` returns a
@@ -216,6 +238,9 @@ def auto_parallel(model: nn.Module | Callable | None = None, *, example_inputs: 
       without a process group).
     * ``@auto_parallel(mesh=...)`` on an ``nn.Module`` class or a factory returns a
       wrapper that plans on the first batch it is called with.
+
+    ``pins`` fix placements (``{"fc1.weight": "RS(0)", "input:0": (Shard(0), Shard(0))}``)
+    while the rest is searched; ``plan`` skips the search and applies a given Plan.
     """
     opts = PlanOptions(memory_budget=memory_budget, optimizer=optimizer, time_limit=time_limit,
                        pins=dict(pins or {}))
@@ -223,7 +248,8 @@ def auto_parallel(model: nn.Module | Callable | None = None, *, example_inputs: 
     if model is None:
         return lambda target: _decorate(target, m, opts)
     if isinstance(model, nn.Module) and example_inputs is not None:
-        return build_parallel_module(model, tuple(example_inputs), m, opts, example_kwargs)
+        return build_parallel_module(model, tuple(example_inputs), plan.mesh if plan else m, opts,
+                                     example_kwargs, plan=plan)
     return _decorate(model, m, opts)
 
 

@@ -7,6 +7,7 @@ sharded once at start-up.  ``getitem`` of a tuple takes its producer's strategy.
 
 from __future__ import annotations
 
+import fnmatch
 import itertools
 import operator
 from collections.abc import Mapping
@@ -67,6 +68,10 @@ def enumerate_strategies(gm: fx.GraphModule, mesh_shape: tuple[int, ...]) -> dic
 
 def _pin_key_matches(key: str, node: fx.Node, aliases: Mapping[str, list[str]],
                      inputs: Mapping[str, int]) -> bool:
+    if any(c in key for c in "*?["):
+        # glob patterns match parameters only ("*": every parameter)
+        names = [node.target, *aliases.get(node.target, ())] if node.op == "get_attr" else []
+        return info(node).param is not None and any(fnmatch.fnmatchcase(n, key) for n in names)
     if node.op == "get_attr":
         return key == node.target or key in aliases.get(node.target, ())
     if node.op == "placeholder":
@@ -78,19 +83,31 @@ def apply_pins(strategies: dict[fx.Node, list[OpStrategy]], pins: Pins, mesh_sha
                aliases: Mapping[str, list[str]], gm: fx.GraphModule) -> None:
     """Keep only the strategies whose output placement equals each pin.
 
-    A pin names a parameter (original or graph name), ``input:i`` or a node name and
-    gives one placement per mesh axis (``(Shard(0), Replicate())`` or ``"S(0)R"``).
+    A pin names a parameter (original or graph name), ``input:i`` or a node name, or
+    is a glob pattern over parameter names (``"*.fc1.weight"``, ``"*"``), and gives one
+    placement per mesh axis (``(Shard(0), Replicate())`` or ``"S(0)R"``).  An exact
+    name wins over a pattern that also matches it.
     """
     inputs = input_index(gm)
-    for key, value in pins.items():
+    # patterns first, so exact names applied afterwards override them
+    ordered = sorted(pins.items(), key=lambda kv: not any(c in kv[0] for c in "*?["))
+    pinned_exact: set[fx.Node] = set()
+    full: dict[fx.Node, list[OpStrategy]] = {}
+    for key, value in ordered:
         want = parse_placements(value) if isinstance(value, str) else tuple(value)
         if len(want) != len(mesh_shape):
             raise PlanError(f"pin {key!r}: {len(want)} placements for a {len(mesh_shape)}-axis mesh")
+        is_glob = any(c in key for c in "*?[")
         hits = [n for n in strategies if _pin_key_matches(key, n, aliases, inputs)]
         if not hits:
             raise PlanError(f"pin {key!r} names no parameter, input or node of the model")
         for n in hits:
-            kept = [s for s in strategies[n] if s.outputs[0] == want]
+            if is_glob and n in pinned_exact:
+                continue
+            if not is_glob:
+                pinned_exact.add(n)
+            pool = full[n] if n in full else strategies[n]
+            kept = [s for s in pool if s.outputs[0] == want]
             if not kept:
                 options = sorted({fmt_placements(s.outputs[0]) for s in strategies[n]})
                 raise PlanError(
@@ -98,4 +115,5 @@ def apply_pins(strategies: dict[fx.Node, list[OpStrategy]], pins: Pins, mesh_sha
                     f"(shape {info(n).outputs[0].shape} on mesh {tuple(mesh_shape)}); "
                     f"possible: {', '.join(options)}"
                 )
+            full.setdefault(n, strategies[n])
             strategies[n] = kept

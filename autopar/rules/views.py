@@ -14,7 +14,7 @@ import torch
 from torch import fx
 
 from autopar.ir import info
-from autopar.placement import P, Shard, normalize_dim
+from autopar.placement import P, R, Shard, normalize_dim
 from autopar.rules import AxisStrategy, RuleCtx, arg, assign, ndim, register, shape
 
 aten = torch.ops.aten
@@ -174,3 +174,21 @@ def stack_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
     if s is not None:
         result.append(s)
     return result
+
+
+@register(aten.pad.default, aten.constant_pad_nd.default)
+def pad_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
+    """Padding touches the last ``len(pad) // 2`` dims; the others shard through."""
+    x = node.args[0]
+    n = ndim(x)
+    padded = len(node.args[1]) // 2
+    return dim_map_strategies(node, x, {i: i for i in range(n - padded)})[:-1]  # no Partial: pad value
+
+
+@register(aten.new_ones.default, aten.new_zeros.default, aten.new_full.default,
+          aten.new_empty.default)
+def new_tensor_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
+    """``x.new_*(size)`` reads only x's dtype and device: x may have any placement and
+    the output (a fresh global tensor) is replicated."""
+    x = node.args[0]
+    return [s for d in range(ndim(x)) for s in [assign(node, [(x, Shard(d))], [R])] if s is not None]

@@ -93,7 +93,11 @@ def test_random_small_matches_brute_force(seed: int) -> None:
     rng = np.random.default_rng(seed)
     quantile = [None, 0.0, 0.3, 0.7][seed % 4]
     problem = random_problem(
-        rng, n=int(rng.integers(1, 6)), max_k=4, edge_prob=0.5, inf_prob=0.2,
+        rng,
+        n=int(rng.integers(1, 6)),
+        max_k=4,
+        edge_prob=0.5,
+        inf_prob=0.2,
         budget_quantile=quantile,
     )
     check_against_brute_force(problem)
@@ -105,7 +109,11 @@ def test_backends_match_brute_force(backend: str, seed: int) -> None:
     rng = np.random.default_rng(1000 + seed)
     # Dense graphs keep a residual after elimination, so the backend really runs.
     problem = random_problem(
-        rng, n=5, max_k=4, edge_prob=0.9, inf_prob=0.1,
+        rng,
+        n=5,
+        max_k=4,
+        edge_prob=0.9,
+        inf_prob=0.1,
         budget_quantile=[None, 0.4][seed % 2],
     )
     check_against_brute_force(problem, backend)
@@ -160,9 +168,7 @@ def test_infeasible_budget_reports_min_memory() -> None:
     with pytest.raises(InfeasibleError) as info:
         solve_ilp(problem)
     assert info.value.min_memory == pytest.approx(2.0 * GiB)
-    assert "memory budget 1.0 GiB is infeasible: the smallest plan needs 2.0 GiB" in str(
-        info.value
-    )
+    assert "memory budget 1.0 GiB is infeasible: the smallest plan needs 2.0 GiB" in str(info.value)
     problem.memory_budget = 2.0 * GiB
     sol = solve_ilp(problem)
     assert sol.choice == [1, 0] and evaluate(problem, sol.choice)[1] == 2.0 * GiB

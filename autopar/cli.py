@@ -1,0 +1,325 @@
+"""Command-line interface: ``autopar plan path/to/file.py:factory --mesh 2x4``.
+
+The factory is any callable in the file that returns ``(model, example_inputs)``, or
+just the model when the file also defines ``example_inputs()``.  The file is loaded by
+path (it need not be importable); ``--factory-args k=v`` are passed to the factory as
+keyword arguments (values are Python literals, else strings)::
+
+    autopar plan examples/gpt.py:build --mesh 2x4 --preset 8xA100-nvlink \\
+        --factory-args layers=12 dim=256 --json plan.json --explain linear_3
+
+Errors the user can fix (missing file or factory, bad mesh or preset, bad pins, no
+feasible plan, ...) print one ``error: ...`` line on stderr and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import importlib.util
+import inspect
+import os
+import re
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CLIError", "load_factory", "main", "parse_bytes"]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+class CLIError(Exception):
+    """A user error: printed as ``error: <message>``, exit status 2."""
+
+
+# ---------------------------------------------------------------- parsing helpers
+def parse_bytes(text: str) -> float:
+    """``"40GiB"`` -> 42949672960; accepts B, KB/MB/GB/TB (powers of 10), KiB/MiB/GiB/TiB
+    and bare K/M/G/T (powers of 2), or a plain number of bytes (``"4e10"``)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise CLIError(f"cannot parse memory size {text!r}; expected e.g. 40GiB, 512MiB, 80GB "
+                       f"or a number of bytes")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if value <= 0:
+        raise CLIError(f"memory size must be > 0, got {text!r}")
+    return value
+
+
+def _literal(text: str) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def parse_kv(items: Sequence[str], what: str) -> dict[str, str]:
+    """``["a=1", "b=x"]`` -> ``{"a": "1", "b": "x"}`` (values left as strings)."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise CLIError(f"{what} {item!r} must look like NAME=VALUE")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def parse_pins(items: Sequence[str]) -> dict[str, str]:
+    """``--pin NAME=PLACEMENTS`` values, with the placements checked for syntax."""
+    from autopar.placement import parse_placements
+
+    pins = parse_kv(items, "--pin")
+    for name, value in pins.items():
+        try:
+            if not parse_placements(value):
+                raise ValueError
+        except ValueError:
+            raise CLIError(f"--pin {name}={value}: cannot parse placements {value!r}; expected "
+                           f"one of R, P or S(dim) per mesh axis, e.g. S(0)R") from None
+    return pins
+
+
+# ---------------------------------------------------------------- loading the model
+def _load_file(path: Path):
+    if not path.exists():
+        raise CLIError(f"no such file: {path}")
+    if not path.is_file():
+        raise CLIError(f"not a file: {path}")
+    stem = re.sub(r"\W", "_", path.stem)
+    name = f"_autopar_user_{stem}_{abs(hash(str(path.resolve()))):x}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise CLIError(f"cannot load {path} as a Python file")
+    module = importlib.util.module_from_spec(spec)
+    # Registered before executing so dataclasses and pickling inside the file work; the
+    # file's own directory is importable while it runs, as for `python file.py`.
+    sys.modules[name] = module
+    folder = str(path.resolve().parent)
+    sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[name]
+        raise CLIError(f"loading {path} failed: {type(e).__name__}: {e}") from e
+    finally:
+        if folder in sys.path:
+            sys.path.remove(folder)
+    return module
+
+
+def load_factory(target: str):
+    """``"path/file.py:factory"`` -> (the loaded module, the factory callable).
+
+    Without ``:factory`` the file's ``build`` is used."""
+    path_text, sep, factory_name = target.rpartition(":")
+    if not sep or not path_text or "/" in factory_name or factory_name.endswith(".py"):
+        path_text, factory_name = target, "build"
+    module = _load_file(Path(path_text))
+    factory = getattr(module, factory_name, None)
+    if factory is None:
+        names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+                 and getattr(v, "__module__", None) == module.__name__]
+        close = difflib.get_close_matches(factory_name, names, n=3)
+        hint = (f"; did you mean {', '.join(close)}?" if close else
+                f"; callables defined there: {', '.join(sorted(names)) or 'none'}")
+        raise CLIError(f"{path_text} has no factory {factory_name!r}{hint}")
+    if not callable(factory):
+        raise CLIError(f"{path_text}:{factory_name} is not callable")
+    return module, factory
+
+
+def build_model(module, factory, factory_args: dict[str, Any], spec: str):
+    """Call the factory; return (model, example_inputs tuple, example_kwargs or None)."""
+    from torch import nn
+
+    try:
+        sig = inspect.signature(factory)
+    except (TypeError, ValueError):
+        sig = None
+    if sig is not None:
+        try:
+            sig.bind(**factory_args)
+        except TypeError as e:
+            raise CLIError(f"--factory-args do not fit {spec}{sig}: {e}") from None
+    out = factory(**factory_args)
+    kwargs = None
+    if isinstance(out, nn.Module):
+        model = out
+        make_inputs = getattr(module, "example_inputs", None)
+        if not callable(make_inputs):
+            raise CLIError(f"{spec} returned only a model; return (model, example_inputs) or "
+                           f"define example_inputs() in the file")
+        inputs = make_inputs()
+    elif isinstance(out, (tuple, list)) and len(out) in (2, 3) and isinstance(out[0], nn.Module):
+        model, inputs = out[0], out[1]
+        if len(out) == 3:
+            kwargs = out[2]
+            if not isinstance(kwargs, dict):
+                raise CLIError(f"{spec} returned 3 items; the third must be a dict of "
+                               f"example keyword inputs, got {type(kwargs).__name__}")
+    else:
+        raise CLIError(f"{spec} must return (model, example_inputs) or an nn.Module, got "
+                       f"{type(out).__name__}")
+    if not isinstance(inputs, (tuple, list)):
+        inputs = (inputs,)
+    return model, tuple(inputs), kwargs
+
+
+def make_mesh(args):
+    """The MeshSpec described by --mesh / --preset / --mesh-json."""
+    from autopar.cost_models import PRESET_NAMES, MeshSpec
+
+    if args.mesh_json:
+        if args.preset is not None:
+            raise CLIError("give either --preset or --mesh-json, not both")
+        try:
+            mesh = MeshSpec.from_json(args.mesh_json)
+        except FileNotFoundError:
+            raise CLIError(f"no such mesh file: {args.mesh_json}") from None
+        except (ValueError, KeyError, TypeError) as e:
+            raise CLIError(f"bad mesh file {args.mesh_json}: {e}") from None
+        if args.mesh:
+            try:
+                mesh = mesh.with_shape(MeshSpec.parse_shape(args.mesh))
+            except ValueError as e:
+                raise CLIError(f"--mesh {args.mesh}: {e}") from None
+        return mesh
+    preset = args.preset or "cpu-gloo"
+    if preset not in PRESET_NAMES:
+        close = difflib.get_close_matches(preset, PRESET_NAMES, n=1)
+        raise CLIError(f"unknown preset {preset!r}" + (f" (did you mean {close[0]!r}?)" if close
+                                                       else "")
+                       + f"; known presets: {', '.join(PRESET_NAMES)}")
+    shape = None
+    if args.mesh:
+        try:
+            shape = MeshSpec.parse_shape(args.mesh)
+        except ValueError:
+            raise CLIError(f"bad --mesh {args.mesh!r}: expected a shape such as 8, 2x4 or "
+                           f"2x2x2 (positive integers joined by 'x')") from None
+    try:
+        return MeshSpec.preset(preset, shape=shape)
+    except ValueError as e:
+        raise CLIError(f"--mesh {args.mesh} with --preset {preset}: {e}") from None
+
+
+# ---------------------------------------------------------------- commands
+def cmd_plan(args) -> int:
+    """``autopar plan``: capture, search and print the plan."""
+    from autopar.api import plan as make_plan
+
+    mesh = make_mesh(args)
+    pins = parse_pins(args.pin)
+    budget = parse_bytes(args.memory_budget) if args.memory_budget else None
+    if args.time_limit is not None and args.time_limit <= 0:
+        raise CLIError(f"--time-limit must be > 0, got {args.time_limit:g}")
+    fargs = {k: _literal(v) for k, v in parse_kv(args.factory_args, "--factory-args").items()}
+    module, factory = load_factory(args.target)
+    model, inputs, kwargs = build_model(module, factory, fargs, args.target)
+
+    t0 = time.perf_counter()
+    try:
+        p = make_plan(model, inputs, mesh, example_kwargs=kwargs, pins=pins,
+                      memory_budget=budget, time_limit=args.time_limit or 30.0)
+    except TimeoutError as e:  # the solver found no plan at all within its limit
+        raise CLIError(f"{e} (--time-limit)") from e
+    total = time.perf_counter() - t0
+
+    print(p.table(max_rows=args.max_rows, show_views=args.show_views))
+    order = ("capture", "annotate", "enumerate_and_price", "solve", "lower")
+    keys = sorted(p.timings, key=lambda k: order.index(k) if k in order else len(order))
+    stages = ", ".join(f"{k} {p.timings[k]:.2f} s" for k in keys)
+    print(f"planned in {total:.2f} s ({stages})")
+    if args.json:
+        try:
+            p.to_json(args.json)
+        except OSError as e:
+            raise CLIError(f"cannot write {args.json}: {e.strerror or e}") from None
+        print(f"plan written to {args.json}")
+    for name in args.explain:
+        try:
+            text = p.explain(name)
+        except KeyError:
+            names = list(p.nodes) + [n.param for n in p.nodes.values() if n.param]
+            close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
+            raise CLIError(f"--explain {name}: no node or parameter of that name in the plan"
+                           + (f"; did you mean {', '.join(close)}?" if close else "")) from None
+        print()
+        print(text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for documentation and tests)."""
+    ap = argparse.ArgumentParser(prog="autopar", description="Automatic parallelization "
+                                 "planner for PyTorch models.")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    p = sub.add_parser(
+        "plan", help="plan a model and print the plan",
+        description="Capture the model built by FACTORY, search data/tensor/ZeRO sharding "
+                    "for the mesh and print the plan.",
+        epilog="example: autopar plan examples/gpt.py:build --mesh 2x4 --preset 8xA100-nvlink")
+    p.add_argument("target", metavar="FILE.py[:FACTORY]",
+                   help="Python file and the factory in it (default: build) returning "
+                        "(model, example_inputs), or a model if the file defines "
+                        "example_inputs()")
+    p.add_argument("--mesh", help="mesh shape, e.g. 8 or 2x4 (default: the preset's)")
+    p.add_argument("--preset", help="hardware preset (default: cpu-gloo)")
+    p.add_argument("--mesh-json", help="mesh description written by MeshSpec.to_json "
+                   "(--mesh then reshapes it)")
+    p.add_argument("--json", metavar="OUT.json", help="write the plan as JSON")
+    p.add_argument("--pin", action="append", default=[], metavar="NAME=PLACEMENTS",
+                   help="fix a parameter/input/node placement, e.g. fc1.weight=S(0)R "
+                        "(repeatable)")
+    p.add_argument("--memory-budget", metavar="SIZE",
+                   help="bytes per device, e.g. 40GiB (default: the device's capacity)")
+    p.add_argument("--time-limit", type=float, default=30.0, metavar="SECONDS",
+                   help="solver time limit (default 30)")
+    p.add_argument("--factory-args", nargs="+", default=[], metavar="K=V",
+                   help="keyword arguments for the factory (Python literals or strings)")
+    p.add_argument("--explain", action="append", default=[], metavar="NODE",
+                   help="also explain this node's or parameter's choice (repeatable)")
+    p.add_argument("--max-rows", type=int, default=None, help="truncate the table")
+    p.add_argument("--show-views", action="store_true",
+                   help="also list free ops (views, getitems) in the table")
+    p.set_defaults(func=cmd_plan)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``autopar`` command; returns the exit status."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    ap = build_parser()
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:  # --help, or a usage error argparse already printed
+        return e.code if isinstance(e.code, int) else 2
+    if getattr(args, "func", None) is None:
+        ap.print_help(sys.stderr)
+        return 2
+    from autopar.errors import AutoparError
+
+    try:
+        return args.func(args)
+    except CLIError as e:
+        print(f"autopar: error: {e}", file=sys.stderr)
+        return 2
+    except AutoparError as e:
+        print(f"autopar: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("autopar: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,312 @@
+"""Simulated ranks for the brute-force rule validator (design.md §7: DTensor's
+``strategy_validation`` habit).
+
+For one node of an annotated graph and one :class:`~autopar.rules.OpStrategy`:
+
+1. cut the node out into a single-op graph (placeholders for its tensor inputs, in
+   :func:`autopar.ir.tensor_inputs` order) and run it on the global inputs: the reference;
+2. cut it out again and apply :func:`autopar.passes.localize.localize` with a plan that
+   holds exactly this strategy: the local form the real lowering produces;
+3. split every global input into per-rank local inputs by its placements
+   (``Shard``: the rank's chunk, ``Replicate``: a copy, ``Partial``: random summands
+   that add up to the value);
+4. run the local graph on every simulated rank, each in its own thread, with
+   ``torch.distributed.all_reduce`` and ``autopar.runtime.mesh.current`` replaced by an
+   in-memory process group that really sums (or maxes) across the threads;
+5. assemble the global output from the output placements (``Shard``: concatenate,
+   ``Replicate``: every rank's copy must agree, ``Partial``: sum) and compare with the
+   reference.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Sequence
+from types import SimpleNamespace
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch import fx
+
+import autopar.runtime.collectives as C
+import autopar.runtime.ops as O
+from autopar.ir import tensor_inputs
+from autopar.passes.localize import localize
+from autopar.placement import Partial, Placements, Replicate, Shard, fmt_placements
+from autopar.rules import OpStrategy, RuleCtx, op_strategies
+
+Coord = tuple[int, ...]
+
+# Tolerances.  Inputs are fp64 with values of order one; a correct local form only
+# reorders sums of at most a few hundred such terms, which moves the result by
+# ~1e-14, while every wrong rule we have seen is off by >= 1e-2.  1e-9 keeps six
+# orders of magnitude on both sides.  fp32 appears only where a sample casts
+# (``_to_copy`` to float32): rounding each Partial summand separately costs ~1e-7.
+TOL = {torch.float64: 1e-9, torch.float32: 1e-5}
+
+# A collective that not every rank of its group joins would hang: fail instead.
+BARRIER_TIMEOUT_S = 10.0
+
+
+def mesh_coords(mesh: Sequence[int]) -> list[Coord]:
+    """Every coordinate of the mesh, row-major (the rank order)."""
+    return list(itertools.product(*[range(n) for n in mesh]))
+
+
+# ---------------------------------------------------------------- graphs
+def node_values(gm: fx.GraphModule, inputs: Sequence[object]) -> dict[str, object]:
+    """Every node's value when ``gm`` runs on ``inputs`` (by node name)."""
+    env: dict[str, object] = {}
+
+    class _Recorder(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> object:
+            out = super().run_node(n)
+            env[n.name] = out
+            return out
+
+    with torch.no_grad():
+        _Recorder(gm).run(*inputs)
+    return env
+
+
+def single_op(node: fx.Node) -> tuple[fx.GraphModule, str]:
+    """A graph holding only ``node``, its tensor inputs turned into placeholders."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for x in tensor_inputs(node):
+        p = g.placeholder(x.name)
+        p.meta = dict(x.meta)
+        env[x] = p
+    new = g.node_copy(node, lambda n: env[n])
+    g.output(new)
+    return fx.GraphModule(torch.nn.Module(), g), new.name
+
+
+def local_form(node: fx.Node, strategy: OpStrategy, mesh: Sequence[int]) -> fx.GraphModule:
+    """The single-op graph of ``node`` as the lowering localizes it for ``strategy``."""
+    gm, name = single_op(node)
+    plan = SimpleNamespace(
+        mesh=SimpleNamespace(shape=tuple(mesh)),
+        nodes={name: SimpleNamespace(
+            in_placements=[fmt_placements(p) for p in strategy.inputs],
+            out_placements=[fmt_placements(p) for p in strategy.outputs],
+        )},
+    )
+    localize(gm, plan)
+    gm.recompile()
+    return gm
+
+
+def as_list(out: object) -> list[torch.Tensor]:
+    """An op's result as a list of tensors."""
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+# ---------------------------------------------------------------- placements
+def _summands(t: torch.Tensor, n: int, gen: torch.Generator) -> list[torch.Tensor]:
+    if t.dtype == torch.bool:
+        raise AssertionError("a Partial boolean tensor has no meaning")
+    if t.is_floating_point():
+        parts = [torch.randn(t.shape, dtype=t.dtype, generator=gen) for _ in range(n - 1)]
+    else:
+        parts = [torch.randint(-3, 4, t.shape, dtype=t.dtype, generator=gen) for _ in range(n - 1)]
+    return [*parts, t - sum(parts, torch.zeros_like(t))]
+
+
+def scatter(value: torch.Tensor, placements: Placements, mesh: Sequence[int],
+            gen: torch.Generator) -> dict[Coord, torch.Tensor]:
+    """Each coordinate's local tensor (earlier mesh axes shard first)."""
+    parts: dict[Coord, torch.Tensor] = {(): value}
+    for p, n in zip(placements, mesh):
+        nxt: dict[Coord, torch.Tensor] = {}
+        for pre, t in parts.items():
+            pieces = _summands(t, n, gen) if isinstance(p, Partial) else None
+            for c in range(n):
+                if isinstance(p, Shard):
+                    size = t.shape[p.dim] // n
+                    nxt[(*pre, c)] = t.narrow(p.dim, c * size, size).contiguous()
+                elif isinstance(p, Partial):
+                    nxt[(*pre, c)] = pieces[c]
+                else:
+                    nxt[(*pre, c)] = t.clone()
+        parts = nxt
+    return parts
+
+
+def assert_same(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Equal up to :data:`TOL` (floats) or exactly (integers, booleans)."""
+    if expected.is_floating_point():
+        tol = TOL[expected.dtype]
+        torch.testing.assert_close(actual, expected, rtol=tol, atol=tol,
+                                   msg=lambda m: f"{what}: {m}")
+    else:
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, \
+            f"{what}: {actual.dtype}{tuple(actual.shape)} vs {expected.dtype}{tuple(expected.shape)}"
+        assert torch.equal(actual, expected), f"{what}: values differ"
+
+
+def assemble(leaves: dict[Coord, torch.Tensor], placements: Placements, mesh: Sequence[int],
+             what: str) -> torch.Tensor:
+    """Inverse of :func:`scatter`: the global value the ranks' locals stand for."""
+    parts = leaves
+    for a in reversed(range(len(mesh))):
+        p, n = placements[a], mesh[a]
+        nxt: dict[Coord, torch.Tensor] = {}
+        for pre in {k[:a] for k in parts}:
+            pieces = [parts[(*pre, c)] for c in range(n)]
+            if isinstance(p, Shard):
+                nxt[pre] = torch.cat(pieces, dim=p.dim)
+            elif isinstance(p, Partial):
+                nxt[pre] = sum(pieces[1:], pieces[0])
+            else:
+                assert isinstance(p, Replicate)
+                for c, piece in enumerate(pieces[1:], 1):
+                    assert_same(piece, pieces[0],
+                                f"{what}: replicated copies differ on mesh axis {a} "
+                                f"(coordinate {c} vs 0 under {pre})")
+                nxt[pre] = pieces[0]
+        parts = nxt
+    return parts[()]
+
+
+# ---------------------------------------------------------------- simulated world
+class _Group:
+    """The ranks that differ only along one mesh axis."""
+
+    def __init__(self, axis: int, n: int) -> None:
+        self.axis, self.n = axis, n
+        self.barrier = threading.Barrier(n, timeout=BARRIER_TIMEOUT_S)
+        self.slots: list[torch.Tensor | None] = [None] * n
+        self.ops: list[object] = [None] * n
+
+
+class _SimMesh:
+    """What :func:`autopar.runtime.mesh.current` returns on a simulated rank."""
+
+    def __init__(self, shape: tuple[int, ...], coord: Coord, groups: dict) -> None:
+        self.shape, self.coord, self._groups = shape, coord, groups
+
+    def group(self, axis: int) -> _Group:
+        return self._groups[(axis, self.coord[:axis] + self.coord[axis + 1:])]
+
+
+_TLS = threading.local()
+
+
+def _current() -> _SimMesh:
+    m = getattr(_TLS, "mesh", None)
+    if m is None:
+        raise RuntimeError("collective called outside a simulated rank")
+    return m
+
+
+def _all_reduce(tensor: torch.Tensor, op: object = dist.ReduceOp.SUM, group: object = None,
+                async_op: bool = False) -> None:
+    """In-memory all-reduce across the simulated ranks of ``group`` (in place)."""
+    assert isinstance(group, _Group), f"all_reduce needs a mesh-axis group, got {group!r}"
+    assert not async_op
+    r = _current().coord[group.axis]
+    group.slots[r] = tensor.detach().clone()
+    group.ops[r] = op
+    group.barrier.wait()
+    if any(o != group.ops[0] for o in group.ops):
+        raise AssertionError(f"ranks disagree on the reduce op: {group.ops}")
+    stacked = torch.stack(group.slots)
+    if op == dist.ReduceOp.SUM:
+        result = stacked.sum(0)
+    elif op == dist.ReduceOp.MAX:
+        result = stacked.amax(0)
+    else:
+        raise AssertionError(f"reduce op {op} not simulated")
+    group.barrier.wait()  # nobody refills the slots before every rank has read them
+    with torch.no_grad():
+        tensor.copy_(result)
+
+
+def _unsupported(*args: object, **kwargs: object) -> None:
+    raise AssertionError("a local op form issued a collective the simulator does not model")
+
+
+def run_ranks(gm: fx.GraphModule, local_inputs: dict[Coord, list[torch.Tensor]],
+              mesh: Sequence[int]) -> dict[Coord, list[torch.Tensor]]:
+    """Run ``gm`` on every simulated rank, one thread each, communicating in memory."""
+    mesh = tuple(mesh)
+    coords = mesh_coords(mesh)
+    groups = {(a, c[:a] + c[a + 1:]): None for a in range(len(mesh)) for c in coords}
+    groups = {k: _Group(k[0], mesh[k[0]]) for k in groups}
+    results: dict[Coord, list[torch.Tensor]] = {}
+    errors: list[BaseException] = []
+
+    def work(c: Coord) -> None:
+        _TLS.mesh = _SimMesh(mesh, c, groups)
+        try:
+            with torch.no_grad():
+                results[c] = as_list(gm(*local_inputs[c]))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+            errors.append(e)
+            for g in groups.values():
+                g.barrier.abort()
+        finally:
+            _TLS.mesh = None
+
+    with mock.patch.object(dist, "all_reduce", _all_reduce), \
+            mock.patch.object(dist, "all_gather", _unsupported), \
+            mock.patch.object(dist, "all_to_all_single", _unsupported), \
+            mock.patch.object(C, "current", _current), \
+            mock.patch.object(O, "current", _current):
+        threads = [threading.Thread(target=work, args=(c,)) for c in coords]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+# ---------------------------------------------------------------- the check
+def describe(node: fx.Node, strategy: OpStrategy, mesh: Sequence[int]) -> str:
+    """``aten.op on mesh (2, 2): [S(0)R, RR] -> [S(0)P]``."""
+    ins = ", ".join(fmt_placements(p) for p in strategy.inputs)
+    outs = ", ".join(fmt_placements(p) for p in strategy.outputs)
+    return f"{node.target} ({node.name}) on mesh {tuple(mesh)}: [{ins}] -> [{outs}]"
+
+
+def check_strategy(node: fx.Node, strategy: OpStrategy, mesh: Sequence[int],
+                   inputs: Sequence[torch.Tensor], seed: int = 0,
+                   shape_only: bool = False) -> None:
+    """Raise ``AssertionError`` unless ``strategy`` of ``node`` computes the unsharded op.
+
+    ``shape_only`` compares shapes and dtypes only (for ops whose values are undefined,
+    like ``empty_like``).
+    """
+    what = describe(node, strategy, mesh)
+    ref_gm, _ = single_op(node)
+    with torch.no_grad():
+        ref = as_list(ref_gm(*inputs))
+    gen = torch.Generator().manual_seed(seed)
+    coords = mesh_coords(mesh)
+    local_inputs: dict[Coord, list[torch.Tensor]] = {c: [] for c in coords}
+    for x, p in zip(inputs, strategy.inputs):
+        for c, t in scatter(x, p, mesh, gen).items():
+            local_inputs[c].append(t)
+    results = run_ranks(local_form(node, strategy, mesh), local_inputs, mesh)
+    assert all(len(r) == len(ref) for r in results.values()), f"{what}: output count differs"
+    for j, (expected, p) in enumerate(zip(ref, strategy.outputs)):
+        leaves = {c: results[c][j] for c in coords}
+        if shape_only:
+            leaves = {c: torch.zeros_like(t) for c, t in leaves.items()}
+            expected = torch.zeros_like(expected)
+        got = assemble(leaves, p, mesh, f"{what}, output {j}")
+        assert_same(got, expected, f"{what}, output {j}")
+
+
+def validate_node(node: fx.Node, mesh: Sequence[int], inputs: Sequence[torch.Tensor],
+                  shape_only: bool = False) -> int:
+    """Check every strategy the registry gives ``node`` on ``mesh``; return how many."""
+    strategies = op_strategies(node, RuleCtx(tuple(mesh)))
+    for i, s in enumerate(strategies):
+        check_strategy(node, s, mesh, inputs, seed=i, shape_only=shape_only)
+    return len(strategies)
