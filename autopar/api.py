@@ -89,6 +89,8 @@ class ParallelModule(nn.Module):
             from autopar.runtime.mesh import init_mesh
             self._mesh_rt = init_mesh(tuple(plan.mesh.shape))
             self.rank = dist.get_rank()
+        # planning-only: keep the whole weights so export() can write every rank's shards
+        self._full_state = dict(full_state) if (full_state is not None and not runtime) else None
         if full_state is not None:
             self._load_targets(full_state, self._coord())
         if runtime:
@@ -144,10 +146,21 @@ class ParallelModule(nn.Module):
             pl = self._placements.get(t, tuple(parse_placements("R" * len(coord))))
             local = shard_tensor(src.detach(), pl, self.plan.mesh.shape, coord)
             with torch.no_grad():
-                if tuple(p.shape) != tuple(local.shape):
-                    p.data = local.clone()
-                else:
+                if p.shape == local.shape and getattr(self, "_owns_params", False):
                     p.copy_(local)
+                else:
+                    self._replace(t, local.clone(), isinstance(p, nn.Parameter))
+        # the captured graph shares tensors with the user's model: from here on this
+        # module owns fresh ones, so the user's model is never modified
+        self._owns_params = True
+
+    def _replace(self, target: str, tensor: torch.Tensor, is_param: bool) -> None:
+        *path, leaf = target.split(".")
+        owner = self.inner.get_submodule(".".join(path)) if path else self.inner
+        if is_param:
+            owner.register_parameter(leaf, nn.Parameter(tensor))
+        else:
+            owner.register_buffer(leaf, tensor)
 
     def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load an original-model state dict (whole tensors) by sharding it in."""
@@ -216,12 +229,16 @@ def build_parallel_module(model: nn.Module, example_inputs: tuple, mesh: MeshSpe
     """Capture, plan (or take ``plan``), lower and shard: the body of :func:`auto_parallel`."""
     from autopar.passes.lower import lower
 
+    if runtime is None:
+        runtime = dist.is_initialized() or "RANK" in os.environ
+    if runtime:
+        # join the process group before planning so rank 0 can broadcast its plan
+        from autopar.runtime.mesh import init_mesh
+        init_mesh(tuple((plan.mesh if plan is not None else mesh).shape))
     cap, p = _shared_plan(model, example_inputs, mesh, opts, example_kwargs, plan)
     t0 = time.perf_counter()
     gm = lower(cap.gm, p)
     p.timings["lower"] = time.perf_counter() - t0
-    if runtime is None:
-        runtime = dist.is_initialized() or "RANK" in os.environ
     full = {k: v for k, v in model.state_dict().items()}
     return ParallelModule(gm, p, cap.aliases, cap.in_spec, cap.out_spec, cap.state_keys, full, runtime)
 

@@ -149,7 +149,8 @@ def build_model(module, factory, factory_args: dict[str, Any], spec: str):
         try:
             sig.bind(**factory_args)
         except TypeError as e:
-            raise CLIError(f"--factory-args do not fit {spec}{sig}: {e}") from None
+            takes = ", ".join(sig.parameters) or "no arguments"
+            raise CLIError(f"--factory-args do not fit {spec}: {e}; it takes {takes}") from None
     out = factory(**factory_args)
     kwargs = None
     if isinstance(out, nn.Module):

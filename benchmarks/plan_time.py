@@ -53,6 +53,8 @@ def measure(layers: int, time_limit: float) -> dict:
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     model, ex = build(layers=layers, **MODEL)
+    # counted before planning: the planner must not, but once did, shard the user's model
+    params = sum(x.numel() for x in model.parameters())
     mesh = MeshSpec.preset(MESH_PRESET, shape=MESH_SHAPE)
     t0 = time.perf_counter()
     pm = build_parallel_module(model, ex, mesh, PlanOptions(time_limit=time_limit), runtime=False)
@@ -61,7 +63,7 @@ def measure(layers: int, time_limit: float) -> dict:
     s = p.solver
     return {
         "layers": layers,
-        "params": sum(x.numel() for x in model.parameters()),
+        "params": params,
         "graph_nodes": len(p.nodes),
         "problem_nodes": s.problem_nodes,
         "problem_edges": s.problem_edges,

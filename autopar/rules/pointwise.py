@@ -92,17 +92,20 @@ def add_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
 
 @register(aten.mul.Tensor, aten.mul.Scalar, operator.mul)
 def mul_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
-    """Product is linear in each factor separately."""
+    """Product is linear in each factor separately (a factor used twice, as in
+    ``x * x``, is not linear, so it never becomes Partial)."""
     tensors = _tensor_args(node)
-    return pointwise_axis(node, tensors, linear_in=[[t] for t in tensors])
+    return pointwise_axis(node, tensors,
+                          linear_in=[[t] for t in tensors if tensors.count(t) == 1])
 
 
 @register(aten.div.Tensor, aten.div.Scalar, operator.truediv)
 def div_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
-    """Quotient is linear in the numerator only."""
+    """Quotient is linear in the numerator only (unless it is also the denominator)."""
     tensors = _tensor_args(node)
     num = node.args[0]
-    return pointwise_axis(node, tensors, linear_in=[[num]] if is_tensor_node(num) else [])
+    linear = is_tensor_node(num) and tensors.count(num) == 1
+    return pointwise_axis(node, tensors, linear_in=[[num]] if linear else [])
 
 
 @register(aten.add.Scalar, aten.sub.Scalar, aten.rsub.Scalar)

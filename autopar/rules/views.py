@@ -68,9 +68,31 @@ def reshape_dim_map(src: tuple[int, ...], dst: tuple[int, ...]) -> dict[int, int
           aten.flatten.using_ints, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
           aten.unsqueeze.default, aten.view_as.default, aten.reshape_as.default)
 def reshape_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
-    """Any reshape-like op, by the group analysis of :func:`reshape_dim_map`."""
+    """Any reshape-like op, by the group analysis of :func:`reshape_dim_map`.
+
+    ``squeeze`` runs on local shapes: a dim it names (all dims for ``squeeze()``) whose
+    shard could be of size 1 would be dropped locally though kept globally, so such a
+    dim shards only when it is larger than the whole mesh.  ``view_as``/``reshape_as``
+    take the local shape of their second input, which is therefore sharded like the
+    output.
+    """
     x = node.args[0]
-    return dim_map_strategies(node, x, reshape_dim_map(shape(x), info(node).out.shape))
+    xs = shape(x)
+    dm = reshape_dim_map(xs, info(node).out.shape)
+    t = node.target
+    if t in (aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims):
+        n = len(xs)
+        dims = arg(node, 1, "dim", list(range(n)))
+        named = {normalize_dim(d, n) for d in ([dims] if isinstance(dims, int) else dims)}
+        limit = math.prod(ctx.mesh_shape)
+        dm = {i: o for i, o in dm.items() if i not in named or xs[i] > limit}
+    if t in (aten.view_as.default, aten.reshape_as.default):
+        other = node.args[1]
+        result = [assign(node, [(x, Shard(i)), (other, Shard(o))], [Shard(o)])
+                  for i, o in dm.items()]
+        result.append(assign(node, [(x, P)], [P]))
+        return [s for s in result if s is not None]
+    return dim_map_strategies(node, x, dm)
 
 
 @register(aten.transpose.int)

@@ -28,12 +28,12 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
+from autopar.passes.localize import localize
 from torch import fx
 
 import autopar.runtime.collectives as C
 import autopar.runtime.ops as O
 from autopar.ir import tensor_inputs
-from autopar.passes.localize import localize
 from autopar.placement import Partial, Placements, Replicate, Shard, fmt_placements
 from autopar.rules import OpStrategy, RuleCtx, op_strategies
 

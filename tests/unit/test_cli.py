@@ -1,0 +1,193 @@
+"""The ``autopar`` command line, run in-process through :func:`autopar.cli.main`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from autopar import Plan
+from autopar.cli import main, parse_bytes
+
+ROOT = Path(__file__).resolve().parents[2]
+MLP = str(ROOT / "examples" / "mlp.py")
+GPT = str(ROOT / "examples" / "gpt.py")
+GPT_SMALL = ["--factory-args", "layers=1", "dim=32", "heads=2", "vocab=64", "seq=8", "batch=4"]
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def mlp_plan_json(tmp_path_factory):
+    """One planned MLP on a 2x2 mesh, shared by the tests that only read its output."""
+    import contextlib
+    import io
+
+    path = tmp_path_factory.mktemp("cli") / "mlp.json"
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["plan", f"{MLP}:build", "--mesh", "2x2", "--json", str(path),
+                     "--explain", "fc1.weight"])
+    return code, out.getvalue(), err.getvalue(), path
+
+
+def test_mlp_2x2_table_json_and_explain(mlp_plan_json):
+    code, out, err, path = mlp_plan_json
+    assert code == 0, err
+    assert "autopar plan: mesh (2, 2)" in out
+    for name in ("fc1.weight", "fc2.weight", "fc3.bias", "linear", "mse_loss"):
+        assert name in out
+    p = Plan.from_json(path)
+    assert p.mesh.shape == (2, 2)
+    # every placement the table prints for a parameter is the one in the JSON
+    for fqn, placement in p.params().items():
+        row = next(line for line in out.splitlines() if f" {fqn} " in line)
+        assert placement in row
+        assert len(placement.replace("S(0)", "S").replace("S(1)", "S")) == 2
+    assert "chosen: inputs" in out  # --explain
+    assert f"plan written to {path}" in out
+
+
+def test_json_round_trip_matches(mlp_plan_json):
+    _, _, _, path = mlp_plan_json
+    p = Plan.from_json(path)
+    again = Plan.from_json(p.to_json())
+    assert again.to_dict() == p.to_dict()
+    assert set(p.timings) >= {"capture", "annotate", "enumerate_and_price", "solve"}
+
+
+def test_mlp_1d_mesh_with_pin(capsys, tmp_path):
+    out_json = tmp_path / "p.json"
+    code, out, err = run(capsys, "plan", f"{MLP}:build", "--mesh", "2", "--pin", "fc1.weight=S(0)",
+                         "--json", str(out_json), "--memory-budget", "1GiB", "--time-limit", "10")
+    assert code == 0, err
+    assert "mesh (2,)" in out
+    p = Plan.from_json(out_json)
+    assert p.placement("fc1.weight") == "S(0)"
+
+
+def test_mesh_json_reshaped(capsys, tmp_path):
+    from autopar import MeshSpec
+
+    mesh_file = tmp_path / "mesh.json"
+    MeshSpec.preset("8xH100-nvlink").to_json(mesh_file)
+    out_json = tmp_path / "p.json"
+    code, out, err = run(capsys, "plan", f"{MLP}:build", "--mesh-json", str(mesh_file),
+                         "--mesh", "2x2", "--json", str(out_json))
+    assert code == 0, err
+    p = Plan.from_json(out_json)
+    assert p.mesh.shape == (2, 2) and p.mesh.name == "8xH100-nvlink"
+
+
+@pytest.mark.parametrize("mesh", ["2", "2x2"])
+def test_gpt_small(capsys, tmp_path, mesh):
+    out_json = tmp_path / "gpt.json"
+    code, out, err = run(capsys, "plan", f"{GPT}:build", "--mesh", mesh, "--json", str(out_json),
+                         *GPT_SMALL)
+    assert code == 0, err
+    p = Plan.from_json(out_json)
+    assert p.mesh.shape == tuple(int(x) for x in mesh.split("x"))
+    assert "tok.weight" in out and "blocks.0.attn.q_proj.weight" in out
+    assert p.placement("tok.weight") in out
+    assert "planned in" in out
+
+
+def test_factory_defaults_to_build_and_example_inputs(capsys, tmp_path):
+    f = tmp_path / "only_model.py"
+    f.write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.fc = nn.Linear(8, 4)\n"
+        "    def forward(self, x):\n"
+        "        return self.fc(x).sum()\n"
+        "def make(width=8):\n"
+        "    return M()\n"
+        "def example_inputs():\n"
+        "    return torch.randn(4, 8)\n"
+    )
+    code, out, err = run(capsys, "plan", f"{f}:make", "--mesh", "2")
+    assert code == 0, err
+    assert "fc.weight" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "does/not/exist.py:build"], "no such file: does/not/exist.py"),
+    (["plan", f"{MLP}:biuld"], "has no factory 'biuld'; did you mean build"),
+    (["plan", f"{MLP}:build", "--preset", "8xA100"], "unknown preset '8xA100'"),
+    (["plan", f"{MLP}:build", "--mesh", "2y4"], "bad --mesh '2y4'"),
+    (["plan", f"{MLP}:build", "--mesh", "0"], "bad --mesh '0'"),
+    (["plan", f"{MLP}:build", "--mesh", "16", "--preset", "8xA100-nvlink"], "one node of 8"),
+    (["plan", f"{MLP}:build", "--pin", "fc1.weight=Q"], "cannot parse placements 'Q'"),
+    (["plan", f"{MLP}:build", "--pin", "fc1.weight"], "must look like NAME=VALUE"),
+    (["plan", f"{MLP}:build", "--memory-budget", "lots"], "cannot parse memory size 'lots'"),
+    (["plan", f"{MLP}:build", "--factory-args", "width=3"], "unexpected keyword argument 'width'"),
+    (["plan", f"{MLP}:build", "--mesh-json", "/no/such/mesh.json"], "no such mesh file"),
+    (["plan", f"{MLP}:build", "--time-limit", "0"], "--time-limit must be > 0"),
+])
+def test_user_errors_exit_2(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err
+    assert err.strip().startswith("autopar: error:")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", f"{MLP}:build", "--mesh", "2x2", "--pin", "nothere=RR"],
+     "PlanError: pin 'nothere' names no parameter"),
+    (["plan", f"{MLP}:build", "--mesh", "2", "--pin", "fc1.weight=RR"], "2 placements for a 1-axis"),
+    (["plan", f"{MLP}:build", "--mesh", "2", "--memory-budget", "1KiB"], "memory budget"),
+    (["plan", f"{MLP}:build", "--mesh", "2", "--explain", "no_such_node"],
+     "--explain no_such_node: no node or parameter"),
+])
+def test_autopar_errors_exit_2(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_loading_error_is_reported(capsys, tmp_path):
+    f = tmp_path / "broken.py"
+    f.write_text("import no_such_module_for_autopar\n")
+    code, _, err = run(capsys, "plan", f"{f}:build")
+    assert code == 2
+    assert "loading" in err and "ModuleNotFoundError" in err
+
+
+def test_factory_returning_wrong_thing(capsys, tmp_path):
+    f = tmp_path / "bad.py"
+    f.write_text("def build():\n    return 3\n")
+    code, _, err = run(capsys, "plan", f"{f}:build")
+    assert code == 2 and "must return (model, example_inputs)" in err
+
+
+def test_usage_errors(capsys):
+    assert main([]) == 2
+    assert main(["plan"]) == 2
+    assert "usage" in capsys.readouterr().err
+    assert main(["plan", "--help"]) == 0
+    assert "--memory-budget" in capsys.readouterr().out
+
+
+def test_hf_offline_default(monkeypatch, capsys):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    main(["plan", "does/not/exist.py"])
+    import os
+
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
+
+
+@pytest.mark.parametrize("text, value", [
+    ("40GiB", 40 * 2**30), ("512MiB", 512 * 2**20), ("80GB", 80e9), ("4e10", 4e10),
+    ("1.5 G", 1.5 * 2**30), ("100", 100.0),
+])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
