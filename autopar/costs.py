@@ -113,7 +113,9 @@ class CostModel:
         if not axes:
             return 0.0
         b = math.prod(local_shape(t.shape, p, self.mesh.shape)) * (t.nbytes / max(t.numel, 1))
-        return all_reduce_time(self.mesh, axes, b)
+        # gradients are fused into buckets (runtime/grad_sync.py): the latency is paid
+        # once per bucket, not per parameter, so a parameter pays only the bandwidth term
+        return max(0.0, all_reduce_time(self.mesh, axes, b) - all_reduce_time(self.mesh, axes, 1.0))
 
     def node_memory(self, node: fx.Node, s: OpStrategy) -> float:
         """Bytes a strategy keeps per device: parameter + gradient + optimizer state

@@ -9,6 +9,7 @@ and the memory budget over parameters, gradients, optimizer state and activation
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 import time
@@ -26,7 +27,7 @@ from autopar.plan import Alternative, NodePlan, Plan, Redistribution, SolverInfo
 from autopar.redistribute import plan_redistribution
 from autopar.rules import OpStrategy
 from autopar.solve.ilp import solve_ilp
-from autopar.solve.problem import InfeasibleError, StrategyProblem
+from autopar.solve.problem import InfeasibleError, StrategyProblem, evaluate
 from autopar.strategies import apply_pins, enumerate_strategies
 
 
@@ -98,6 +99,25 @@ def build_problem(gm: fx.GraphModule, mesh: MeshSpec, strategies: dict[fx.Node, 
     return Problem(nodes, strategies, prob, edge_src)
 
 
+def _solve(problem: StrategyProblem, time_limit: float):
+    """Exact shortcut first: the optimum without the memory budget (leaf/chain
+    elimination, no MIP for tree-like graphs) is also optimal with it whenever it fits;
+    only when it does not is the budgeted MIP solved."""
+    budget = problem.memory_budget
+    t0 = time.perf_counter()
+    if budget is not None:
+        free = dataclasses.replace(problem, memory_budget=None)
+        sol = solve_ilp(free, time_limit=time_limit)
+        if evaluate(problem, sol.choice)[1] <= budget and str(sol.status) == "optimal":
+            sol.message += "; fits the memory budget"
+            return sol
+        time_limit = max(1.0, time_limit - (time.perf_counter() - t0))
+    try:
+        return solve_ilp(problem, time_limit=time_limit)
+    except InfeasibleError as e:
+        raise PlanError(f"no plan fits the memory budget: {e}") from e
+
+
 def _kind(n: fx.Node) -> str:
     if n.op == "placeholder":
         return "input"
@@ -121,10 +141,7 @@ def make_plan(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts: PlanOptio
     budget = opts.memory_budget if opts.memory_budget is not None else mesh.mem_capacity
     pb = build_problem(gm, mesh, strategies, cm, budget)
     t1 = time.perf_counter()
-    try:
-        sol = solve_ilp(pb.problem, time_limit=opts.time_limit)
-    except InfeasibleError as e:
-        raise PlanError(f"no plan fits the memory budget: {e}") from e
+    sol = _solve(pb.problem, opts.time_limit)
     t2 = time.perf_counter()
     if not math.isfinite(sol.objective):
         raise PlanError("the search found no finite-cost plan (contradictory pins?)")

@@ -50,7 +50,7 @@ def einsum_strategies(node: fx.Node, operands: list[fx.Node], equation: str,
         if s is not None:
             result.append(s)
     # Partial passes through a product when exactly one operand is Partial.
-    for i, x in enumerate(operands):
+    for i in range(len(operands)):
         mapping = [(y, P if j == i else R) for j, y in enumerate(operands)]
         mapping += [(e, P) for e, _ in extra if e is not None]
         s = assign(node, mapping, [P])

@@ -110,6 +110,7 @@ def test_bad_pins() -> None:
 def test_hf_gpt2_captures_with_shapes() -> None:
     pytest.importorskip("transformers")
     import hf_gpt2
+
     from autopar.annotate import annotate
     from autopar.capture import capture
 
