@@ -19,7 +19,7 @@ import numpy as np
 from torch import fx
 
 from autopar.cost_models import MeshSpec
-from autopar.costs import CostModel
+from autopar.costs import CostModel, param_state_split
 from autopar.errors import PlanError
 from autopar.ir import info, tensor_inputs
 from autopar.placement import R, fmt_placements
@@ -55,10 +55,6 @@ class Problem:
     strategies: dict[fx.Node, list[OpStrategy]]
     problem: StrategyProblem
     edge_src: list[tuple[fx.Node, fx.Node, int]]  # (producer, consumer, input index)
-
-
-def _producer(u: fx.Node) -> fx.Node:
-    return u
 
 
 def build_problem(gm: fx.GraphModule, mesh: MeshSpec, strategies: dict[fx.Node, list[OpStrategy]],
@@ -195,13 +191,10 @@ def assemble(gm: fx.GraphModule, mesh: MeshSpec, pb: Problem, choice: dict[fx.No
         memory = pb.problem.node_memory[index[n]][chosen[n]]
         if kind == "param":
             sync += own
-            b = memory / (2.0 + (memory and 0) + 0) if False else None
-            from autopar.costs import param_state_split
             pbytes, gbytes, obytes = param_state_split(n, s.outputs[0], mesh, opts.optimizer)
             mem["params"] += pbytes
             mem["grads"] += gbytes
             mem["optimizer"] += obytes
-            del b
         elif kind == "buffer":
             mem["buffers"] += memory
         else:
