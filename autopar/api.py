@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import functools
 import os
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import fx, nn
+from torch import nn
 from torch.utils import _pytree as pytree
 
 from autopar.annotate import annotate
@@ -323,10 +322,4 @@ def _decorate(target, mesh: MeshSpec, opts: PlanOptions):
     raise TypeError(f"auto_parallel cannot wrap {type(target).__name__}")
 
 
-def copy_model(model: nn.Module) -> nn.Module:
-    """Deep copy helper for tests and examples (the original keeps its weights)."""
-    return copy.deepcopy(model)
-
-
-__all__ = ["LazyParallel", "ParallelModule", "auto_parallel", "build_parallel_module", "plan",
-           "fx"]
+__all__ = ["LazyParallel", "ParallelModule", "auto_parallel", "build_parallel_module", "plan"]

@@ -46,7 +46,6 @@ def _strip_guards(gm: fx.GraphModule) -> None:
     g = gm.graph
     for n in list(g.nodes):
         if n.op == "call_module" and n.target == "_guards_fn":
-            n.replace_all_uses_with(None) if n.users else None
             g.erase_node(n)
         elif n.op == "call_function" and getattr(n.target, "__name__", "").split(".")[0] in _DROP_TARGETS:
             g.erase_node(n)

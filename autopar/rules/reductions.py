@@ -49,8 +49,6 @@ def sum_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
     """Sum/mean: kept dims shard through; reduced dims give Partial; Partial passes."""
     x = node.args[0]
     red, keep = reduced_dims(node)
-    if arg(node, 3, "dtype", None) is not None and node.target in (aten.sum.dim_IntList, aten.mean.dim):
-        pass  # a dtype cast does not change placements
     result = []
     for i, o in _kept_map(ndim(x), red, keep).items():
         s = assign(node, [(x, Shard(i))], [Shard(o)])

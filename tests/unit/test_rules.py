@@ -126,11 +126,7 @@ def direct(name: str, op: object, specs: list[T], *args: object, meshes=MESHES,
     def build(gen):
         xs = [s.make(gen) for s in specs]
         g = fx.Graph()
-        phs = []
-        for i, x in enumerate(xs):
-            p = g.placeholder(f"in{i}")
-            p.meta["val"] = x
-            phs.append(p)
+        phs = _placeholders(g, xs)
 
         def sub(a, vals):
             if isinstance(a, Arg):
@@ -413,13 +409,19 @@ _HSET = settings(max_examples=20, deadline=None,
                  suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-def _direct_node(op: object, xs: list[torch.Tensor], *args: object) -> fx.Node:
-    g = fx.Graph()
+def _placeholders(g: fx.Graph, xs: list[torch.Tensor]) -> list[fx.Node]:
+    """One placeholder per example tensor, carrying it as ``meta["val"]``."""
     phs = []
     for i, x in enumerate(xs):
         p = g.placeholder(f"in{i}")
         p.meta["val"] = x
         phs.append(p)
+    return phs
+
+
+def _direct_node(op: object, xs: list[torch.Tensor], *args: object) -> fx.Node:
+    g = fx.Graph()
+    phs = _placeholders(g, xs)
     real = [xs[a.i] if isinstance(a, Arg) else a for a in args]
     n = g.call_function(op, tuple(phs[a.i] if isinstance(a, Arg) else a for a in args))
     n.meta["val"] = op(*real)
