@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from pathlib import Path
 
 from autopar.cost_models import MeshSpec, format_bytes
@@ -51,6 +52,7 @@ class NodePlan:
     comm: float = 0.0
     memory: float = 0.0
     param: str | None = None
+    layer: str = ""
     redistributions: list[Redistribution] = field(default_factory=list)
     alternatives: list[Alternative] = field(default_factory=list)
 
@@ -69,6 +71,56 @@ class SolverInfo:
     problem_edges: int = 0
 
 
+class Schedule(StrEnum):
+    """How micro-batches flow through pipeline stages."""
+
+    NONE = "none"
+    """No pipeline (one stage); micro-batches, if any, are gradient accumulation."""
+    GPIPE = "gpipe"
+    """All forwards, then all backwards: every stage holds all micro-batches' activations."""
+    ONE_F_ONE_B = "1f1b"
+    """Warm-up forwards, then one forward / one backward: stage ``s`` of ``p`` holds at
+    most ``p - s`` micro-batches' activations."""
+
+
+@dataclass
+class Decisions:
+    """Plan-level decisions beside the per-node placements (issue: ZeRO, pipeline,
+    recomputation, gradient accumulation), with the numbers that justify them.
+
+    ``pipeline_stages > 1`` adds a leading pipeline axis to the device mesh: the plan's
+    ``mesh`` is then each stage's sub-mesh and ``stages[s]`` lists the layer keys
+    (:mod:`autopar.layers`) of stage ``s``.  ``micro_batches`` splits the global batch
+    (the graph was captured at the micro-batch size); without a pipeline it is the
+    number of gradient accumulation steps.  ``zero_stage`` 1/2/3 shards optimizer state
+    / gradients / parameters of replicated parameters over sub-mesh axis ``zero_axis``.
+    ``recompute`` lists layer keys whose activations are recomputed in backward.
+    ``why`` maps each decision to a sentence with its memory and time effect.
+    """
+
+    pipeline_stages: int = 1
+    schedule: str = Schedule.NONE.value
+    micro_batches: int = 1
+    stages: list[list[str]] = field(default_factory=list)
+    zero_stage: int = 0
+    zero_axis: int | None = None
+    recompute: list[str] = field(default_factory=list)
+    global_batch: int = 0
+    stage_seconds: list[float] = field(default_factory=list)
+    stage_memory: list[float] = field(default_factory=list)
+    step_seconds: float = 0.0
+    why: dict[str, str] = field(default_factory=dict)
+
+    def stage_of(self, layer: str) -> int:
+        """Pipeline stage holding ``layer`` (0 without a pipeline)."""
+        for s, keys in enumerate(self.stages):
+            if layer in keys:
+                return s
+        if self.pipeline_stages > 1:
+            raise KeyError(f"layer {layer!r} is in no pipeline stage")
+        return 0
+
+
 @dataclass
 class Plan:
     """A complete parallel plan for one model on one mesh."""
@@ -84,6 +136,12 @@ class Plan:
     pins: dict[str, str] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    decisions: Decisions = field(default_factory=Decisions)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the plan runs on: the sub-mesh size times the pipeline stages."""
+        return self.mesh.size * self.decisions.pipeline_stages
 
     # ------------------------------------------------------------ queries
     def placement(self, name: str) -> str:
@@ -206,9 +264,10 @@ class Plan:
             v["redistributions"] = [Redistribution(**r) for r in v.get("redistributions", [])]
             v["alternatives"] = [Alternative(**a) for a in v.get("alternatives", [])]
             nodes[k] = NodePlan(**v)
-        rest = {k: v for k, v in d.items() if k not in ("mesh", "nodes", "solver")}
+        rest = {k: v for k, v in d.items() if k not in ("mesh", "nodes", "solver", "decisions")}
         return cls(mesh=MeshSpec.from_dict(d["mesh"]), nodes=nodes,
-                   solver=SolverInfo(**d["solver"]), **rest)
+                   solver=SolverInfo(**d["solver"]), decisions=Decisions(**d.get("decisions", {})),
+                   **rest)
 
     def to_json(self, path: str | Path | None = None) -> str:
         """JSON text; also written to ``path`` when given."""

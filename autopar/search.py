@@ -22,6 +22,7 @@ from autopar.cost_models import MeshSpec
 from autopar.costs import CostModel, param_state_split
 from autopar.errors import PlanError
 from autopar.ir import info, tensor_inputs
+from autopar.layers import layer_keys
 from autopar.placement import R, fmt_placements
 from autopar.plan import Alternative, NodePlan, Plan, Redistribution, SolverInfo
 from autopar.redistribute import plan_redistribution
@@ -157,6 +158,7 @@ def assemble(gm: fx.GraphModule, mesh: MeshSpec, pb: Problem, choice: dict[fx.No
         incident[v].append((index[u], m, True))
         incident[u].append((index[v], m, False))
     nodes: dict[str, NodePlan] = {}
+    layer_of = layer_keys(gm)
     compute = comm = sync = 0.0
     mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0, "buffers": 0.0}
     for n in pb.nodes:
@@ -208,7 +210,8 @@ def assemble(gm: fx.GraphModule, mesh: MeshSpec, pb: Problem, choice: dict[fx.No
             in_placements=[fmt_placements(p) for p in s.inputs],
             out_placements=[fmt_placements(p) for p in s.outputs],
             compute=float(own if kind == "op" else 0.0), comm=float(edge_comm),
-            memory=float(memory), param=ni.param, redistributions=reds, alternatives=alts[:5],
+            memory=float(memory), param=ni.param, layer=layer_of.get(n, ""),
+            redistributions=reds, alternatives=alts[:5],
         )
     mem["total"] = sum(mem.values())
     return Plan(

@@ -15,34 +15,60 @@ from autopar.errors import MeshMismatchError
 
 @dataclass
 class RuntimeMesh:
-    """The running mesh: shape, this rank's coordinate, one group per mesh axis."""
+    """The running mesh: shape, this rank's coordinate, one group per mesh axis.
+
+    With pipeline parallelism the device mesh has an extra leading *pipeline axis*
+    (one entry per stage); ``shape``, ``coord`` and ``group(axis)`` then describe the
+    stage's sub-mesh, the mesh the plan's placements refer to, so generated code is the
+    same with or without pipelining.
+    """
 
     shape: tuple[int, ...]
     device_mesh: DeviceMesh
     coord: tuple[int, ...]
+    stages: int = 1
+    stage: int = 0
 
     def group(self, axis: int) -> dist.ProcessGroup:
-        """Process group of the ranks that differ only along ``axis``."""
-        return self.device_mesh.get_group(axis)
+        """Process group of the ranks that differ only along (sub-mesh) ``axis``."""
+        return self.device_mesh.get_group(axis + (1 if self.stages > 1 else 0))
+
+    def stage_rank(self, stage: int) -> int:
+        """Global rank of the rank with this rank's sub-mesh coordinate in ``stage``."""
+        if self.stages == 1:
+            return dist.get_rank()
+        return int(self.device_mesh.mesh[(stage, *self.coord)].item())
+
+    @property
+    def size(self) -> int:
+        """Number of ranks in the (sub-)mesh."""
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
 
 
 _CURRENT: RuntimeMesh | None = None
 
 
-def init_mesh(shape: tuple[int, ...], backend: str | None = None) -> RuntimeMesh:
+def init_mesh(shape: tuple[int, ...], backend: str | None = None, stages: int = 1) -> RuntimeMesh:
     """Initialise (or reuse) the default process group and build the mesh.
+
+    ``shape`` is the mesh of the plan's placements; with ``stages > 1`` it is each
+    pipeline stage's sub-mesh and the world is ``stages`` times its size.
 
     Raises :class:`MeshMismatchError` when the world size differs from the mesh size:
     running a plan on the wrong number of ranks would silently compute garbage.
     """
     global _CURRENT
-    size = 1
+    size = stages
     for s in shape:
         size *= s
+    full = (stages, *shape) if stages > 1 else tuple(shape)
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             raise MeshMismatchError(
-                f"the plan is for a mesh of {size} ranks {shape} but no process group is "
+                f"the plan is for a mesh of {size} ranks {full} but no process group is "
                 "initialised and RANK is not set; launch with torchrun "
                 f"--nproc-per-node {size} (planning alone needs no process group)"
             )
@@ -51,15 +77,18 @@ def init_mesh(shape: tuple[int, ...], backend: str | None = None) -> RuntimeMesh
     world = dist.get_world_size()
     if world != size:
         raise MeshMismatchError(
-            f"the plan's mesh {shape} has {size} devices but the world size is {world}; "
+            f"the plan's mesh {full} has {size} devices but the world size is {world}; "
             f"re-plan for {world} devices or launch {size} ranks"
         )
-    if _CURRENT is not None and _CURRENT.shape == tuple(shape):
+    if _CURRENT is not None and (_CURRENT.stages, _CURRENT.shape) == (stages, tuple(shape)):
         return _CURRENT
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    dm = init_device_mesh(device, tuple(shape))
+    dm = init_device_mesh(device, full)
     coord = tuple(int(c) for c in dm.get_coordinate())
-    _CURRENT = RuntimeMesh(tuple(shape), dm, coord)
+    if stages > 1:
+        _CURRENT = RuntimeMesh(tuple(shape), dm, coord[1:], stages, coord[0])
+    else:
+        _CURRENT = RuntimeMesh(tuple(shape), dm, coord)
     return _CURRENT
 
 
