@@ -90,33 +90,86 @@ class ParallelModule(nn.Module):
             self.rank = dist.get_rank()
         # planning-only: keep the whole weights so export() can write every rank's shards
         self._full_state = dict(full_state) if (full_state is not None and not runtime) else None
+        self.zero = None
         if full_state is not None:
             self._load_targets(full_state, self._coord())
         if runtime:
+            self._start_zero()
             self._start_grad_sync()
 
     # ------------------------------------------------------------ running
     def _coord(self) -> tuple[int, ...]:
         return self._mesh_rt.coord if self._mesh_rt is not None else (0,) * len(self.plan.mesh.shape)
 
+    def _replicated_axes(self, t: str) -> tuple[int, ...]:
+        pl = self._placements[t]
+        return tuple(a for a, x in enumerate(pl) if is_replicate(x) and self.plan.mesh.shape[a] > 1)
+
+    def _start_zero(self) -> None:
+        """Put replicated parameters under ZeRO when the plan says so."""
+        from autopar.runtime.zero import Zero
+        d = self.plan.decisions
+        z = d.zero_axis
+        if not d.zero_stage or z is None or self.plan.mesh.shape[z] == 1:
+            return
+        params = []
+        for t, p in self._targets():
+            if t in self._placements and isinstance(p, nn.Parameter) and z in self._replicated_axes(t):
+                params.append((t, tuple(a for a in self._replicated_axes(t) if a != z)))
+        self.zero = Zero.install(self.inner, params, d.zero_stage, z)
+
     def _start_grad_sync(self) -> None:
         from autopar.runtime.grad_sync import GradSync
         params = []
+        zt = self.zero.targets() if self.zero is not None else set()
         for t, p in self._targets():
-            pl = self._placements.get(t)
-            if pl is None or not isinstance(p, nn.Parameter):
+            if t in zt:
+                zp = self.zero._by_target[t]
+                if self.zero.stage == 3 and zp.other_axes:
+                    # stage 3: the shard's gradient is still Partial on the other axes
+                    params.append((zp.shard, zp.other_axes))
                 continue
-            axes = tuple(a for a, x in enumerate(pl) if is_replicate(x) and self.plan.mesh.shape[a] > 1)
-            params.append((p, axes))
+            if t in self._placements and isinstance(p, nn.Parameter):
+                params.append((p, self._replicated_axes(t)))
         self.grad_sync = GradSync(params)
 
-    def _targets(self) -> list[tuple[str, torch.Tensor]]:
-        out = []
+    def _targets(self) -> list[tuple[str, torch.Tensor | None]]:
+        """(graph target, tensor attribute) for every parameter and buffer; ``None`` for
+        a stage-3 ZeRO parameter, which exists only as a shard."""
+        out: list[tuple[str, torch.Tensor | None]] = []
         for t in self.aliases:
             try:
                 out.append((t, self.inner.get_parameter(t)))
             except AttributeError:
-                out.append((t, self.inner.get_buffer(t)))
+                try:
+                    out.append((t, self.inner.get_buffer(t)))
+                except AttributeError:
+                    out.append((t, None))
+        return out
+
+    def _local_wholes(self, grads: bool = False) -> list[tuple[str, torch.Tensor | None]]:
+        """(target, this rank's tensor in its planned placement) for every parameter and
+        buffer, or their gradients; collective under ZeRO (gathers shards)."""
+        zt = self.zero.targets() if self.zero is not None else set()
+        out = []
+        for t, p in self._targets():
+            if t in zt:
+                out.append((t, self.zero.local_whole(t, grad=grads)))
+            elif grads:
+                out.append((t, p.grad if isinstance(p, nn.Parameter) else None))
+            else:
+                out.append((t, p))
+        return out
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Every parameter's whole gradient under its original names (collective)."""
+        out = {}
+        for t, g in self._local_wholes(grads=True):
+            if g is None or t not in self._placements:
+                continue
+            whole = gather_tensor(g, self._placements[t], self._mesh_rt.group)
+            for n in self.aliases[t]:
+                out[n] = whole
         return out
 
     def forward(self, *args, **kwargs):
@@ -127,6 +180,13 @@ class ParallelModule(nn.Module):
         flat, spec = pytree.tree_flatten((args, kwargs))
         if self._in_spec is not None and spec != self._in_spec:
             raise ValueError(f"inputs do not match the traced call's structure: {spec} vs {self._in_spec}")
+        if self.zero is not None:
+            self.zero.refresh()
+            if self.zero.stage == 3:
+                from autopar.runtime.zero import free_gathered_params
+                with free_gathered_params():
+                    out = self.inner(*flat)
+                return pytree.tree_unflatten(list(out), self._out_spec) if self._out_spec is not None else out
         out = self.inner(*flat)
         return pytree.tree_unflatten(list(out), self._out_spec) if self._out_spec is not None else out
 
@@ -137,6 +197,7 @@ class ParallelModule(nn.Module):
 
     # ------------------------------------------------------------ checkpoints
     def _load_targets(self, full_state: Mapping[str, torch.Tensor], coord) -> None:
+        zt = self.zero.targets() if getattr(self, "zero", None) is not None else set()
         for t, p in self._targets():
             names = self.aliases[t]
             src = next((full_state[n] for n in names if n in full_state), None)
@@ -144,6 +205,9 @@ class ParallelModule(nn.Module):
                 raise KeyError(f"state dict has none of {names}")
             pl = self._placements.get(t, tuple(parse_placements("R" * len(coord))))
             local = shard_tensor(src.detach(), pl, self.plan.mesh.shape, coord)
+            if t in zt:
+                self.zero.load_whole(t, local)
+                continue
             with torch.no_grad():
                 if p.shape == local.shape and getattr(self, "_owns_params", False):
                     p.copy_(local)
@@ -170,7 +234,7 @@ class ParallelModule(nn.Module):
 
         Collective when running: every rank must call it."""
         whole = {}
-        for t, p in self._targets():
+        for t, p in self._local_wholes():
             pl = self._placements.get(t)
             if pl is None or self._mesh_rt is None:
                 whole[t] = p.detach().clone()
@@ -185,7 +249,7 @@ class ParallelModule(nn.Module):
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's shards, keyed by graph target."""
-        return {t: p.detach().clone() for t, p in self._targets()}
+        return {t: p.detach().clone() for t, p in self._local_wholes()}
 
     def export(self, directory: str | Path) -> Path:
         """Write code, plan and weights so :func:`autopar.load` runs it without re-planning."""

@@ -95,7 +95,8 @@ def _local_states(pm) -> dict[int, dict[str, tuple[torch.Tensor, bool]]]:
 
     params = {t for t, _ in pm.inner.named_parameters(remove_duplicate=False)}
     if pm._mesh_rt is not None:
-        return {dist.get_rank(): {t: (p.detach().clone(), t in params) for t, p in pm._targets()}}
+        return {dist.get_rank(): {t: (p.detach().clone(), t in params or t in pm._placements)
+                                  for t, p in pm._local_wholes()}}
     # planning-only: the module kept the whole model's weights; write every rank's shards
     full = {t: next(pm._full_state[n] for n in pm.aliases[t] if n in pm._full_state).detach()
             for t, _ in pm._targets()}

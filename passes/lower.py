@@ -27,6 +27,7 @@ from autopar.passes.localize import localize
 from torch import fx
 
 from autopar.ir import info, tensor_inputs
+from autopar.layers import POST, PRE
 from autopar.placement import Placements, R, parse_placements
 from autopar.plan import Plan
 from autopar.redistribute import StepKind, plan_redistribution
@@ -109,6 +110,25 @@ def lower(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             new_args.append(a)
     out.args = (type(out.args[0])(new_args) if isinstance(out.args[0], (tuple, list)) else new_args[0],)
     g.eliminate_dead_code()
+    tag_layers(gm, plan)
     g.lint()
     gm.recompile()
     return gm
+
+
+def tag_layers(gm: fx.GraphModule, plan: Plan) -> None:
+    """Set ``node.meta["autopar_layer"]`` on every node of the lowered graph: planned
+    nodes take their plan layer; inserted nodes (collectives, local forms) take the
+    layer of their first user, since they are emitted right before the op that needs
+    them; placeholders belong to ``"pre"`` and the output to ``"post"``.
+    Pipeline stages and recomputation segments are cut along these tags."""
+    for n in reversed(list(gm.graph.nodes)):
+        if n.op == "output":
+            n.meta["autopar_layer"] = POST
+        elif n.op == "placeholder":
+            n.meta["autopar_layer"] = PRE
+        elif n.name in plan.nodes and plan.nodes[n.name].layer:
+            n.meta["autopar_layer"] = plan.nodes[n.name].layer
+        else:
+            users = [u for u in n.users if "autopar_layer" in u.meta]
+            n.meta["autopar_layer"] = users[0].meta["autopar_layer"] if users else POST

@@ -45,18 +45,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _grads_full(pm) -> dict[str, torch.Tensor]:
-    from autopar.sharding import gather_tensor
-    out = {}
-    for t, p in pm._targets():
-        if not isinstance(p, torch.nn.Parameter) or p.grad is None:
-            continue
-        g = gather_tensor(p.grad, pm._placements[t], pm._mesh_rt.group)
-        for n in pm.aliases[t]:
-            out[n] = g
-    return out
-
-
 def _max_err(a: dict, b: dict, keys) -> tuple[float, str]:
     worst, where = 0.0, ""
     for k in keys:
@@ -85,7 +73,7 @@ def run_case(case: Case) -> dict:
     rl = ref(*ex)
     rl.backward()
     res["loss"], res["ref_loss"] = loss.item(), rl.item()
-    grads = _grads_full(pm)
+    grads = pm.full_grads()
     res["grad_err"], res["grad_worst"] = _max_err(grads, {n: p.grad for n, p in ref.named_parameters()}, names)
     res["grad_scale"] = max(p.grad.abs().max().item() for p in ref.parameters())
     # 2. plain SGD step

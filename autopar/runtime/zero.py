@@ -1,0 +1,370 @@
+"""Optimizer (ZeRO) parallelism over one mesh axis, with the user's own ``torch.optim``.
+
+A parameter replicated on the ZeRO axis ``z`` (size ``d``) gets a *shard*: an
+``nn.Parameter`` holding this rank's ``1/d`` of its flattened (zero-padded) local
+tensor.  The shards are what ``ParallelModule.parameters()`` yields, so any
+element-wise optimizer (AdamW, SGD with momentum, ...) keeps state for its shard only.
+
+=========  ==========================  =================================  ==================
+stage      whole parameter             gradient                           after the step
+=========  ==========================  =================================  ==================
+1          kept (non-Parameter)        all-reduced over ``z``, sliced     all-gathered
+2          kept (non-Parameter)        reduce-scattered over ``z``        all-gathered
+3          gathered before each use,   reduce-scattered (backward of the  nothing: only the
+           freed after, re-gathered    gather)                            shard exists
+           in backward
+=========  ==========================  =================================  ==================
+
+Gradients are Partial on every replicated axis (dual-placement convention), so they
+are reduced over ``z`` as above and all-reduced over the other replicated axes.
+Stages 1 and 2 reduce in fixed-order buckets launched asynchronously as gradients
+become ready (like :mod:`autopar.runtime.grad_sync`); the all-gather after the
+optimizer step runs lazily at the next forward, when a shard's version counter shows
+that the optimizer changed it.  Every rank steps the same shards, so every rank takes
+the same decision and issues the same collectives.
+
+Stage 3 frees gathered parameters: a ``saved_tensors_hooks`` pair replaces any tensor
+saved for backward that lives in a gathered parameter's storage by a handle, and
+re-gathers it when backward unpacks it (autograd unpacks in the same order on every
+rank, so the re-gathers line up).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+from torch.autograd import Function
+
+from autopar.runtime.mesh import current
+
+
+def _all_gather_flat(shard: torch.Tensor, axis: int) -> torch.Tensor:
+    """Concatenate every rank's ``shard`` along the ZeRO axis, rank order."""
+    m = current()
+    out = torch.empty(shard.numel() * m.shape[axis], dtype=shard.dtype)
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, shard.contiguous(), group=m.group(axis))
+    return out
+
+
+def _reduce_scatter_flat(flat: torch.Tensor, axis: int) -> torch.Tensor:
+    m = current()
+    out = torch.empty(flat.numel() // m.shape[axis], dtype=flat.dtype)
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, flat.contiguous(), group=m.group(axis))
+    return out
+
+
+# ---------------------------------------------------------------- stage 3
+@dataclass
+class _Gathered:
+    root: weakref.ref  # the gathered flat tensor: views of it point to it via ``_base``
+    shard: torch.Tensor
+    axis: int
+    shape: torch.Size
+    numel: int
+
+
+# storage address -> gathered parameter; entries are checked against ``root`` because
+# an address may be reused by another tensor once a gathered parameter is freed
+_GATHERED: dict[int, _Gathered] = {}
+
+
+class _GatherParam(Function):
+    """Stage 3: shard -> whole parameter (all-gather); backward reduce-scatters."""
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, shape: tuple[int, ...], axis: int) -> torch.Tensor:
+        numel = math.prod(shape)
+        root = _all_gather_flat(shard, axis)
+        full = root[:numel].view(shape)
+        _GATHERED[root.untyped_storage().data_ptr()] = _Gathered(
+            weakref.ref(root), shard.detach(), axis, torch.Size(shape), numel)
+        ctx.axis, ctx.pad = axis, shard.numel() * current().shape[axis] - numel
+        return full
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        flat = torch.nn.functional.pad(grad.reshape(-1), (0, ctx.pad))
+        return _reduce_scatter_flat(flat, ctx.axis), None, None
+
+
+@torch.fx.wrap
+def zero_gather(shard: torch.Tensor, shape: tuple[int, ...], axis: int) -> torch.Tensor:
+    """Generated code's call for a stage-3 parameter: gather it for its use."""
+    return _GatherParam.apply(shard, tuple(shape), axis)
+
+
+@dataclass
+class _Handle:
+    """A saved tensor that lived in a gathered parameter: re-gathered on unpack."""
+
+    shard: torch.Tensor
+    axis: int
+    shape: torch.Size
+    numel: int
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+def _pack(t: torch.Tensor):
+    if not _GATHERED or t.layout != torch.strided:
+        return t
+    hit = _GATHERED.get(t.untyped_storage().data_ptr())
+    root = hit.root() if hit is not None else None
+    if root is None or not (t is root or t._base is root):
+        return t
+    return _Handle(hit.shard, hit.axis, hit.shape, hit.numel, t.size(), t.stride(), t.storage_offset())
+
+
+def _unpack(h):
+    if not isinstance(h, _Handle):
+        return h
+    full = _all_gather_flat(h.shard, h.axis)[: h.numel].view(h.shape)
+    return full.as_strided(h.size, h.stride, h.offset)
+
+
+@contextlib.contextmanager
+def free_gathered_params():
+    """Context for a forward: tensors saved from gathered parameters are dropped and
+    re-gathered in backward (the registry of gathered storages lives only this long)."""
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+            yield
+    finally:
+        _GATHERED.clear()
+
+
+# ---------------------------------------------------------------- bookkeeping
+@dataclass
+class ZeroParam:
+    """One parameter under ZeRO: its graph target, local whole shape and shard."""
+
+    target: str
+    shape: torch.Size
+    shard: nn.Parameter
+    other_axes: tuple[int, ...]
+    full: torch.Tensor | None = None  # stages 1 and 2
+
+    @property
+    def numel(self) -> int:
+        """Elements of the local whole parameter."""
+        return math.prod(self.shape)
+
+
+@dataclass
+class _Bucket:
+    params: list[ZeroParam]
+    ready: int = 0
+    flat: torch.Tensor | None = None
+    work: object = None
+
+
+def shard_name(target: str) -> str:
+    """Attribute name of a parameter's ZeRO shard on the generated module."""
+    return "zshard_" + target.replace(".", "_")
+
+
+def _owner(root: nn.Module, target: str) -> tuple[nn.Module, str]:
+    *path, leaf = target.split(".")
+    return (root.get_submodule(".".join(path)) if path else root), leaf
+
+
+@dataclass
+class Zero:
+    """ZeRO state of one ParallelModule (see the module docstring)."""
+
+    stage: int
+    axis: int
+    params: list[ZeroParam] = field(default_factory=list)
+    bucket_bytes: int = 4 << 20
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        self._buckets: list[_Bucket] = []
+        self._bucket_of: dict[int, _Bucket] = {}
+        self._next = 0
+        self._armed = False
+        self._versions: list[int] = []
+        self._by_target = {zp.target: zp for zp in self.params}
+
+    # ------------------------------------------------------------ set-up
+    @classmethod
+    def install(cls, gm: fx.GraphModule, params: list[tuple[str, tuple[int, ...]]], stage: int,
+                axis: int) -> Zero:
+        """Move ``params`` (graph target, other replicated axes), in forward order, under
+        ZeRO on ``gm``: register shards, demote (stages 1-2) or remove (stage 3) the
+        whole parameters and, for stage 3, make every use gather."""
+        m = current()
+        d, r = m.shape[axis], m.coord[axis]
+        z = cls(stage, axis)
+        for target, other in params:
+            owner, leaf = _owner(gm, target)
+            whole = getattr(owner, leaf).detach()
+            chunk = -(-whole.numel() // d)
+            flat = torch.nn.functional.pad(whole.reshape(-1), (0, chunk * d - whole.numel()))
+            shard = nn.Parameter(flat[r * chunk:(r + 1) * chunk].clone())
+            gm.register_parameter(shard_name(target), shard)
+            delattr(owner, leaf)
+            zp = ZeroParam(target, whole.shape, shard, other)
+            if stage < 3:
+                zp.full = whole.clone().requires_grad_(True)
+                owner.register_buffer(leaf, zp.full, persistent=False)
+            z.params.append(zp)
+        z.__post_init__()
+        if stage == 3:
+            z._rewrite_gathers(gm)
+        else:
+            z._make_buckets()
+        z._versions = [zp.shard._version for zp in z.params]
+        return z
+
+    def _rewrite_gathers(self, gm: fx.GraphModule) -> None:
+        g = gm.graph
+        for n in list(g.nodes):
+            if n.op == "get_attr" and n.target in self._by_target:
+                zp = self._by_target[n.target]
+                with g.inserting_after(n):
+                    s = g.get_attr(shard_name(zp.target))
+                with g.inserting_after(s):
+                    full = g.call_function(zero_gather, (s, tuple(zp.shape), self.axis))
+                n.replace_all_uses_with(full)
+                full.meta.update(n.meta)
+                s.meta.update(n.meta)
+                g.erase_node(n)
+        g.lint()
+        gm.recompile()
+
+    def _make_buckets(self) -> None:
+        cur: list[ZeroParam] = []
+        size = 0
+        # reverse forward order: gradients become ready roughly back to front
+        for zp in reversed(self.params):
+            cur.append(zp)
+            size += zp.shard.numel() * zp.shard.element_size() * current().shape[self.axis]
+            if size >= self.bucket_bytes:
+                self._buckets.append(_Bucket(cur))
+                cur, size = [], 0
+        if cur:
+            self._buckets.append(_Bucket(cur))
+        self._bucket_of = {id(zp.full): b for b in self._buckets for zp in b.params}
+        for b in self._buckets:
+            for zp in b.params:
+                zp.full.register_post_accumulate_grad_hook(self._hook)
+
+    # ------------------------------------------------------------ stages 1-2: gradients
+    def _hook(self, t: torch.Tensor) -> None:
+        if not self.enabled:
+            return
+        if not self._armed:
+            self._armed = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        self._bucket_of[id(t)].ready += 1
+        while self._next < len(self._buckets) and \
+                self._buckets[self._next].ready == len(self._buckets[self._next].params):
+            self._launch(self._buckets[self._next])
+            self._next += 1
+
+    def _rank_major(self, b: _Bucket) -> torch.Tensor:
+        """Gradients of a bucket laid out so rank ``r``'s part is contiguous: for each
+        rank, the ``r``-th chunk of every parameter in the bucket."""
+        d = current().shape[self.axis]
+        per = []
+        for zp in b.params:
+            g = zp.full.grad if zp.full.grad is not None else torch.zeros_like(zp.full)
+            c = zp.shard.numel()
+            per.append(torch.nn.functional.pad(g.reshape(-1), (0, c * d - zp.numel)).view(d, c))
+        return torch.cat(per, dim=1).reshape(-1)
+
+    def _launch(self, b: _Bucket) -> None:
+        b.flat = self._rank_major(b)
+        for zp in b.params:
+            zp.full.grad = None  # the bucket holds it now; stage 2 frees it here
+        g = current().group(self.axis)
+        if self.stage == 1:
+            b.work = dist.all_reduce(b.flat, group=g, async_op=True)
+        else:
+            out = torch.empty(b.flat.numel() // current().shape[self.axis], dtype=b.flat.dtype)
+            fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            b.work = fn(out, b.flat, group=g, async_op=True)
+            b.flat = out
+
+    def _finish(self) -> None:
+        while self._next < len(self._buckets):
+            self._launch(self._buckets[self._next])
+            self._next += 1
+        m = current()
+        for b in self._buckets:
+            b.work.wait()
+            mine = b.flat
+            if self.stage == 1:
+                part = mine.numel() // m.shape[self.axis]
+                mine = mine[m.coord[self.axis] * part:(m.coord[self.axis] + 1) * part]
+            off = 0
+            for zp in b.params:
+                c = zp.shard.numel()
+                g = mine[off:off + c].clone()
+                for a in zp.other_axes:
+                    dist.all_reduce(g, group=m.group(a))
+                zp.shard.grad = g if zp.shard.grad is None else zp.shard.grad + g
+                off += c
+            b.ready, b.flat, b.work = 0, None, None
+        self._next = 0
+        self._armed = False
+
+    # ------------------------------------------------------------ stages 1-2: parameters
+    def refresh(self) -> None:
+        """All-gather updated shards into the whole parameters (stages 1-2), when the
+        optimizer changed any shard since the last gather."""
+        if self.stage == 3:
+            return
+        versions = [zp.shard._version for zp in self.params]
+        if versions == self._versions:
+            return
+        d = current().shape[self.axis]
+        with torch.no_grad():
+            for b in self._buckets:
+                flat = torch.cat([zp.shard.detach().reshape(-1) for zp in b.params])
+                full = _all_gather_flat(flat, self.axis).view(d, -1)
+                off = 0
+                for zp in b.params:
+                    c = zp.shard.numel()
+                    zp.full.copy_(full[:, off:off + c].reshape(-1)[: zp.numel].view(zp.shape))
+                    off += c
+        self._versions = [zp.shard._version for zp in self.params]
+
+    # ------------------------------------------------------------ whole tensors
+    def targets(self) -> set[str]:
+        """Graph targets under ZeRO."""
+        return set(self._by_target)
+
+    def local_whole(self, target: str, grad: bool = False) -> torch.Tensor | None:
+        """This rank's whole (TP-local) parameter or gradient for ``target``
+        (collective over the ZeRO axis: every rank must call it)."""
+        zp = self._by_target[target]
+        src = zp.shard.grad if grad else zp.shard.detach()
+        if src is None:
+            return None
+        return _all_gather_flat(src.detach(), self.axis)[: zp.numel].view(zp.shape).clone()
+
+    def load_whole(self, target: str, whole: torch.Tensor) -> None:
+        """Set ``target`` from this rank's whole (TP-local) tensor."""
+        zp = self._by_target[target]
+        d, r = current().shape[self.axis], current().coord[self.axis]
+        c = zp.shard.numel()
+        flat = torch.nn.functional.pad(whole.reshape(-1), (0, c * d - zp.numel))
+        with torch.no_grad():
+            zp.shard.copy_(flat[r * c:(r + 1) * c])
+            if zp.full is not None:
+                zp.full.copy_(whole.view(zp.shape))
+        self._versions = [p.shard._version for p in self.params]
+
+
+__all__ = ["Zero", "ZeroParam", "free_gathered_params", "shard_name", "zero_gather"]
