@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import os
 import time
-import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from autopar.capture import Captured, capture
 from autopar.cost_models import MeshSpec
 from autopar.placement import is_replicate, parse_placements
 from autopar.plan import Plan
-from autopar.search import PlanOptions, make_plan
+from autopar.search import PlanOptions
 from autopar.sharding import gather_tensor, shard_tensor
 
 
@@ -38,28 +37,41 @@ def _mesh(mesh: MeshSpec | str | tuple | None) -> MeshSpec:
 
 def _capture_and_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec,
                       example_kwargs: dict | None, opts: PlanOptions) -> tuple[Captured, Plan]:
-    cap = capture(model, example_inputs, example_kwargs)
-    t0 = time.perf_counter()
-    annotate(cap.gm)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        p = make_plan(cap.gm, mesh, cap.aliases, opts)
-    for w in caught:
-        warnings.warn(str(w.message), stacklevel=3)
-        p.warnings.append(str(w.message))
-    p.timings["capture"] = cap.seconds
-    p.timings["annotate"] = time.perf_counter() - t0 - p.timings.get("solve", 0) - p.timings.get(
-        "enumerate_and_price", 0)
-    return cap, p
+    from autopar.joint import joint_plan
+    return joint_plan(model, example_inputs, mesh, opts, example_kwargs)
+
+
+_DECISION_KEYS = ("zero_stage", "pipeline_stages", "micro_batches", "schedule", "recompute", "explore")
+
+
+def _options(memory_budget, optimizer, time_limit, pins, decisions: Mapping,
+             search: str = "auto") -> PlanOptions:
+    """PlanOptions from the public keyword arguments; ``decisions`` forces plan-level
+    choices (``zero_stage``, ``pipeline_stages``, ``micro_batches``, ``schedule``,
+    ``recompute``) or widens the search (``explore=True``)."""
+    bad = sorted(set(decisions) - set(_DECISION_KEYS))
+    if bad:
+        raise TypeError(f"unknown option(s) {bad}; known: {', '.join(_DECISION_KEYS)}")
+    d = dict(decisions)
+    if d.get("recompute") is not None:
+        d["recompute"] = tuple(d["recompute"])
+    return PlanOptions(memory_budget=memory_budget, optimizer=optimizer, time_limit=time_limit,
+                       pins=dict(pins or {}), search=search, **d)
 
 
 def plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec | str | tuple | None = None, *,
          example_kwargs: dict | None = None, pins: Mapping | None = None,
          memory_budget: float | None = None, optimizer: str = "adamw",
-         time_limit: float = 30.0) -> Plan:
-    """Plan only: capture, cost and search; needs no process group and no real devices."""
-    opts = PlanOptions(memory_budget=memory_budget, optimizer=optimizer, time_limit=time_limit,
-                       pins=dict(pins or {}))
+         time_limit: float = 30.0, search: str = "auto", **decisions) -> Plan:
+    """Plan only: capture, cost and search; needs no process group and no real devices.
+
+    ``search`` is ``"ilp"`` (exact), ``"drec"`` (fast, one mesh axis per round) or
+    ``"auto"`` (the ILP when its problem fits the time limit, else D-Rec); the plan's
+    ``solver.searcher`` says which ran.
+
+    ``decisions`` force plan-level choices, e.g. ``zero_stage=2``, ``pipeline_stages=2,
+    micro_batches=4, schedule="1f1b"``, ``recompute=["blocks.1"]``; unset ones are searched."""
+    opts = _options(memory_budget, optimizer, time_limit, pins, decisions, search)
     return _capture_and_plan(model, tuple(example_inputs), _mesh(mesh), example_kwargs, opts)[1]
 
 
@@ -84,9 +96,14 @@ class ParallelModule(nn.Module):
         self._placements = {t: parse_placements(p) for t, p in plan.params().items()}
         self._mesh_rt = None
         self.rank = 0
+        self.runner = None
+        d = plan.decisions
+        # graph target -> pipeline stage owning it (everything on stage 0 without a pipeline)
+        self._owner = {n.param: d.stage_of(n.layer) if d.pipeline_stages > 1 else 0
+                       for n in plan.nodes.values() if n.kind in ("param", "buffer") and n.param}
         if runtime:
             from autopar.runtime.mesh import init_mesh
-            self._mesh_rt = init_mesh(tuple(plan.mesh.shape))
+            self._mesh_rt = init_mesh(tuple(plan.mesh.shape), stages=d.pipeline_stages)
             self.rank = dist.get_rank()
         # planning-only: keep the whole weights so export() can write every rank's shards
         self._full_state = dict(full_state) if (full_state is not None and not runtime) else None
@@ -95,6 +112,7 @@ class ParallelModule(nn.Module):
             self._load_targets(full_state, self._coord())
         if runtime:
             self._start_zero()
+            self._start_schedule()
             self._start_grad_sync()
 
     # ------------------------------------------------------------ running
@@ -114,15 +132,46 @@ class ParallelModule(nn.Module):
             return
         params = []
         for t, p in self._targets():
+            if not self._mine(t):
+                continue
             if t in self._placements and isinstance(p, nn.Parameter) and z in self._replicated_axes(t):
                 params.append((t, tuple(a for a in self._replicated_axes(t) if a != z)))
         self.zero = Zero.install(self.inner, params, d.zero_stage, z)
+
+    def _mine(self, t: str) -> bool:
+        """True when this rank's pipeline stage holds target ``t``."""
+        stage = self._mesh_rt.stage if self._mesh_rt is not None else 0
+        return self._owner.get(t, 0) == stage
+
+    def _start_schedule(self) -> None:
+        """Recompute the planned layers; split pipeline stages; drop other stages' weights."""
+        d = self.plan.decisions
+        if d.recompute:
+            from autopar.passes.recompute import recompute
+            recompute(self.inner, set(d.recompute))
+        if d.pipeline_stages == 1 and d.micro_batches == 1:
+            return
+        from autopar.passes.split_stages import split_stages
+        from autopar.runtime.pipeline import PipelineRunner
+        mine = split_stages(self.inner, self.plan)[self._mesh_rt.stage]
+        for t in list(self.aliases):
+            if not self._mine(t):
+                owner, leaf = self._owner_of(t)
+                if hasattr(owner, leaf):
+                    delattr(owner, leaf)
+        self.runner = PipelineRunner(mine, d.schedule, d.micro_batches, _Switches(self))
+
+    def _owner_of(self, t: str) -> tuple[nn.Module, str]:
+        *path, leaf = t.split(".")
+        return (self.inner.get_submodule(".".join(path)) if path else self.inner), leaf
 
     def _start_grad_sync(self) -> None:
         from autopar.runtime.grad_sync import GradSync
         params = []
         zt = self.zero.targets() if self.zero is not None else set()
         for t, p in self._targets():
+            if not self._mine(t):
+                continue
             if t in zt:
                 zp = self.zero._by_target[t]
                 if self.zero.stage == 3 and zp.other_axes:
@@ -154,12 +203,33 @@ class ParallelModule(nn.Module):
         out = []
         for t, p in self._targets():
             if t in zt:
-                out.append((t, self.zero.local_whole(t, grad=grads)))
+                x = self.zero.local_whole(t, grad=grads)
             elif grads:
-                out.append((t, p.grad if isinstance(p, nn.Parameter) else None))
+                x = p.grad if isinstance(p, nn.Parameter) else None
             else:
-                out.append((t, p))
+                x = p
+            if self.plan.decisions.pipeline_stages > 1 and self._mesh_rt is not None:
+                x = self._from_owner_stage(t, x, grads)
+            out.append((t, x))
         return out
+
+    def _from_owner_stage(self, t: str, x: torch.Tensor | None, grads: bool) -> torch.Tensor | None:
+        """Broadcast ``t`` from the pipeline stage that holds it (collective over the
+        pipeline axis; every rank walks the targets in the same order)."""
+        from autopar.placement import local_shape
+        m = self._mesh_rt
+        node = next(n for n in self.plan.nodes.values() if n.param == t)
+        has = torch.tensor([0 if x is None else 1])
+        src = m.stage_rank(self._owner.get(t, 0))
+        dist.broadcast(has, src=src, group=m.device_mesh.get_group(0))
+        if not has.item():
+            return None
+        if x is None or not self._mine(t):
+            pl = self._placements.get(t, parse_placements("R" * len(m.shape)))
+            x = torch.empty(local_shape(tuple(node.shape[0]), pl, m.shape))
+        x = x.detach().contiguous().clone()
+        dist.broadcast(x, src=src, group=m.device_mesh.get_group(0))
+        return x
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Every parameter's whole gradient under its original names (collective)."""
@@ -180,6 +250,12 @@ class ParallelModule(nn.Module):
         flat, spec = pytree.tree_flatten((args, kwargs))
         if self._in_spec is not None and spec != self._in_spec:
             raise ValueError(f"inputs do not match the traced call's structure: {spec} vs {self._in_spec}")
+        if self.runner is not None:
+            raise RuntimeError(
+                f"this plan runs {self.plan.decisions.micro_batches} micro-batches over "
+                f"{self.plan.decisions.pipeline_stages} pipeline stage(s): forward and backward are "
+                "interleaved by the schedule, so call loss = module.train_step(*inputs) "
+                "(it runs forward and backward) and then optimizer.step()")
         if self.zero is not None:
             self.zero.refresh()
             if self.zero.stage == 3:
@@ -189,6 +265,25 @@ class ParallelModule(nn.Module):
                 return pytree.tree_unflatten(list(out), self._out_spec) if self._out_spec is not None else out
         out = self.inner(*flat)
         return pytree.tree_unflatten(list(out), self._out_spec) if self._out_spec is not None else out
+
+    def train_step(self, *args, **kwargs) -> torch.Tensor:
+        """Forward and backward of one global batch (all micro-batches, every pipeline
+        stage); gradients are left in ``.grad`` (summed into any already there).
+        Returns the loss (detached), the same on every rank."""
+        if self.runner is None:
+            loss = self(*args, **kwargs)
+            loss.backward()
+            return loss.detach()
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        if self._in_spec is not None and spec != self._in_spec:
+            raise ValueError(f"inputs do not match the traced call's structure: {spec} vs {self._in_spec}")
+        if self.zero is not None:
+            self.zero.refresh()
+            if self.zero.stage == 3:
+                from autopar.runtime.zero import free_gathered_params
+                with free_gathered_params():
+                    return self.runner.step(flat)
+        return self.runner.step(flat)
 
     @property
     def code(self) -> str:
@@ -204,6 +299,8 @@ class ParallelModule(nn.Module):
             if src is None:
                 raise KeyError(f"state dict has none of {names}")
             pl = self._placements.get(t, tuple(parse_placements("R" * len(coord))))
+            if p is None and t not in zt:
+                continue  # held by another pipeline stage
             local = shard_tensor(src.detach(), pl, self.plan.mesh.shape, coord)
             if t in zt:
                 self.zero.load_whole(t, local)
@@ -265,6 +362,25 @@ class ParallelModule(nn.Module):
         reset()
 
 
+class _Switches:
+    """Turns gradient synchronisation (plain and ZeRO) on and off together; the
+    pipeline runner keeps it off except for a stage's last backward."""
+
+    def __init__(self, pm: ParallelModule) -> None:
+        self._pm = pm
+
+    @property
+    def enabled(self) -> bool:
+        """Whether gradient hooks reduce."""
+        return self._pm.grad_sync.enabled
+
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        self._pm.grad_sync.enabled = on
+        if self._pm.zero is not None:
+            self._pm.zero.enabled = on
+
+
 def _shared_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOptions,
                  example_kwargs: dict | None, given: Plan | None) -> tuple[Captured, Plan]:
     """Capture on every rank; search on rank 0 only and broadcast the plan.
@@ -272,17 +388,19 @@ def _shared_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: 
     A solver stopped by its time limit may return different incumbents on different
     ranks; broadcasting makes every rank lower the identical plan, so all ranks issue
     the same collectives in the same order (and the other ranks skip the search)."""
+    from autopar.joint import micro_inputs
     multi = dist.is_initialized() and dist.get_world_size() > 1
-    if given is not None or (multi and dist.get_rank() != 0):
-        cap = capture(model, example_inputs, example_kwargs)
-        annotate(cap.gm)
-        p = given
-    else:
+    cap, p = None, given
+    if given is None and (not multi or dist.get_rank() == 0):
         cap, p = _capture_and_plan(model, example_inputs, mesh, example_kwargs, opts)
     if multi and given is None:
         box = [p.to_json() if p is not None else None]
         dist.broadcast_object_list(box, src=0)
         p = Plan.from_json(box[0])
+    if cap is None:
+        # the plan's graph is the micro-batch's: capture at that size
+        cap = capture(model, micro_inputs(example_inputs, p.decisions.micro_batches), example_kwargs)
+        annotate(cap.gm)
     return cap, p
 
 
@@ -297,7 +415,10 @@ def build_parallel_module(model: nn.Module, example_inputs: tuple, mesh: MeshSpe
     if runtime:
         # join the process group before planning so rank 0 can broadcast its plan
         from autopar.runtime.mesh import init_mesh
-        init_mesh(tuple((plan.mesh if plan is not None else mesh).shape))
+        if plan is not None:
+            init_mesh(tuple(plan.mesh.shape), stages=plan.decisions.pipeline_stages)
+        else:
+            init_mesh(tuple(mesh.shape))
     cap, p = _shared_plan(model, example_inputs, mesh, opts, example_kwargs, plan)
     t0 = time.perf_counter()
     gm = lower(cap.gm, p)
@@ -310,7 +431,7 @@ def auto_parallel(model: nn.Module | Callable | None = None, *, example_inputs: 
                   mesh: MeshSpec | str | tuple | None = None, pins: Mapping | None = None,
                   memory_budget: float | None = None, optimizer: str = "adamw",
                   time_limit: float = 30.0, example_kwargs: dict | None = None,
-                  plan: Plan | None = None):
+                  plan: Plan | None = None, search: str = "auto", **decisions):
     """Plan and shard ``model`` for ``mesh``.
 
     * ``auto_parallel(model, example_inputs=..., mesh=...)`` returns a
@@ -320,10 +441,11 @@ def auto_parallel(model: nn.Module | Callable | None = None, *, example_inputs: 
       wrapper that plans on the first batch it is called with.
 
     ``pins`` fix placements (``{"fc1.weight": "RS(0)", "input:0": (Shard(0), Shard(0))}``)
-    while the rest is searched; ``plan`` skips the search and applies a given Plan.
+    while the rest is searched; ``plan`` skips the search and applies a given Plan;
+    ``decisions`` force plan-level choices and ``search`` picks the searcher, as in
+    :func:`plan`.
     """
-    opts = PlanOptions(memory_budget=memory_budget, optimizer=optimizer, time_limit=time_limit,
-                       pins=dict(pins or {}))
+    opts = _options(memory_budget, optimizer, time_limit, pins, decisions, search)
     m = _mesh(mesh)
     if model is None:
         return lambda target: _decorate(target, m, opts)

@@ -230,7 +230,8 @@ def cmd_plan(args) -> int:
     t0 = time.perf_counter()
     try:
         p = make_plan(model, inputs, mesh, example_kwargs=kwargs, pins=pins,
-                      memory_budget=budget, time_limit=args.time_limit or 30.0)
+                      memory_budget=budget, time_limit=args.time_limit or 30.0,
+                      search=args.search)
     except TimeoutError as e:  # the solver found no plan at all within its limit
         raise CLIError(f"{e} (--time-limit)") from e
     total = time.perf_counter() - t0
@@ -283,6 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(repeatable)")
     p.add_argument("--memory-budget", metavar="SIZE",
                    help="bytes per device, e.g. 40GiB (default: the device's capacity)")
+    p.add_argument("--search", choices=("auto", "ilp", "drec"), default="auto",
+                   help="searcher: ilp (exact), drec (fast, one mesh axis per round) or auto "
+                        "(the ILP when its problem fits the time limit; default)")
     p.add_argument("--time-limit", type=float, default=30.0, metavar="SECONDS",
                    help="solver time limit (default 30)")
     p.add_argument("--factory-args", nargs="+", default=[], metavar="K=V",

@@ -140,7 +140,7 @@ def load_module(directory: str | Path):
     directory = Path(directory)
     plan = Plan.from_json(directory / "plan.json")
     meta = json.loads((directory / "meta.json").read_text())
-    init_mesh(tuple(plan.mesh.shape))
+    init_mesh(tuple(plan.mesh.shape), stages=plan.decisions.pipeline_stages)
     rank = dist.get_rank()
     spec = importlib.util.spec_from_file_location(f"autopar_generated_{abs(hash(str(directory)))}",
                                                   directory / "module.py")

@@ -169,21 +169,33 @@ def axis_strategies(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
     return out
 
 
+def combine_axes(per_axis: Sequence[AxisStrategy]) -> OpStrategy:
+    """The mesh strategy made of one 1-D strategy per mesh axis (``per_axis[a]`` on axis
+    ``a``); the searchers that decide axis by axis (D-Rec) build strategies with it."""
+    first = per_axis[0]
+    inputs = tuple(tuple(s.inputs[i] for s in per_axis) for i in range(len(first.inputs)))
+    outputs = tuple(tuple(s.outputs[j] for s in per_axis) for j in range(len(first.outputs)))
+    return OpStrategy(inputs, outputs)
+
+
+def divides(node: fx.Node, s: OpStrategy, mesh_shape: Sequence[int]) -> bool:
+    """True when every sharded dim of every input and output of ``node`` under ``s``
+    is divided evenly by its mesh axes (the registry's validity filter)."""
+    ins = [info(x).out.shape for x in tensor_inputs(node)] if node.op == "call_function" else []
+    outs = [t.shape for t in info(node).outputs]
+    return (all(valid_for_shape(p, sh, mesh_shape) for p, sh in zip(s.inputs, ins))
+            and all(valid_for_shape(p, sh, mesh_shape) for p, sh in zip(s.outputs, outs)))
+
+
 def op_strategies(node: fx.Node, ctx: RuleCtx) -> list[OpStrategy]:
     """All valid strategies of ``node`` on the mesh: the product of 1-D strategies
     over mesh axes, keeping those whose shards divide every tensor evenly."""
     ones = axis_strategies(node, ctx)
-    ins = [info(x).out.shape for x in tensor_inputs(node)]
-    outs = [t.shape for t in info(node).outputs]
     result: list[OpStrategy] = []
     for combo in itertools.product(ones, repeat=len(ctx.mesh_shape)):
-        inputs = tuple(tuple(s.inputs[i] for s in combo) for i in range(len(ins)))
-        outputs = tuple(tuple(s.outputs[j] for s in combo) for j in range(len(outs)))
-        if not all(valid_for_shape(p, sh, ctx.mesh_shape) for p, sh in zip(inputs, ins)):
-            continue
-        if not all(valid_for_shape(p, sh, ctx.mesh_shape) for p, sh in zip(outputs, outs)):
-            continue
-        result.append(OpStrategy(inputs, outputs))
+        s = combine_axes(combo)
+        if divides(node, s, ctx.mesh_shape):
+            result.append(s)
     return result
 
 

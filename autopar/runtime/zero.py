@@ -228,12 +228,15 @@ class Zero:
 
     def _rewrite_gathers(self, gm: fx.GraphModule) -> None:
         g = gm.graph
+        order = {n: i for i, n in enumerate(g.nodes)}
         for n in list(g.nodes):
             if n.op == "get_attr" and n.target in self._by_target:
                 zp = self._by_target[n.target]
-                with g.inserting_after(n):
+                # gather right before the first use, so whole parameters are not all
+                # alive from the top of the forward
+                first = min(n.users, key=order.__getitem__) if n.users else n
+                with g.inserting_before(first):
                     s = g.get_attr(shard_name(zp.target))
-                with g.inserting_after(s):
                     full = g.call_function(zero_gather, (s, tuple(zp.shape), self.axis))
                 n.replace_all_uses_with(full)
                 full.meta.update(n.meta)

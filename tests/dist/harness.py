@@ -36,6 +36,8 @@ class Case:
     pins: dict = field(default_factory=dict)
     build_kwargs: dict = field(default_factory=dict)
     steps_adam: int = 2
+    search: str = "ilp"  # the searcher that makes the plan: "ilp", "drec" or "auto"
+    options: dict = field(default_factory=dict)  # forced decisions: zero_stage, micro_batches, ...
 
 
 def free_port() -> int:
@@ -64,12 +66,16 @@ def run_case(case: Case) -> dict:
     ref = copy.deepcopy(model)
     mesh = MeshSpec.preset("cpu-gloo", shape=case.mesh)
     reset()
-    pm = auto_parallel(model, example_inputs=ex, mesh=mesh, pins=case.pins)
-    res: dict = {"plan_params": pm.plan.params(), "collectives": len(pm.plan.collectives())}
+    pm = auto_parallel(model, example_inputs=ex, mesh=mesh, pins=case.pins, search=case.search,
+                       **case.options)
+    d = pm.plan.decisions
+    res: dict = {"plan_params": pm.plan.params(), "collectives": len(pm.plan.collectives()),
+                 "searcher": pm.plan.solver.searcher,
+                 "decisions": {"zero": d.zero_stage, "stages": d.pipeline_stages, "schedule": d.schedule,
+                               "micro_batches": d.micro_batches, "recompute": d.recompute}}
     names = [n for n, _ in ref.named_parameters()]
     # 1. loss and every gradient
-    loss = pm(*ex)
-    loss.backward()
+    loss = pm.train_step(*ex)  # forward + backward (all micro-batches / pipeline stages)
     rl = ref(*ex)
     rl.backward()
     res["loss"], res["ref_loss"] = loss.item(), rl.item()
@@ -88,7 +94,7 @@ def run_case(case: Case) -> dict:
     for _ in range(case.steps_adam):
         opt.zero_grad()
         ropt.zero_grad()
-        pm(*ex).backward()
+        pm.train_step(*ex)
         ref(*ex).backward()
         opt.step()
         ropt.step()
@@ -98,7 +104,14 @@ def run_case(case: Case) -> dict:
     return res
 
 
-def _worker(rank: int, world: int, port: int, cases: list[dict], out: str) -> None:
+def _resolve(fn: str):
+    """The function named ``"module:function"``."""
+    mod, name = fn.split(":")
+    return getattr(importlib.import_module(mod), name)
+
+
+def _worker(rank: int, world: int, port: int, cases: list[dict], out: str,
+            fn: str | None = None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), HF_HUB_OFFLINE="1")
     sys.path.insert(0, str(ROOT / "examples"))
@@ -109,11 +122,14 @@ def _worker(rank: int, world: int, port: int, cases: list[dict], out: str) -> No
                             timeout=datetime.timedelta(seconds=180))
     results = {}
     for c in cases:
-        case = Case(**{**c, "mesh": tuple(c["mesh"])})
         try:
-            results[case.id] = run_case(case)
+            if fn is not None:
+                results[c["id"]] = _resolve(fn)(c)
+            else:
+                case = Case(**{**c, "mesh": tuple(c["mesh"])})
+                results[case.id] = run_case(case)
         except Exception:  # noqa: BLE001 - reported to the test, which fails on it
-            results[case.id] = {"error": traceback.format_exc()}
+            results[c["id"]] = {"error": traceback.format_exc()}
             break  # ranks may now disagree on collectives: stop rather than hang
     if rank == 0:
         Path(out).write_text(json.dumps(results))
@@ -126,4 +142,13 @@ def run_cases(world: int, cases: list[Case]) -> dict[str, dict]:
         out = os.path.join(d, "results.json")
         mp.spawn(_worker, args=(world, free_port(), [asdict(c) for c in cases], out),
                  nprocs=world, join=True)
+        return json.loads(Path(out).read_text())
+
+
+def run_fn_cases(world: int, fn: str, cases: list[dict]) -> dict[str, dict]:
+    """Like :func:`run_cases`, but every rank calls ``fn`` (``"module:function"``) on
+    each case dict (which has an ``"id"``); rank 0's return values come back."""
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "results.json")
+        mp.spawn(_worker, args=(world, free_port(), cases, out, fn), nprocs=world, join=True)
         return json.loads(Path(out).read_text())

@@ -52,8 +52,15 @@ def cases(mesh: tuple[int, ...]) -> list[Case]:
             for m in MODELS for mode in ("auto", "dp", "tp")]
 
 
-FOUR = cases((2, 2)) + cases((4,))
-TWO = cases((2,))
+def drec_cases(mesh: tuple[int, ...]) -> list[Case]:
+    """Plans made by the D-Rec searcher (autopar/solve/drec.py): the same checks hold."""
+    tag = "x".join(map(str, mesh))
+    return [Case(id=f"{m}-drec-{tag}", model=m, mesh=mesh, build_kwargs=SMALL.get(m, {}),
+                 search="drec") for m in ("mlp", "gpt")]
+
+
+FOUR = cases((2, 2)) + cases((4,)) + drec_cases((2, 2))
+TWO = cases((2,)) + drec_cases((2,))
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +87,8 @@ def check_mode(res: dict, case: Case) -> None:
     """The forced mode really happened (pins honoured)."""
     params = res["plan_params"]
     n = len(case.mesh)
+    if case.search == "drec":
+        assert res["searcher"] == "drec", res["searcher"]
     if case.id.split("-")[1] == "dp":
         assert all(p == "R" * n for p in params.values()), params
     elif case.id.split("-")[1] == "tp":

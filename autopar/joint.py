@@ -1,0 +1,289 @@
+"""The joint search: placements, pipeline stages, micro-batches (gradient
+accumulation), ZeRO stage and recomputation chosen for one objective (step time)
+under one memory model.
+
+For each candidate (pipeline stages ``p``, micro-batches ``M``) the model is captured
+at the micro-batch size and the intra-op search (ILP or D-Rec, :mod:`autopar.search`)
+places every op on the stage sub-mesh; :mod:`autopar.solve.pipeline` then prices every
+schedule x ZeRO stage x ZeRO axis on that plan, choosing stage boundaries and the
+recomputed layers so each stage fits the budget.  The fastest feasible combination
+wins.  The plain plan (one stage, one micro-batch) is searched first; pipelines and
+micro-batches are explored only when it does not fit, when asked (``explore``), or
+when forced.  If no placement fits even then, the intra-op search is re-run with the
+budget binding (memory-lean placements) before giving up with the memory the best
+plan needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from autopar.annotate import annotate
+from autopar.capture import Captured, capture
+from autopar.cost_models import MeshSpec, format_bytes, send_recv_time
+from autopar.errors import PlanError
+from autopar.plan import Decisions, Plan, Schedule
+from autopar.search import PlanOptions, make_plan
+from autopar.solve.layer_stats import LayerStat, layer_stats
+from autopar.solve.pipeline import Config, Priced, price
+
+
+def batch_size(example_inputs: tuple) -> int:
+    """The global batch: dim 0 of the first tensor input."""
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            return int(x.shape[0])
+    raise PlanError("micro-batching needs a tensor input with a batch dim (dim 0)")
+
+
+def micro_inputs(example_inputs: tuple, micro_batches: int) -> tuple:
+    """The first micro-batch: every tensor whose dim 0 is the batch, cut to ``B / M``."""
+    b = batch_size(example_inputs)
+    if b % micro_batches:
+        raise PlanError(f"the batch of {b} does not split into {micro_batches} micro-batches")
+    m = b // micro_batches
+    return tuple(x[:m] if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == b else x
+                 for x in example_inputs)
+
+
+def split_mesh(mesh: MeshSpec, stages: int) -> tuple[MeshSpec, MeshSpec]:
+    """(full mesh with a leading pipeline axis, one stage's sub-mesh) for ``stages``
+    pipeline stages carved out of mesh axis 0 (the outermost, slowest one)."""
+    if stages == 1:
+        return mesh, mesh
+    a0 = mesh.shape[0]
+    if a0 % stages:
+        raise PlanError(f"{stages} pipeline stages do not divide mesh axis 0 of size {a0}")
+    rest = ((a0 // stages,) if a0 > stages else ()) + tuple(mesh.shape[1:])
+    full = mesh.with_shape((stages, *rest))
+    if rest:
+        sub = dataclasses.replace(full, shape=full.shape[1:], links=full.links[1:],
+                                  axis_names=full.axis_names[1:])
+    else:
+        sub = dataclasses.replace(full, shape=(1,), links=full.links[:1], axis_names=("a0",))
+    return full, sub
+
+
+@dataclass
+class _Candidate:
+    stages: int
+    micro_batches: int
+    cap: Captured
+    plan: Plan
+    stats: list[LayerStat]
+    full: MeshSpec
+
+
+class JointSearch:
+    """One joint search (see the module docstring); ``run()`` returns (capture, plan)."""
+
+    def __init__(self, model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOptions,
+                 example_kwargs: dict | None = None) -> None:
+        self.model, self.inputs, self.mesh, self.opts = model, tuple(example_inputs), mesh, opts
+        self.kwargs = example_kwargs
+        self.budget = opts.memory_budget if opts.memory_budget is not None else mesh.mem_capacity
+        self.captures: dict[int, Captured] = {}
+        self.priced: list[tuple[_Candidate, Priced]] = []
+        self.timings: dict[str, float] = {}
+
+    # ------------------------------------------------------------ candidates
+    def _stage_options(self) -> list[int]:
+        if self.opts.pipeline_stages is not None:
+            return [self.opts.pipeline_stages]
+        a0 = self.mesh.shape[0]
+        return [1] + [p for p in range(2, a0 + 1) if a0 % p == 0]
+
+    def _micro_options(self, stages: int) -> list[int]:
+        if self.opts.micro_batches is not None:
+            return [self.opts.micro_batches]
+        b = batch_size(self.inputs)
+        opts = [m for m in (1, 2, 4, 8, 16, 32) if b % m == 0]
+        return [m for m in opts if m >= stages] or opts[-1:]
+
+    def _capture(self, micro: int) -> Captured:
+        size = batch_size(self.inputs) // micro
+        if size not in self.captures:
+            cap = capture(self.model, micro_inputs(self.inputs, micro), self.kwargs)
+            t0 = time.perf_counter()
+            annotate(cap.gm)
+            self.captures[size] = cap
+            self.timings["capture"] = self.timings.get("capture", 0.0) + cap.seconds
+            self.timings["annotate"] = self.timings.get("annotate", 0.0) + time.perf_counter() - t0
+        return self.captures[size]
+
+    def _intra(self, stages: int, micro: int, budget: float | None) -> _Candidate:
+        full, sub = split_mesh(self.mesh, stages)
+        cap = self._capture(micro)
+        t0 = time.perf_counter()
+        intra_opts = dataclasses.replace(self.opts, memory_budget=budget)
+        p = make_plan(cap.gm, sub, cap.aliases, intra_opts)
+        self.timings["intra_op"] = self.timings.get("intra_op", 0.0) + time.perf_counter() - t0
+        return _Candidate(stages, micro, cap, p, layer_stats(cap.gm, p), full)
+
+    def _configs(self, cand: _Candidate) -> list[Config]:
+        sub = cand.plan.mesh
+        if self.opts.zero_stage is not None:
+            zs = [self.opts.zero_stage]
+        else:
+            zs = [0, 1, 2, 3]
+        axes = [a for a, n in enumerate(sub.shape) if n > 1]
+        if cand.stages > 1:
+            scheds = [self.opts.schedule] if self.opts.schedule else [Schedule.ONE_F_ONE_B.value,
+                                                                       Schedule.GPIPE.value]
+        else:
+            scheds = [Schedule.NONE.value]
+        out = []
+        for z in zs:
+            for a in (axes if z else [None]) or [None]:
+                for s in scheds:
+                    out.append(Config(cand.stages, cand.micro_batches, s, z, a, self.opts.recompute))
+        return out
+
+    def _price(self, cand: _Candidate) -> None:
+        link = (lambda b: send_recv_time(cand.full, (0,), b)) if cand.stages > 1 else (lambda b: 0.0)
+        for cfg in self._configs(cand):
+            self.priced.append((cand, price(cand.stats, cfg, cand.plan.mesh, link, self.budget,
+                                            self.opts.optimizer)))
+
+    def _best(self) -> tuple[_Candidate, Priced] | None:
+        ok = [(c, p) for c, p in self.priced if p.feasible]
+        if not ok:
+            return None
+        # fastest; on ties the simpler plan (fewer stages, micro-batches, lower ZeRO)
+        return min(ok, key=lambda cp: (round(cp[1].step_seconds, 12), cp[1].config.stages,
+                                       cp[1].config.micro_batches, cp[1].config.zero_stage))
+
+    # ------------------------------------------------------------ search
+    def run(self) -> tuple[Captured, Plan]:
+        """Search and return the chosen capture (at the micro-batch size) and plan."""
+        t0 = time.perf_counter()
+        stages = self.opts.pipeline_stages or 1
+        first = self._intra(stages, self._micro_options(stages)[0], math.inf)
+        self._price(first)
+        forced = self.opts.pipeline_stages is not None or self.opts.micro_batches is not None
+        if self.opts.explore or (self._best() is None and not forced):
+            for p in self._stage_options():
+                for m in self._micro_options(p):
+                    if (p, m) != (first.stages, first.micro_batches):
+                        self._price(self._intra(p, m, math.inf))
+        if self._best() is None:
+            # no split fits with the fastest placements: let the budget shape them
+            tried = {(c.stages, c.micro_batches) for c, _ in self.priced}
+            for p, m in sorted(tried):
+                try:
+                    self._price(self._intra(p, m, self.budget))
+                except PlanError:
+                    continue
+        best = self._best()
+        if best is None:
+            need = min(p.min_memory for _, p in self.priced)
+            raise PlanError(
+                f"no plan fits the memory budget of {format_bytes(self.budget)} per device: the "
+                f"leanest plan found (ZeRO-3, recomputation, pipelining and micro-batches "
+                f"considered) needs {format_bytes(need)} per device")
+        cand, pr = best
+        plan = self._decorate(cand, pr)
+        plan.timings.update(self.timings)
+        plan.timings["joint_search"] = time.perf_counter() - t0
+        return cand.cap, plan
+
+    # ------------------------------------------------------------ the plan
+    def _decorate(self, cand: _Candidate, pr: Priced) -> Plan:
+        cfg = pr.config
+        plan = cand.plan
+        recompute = sorted({k for sp in pr.stages for k in sp.recompute})
+        d = Decisions(
+            pipeline_stages=cfg.stages, schedule=cfg.schedule, micro_batches=cfg.micro_batches,
+            stages=[sp.layers for sp in pr.stages] if cfg.stages > 1 else [],
+            zero_stage=cfg.zero_stage, zero_axis=cfg.zero_axis, recompute=recompute,
+            global_batch=batch_size(self.inputs),
+            stage_seconds=[sp.seconds for sp in pr.stages],
+            stage_memory=[sp.total_memory for sp in pr.stages], step_seconds=pr.step_seconds)
+        d.why = self._why(pr)
+        plan.decisions = d
+        worst = max(pr.stages, key=lambda sp: sp.total_memory)
+        plan.memory = dict(worst.memory)
+        plan.memory["total"] = worst.total_memory
+        return plan
+
+    def _alt(self, pred) -> Priced | None:
+        ok = [p for _, p in self.priced if pred(p.config)]
+        feas = [p for p in ok if p.feasible]
+        if feas:
+            return min(feas, key=lambda p: p.step_seconds)
+        return min(ok, key=lambda p: p.min_memory) if ok else None
+
+    def _why(self, pr: Priced) -> dict[str, str]:
+        cfg = pr.config
+        ms = pr.step_seconds * 1e3
+        mem = max(sp.total_memory for sp in pr.stages)
+        why: dict[str, str] = {}
+
+        def versus(alt: Priced | None, what: str) -> str:
+            if alt is None:
+                return f"{what} was not tried"
+            if not alt.feasible:
+                return f"{what} needs {format_bytes(alt.min_memory)} per device, over the budget " \
+                       f"of {format_bytes(self.budget)}"
+            return f"{what} takes {alt.step_seconds * 1e3:.3f} ms per step and " \
+                   f"{format_bytes(alt.min_memory)} per device"
+
+        here = f"this plan: {ms:.3f} ms per step, {format_bytes(mem)} per device"
+        why["zero"] = (f"ZeRO-{cfg.zero_stage} over mesh axis {cfg.zero_axis}; " if cfg.zero_stage
+                       else "no ZeRO; ") + here + "; " + versus(
+            self._alt(lambda c: c.zero_stage == 0 and (c.stages, c.micro_batches) ==
+                      (cfg.stages, cfg.micro_batches)) if cfg.zero_stage else
+            self._alt(lambda c: c.zero_stage > 0), "without ZeRO" if cfg.zero_stage else "with ZeRO")
+        why["pipeline"] = (f"{cfg.stages} pipeline stages ({cfg.schedule}); " if cfg.stages > 1
+                           else "no pipeline; ") + here + "; " + versus(
+            self._alt(lambda c: c.stages == 1) if cfg.stages > 1 else
+            self._alt(lambda c: c.stages > 1), "one stage" if cfg.stages > 1 else "pipelining")
+        why["micro_batches"] = f"{cfg.micro_batches} micro-batches of " \
+            f"{batch_size(self.inputs) // cfg.micro_batches}; " + versus(
+                self._alt(lambda c: c.micro_batches != cfg.micro_batches),
+                "other micro-batch counts (best of them)")
+        rc = [k for sp in pr.stages for k in sp.recompute]
+        if rc:
+            cand = next(c for c, p in self.priced if p is pr)
+            link = (lambda b: send_recv_time(cand.full, (0,), b)) if cfg.stages > 1 else (lambda b: 0.0)
+            plain = price(cand.stats, dataclasses.replace(cfg, recompute=()), cand.plan.mesh, link,
+                          self.budget, self.opts.optimizer)
+            why["recompute"] = f"{len(rc)} layers recomputed ({', '.join(rc)}): {here}; " + versus(
+                plain, "the same plan without recomputation")
+            stats = {st.key: st for st in cand.stats}
+            for sp_i, sp in enumerate(pr.stages):
+                for k in sp.recompute:
+                    st = stats[k]
+                    why[f"layer:{k}"] = (
+                        f"{k} is recomputed in backward: it saves "
+                        f"{format_bytes(st.activations - st.out_bytes)} of activations per "
+                        f"micro-batch in flight on stage {sp_i} and costs "
+                        f"{st.forward * 1e3:.3f} ms of extra forward per micro-batch; without "
+                        f"recomputation stage {sp_i} would need more than the budget of "
+                        f"{format_bytes(self.budget)}")
+        else:
+            why["recompute"] = "no layer is recomputed: the plan fits without it"
+        return why
+
+
+def joint_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOptions,
+               example_kwargs: dict | None = None) -> tuple[Captured, Plan]:
+    """Run :class:`JointSearch`; warnings raised while planning are kept on the plan."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cap, p = JointSearch(model, example_inputs, mesh, opts, example_kwargs).run()
+    for w in caught:
+        warnings.warn(str(w.message), stacklevel=3)
+        if str(w.message) not in p.warnings:
+            p.warnings.append(str(w.message))
+    return cap, p
+
+
+__all__ = ["JointSearch", "batch_size", "joint_plan", "micro_inputs", "split_mesh"]

@@ -1,0 +1,449 @@
+r"""Repeated-layer clustering: solve a stack of identical layers once, then DP over the chain.
+
+A transformer of ``L`` identical blocks gives a strategy problem of ``L`` copies of the
+same subgraph. Each block (a *layer* of :mod:`autopar.layers`, e.g. ``blocks.3``) talks to
+the rest of the graph through two nodes only: its *entry* ``p`` (the one node outside the
+block that feeds it, the previous block's output) and its *exit* ``o`` (the one node of the
+block used outside it). For such a block the internals can be minimised out exactly::
+
+    T[a, b] = min over the block's other nodes of (their costs + edges inside the block
+              + edges from p)   given   x_p = a, x_o = b
+
+``T`` is computed by leaf/chain elimination with ``p`` and ``o`` protected (the same exact
+DP :mod:`autopar.solve.ilp` uses; a transformer block is series-parallel, so nothing but
+``p`` and ``o`` survives), once per *class* of identical blocks, not once per block. The
+*reduced problem* keeps every node outside the blocks (embeddings, head, loss), one node per
+block exit, and the edge ``(p, o, T)`` per block: a chain of ``L`` nodes that
+:func:`~autopar.solve.ilp.solve_ilp` solves exactly by elimination. Replaying the recorded
+eliminations for each block's ``(x_p, x_o)`` expands the answer to every node, and the
+result is the flat problem's optimum (it is the same DP, only shared between blocks).
+
+Identity is decided twice: an fx-level fingerprint (op sequence, shapes, FLOPs, strategy
+lists, local wiring) groups blocks, and the numeric arrays (node costs, memory, every
+in-block and entry edge matrix) are compared with the class representative before its
+``T`` is reused, so clustering never changes the answer, only the time to reach it.
+
+Memory budget (per-layer accounting through a Lagrangian): memory is a sum over nodes, so
+``min cost + lam * memory`` clusters exactly like the cost. Without a budget, or when the
+``lam = 0`` optimum fits, the plan is the exact optimum. Otherwise ``lam`` is bisected
+(each step is one elimination per class plus a chain DP), the best feasible plan is
+polished by budget-respecting single-node moves, and every ``lam`` gives the lower bound
+``min(cost + lam * memory) - lam * budget``, so the plan reports a proven gap. When that
+gap is not zero and the flat problem is small (:data:`FLAT_MIP_MAX_NODES`), the flat
+budgeted MIP gets the remaining time and the better plan wins.
+
+Example::
+
+    >>> from autopar.solve.cluster import find_clusters, solve_clustered
+    >>> # clusters = find_clusters(gm, nodes, strategies, problem)   # None: nothing repeats
+    >>> # solution = solve_clustered(problem, clusters, time_limit=30.0)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from torch import fx
+
+from autopar.ir import info
+from autopar.layers import layers
+from autopar.rules import OpStrategy
+from autopar.solve.ilp import (
+    _eliminate_chain,
+    _eliminate_leaf,
+    _Graph,
+    _polish_under_budget,
+    _Reduction,
+    solve_ilp,
+)
+from autopar.solve.problem import (
+    InfeasibleError,
+    Solution,
+    SolveStatus,
+    StrategyProblem,
+    evaluate,
+    format_bytes,
+)
+
+__all__ = ["FLAT_MIP_MAX_NODES", "Block", "Clustering", "find_clusters", "solve_clustered"]
+
+FLAT_MIP_MAX_NODES = 600
+"""Largest flat problem that still gets the budgeted MIP after a Lagrangian gap: above it
+the MIP was measured to find nothing better within the limit (design.md section 4)."""
+# Bisection steps on lam; each halves the interval, 30 are far below any cost that matters.
+_LAGRANGE_STEPS = 30
+# Relative gap under which the Lagrangian plan is reported optimal (float summation noise).
+_OPTIMAL_GAP = 1e-9
+
+
+@dataclass(frozen=True)
+class Block:
+    """One repeated layer in problem-index space.
+
+    ``nodes`` are the problem indices of the layer's nodes in graph order (so the ``j``-th
+    node of two blocks of one class plays the same role); ``entry`` is the problem index of
+    the single node outside the block that feeds it; ``exit`` is the position in ``nodes``
+    of the single node used outside the block; ``edges`` are the problem's edge indices
+    that belong to the block (inside it or from ``entry`` into it); ``cls`` is its class.
+    """
+
+    key: str
+    nodes: tuple[int, ...]
+    entry: int
+    exit: int
+    edges: tuple[int, ...]
+    cls: int
+
+    @property
+    def exit_node(self) -> int:
+        """Problem index of the exit node."""
+        return self.nodes[self.exit]
+
+
+@dataclass
+class Clustering:
+    """Blocks of a problem that the clustered solver treats as repeated layers.
+
+    ``kept`` are the problem nodes outside every block (they stay as they are in the
+    reduced problem); ``classes`` counts distinct block classes.
+    """
+
+    blocks: list[Block]
+    kept: list[int]
+    classes: int
+
+    def describe(self) -> str:
+        """One line for ``plan.solver.message``."""
+        sizes: dict[int, int] = {}
+        for b in self.blocks:
+            sizes[b.cls] = sizes.get(b.cls, 0) + 1
+        return (f"clustered {len(self.blocks)} repeated layers into {self.classes} class"
+                f"{'es' if self.classes != 1 else ''} ({len(self.blocks[0].nodes)} nodes each), "
+                f"reduced problem {len(self.kept) + len(self.blocks)} nodes")
+
+
+# ------------------------------------------------------------------------------ detection
+
+
+def _node_fingerprint(n: fx.Node, strategies: list[OpStrategy]) -> tuple:
+    """What decides a node's prices: op, output tensors, FLOPs, bytes, param-ness, strategies."""
+    ni = info(n)
+    target = str(n.target) if n.op == "call_function" else ""
+    to_output = any(u.op == "output" for u in n.users)
+    return (n.op, target, ni.outputs, ni.flops, ni.bytes_moved, ni.param is not None,
+            ni.buffer is not None, to_output, tuple((s.inputs, s.outputs) for s in strategies))
+
+
+def find_clusters(gm: fx.GraphModule, nodes: Sequence[fx.Node],
+                  strategies: dict[fx.Node, list[OpStrategy]],
+                  problem: StrategyProblem) -> Clustering | None:
+    """Find repeated layers of ``gm`` in ``problem`` (whose node ``i`` is ``nodes[i]``).
+
+    A layer qualifies when exactly one outside node feeds it and exactly one of its nodes
+    is used outside it; qualifying layers with equal fingerprints form a class. Returns
+    ``None`` when no class has two or more members (the flat solve is then just as good).
+    """
+    index = {n: i for i, n in enumerate(nodes)}
+    layer_of = np.full(len(nodes), -1)
+    members: list[tuple[str, list[int]]] = []
+    for lay in layers(gm):
+        if not lay.repeated:
+            continue
+        local = [index[n] for n in lay.nodes if n in index]
+        if not local:
+            continue
+        layer_of[local] = len(members)
+        members.append((lay.key, local))
+    if len(members) < 2:
+        return None
+    sources: list[set[int]] = [set() for _ in members]
+    exported: list[set[int]] = [set() for _ in members]
+    owned: list[list[int]] = [[] for _ in members]
+    for e, (u, v, _) in enumerate(problem.edges):
+        lu, lv = layer_of[u], layer_of[v]
+        if lv >= 0:
+            owned[lv].append(e)
+            if lu != lv:
+                sources[lv].add(u)
+        if lu >= 0 and lu != lv:
+            exported[lu].add(u)
+    classes: dict[tuple, int] = {}
+    blocks: list[Block] = []
+    for m, (key, local) in enumerate(members):
+        if len(sources[m]) != 1 or len(exported[m]) != 1:
+            continue  # not a chain link: stays in the reduced problem as it is
+        (entry,) = sources[m]
+        pos = {u: j for j, u in enumerate(local)}
+        pos[entry] = -1
+        wiring = tuple((pos[problem.edges[e][0]], pos[problem.edges[e][1]]) for e in owned[m])
+        (out,) = exported[m]
+        fp = (tuple(_node_fingerprint(nodes[u], strategies[nodes[u]]) for u in local),
+              wiring, pos[out])
+        cls = classes.setdefault(fp, len(classes))
+        blocks.append(Block(key, tuple(local), entry, pos[out], tuple(owned[m]), cls))
+    counts = np.bincount([b.cls for b in blocks], minlength=len(classes)) if blocks else []
+    if not blocks or max(counts) < 2:
+        return None
+    in_block = np.zeros(len(nodes), dtype=bool)
+    for b in blocks:
+        in_block[list(b.nodes)] = True
+    kept = [int(i) for i in np.flatnonzero(~in_block)]
+    return Clustering(blocks, kept, len(classes))
+
+
+# ------------------------------------------------------------------------------ transfer
+
+
+@dataclass
+class _Transfer:
+    """``table[a, b]``: least cost of a block's internals with entry ``a`` and exit ``b``;
+    ``reduction`` replays the eliminations to recover the internal choices."""
+
+    table: np.ndarray
+    reduction: _Reduction
+    exit_local: int
+
+
+@dataclass
+class _Cache:
+    """Transfers computed for one ``lam``, keyed by class and checked numerically."""
+
+    entries: dict[int, list[tuple[Block, _Transfer]]] = field(default_factory=dict)
+
+
+def _local_problem(problem: StrategyProblem, block: Block, cost: list[np.ndarray]) -> StrategyProblem:
+    """The block with its entry as local node 0 (zero cost: it belongs elsewhere)."""
+    pos = {u: j + 1 for j, u in enumerate(block.nodes)}
+    pos[block.entry] = 0
+    k0 = len(problem.node_costs[block.entry])
+    costs = [np.zeros(k0)] + [cost[u] for u in block.nodes]
+    mems = [np.zeros(len(c)) for c in costs]
+    edges = [(pos[problem.edges[e][0]], pos[problem.edges[e][1]], problem.edges[e][2])
+             for e in block.edges]
+    return StrategyProblem(costs, mems, edges)
+
+
+def _same(problem: StrategyProblem, a: Block, b: Block, cost: list[np.ndarray]) -> bool:
+    """Numeric identity of two blocks of one class (costs, memory, edges, entry width)."""
+    if len(problem.node_costs[a.entry]) != len(problem.node_costs[b.entry]):
+        return False
+    for u, v in zip(a.nodes, b.nodes):
+        if cost[u] is not cost[v] and not np.array_equal(cost[u], cost[v]):
+            return False
+    for e, f in zip(a.edges, b.edges):
+        ma, mb = problem.edges[e][2], problem.edges[f][2]
+        if ma is not mb and not np.array_equal(ma, mb):
+            return False
+    return True
+
+
+def _transfer(local: StrategyProblem, exit_local: int) -> _Transfer | None:
+    """Eliminate every node but the entry (0) and ``exit_local``; None if that gets stuck."""
+    g = _Graph(local)
+    red = _Reduction(local, [], [], local.num_nodes)
+    protected = {0, exit_local}
+    queue = deque(u for u in g.alive_nodes() if u not in protected and len(g.nbrs[u]) <= 2)
+    while queue:
+        v = queue.popleft()
+        if not g.alive[v] or len(g.nbrs[v]) > 2:
+            continue
+        touched = list(g.nbrs[v])
+        if len(touched) <= 1:
+            _eliminate_leaf(g, red, v)
+        else:
+            _eliminate_chain(g, red, v)
+        queue.extend(u for u in touched
+                     if g.alive[u] and u not in protected and len(g.nbrs[u]) <= 2)
+    if set(g.alive_nodes()) != protected:
+        return None  # not series-parallel between entry and exit: no 2-terminal transfer
+    table = g.cost[0][:, None] + g.cost[exit_local][None, :] + red.offset
+    if exit_local in g.nbrs[0]:
+        table = table + g.nbrs[0][exit_local]
+    red.nodes = [0, exit_local]
+    red.keep = [g.keep[0], g.keep[exit_local]]
+    return _Transfer(table, red, exit_local)
+
+
+def _block_transfer(problem: StrategyProblem, block: Block, cost: list[np.ndarray],
+                    cache: _Cache) -> _Transfer | None:
+    """The block's transfer, reusing a numerically identical block's when there is one."""
+    for rep, tr in cache.entries.get(block.cls, []):
+        if _same(problem, rep, block, cost):
+            return tr
+    tr = _transfer(_local_problem(problem, block, cost), block.exit + 1)
+    if tr is not None:
+        cache.entries.setdefault(block.cls, []).append((block, tr))
+    return tr
+
+
+# ------------------------------------------------------------------------------ one lam
+
+
+@dataclass
+class _LamResult:
+    """The exact minimiser of ``cost + lam * memory`` and its value."""
+
+    choice: list[int]
+    value: float
+    optimal: bool
+    solver: str
+
+
+class _NotClusterable(Exception):
+    """A block is not series-parallel between its entry and exit."""
+
+
+def _solve_weighted(problem: StrategyProblem, cl: Clustering, cost: list[np.ndarray],
+                    time_limit: float) -> _LamResult:
+    """Minimise ``sum cost + edges`` (no budget) on the reduced problem and expand."""
+    cache = _Cache()
+    transfers = []
+    for b in cl.blocks:
+        tr = _block_transfer(problem, b, cost, cache)
+        if tr is None:
+            raise _NotClusterable(b.key)
+        transfers.append(tr)
+    red_index = {u: r for r, u in enumerate(cl.kept)}
+    for b in cl.blocks:
+        red_index[b.exit_node] = len(red_index)
+    costs = [cost[u] for u in cl.kept] + [np.zeros(len(cost[b.exit_node])) for b in cl.blocks]
+    owned = set()
+    for b in cl.blocks:
+        owned.update(b.edges)
+    edges = [(red_index[u], red_index[v], m) for e, (u, v, m) in enumerate(problem.edges)
+             if e not in owned]
+    edges += [(red_index[b.entry], red_index[b.exit_node], tr.table)
+              for b, tr in zip(cl.blocks, transfers)]
+    reduced = StrategyProblem(costs, [np.zeros(len(c)) for c in costs], edges)
+    sol = solve_ilp(reduced, time_limit=time_limit)
+    choice = [-1] * problem.num_nodes
+    for u in cl.kept:
+        choice[u] = sol.choice[red_index[u]]
+    for b, tr in zip(cl.blocks, transfers):
+        a, o = sol.choice[red_index[b.entry]], sol.choice[red_index[b.exit_node]]
+        local = tr.reduction.recover([a, o])
+        for j, u in enumerate(b.nodes):
+            choice[u] = local[j + 1]
+    value = evaluate(reduced, sol.choice)[0]
+    return _LamResult(choice, value, sol.status is SolveStatus.OPTIMAL, sol.solver)
+
+
+# ------------------------------------------------------------------------------ driver
+
+
+def solve_clustered(problem: StrategyProblem, clusters: Clustering,
+                    time_limit: float = 30.0) -> Solution | None:
+    """Solve ``problem`` exploiting ``clusters`` (see the module docstring).
+
+    Returns the same :class:`Solution` as :func:`~autopar.solve.ilp.solve_ilp`: the exact
+    optimum when the memory budget does not bind, otherwise the best Lagrangian (or flat
+    MIP) plan with its proven gap. Returns ``None`` when a block is not series-parallel
+    between its entry and exit (the caller then solves the flat problem). Raises
+    :class:`InfeasibleError` when no plan fits the budget.
+    """
+    started = time.monotonic()
+    deadline = started + time_limit
+    problem.validate()
+    budget = problem.memory_budget
+    what = clusters.describe()
+    try:
+        first = _solve_weighted(problem, clusters, [np.asarray(c, float) for c in problem.node_costs],
+                                time_limit)
+    except _NotClusterable:
+        return None
+    obj, mem = evaluate(problem, first.choice)
+    if not math.isfinite(obj):
+        raise InfeasibleError("no plan exists: the forbidden resharding pairs leave no plan",
+                              min_memory=math.inf)
+    if budget is None or mem <= budget:
+        status = SolveStatus.OPTIMAL if first.optimal else SolveStatus.FEASIBLE
+        note = "" if budget is None else "; fits the memory budget"
+        return Solution(first.choice, obj, status, 0.0 if first.optimal else None,
+                        f"cluster/{first.solver}", time.monotonic() - started,
+                        f"{'optimal' if first.optimal else 'feasible'} plan ({what}){note}")
+    return _budgeted(problem, clusters, first, started, deadline, what)
+
+
+def _budgeted(problem: StrategyProblem, cl: Clustering, first: _LamResult, started: float,
+              deadline: float, what: str) -> Solution:
+    """Lagrangian bisection on ``lam`` (see the module docstring), then polish and gap."""
+    budget = problem.memory_budget
+    assert budget is not None
+    costs = [np.asarray(c, float) for c in problem.node_costs]
+    mems = [np.asarray(m, float) for m in problem.node_memory]
+
+    def run(lam: float) -> tuple[_LamResult, float, float]:
+        left = max(1.0, deadline - time.monotonic())
+        res = _solve_weighted(problem, cl, [c + lam * m for c, m in zip(costs, mems)], left)
+        obj, mem = evaluate(problem, res.choice)
+        return res, obj, mem
+
+    # the least-memory plan first: it decides feasibility exactly (cost := memory, edges
+    # only forbid pairs), as in solve_ilp
+    memory_only = StrategyProblem(problem.node_costs, problem.node_memory,
+                                  [(u, v, np.where(np.isinf(m), np.inf, 0.0))
+                                   for u, v, m in problem.edges])
+    least = _solve_weighted(memory_only, cl, mems, max(1.0, deadline - time.monotonic()))
+    least_mem = evaluate(problem, least.choice)[1]
+    if least_mem > budget:
+        raise InfeasibleError(
+            f"memory budget {format_bytes(budget)} is infeasible: the smallest plan needs "
+            f"{format_bytes(least_mem)}", min_memory=least_mem)
+    lower = first.value if first.optimal else -math.inf  # lam = 0 bound
+    best_choice, best_obj = least.choice, evaluate(problem, least.choice)[0]
+    cost_span = sum(float(np.ptp(c)) for c in costs) + 1e-300
+    mem_span = sum(float(np.ptp(m)) for m in mems) + 1e-300
+    lo, hi = 0.0, cost_span / mem_span
+    found = False
+    for _ in range(40):  # grow lam until the plan fits (4**40 covers any unit ratio)
+        if time.monotonic() > deadline:
+            break
+        res, obj, mem = run(hi)
+        if res.optimal:
+            lower = max(lower, res.value - hi * budget)
+        if mem <= budget:
+            found = True
+            if obj < best_obj:
+                best_choice, best_obj = res.choice, obj
+            break
+        lo, hi = hi, hi * 4.0
+    for _ in range(_LAGRANGE_STEPS if found else 0):
+        if time.monotonic() > deadline:
+            break
+        mid = 0.5 * (lo + hi)
+        res, obj, mem = run(mid)
+        if res.optimal:
+            lower = max(lower, res.value - mid * budget)
+        if mem <= budget:
+            hi = mid
+            if obj < best_obj:
+                best_choice, best_obj = res.choice, obj
+        else:
+            lo = mid
+    best_choice = _polish_under_budget(problem, best_choice)
+    best_obj = evaluate(problem, best_choice)[0]
+    solver = "cluster/lagrangian"
+    gap = max(0.0, (best_obj - lower) / max(abs(best_obj), 1e-300)) if math.isfinite(lower) else None
+    how = "Lagrangian over clustered layers"
+    if (gap is None or gap > _OPTIMAL_GAP) and problem.num_nodes <= FLAT_MIP_MAX_NODES \
+            and deadline - time.monotonic() > 1.0:
+        flat = solve_ilp(problem, time_limit=deadline - time.monotonic())
+        if flat.objective < best_obj and evaluate(problem, flat.choice)[1] <= budget:
+            best_choice, best_obj, solver = flat.choice, flat.objective, flat.solver
+            how = "flat budgeted MIP after the clustered Lagrangian"
+        if flat.status is SolveStatus.OPTIMAL:
+            lower = max(lower, flat.objective)
+        elif flat.gap is not None:
+            lower = max(lower, flat.objective * (1.0 - flat.gap))
+        gap = max(0.0, (best_obj - lower) / max(abs(best_obj), 1e-300)) if math.isfinite(lower) else None
+    optimal = gap is not None and gap <= _OPTIMAL_GAP
+    gap_text = "gap unknown" if gap is None else f"gap {100 * gap:.2f}%"
+    message = (f"{'optimal' if optimal else 'feasible'} plan under the memory budget ({what}; "
+               f"{how}; {gap_text})")
+    return Solution(best_choice, best_obj, SolveStatus.OPTIMAL if optimal else SolveStatus.FEASIBLE,
+                    0.0 if optimal else gap, solver, time.monotonic() - started, message)

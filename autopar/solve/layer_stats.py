@@ -1,0 +1,152 @@
+"""Per-layer time and memory of an intra-op plan: the inputs of the joint search over
+pipeline stages, micro-batches, ZeRO and recomputation (:mod:`autopar.solve.pipeline`).
+
+The intra-op plan is made for one micro-batch on one stage's sub-mesh; this module
+reads it back per layer (:mod:`autopar.layers`):
+
+* ``seconds``: forward + backward time of one micro-batch (compute, the op's own
+  collectives and the redistributions on its input edges, both directions);
+* ``forward``: the forward share, which recomputation pays again in backward
+  (compute / (1 + backward factor) + half the edge communication);
+* ``activations``: bytes kept for backward per micro-batch (outputs of computing ops);
+* ``out_bytes``: bytes of values leaving the layer (what a recomputed layer keeps,
+  and what a pipeline cut after it sends);
+* parameters: local bytes, the part replicated on each sub-mesh axis (ZeRO candidates)
+  and gradient-reduction prices.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+from torch import fx
+
+from autopar.cost_models import (
+    MeshSpec,
+    all_gather_time,
+    all_reduce_time,
+    optimizer_state_bytes,
+    reduce_scatter_time,
+)
+from autopar.ir import info
+from autopar.placement import is_replicate, local_shape, parse_placements
+from autopar.plan import Plan
+
+
+@dataclass
+class ParamStat:
+    """One parameter's local bytes and the mesh axes it is replicated on."""
+
+    bytes: float
+    replicated: tuple[int, ...]
+
+
+@dataclass
+class LayerStat:
+    """Time and memory of one layer for one micro-batch (see module docstring)."""
+
+    key: str
+    seconds: float = 0.0
+    forward: float = 0.0
+    activations: float = 0.0
+    out_bytes: float = 0.0
+    params: list[ParamStat] = field(default_factory=list)
+    buffers: float = 0.0
+
+    @property
+    def param_bytes(self) -> float:
+        """Local parameter bytes (before ZeRO)."""
+        return sum(p.bytes for p in self.params)
+
+
+def _local_bytes(node: fx.Node, placement: str, mesh: MeshSpec) -> float:
+    t = info(node).out
+    return math.prod(local_shape(t.shape, parse_placements(placement), mesh.shape)) * (
+        t.nbytes / max(t.numel, 1))
+
+
+def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) -> list[LayerStat]:
+    """Per-layer statistics of ``plan`` (made for ``gm``), in layer order."""
+    mesh = plan.mesh
+    stats: dict[str, LayerStat] = {}
+    order: list[str] = []
+    layer_of: dict[fx.Node, str] = {}
+    for n in gm.graph.nodes:
+        np_ = plan.nodes.get(n.name)
+        if np_ is None:
+            continue
+        key = np_.layer or "post"
+        layer_of[n] = key
+        if key not in stats:
+            stats[key] = LayerStat(key)
+            order.append(key)
+        st = stats[key]
+        if np_.kind == "param":
+            pl = parse_placements(np_.out_placements[0])
+            rep = tuple(a for a, p in enumerate(pl) if is_replicate(p) and mesh.shape[a] > 1)
+            st.params.append(ParamStat(_local_bytes(n, np_.out_placements[0], mesh), rep))
+        elif np_.kind == "buffer":
+            st.buffers += np_.memory
+        elif np_.kind == "op":
+            st.seconds += np_.compute + np_.comm
+            st.forward += np_.compute / (1.0 + backward_factor) + np_.comm / 2.0
+            st.activations += np_.memory
+    # bytes leaving each layer: values used by a later layer (each value once)
+    for n, key in layer_of.items():
+        if n.op in ("placeholder", "get_attr") or n.target is operator.getitem:
+            continue
+        if any(layer_of.get(u, key) != key for u in n.users if u.op != "output"):
+            stats[key].out_bytes += _local_bytes(n, plan.nodes[n.name].out_placements[0], mesh) \
+                if info(n).outputs and not info(n).tuple_output else 0.0
+    # the loss is always "post": keep pre/post at the ends even if graph order differs
+    keys = [k for k in order if k == "pre"] + [k for k in order if k not in ("pre", "post")] + \
+        [k for k in order if k == "post"]
+    return [stats[k] for k in keys]
+
+
+@dataclass(frozen=True)
+class ZeroPrice:
+    """Per-step time and per-device memory of a layer's parameters under a ZeRO stage."""
+
+    sync: float          # gradient reduction (overlappable with backward)
+    gather_step: float   # all-gather after the step (stages 1-2), exposed once per step
+    gather_mb: float     # gathers per micro-batch (stage 3: forward + backward re-gather)
+    params: float
+    grads: float
+    optimizer: float
+    transient: float     # whole parameters alive while the layer runs (stage 3)
+
+
+def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | None, optimizer: str) -> ZeroPrice:
+    """Price ``stat``'s parameters under ZeRO ``stage`` over sub-mesh ``axis``."""
+    sync = gstep = gmb = pb = gb = ob = tr = 0.0
+    for p in stat.params:
+        opt = optimizer_state_bytes(p.bytes, optimizer)
+        on_z = stage > 0 and axis is not None and axis in p.replicated
+        if not on_z:
+            if p.replicated:
+                # bandwidth only: bucketing pays the latency once per bucket
+                sync += all_reduce_time(mesh, p.replicated, p.bytes) - all_reduce_time(mesh, p.replicated, 1.0)
+            pb, gb, ob = pb + p.bytes, gb + p.bytes, ob + opt
+            continue
+        d = mesh.shape[axis]
+        others = tuple(a for a in p.replicated if a != axis)
+        sync += reduce_scatter_time(mesh, (axis,), p.bytes) - reduce_scatter_time(mesh, (axis,), d)
+        if others:
+            sync += all_reduce_time(mesh, others, p.bytes / d) - all_reduce_time(mesh, others, 1.0)
+        gather = all_gather_time(mesh, (axis,), p.bytes)
+        if stage < 3:
+            gstep += gather
+            pb += p.bytes
+        else:
+            gmb += 2.0 * gather
+            pb += p.bytes / d
+            tr += p.bytes
+        gb += p.bytes / d if stage >= 2 else p.bytes
+        ob += opt / d
+    return ZeroPrice(sync, gstep, gmb, pb, gb, ob, tr)
+
+
+__all__ = ["LayerStat", "ParamStat", "ZeroPrice", "layer_stats", "zero_price"]

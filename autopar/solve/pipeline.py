@@ -1,0 +1,195 @@
+"""Stage boundaries, schedule, recomputation and ZeRO for one intra-op plan: the
+pipeline part of the joint search (design.md §6, Alpa's inter-op pass).
+
+Given per-layer statistics (:mod:`autopar.solve.layer_stats`) of the intra-op plan
+for one micro-batch, a :class:`Config` (stages ``p``, micro-batches ``M``, schedule,
+ZeRO stage and axis) is priced as
+
+* stage ``s`` holds layers ``[i, j)``; its micro-batch time ``t_s`` is the layers'
+  forward+backward time, plus the forward of recomputed layers, plus stage-3 gathers,
+  plus the point-to-point sends/receives of its boundary activations and gradients;
+* it keeps ``k_s`` micro-batches of activations in flight (``M`` under GPipe,
+  ``min(p - s, M)`` under 1F1B, 1 without a pipeline); recomputation is chosen per
+  stage, greedily by bytes saved per second of extra forward, until the stage fits
+  the memory budget (the least extra compute that fits when the layers are alike);
+* step time ``= sum_s t_s + (M - 1) * max_s t_s`` plus, for the slowest stage, the
+  gradient reduction not hidden behind the last micro-batch's backward (simulated
+  layer by layer: a layer's gradients are reduced while earlier layers run backward)
+  and the ZeRO-1/2 parameter all-gather after the step;
+* stage boundaries come from a dynamic program over layer ranges that minimises the
+  slowest stage (then the sum), every stage within the budget.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from autopar.cost_models import MeshSpec
+from autopar.plan import Schedule
+from autopar.solve.layer_stats import LayerStat, zero_price
+
+
+@dataclass(frozen=True)
+class Config:
+    """Discrete choices priced together."""
+
+    stages: int = 1
+    micro_batches: int = 1
+    schedule: str = Schedule.NONE.value
+    zero_stage: int = 0
+    zero_axis: int | None = None
+    recompute: tuple[str, ...] | None = None  # forced recomputed layer keys; None = searched
+
+
+@dataclass
+class StagePrice:
+    """One stage under a config: time per micro-batch, step extras, memory, recompute."""
+
+    layers: list[str]
+    seconds: float
+    extra: float
+    memory: dict[str, float]
+    recompute: list[str] = field(default_factory=list)
+
+    @property
+    def total_memory(self) -> float:
+        """Bytes per device."""
+        return sum(self.memory.values())
+
+
+@dataclass
+class Priced:
+    """A config with its stages and step time (``inf`` when no split fits)."""
+
+    config: Config
+    stages: list[StagePrice]
+    step_seconds: float
+    min_memory: float
+
+    @property
+    def feasible(self) -> bool:
+        """True when every stage fits the budget."""
+        return math.isfinite(self.step_seconds)
+
+
+def _exposed_sync(layers: list[LayerStat], syncs: list[float], recompute: set[str]) -> float:
+    """Gradient reduction left after the last backward: layer gradients are ready back
+    to front and are reduced one after the other while earlier layers still compute."""
+    t = done = 0.0
+    for st, s in zip(reversed(layers), reversed(syncs)):
+        t += st.seconds - st.forward + (st.forward if st.key in recompute else 0.0)
+        done = max(done, t) + s
+    return max(0.0, done - t)
+
+
+def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec, pipe_link,
+                budget: float, optimizer: str) -> StagePrice:
+    """Price stage ``index`` holding ``layers`` (see the module docstring);
+    ``pipe_link(bytes)`` is the time of one point-to-point message between stages.
+    The returned memory may exceed ``budget`` when nothing fits."""
+    if cfg.stages == 1:
+        inflight = 1
+    elif cfg.schedule == Schedule.GPIPE.value:
+        inflight = cfg.micro_batches
+    else:
+        inflight = min(cfg.stages - index, cfg.micro_batches)
+    zp = [zero_price(st, mesh, cfg.zero_stage, cfg.zero_axis, optimizer) for st in layers]
+    static = sum(z.params + z.grads + z.optimizer for z in zp) + sum(st.buffers for st in layers)
+    static += max((z.transient for z in zp), default=0.0)
+    # recompute candidates: layers whose recomputation saves memory, best ratio first
+    cands = sorted((st for st in layers if st.activations > st.out_bytes and st.forward > 0),
+                   key=lambda st: -(st.activations - st.out_bytes) / st.forward)
+    act = sum(st.activations for st in layers)
+    chosen: list[LayerStat] = []
+
+    def mem(rc: list[LayerStat]) -> float:
+        saved = sum(st.activations - st.out_bytes for st in rc)
+        peak = max((st.activations for st in rc), default=0.0)  # one layer re-materialised
+        return static + inflight * (act - saved) + peak
+
+    if cfg.recompute is not None:
+        chosen = [st for st in layers if st.key in cfg.recompute]
+    else:
+        for st in cands:
+            if mem(chosen) <= budget:
+                break
+            chosen.append(st)
+    # when nothing fits, every candidate stays recomputed: the memory reported is then
+    # the least this stage can reach, which the infeasible-budget message quotes
+    rc = {st.key for st in chosen}
+    seconds = sum(st.seconds for st in layers) + sum(st.forward for st in chosen)
+    seconds += sum(z.gather_mb for z in zp)
+    if cfg.stages > 1:
+        # receive the activations in and send them on in forward; the reverse in backward
+        if index > 0:
+            seconds += 2.0 * pipe_link(_in_bytes(layers))
+        if index < cfg.stages - 1:
+            seconds += 2.0 * pipe_link(layers[-1].out_bytes)
+    extra = _exposed_sync(layers, [z.sync for z in zp], rc) + sum(z.gather_step for z in zp)
+    memory = {"params": sum(z.params for z in zp), "grads": sum(z.grads for z in zp),
+              "optimizer": sum(z.optimizer for z in zp),
+              "activations": mem(chosen) - static, "buffers": sum(st.buffers for st in layers)}
+    memory["transient"] = static - sum(memory[k] for k in ("params", "grads", "optimizer", "buffers"))
+    return StagePrice([st.key for st in layers], seconds, extra, memory, sorted(rc))
+
+
+def _in_bytes(layers: list[LayerStat]) -> float:
+    # what enters the stage is what the previous layer sent; approximated by the
+    # first layer's own output size (layers of a stack have equal-sized interfaces)
+    return layers[0].out_bytes
+
+
+def price(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget: float,
+          optimizer: str) -> Priced:
+    """Best stage split for ``cfg`` and its step time."""
+    n, p = len(stats), cfg.stages
+    if p > n:
+        return Priced(cfg, [], math.inf, math.inf)
+    cache: dict[tuple[int, int, int], StagePrice] = {}
+
+    def stage(i: int, j: int, s: int) -> StagePrice:
+        key = (i, j, s)
+        if key not in cache:
+            cache[key] = price_stage(stats[i:j], s, cfg, mesh, pipe_link, budget, optimizer)
+        return cache[key]
+
+    # best[s][j]: (slowest stage, sum, split) covering layers [0, j) with s + 1 stages
+    inf = (math.inf, math.inf, [])
+    best = [[inf] * (n + 1) for _ in range(p)]
+    for j in range(1, n - p + 2):
+        sp = stage(0, j, 0)
+        if sp.total_memory <= budget:
+            best[0][j] = (sp.seconds, sp.seconds, [sp])
+    for s in range(1, p):
+        for j in range(s + 1, n - (p - s - 1) + 1):
+            for i in range(s, j):
+                prev = best[s - 1][i]
+                if not math.isfinite(prev[0]):
+                    continue
+                sp = stage(i, j, s)
+                if sp.total_memory > budget:
+                    continue
+                cand = (max(prev[0], sp.seconds), prev[1] + sp.seconds, prev[2] + [sp])
+                if cand[:2] < best[s][j][:2]:
+                    best[s][j] = cand
+    slow, total, split = best[p - 1][n]
+    min_mem = min((sp.total_memory for sp in cache.values()), default=math.inf)
+    if not math.isfinite(slow):
+        # report the smallest per-device memory any split could reach
+        return Priced(cfg, [], math.inf, _min_split_memory(stats, cfg, stage, min_mem))
+    step = total + (cfg.micro_batches - 1) * slow + max(sp.extra for sp in split)
+    return Priced(cfg, split, step, max(sp.total_memory for sp in split))
+
+
+def _min_split_memory(stats, cfg: Config, stage, fallback: float) -> float:
+    """Smallest max-stage memory over balanced splits (for the infeasible message)."""
+    n, p = len(stats), cfg.stages
+    bounds = [round(k * n / p) for k in range(p + 1)]
+    try:
+        return max(stage(bounds[k], bounds[k + 1], k).total_memory for k in range(p))
+    except (ValueError, IndexError):
+        return fallback
+
+
+__all__ = ["Config", "Priced", "StagePrice", "price", "price_stage"]
