@@ -132,6 +132,11 @@ class CostModel:
         total = 0.0
         for t, p in zip(ni.outputs, s.outputs):
             total += math.prod(local_shape(t.shape, p, self.mesh.shape)) * (t.nbytes / max(t.numel, 1))
+        if node.target is aten.cross_entropy_loss.default:
+            # cross-entropy keeps its log-probabilities (logits-sized) for backward
+            x = info(node.args[0]).out
+            total += math.prod(local_shape(x.shape, s.inputs[0], self.mesh.shape)) * (
+                x.nbytes / max(x.numel, 1))
         return total
 
 

@@ -369,6 +369,25 @@ def solve_clustered(problem: StrategyProblem, clusters: Clustering,
     return _budgeted(problem, clusters, first, started, deadline, what)
 
 
+def _mix_blocks(problem: StrategyProblem, cl: Clustering, fits: list[int],
+                over: list[int]) -> list[int]:
+    """Move whole blocks from the plan that fits to the cheaper one that does not, while
+    the budget allows: the Lagrangian only reaches plans where every block of a class
+    makes the same trade, the budgeted optimum often mixes the two sides of ``lam*``."""
+    budget = problem.memory_budget
+    assert budget is not None
+    plan = list(fits)
+    obj, _ = evaluate(problem, plan)
+    for b in cl.blocks:
+        trial = list(plan)
+        for u in b.nodes:
+            trial[u] = over[u]
+        t_obj, t_mem = evaluate(problem, trial)
+        if t_mem <= budget and t_obj < obj:
+            plan, obj = trial, t_obj
+    return plan
+
+
 def _budgeted(problem: StrategyProblem, cl: Clustering, first: _LamResult, started: float,
               deadline: float, what: str) -> Solution:
     """Lagrangian bisection on ``lam`` (see the module docstring), then polish and gap."""
@@ -412,6 +431,7 @@ def _budgeted(problem: StrategyProblem, cl: Clustering, first: _LamResult, start
                 best_choice, best_obj = res.choice, obj
             break
         lo, hi = hi, hi * 4.0
+    over = first.choice  # the cheapest plan that does not fit, nearest to lam*
     for _ in range(_LAGRANGE_STEPS if found else 0):
         if time.monotonic() > deadline:
             break
@@ -424,7 +444,8 @@ def _budgeted(problem: StrategyProblem, cl: Clustering, first: _LamResult, start
             if obj < best_obj:
                 best_choice, best_obj = res.choice, obj
         else:
-            lo = mid
+            lo, over = mid, res.choice
+    best_choice = _mix_blocks(problem, cl, best_choice, over)
     best_choice = _polish_under_budget(problem, best_choice)
     best_obj = evaluate(problem, best_choice)[0]
     solver = "cluster/lagrangian"

@@ -117,11 +117,12 @@ class ZeroPrice:
     grads: float
     optimizer: float
     transient: float     # whole parameters alive while the layer runs (stage 3)
+    bucket: float = 0.0  # stage 2: whole gradients waiting in a reduce bucket
 
 
 def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | None, optimizer: str) -> ZeroPrice:
     """Price ``stat``'s parameters under ZeRO ``stage`` over sub-mesh ``axis``."""
-    sync = gstep = gmb = pb = gb = ob = tr = 0.0
+    sync = gstep = gmb = pb = gb = ob = tr = bk = 0.0
     for p in stat.params:
         opt = optimizer_state_bytes(p.bytes, optimizer)
         on_z = stage > 0 and axis is not None and axis in p.replicated
@@ -145,8 +146,9 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | None, op
             pb += p.bytes / d
             tr += p.bytes
         gb += p.bytes / d if stage >= 2 else p.bytes
+        bk += p.bytes if stage == 2 else 0.0
         ob += opt / d
-    return ZeroPrice(sync, gstep, gmb, pb, gb, ob, tr)
+    return ZeroPrice(sync, gstep, gmb, pb, gb, ob, tr, bk)
 
 
 __all__ = ["LayerStat", "ParamStat", "ZeroPrice", "layer_stats", "zero_price"]

@@ -29,6 +29,8 @@ from autopar.cost_models import MeshSpec
 from autopar.plan import Schedule
 from autopar.solve.layer_stats import LayerStat, zero_price
 
+ZERO_BUCKET_BYTES = 4 << 20  # runtime/zero.py Zero.bucket_bytes
+
 
 @dataclass(frozen=True)
 class Config:
@@ -97,16 +99,27 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     zp = [zero_price(st, mesh, cfg.zero_stage, cfg.zero_axis, optimizer) for st in layers]
     static = sum(z.params + z.grads + z.optimizer for z in zp) + sum(st.buffers for st in layers)
     static += max((z.transient for z in zp), default=0.0)
+    # stage 2 reduce-scatters a bucket once all its gradients exist: up to one bucket of
+    # whole gradients is alive at a time (runtime/zero.py, 4 MiB buckets)
+    static += min(ZERO_BUCKET_BYTES, sum(z.bucket for z in zp))
     # recompute candidates: layers whose recomputation saves memory, best ratio first
     cands = sorted((st for st in layers if st.activations > st.out_bytes and st.forward > 0),
                    key=lambda st: -(st.activations - st.out_bytes) / st.forward)
-    act = sum(st.activations for st in layers)
     chosen: list[LayerStat] = []
 
     def mem(rc: list[LayerStat]) -> float:
-        saved = sum(st.activations - st.out_bytes for st in rc)
-        peak = max((st.activations for st in rc), default=0.0)  # one layer re-materialised
-        return static + inflight * (act - saved) + peak
+        # a recomputed layer keeps only what leaves it; in backward it is re-materialised
+        # when the layers after it have already freed theirs, so the peak is the larger
+        # of the end of the forward and, per recomputed layer, what is kept before it
+        # plus its own activations
+        keys = {st.key for st in rc}
+        kept = [st.out_bytes if st.key in keys else st.activations for st in layers]
+        peak, before = sum(kept), 0.0
+        for st, k in zip(layers, kept):
+            if st.key in keys:
+                peak = max(peak, before + st.activations)
+            before += k
+        return static + (inflight - 1) * sum(kept) + peak
 
     if cfg.recompute is not None:
         chosen = [st for st in layers if st.key in cfg.recompute]

@@ -38,6 +38,7 @@ class Case:
     steps_adam: int = 2
     search: str = "ilp"  # the searcher that makes the plan: "ilp", "drec" or "auto"
     options: dict = field(default_factory=dict)  # forced decisions: zero_stage, micro_batches, ...
+    measure_memory: bool = False
 
 
 def free_port() -> int:
@@ -101,7 +102,26 @@ def run_case(case: Case) -> dict:
     full = pm.full_state_dict()
     res["adam_err"], res["adam_worst"] = _max_err(full, ref.state_dict(), names)
     res["state_keys_match"] = sorted(full) == sorted(ref.state_dict())
+    if case.measure_memory:
+        res["memory"] = _measure_memory(pm, opt, ex)
     return res
+
+
+def _measure_memory(pm, opt, ex) -> list[dict]:
+    """Every rank's measured peak tensor bytes over one training step (parameters,
+    optimizer state, gradients and activations; autopar.runtime.memstats) next to the
+    plan's prediction for its pipeline stage."""
+    from autopar.runtime.memstats import module_state_bytes, peak_bytes
+
+    opt.zero_grad()
+    peak = peak_bytes(lambda: pm.train_step(*ex), baseline=module_state_bytes(pm, opt))
+    d = pm.plan.decisions
+    stage = pm._mesh_rt.stage
+    predicted = d.stage_memory[stage] if d.stage_memory else pm.plan.memory["total"]
+    mine = {"rank": dist.get_rank(), "stage": stage, "measured": peak, "predicted": predicted}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
 
 
 def _resolve(fn: str):
