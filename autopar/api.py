@@ -41,7 +41,8 @@ def _capture_and_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec,
     return joint_plan(model, example_inputs, mesh, opts, example_kwargs)
 
 
-_DECISION_KEYS = ("zero_stage", "pipeline_stages", "micro_batches", "schedule", "recompute", "explore")
+_DECISION_KEYS = ("zero_stage", "pipeline_stages", "micro_batches", "schedule", "recompute", "explore",
+                  "blocks")
 
 
 def _options(memory_budget, optimizer, time_limit, pins, decisions: Mapping,

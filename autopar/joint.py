@@ -8,8 +8,8 @@ places every op on the stage sub-mesh; :mod:`autopar.solve.pipeline` then prices
 schedule x ZeRO stage x ZeRO axis on that plan, choosing stage boundaries and the
 recomputed layers so each stage fits the budget.  The fastest feasible combination
 wins.  The plain plan (one stage, one micro-batch) is searched first; pipelines and
-micro-batches are explored only when it does not fit, when asked (``explore``), or
-when forced.  If no placement fits even then, the intra-op search is re-run with the
+micro-batches are explored when it needs ZeRO or recomputation to fit (or does not fit
+at all), when asked (``explore``), or when forced.  If no placement fits even then, the intra-op search is re-run with the
 budget binding (memory-lean placements) before giving up with the memory the best
 plan needs.
 """
@@ -81,6 +81,19 @@ class _Candidate:
     full: MeshSpec
 
 
+def extrapolate_blocks(stats: list[LayerStat], blocks: int) -> list[LayerStat]:
+    """``stats`` with its repeated blocks replaced by ``blocks`` copies of the last one
+    (keys ``<prefix>.<i>``): identical blocks get identical intra-op plans, so a deep
+    model's per-layer numbers follow from a shallow capture."""
+    body = [st for st in stats if st.key not in ("pre", "post")]
+    if not body:
+        raise PlanError("blocks= needs a model with repeated blocks (an nn.ModuleList)")
+    last = body[-1]
+    prefix = last.key.rsplit(".", 1)[0]
+    copies = [dataclasses.replace(last, key=f"{prefix}.{i}") for i in range(blocks)]
+    return [st for st in stats if st.key == "pre"] + copies + [st for st in stats if st.key == "post"]
+
+
 class JointSearch:
     """One joint search (see the module docstring); ``run()`` returns (capture, plan)."""
 
@@ -125,7 +138,10 @@ class JointSearch:
         intra_opts = dataclasses.replace(self.opts, memory_budget=budget)
         p = make_plan(cap.gm, sub, cap.aliases, intra_opts)
         self.timings["intra_op"] = self.timings.get("intra_op", 0.0) + time.perf_counter() - t0
-        return _Candidate(stages, micro, cap, p, layer_stats(cap.gm, p), full)
+        stats = layer_stats(cap.gm, p)
+        if self.opts.blocks is not None:
+            stats = extrapolate_blocks(stats, self.opts.blocks)
+        return _Candidate(stages, micro, cap, p, stats, full)
 
     def _configs(self, cand: _Candidate) -> list[Config]:
         sub = cand.plan.mesh
@@ -168,7 +184,12 @@ class JointSearch:
         first = self._intra(stages, self._micro_options(stages)[0], math.inf)
         self._price(first)
         forced = self.opts.pipeline_stages is not None or self.opts.micro_batches is not None
-        if self.opts.explore or (self._best() is None and not forced):
+        best = self._best()
+        # memory pressure already costs time (ZeRO, recomputation, or nothing fits):
+        # pipelines and micro-batches may then be the cheaper way to fit
+        pressed = best is None or best[1].config.zero_stage > 0 or any(
+            sp.recompute for sp in best[1].stages)
+        if self.opts.explore or (pressed and not forced):
             for p in self._stage_options():
                 for m in self._micro_options(p):
                     if (p, m) != (first.stages, first.micro_batches):

@@ -172,7 +172,24 @@ class Plan:
 
     # ------------------------------------------------------------ explaining
     def explain(self, name: str) -> str:
-        """Why node ``name`` got its strategy: its price and the best alternatives."""
+        """Why node ``name`` got its strategy (its price and the best alternatives), or
+        why a plan-level decision was taken: ``"pipeline"`` (stages and schedule),
+        ``"zero"``, ``"micro_batches"``, ``"recompute"``, or a layer key such as
+        ``"blocks.7"`` (is it recomputed, which stage holds it)."""
+        d = self.decisions
+        aliases = {"stages": "pipeline", "schedule": "pipeline", "optimizer": "zero",
+                   "accumulation": "micro_batches", "gradient_accumulation": "micro_batches"}
+        key = aliases.get(name, name)
+        if key in d.why:
+            return d.why[key]
+        layers = {n.layer for n in self.nodes.values()}
+        if name in layers:
+            where = f"stage {d.stage_of(name)} of {d.pipeline_stages}" if d.pipeline_stages > 1 \
+                else "the only stage"
+            if f"layer:{name}" in d.why:
+                return d.why[f"layer:{name}"] + f"; it runs on {where}"
+            return f"{name} runs on {where} and is not recomputed: " + d.why.get(
+                "recompute", "its activations fit the budget")
         n = self._find(name)
         lines = [f"{n.name} ({n.op}, shape {n.shape}) on mesh {self.mesh.shape} "
                  f"axes {self.mesh.axis_names}:",
@@ -229,8 +246,16 @@ class Plan:
                       f"{n.comm * 1e3:.4f}", format_bytes(n.memory))
             rows += 1
         mem = self.memory
-        t.caption = (
-            f"step time {self.objective * 1e3:.4f} ms = compute {self.compute_seconds * 1e3:.4f} + "
+        d = self.decisions
+        decided = (
+            f"step {d.step_seconds * 1e3:.4f} ms: "
+            + (f"{d.pipeline_stages} pipeline stages ({d.schedule}), " if d.pipeline_stages > 1 else "")
+            + f"{d.micro_batches} micro-batch(es), "
+            + (f"ZeRO-{d.zero_stage} over axis {d.zero_axis}, " if d.zero_stage else "no ZeRO, ")
+            + (f"recompute {', '.join(d.recompute)}" if d.recompute else "no recomputation")
+            + "; per micro-batch: ") if d.step_seconds else ""
+        t.caption = decided + (
+            f"time {self.objective * 1e3:.4f} ms = compute {self.compute_seconds * 1e3:.4f} + "
             f"communication {self.comm_seconds * 1e3:.4f} + gradient sync "
             f"{self.grad_sync_seconds * 1e3:.4f}; memory per device "
             f"{format_bytes(mem.get('total', 0))} (params {format_bytes(mem.get('params', 0))}, "

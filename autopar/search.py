@@ -28,7 +28,7 @@ from autopar.placement import R, fmt_placements
 from autopar.plan import Alternative, NodePlan, Plan, Redistribution, SolverInfo
 from autopar.redistribute import plan_redistribution
 from autopar.rules import OpStrategy
-from autopar.solve.cluster import Clustering, find_clusters, solve_clustered
+from autopar.solve.cluster import Clustering, find_clusters, shared_pricing, solve_clustered
 from autopar.solve.ilp import solve_ilp
 from autopar.solve.problem import InfeasibleError, StrategyProblem, evaluate
 from autopar.strategies import apply_pins, enumerate_strategies
@@ -56,6 +56,9 @@ class PlanOptions:
     schedule: str | None = None
     recompute: tuple[str, ...] | None = None
     explore: bool = False  # also try pipelines/micro-batches when the plain plan fits
+    # plan as if the model's repeated block were stacked this many times (deep models
+    # planned from a shallow capture of identical blocks; planning only)
+    blocks: int | None = None
 
 
 @dataclass
@@ -69,12 +72,25 @@ class Problem:
 
 
 def build_problem(gm: fx.GraphModule, mesh: MeshSpec, strategies: dict[fx.Node, list[OpStrategy]],
-                  cm: CostModel, budget: float | None) -> Problem:
-    """Assemble :class:`StrategyProblem` arrays (see module docstring)."""
+                  cm: CostModel, budget: float | None,
+                  share: dict[fx.Node, fx.Node] | None = None) -> Problem:
+    """Assemble :class:`StrategyProblem` arrays (see module docstring).
+
+    ``share`` maps a node to a twin priced identically (a repeated layer's node and its
+    counterpart in the first identical layer, :func:`autopar.solve.cluster.shared_pricing`):
+    the twin's arrays are reused, so a deep stack of identical layers is priced once."""
+    share = share or {}
     nodes = list(strategies)
     index = {n: i for i, n in enumerate(nodes)}
     costs, mems = [], []
+    priced: dict[fx.Node, tuple[np.ndarray, np.ndarray]] = {}
+    matrices: dict[tuple[fx.Node, fx.Node, int], np.ndarray] = {}
     for n in nodes:
+        if share.get(n) in priced:
+            c, m = priced[share[n]]
+            costs.append(c)
+            mems.append(m)
+            continue
         c = np.array([cm.node_cost(n, s) for s in strategies[n]], dtype=np.float64)
         # the loss (or any output) must end up replicated: price that here
         for user in n.users:
@@ -83,6 +99,7 @@ def build_problem(gm: fx.GraphModule, mesh: MeshSpec, strategies: dict[fx.Node, 
                                   for s in strategies[n]])
         costs.append(c)
         mems.append(np.array([cm.node_memory(n, s) for s in strategies[n]], dtype=np.float64))
+        priced[n] = (c, mems[-1])
     edges, edge_src = [], []
     for v in nodes:
         if v.op == "call_function" and v.target is operator.getitem:
@@ -96,9 +113,13 @@ def build_problem(gm: fx.GraphModule, mesh: MeshSpec, strategies: dict[fx.Node, 
         for i, u in enumerate(tensor_inputs(v)):
             if u not in index:
                 continue
-            t = info(u).out
-            m = np.array([[cm.redistribution(a.outputs[0], b.inputs[i], t) for b in strategies[v]]
-                          for a in strategies[u]], dtype=np.float64)
+            key = (share.get(u, u), share.get(v, v), i)
+            m = matrices.get(key)
+            if m is None:
+                t = info(u).out
+                m = np.array([[cm.redistribution(a.outputs[0], b.inputs[i], t) for b in strategies[v]]
+                              for a in strategies[u]], dtype=np.float64)
+                matrices[key] = m
             edges.append((index[u], index[v], m))
             edge_src.append((u, v, i))
     prob = StrategyProblem(node_costs=costs, node_memory=mems, edges=edges,
@@ -248,7 +269,7 @@ def make_plan(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts: PlanOptio
     apply_pins(strategies, opts.pins, tuple(mesh.shape), aliases, gm)
     cm = CostModel(mesh, optimizer=opts.optimizer)
     budget = opts.memory_budget if opts.memory_budget is not None else mesh.mem_capacity
-    pb = build_problem(gm, mesh, strategies, cm, budget)
+    pb = build_problem(gm, mesh, strategies, cm, budget, shared_pricing(gm, strategies))
     t1 = time.perf_counter()
     sol = _solve(pb.problem, opts.time_limit, find_clusters(gm, pb.nodes, pb.strategies, pb.problem))
     t2 = time.perf_counter()

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from torch import fx
 
-from autopar.ir import info
+from autopar.ir import info, tensor_inputs
 from autopar.layers import layers
 from autopar.rules import OpStrategy
 from autopar.solve.ilp import (
@@ -70,7 +70,14 @@ from autopar.solve.problem import (
     format_bytes,
 )
 
-__all__ = ["FLAT_MIP_MAX_NODES", "Block", "Clustering", "find_clusters", "solve_clustered"]
+__all__ = [
+    "FLAT_MIP_MAX_NODES",
+    "Block",
+    "Clustering",
+    "find_clusters",
+    "shared_pricing",
+    "solve_clustered",
+]
 
 FLAT_MIP_MAX_NODES = 600
 """Largest flat problem that still gets the budgeted MIP after a Lagrangian gap: above it
@@ -137,6 +144,32 @@ def _node_fingerprint(n: fx.Node, strategies: list[OpStrategy]) -> tuple:
     to_output = any(u.op == "output" for u in n.users)
     return (n.op, target, ni.outputs, ni.flops, ni.bytes_moved, ni.param is not None,
             ni.buffer is not None, to_output, tuple((s.inputs, s.outputs) for s in strategies))
+
+
+def shared_pricing(gm: fx.GraphModule,
+                   strategies: dict[fx.Node, list[OpStrategy]]) -> dict[fx.Node, fx.Node]:
+    """Map each node of a repeated layer to its twin in the first identical layer.
+
+    Two layers are identical when their nodes match position by position in op, output
+    and input tensors, FLOPs, bytes, strategy lists and wiring; a node's prices (and those
+    of the edges into it) are then the twin's, so :func:`autopar.search.build_problem`
+    prices one layer per class instead of every layer. Nodes without a twin are absent.
+    """
+    first: dict[tuple, list[fx.Node]] = {}
+    share: dict[fx.Node, fx.Node] = {}
+    for lay in layers(gm):
+        if not lay.repeated:
+            continue
+        local = [n for n in lay.nodes if n in strategies]
+        pos = {n: j for j, n in enumerate(local)}
+        fp = tuple(
+            (_node_fingerprint(n, strategies[n]),
+             tuple((pos.get(u, -1), info(u).outputs) for u in tensor_inputs(n)))
+            for n in local)
+        rep = first.setdefault(fp, local)
+        if rep is not local:
+            share.update(zip(local, rep))
+    return share
 
 
 def find_clusters(gm: fx.GraphModule, nodes: Sequence[fx.Node],

@@ -86,9 +86,10 @@ def _exposed_sync(layers: list[LayerStat], syncs: list[float], recompute: set[st
 
 
 def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec, pipe_link,
-                budget: float, optimizer: str) -> StagePrice:
+                budget: float, optimizer: str, zp: list | None = None) -> StagePrice:
     """Price stage ``index`` holding ``layers`` (see the module docstring);
-    ``pipe_link(bytes)`` is the time of one point-to-point message between stages.
+    ``pipe_link(bytes)`` is the time of one point-to-point message between stages;
+    ``zp`` the layers' :func:`zero_price` when already computed.
     The returned memory may exceed ``budget`` when nothing fits."""
     if cfg.stages == 1:
         inflight = 1
@@ -96,7 +97,8 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
         inflight = cfg.micro_batches
     else:
         inflight = min(cfg.stages - index, cfg.micro_batches)
-    zp = [zero_price(st, mesh, cfg.zero_stage, cfg.zero_axis, optimizer) for st in layers]
+    if zp is None:
+        zp = [zero_price(st, mesh, cfg.zero_stage, cfg.zero_axis, optimizer) for st in layers]
     static = sum(z.params + z.grads + z.optimizer for z in zp) + sum(st.buffers for st in layers)
     static += max((z.transient for z in zp), default=0.0)
     # stage 2 reduce-scatters a bucket once all its gradients exist: up to one bucket of
@@ -123,11 +125,17 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
 
     if cfg.recompute is not None:
         chosen = [st for st in layers if st.key in cfg.recompute]
-    else:
-        for st in cands:
-            if mem(chosen) <= budget:
-                break
-            chosen.append(st)
+    elif mem([]) > budget:
+        # the fewest best-ratio layers that fit: memory falls as layers are added, so
+        # bisect on the count instead of re-pricing every prefix
+        lo, hi = 1, len(cands)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if mem(cands[:mid]) <= budget:
+                hi = mid
+            else:
+                lo = mid + 1
+        chosen = cands[:lo]
     # when nothing fits, every candidate stays recomputed: the memory reported is then
     # the least this stage can reach, which the infeasible-budget message quotes
     rc = {st.key for st in chosen}
@@ -160,11 +168,15 @@ def price(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget
     if p > n:
         return Priced(cfg, [], math.inf, math.inf)
     cache: dict[tuple[int, int, int], StagePrice] = {}
+    zps = [zero_price(st, mesh, cfg.zero_stage, cfg.zero_axis, optimizer) for st in stats]
 
     def stage(i: int, j: int, s: int) -> StagePrice:
-        key = (i, j, s)
+        # stages differ only by their in-flight count and whether they send/receive
+        inflight = (1 if cfg.stages == 1 else cfg.micro_batches if cfg.schedule == Schedule.GPIPE.value
+                    else min(cfg.stages - s, cfg.micro_batches))
+        key = (i, j, inflight, s == 0, s == cfg.stages - 1)
         if key not in cache:
-            cache[key] = price_stage(stats[i:j], s, cfg, mesh, pipe_link, budget, optimizer)
+            cache[key] = price_stage(stats[i:j], s, cfg, mesh, pipe_link, budget, optimizer, zps[i:j])
         return cache[key]
 
     # best[s][j]: (slowest stage, sum, split) covering layers [0, j) with s + 1 stages

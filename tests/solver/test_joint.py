@@ -1,0 +1,111 @@
+"""Golden plans of the joint search (issue 3): memory pressure moves the plan from
+plain data parallelism to ZeRO, recomputation and pipelining instead of failing, every
+predicted memory fits its budget, and an impossible budget says what the best plan
+needs.  Planning only (no process group)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from autopar import MeshSpec, plan
+from autopar.errors import PlanError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+import gpt  # noqa: E402
+
+MESH = MeshSpec.preset("8xA100-nvlink", shape=(4,))
+
+
+def _gpt():
+    return gpt.build(layers=4, dim=64, heads=4, vocab=256, seq=32, batch=16)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    model, ex = _gpt()
+    return plan(model, ex, MESH)
+
+
+def _kind(p) -> str:
+    d = p.decisions
+    parts = []
+    if d.zero_stage:
+        parts.append(f"zero{d.zero_stage}")
+    if d.recompute:
+        parts.append("recompute")
+    if d.pipeline_stages > 1:
+        parts.append(f"pp{d.pipeline_stages}")
+    if d.micro_batches > 1:
+        parts.append(f"m{d.micro_batches}")
+    return "+".join(parts) or "plain"
+
+
+def test_unconstrained_plan_is_plain_data_parallel(plain):
+    d = plain.decisions
+    assert (d.zero_stage, d.pipeline_stages, d.micro_batches, d.recompute) == (0, 1, 1, [])
+    assert all(p == "R" for p in plain.params().values())
+
+
+def test_tightening_budget_moves_to_memory_savers(plain):
+    """Budgets from the plain plan's memory down: each fits; the kinds change."""
+    full = plain.memory["total"]
+    kinds, last = [], None
+    for frac in (1.0, 0.8, 0.6, 0.45, 0.35):
+        model, ex = _gpt()
+        p = plan(model, ex, MESH, memory_budget=full * frac)
+        assert p.memory["total"] <= full * frac * (1 + 1e-9), (frac, p.memory)
+        assert max(p.decisions.stage_memory) <= full * frac * (1 + 1e-9)
+        if last is not None:
+            # less memory is never bought with a faster step
+            assert p.decisions.step_seconds >= last - 1e-12
+        last = p.decisions.step_seconds
+        kinds.append(_kind(p))
+    assert kinds[0] == "plain"
+    assert any("zero" in k for k in kinds), kinds
+    assert any("recompute" in k or "pp" in k or "m" in k for k in kinds), kinds
+
+
+def test_impossible_budget_says_what_is_needed(plain):
+    model, ex = _gpt()
+    budget = 4096.0
+    with pytest.raises(PlanError) as e:
+        plan(model, ex, MESH, memory_budget=budget)
+    m = re.search(r"needs ([\d.]+) (KiB|MiB)", str(e.value))
+    assert m, str(e.value)
+    need = float(m.group(1)) * {"KiB": 1024, "MiB": 1024 ** 2}[m.group(2)]
+    assert budget < need < plain.memory["total"]
+
+
+def test_one_f_one_b_holds_fewer_micro_batches_than_gpipe():
+    model, ex = _gpt()
+    kw = dict(pipeline_stages=2, micro_batches=8, zero_stage=0, recompute=[])
+    g = plan(model, ex, MESH, schedule="gpipe", **kw).decisions
+    f = plan(model, ex, MESH, schedule="1f1b", **kw).decisions
+    assert f.stage_memory[0] < g.stage_memory[0]
+    assert f.stages == g.stages and len(f.stages) == 2
+    # step = sum of stage times + (M - 1) x slowest, plus unhidden gradient sync
+    base = sum(f.stage_seconds) + 7 * max(f.stage_seconds)
+    assert base <= f.step_seconds < base * 1.5
+
+
+def test_same_inputs_same_decisions(plain):
+    model, ex = _gpt()
+    budget = plain.memory["total"] * 0.45
+    a = plan(model, ex, MESH, memory_budget=budget)
+    b = plan(model, ex, MESH, memory_budget=budget)
+    assert a.decisions == b.decisions
+    assert a.params() == b.params()
+
+
+def test_explain_answers_why(plain):
+    model, ex = _gpt()
+    p = plan(model, ex, MESH, memory_budget=plain.memory["total"] * 0.35)
+    assert "per step" in p.explain("pipeline")
+    assert "ZeRO" in p.explain("zero") or "no ZeRO" in p.explain("zero")
+    for layer in p.decisions.recompute:
+        assert "recomputed" in p.explain(layer)
+    assert "not recomputed" in p.explain("blocks.0") or "blocks.0" in p.decisions.recompute
