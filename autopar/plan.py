@@ -248,7 +248,7 @@ class Plan:
         mem = self.memory
         d = self.decisions
         decided = (
-            f"step {d.step_seconds * 1e3:.4f} ms: "
+            f"step time {d.step_seconds * 1e3:.4f} ms: "
             + (f"{d.pipeline_stages} pipeline stages ({d.schedule}), " if d.pipeline_stages > 1 else "")
             + f"{d.micro_batches} micro-batch(es), "
             + (f"ZeRO-{d.zero_stage} over axis {d.zero_axis}, " if d.zero_stage else "no ZeRO, ")
