@@ -223,11 +223,13 @@ def section(results: list[dict], time_limit: float) -> str:
 
 
 def write_section(text: str, doc: Path = DOC) -> None:
-    """Replace (or append) :data:`SECTION` in ``doc``, leaving other sections intact."""
+    """Replace (or append) the section whose heading is ``text``'s first line
+    (:data:`SECTION` for this benchmark) in ``doc``, leaving other sections intact."""
     doc.parent.mkdir(parents=True, exist_ok=True)
     old = doc.read_text() if doc.exists() else "# Benchmarks\n"
     lines = old.splitlines(keepends=True)
-    start = next((i for i, ln in enumerate(lines) if ln.rstrip() == SECTION), None)
+    heading = text.splitlines()[0].rstrip()
+    start = next((i for i, ln in enumerate(lines) if ln.rstrip() == heading), None)
     if start is None:
         new = old.rstrip("\n") + "\n\n" + text
     else:
