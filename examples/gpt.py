@@ -133,8 +133,7 @@ def main() -> None:
         print(pmodel.plan)
     opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
     for step in range(args.steps):
-        loss = pmodel(tokens, labels)
-        loss.backward()
+        loss = pmodel.train_step(tokens, labels)  # forward + backward, every micro-batch/stage
         opt.step()
         opt.zero_grad()
         if pmodel.rank == 0:
