@@ -42,7 +42,7 @@ def _capture_and_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec,
 
 
 _DECISION_KEYS = ("zero_stage", "pipeline_stages", "micro_batches", "schedule", "recompute", "explore",
-                  "blocks")
+                  "blocks", "progress")
 
 
 def _options(memory_budget, optimizer, time_limit, pins, decisions: Mapping,
@@ -108,6 +108,10 @@ class ParallelModule(nn.Module):
             self.rank = dist.get_rank()
         # planning-only: keep the whole weights so export() can write every rank's shards
         self._full_state = dict(full_state) if (full_state is not None and not runtime) else None
+        # the lowered graph before the runtime rewrites below (ZeRO-3 gathers, recompute,
+        # stage split): export() writes it and load() re-applies them from the plan
+        from autopar.export import snapshot
+        self.lowered_graph = snapshot(inner.graph) if isinstance(inner, torch.fx.GraphModule) else None
         self.zero = None
         if full_state is not None:
             self._load_targets(full_state, self._coord())

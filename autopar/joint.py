@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -135,7 +136,8 @@ class JointSearch:
         full, sub = split_mesh(self.mesh, stages)
         cap = self._capture(micro)
         t0 = time.perf_counter()
-        intra_opts = dataclasses.replace(self.opts, memory_budget=budget)
+        left = self.opts.time_limit - (time.perf_counter() - getattr(self, "_t0", time.perf_counter()))
+        intra_opts = dataclasses.replace(self.opts, memory_budget=budget, time_limit=max(1.0, left))
         p = make_plan(cap.gm, sub, cap.aliases, intra_opts)
         self.timings["intra_op"] = self.timings.get("intra_op", 0.0) + time.perf_counter() - t0
         stats = layer_stats(cap.gm, p)
@@ -177,12 +179,47 @@ class JointSearch:
                                        cp[1].config.micro_batches, cp[1].config.zero_stage))
 
     # ------------------------------------------------------------ search
+    def _say(self, msg: str) -> None:
+        """One progress line on stderr (``progress=True``): phase and elapsed time."""
+        if self.opts.progress:
+            print(f"[autopar {time.perf_counter() - self._t0:7.2f} s] {msg}", file=sys.stderr,
+                  flush=True)
+
+    def _out_of_time(self) -> bool:
+        """The joint search shares ``time_limit`` with its intra-op searches: once it is
+        spent, the remaining candidates are skipped and the plan says so."""
+        if time.perf_counter() - self._t0 <= self.opts.time_limit:
+            return False
+        if not self._stopped:
+            self._stopped = True
+            self._say("time limit reached: keeping the best plan found so far")
+        return True
+
+    def _try(self, stages: int, micro: int, budget: float | None) -> None:
+        if self._out_of_time():
+            return
+        t0 = time.perf_counter()
+        try:
+            cand = self._intra(stages, micro, budget)
+        except PlanError as e:
+            self._say(f"stages {stages}, micro-batches {micro}: no intra-op plan ({e})")
+            return
+        n = len(self.priced)
+        self._price(cand)
+        ok = [p for _, p in self.priced[n:] if p.feasible]
+        best = min((p.step_seconds for p in ok), default=math.inf)
+        self._say(f"stages {stages}, micro-batches {micro}"
+                  + (", memory-lean placements" if budget is not None and math.isfinite(budget) else "")
+                  + f": {len(self.priced) - n} configs priced, {len(ok)} fit, best "
+                  + (f"{best * 1e3:.3f} ms" if ok else "none") + f" ({time.perf_counter() - t0:.2f} s)")
+
     def run(self) -> tuple[Captured, Plan]:
         """Search and return the chosen capture (at the micro-batch size) and plan."""
-        t0 = time.perf_counter()
+        self._t0 = t0 = time.perf_counter()
+        self._stopped = False
         stages = self.opts.pipeline_stages or 1
-        first = self._intra(stages, self._micro_options(stages)[0], math.inf)
-        self._price(first)
+        first = (stages, self._micro_options(stages)[0])
+        self._try(*first, math.inf)
         forced = self.opts.pipeline_stages is not None or self.opts.micro_batches is not None
         best = self._best()
         # memory pressure already costs time (ZeRO, recomputation, or nothing fits):
@@ -192,18 +229,17 @@ class JointSearch:
         if self.opts.explore or (pressed and not forced):
             for p in self._stage_options():
                 for m in self._micro_options(p):
-                    if (p, m) != (first.stages, first.micro_batches):
-                        self._price(self._intra(p, m, math.inf))
+                    if (p, m) != first:
+                        self._try(p, m, math.inf)
         if self._best() is None:
             # no split fits with the fastest placements: let the budget shape them
-            tried = {(c.stages, c.micro_batches) for c, _ in self.priced}
-            for p, m in sorted(tried):
-                try:
-                    self._price(self._intra(p, m, self.budget))
-                except PlanError:
-                    continue
+            for p, m in sorted({(c.stages, c.micro_batches) for c, _ in self.priced}):
+                self._try(p, m, self.budget)
         best = self._best()
         if best is None:
+            if not self.priced:
+                raise PlanError("the search found no plan within its time limit of "
+                                f"{self.opts.time_limit} s; raise time_limit")
             need = min(p.min_memory for _, p in self.priced)
             raise PlanError(
                 f"no plan fits the memory budget of {format_bytes(self.budget)} per device: the "
@@ -213,6 +249,12 @@ class JointSearch:
         plan = self._decorate(cand, pr)
         plan.timings.update(self.timings)
         plan.timings["joint_search"] = time.perf_counter() - t0
+        if self._stopped:
+            msg = (f"the joint search stopped at its time limit of {self.opts.time_limit} s after "
+                   f"{len(self.priced)} configurations; this is the best plan found")
+            plan.warnings.append(msg)
+            plan.solver.message = (plan.solver.message + "; " if plan.solver.message else "") + msg
+        self._say(f"chose {pr.config}: {pr.step_seconds * 1e3:.3f} ms per step")
         return cand.cap, plan
 
     # ------------------------------------------------------------ the plan

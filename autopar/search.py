@@ -59,6 +59,7 @@ class PlanOptions:
     # plan as if the model's repeated block were stacked this many times (deep models
     # planned from a shallow capture of identical blocks; planning only)
     blocks: int | None = None
+    progress: bool = False  # print per-phase progress lines on stderr
 
 
 @dataclass
