@@ -199,17 +199,20 @@ class JointSearch:
         if self._out_of_time():
             return
         t0 = time.perf_counter()
+        lean = budget is not None and math.isfinite(budget)
         try:
             cand = self._intra(stages, micro, budget)
         except PlanError as e:
-            self._say(f"stages {stages}, micro-batches {micro}: no intra-op plan ({e})")
+            if not lean:
+                raise  # bad pins, untraceable shapes...: the user's error, not a dead end
+            self._say(f"stages {stages}, micro-batches {micro}: no memory-lean plan ({e})")
             return
         n = len(self.priced)
         self._price(cand)
         ok = [p for _, p in self.priced[n:] if p.feasible]
         best = min((p.step_seconds for p in ok), default=math.inf)
         self._say(f"stages {stages}, micro-batches {micro}"
-                  + (", memory-lean placements" if budget is not None and math.isfinite(budget) else "")
+                  + (", memory-lean placements" if lean else "")
                   + f": {len(self.priced) - n} configs priced, {len(ok)} fit, best "
                   + (f"{best * 1e3:.3f} ms" if ok else "none") + f" ({time.perf_counter() - t0:.2f} s)")
 
