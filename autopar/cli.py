@@ -8,6 +8,13 @@ keyword arguments (values are Python literals, else strings)::
     autopar plan examples/gpt.py:build --mesh 2x4 --preset 8xA100-nvlink \\
         --factory-args layers=12 dim=256 --json plan.json --explain linear_3
 
+Plan-level decisions are searched unless forced: ``--zero-stage``, ``--pipeline-stages``,
+``--micro-batches``, ``--schedule``, ``--recompute blocks.0,blocks.1`` (or ``none``);
+``--explore`` also tries pipelines and micro-batches when the plain plan fits.  The
+decisions are printed under the table; ``--explain`` alone prints why each was taken,
+``--explain pipeline`` (or ``zero``, ``micro_batches``, ``recompute``, a layer key such as
+``blocks.1``) one of them.
+
 Errors the user can fix (missing file or factory, bad mesh or preset, bad pins, no
 feasible plan, ...) print one ``error: ...`` line on stderr and exit with status 2.
 """
@@ -25,9 +32,13 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["CLIError", "load_factory", "main", "parse_bytes"]
+if TYPE_CHECKING:
+    from autopar.plan import Plan
+
+__all__ = ["CLIError", "decision_options", "format_decisions", "format_why", "load_factory", "main",
+           "parse_bytes", "parse_recompute"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -86,6 +97,84 @@ def parse_pins(items: Sequence[str]) -> dict[str, str]:
             raise CLIError(f"--pin {name}={value}: cannot parse placements {value!r}; expected "
                            f"one of R, P or S(dim) per mesh axis, e.g. S(0)R") from None
     return pins
+
+
+def parse_recompute(items: Sequence[str] | None) -> list[str] | None:
+    """``--recompute`` values (repeatable, comma-separated layer keys) -> the layer list;
+    ``none`` forces no recomputation; not given (``None``) leaves it to the search."""
+    if items is None:
+        return None
+    keys: list[str] = []
+    for item in items:
+        for key in item.split(","):
+            key = key.strip()
+            if not key:
+                raise CLIError(f"--recompute {item!r}: empty layer key; expected e.g. "
+                               f"blocks.0,blocks.1 or none")
+            if key.lower() != "none" and key not in keys:
+                keys.append(key)
+    if keys and any(k.strip().lower() == "none" for item in items for k in item.split(",")):
+        raise CLIError("--recompute none cannot be combined with layer keys")
+    return keys
+
+
+def decision_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The plan-level decisions forced on the command line, as keyword arguments of
+    :func:`autopar.plan` (unset ones are left out, so the search chooses them)."""
+    for flag, value in (("--pipeline-stages", args.pipeline_stages),
+                        ("--micro-batches", args.micro_batches)):
+        if value is not None and value < 1:
+            raise CLIError(f"{flag} must be >= 1, got {value}")
+    if args.schedule is not None and args.pipeline_stages == 1:
+        raise CLIError(f"--schedule {args.schedule} needs a pipeline: give --pipeline-stages "
+                       f"2 or more (or leave it out to let the search choose)")
+    out: dict[str, Any] = {}
+    for key in ("zero_stage", "pipeline_stages", "micro_batches", "schedule"):
+        if getattr(args, key) is not None:
+            out[key] = getattr(args, key)
+    recompute = parse_recompute(args.recompute)
+    if recompute is not None:
+        out["recompute"] = recompute
+    if args.explore:
+        out["explore"] = True
+    return out
+
+
+def format_decisions(p: Plan) -> str:
+    """The plan-level decisions, one line each (printed under the table)."""
+    d = p.decisions
+    stages = (f"{d.pipeline_stages} ({d.schedule} schedule; "
+              + "; ".join(f"stage {i}: {', '.join(keys)}" for i, keys in enumerate(d.stages)) + ")"
+              if d.pipeline_stages > 1 else "1 (no pipeline)")
+    if not d.zero_stage:
+        zero = "off"
+    elif d.zero_axis is None or p.mesh.shape[d.zero_axis] == 1:
+        # e.g. forced on a mesh whose stages have one rank each: nothing to shard over
+        zero = f"stage {d.zero_stage} asked, inactive (no mesh axis of size > 1 to shard over)"
+    else:
+        zero = f"stage {d.zero_stage} over mesh axis {d.zero_axis}"
+    notes = []
+    if d.global_batch and d.global_batch % d.micro_batches == 0:
+        notes.append(f"micro-batch size {d.global_batch // d.micro_batches}")
+    if d.pipeline_stages == 1 and d.micro_batches > 1:
+        notes.append("gradient accumulation")
+    micro = f"{d.micro_batches}" + (f" ({'; '.join(notes)})" if notes else "")
+    lines = ["decisions:",
+             f"  pipeline stages  {stages}",
+             f"  micro-batches    {micro}",
+             f"  ZeRO             {zero}",
+             f"  recompute        {', '.join(d.recompute) if d.recompute else 'none'}"]
+    if d.step_seconds:
+        lines.append(f"  step time        {d.step_seconds * 1e3:.4f} ms (predicted)")
+    return "\n".join(lines)
+
+
+def format_why(p: Plan) -> str:
+    """``plan.decisions.why``: one sentence per decision (``--explain`` without a name)."""
+    why = getattr(p.decisions, "why", None) or {}
+    if not why:
+        return "why: the plan records no reasons for its decisions"
+    return "why:\n" + "\n".join(f"  {k}: {v}" for k, v in why.items())
 
 
 # ---------------------------------------------------------------- loading the model
@@ -223,6 +312,7 @@ def cmd_plan(args) -> int:
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
     if args.time_limit is not None and args.time_limit <= 0:
         raise CLIError(f"--time-limit must be > 0, got {args.time_limit:g}")
+    decisions = decision_options(args)
     fargs = {k: _literal(v) for k, v in parse_kv(args.factory_args, "--factory-args").items()}
     module, factory = load_factory(args.target)
     model, inputs, kwargs = build_model(module, factory, fargs, args.target)
@@ -231,12 +321,14 @@ def cmd_plan(args) -> int:
     try:
         p = make_plan(model, inputs, mesh, example_kwargs=kwargs, pins=pins,
                       memory_budget=budget, time_limit=args.time_limit or 30.0,
-                      search=args.search)
+                      search=args.search, **decisions)
     except TimeoutError as e:  # the solver found no plan at all within its limit
         raise CLIError(f"{e} (--time-limit)") from e
     total = time.perf_counter() - t0
+    _check_recompute(p, decisions.get("recompute"))
 
     print(p.table(max_rows=args.max_rows, show_views=args.show_views))
+    print(format_decisions(p))
     order = ("capture", "annotate", "enumerate_and_price", "solve", "lower")
     keys = sorted(p.timings, key=lambda k: order.index(k) if k in order else len(order))
     stages = ", ".join(f"{k} {p.timings[k]:.2f} s" for k in keys)
@@ -248,16 +340,38 @@ def cmd_plan(args) -> int:
             raise CLIError(f"cannot write {args.json}: {e.strerror or e}") from None
         print(f"plan written to {args.json}")
     for name in args.explain:
+        if name == _WHY:
+            print()
+            print(format_why(p))
+            continue
         try:
             text = p.explain(name)
         except KeyError:
-            names = list(p.nodes) + [n.param for n in p.nodes.values() if n.param]
+            names = list(p.nodes) + [n.param for n in p.nodes.values() if n.param] + \
+                list(getattr(p.decisions, "why", {}) or {})
             close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
             raise CLIError(f"--explain {name}: no node or parameter of that name in the plan"
                            + (f"; did you mean {', '.join(close)}?" if close else "")) from None
         print()
         print(text)
     return 0
+
+
+_WHY = "\0why"  # what a bare --explain appends: every decision's reason
+
+
+def _check_recompute(p: Plan, asked: list[str] | None) -> None:
+    """A forced recompute layer the plan does not list is one the graph does not have
+    (the planner drops unknown keys): say so rather than print a plan that ignores it."""
+    if not asked:
+        return
+    missing = [k for k in asked if k not in p.decisions.recompute]
+    if missing:
+        layers = sorted({n.layer for n in p.nodes.values() if n.layer})
+        close = difflib.get_close_matches(missing[0], layers, n=3, cutoff=0.5)
+        raise CLIError(f"--recompute {','.join(missing)}: no such layer in the model"
+                       + (f"; did you mean {', '.join(close)}?" if close else "")
+                       + f" (layers: {', '.join(layers)})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -291,8 +405,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="solver time limit (default 30)")
     p.add_argument("--factory-args", nargs="+", default=[], metavar="K=V",
                    help="keyword arguments for the factory (Python literals or strings)")
-    p.add_argument("--explain", action="append", default=[], metavar="NODE",
-                   help="also explain this node's or parameter's choice (repeatable)")
+    p.add_argument("--explain", action="append", default=[], metavar="NAME", nargs="?",
+                   const=_WHY,
+                   help="also explain this node's or parameter's choice, or a decision "
+                        "(pipeline, zero, micro_batches, recompute, a layer key such as "
+                        "blocks.1); alone: why each decision was taken (repeatable)")
+    d = p.add_argument_group("plan-level decisions (searched unless given)")
+    d.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
+                   help="ZeRO stage over the data-parallel axis: 0 off, 1 optimizer state, "
+                        "2 + gradients, 3 + parameters")
+    d.add_argument("--pipeline-stages", type=int, default=None, metavar="N",
+                   help="pipeline stages (each on a sub-mesh; N must divide the mesh)")
+    d.add_argument("--micro-batches", type=int, default=None, metavar="N",
+                   help="micro-batches per step (gradient accumulation without a pipeline; "
+                        "N must divide the batch)")
+    d.add_argument("--schedule", choices=("gpipe", "1f1b"), default=None,
+                   help="pipeline schedule")
+    d.add_argument("--recompute", action="append", default=None, metavar="LAYER[,LAYER...]",
+                   help="layers whose activations are recomputed in backward, e.g. "
+                        "blocks.0,blocks.1, or none (repeatable)")
+    d.add_argument("--explore", action="store_true",
+                   help="also try pipelines and micro-batches when the plain plan fits")
     p.add_argument("--max-rows", type=int, default=None, help="truncate the table")
     p.add_argument("--show-views", action="store_true",
                    help="also list free ops (views, getitems) in the table")

@@ -38,7 +38,7 @@ import re
 import sys
 import types
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,9 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from autopar.plan import Plan
+
+if TYPE_CHECKING:
+    from autopar.api import ParallelModule
 
 LAYER_KEY = "autopar_layer"  # the tag lower.tag_layers writes (recompute/split read it)
 
@@ -272,7 +275,7 @@ def _stage_size(plan: Plan) -> tuple[int, int]:
     return max(1, plan.decisions.pipeline_stages), plan.mesh.size
 
 
-def _constants(pm, graph: fx.Graph) -> dict[str, tuple[torch.Tensor, bool]]:
+def _constants(pm: ParallelModule, graph: fx.Graph) -> dict[str, tuple[torch.Tensor, bool]]:
     """Tensor constants the graph reads (``get_attr`` targets that are no parameter or
     buffer of the original model, e.g. literals torch.export lifted): same on every rank."""
     out = {}
@@ -285,7 +288,7 @@ def _constants(pm, graph: fx.Graph) -> dict[str, tuple[torch.Tensor, bool]]:
     return out
 
 
-def _local_states(pm, graph: fx.Graph) -> dict[int, dict[str, tuple[torch.Tensor, bool]]]:
+def _local_states(pm: ParallelModule, graph: fx.Graph) -> dict[int, dict[str, tuple[torch.Tensor, bool]]]:
     """Per global rank this process writes: graph target -> (tensor, is parameter)."""
     from autopar.sharding import shard_tensor
 
@@ -331,7 +334,7 @@ def _decisions_note(plan: Plan) -> str:
             + "; ".join(parts) + ".")
 
 
-def export_module(pm, directory: Path) -> Path:
+def export_module(pm: ParallelModule, directory: Path) -> Path:
     """Write ``pm`` (see the module docstring); returns the directory.
 
     Collective when the module runs under a process group: every rank must call it.
@@ -391,7 +394,7 @@ def _stand_ins(plan: Plan, state: dict, owner: dict[str, int], params: set[str])
     return out
 
 
-def load_module(directory: str | Path):
+def load_module(directory: str | Path) -> ParallelModule:
     """Build this rank's ParallelModule from an export directory (no planning)."""
     from autopar.api import ParallelModule
     from autopar.runtime.mesh import init_mesh

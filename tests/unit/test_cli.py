@@ -191,3 +191,83 @@ def test_hf_offline_default(monkeypatch, capsys):
 ])
 def test_parse_bytes(text, value):
     assert parse_bytes(text) == value
+
+
+# ---------------------------------------------------------------- plan-level decisions
+GPT_TWO = ["--factory-args", "layers=2", "dim=32", "heads=2", "vocab=64", "seq=8", "batch=4"]
+
+
+def test_decision_flags_map_onto_plan_options():
+    from autopar.cli import build_parser, decision_options
+
+    args = build_parser().parse_args(
+        ["plan", "m.py", "--zero-stage", "3", "--pipeline-stages", "2", "--micro-batches", "4",
+         "--schedule", "1f1b", "--recompute", "blocks.0,blocks.1", "--recompute", "blocks.3",
+         "--explore"])
+    assert decision_options(args) == {
+        "zero_stage": 3, "pipeline_stages": 2, "micro_batches": 4, "schedule": "1f1b",
+        "recompute": ["blocks.0", "blocks.1", "blocks.3"], "explore": True}
+    # nothing given: nothing forced, the search chooses everything
+    assert decision_options(build_parser().parse_args(["plan", "m.py"])) == {}
+    # "none" forces no recomputation (an empty list), unlike leaving the flag out
+    assert decision_options(build_parser().parse_args(
+        ["plan", "m.py", "--recompute", "none", "--zero-stage", "0"])) == {"recompute": [],
+                                                                          "zero_stage": 0}
+
+
+def test_forced_pipeline_micro_batches_and_recompute(capsys, tmp_path):
+    out_json = tmp_path / "p.json"
+    code, out, err = run(capsys, "plan", f"{GPT}:build", "--mesh", "2", "--pipeline-stages", "2",
+                         "--micro-batches", "4", "--schedule", "gpipe", "--recompute", "blocks.1",
+                         "--zero-stage", "0", "--json", str(out_json), "--explain", "--explain",
+                         "pipeline", "--max-rows", "2", *GPT_TWO)
+    assert code == 0, err
+    d = Plan.from_json(out_json).decisions
+    assert (d.pipeline_stages, d.micro_batches, d.schedule, d.recompute, d.zero_stage) == \
+        (2, 4, "gpipe", ["blocks.1"], 0)
+    # the decisions block under the table, then the reasons (bare --explain) and one reason
+    decided = out[out.index("decisions:"):]
+    assert "pipeline stages  2 (gpipe schedule; stage 0: pre, blocks.0; stage 1: blocks.1, post)" \
+        in decided
+    assert "micro-batches    4 (micro-batch size 1)" in decided
+    assert "ZeRO             off" in decided and "recompute        blocks.1" in decided
+    why = out[out.index("why:"):]
+    assert "  pipeline: " in why and "  layer:blocks.1: " in why
+    assert why.count(d.why["pipeline"]) == 2  # once in the list, once for --explain pipeline
+
+
+def test_forced_zero_on_data_parallel_mesh(capsys):
+    code, out, err = run(capsys, "plan", f"{GPT}:build", "--mesh", "2", "--zero-stage", "2",
+                         "--pipeline-stages", "1", "--micro-batches", "1", "--recompute", "none",
+                         "--pin", "*=R", "--pin", "input:0=S(0)", "--max-rows", "1", *GPT_TWO)
+    assert code == 0, err
+    assert "ZeRO             stage 2 over mesh axis 0" in out
+    assert "pipeline stages  1 (no pipeline)" in out and "recompute        none" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--micro-batches", "0"], "--micro-batches must be >= 1"),
+    (["--pipeline-stages", "0"], "--pipeline-stages must be >= 1"),
+    (["--pipeline-stages", "1", "--schedule", "1f1b"], "--schedule 1f1b needs a pipeline"),
+    (["--recompute", "none,blocks.0"], "--recompute none cannot be combined"),
+    (["--recompute", "blocks.0,,blocks.1"], "empty layer key"),
+])
+def test_decision_flag_errors_before_planning(capsys, argv, message):
+    code, _, err = run(capsys, "plan", "does/not/matter.py", *argv)
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_decision_flag_choices_are_checked_by_argparse(capsys):
+    assert main(["plan", f"{GPT}:build", "--zero-stage", "4"]) == 2
+    assert "invalid choice: 4" in capsys.readouterr().err
+    assert main(["plan", f"{GPT}:build", "--schedule", "interleaved"]) == 2
+    assert "invalid choice: 'interleaved'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--recompute", "blocks.9"], "--recompute blocks.9: no such layer in the model"),
+    (["--pipeline-stages", "3"], "3 pipeline stages do not divide mesh axis 0 of size 2"),
+])
+def test_decision_errors_found_by_planning(capsys, argv, message):
+    code, _, err = run(capsys, "plan", f"{GPT}:build", "--mesh", "2", *argv, *GPT_TWO)
+    assert code == 2 and message in err and "Traceback" not in err
