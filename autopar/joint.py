@@ -106,6 +106,25 @@ class JointSearch:
         self.captures: dict[int, Captured] = {}
         self.priced: list[tuple[_Candidate, Priced]] = []
         self.timings: dict[str, float] = {}
+        self._validate()
+
+    def _validate(self) -> None:
+        """Forced decisions that cannot mean anything are errors, never ignored."""
+        o = self.opts
+        if o.zero_stage is not None and o.zero_stage not in (0, 1, 2, 3):
+            raise PlanError(f"zero_stage must be 0, 1, 2 or 3, got {o.zero_stage!r}")
+        for name in ("pipeline_stages", "micro_batches", "blocks"):
+            v = getattr(o, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise PlanError(f"{name} must be an int >= 1, got {v!r}")
+        if o.schedule is not None:
+            if o.schedule not in (Schedule.GPIPE.value, Schedule.ONE_F_ONE_B.value):
+                raise PlanError(f"schedule must be 'gpipe' or '1f1b', got {o.schedule!r}")
+            if o.pipeline_stages == 1:
+                raise PlanError(f"schedule={o.schedule!r} needs pipeline_stages > 1")
+        if o.pipeline_stages is not None and o.pipeline_stages > 1 and self.mesh.shape[0] % o.pipeline_stages:
+            raise PlanError(f"{o.pipeline_stages} pipeline stages do not divide mesh axis 0 of size "
+                            f"{self.mesh.shape[0]} (stages are carved out of the outermost axis)")
 
     # ------------------------------------------------------------ candidates
     def _stage_options(self) -> list[int]:
@@ -157,9 +176,16 @@ class JointSearch:
                                                                        Schedule.GPIPE.value]
         else:
             scheds = [Schedule.NONE.value]
+        if self.opts.recompute:
+            known = {st.key for st in cand.stats}
+            bad = sorted(set(self.opts.recompute) - known)
+            if bad:
+                raise PlanError(f"recompute names unknown layer(s) {bad}; the model's layers are "
+                                f"{[st.key for st in cand.stats]}")
         out = []
         for z in zs:
-            for a in (axes if z else [None]) or [None]:
+            # ZeRO needs a sub-mesh axis to shard over: no config when there is none
+            for a in (axes if z else [None]):
                 for s in scheds:
                     out.append(Config(cand.stages, cand.micro_batches, s, z, a, self.opts.recompute))
         return out

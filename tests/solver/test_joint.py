@@ -123,3 +123,22 @@ def test_explain_answers_why(plain):
     for layer in p.decisions.recompute:
         assert "recomputed" in p.explain(layer)
     assert "not recomputed" in p.explain("blocks.0") or "blocks.0" in p.decisions.recompute
+
+
+@pytest.mark.parametrize("kw, msg", [
+    ({"recompute": ["blocks.9"]}, "unknown layer"),
+    ({"zero_stage": 5}, "zero_stage must be"),
+    ({"schedule": "1f1b", "pipeline_stages": 1}, "needs pipeline_stages > 1"),
+    ({"pipeline_stages": 3}, "do not divide mesh axis 0"),
+    ({"micro_batches": 3}, "does not split into 3 micro-batches"),
+])
+def test_forced_decisions_that_cannot_hold_are_errors(kw, msg):
+    model, ex = _gpt()
+    with pytest.raises(PlanError, match=msg):
+        plan(model, ex, MESH, **kw)
+
+
+def test_forced_zero_gets_an_axis_to_shard_over():
+    model, ex = _gpt()
+    d = plan(model, ex, MESH, zero_stage=2).decisions
+    assert d.zero_stage == 2 and d.zero_axis == 0
