@@ -70,10 +70,11 @@ def layer_keys(gm: fx.GraphModule) -> dict[fx.Node, str]:
         elif i > last_indexed:
             current = POST
         keys[n] = current
+    pos = {n: i for i, n in enumerate(nodes)}
     for n in nodes:
         if n.op == "get_attr":
             users = [u for u in n.users if u in keys]
-            keys[n] = keys[min(users, key=nodes.index)] if users else PRE
+            keys[n] = keys[min(users, key=pos.__getitem__)] if users else PRE
         elif n.op == "placeholder":
             keys[n] = PRE
         elif n.op == "output":

@@ -23,7 +23,7 @@ from autopar.cost_models import MeshSpec
 from autopar.costs import CostModel, param_state_split
 from autopar.errors import PlanError
 from autopar.ir import info, tensor_inputs
-from autopar.layers import layer_keys
+from autopar.layers import layer_keys, layers
 from autopar.placement import R, fmt_placements
 from autopar.plan import Alternative, NodePlan, Plan, Redistribution, SolverInfo
 from autopar.redistribute import plan_redistribution
@@ -270,9 +270,10 @@ def make_plan(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts: PlanOptio
     apply_pins(strategies, opts.pins, tuple(mesh.shape), aliases, gm)
     cm = CostModel(mesh, optimizer=opts.optimizer)
     budget = opts.memory_budget if opts.memory_budget is not None else mesh.mem_capacity
-    pb = build_problem(gm, mesh, strategies, cm, budget, shared_pricing(gm, strategies))
+    lays = layers(gm)  # one grouping for shared pricing and clustering: not free at depth
+    pb = build_problem(gm, mesh, strategies, cm, budget, shared_pricing(gm, strategies, lays))
     t1 = time.perf_counter()
-    sol = _solve(pb.problem, opts.time_limit, find_clusters(gm, pb.nodes, pb.strategies, pb.problem))
+    sol = _solve(pb.problem, opts.time_limit, find_clusters(gm, pb.nodes, pb.strategies, pb.problem, lays))
     t2 = time.perf_counter()
     if not math.isfinite(sol.objective):
         raise PlanError("the search found no finite-cost plan (contradictory pins?)")

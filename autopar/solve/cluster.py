@@ -51,7 +51,7 @@ import numpy as np
 from torch import fx
 
 from autopar.ir import info, tensor_inputs
-from autopar.layers import layers
+from autopar.layers import Layer, layers
 from autopar.rules import OpStrategy
 from autopar.solve.ilp import (
     _eliminate_chain,
@@ -146,18 +146,19 @@ def _node_fingerprint(n: fx.Node, strategies: list[OpStrategy]) -> tuple:
             ni.buffer is not None, to_output, tuple((s.inputs, s.outputs) for s in strategies))
 
 
-def shared_pricing(gm: fx.GraphModule,
-                   strategies: dict[fx.Node, list[OpStrategy]]) -> dict[fx.Node, fx.Node]:
+def shared_pricing(gm: fx.GraphModule, strategies: dict[fx.Node, list[OpStrategy]],
+                   lays: list[Layer] | None = None) -> dict[fx.Node, fx.Node]:
     """Map each node of a repeated layer to its twin in the first identical layer.
 
     Two layers are identical when their nodes match position by position in op, output
     and input tensors, FLOPs, bytes, strategy lists and wiring; a node's prices (and those
     of the edges into it) are then the twin's, so :func:`autopar.search.build_problem`
     prices one layer per class instead of every layer. Nodes without a twin are absent.
+    ``lays`` is ``layers(gm)`` when the caller already has it.
     """
     first: dict[tuple, list[fx.Node]] = {}
     share: dict[fx.Node, fx.Node] = {}
-    for lay in layers(gm):
+    for lay in layers(gm) if lays is None else lays:
         if not lay.repeated:
             continue
         local = [n for n in lay.nodes if n in strategies]
@@ -174,17 +175,18 @@ def shared_pricing(gm: fx.GraphModule,
 
 def find_clusters(gm: fx.GraphModule, nodes: Sequence[fx.Node],
                   strategies: dict[fx.Node, list[OpStrategy]],
-                  problem: StrategyProblem) -> Clustering | None:
+                  problem: StrategyProblem, lays: list[Layer] | None = None) -> Clustering | None:
     """Find repeated layers of ``gm`` in ``problem`` (whose node ``i`` is ``nodes[i]``).
 
     A layer qualifies when exactly one outside node feeds it and exactly one of its nodes
     is used outside it; qualifying layers with equal fingerprints form a class. Returns
     ``None`` when no class has two or more members (the flat solve is then just as good).
+    ``lays`` is ``layers(gm)`` when the caller already has it.
     """
     index = {n: i for i, n in enumerate(nodes)}
     layer_of = np.full(len(nodes), -1)
     members: list[tuple[str, list[int]]] = []
-    for lay in layers(gm):
+    for lay in layers(gm) if lays is None else lays:
         if not lay.repeated:
             continue
         local = [index[n] for n in lay.nodes if n in index]
