@@ -227,6 +227,14 @@ def choose_searcher(gm: fx.GraphModule, mesh: MeshSpec, opts: PlanOptions) -> tu
     if want is not Searcher.AUTO:
         return want, ""
     nodes, entries = ilp_size(gm, tuple(mesh.shape))
+    # identical repeated layers are priced once (shared pricing) and solved once
+    # (clustering): only one layer's share of the entries costs build time
+    from autopar.layers import layers as _layers
+    reps = [lay for lay in _layers(gm) if lay.repeated]
+    total = sum(len(lay.nodes) for lay in _layers(gm))
+    if len(reps) > 1 and total:
+        in_reps = sum(len(lay.nodes) for lay in reps)
+        entries *= (total - in_reps + in_reps / len(reps)) / total
     predicted = entries * _ILP_SECONDS_PER_ENTRY
     if predicted <= _ILP_SHARE_OF_LIMIT * opts.time_limit:
         return Searcher.ILP, f"auto: ILP (~{entries:.3g} edge entries, ~{predicted:.2g} s to build)"
