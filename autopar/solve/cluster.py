@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -54,8 +53,7 @@ from autopar.ir import info, tensor_inputs
 from autopar.layers import Layer, layers
 from autopar.rules import OpStrategy
 from autopar.solve.ilp import (
-    _eliminate_chain,
-    _eliminate_leaf,
+    _eliminate,
     _Graph,
     _polish_under_budget,
     _Reduction,
@@ -282,18 +280,7 @@ def _transfer(local: StrategyProblem, exit_local: int) -> _Transfer | None:
     g = _Graph(local)
     red = _Reduction(local, [], [], local.num_nodes)
     protected = {0, exit_local}
-    queue = deque(u for u in g.alive_nodes() if u not in protected and len(g.nbrs[u]) <= 2)
-    while queue:
-        v = queue.popleft()
-        if not g.alive[v] or len(g.nbrs[v]) > 2:
-            continue
-        touched = list(g.nbrs[v])
-        if len(touched) <= 1:
-            _eliminate_leaf(g, red, v)
-        else:
-            _eliminate_chain(g, red, v)
-        queue.extend(u for u in touched
-                     if g.alive[u] and u not in protected and len(g.nbrs[u]) <= 2)
+    _eliminate(g, red, protected)
     if set(g.alive_nodes()) != protected:
         return None  # not series-parallel between entry and exit: no 2-terminal transfer
     table = g.cost[0][:, None] + g.cost[exit_local][None, :] + red.offset

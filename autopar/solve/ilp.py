@@ -300,9 +300,10 @@ def _eliminate_chain(g: _Graph, red: _Reduction, v: int) -> None:
     g.add_edge(a, b, merged)
 
 
-def _eliminate(g: _Graph, red: _Reduction) -> None:
-    """Leaf/chain elimination to a fixpoint; exact when memory is unconstrained."""
-    queue = deque(u for u in g.alive_nodes() if len(g.nbrs[u]) <= 2)
+def _eliminate(g: _Graph, red: _Reduction, protected: frozenset[int] | set[int] = frozenset()) -> None:
+    """Leaf/chain elimination to a fixpoint, never eliminating ``protected`` nodes;
+    exact when memory is unconstrained."""
+    queue = deque(u for u in g.alive_nodes() if u not in protected and len(g.nbrs[u]) <= 2)
     while queue:
         v = queue.popleft()
         if not g.alive[v] or len(g.nbrs[v]) > 2:
@@ -312,7 +313,8 @@ def _eliminate(g: _Graph, red: _Reduction) -> None:
             _eliminate_leaf(g, red, v)
         else:
             _eliminate_chain(g, red, v)
-        queue.extend(u for u in touched if g.alive[u] and len(g.nbrs[u]) <= 2)
+        queue.extend(u for u in touched
+                     if g.alive[u] and u not in protected and len(g.nbrs[u]) <= 2)
 
 
 def _reduce(problem: StrategyProblem, eliminate: bool, use_memory: bool) -> _Reduction:
