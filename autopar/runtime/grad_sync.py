@@ -32,7 +32,50 @@ class Bucket:
     waiting_axes: tuple[int, ...] = field(default_factory=tuple)
 
 
-class GradSync:
+class OrderedBuckets:
+    """Launch gradient buckets strictly in bucket order as they fill, and finish the
+    rest at the end of backward: every rank issues the same collectives in the same
+    order while the reduction overlaps the rest of backward.  Subclasses keep
+    ``_order`` (the buckets, each with ``ready`` and ``params``), an ``enabled`` switch,
+    and implement ``_launch(bucket)`` and ``_complete()``."""
+
+    _order: list
+    enabled: bool
+
+    def _start_order(self, buckets: list) -> None:
+        self._order = buckets
+        self._next = 0
+        self._armed = False
+
+    def _ready(self, bucket) -> None:
+        """One more gradient of ``bucket`` is ready (call from a post-accumulate hook)."""
+        if not self.enabled:
+            return
+        if not self._armed:
+            self._armed = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        bucket.ready += 1
+        while self._next < len(self._order) and \
+                self._order[self._next].ready == len(self._order[self._next].params):
+            self._launch(self._order[self._next])
+            self._next += 1
+
+    def _finish(self) -> None:
+        while self._next < len(self._order):
+            self._launch(self._order[self._next])
+            self._next += 1
+        self._complete()
+        self._next = 0
+        self._armed = False
+
+    def _launch(self, bucket) -> None:
+        raise NotImplementedError
+
+    def _complete(self) -> None:
+        raise NotImplementedError
+
+
+class GradSync(OrderedBuckets):
     """Hooks that all-reduce replicated parameters' gradients after backward."""
 
     def __init__(self, params: list[tuple[nn.Parameter, tuple[int, ...]]], bucket_bytes: int = 4 << 20) -> None:
@@ -61,23 +104,12 @@ class GradSync:
             if cur:
                 self.buckets.append(Bucket(cur, axes))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self._next = 0
-        self._armed = False
+        self._start_order(self.buckets)
         self._handles = [p.register_post_accumulate_grad_hook(self._hook)
                          for b in self.buckets for p in b.params]
 
     def _hook(self, p: nn.Parameter) -> None:
-        if not self.enabled:
-            return
-        if not self._armed:
-            self._armed = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-        b = self._bucket_of[id(p)]
-        b.ready += 1
-        while self._next < len(self.buckets) and \
-                self.buckets[self._next].ready == len(self.buckets[self._next].params):
-            self._launch(self.buckets[self._next])
-            self._next += 1
+        self._ready(self._bucket_of[id(p)])
 
     def _launch(self, b: Bucket) -> None:
         b.flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
@@ -87,10 +119,7 @@ class GradSync:
         b.waiting_axes = b.axes[1:]
         b.launched = True
 
-    def _finish(self) -> None:
-        while self._next < len(self.buckets):
-            self._launch(self.buckets[self._next])
-            self._next += 1
+    def _complete(self) -> None:
         m = current()
         for b in self.buckets:
             b.work.wait()
@@ -103,5 +132,3 @@ class GradSync:
                     p.grad.copy_(b.flat[off:off + n].view_as(p))
                 off += n
             b.ready, b.flat, b.work, b.launched = 0, None, None, False
-        self._next = 0
-        self._armed = False

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.autograd import Function
 
+from autopar.runtime.grad_sync import OrderedBuckets
 from autopar.runtime.mesh import current
 
 
@@ -178,7 +179,7 @@ def _owner(root: nn.Module, target: str) -> tuple[nn.Module, str]:
 
 
 @dataclass
-class Zero:
+class Zero(OrderedBuckets):
     """ZeRO state of one ParallelModule (see the module docstring)."""
 
     stage: int
@@ -190,8 +191,7 @@ class Zero:
     def __post_init__(self) -> None:
         self._buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
-        self._next = 0
-        self._armed = False
+        self._start_order(self._buckets)
         self._versions: list[int] = []
         self._by_target = {zp.target: zp for zp in self.params}
 
@@ -264,16 +264,7 @@ class Zero:
 
     # ------------------------------------------------------------ stages 1-2: gradients
     def _hook(self, t: torch.Tensor) -> None:
-        if not self.enabled:
-            return
-        if not self._armed:
-            self._armed = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-        self._bucket_of[id(t)].ready += 1
-        while self._next < len(self._buckets) and \
-                self._buckets[self._next].ready == len(self._buckets[self._next].params):
-            self._launch(self._buckets[self._next])
-            self._next += 1
+        self._ready(self._bucket_of[id(t)])
 
     def _rank_major(self, b: _Bucket) -> torch.Tensor:
         """Gradients of a bucket laid out so rank ``r``'s part is contiguous: for each
@@ -299,10 +290,7 @@ class Zero:
             b.work = fn(out, b.flat, group=g, async_op=True)
             b.flat = out
 
-    def _finish(self) -> None:
-        while self._next < len(self._buckets):
-            self._launch(self._buckets[self._next])
-            self._next += 1
+    def _complete(self) -> None:
         m = current()
         for b in self._buckets:
             b.work.wait()
@@ -319,8 +307,6 @@ class Zero:
                 zp.shard.grad = g if zp.shard.grad is None else zp.shard.grad + g
                 off += c
             b.ready, b.flat, b.work = 0, None, None
-        self._next = 0
-        self._armed = False
 
     # ------------------------------------------------------------ stages 1-2: parameters
     def refresh(self) -> None:
