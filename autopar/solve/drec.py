@@ -34,13 +34,19 @@ One round
 Cost modes (:class:`CostMode`)
     ``model``: :class:`~autopar.costs.CostModel`, the ILP's own prices, on the placements
     decided so far with the undecided axes replicated; plans are comparable with the ILP.
-    ``mindspore``: the symbolic formulas of design.md section 6, only to reproduce
-    MindSpore's documented example.  A matmul ``C[i,j] = A[i,k] B[k,j]`` with local sizes
-    ``e`` pays ``e_j e_k / 2`` to cut ``i`` (``B`` stays whole: its gradient is reduced),
-    ``e_i e_k / 2`` to cut ``j`` and ``e_i e_j / 2`` to cut ``k``; the reduction of the
-    Partial result is paid as a redistribution to the followers, and any redistribution
-    costs the local size of the tensor.  Every op must cut something each round (as in
-    MindSpore, where the device set is always halved).
+    ``mindspore``: MindSpore's own symbolic formulas (mindspore/ccsrc/frontend/parallel/
+    auto_parallel/rec_core: rec_cost.{h,cc}, rec_partition.{h,cc}, rec_parse_graph.h), only
+    to reproduce its documented example.  A matmul ``C[i,j] = A[i,k] B[k,j]`` with local
+    sizes ``e`` (before this round) pays ``e_j e_k / 2 * 0.25`` to cut ``i``
+    (MATMUL_MEM_COEF), ``e_i e_k / 2`` to cut ``j`` and ``e_i e_j / 2`` to cut ``k``; ties
+    go to ``i``, then ``j``, then ``k``.  Redistribution is priced per op (CostRedis): for
+    each op neighbour already decided this round (through followers; parameters and inputs
+    are no nodes) whose cut of the tensor between them differs, ``16 x`` that tensor's
+    local size.  MindSpore's eliminated ops (element-wise, bias, reductions, hence MSE/L1
+    losses and broadcasting) follow their producer; cross-entropy losses are BatchParallel
+    (cut the batch, weight +inf, no redistribution).  ``Order.REVERSE`` is MindSpore's
+    TopologyOrder, ``Order.WEIGHT`` its older WeightOrder (GetMaxCostIn, ties later op
+    first).  Every op must cut something each round (the device set is always halved).
 
 Pins and memory
     A pinned node only considers 1-D strategies whose output matches the pin on that axis.
@@ -118,6 +124,24 @@ _FOLLOWERS = frozenset(VIEW_OPS) | frozenset(NONLINEAR_UNARY + LINEAR_UNARY + NO
 # Matrix products and their two factors' argument positions (the mindspore formulas).
 _MATMULS = {aten.linear.default: (0, 1), aten.mm.default: (0, 1), aten.bmm.default: (0, 1),
             aten.matmul.default: (0, 1), aten.addmm.default: (1, 2)}
+# The mindspore cost mode's constants (MindSpore rec_core/rec_cost.h): the I-cut of a
+# MatMul is scaled by MATMUL_MEM_COEF, a mismatched neighbour costs REDIS_COEF x a tensor.
+_MS_MATMUL_MEM_COEF = 0.25
+_MS_REDIS_COEF = 16.0
+# Cross-entropy losses are MindSpore "BatchParallel" ops (SoftmaxCrossEntropyWithLogits):
+# they cut the batch every round, decide first (weight +inf), ignore their neighbours.
+_MS_BATCH_PARALLEL = frozenset(
+    getattr(aten, name).default for name in (
+        "cross_entropy_loss", "nll_loss_forward", "nll_loss2d_forward") if hasattr(aten, name))
+# Ops MindSpore's parser eliminates before partitioning (rec_parse_graph.h
+# ElementWiseOpType: element-wise ops, BiasAdd, Reduce, Reshape...) beyond our followers:
+# an MSE/L1 loss is Sub + Square/Abs + ReduceMean there, broadcasting is implicit.  In the
+# mindspore mode they follow their producer like the followers.
+_MS_ELIMINATED = frozenset(
+    getattr(aten, name).default for name in (
+        "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "broadcast_tensors",
+        "expand", "sum", "mean") if hasattr(aten, name)) | {
+    aten.sum.dim_IntList, aten.mean.dim}
 # Memory pricing: lam starts at (cost scale / memory scale) * this, and doubles.
 _LAMBDA_START = 1e-3
 _LAMBDA_STEPS = 40
@@ -251,7 +275,9 @@ class _Group:
 class _Graph:
     """Static structure of the search: nodes, edges, groups, 1-D candidates."""
 
-    def __init__(self, gm: fx.GraphModule, mesh_shape: tuple[int, ...]) -> None:
+    def __init__(self, gm: fx.GraphModule, mesh_shape: tuple[int, ...],
+                 followers: frozenset = _FOLLOWERS) -> None:
+        self.followers = followers  # ops that follow their producer (see producer())
         self.nodes = _plan_nodes(gm)
         self.index = {n: i for i, n in enumerate(self.nodes)}
         ctx = RuleCtx(tuple(mesh_shape))
@@ -277,6 +303,7 @@ class _Graph:
                                                              for d in range(nd)]
             if any(u.op == "output" for u in v.users):
                 self.to_output.add(v)
+        self.owner: dict[fx.Node, _Group] = {}  # every member -> its group (_make_groups)
         self.groups = self._make_groups()
 
     def _edge(self, u: fx.Node, v: fx.Node, i: int) -> None:
@@ -289,7 +316,7 @@ class _Graph:
 
     def producer(self, n: fx.Node) -> fx.Node | None:
         """The op a follower follows (its first input that is an op), else ``None``."""
-        if n.op != "call_function" or n.target not in _FOLLOWERS:
+        if n.op != "call_function" or n.target not in self.followers:
             return None
         for u, _ in self.in_edges[n]:
             if not self.is_leaf(u):
@@ -333,10 +360,26 @@ class _Graph:
             order.extend(m for m in leaves if first_user[m] is None)
             g.members = order
         groups.sort(key=lambda g: self.index[g.root])
+        self.owner = {m: g for g in groups for m in g.members}
         return groups
 
 
 # ------------------------------------------------------------------------------- search
+def _mm_kind(n: fx.Node, ins: tuple, out: object) -> int:
+    """Which MindSpore MatMul cut a 1-D placement of the product ``n`` is: 0 ``i`` (a row
+    or batch dim of ``A`` and ``C``), 1 ``j`` (``B``'s and ``C``'s column), 2 ``k`` (the
+    contraction: ``C`` Partial), 3 anything else (no cut, Partial inputs)."""
+    pa, pb = (ins[tensor_inputs(n).index(n.args[p])] for p in _MATMULS[n.target])
+    last = info(n).outputs[0].ndim - 1
+    if is_shard(out) and not is_shard(out, last) and is_shard(pa) and not is_shard(pb):
+        return 0
+    if is_shard(out, last) and not is_shard(pa) and is_shard(pb):
+        return 1
+    if is_partial(out) and is_shard(pa) and is_shard(pb):
+        return 2
+    return 3
+
+
 class _Search:
     """Mutable state of one D-Rec run: every node's 1-D strategy per mesh axis."""
 
@@ -415,39 +458,85 @@ class _Search:
         """Redistribution price of edge ``u -> v`` (input ``i`` of ``v``)."""
         if i < 0:
             return 0.0  # getitem takes its producer's placement by construction
-        src, dst = self.full(u).outputs[0], self.full(v).inputs[i]
         if self.opts.cost_mode is CostMode.MINDSPORE:
-            a = self.axis
-            if src[a] == dst[a]:
-                return 0.0
-            before = tuple(p if j != a else R for j, p in enumerate(src))
-            return float(math.prod(local_shape(info(u).out.shape, before, self.shape)))
+            return 0.0  # priced per op against its op neighbours: see _ms_redis
+        src, dst = self.full(u).outputs[0], self.full(v).inputs[i]
         return self.cm.redistribution(src, dst, info(u).out)
 
+    def _before(self, p: Placements) -> Placements:
+        """``p`` with the current axis replicated: the cut of the earlier rounds only."""
+        return tuple(q if j != self.axis else R for j, q in enumerate(p))
+
+    def _ms_dims(self, n: fx.Node) -> tuple[int, int, int]:
+        """Local ``(e_i, e_j, e_k)`` of the matrix product ``n`` before this round's cut
+        (``e_i`` is every output dim but the last: batch and rows)."""
+        s = self.full(n)
+        a_node = n.args[_MATMULS[n.target][0]]
+        a_pos = tensor_inputs(n).index(a_node)
+        a_loc = local_shape(info(a_node).out.shape, self._before(s.inputs[a_pos]), self.shape)
+        o_loc = local_shape(info(n).outputs[0].shape, self._before(s.outputs[0]), self.shape)
+        return math.prod(a_loc[:-1]), o_loc[-1], a_loc[-1]
+
+    @staticmethod
+    def _ms_cut_costs(e_i: int, e_j: int, e_k: int) -> tuple[float, float, float]:
+        """MindSpore's CostMatMul (rec_cost.h StrConcatDimI/J, StrReduceDimK): cutting
+        ``i`` keeps ``B`` whole (``e_j e_k / 2``, scaled by MATMUL_MEM_COEF), cutting ``j``
+        keeps ``A`` whole (``e_i e_k / 2``), cutting ``k`` reduces ``C`` (``e_i e_j / 2``)."""
+        return (e_j * e_k / 2.0 * _MS_MATMUL_MEM_COEF, e_i * e_k / 2.0, e_i * e_j / 2.0)
+
     def _ms_own(self, n: fx.Node) -> float:
-        """MindSpore's symbolic cost of the current axis' cut (see module docstring)."""
-        if self.g.is_leaf(n) or n.target in _FOLLOWERS:
+        """MindSpore's own cost of the current axis' cut (see module docstring)."""
+        if self.g.is_leaf(n) or n.target in self.g.followers:
             return 0.0
         a = self.axis
         s = self.full(n)
+        if n.target in _MS_BATCH_PARALLEL:  # cuts the batch, nothing else
+            return 0.0 if is_shard(s.inputs[0][a], 0) else math.inf
         out = s.outputs[0][a] if s.outputs else R
         pos = _MATMULS.get(n.target)
         if pos is None:
-            # other ops: any cut is free, no cut (or a pass-through Partial) is not allowed
+            # other ops: any cut is free (CostCommon), no cut or a pass-through Partial is
+            # not allowed (the device set is always halved)
             return 0.0 if is_shard(out) else math.inf
-        ins = tensor_inputs(n)
-        operands = [n.args[p] for p in pos]
-        placed = []
-        for x in operands:
-            p = s.inputs[ins.index(x)]
-            before = tuple(q if j != a else R for j, q in enumerate(p))
-            placed.append((p[a], math.prod(local_shape(info(x).out.shape, before, self.shape))))
-        if is_shard(out):  # i, j or batch cut: each operand the cut does not split stays whole
-            return sum(size for p, size in placed if not is_shard(p)) / 2.0
-        if is_partial(out) and all(is_shard(p) for p, _ in placed):  # k cut
-            before = tuple(q if j != a else R for j, q in enumerate(s.outputs[0]))
-            return math.prod(local_shape(info(n).outputs[0].shape, before, self.shape)) / 2.0
-        return math.inf
+        kind = _mm_kind(n, tuple(p[a] for p in s.inputs), out)
+        return math.inf if kind > 2 else self._ms_cut_costs(*self._ms_dims(n))[kind]
+
+    @staticmethod
+    def _cut(p: object) -> int | None:
+        """The dim a 1-D placement cuts (``None`` for Replicate and Partial alike, as
+        MindSpore's strategies only record cuts)."""
+        return p.dim if isinstance(p, Shard) else None
+
+    def _ms_redis(self, grp: _Group) -> float:
+        """MindSpore's CostRedis for the group's root op: for every op neighbour decided
+        earlier in this round (through followers; parameters and inputs are no graph nodes
+        there), ``REDIS_COEF x`` the local size of the tensor between them when their cuts
+        of it differ.  Losses (BatchParallel) ignore their neighbours."""
+        v = grp.root
+        if self.g.is_leaf(v) or v.target in _MS_BATCH_PARALLEL:
+            return 0.0
+        a, s, total = self.axis, self.full(v), 0.0
+        for x, i in self.g.in_edges[v]:  # producer ops (through followers): their output
+            if i < 0 or self.g.is_leaf(x) or self.g.owner[x] is grp or x not in self.decided:
+                continue
+            u = self.g.owner[x].root
+            if self._cut(self.full(u).outputs[0][a]) != self._cut(s.inputs[i][a]):
+                total += _MS_REDIS_COEF * math.prod(
+                    local_shape(info(x).out.shape, self._before(s.inputs[i]), self.shape))
+        if not s.outputs:
+            return total
+        out_size = math.prod(local_shape(info(v).outputs[0].shape, self._before(s.outputs[0]),
+                                         self.shape))
+        mine = self._cut(s.outputs[0][a])
+        for m in grp.members:  # consumers of the root and of its followers
+            if self.g.is_leaf(m):
+                continue
+            for w, q in self.g.out_edges[m]:
+                if q < 0 or self.g.owner[w] is grp or w not in self.decided:
+                    continue
+                if self._cut(self.full(w).inputs[q][a]) != mine:
+                    total += _MS_REDIS_COEF * out_size
+        return total
 
     def node_price(self, n: fx.Node, inside: set[fx.Node] | None = None) -> float:
         """Own price plus edges to decided neighbours (or to ``inside`` members)."""
@@ -519,6 +608,8 @@ class _Search:
             self.set(m, c)
             set_now.add(m)
         total = 0.0
+        if self.opts.cost_mode is CostMode.MINDSPORE:
+            return math.fsum(self.own(m) for m in grp.members) + self._ms_redis(grp)
         for m in grp.members:
             total += self.own(m)
             for u, i in self.g.in_edges[m]:
@@ -547,6 +638,9 @@ class _Search:
         """Pick the group's cheapest root strategy; return whether anything changed."""
         before = {m: self.cur[m][self.axis] for m in grp.members}
         options = self.root_options(grp)
+        if self.opts.cost_mode is CostMode.MINDSPORE and grp.root.target in _MATMULS:
+            # ChoseStr takes the first minimum of (i, j, k): try them in that order
+            options = sorted(options, key=lambda c: _mm_kind(grp.root, c.inputs, c.outputs[0]))
         if grp.root in self.decided:
             # a refinement sweep: the current choice is tried first and kept on ties, so
             # sweeps only ever lower the price and stop
@@ -562,7 +656,19 @@ class _Search:
         return any(self.cur[m][self.axis] != before[m] for m in grp.members)
 
     def weight(self, grp: _Group) -> float:
-        """MindSpore's op weight: the root's cheapest cut, its own cost only."""
+        """The op weight of :attr:`Order.WEIGHT`.
+
+        Mindspore mode: MindSpore's GetWeights (rec_partition.cc): a matmul's dearest cut
+        (CostMatMul::GetMaxCostIn), a loss (BatchParallel) ``+inf``, any other op 0.  Model
+        mode: the root's cheapest cut, its own cost only.
+        """
+        if self.opts.cost_mode is CostMode.MINDSPORE:
+            root = grp.root
+            if root.target in _MS_BATCH_PARALLEL:
+                return math.inf
+            if root.target in _MATMULS:
+                return max(self._ms_cut_costs(*self._ms_dims(root)))
+            return 0.0
         row = self.cur[grp.root]
         costs = []
         for c in self.root_options(grp):
@@ -582,7 +688,12 @@ class _Search:
             groups.reverse()
         elif self.opts.order is Order.WEIGHT:
             w = {id(grp): self.weight(grp) for grp in groups}
-            groups.sort(key=lambda grp: -w[id(grp)])  # stable: graph order on ties
+            if self.opts.cost_mode is CostMode.MINDSPORE:
+                # SortByWeight: (weight, index) ascending, read backwards -> on ties the
+                # later op first
+                groups.sort(key=lambda grp: (-w[id(grp)], -self.g.index[grp.root]))
+            else:
+                groups.sort(key=lambda grp: -w[id(grp)])  # stable: graph order on ties
         for grp in groups:
             self.decide(grp)
         refined = 0
@@ -717,7 +828,8 @@ def drec_search(gm: fx.GraphModule, mesh: MeshSpec, cm: CostModel, opts: DRecOpt
     pins = dict(pins or {})
     t0 = time.perf_counter()
     shape = tuple(mesh.shape)
-    g = _Graph(gm, shape)
+    followers = _FOLLOWERS | _MS_ELIMINATED if opts.cost_mode is CostMode.MINDSPORE else _FOLLOWERS
+    g = _Graph(gm, shape, followers)
     _check_pins(g, pins, shape)
     axes = list(opts.axis_order) if opts.axis_order is not None else axis_order(mesh)
     s, rounds = _one_run(g, mesh, cm, opts, pins, 0.0, axes)

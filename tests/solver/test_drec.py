@@ -144,7 +144,8 @@ def test_drec_memory_budget() -> None:
 
 
 # ------------------------------------------------------------------ MindSpore's example
-def _mindspore_first_matmul(order: Order) -> tuple[str, str]:
+def _mindspore_matmuls(order: Order) -> list[tuple[str, str]]:
+    """(input, weight) placements of fc1, fc2, fc3 on a (2,2,2) mesh, mindspore mode."""
     torch.manual_seed(0)
     model = MLP(784, 512, 1)
     ex = (torch.randn(256, 784), torch.randn(256, 1))
@@ -153,8 +154,13 @@ def _mindspore_first_matmul(order: Order) -> tuple[str, str]:
     mesh = MeshSpec.preset("cpu-gloo", shape=(2, 2, 2))  # 8 devices = 3 halvings
     r = drec_search(cap.gm, mesh, CostModel(mesh), DRecOptions(cost_mode=CostMode.MINDSPORE,
                                                                 order=order))
-    s = next(s for n, s in r.choice.items() if n.name == "linear")
-    return fmt_placements(s.inputs[0]), fmt_placements(s.inputs[1])
+    by_name = {n.name: s for n, s in r.choice.items()}
+    return [(fmt_placements(by_name[k].inputs[0]), fmt_placements(by_name[k].inputs[1]))
+            for k in ("linear", "linear_1", "linear_2")]
+
+
+def _mindspore_first_matmul(order: Order) -> tuple[str, str]:
+    return _mindspore_matmuls(order)[0]
 
 
 def _as_mindspore(x: str, w: str) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -170,16 +176,43 @@ def test_mindspore_mode_cuts_every_round() -> None:
     assert _mindspore_first_matmul(Order.WEIGHT) == (x, w)  # deterministic
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "MindSpore's documented ((4,2),(1,2)) is not reproduced by the design.md formulas as "
-    "implemented (cut costs e_j*e_k/2, e_i*e_k/2, e_i*e_j/2; redistribution = local tensor "
-    "size; followers grouped with their producer).  A scan over the natural variants "
-    "(topological / reverse / weight order, redistribution weight 1 or 16, the reduction of "
-    "a k-cut paid or free, the data input fixed batch-split or free) gives ((2,2),(2,2)), "
-    "((2,4),(2,4)) or ((8,1),(1,1)), never ((4,2),(1,2)): under these formulas the first "
-    "matmul always prefers cutting j or k over i in a round with no conflicting neighbour "
-    "decided first (e.g. round 2: j costs 50176 < i 100352).  MindSpore's extra heuristics "
-    "(its op weights and tensor-type coefficients) are not in design.md."))
 def test_mindspore_documented_example() -> None:
-    best = {order: _as_mindspore(*_mindspore_first_matmul(order)) for order in Order}
-    assert ((4, 2), (1, 2)) in best.values(), best
+    """MindSpore's docs (tutorials "Double Recursive Strategy Search Algorithm", sapp.md:
+    784-512-512-1 MLP, batch 256, 8 devices) print ``in_strategy ((4, 2), (1, 2))`` for the
+    first MatMul.  It comes out of MindSpore's own formulas (rec_core/rec_cost.{h,cc},
+    rec_partition.{h,cc}, rec_parse_graph.{h,cc}) as implemented by the mindspore mode:
+
+    - a MatMul ``C[i,j] = A[i,k] B[k,j]`` with local sizes ``e`` (before this round) costs
+      ``e_j e_k / 2 * 0.25`` to cut ``i`` (StrConcatDimI times MATMUL_MEM_COEF), ``e_i e_k
+      / 2`` to cut ``j`` and ``e_i e_j / 2`` to cut ``k`` (no separate reduction term);
+      ties go to ``i``, then ``j``, then ``k`` (ChoseStr takes the first minimum);
+    - plus CostRedis: for each op neighbour already decided in this round whose cut of the
+      tensor between them differs, ``16 x`` that tensor's local size (REDIS_COEF);
+    - element-wise ops, BiasAdd, reductions and so the MSE loss (Sub, Square, ReduceMean)
+      are eliminated first (their edges rewired); parameters and inputs are no nodes;
+    - the ops are visited in MindSpore's current PARTITION_ORDER, TopologyOrder: highest
+      node index first, i.e. our ``Order.REVERSE`` (fc3, fc2, fc1), once per halving.
+
+    Trace (mesh axes = rounds), fc1 = ``[256,784] x [784,512]``:
+    round 1: fc3 cuts i (64 < k 128); fc2 i (32768, matching fc3); fc1 i (50176; j and k
+    would mismatch fc2: +16 x 131072).  Round 2: the same, fc1 i at 50176.  Round 3: fc3
+    cuts k (e_i e_j / 2 = 64 * 1 / 2 = 32 < i 64), splitting its input by columns; fc2
+    then j (64 * 512 / 2 = 16384, the cut that splits its output by columns); fc1 k
+    (64 * 512 / 2 = 16384, its output uncut as fc2's j cut wants its input; i and j pay
+    16 x 32768 more).  fc1: i, i, k = ((4, 2), (1, 2)).
+
+    Forward order gets there too, by fc1's own costs alone (nothing decided next to it):
+    i (50176 < k 65536 < j 100352), k (32768 < i = j = 50176), i (i = j = 25088 < k
+    32768, tie to i).  The older WeightOrder (heaviest first) does not: in round 3 fc2
+    and fc1 tie at weight 32768, fc2 goes first (later index) and cuts j, which leaves fc1
+    only k without a mismatch: ((2, 4), (1, 4)).
+    """
+    got = {order: [_as_mindspore(*xw) for xw in _mindspore_matmuls(order)] for order in Order}
+    # MindSpore's TopologyOrder (output end first): the documented strategy
+    assert got[Order.REVERSE][0] == ((4, 2), (1, 2)), got
+    assert got[Order.TOPOLOGICAL][0] == ((4, 2), (1, 2)), got
+    assert got[Order.WEIGHT][0] == ((2, 4), (1, 4)), got
+    # the other layers (MindSpore's docs show only fc1's): fc2 [512,512] cuts i, i, j and
+    # fc3 [512 -> 1] i, i, k under TopologyOrder (fc3's W is [1, 512]: (1, 2) = in-dim cut)
+    assert got[Order.REVERSE][1:] == [((4, 1), (2, 1)), ((4, 2), (1, 2))], got
+    assert got[Order.TOPOLOGICAL][1:] == [((4, 1), (2, 1)), ((4, 2), (1, 2))], got
