@@ -221,7 +221,11 @@ class JointSearch:
             self._say("time limit reached: keeping the best plan found so far")
         return True
 
-    def _try(self, stages: int, micro: int, budget: float | None) -> None:
+    def _try(self, stages: int, micro: int, budget: float | None, strict: bool = False) -> None:
+        """Plan and price one candidate. ``strict``: the candidate the user asked for
+        (or the plain one), whose errors (bad pins, ...) are the user's and propagate;
+        a candidate the search picked is skipped when, e.g., a pin cannot hold at its
+        micro-batch size."""
         if self._out_of_time():
             return
         t0 = time.perf_counter()
@@ -229,9 +233,9 @@ class JointSearch:
         try:
             cand = self._intra(stages, micro, budget)
         except PlanError as e:
-            if not lean:
-                raise  # bad pins, untraceable shapes...: the user's error, not a dead end
-            self._say(f"stages {stages}, micro-batches {micro}: no memory-lean plan ({e})")
+            if strict:
+                raise
+            self._say(f"stages {stages}, micro-batches {micro}: skipped ({e})")
             return
         n = len(self.priced)
         self._price(cand)
@@ -248,7 +252,7 @@ class JointSearch:
         self._stopped = False
         stages = self.opts.pipeline_stages or 1
         first = (stages, self._micro_options(stages)[0])
-        self._try(*first, math.inf)
+        self._try(*first, math.inf, strict=True)
         forced = self.opts.pipeline_stages is not None or self.opts.micro_batches is not None
         best = self._best()
         # memory pressure already costs time (ZeRO, recomputation, or nothing fits):

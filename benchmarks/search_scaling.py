@@ -28,7 +28,6 @@ import datetime as _dt
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plan_time import machine  # noqa: E402  (same folder, shared helper)
+from plan_time import machine, write_section  # noqa: E402  (same folder, shared helpers)
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -120,21 +119,6 @@ def measure_model(layers: int, devices: list[int], time_limit: float, budget: fl
             if searcher == "ilp" and f"flat:{n}" not in skip:
                 rec["flat"] = _flat_ilp(cap.gm, mesh, budget, time_limit)
             emit(rec)
-
-
-def write_section(text: str, doc: Path = DOC) -> None:
-    """Replace (or append) :data:`SECTION` in ``doc``, leaving other sections intact."""
-    old = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    lines = old.splitlines(keepends=True)
-    start = next((i for i, ln in enumerate(lines) if ln.rstrip() == SECTION), None)
-    if start is None:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        end = next((j for j in range(start + 1, len(lines)) if re.match(r"#{1,2} ", lines[j])),
-                   len(lines))
-        rest = "".join(lines[end:])
-        new = "".join(lines[:start]) + text + ("\n" + rest if rest else "")
-    doc.write_text(new.rstrip("\n") + "\n")
 
 
 # ---------------------------------------------------------------- parent
