@@ -325,7 +325,6 @@ def cmd_plan(args) -> int:
     except TimeoutError as e:  # the solver found no plan at all within its limit
         raise CLIError(f"{e} (--time-limit)") from e
     total = time.perf_counter() - t0
-    _check_recompute(p, decisions.get("recompute"))
 
     print(p.table(max_rows=args.max_rows, show_views=args.show_views))
     print(format_decisions(p))
@@ -358,20 +357,6 @@ def cmd_plan(args) -> int:
 
 
 _WHY = "\0why"  # what a bare --explain appends: every decision's reason
-
-
-def _check_recompute(p: Plan, asked: list[str] | None) -> None:
-    """A forced recompute layer the plan does not list is one the graph does not have
-    (the planner drops unknown keys): say so rather than print a plan that ignores it."""
-    if not asked:
-        return
-    missing = [k for k in asked if k not in p.decisions.recompute]
-    if missing:
-        layers = sorted({n.layer for n in p.nodes.values() if n.layer})
-        close = difflib.get_close_matches(missing[0], layers, n=3, cutoff=0.5)
-        raise CLIError(f"--recompute {','.join(missing)}: no such layer in the model"
-                       + (f"; did you mean {', '.join(close)}?" if close else "")
-                       + f" (layers: {', '.join(layers)})")
 
 
 def build_parser() -> argparse.ArgumentParser:

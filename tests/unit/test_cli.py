@@ -265,7 +265,7 @@ def test_decision_flag_choices_are_checked_by_argparse(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--recompute", "blocks.9"], "--recompute blocks.9: no such layer in the model"),
+    (["--recompute", "blocks.9"], "recompute names unknown layer(s) ['blocks.9']"),
     (["--pipeline-stages", "3"], "3 pipeline stages do not divide mesh axis 0 of size 2"),
 ])
 def test_decision_errors_found_by_planning(capsys, argv, message):
