@@ -30,6 +30,8 @@ from autopar.annotate import annotate
 from autopar.capture import Captured, capture
 from autopar.cost_models import MeshSpec, format_bytes, send_recv_time
 from autopar.errors import PlanError
+from autopar.ir import info
+from autopar.layers import layer_keys
 from autopar.plan import Decisions, Plan, Schedule
 from autopar.search import PlanOptions, make_plan
 from autopar.solve.layer_stats import LayerStat, layer_stats
@@ -127,9 +129,31 @@ class JointSearch:
                             f"{self.mesh.shape[0]} (stages are carved out of the outermost axis)")
 
     # ------------------------------------------------------------ candidates
+    def _tied_across_layers(self) -> list[str]:
+        """Parameters used by more than one layer (tied embedding and head): a pipeline
+        would need their gradients summed across stages, which the runtime refuses."""
+        cap = next(iter(self.captures.values()), None)
+        if cap is None:
+            return []
+        keys = layer_keys(cap.gm)
+        out = []
+        for n in cap.gm.graph.nodes:
+            if n.op == "get_attr" and info(n).param is not None:
+                if len({keys[u] for u in n.users if u in keys}) > 1:
+                    out.append(info(n).param)
+        return out
+
     def _stage_options(self) -> list[int]:
+        tied = self._tied_across_layers()
         if self.opts.pipeline_stages is not None:
+            if self.opts.pipeline_stages > 1 and tied:
+                raise PlanError(f"pipeline_stages={self.opts.pipeline_stages} is impossible: "
+                                f"{', '.join(tied)} is used by several layers (tied weights), "
+                                "which would have to live on two stages")
             return [self.opts.pipeline_stages]
+        if tied:
+            self._say(f"no pipelining: tied weights {', '.join(tied)} span several layers")
+            return [1]
         a0 = self.mesh.shape[0]
         return [1] + [p for p in range(2, a0 + 1) if a0 % p == 0]
 
@@ -253,6 +277,8 @@ class JointSearch:
         stages = self.opts.pipeline_stages or 1
         first = (stages, self._micro_options(stages)[0])
         self._try(*first, math.inf, strict=True)
+        if stages > 1:
+            self._stage_options()  # forced stages: refuse tied weights across layers now
         forced = self.opts.pipeline_stages is not None or self.opts.micro_batches is not None
         best = self._best()
         # memory pressure already costs time (ZeRO, recomputation, or nothing fits):

@@ -142,3 +142,15 @@ def test_forced_zero_gets_an_axis_to_shard_over():
     model, ex = _gpt()
     d = plan(model, ex, MESH, zero_stage=2).decisions
     assert d.zero_stage == 2 and d.zero_axis == 0
+
+
+def test_tied_weights_rule_out_pipelines():
+    """HF GPT-2 ties its embedding and head: stages would need the tied gradient summed
+    across stages, so forcing stages is an error and the search never picks them."""
+    import hf_gpt2
+
+    model, ex = hf_gpt2.build()
+    with pytest.raises(PlanError, match="tied weights"):
+        plan(model, ex, (2,), pipeline_stages=2, micro_batches=2)
+    p = plan(model, ex, (2,), explore=True)
+    assert p.decisions.pipeline_stages == 1
