@@ -83,9 +83,18 @@ def run_case(case: Case) -> dict:
     grads = pm.full_grads()
     res["grad_err"], res["grad_worst"] = _max_err(grads, {n: p.grad for n, p in ref.named_parameters()}, names)
     res["grad_scale"] = max(p.grad.abs().max().item() for p in ref.parameters())
-    # 2. plain SGD step
-    torch.optim.SGD(pm.parameters(), lr=0.1).step()
-    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    # 2. two SGD steps with momentum (the second one uses the momentum buffer, which
+    # under ZeRO lives only for this rank's shard)
+    sgd = torch.optim.SGD(pm.parameters(), lr=0.02, momentum=0.9)
+    rsgd = torch.optim.SGD(ref.parameters(), lr=0.02, momentum=0.9)
+    for k in range(2):
+        if k:
+            sgd.zero_grad()
+            rsgd.zero_grad()
+            pm.train_step(*ex)
+            ref(*ex).backward()
+        sgd.step()
+        rsgd.step()
     full = pm.full_state_dict()
     rsd = ref.state_dict()
     res["sgd_err"], res["sgd_worst"] = _max_err(full, rsd, names)

@@ -2,7 +2,7 @@
 (issue 3), through the public ``auto_parallel(..., zero_stage=..., pipeline_stages=...,
 micro_batches=..., schedule=..., recompute=...)``, against the single-process model on
 the same global batch: loss, every gradient (gathered from the rank/stage that holds
-it) and the parameters after one SGD and two AdamW steps.
+it) and the parameters after two SGD-with-momentum and two AdamW steps.
 
 Tolerances are test_equivalence.py's (fp32; the parallel module sums the same
 products in another order): loss rtol 1e-5; gradients and SGD parameters 2e-5 + 1e-4
