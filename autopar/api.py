@@ -98,6 +98,7 @@ class ParallelModule(nn.Module):
         self._mesh_rt = None
         self.rank = 0
         self.runner = None
+        self._param_nodes = {n.param: n for n in plan.nodes.values() if n.param}
         d = plan.decisions
         # graph target -> pipeline stage owning it (everything on stage 0 without a pipeline)
         self._owner = {n.param: d.stage_of(n.layer) if d.pipeline_stages > 1 else 0
@@ -223,7 +224,7 @@ class ParallelModule(nn.Module):
         pipeline axis; every rank walks the targets in the same order)."""
         from autopar.placement import local_shape
         m = self._mesh_rt
-        node = next(n for n in self.plan.nodes.values() if n.param == t)
+        node = self._param_nodes[t]
         has = torch.tensor([0 if x is None else 1])
         src = m.stage_rank(self._owner.get(t, 0))
         dist.broadcast(has, src=src, group=m.device_mesh.get_group(0))
