@@ -87,14 +87,8 @@ def run_case(case: Case) -> dict:
     # under ZeRO lives only for this rank's shard)
     sgd = torch.optim.SGD(pm.parameters(), lr=0.02, momentum=0.9)
     rsgd = torch.optim.SGD(ref.parameters(), lr=0.02, momentum=0.9)
-    for k in range(2):
-        if k:
-            sgd.zero_grad()
-            rsgd.zero_grad()
-            pm.train_step(*ex)
-            ref(*ex).backward()
-        sgd.step()
-        rsgd.step()
+    _step_both(pm, ref, ex, sgd, rsgd, fresh_grads=False)  # the gradients of step 1
+    _step_both(pm, ref, ex, sgd, rsgd)
     full = pm.full_state_dict()
     rsd = ref.state_dict()
     res["sgd_err"], res["sgd_worst"] = _max_err(full, rsd, names)
@@ -102,18 +96,25 @@ def run_case(case: Case) -> dict:
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     for _ in range(case.steps_adam):
-        opt.zero_grad()
-        ropt.zero_grad()
-        pm.train_step(*ex)
-        ref(*ex).backward()
-        opt.step()
-        ropt.step()
+        _step_both(pm, ref, ex, opt, ropt)
     full = pm.full_state_dict()
     res["adam_err"], res["adam_worst"] = _max_err(full, ref.state_dict(), names)
     res["state_keys_match"] = sorted(full) == sorted(ref.state_dict())
     if case.measure_memory:
         res["memory"] = _measure_memory(pm, opt, ex)
     return res
+
+
+def _step_both(pm, ref, ex, opt, ropt, fresh_grads: bool = True) -> None:
+    """One optimizer step on the parallel module and the reference alike; with
+    ``fresh_grads`` both first recompute their gradients on ``ex``."""
+    if fresh_grads:
+        opt.zero_grad()
+        ropt.zero_grad()
+        pm.train_step(*ex)
+        ref(*ex).backward()
+    opt.step()
+    ropt.step()
 
 
 def _measure_memory(pm, opt, ex) -> list[dict]:
