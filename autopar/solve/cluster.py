@@ -440,17 +440,23 @@ def _budgeted(problem: StrategyProblem, cl: Clustering, first: _LamResult, start
     cost_span = sum(float(np.ptp(c)) for c in costs) + 1e-300
     mem_span = sum(float(np.ptp(m)) for m in mems) + 1e-300
     lo, hi = 0.0, cost_span / mem_span
+    def probe(lam: float) -> tuple[bool, list[int]]:
+        """Solve at weight ``lam``: tighten the bound, keep the best plan that fits."""
+        nonlocal lower, best_choice, best_obj
+        res, obj, mem = run(lam)
+        if res.optimal:
+            lower = max(lower, res.value - lam * budget)
+        fits = mem <= budget
+        if fits and obj < best_obj:
+            best_choice, best_obj = res.choice, obj
+        return fits, res.choice
+
     found = False
     for _ in range(40):  # grow lam until the plan fits (4**40 covers any unit ratio)
         if time.monotonic() > deadline:
             break
-        res, obj, mem = run(hi)
-        if res.optimal:
-            lower = max(lower, res.value - hi * budget)
-        if mem <= budget:
-            found = True
-            if obj < best_obj:
-                best_choice, best_obj = res.choice, obj
+        found, _choice = probe(hi)
+        if found:
             break
         lo, hi = hi, hi * 4.0
     over = first.choice  # the cheapest plan that does not fit, nearest to lam*
@@ -458,15 +464,11 @@ def _budgeted(problem: StrategyProblem, cl: Clustering, first: _LamResult, start
         if time.monotonic() > deadline:
             break
         mid = 0.5 * (lo + hi)
-        res, obj, mem = run(mid)
-        if res.optimal:
-            lower = max(lower, res.value - mid * budget)
-        if mem <= budget:
+        fits, choice = probe(mid)
+        if fits:
             hi = mid
-            if obj < best_obj:
-                best_choice, best_obj = res.choice, obj
         else:
-            lo, over = mid, res.choice
+            lo, over = mid, choice
     best_choice = _mix_blocks(problem, cl, best_choice, over)
     best_choice = _polish_under_budget(problem, best_choice)
     best_obj = evaluate(problem, best_choice)[0]
