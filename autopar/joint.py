@@ -108,6 +108,8 @@ class JointSearch:
         self.captures: dict[int, Captured] = {}
         self.priced: list[tuple[_Candidate, Priced]] = []
         self.timings: dict[str, float] = {}
+        self._t0 = time.perf_counter()  # reset by run(); the shared time limit counts from it
+        self._stopped = False
         self._validate()
 
     def _validate(self) -> None:
@@ -179,7 +181,7 @@ class JointSearch:
         full, sub = split_mesh(self.mesh, stages)
         cap = self._capture(micro)
         t0 = time.perf_counter()
-        left = self.opts.time_limit - (time.perf_counter() - getattr(self, "_t0", time.perf_counter()))
+        left = self.opts.time_limit - (time.perf_counter() - self._t0)
         intra_opts = dataclasses.replace(self.opts, memory_budget=budget, time_limit=max(1.0, left))
         p = make_plan(cap.gm, sub, cap.aliases, intra_opts)
         self.timings["intra_op"] = self.timings.get("intra_op", 0.0) + time.perf_counter() - t0
