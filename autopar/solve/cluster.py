@@ -52,13 +52,9 @@ from torch import fx
 from autopar.ir import info, tensor_inputs
 from autopar.layers import Layer, layers
 from autopar.rules import OpStrategy
-from autopar.solve.ilp import (
-    _eliminate,
-    _Graph,
-    _polish_under_budget,
-    _Reduction,
-    solve_ilp,
-)
+from autopar.solve.ilp import solve_ilp
+from autopar.solve.incumbents import LAGRANGE_STEPS, polish_under_budget
+from autopar.solve.presolve import Graph, Reduction, eliminate
 from autopar.solve.problem import (
     InfeasibleError,
     Solution,
@@ -80,8 +76,6 @@ __all__ = [
 FLAT_MIP_MAX_NODES = 600
 """Largest flat problem that still gets the budgeted MIP after a Lagrangian gap: above it
 the MIP was measured to find nothing better within the limit (design.md section 4)."""
-# Bisection steps on lam; each halves the interval, 30 are far below any cost that matters.
-_LAGRANGE_STEPS = 30
 # Relative gap under which the Lagrangian plan is reported optimal (float summation noise).
 _OPTIMAL_GAP = 1e-9
 
@@ -238,7 +232,7 @@ class _Transfer:
     ``reduction`` replays the eliminations to recover the internal choices."""
 
     table: np.ndarray
-    reduction: _Reduction
+    reduction: Reduction
     exit_local: int
 
 
@@ -277,10 +271,10 @@ def _same(problem: StrategyProblem, a: Block, b: Block, cost: list[np.ndarray]) 
 
 def _transfer(local: StrategyProblem, exit_local: int) -> _Transfer | None:
     """Eliminate every node but the entry (0) and ``exit_local``; None if that gets stuck."""
-    g = _Graph(local)
-    red = _Reduction(local, [], [], local.num_nodes)
+    g = Graph(local)
+    red = Reduction(local, [], [], local.num_nodes)
     protected = {0, exit_local}
-    _eliminate(g, red, protected)
+    eliminate(g, red, protected)
     if set(g.alive_nodes()) != protected:
         return None  # not series-parallel between entry and exit: no 2-terminal transfer
     table = g.cost[0][:, None] + g.cost[exit_local][None, :] + red.offset
@@ -460,7 +454,7 @@ def _budgeted(problem: StrategyProblem, cl: Clustering, first: _LamResult, start
             break
         lo, hi = hi, hi * 4.0
     over = first.choice  # the cheapest plan that does not fit, nearest to lam*
-    for _ in range(_LAGRANGE_STEPS if found else 0):
+    for _ in range(LAGRANGE_STEPS if found else 0):
         if time.monotonic() > deadline:
             break
         mid = 0.5 * (lo + hi)
@@ -470,7 +464,7 @@ def _budgeted(problem: StrategyProblem, cl: Clustering, first: _LamResult, start
         else:
             lo, over = mid, choice
     best_choice = _mix_blocks(problem, cl, best_choice, over)
-    best_choice = _polish_under_budget(problem, best_choice)
+    best_choice = polish_under_budget(problem, best_choice)
     best_obj = evaluate(problem, best_choice)[0]
     solver = "cluster/lagrangian"
     gap = max(0.0, (best_obj - lower) / max(abs(best_obj), 1e-300)) if math.isfinite(lower) else None
