@@ -49,7 +49,7 @@ from torch.utils import _pytree as pytree
 from autopar.plan import Plan
 
 if TYPE_CHECKING:
-    from autopar.api import ParallelModule
+    from autopar.parallel_module import ParallelModule
 
 LAYER_KEY = "autopar_layer"  # the tag lower.tag_layers writes (recompute/split read it)
 
@@ -396,7 +396,7 @@ def _stand_ins(plan: Plan, state: dict, owner: dict[str, int], params: set[str])
 
 def load_module(directory: str | Path) -> ParallelModule:
     """Build this rank's ParallelModule from an export directory (no planning)."""
-    from autopar.api import ParallelModule
+    from autopar.parallel_module import ParallelModule
     from autopar.runtime.mesh import init_mesh
 
     directory = Path(directory)
