@@ -7,14 +7,17 @@ import os
 import time
 from collections.abc import Callable, Mapping
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from autopar.annotate import annotate
-from autopar.capture import Captured, capture
+from autopar.capture import Captured, capture, named_tensors
 from autopar.cost_models import MeshSpec
+from autopar.module_state import TensorInfo
 from autopar.parallel_module import ParallelModule
 from autopar.plan import Plan
+from autopar.runtime.inputs import InputBinder
 from autopar.search import PlanOptions
 
 
@@ -90,14 +93,16 @@ def _shared_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: 
         p = Plan.from_json(box[0])
     if cap is None:
         # the plan's graph is the micro-batch's: capture at that size
-        cap = capture(model, micro_inputs(example_inputs, p.decisions.micro_batches), example_kwargs)
+        cap = capture(model, *micro_inputs((tuple(example_inputs), dict(example_kwargs or {})),
+                                           p.decisions.micro_batches))
         annotate(cap.gm)
     return cap, p
 
 
 def build_parallel_module(model: nn.Module, example_inputs: tuple, mesh: MeshSpec,
                           opts: PlanOptions, example_kwargs: dict | None = None,
-                          runtime: bool | None = None, plan: Plan | None = None) -> ParallelModule:
+                          runtime: bool | None = None, plan: Plan | None = None,
+                          batch: str = "global") -> ParallelModule:
     """Capture, plan (or take ``plan``), lower and shard: the body of :func:`auto_parallel`."""
     from autopar.passes.lower import lower
 
@@ -114,15 +119,44 @@ def build_parallel_module(model: nn.Module, example_inputs: tuple, mesh: MeshSpe
     t0 = time.perf_counter()
     gm = lower(cap.gm, p)
     p.timings["lower"] = time.perf_counter() - t0
-    full = {k: v for k, v in model.state_dict().items()}
-    return ParallelModule(gm, p, cap.aliases, cap.in_spec, cap.out_spec, cap.state_keys, full, runtime)
+    # every parameter and buffer, persistent or not, under every name (tied weights)
+    full = {k: v.detach() for k, v in named_tensors(model).items()}
+    if runtime:
+        full = _from_rank0(full)
+    info = TensorInfo.of(model, {n for names in cap.aliases.values() for n in names})
+    binder = InputBinder.from_example(example_inputs, example_kwargs, cap.in_spec)
+    pm = ParallelModule(gm, p, cap.aliases, cap.in_spec, cap.out_spec, cap.state_keys, full,
+                        runtime, info=info, binder=binder, batch=batch)
+    pm.training = model.training  # the mode the graph was captured in
+    return pm
+
+
+def _from_rank0(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every rank starts from rank 0's weights, as DDP does: ranks that built the model
+    with different seeds would otherwise train different replicas, silently.  One
+    broadcast per distinct tensor, in name order (the same on every rank)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return full
+    out: dict[str, torch.Tensor] = {}
+    seen: dict[int, torch.Tensor] = {}
+    for name in sorted(full):
+        t = full[name]
+        if id(t) not in seen:
+            x = t.detach().clone().contiguous()
+            # gloo has no bool collectives: carry bool buffers (masks) as bytes
+            y = x.to(torch.uint8) if x.dtype == torch.bool else x
+            dist.broadcast(y, src=0)
+            seen[id(t)] = y.to(torch.bool) if x.dtype == torch.bool else y
+        out[name] = seen[id(t)]
+    return out
 
 
 def auto_parallel(model: nn.Module | Callable | None = None, *, example_inputs: tuple | None = None,
                   mesh: MeshSpec | str | tuple | None = None, pins: Mapping | None = None,
                   memory_budget: float | None = None, optimizer: str = "adamw",
                   time_limit: float = 30.0, example_kwargs: dict | None = None,
-                  plan: Plan | None = None, search: str = "auto", **decisions):
+                  plan: Plan | None = None, search: str = "auto", batch: str = "global",
+                  **decisions):
     """Plan and shard ``model`` for ``mesh``.
 
     * ``auto_parallel(model, example_inputs=..., mesh=...)`` returns a
@@ -134,15 +168,21 @@ def auto_parallel(model: nn.Module | Callable | None = None, *, example_inputs: 
     ``pins`` fix placements (``{"fc1.weight": "RS(0)", "input:0": (Shard(0), Shard(0))}``)
     while the rest is searched; ``plan`` skips the search and applies a given Plan;
     ``decisions`` force plan-level choices and ``search`` picks the searcher, as in
-    :func:`plan`.
+    :func:`plan`.  Hugging Face models are passed as they are, with
+    ``example_kwargs={"input_ids": x, "labels": y}``, and called as ``pm(**batch)``.
+
+    ``batch="global"`` (default): every rank passes the whole global batch.
+    ``batch="local"``: each data-parallel rank passes its own part, e.g. from
+    ``DistributedSampler(ds, num_replicas=pm.data_parallel_size, rank=pm.data_parallel_rank)``;
+    the example inputs are still the global batch.
     """
     opts = _options(memory_budget, optimizer, time_limit, pins, decisions, search)
     m = _mesh(mesh)
     if model is None:
         return lambda target: _decorate(target, m, opts)
-    if isinstance(model, nn.Module) and example_inputs is not None:
-        return build_parallel_module(model, tuple(example_inputs), plan.mesh if plan else m, opts,
-                                     example_kwargs, plan=plan)
+    if isinstance(model, nn.Module) and (example_inputs is not None or example_kwargs is not None):
+        return build_parallel_module(model, tuple(example_inputs or ()), plan.mesh if plan else m,
+                                     opts, example_kwargs, plan=plan, batch=batch)
     return _decorate(model, m, opts)
 
 

@@ -9,6 +9,7 @@ first as a cheap check that reports *why* a model is dynamic when export also fa
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -51,13 +52,28 @@ def _strip_guards(gm: fx.GraphModule) -> None:
             g.erase_node(n)
     if hasattr(gm, "_guards_fn"):
         delattr(gm, "_guards_fn")
+    # export's input check (a forward pre-hook comparing the call with its in_spec): the
+    # generated module is called with flat inputs, bound by ParallelModule beforehand
+    for k, h in list(gm._forward_pre_hooks.items()):
+        if "input_constraints" in getattr(h, "__name__", ""):
+            del gm._forward_pre_hooks[k]
+            gm._forward_pre_hooks_with_kwargs.pop(k, None)
     g.eliminate_dead_code()
     gm.recompile()
 
 
+def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``model`` under every name it has: persistent or
+    not (Llama's ``rotary_emb.inv_freq`` and BERT's ``position_ids`` are non-persistent
+    buffers, absent from ``state_dict()``), tied weights under each of their names."""
+    out = dict(model.named_parameters(remove_duplicate=False))
+    out.update(model.named_buffers(remove_duplicate=False))
+    return out
+
+
 def _aliases(model: nn.Module, gm: fx.GraphModule) -> dict[str, list[str]]:
     by_id: dict[int, list[str]] = {}
-    for name, t in model.state_dict(keep_vars=True).items():
+    for name, t in named_tensors(model).items():
         by_id.setdefault(id(t), []).append(name)
     out: dict[str, list[str]] = {}
     for n in gm.graph.nodes:
@@ -74,6 +90,22 @@ def _aliases(model: nn.Module, gm: fx.GraphModule) -> dict[str, list[str]]:
     return out
 
 
+@contextlib.contextmanager
+def _no_kv_cache(model: nn.Module):
+    """Hugging Face models default to ``use_cache=True`` and return a ``DynamicCache``,
+    which is no pytree and means nothing in training: capture with the cache off (the
+    output's ``past_key_values`` is then ``None``) and restore the user's config."""
+    cfgs = [m.config for m in model.modules()
+            if getattr(getattr(m, "config", None), "use_cache", False) is True]
+    for c in cfgs:
+        c.use_cache = False
+    try:
+        yield
+    finally:
+        for c in cfgs:
+            c.use_cache = True
+
+
 def capture(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None = None) -> Captured:
     """Capture ``model`` called as ``model(*example_inputs, **example_kwargs)``.
 
@@ -82,7 +114,7 @@ def capture(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None
     t0 = time.perf_counter()
     kwargs = example_kwargs or {}
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _no_kv_cache(model):
             warnings.simplefilter("ignore")
             ep = torch.export.export(model, tuple(example_inputs), kwargs, strict=False)
     except Exception as export_err:  # noqa: BLE001 - reported with context below

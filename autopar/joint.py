@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from autopar.annotate import annotate
 from autopar.capture import Captured, capture
@@ -38,22 +39,26 @@ from autopar.solve.layer_stats import LayerStat, layer_stats
 from autopar.solve.pipeline import Config, Priced, price
 
 
-def batch_size(example_inputs: tuple) -> int:
-    """The global batch: dim 0 of the first tensor input."""
-    for x in example_inputs:
+def batch_size(example_inputs) -> int:
+    """The global batch: dim 0 of the first tensor in the inputs, a pytree (positional
+    arguments, or ``(args, kwargs)`` for models called as ``model(**batch)``)."""
+    for x in pytree.tree_leaves(example_inputs):
         if isinstance(x, torch.Tensor) and x.dim() > 0:
             return int(x.shape[0])
-    raise PlanError("micro-batching needs a tensor input with a batch dim (dim 0)")
+    raise PlanError("micro-batching needs a tensor input with a batch dim (dim 0); the "
+                    "example inputs (positional and keyword) hold none")
 
 
-def micro_inputs(example_inputs: tuple, micro_batches: int) -> tuple:
-    """The first micro-batch: every tensor whose dim 0 is the batch, cut to ``B / M``."""
+def micro_inputs(example_inputs, micro_batches: int):
+    """The first micro-batch of a pytree of inputs: every tensor whose dim 0 is the
+    batch, cut to ``B / M``; the structure is kept."""
     b = batch_size(example_inputs)
     if b % micro_batches:
         raise PlanError(f"the batch of {b} does not split into {micro_batches} micro-batches")
     m = b // micro_batches
-    return tuple(x[:m] if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == b else x
-                 for x in example_inputs)
+    return pytree.tree_map(
+        lambda x: x[:m] if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == b else x,
+        example_inputs)
 
 
 def split_mesh(mesh: MeshSpec, stages: int) -> tuple[MeshSpec, MeshSpec]:
@@ -104,6 +109,8 @@ class JointSearch:
                  example_kwargs: dict | None = None) -> None:
         self.model, self.inputs, self.mesh, self.opts = model, tuple(example_inputs), mesh, opts
         self.kwargs = example_kwargs
+        # the whole call as one pytree: models called as model(**batch) have no positional input
+        self._call = (self.inputs, dict(example_kwargs or {}))
         self.budget = opts.memory_budget if opts.memory_budget is not None else mesh.mem_capacity
         self.captures: dict[int, Captured] = {}
         self.priced: list[tuple[_Candidate, Priced]] = []
@@ -162,14 +169,14 @@ class JointSearch:
     def _micro_options(self, stages: int) -> list[int]:
         if self.opts.micro_batches is not None:
             return [self.opts.micro_batches]
-        b = batch_size(self.inputs)
+        b = batch_size(self._call)
         opts = [m for m in (1, 2, 4, 8, 16, 32) if b % m == 0]
         return [m for m in opts if m >= stages] or opts[-1:]
 
     def _capture(self, micro: int) -> Captured:
-        size = batch_size(self.inputs) // micro
+        size = batch_size(self._call) // micro
         if size not in self.captures:
-            cap = capture(self.model, micro_inputs(self.inputs, micro), self.kwargs)
+            cap = capture(self.model, *micro_inputs(self._call, micro))
             t0 = time.perf_counter()
             annotate(cap.gm)
             self.captures[size] = cap
@@ -327,7 +334,7 @@ class JointSearch:
             pipeline_stages=cfg.stages, schedule=cfg.schedule, micro_batches=cfg.micro_batches,
             stages=[sp.layers for sp in pr.stages] if cfg.stages > 1 else [],
             zero_stage=cfg.zero_stage, zero_axis=cfg.zero_axis, recompute=recompute,
-            global_batch=batch_size(self.inputs),
+            global_batch=batch_size(self._call),
             stage_seconds=[sp.seconds for sp in pr.stages],
             stage_memory=[sp.total_memory for sp in pr.stages], step_seconds=pr.step_seconds)
         d.why = self._why(pr)
@@ -370,7 +377,7 @@ class JointSearch:
             self._alt(lambda c: c.stages == 1) if cfg.stages > 1 else
             self._alt(lambda c: c.stages > 1), "one stage" if cfg.stages > 1 else "pipelining")
         why["micro_batches"] = f"{cfg.micro_batches} micro-batches of " \
-            f"{batch_size(self.inputs) // cfg.micro_batches}; " + versus(
+            f"{batch_size(self._call) // cfg.micro_batches}; " + versus(
                 self._alt(lambda c: c.micro_batches != cfg.micro_batches),
                 "other micro-batch counts (best of them)")
         rc = [k for sp in pr.stages for k in sp.recompute]

@@ -10,29 +10,49 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from autopar.module_state import StateMixin, TensorInfo
 from autopar.placement import is_replicate, parse_placements
 from autopar.plan import Plan
+from autopar.runtime.inputs import BatchMode, InputBinder, data_parallel_axes, data_parallel_coords
 from autopar.sharding import gather_tensor, shard_tensor
 
+# attribute names of ParallelModule itself: a model's top-level submodule or parameter
+# of the same name could not be registered under its own name
+_RESERVED = frozenset({"inner", "plan", "aliases", "state_keys", "rank", "runner", "zero",
+                       "grad_sync", "lowered_graph", "code", "binder", "info", "training"})
 
-class ParallelModule(nn.Module):
-    """This rank's part of a planned model.
 
-    Parameters hold only this rank's shards; ``forward`` takes the same (whole)
-    inputs as the original model and returns the same (replicated) outputs.  Without a
-    process group the module is *planning only*: ``plan``, ``code`` and ``export``
-    work; calling it raises.
+class ParallelModule(StateMixin, nn.Module):
+    r"""This rank's part of a planned model.
+
+    Under a process group its parameters are ``nn.Parameter``\ s holding DTensors on
+    the plan's ``DeviceMesh`` with the plan's placements, under the original model's
+    names (tied weights once), so ``torch.optim``, ``clip_grad_norm_``,
+    ``torch.distributed.checkpoint`` and ``state_dict()`` work unchanged; the generated
+    graph (``inner``, not a submodule) computes on their local shards.  ``forward``
+    takes the same inputs as the original model (positional or ``model(**batch)``) and
+    returns the same output type, replicated on every rank.  Without a process group the
+    module is *planning only*: ``plan``, ``code`` and ``export`` work; calling it raises.
     """
 
     def __init__(self, inner: nn.Module, plan: Plan, aliases: dict[str, list[str]],
                  in_spec, out_spec, state_keys: list[str], full_state: Mapping[str, torch.Tensor] | None,
-                 runtime: bool) -> None:
+                 runtime: bool, info: TensorInfo | None = None, binder: InputBinder | None = None,
+                 batch: BatchMode | str = BatchMode.GLOBAL) -> None:
         super().__init__()
-        self.inner = inner
+        object.__setattr__(self, "inner", inner)  # not a submodule: users see DTensors only
         self.plan = plan
         self.aliases = aliases
+        self.info = info or TensorInfo()
         self._in_spec, self._out_spec = in_spec, out_spec
+        self.binder = binder or InputBinder(in_spec)
+        self.binder.mode = BatchMode(batch)
+        self.binder.dp_axes = data_parallel_axes(plan)
         self.state_keys = state_keys
+        self._target_of = {n: t for t, names in aliases.items() for n in names}
+        self._extra: dict[str, torch.Tensor] = {}
+        self._entry: dict = {}
+        self._dparams = None
         self._placements = {t: parse_placements(p) for t, p in plan.params().items()}
         self._mesh_rt = None
         self.rank = 0
@@ -59,6 +79,7 @@ class ParallelModule(nn.Module):
             self._start_zero()
             self._start_schedule()
             self._start_grad_sync()
+            self._start_dparams(full_state)
 
     # ------------------------------------------------------------ running
     def _coord(self) -> tuple[int, ...]:
@@ -79,7 +100,8 @@ class ParallelModule(nn.Module):
         for t, p in self._targets():
             if not self._mine(t):
                 continue
-            if t in self._placements and isinstance(p, nn.Parameter) and z in self._replicated_axes(t):
+            if t in self._placements and isinstance(p, nn.Parameter) and p.requires_grad \
+                    and z in self._replicated_axes(t):
                 params.append((t, tuple(a for a in self._replicated_axes(t) if a != z)))
         self.zero = Zero.install(self.inner, params, d.zero_stage, z)
 
@@ -98,6 +120,7 @@ class ParallelModule(nn.Module):
             return
         from autopar.passes.split_stages import split_stages
         from autopar.runtime.pipeline import PipelineRunner
+        self._keep_loss_only()
         mine = split_stages(self.inner, self.plan)[self._mesh_rt.stage]
         for t in list(self.aliases):
             if not self._mine(t):
@@ -105,6 +128,31 @@ class ParallelModule(nn.Module):
                 if hasattr(owner, leaf):
                     delattr(owner, leaf)
         self.runner = PipelineRunner(mine, d.schedule, d.micro_batches, _Switches(self))
+
+    def _keep_loss_only(self) -> None:
+        """Micro-batched plans run ``train_step``, which returns the loss alone: keep only
+        the loss among the graph's outputs (a Hugging Face output's ``loss``), so the
+        schedule has one value to seed backward with and logits are not gathered."""
+        g = self.inner.graph
+        out = next(n for n in g.nodes if n.op == "output")
+        flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+        if len(flat) == 1:
+            return
+        idx = None
+        if self._out_spec is not None:
+            try:
+                shaped = pytree.tree_unflatten(list(range(len(flat))), self._out_spec)
+                idx = shaped["loss"] if isinstance(shaped["loss"], int) else None
+            except (KeyError, TypeError, IndexError, ValueError):
+                idx = None
+        if idx is None:
+            from autopar.errors import PlanError
+            raise PlanError(f"this plan runs {self.plan.decisions.micro_batches} micro-batches: "
+                            f"the model must return its loss (a scalar tensor, or an output with "
+                            f"a 'loss' field), but it returns {len(flat)} values")
+        out.args = ((flat[idx],),)
+        g.eliminate_dead_code()
+        self.inner.recompile()
 
     def _owner_of(self, t: str) -> tuple[nn.Module, str]:
         *path, leaf = t.split(".")
@@ -123,9 +171,61 @@ class ParallelModule(nn.Module):
                     # stage 3: the shard's gradient is still Partial on the other axes
                     params.append((zp.shard, zp.other_axes))
                 continue
-            if t in self._placements and isinstance(p, nn.Parameter):
+            if t in self._placements and isinstance(p, nn.Parameter) and p.requires_grad:
                 params.append((p, self._replicated_axes(t)))
         self.grad_sync = GradSync(params)
+
+    def _frozen(self, t: str) -> bool:
+        return all(n in self.info.frozen for n in self.aliases.get(t, [t]))
+
+    def _start_dparams(self, full_state: Mapping[str, torch.Tensor] | None) -> None:
+        """Register this stage's parameters as DTensors (and its buffers) under the
+        original names; see :mod:`autopar.runtime.dparams`."""
+        from autopar.runtime.dparams import DParams, flat_layout, register_tree
+        mesh = self._mesh_rt.param_mesh
+        zt = self.zero.targets() if self.zero is not None else set()
+        entries = []
+        for t, p in self._targets():
+            if not self._mine(t):
+                continue
+            names = self.aliases[t]
+            if t in zt:
+                zp = self.zero._by_target[t]
+                pl, shape = flat_layout(self._placements[t], self.zero.axis, zp.shard.numel(),
+                                        self.plan.mesh.shape)
+                e = DParams.make(t, zp.shard, mesh, pl, shape, True,
+                                 hook_on=zp.full if zp.full is not None else zp.shard)
+            elif t in self._placements and isinstance(p, nn.Parameter):
+                e = DParams.make(t, p, mesh, self._placements[t], tuple(self._param_nodes[t].shape[0]),
+                                 p.requires_grad)
+            else:
+                for n in names:
+                    if p is not None:
+                        register_tree(self, n, p, buffer=True, reserved=_RESERVED,
+                                      persistent=n not in self.info.nonpersistent)
+                continue
+            entries.append(e)
+            self._entry[t] = e
+            for n in names:  # tied weights: one Parameter under every name
+                register_tree(self, n, e.param, reserved=_RESERVED)
+        # tensors the forward never reads: kept whole on every rank (replicated)
+        from torch.distributed.tensor import Replicate
+
+        from autopar.runtime.dparams import as_dtensor
+        for n in sorted(self.info.unused):
+            if full_state is None or n not in full_state:
+                continue
+            x = full_state[n].detach().clone()
+            if n in self.info.buffers:
+                register_tree(self, n, x, buffer=True, reserved=_RESERVED,
+                              persistent=n not in self.info.nonpersistent)
+                self._extra[n] = x
+            else:
+                dt = nn.Parameter(as_dtensor(x, mesh, (Replicate(),) * mesh.ndim, x.shape),
+                                  requires_grad=n not in self.info.frozen)
+                register_tree(self, n, dt, reserved=_RESERVED)
+                self._extra[n] = dt
+        self._dparams = DParams(mesh, entries)
 
     def _targets(self) -> list[tuple[str, torch.Tensor | None]]:
         """(graph target, tensor attribute) for every parameter and buffer; ``None`` for
@@ -161,18 +261,17 @@ class ParallelModule(nn.Module):
     def _from_owner_stage(self, t: str, x: torch.Tensor | None, grads: bool) -> torch.Tensor | None:
         """Broadcast ``t`` from the pipeline stage that holds it (collective over the
         pipeline axis; every rank walks the targets in the same order)."""
-        from autopar.placement import local_shape
         m = self._mesh_rt
-        node = self._param_nodes[t]
-        has = torch.tensor([0 if x is None else 1])
         src = m.stage_rank(self._owner.get(t, 0))
-        dist.broadcast(has, src=src, group=m.device_mesh.get_group(0))
-        if not has.item():
+        mine = x is not None and self._mine(t)
+        # shape and dtype travel with the tensor: buffers the plan has no node for (a
+        # non-persistent rotary table) and integer buffers are broadcast too
+        meta = [(tuple(x.shape), x.dtype) if mine else None]
+        dist.broadcast_object_list(meta, src=src, group=m.device_mesh.get_group(0))
+        if meta[0] is None:
             return None
-        if x is None or not self._mine(t):
-            pl = self._placements.get(t, parse_placements("R" * len(m.shape)))
-            x = torch.empty(local_shape(tuple(node.shape[0]), pl, m.shape))
-        x = x.detach().contiguous().clone()
+        shape, dtype = meta[0]
+        x = x.detach().contiguous().clone() if mine else torch.empty(shape, dtype=dtype)
         dist.broadcast(x, src=src, group=m.device_mesh.get_group(0))
         return x
 
@@ -187,48 +286,103 @@ class ParallelModule(nn.Module):
                 out[n] = whole
         return out
 
-    def forward(self, *args, **kwargs):
-        """Run this rank's part: same inputs and outputs as the original model."""
+    def _bind(self, args: tuple, kwargs: dict) -> list:
         if self._mesh_rt is None:
             raise RuntimeError("this ParallelModule is planning-only (no process group); "
                                "launch under torchrun to run it, or export() it")
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        if self._in_spec is not None and spec != self._in_spec:
-            raise ValueError(f"inputs do not match the traced call's structure: {spec} vs {self._in_spec}")
+        flat = self.binder.flatten(args, kwargs)
+        if self._dparams is not None:
+            self._dparams.before_forward()
+        if self.zero is not None:
+            self.zero.refresh()
+        return flat
+
+    def _outputs(self, out):
+        return pytree.tree_unflatten(list(out), self._out_spec) if self._out_spec is not None else out
+
+    def forward(self, *args, **kwargs):
+        """Run this rank's part: same inputs and outputs as the original model."""
+        flat = self._bind(args, kwargs)
         if self.runner is not None:
             raise RuntimeError(
                 f"this plan runs {self.plan.decisions.micro_batches} micro-batches over "
                 f"{self.plan.decisions.pipeline_stages} pipeline stage(s): forward and backward are "
                 "interleaved by the schedule, so call loss = module.train_step(*inputs) "
                 "(it runs forward and backward) and then optimizer.step()")
-        if self.zero is not None:
-            self.zero.refresh()
-            if self.zero.stage == 3:
-                from autopar.runtime.zero import free_gathered_params
-                with free_gathered_params():
-                    out = self.inner(*flat)
-                return pytree.tree_unflatten(list(out), self._out_spec) if self._out_spec is not None else out
-        out = self.inner(*flat)
-        return pytree.tree_unflatten(list(out), self._out_spec) if self._out_spec is not None else out
+        if self.zero is not None and self.zero.stage == 3:
+            from autopar.runtime.zero import free_gathered_params
+            with free_gathered_params():
+                return self._outputs(self.inner(*flat))
+        return self._outputs(self.inner(*flat))
 
     def train_step(self, *args, **kwargs) -> torch.Tensor:
         """Forward and backward of one global batch (all micro-batches, every pipeline
         stage); gradients are left in ``.grad`` (summed into any already there).
-        Returns the loss (detached), the same on every rank."""
+        Returns the loss (detached), the same on every rank; for a model whose output
+        is not a tensor (e.g. a Hugging Face ``ModelOutput``), its ``loss``."""
         if self.runner is None:
-            loss = self(*args, **kwargs)
+            out = self(*args, **kwargs)
+            loss = out if isinstance(out, torch.Tensor) else out["loss"]
             loss.backward()
             return loss.detach()
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        if self._in_spec is not None and spec != self._in_spec:
-            raise ValueError(f"inputs do not match the traced call's structure: {spec} vs {self._in_spec}")
-        if self.zero is not None:
-            self.zero.refresh()
-            if self.zero.stage == 3:
-                from autopar.runtime.zero import free_gathered_params
-                with free_gathered_params():
-                    return self.runner.step(flat)
+        flat = self._bind(args, kwargs)
+        if self.zero is not None and self.zero.stage == 3:
+            from autopar.runtime.zero import free_gathered_params
+            with free_gathered_params():
+                return self.runner.step(flat)
         return self.runner.step(flat)
+
+    # ------------------------------------------------------------ training-loop habits
+    def train(self, mode: bool = True) -> ParallelModule:
+        """Switch dropout and batch norm between training and evaluation, as
+        ``nn.Module.train`` does for the original model: the generated graphs' dropout
+        and batch-norm calls take the mode as an argument, which is set here."""
+        super().train(mode)
+        from autopar.passes.train_mode import set_train_mode
+        graphs = [m for m in self.inner.modules() if isinstance(m, torch.fx.GraphModule)]
+        if self.runner is not None:
+            graphs += [m for m in self.runner.stage.module.modules() if isinstance(m, torch.fx.GraphModule)]
+        set_train_mode(graphs, mode)
+        return self
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many different parts the global batch is split into: give
+        ``DistributedSampler(num_replicas=pm.data_parallel_size, ...)``."""
+        return data_parallel_coords(self.binder.dp_axes, self.plan.mesh.shape, self._coord())[1]
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which part of the global batch this rank holds (``DistributedSampler``'s
+        ``rank``); tensor-parallel peers and pipeline stages share it."""
+        return data_parallel_coords(self.binder.dp_axes, self.plan.mesh.shape, self._coord())[0]
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip gradients by their global norm over every rank and pipeline stage and
+        return that norm (a plain tensor, equal on every rank).  Without a pipeline this
+        equals ``torch.nn.utils.clip_grad_norm_(pm.parameters(), ...)``; with one, torch's
+        function sees only this stage's parameters, so use this method."""
+        from torch.distributed.tensor import DTensor
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if grads:
+            total = torch.nn.utils.get_total_norm(grads, norm_type)
+            total = total.full_tensor() if isinstance(total, DTensor) else total
+        else:
+            total = torch.zeros(())
+        m = self._mesh_rt
+        if m is not None and m.stages > 1:
+            pp = m.device_mesh.get_group(0)
+            if norm_type == float("inf"):
+                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp)
+            else:
+                total = total.pow(norm_type)
+                dist.all_reduce(total, group=pp)
+                total = total.pow(1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        with torch.no_grad():
+            for g in grads:
+                (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
+        return total
 
     @property
     def code(self) -> str:
@@ -237,16 +391,34 @@ class ParallelModule(nn.Module):
 
     # ------------------------------------------------------------ checkpoints
     def _load_targets(self, full_state: Mapping[str, torch.Tensor], coord) -> None:
-        zt = self.zero.targets() if getattr(self, "zero", None) is not None else set()
-        for t, p in self._targets():
+        pieces = {}
+        for t, _ in self._targets():
             names = self.aliases[t]
             src = next((full_state[n] for n in names if n in full_state), None)
             if src is None:
                 raise KeyError(f"state dict has none of {names}")
+            pieces[t] = ("full", src)
+        self._load_pieces(pieces, coord)
+        with torch.no_grad():
+            for n, x in self._extra.items():
+                if n in full_state:
+                    (x.to_local() if hasattr(x, "to_local") else x).copy_(full_state[n])
+
+    def _load_pieces(self, pieces: Mapping[str, tuple[str, torch.Tensor]], coord=None) -> None:
+        """Set targets from ``("full", whole tensor)`` (sharded here) or ``("local",
+        this rank's tensor in its planned placement)``, in place once the module owns
+        its tensors (DTensor parameters and optimizers keep pointing at them)."""
+        coord = self._coord() if coord is None else coord
+        zt = self.zero.targets() if getattr(self, "zero", None) is not None else set()
+        for t, p in self._targets():
+            if t not in pieces:
+                continue
+            kind, src = pieces[t]
             pl = self._placements.get(t, tuple(parse_placements("R" * len(coord))))
             if p is None and t not in zt:
                 continue  # held by another pipeline stage
-            local = shard_tensor(src.detach(), pl, self.plan.mesh.shape, coord)
+            local = shard_tensor(src.detach(), pl, self.plan.mesh.shape, coord) if kind == "full" \
+                else src.detach()
             if t in zt:
                 self.zero.load_whole(t, local)
                 continue
@@ -263,7 +435,7 @@ class ParallelModule(nn.Module):
         *path, leaf = target.split(".")
         owner = self.inner.get_submodule(".".join(path)) if path else self.inner
         if is_param:
-            owner.register_parameter(leaf, nn.Parameter(tensor))
+            owner.register_parameter(leaf, nn.Parameter(tensor, requires_grad=not self._frozen(target)))
         else:
             owner.register_buffer(leaf, tensor)
 
@@ -284,9 +456,12 @@ class ParallelModule(nn.Module):
                 whole[t] = gather_tensor(p, pl, self._mesh_rt.group)
         out = {}
         for key in self.state_keys:
-            for t, names in self.aliases.items():
-                if key in names:
-                    out[key] = whole[t]
+            t = self._target_of.get(key)
+            if t is not None:
+                out[key] = whole[t]
+            elif key in self._extra:  # never read by the forward: kept whole on every rank
+                x = self._extra[key].detach()
+                out[key] = (x.to_local() if hasattr(x, "to_local") else x).clone()
         return out
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:

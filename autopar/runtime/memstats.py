@@ -46,6 +46,9 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (shared storages count once)."""
     seen: dict[StorageWeakRef, int] = {}
     for t in tensors:
+        # a DTensor (parameters, their gradients and optimizer state) is a wrapper: its
+        # memory is its local shard's
+        t = getattr(t, "_local_tensor", t)
         ref = _storage_ref(t)
         if ref is not None:
             seen.setdefault(ref, t.untyped_storage().nbytes())
@@ -55,8 +58,14 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
 def module_state_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
     """Bytes of ``module``'s parameters, buffers and existing gradients, plus the
     optimizer's state tensors: the memory a training step starts from."""
-    ts: list[torch.Tensor] = [*module.parameters(), *module.buffers()]
-    ts += [p.grad for p in module.parameters() if p.grad is not None]
+    mods = [module]
+    inner = getattr(module, "inner", None)  # a ParallelModule's graph holds the local tensors
+    if isinstance(inner, torch.nn.Module):
+        mods.append(inner)
+    ts: list[torch.Tensor] = []
+    for m in mods:
+        ts += [*m.parameters(), *m.buffers()]
+        ts += [p.grad for p in m.parameters() if p.grad is not None]
     if optimizer is not None:
         ts += [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
     return tensor_bytes(ts)

@@ -40,6 +40,15 @@ class RuntimeMesh:
         return int(self.device_mesh.mesh[(stage, *self.coord)].item())
 
     @property
+    def param_mesh(self) -> DeviceMesh:
+        """The ``DeviceMesh`` the plan's placements refer to: the whole mesh, or this
+        rank's pipeline stage's sub-mesh (parameters are DTensors on it)."""
+        if self.stages == 1:
+            return self.device_mesh
+        names = self.device_mesh.mesh_dim_names
+        return self.device_mesh[names[1:]] if len(names) > 2 else self.device_mesh[names[1]]
+
+    @property
     def size(self) -> int:
         """Number of ranks in the (sub-)mesh."""
         n = 1
@@ -83,7 +92,9 @@ def init_mesh(shape: tuple[int, ...], backend: str | None = None, stages: int = 
     if _CURRENT is not None and (_CURRENT.stages, _CURRENT.shape) == (stages, tuple(shape)):
         return _CURRENT
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    dm = init_device_mesh(device, full)
+    # named axes let a pipeline stage slice out its sub-mesh (``param_mesh``)
+    names = (("pp",) if stages > 1 else ()) + tuple(f"a{i}" for i in range(len(shape)))
+    dm = init_device_mesh(device, full, mesh_dim_names=names)
     coord = tuple(int(c) for c in dm.get_coordinate())
     if stages > 1:
         _CURRENT = RuntimeMesh(tuple(shape), dm, coord[1:], stages, coord[0])

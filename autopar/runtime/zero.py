@@ -19,8 +19,8 @@ Gradients are Partial on every replicated axis (dual-placement convention), so t
 are reduced over ``z`` as above and all-reduced over the other replicated axes.
 Stages 1 and 2 reduce in fixed-order buckets launched asynchronously as gradients
 become ready (like :mod:`autopar.runtime.grad_sync`); the all-gather after the
-optimizer step runs lazily at the next forward, when a shard's version counter shows
-that the optimizer changed it.  Every rank steps the same shards, so every rank takes
+optimizer step runs lazily at the next forward, when a shard's version counter or the
+process's count of optimizer steps shows that it may have changed.  Every rank steps the same shards, so every rank takes
 the same decision and issues the same collectives.
 
 Stage 3 frees gathered parameters: a ``saved_tensors_hooks`` pair replaces any tensor
@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 from torch.autograd import Function
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from autopar.runtime.grad_sync import OrderedBuckets
 from autopar.runtime.mesh import current
@@ -144,6 +145,19 @@ def free_gathered_params():
 
 
 # ---------------------------------------------------------------- bookkeeping
+# Optimizer steps taken in this process.  Users step DTensor views of the shards
+# (autopar.runtime.dparams), and in-place ops dispatched through DTensor do not bump
+# the shard's version counter, so the lazy all-gather also watches optimizer steps.
+_STEPS = [0]
+
+
+def _count_step(*_args) -> None:
+    _STEPS[0] += 1
+
+
+register_optimizer_step_post_hook(_count_step)
+
+
 @dataclass
 class ZeroParam:
     """One parameter under ZeRO: its graph target, local whole shape and shard."""
@@ -193,6 +207,7 @@ class Zero(OrderedBuckets):
         self._bucket_of: dict[int, _Bucket] = {}
         self._start_order(self._buckets)
         self._versions: list[int] = []
+        self._steps = _STEPS[0]
         self._by_target = {zp.target: zp for zp in self.params}
 
     # ------------------------------------------------------------ set-up
@@ -315,7 +330,7 @@ class Zero(OrderedBuckets):
         if self.stage == 3:
             return
         versions = [zp.shard._version for zp in self.params]
-        if versions == self._versions:
+        if versions == self._versions and _STEPS[0] == self._steps:
             return
         d = current().shape[self.axis]
         with torch.no_grad():
@@ -328,6 +343,7 @@ class Zero(OrderedBuckets):
                     zp.full.copy_(full[:, off:off + c].reshape(-1)[: zp.numel].view(zp.shape))
                     off += c
         self._versions = [zp.shard._version for zp in self.params]
+        self._steps = _STEPS[0]
 
     # ------------------------------------------------------------ whole tensors
     def targets(self) -> set[str]:

@@ -1,0 +1,156 @@
+"""Parameters as DTensors: what a ParallelModule shows its user.
+
+The generated graph computes on plain local tensors (this rank's shards, or ZeRO's
+flat shards), and the runtime pieces (gradient buckets, ZeRO, pipelines) work on
+those.  Users instead see, under the original model's names, ``nn.Parameter``\\ s
+holding ``DTensor``\\ s on the plan's ``DeviceMesh`` with the plan's placements, each a
+*view of the same storage* as its local tensor.  So, unchanged:
+
+* ``torch.optim`` optimizers update the local tensors in place (their state is
+  DTensors too, hence sharded like the parameter);
+* ``torch.nn.utils.clip_grad_norm_`` reduces the norm over the mesh (a plain local
+  shard would give each rank its own norm);
+* ``torch.distributed.checkpoint`` saves each shard once at its global offset and
+  reshards on load (plain shards under one key would be de-duplicated as replicas).
+
+Gradients are bridged the same way: after each backward, once every gradient
+collective of the runtime has finished, each DTensor parameter's ``.grad`` becomes a
+DTensor view of its local tensor's gradient.  ``optimizer.zero_grad()`` (set to None)
+is mirrored onto the local tensors before the next forward.
+
+ZeRO's flat shards (1-D, padded) are DTensors of a 1-D global tensor sharded on the
+ZeRO axis and on every axis the parameter is sharded on; their global shape is that
+flattened layout, not the parameter's, so optimizer state of ZeRO parameters reloads
+only into the same plan.  The model state dict (``ParallelModule.state_dict``) always
+uses the parameters' own shapes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+Placements = tuple
+
+
+def as_dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence,
+               shape: Sequence[int]) -> DTensor:
+    """A DTensor view of ``local`` (no copy, no communication): this rank's shard of a
+    global tensor of ``shape`` laid out by ``placements``."""
+    shape = torch.Size(shape)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, tuple(placements), run_check=False, shape=shape,
+                              stride=stride)
+
+
+def flat_layout(placements: Sequence, zero_axis: int, shard_numel: int,
+                mesh_shape: Sequence[int]) -> tuple[tuple, tuple[int]]:
+    """(placements, global shape) of a ZeRO flat shard: different on the ZeRO axis and
+    on every axis the parameter is sharded on, identical on the other axes."""
+    pl, n = [], shard_numel
+    for a, p in enumerate(placements):
+        if a == zero_axis or isinstance(p, Shard):
+            pl.append(Shard(0))
+            n *= mesh_shape[a]
+        else:
+            pl.append(Replicate())
+    return tuple(pl), (n,)
+
+
+@dataclass
+class Entry:
+    """One user-visible parameter: its DTensor, the local tensor it views and the
+    tensor whose gradient accumulation ends the parameter's backward."""
+
+    target: str
+    param: nn.Parameter
+    local: torch.Tensor  # holds the values and (after backward) the gradient
+    hook_on: torch.Tensor  # the leaf autograd accumulates into (ZeRO 1-2: the whole param)
+    placements: tuple
+    shape: tuple[int, ...]
+
+
+class DParams:
+    """The DTensor parameters of one ParallelModule and their gradient bridge."""
+
+    def __init__(self, mesh: DeviceMesh, entries: list[Entry]) -> None:
+        self.mesh = mesh
+        self.entries = entries
+        self._armed = False
+        self._handles = [e.hook_on.register_post_accumulate_grad_hook(self._hook)
+                         for e in entries if e.param.requires_grad]
+
+    @staticmethod
+    def make(target: str, local: torch.Tensor, mesh: DeviceMesh, placements: Sequence,
+             shape: Sequence[int], requires_grad: bool,
+             hook_on: torch.Tensor | None = None) -> Entry:
+        """An entry whose DTensor parameter views ``local``."""
+        dt = as_dtensor(local.detach(), mesh, placements, shape)
+        param = nn.Parameter(dt, requires_grad=requires_grad)
+        return Entry(target, param, local, local if hook_on is None else hook_on,
+                     tuple(placements), tuple(shape))
+
+    # ------------------------------------------------------------ gradients
+    def before_forward(self) -> None:
+        """Mirror ``zero_grad(set_to_none=True)`` on the DTensors onto the local
+        tensors, which would otherwise keep accumulating into the old gradient."""
+        for e in self.entries:
+            if e.param.grad is None and e.local.grad is not None:
+                e.local.grad = None
+
+    def _hook(self, _t: torch.Tensor) -> None:
+        if self._armed:
+            return
+        self._armed = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._requeue)
+
+    def _requeue(self) -> None:
+        # callbacks run in the order queued; gradient buckets and ZeRO queue theirs at
+        # their first ready gradient, possibly after ours, so go to the back once more
+        torch.autograd.Variable._execution_engine.queue_callback(self.bridge)
+
+    def bridge(self) -> None:
+        """Point every DTensor parameter's ``.grad`` at its local gradient."""
+        self._armed = False
+        for e in self.entries:
+            g = e.local.grad
+            if g is None:
+                e.param.grad = None
+            elif not isinstance(e.param.grad, DTensor) or e.param.grad._local_tensor is not g:
+                e.param.grad = as_dtensor(g, self.mesh, e.placements, e.shape)
+
+    def numel(self) -> int:
+        """Elements of the local tensors (for overhead accounting)."""
+        return sum(math.prod(e.local.shape) for e in self.entries)
+
+
+def register_tree(root: nn.Module, name: str, value: torch.Tensor, *, buffer: bool = False,
+                  persistent: bool = True, reserved: frozenset[str] = frozenset()) -> None:
+    """Register ``value`` on ``root`` under the dotted original ``name``, creating empty
+    container modules on the way (so ``state_dict`` and ``named_parameters`` use the
+    original model's names)."""
+    *path, leaf = name.split(".")
+    if path and path[0] in reserved or not path and leaf in reserved:
+        from autopar.errors import AutoparError
+        raise AutoparError(f"the model's top-level name {(path or [leaf])[0]!r} is reserved by "
+                           "ParallelModule; rename that submodule or parameter")
+    owner = root
+    for part in path:
+        child = owner._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            owner.add_module(part, child)
+        owner = child
+    if buffer:
+        owner.register_buffer(leaf, value, persistent=persistent)
+    else:
+        owner.register_parameter(leaf, value)
+
+
+__all__ = ["DParams", "Entry", "as_dtensor", "flat_layout", "register_tree"]

@@ -1,0 +1,162 @@
+"""How a ParallelModule takes its inputs: call structure, shapes and local batches.
+
+The generated graph has a flat calling convention (one placeholder per tensor leaf of
+the traced call).  :class:`InputBinder` turns a user's call, positional or
+``model(**batch)`` with keywords in any order, into that flat list, and refuses what
+the plan cannot run exactly: another call structure, or another shape (a smaller last
+batch, a shorter sequence) - never truncating silently.
+
+With ``batch="local"`` each data-parallel rank passes only its part of the global
+batch (as a ``DistributedSampler`` gives it); the binder all-gathers batch tensors over
+the data-parallel axes so the graph sees the global batch it was planned for.  The
+gather costs one collective of the input's bytes (token ids: a few KiB) per step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import torch
+from torch.utils import _pytree as pytree
+
+from autopar.errors import AutoparError
+
+
+class BatchMode(StrEnum):
+    """Who passes which samples: every rank the whole global batch, or each
+    data-parallel rank its own part."""
+
+    GLOBAL = "global"
+    LOCAL = "local"
+
+
+class InputMismatchError(AutoparError, ValueError):
+    """The call's structure or shapes differ from the ones the plan was made for."""
+
+
+def _path_str(path) -> str:
+    s = pytree.keystr(path)
+    # the traced call is (args, kwargs): say "input_ids" rather than "[1]['input_ids']"
+    if s.startswith("[0]"):
+        return "positional argument " + s[3:] if s[3:] else "positional arguments"
+    if s.startswith("[1]"):
+        return "keyword argument " + s[3:]
+    return s or "input"
+
+
+@dataclass
+class InputBinder:
+    """Binds calls to the flat inputs of the generated graph (see the module docstring).
+
+    ``spec``: the traced call's tree spec of ``(args, kwargs)``; ``shapes``: the planned
+    shape of every leaf (``None`` for non-tensors), for the global batch."""
+
+    spec: object = None
+    shapes: list[tuple[int, ...] | None] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    mode: BatchMode = BatchMode.GLOBAL
+    dp_axes: tuple[int, ...] = ()
+
+    @classmethod
+    def from_example(cls, args: Sequence, kwargs: dict | None, spec, mode: BatchMode | str = "global",
+                     dp_axes: tuple[int, ...] = ()) -> InputBinder:
+        """The binder for calls like ``model(*args, **kwargs)``."""
+        leaves, _ = pytree.tree_flatten_with_path((tuple(args), dict(kwargs or {})))
+        return cls(spec, [tuple(x.shape) if isinstance(x, torch.Tensor) else None for _, x in leaves],
+                   [_path_str(p) for p, _ in leaves], BatchMode(mode), tuple(dp_axes))
+
+    def _kwargs_order(self) -> list[str] | None:
+        try:
+            child = self.spec.child(1) if hasattr(self.spec, "child") else self.spec.children_specs[1]
+            return list(child.context)
+        except (AttributeError, IndexError, TypeError):
+            return None
+
+    def flatten(self, args: tuple, kwargs: dict) -> list:
+        """The flat inputs for a call; raises :class:`InputMismatchError` naming the
+        argument, the planned and the given structure or shape."""
+        keys = self._kwargs_order()
+        if keys is not None:
+            missing = [k for k in keys if k not in kwargs]
+            extra = [k for k in kwargs if k not in keys]
+            if missing or extra:
+                raise InputMismatchError(
+                    f"the plan was made for keyword arguments {keys}; this call "
+                    + (f"lacks {missing}" if missing else "") + (" and " if missing and extra else "")
+                    + (f"adds {extra}" if extra else "") + ": call the module as it was planned")
+            kwargs = {k: kwargs[k] for k in keys}  # the traced order, whatever the caller's
+        flat, spec = pytree.tree_flatten((tuple(args), kwargs))
+        if self.spec is not None and spec != self.spec:
+            raise InputMismatchError(f"the call's structure {spec} differs from the planned "
+                                     f"{self.spec}: pass the same arguments the plan was made with")
+        if self.mode is BatchMode.LOCAL:
+            flat = self._gather_local(flat)
+        self.check_shapes(flat)
+        return flat
+
+    def check_shapes(self, flat: list) -> None:
+        """Refuse tensors whose shape is not the planned one (the graph's shapes are
+        static: another batch or sequence length would be cut or mis-sharded)."""
+        for i, x in enumerate(flat):
+            want = self.shapes[i] if i < len(self.shapes) else None
+            if want is not None and isinstance(x, torch.Tensor) and tuple(x.shape) != want:
+                name = self.names[i] if i < len(self.names) else f"input {i}"
+                local = " (as the global batch gathered from every data-parallel rank)" \
+                    if self.mode is BatchMode.LOCAL else ""
+                raise InputMismatchError(
+                    f"{name} has shape {tuple(x.shape)}{local} but the plan was made for "
+                    f"{want}: autopar runs the shapes it planned. Use batches of the planned "
+                    "size (DataLoader(drop_last=True), or pad the last batch and mask its "
+                    "loss), or plan again for this shape with auto_parallel")
+
+    def _gather_local(self, flat: list) -> list:
+        from autopar.placement import Shard
+        from autopar.runtime.mesh import current
+        from autopar.sharding import gather_tensor
+
+        if not self.dp_axes:
+            return flat
+        m = current()
+        pl = tuple(Shard(0) if a in self.dp_axes else None for a in range(len(m.shape)))
+        dp = math.prod(m.shape[a] for a in self.dp_axes)
+        out = []
+        for i, x in enumerate(flat):
+            want = self.shapes[i] if i < len(self.shapes) else None
+            if isinstance(x, torch.Tensor) and want and x.dim() > 0 and x.shape[0] * dp == want[0]:
+                x = gather_tensor(x, pl, m.group)
+            out.append(x)
+        return out
+
+
+def data_parallel_axes(plan) -> tuple[int, ...]:
+    """Mesh axes over which the plan splits the batch: those on which the first batch
+    input is sharded along dim 0.  Ranks that differ only on other axes (tensor-parallel
+    peers, pipeline stages) must see the same samples."""
+    from autopar.placement import Shard, parse_placements
+
+    for n in plan.nodes.values():
+        if n.kind != "input" or not n.shape or not n.shape[0]:
+            continue
+        pl = parse_placements(n.out_placements[0])
+        axes = tuple(a for a, p in enumerate(pl) if isinstance(p, Shard) and p.dim == 0)
+        if axes:
+            return axes
+    return ()
+
+
+def data_parallel_coords(axes: tuple[int, ...], mesh_shape: Sequence[int],
+                         coord: Sequence[int]) -> tuple[int, int]:
+    """(data-parallel rank, data-parallel size) for ``DistributedSampler``: outer mesh
+    axes are major, matching the order in which batch shards are laid out."""
+    rank, size = 0, 1
+    for a in axes:
+        rank = rank * mesh_shape[a] + coord[a]
+        size *= mesh_shape[a]
+    return rank, size
+
+
+__all__ = ["BatchMode", "InputBinder", "InputMismatchError", "data_parallel_axes",
+           "data_parallel_coords"]

@@ -1,0 +1,104 @@
+"""Train a Hugging Face Llama (GQA) with autopar in an ordinary PyTorch loop.
+
+    torchrun --nproc-per-node 2 examples/hf_llama.py --steps 6 --ckpt /tmp/llama_ckpt
+    torchrun --nproc-per-node 2 examples/hf_llama.py --steps 9 --ckpt /tmp/llama_ckpt  # resumes
+
+The model is ``LlamaForCausalLM`` as it is (a tiny config built in code, no download),
+called as ``model(**batch)``.  The loop is the usual one: ``DistributedSampler`` fed by
+``pm.data_parallel_rank`` / ``pm.data_parallel_size`` (``batch="local"``: each rank
+loads only its part), AdamW, a warm-up + cosine LR schedule, ``clip_grad_norm_``, and a
+``torch.distributed.checkpoint`` checkpoint every ``--every`` steps that a second run
+resumes from (model, optimizer, scheduler and step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def main(argv: list[str] | None = None) -> list[float]:
+    """Train; returns the losses of the steps run (rank 0 prints them)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=6, help="train until this global step")
+    ap.add_argument("--batch", type=int, default=8, help="global batch (samples per step)")
+    ap.add_argument("--every", type=int, default=3, help="checkpoint every N steps")
+    ap.add_argument("--ckpt", default="/tmp/autopar_llama_ckpt", help="checkpoint directory")
+    ap.add_argument("--mesh", default=None, help="mesh shape, e.g. 2 or 2x2 (default: the world)")
+    args = ap.parse_args(argv)
+
+    import hf_zoo
+
+    import autopar
+
+    model, example = hf_zoo.build("llama", batch=args.batch)
+    torch.manual_seed(0)
+    data = torch.randint(0, 128, (args.batch * 16, 16))  # a toy corpus of token rows
+    pm = autopar.auto_parallel(model, example_kwargs=example, mesh=args.mesh, batch="local")
+
+    opt = torch.optim.AdamW(pm.parameters(), lr=3e-3, weight_decay=0.01)
+    warmup, total = 2, max(args.steps, 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
+    step = 0
+    ckpt = Path(args.ckpt)
+    if (ckpt / ".metadata").exists():  # resume: every rank loads its own shards
+        msd, osd = get_state_dict(pm, opt)
+        state = {"model": msd, "optim": osd, "sched": sched.state_dict(), "step": 0}
+        dcp.load(state, checkpoint_id=ckpt)
+        set_state_dict(pm, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        sched.load_state_dict(state["sched"])
+        step = int(state["step"])
+
+    sampler = DistributedSampler(TensorDataset(data), num_replicas=pm.data_parallel_size,
+                                 rank=pm.data_parallel_rank, shuffle=True, seed=0, drop_last=True)
+    loader = DataLoader(TensorDataset(data), batch_size=args.batch // pm.data_parallel_size,
+                        sampler=sampler, drop_last=True)
+    losses: list[float] = []
+    pm.train()
+    while step < args.steps:
+        sampler.set_epoch(step // len(loader))
+        for (ids,) in loader:
+            if step >= args.steps:
+                break
+            opt.zero_grad()
+            if pm.runner is not None:  # micro-batched plans interleave forward and backward
+                loss = pm.train_step(input_ids=ids, labels=ids)
+            else:
+                loss = pm(input_ids=ids, labels=ids).loss
+                loss.backward()
+            norm = pm.clip_grad_norm_(1.0)
+            opt.step()
+            sched.step()
+            step += 1
+            losses.append(loss.item())
+            if pm.rank == 0:
+                print(f"step {step}: loss {loss.item():.4f}  grad-norm {float(norm):.3f}  "
+                      f"lr {sched.get_last_lr()[0]:.2e}", flush=True)
+            if step % args.every == 0:
+                msd, osd = get_state_dict(pm, opt)
+                dcp.save({"model": msd, "optim": osd, "sched": sched.state_dict(), "step": step},
+                         checkpoint_id=ckpt)
+    pm.eval()
+    with torch.no_grad():
+        ids = data[: args.batch // pm.data_parallel_size]
+        val = pm(input_ids=ids, labels=ids).loss.item() if pm.runner is None else float("nan")
+    if pm.rank == 0:
+        print(f"eval loss {val:.4f}; layout:\n{pm.plan.decisions}", flush=True)
+    pm.shutdown()
+    return losses
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""One Hugging Face model, passed as it is, trained by an ordinary loop on real ranks
+and compared with the single-process model (used by test_hf_models.py).
+
+The loop is what users write: ``out = pm(**batch)`` (or ``pm.train_step(**batch)`` for
+micro-batched plans), ``clip_grad_norm_(max_norm=0.1)`` (active: the gradient norms are
+O(1)), two AdamW steps.  Checked: the output type, the loss on every rank, every
+gradient before clipping, the clipped norm on every rank, and every parameter after the
+two steps, against the same loop on the unmodified model in one process.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+
+def _max_err(a: dict, b: dict) -> tuple[float, str]:
+    worst, where = 0.0, ""
+    for k in b:
+        e = (a[k].float() - b[k].float()).abs().max().item()
+        if e > worst:
+            worst, where = e, k
+    return worst, where
+
+
+def _clip(pm, max_norm: float) -> float:
+    # without a pipeline: torch's own function on the DTensor parameters, unchanged;
+    # a pipelined module's parameters are one stage's, so it clips over all stages itself
+    if pm.plan.decisions.pipeline_stages > 1:
+        return float(pm.clip_grad_norm_(max_norm))
+    n = torch.nn.utils.clip_grad_norm_(pm.parameters(), max_norm)
+    return float(n.full_tensor() if hasattr(n, "full_tensor") else n)
+
+
+def _step(pm, batch: dict):
+    if pm.runner is not None:
+        return pm.train_step(**batch), None
+    out = pm(**batch)
+    out.loss.backward()
+    return out.loss.detach(), out
+
+
+def run_hf_case(c: dict) -> dict:
+    """Every rank runs this; rank 0's dict goes back to the test."""
+    import hf_zoo
+
+    from autopar import MeshSpec, auto_parallel
+    from autopar.runtime.mesh import reset
+
+    model, batch = hf_zoo.build(c["model"])
+    ref = copy.deepcopy(model)
+    mesh = tuple(c["mesh"])
+    pins = hf_zoo.tp_pins(c["model"], mesh) if c["mode"] == "tp" else {}
+    opts = {"zero3": {"zero_stage": 3}, "pp2": {"pipeline_stages": 2, "micro_batches": 2}}.get(c["mode"], {})
+    reset()
+    pm = auto_parallel(model, example_kwargs=batch, mesh=MeshSpec.preset("cpu-gloo", shape=mesh),
+                       pins=pins, search="ilp", **opts)
+    res: dict = {"params": pm.plan.params(), "decisions": pm.plan.decisions.zero_stage}
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    names = [n for n, p in ref.named_parameters()]
+    for step in range(2):
+        opt.zero_grad()
+        ropt.zero_grad()
+        loss, out = _step(pm, batch)
+        rout = ref(**batch)
+        rout.loss.backward()
+        if step == 0:
+            losses = [None] * dist.get_world_size()
+            dist.all_gather_object(losses, float(loss))
+            res["losses"], res["ref_loss"] = losses, float(rout.loss)
+            res["out_type"] = type(out).__name__ if out is not None else type(rout).__name__
+            res["ref_type"] = type(rout).__name__
+            grads = pm.full_grads()
+            res["grad_err"], res["grad_worst"] = _max_err(grads, {n: p.grad for n, p in ref.named_parameters()
+                                                                   if p.grad is not None})
+            res["grad_scale"] = max(p.grad.abs().max().item() for p in ref.parameters() if p.grad is not None)
+        norm = _clip(pm, 0.1)
+        rnorm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1))
+        if step == 0:
+            norms = [None] * dist.get_world_size()
+            dist.all_gather_object(norms, norm)
+            res["norms"], res["ref_norm"] = norms, rnorm
+        opt.step()
+        ropt.step()
+    full = pm.full_state_dict()
+    res["adam_err"], res["adam_worst"] = _max_err(full, {n: ref.state_dict()[n] for n in names})
+    res["keys_match"] = sorted(full) == sorted(ref.state_dict())
+    return res

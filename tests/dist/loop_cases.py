@@ -1,0 +1,208 @@
+"""Training-loop habits on real ranks, one function per habit (run by
+test_training_loop.py; every rank runs each case, rank 0's dict goes back)."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from autopar import MeshSpec, auto_parallel
+from autopar.runtime.mesh import reset
+
+TP_MLP = {"fc1.weight": "S(0)", "fc1.bias": "S(0)", "fc2.weight": "S(1)", "fc2.bias": "R"}
+
+
+class Net(nn.Module):
+    """An MLP with dropout, a frozen-able layer, an unused layer and buffers."""
+
+    def __init__(self, p: float = 0.0) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 8)
+        self.drop = nn.Dropout(p)
+        self.unused = nn.Linear(4, 4)  # never called by forward
+        self.register_buffer("scale", torch.full((8,), 0.5))
+        self.register_buffer("spare", torch.arange(3.0))  # never read by forward
+        self.register_buffer("table", torch.linspace(0, 1, 8), persistent=False)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None):
+        h = self.drop(F.relu(self.fc1(x)))
+        y = self.fc2(h) * self.scale + self.table
+        return F.mse_loss(y, labels) if labels is not None else y
+
+
+def _batch(n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 16, generator=g), torch.randn(n, 8, generator=g)
+
+
+def _mesh(shape) -> MeshSpec:
+    reset()
+    return MeshSpec.preset("cpu-gloo", shape=tuple(shape))
+
+
+def _all(x) -> list:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, x)
+    return out
+
+
+def clip_norm(c: dict) -> dict:
+    """clip_grad_norm_ over the DTensor parameters: the global norm on every rank."""
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    x, y = _batch()
+    pm = auto_parallel(model, example_inputs=(x, y), mesh=_mesh(c["mesh"]), pins=c.get("pins", {}))
+    pm(x, y).backward()
+    ref(x, y).backward()
+    n = torch.nn.utils.clip_grad_norm_(pm.parameters(), 0.01)
+    rn = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+    g = pm.full_grads()
+    err = max((g[k] - p.grad).abs().max().item() for k, p in ref.named_parameters() if p.grad is not None)
+    return {"norms": _all(float(n.full_tensor())), "ref": float(rn), "clipped_err": err,
+            "is_dtensor": all(type(p.data).__name__ == "DTensor" for p in pm.parameters())}
+
+
+def names_modes_frozen(c: dict) -> dict:
+    """state_dict names, train()/eval(), frozen and unused parameters, buffers."""
+    torch.manual_seed(0)
+    model = Net(p=0.5)
+    model.fc2.bias.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    x, y = _batch()
+    pm = auto_parallel(model, example_inputs=(x,), example_kwargs={"labels": y},
+                       mesh=_mesh(c["mesh"]), pins=TP_MLP)
+    res = {"sd_keys": list(pm.state_dict()), "ref_keys": list(ref.state_dict()),
+           "param_names": sorted(n for n, _ in pm.named_parameters()),
+           "ref_param_names": sorted(n for n, _ in ref.named_parameters())}
+    pm.eval()
+    ref.eval()
+    res["eval_err"] = (pm(x, labels=y) - ref(x, labels=y)).abs().item()
+    res["eval_training"] = pm.training
+    pm.train()
+    torch.manual_seed(5)
+    a = pm(x, labels=y).item()
+    b = pm(x, labels=y).item()
+    res["train_varies"] = a != b  # dropout draws new masks in training mode
+    opt = torch.optim.AdamW(pm.parameters(), lr=0.1)
+    frozen_before = pm.full_state_dict()["fc2.bias"].clone()
+    loss = pm(x, labels=y)
+    loss.backward()
+    res["frozen_grad_none"] = pm.get_parameter("fc2.bias").grad is None
+    res["frozen_requires_grad"] = pm.get_parameter("fc2.bias").requires_grad
+    opt.step()
+    full = pm.full_state_dict()
+    res["frozen_moved"] = (full["fc2.bias"] - frozen_before).abs().max().item()
+    res["unused_kept"] = torch.equal(full["unused.weight"], ref.unused.weight) and \
+        torch.equal(full["spare"], ref.spare)
+    res["nonpersistent_absent"] = "table" not in pm.state_dict()
+    res["full_keys"] = sorted(full) == sorted(ref.state_dict())
+    synced = {id(p) for b in pm.grad_sync.buckets for p in b.params}
+    res["frozen_not_synced"] = id(pm.inner.get_parameter("fc2.bias")) not in synced
+    return res
+
+
+def seeds_and_shapes(c: dict) -> dict:
+    """Ranks that built the model with different seeds train rank 0's weights; a batch
+    of another size is refused with both shapes named."""
+    torch.manual_seed(100 + dist.get_rank())
+    model = Net()
+    x, y = _batch()
+    pm = auto_parallel(model, example_inputs=(x, y), mesh=_mesh(c["mesh"]))
+    w = pm.full_state_dict()["fc1.weight"]
+    res = {"weights": _all(w.sum().item())}
+    if dist.get_rank() == 0:
+        res["rank0_model"] = model.fc1.weight.sum().item()
+    try:
+        pm(*_batch(6))
+        res["small_batch"] = "ran"
+    except ValueError as e:
+        res["small_batch"] = f"{type(e).__name__}: {e}"
+    return res
+
+
+def local_batch(c: dict) -> dict:
+    """batch="local": each data-parallel rank passes its DistributedSampler part."""
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    x, y = _batch(16)
+    pm = auto_parallel(model, example_inputs=(x[:8], y[:8]), mesh=_mesh(c["mesh"]),
+                       pins=c.get("pins", {}), batch="local")
+    ds = TensorDataset(x, y)
+    sampler = DistributedSampler(ds, num_replicas=pm.data_parallel_size, rank=pm.data_parallel_rank,
+                                 shuffle=False)
+    loader = DataLoader(ds, batch_size=8 // pm.data_parallel_size, sampler=sampler, drop_last=True)
+    losses, refs = [], []
+    # the sampler deals sample i to rank i % R, so the global batch of step s is every
+    # rank's s-th local batch: the reference sees exactly those samples
+    idx = list(range(16))
+    per_rank = [idx[r::pm.data_parallel_size] for r in range(pm.data_parallel_size)]
+    for s, (xb, yb) in enumerate(loader):
+        losses.append(pm(xb, yb).item())
+        b = 8 // pm.data_parallel_size
+        glob = [i for r in range(pm.data_parallel_size) for i in per_rank[r][s * b:(s + 1) * b]]
+        refs.append(ref(x[glob], y[glob]).item())
+    return {"dp": _all((pm.data_parallel_rank, pm.data_parallel_size)), "losses": _all(losses), "refs": refs}
+
+
+def dcp_reshard(c: dict) -> dict:
+    """DCP: save under TP2 x DP2, load bit-exactly into the same plan and into DP4;
+    the test then loads the checkpoint into the plain model in one process."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    path = Path(c["dir"])
+    torch.manual_seed(0)
+    model = Net()
+    x, y = _batch()
+    tp_dp = {k: "R" + v for k, v in TP_MLP.items()} | {"input:0": "S(0)R"}
+    pm = auto_parallel(copy.deepcopy(model), example_inputs=(x, y), mesh=_mesh((2, 2)), pins=tp_dp)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    pm(x, y).backward()
+    opt.step()
+    saved = pm.full_state_dict()
+    msd, osd = get_state_dict(pm, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    if dist.get_rank() == 0:
+        torch.save(saved, path / "expected.pt")
+    exp_avg = {k: v["exp_avg"].full_tensor() for k, v in osd["state"].items()}
+    res = {}
+    for tag, mesh, pins in (("same", (2, 2), tp_dp), ("dp4", (4,), {"*": "R", "input:0": "S(0)"})):
+        fresh = Net()  # other weights: loading must replace every one
+        pm2 = auto_parallel(fresh, example_inputs=(x, y), mesh=_mesh(mesh), pins=pins)
+        opt2 = torch.optim.AdamW(pm2.parameters(), lr=1e-2)
+        pm2(x, y).backward()
+        opt2.step()  # creates optimizer state to load into
+        msd2, osd2 = get_state_dict(pm2, opt2)
+        state = {"model": msd2, "optim": osd2}
+        dcp.load(state, checkpoint_id=path)
+        # strict=False: Net's never-used layer has no optimizer state (as in one process)
+        set_state_dict(pm2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(strict=False))
+        got = pm2.full_state_dict()
+        res[tag] = all(torch.equal(got[k], saved[k]) for k in saved)
+        res[tag + "_placements"] = pm2.plan.params()["fc1.weight"]
+        _, osd3 = get_state_dict(pm2, opt2)
+        res[tag + "_optim"] = all(torch.equal(osd3["state"][k]["exp_avg"].full_tensor(), v)
+                                  for k, v in exp_avg.items())
+    return res
+
+
+CASES = {"clip_norm": clip_norm, "names_modes_frozen": names_modes_frozen,
+         "seeds_and_shapes": seeds_and_shapes, "local_batch": local_batch, "dcp_reshard": dcp_reshard}
+
+
+def run(c: dict) -> dict:
+    """Dispatch a case dict to its function."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return CASES[c["fn"]](c)

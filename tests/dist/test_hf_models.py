@@ -1,0 +1,83 @@
+"""Hugging Face models passed as they are (no wrapper), called as ``model(**batch)``, on
+real gloo ranks, in a loop with ``clip_grad_norm_(max_norm=0.1)`` and two AdamW steps
+(tests/dist/hf_case.py): the planner's choice, forced tensor parallelism, ZeRO-3 and a
+2-stage pipeline where the model allows one (tied input/output embeddings rule it out
+for BERT, T5 and GPT-2).
+
+Fails on the main before the issue "Real models, real training loops": every case
+(Llama and Mixtral: KeyError on the non-persistent ``rotary_emb.inv_freq``; BERT on
+``position_ids``; all: ``micro-batching needs a tensor input`` for kwargs-only models,
+and ``clip_grad_norm_`` returned a different norm per rank under tensor parallelism).
+
+Tolerances (fp32, the parallel module sums the same products in another order): loss
+rtol 1e-5; gradients 2e-5 + 1e-4 x the largest gradient; the clipped norm rtol 1e-5
+(the same sums of squares); parameters after two clipped AdamW steps (lr 1e-3) 3e-5:
+clipping to 0.1 makes the updates lr * m / sqrt(v) with v ~ 1e-6, where reordered sums
+perturb m / sqrt(v) most (observed up to 1.4e-5 under TP).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist.harness import run_fn_cases
+
+FN = "tests.dist.hf_case:run_hf_case"
+ALLOWED_PP = {"llama", "mixtral", "vit"}  # no weights tied across the model's ends
+
+
+def _cases(models, modes, mesh) -> list[dict]:
+    return [{"id": f"{m}-{mode}-{'x'.join(map(str, mesh))}", "model": m, "mode": mode, "mesh": list(mesh)}
+            for m in models for mode in modes if mode != "pp2" or m in ALLOWED_PP]
+
+
+DEFAULT = _cases(["llama"], ["auto", "tp", "zero3", "pp2"], (2,)) + _cases(["bert"], ["tp"], (2,))
+SLOW2 = _cases(["mixtral", "t5", "vit", "gpt2"], ["auto", "tp", "zero3", "pp2"], (2,)) \
+    + _cases(["bert"], ["auto", "zero3"], (2,))
+SLOW4 = _cases(["llama", "bert"], ["tp"], (2, 2)) + _cases(["llama"], ["pp2", "zero3"], (4,))
+
+
+def check(r: dict) -> None:
+    """The tolerances of the module docstring."""
+    assert "error" not in r, r.get("error")
+    assert r["out_type"] == r["ref_type"]
+    for loss in r["losses"]:  # every rank returns the single-process loss
+        assert loss == pytest.approx(r["ref_loss"], rel=1e-5)
+    assert r["grad_err"] <= 2e-5 + 1e-4 * r["grad_scale"], (r["grad_worst"], r["grad_err"])
+    assert r["ref_norm"] > 0.1  # clipping is active
+    for n in r["norms"]:  # every rank clips by the global norm
+        assert n == pytest.approx(r["ref_norm"], rel=1e-5)
+    assert r["adam_err"] <= 3e-5, (r["adam_worst"], r["adam_err"])
+    assert r["keys_match"]
+
+
+@pytest.fixture(scope="module")
+def default_results():
+    return run_fn_cases(2, FN, DEFAULT)
+
+
+@pytest.mark.parametrize("case", [c["id"] for c in DEFAULT])
+def test_hf_two_ranks(default_results, case):
+    check(default_results[case])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c["id"] for c in SLOW2])
+def test_hf_two_ranks_more(case, slow2_results):
+    check(slow2_results[case])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c["id"] for c in SLOW4])
+def test_hf_four_ranks(case, slow4_results):
+    check(slow4_results[case])
+
+
+@pytest.fixture(scope="module")
+def slow2_results():
+    return run_fn_cases(2, FN, SLOW2)
+
+
+@pytest.fixture(scope="module")
+def slow4_results():
+    return run_fn_cases(4, FN, SLOW4)
