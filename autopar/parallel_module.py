@@ -38,7 +38,8 @@ class ParallelModule(StateMixin, nn.Module):
     def __init__(self, inner: nn.Module, plan: Plan, aliases: dict[str, list[str]],
                  in_spec, out_spec, state_keys: list[str], full_state: Mapping[str, torch.Tensor] | None,
                  runtime: bool, info: TensorInfo | None = None, binder: InputBinder | None = None,
-                 batch: BatchMode | str = BatchMode.GLOBAL) -> None:
+                 batch: BatchMode | str = BatchMode.GLOBAL,
+                 extra: Mapping[str, torch.Tensor] | None = None) -> None:
         super().__init__()
         object.__setattr__(self, "inner", inner)  # not a submodule: users see DTensors only
         self.plan = plan
@@ -76,10 +77,13 @@ class ParallelModule(StateMixin, nn.Module):
         if full_state is not None:
             self._load_targets(full_state, self._coord())
         if runtime:
+            for t, p in self._targets():  # also for modules loaded from an export
+                if isinstance(p, nn.Parameter) and self._frozen(t):
+                    p.requires_grad_(False)
             self._start_zero()
             self._start_schedule()
             self._start_grad_sync()
-            self._start_dparams(full_state)
+            self._start_dparams(full_state if full_state is not None else extra)
 
     # ------------------------------------------------------------ running
     def _coord(self) -> tuple[int, ...]:

@@ -65,7 +65,9 @@ def module_state_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer
     ts: list[torch.Tensor] = []
     for m in mods:
         ts += [*m.parameters(), *m.buffers()]
-        ts += [p.grad for p in m.parameters() if p.grad is not None]
+    # gradients as the user sees them: a ParallelModule drops the local gradients of
+    # parameters whose (DTensor) gradient the user set to None at its next forward
+    ts += [p.grad for p in module.parameters() if p.grad is not None]
     if optimizer is not None:
         ts += [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
     return tensor_bytes(ts)
