@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> list[float]:
 
     model, example = hf_zoo.build("llama", batch=args.batch)
     torch.manual_seed(0)
-    data = torch.randint(0, 128, (args.batch * 16, 16))  # a toy corpus of token rows
+    # a toy corpus a model can learn: rows count up from a random start (mod the vocab)
+    data = (torch.randint(0, 128, (args.batch * 16, 1)) + torch.arange(16)) % 128
     pm = autopar.auto_parallel(model, example_kwargs=example, mesh=args.mesh, batch="local")
 
     opt = torch.optim.AdamW(pm.parameters(), lr=3e-3, weight_decay=0.01)
@@ -69,9 +70,12 @@ def main(argv: list[str] | None = None) -> list[float]:
     pm.train()
     while step < args.steps:
         sampler.set_epoch(step // len(loader))
-        for (ids,) in loader:
+        done = step % len(loader)  # batches of this epoch a resumed run already trained on
+        for i, (ids,) in enumerate(loader):
             if step >= args.steps:
                 break
+            if i < done:
+                continue
             opt.zero_grad()
             if pm.runner is not None:  # micro-batched plans interleave forward and backward
                 loss = pm.train_step(input_ids=ids, labels=ids)

@@ -15,12 +15,19 @@ from torch import nn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-NAMES = ("llama", "mixtral", "bert", "t5", "vit", "gpt2")
+NAMES = ("llama", "mistral", "qwen2", "mixtral", "bert", "t5", "vit", "gpt2")
 
 # Megatron-style tensor-parallel pins per model (column-parallel S(0), row-parallel S(1));
 # the last mesh axis carries them, others replicate (see tp_pins)
 TP = {
     "llama": {"*q_proj.weight": "S(0)", "*k_proj.weight": "S(0)", "*v_proj.weight": "S(0)",
+              "*o_proj.weight": "S(1)", "*gate_proj.weight": "S(0)", "*up_proj.weight": "S(0)",
+              "*down_proj.weight": "S(1)"},
+    "mistral": {"*q_proj.weight": "S(0)", "*k_proj.weight": "S(0)", "*v_proj.weight": "S(0)",
+                "*o_proj.weight": "S(1)", "*gate_proj.weight": "S(0)", "*up_proj.weight": "S(0)",
+                "*down_proj.weight": "S(1)"},
+    "qwen2": {"*q_proj.weight": "S(0)", "*q_proj.bias": "S(0)", "*k_proj.weight": "S(0)",
+              "*k_proj.bias": "S(0)", "*v_proj.weight": "S(0)", "*v_proj.bias": "S(0)",
               "*o_proj.weight": "S(1)", "*gate_proj.weight": "S(0)", "*up_proj.weight": "S(0)",
               "*down_proj.weight": "S(1)"},
     "mixtral": {"*q_proj.weight": "S(0)", "*k_proj.weight": "S(0)", "*v_proj.weight": "S(0)",
@@ -65,6 +72,16 @@ def build(name: str = "llama", batch: int = 4, seq: int = 16) -> tuple[nn.Module
                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                              max_position_embeddings=64)
         return tf.LlamaForCausalLM(cfg), {"input_ids": ids, "labels": ids}
+    if name == "mistral":  # GQA with a sliding window shorter than the sequence
+        cfg = tf.MistralConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               max_position_embeddings=64, sliding_window=8)
+        return tf.MistralForCausalLM(cfg), {"input_ids": ids, "labels": ids}
+    if name == "qwen2":  # GQA with biased q/k/v projections
+        cfg = tf.Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=64, tie_word_embeddings=False)
+        return tf.Qwen2ForCausalLM(cfg), {"input_ids": ids, "labels": ids}
     if name == "mixtral":
         cfg = tf.MixtralConfig(vocab_size=vocab, hidden_size=64, intermediate_size=64,
                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

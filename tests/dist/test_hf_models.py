@@ -1,5 +1,6 @@
 """Hugging Face models passed as they are (no wrapper), called as ``model(**batch)``, on
-real gloo ranks, in a loop with ``clip_grad_norm_(max_norm=0.1)`` and two AdamW steps
+real gloo ranks (Llama with GQA, Mistral with a sliding window, Qwen2, Mixtral, BERT, T5,
+ViT, GPT-2 from tiny configs in examples/hf_zoo.py), in a loop with ``clip_grad_norm_(max_norm=0.1)`` and two AdamW steps
 (tests/dist/hf_case.py): the planner's choice, forced tensor parallelism, ZeRO-3 and a
 2-stage pipeline where the model allows one (tied input/output embeddings rule it out
 for BERT, T5 and GPT-2).
@@ -33,7 +34,7 @@ def _cases(models, modes, mesh) -> list[dict]:
 
 DEFAULT = _cases(["llama"], ["auto", "tp", "zero3", "pp2"], (2,)) + _cases(["bert"], ["tp"], (2,))
 SLOW2 = _cases(["mixtral", "t5", "vit", "gpt2"], ["auto", "tp", "zero3", "pp2"], (2,)) \
-    + _cases(["bert"], ["auto", "zero3"], (2,))
+    + _cases(["bert"], ["auto", "zero3"], (2,)) + _cases(["mistral", "qwen2"], ["auto", "tp"], (2,))
 SLOW4 = _cases(["llama", "bert"], ["tp"], (2, 2)) + _cases(["llama"], ["pp2", "zero3"], (4,))
 
 
