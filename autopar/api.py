@@ -18,6 +18,7 @@ from autopar.module_state import TensorInfo
 from autopar.parallel_module import ParallelModule
 from autopar.plan import Plan
 from autopar.runtime.inputs import InputBinder
+from autopar.runtime.mesh import local_device
 from autopar.search import PlanOptions
 
 
@@ -142,8 +143,9 @@ def _from_rank0(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for name in sorted(full):
         t = full[name]
         if id(t) not in seen:
-            x = t.detach().clone().contiguous()
-            # gloo has no bool collectives: carry bool buffers (masks) as bytes
+            # NCCL broadcasts device tensors (cuda:LOCAL_RANK); gloo has no bool
+            # collectives: carry bool buffers (masks) as bytes
+            x = t.detach().to(local_device()).clone().contiguous()
             y = x.to(torch.uint8) if x.dtype == torch.bool else x
             dist.broadcast(y, src=0)
             seen[id(t)] = y.to(torch.bool) if x.dtype == torch.bool else y

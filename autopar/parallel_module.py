@@ -77,6 +77,12 @@ class ParallelModule(StateMixin, nn.Module):
         if full_state is not None:
             self._load_targets(full_state, self._coord())
         if runtime:
+            # one device per process (cuda:LOCAL_RANK under NCCL): weights, buffers and the
+            # graph's constants move there before anything views them
+            inner.to(self._mesh_rt.device)
+            from autopar.passes.device import set_device
+            set_device([m for m in inner.modules() if isinstance(m, torch.fx.GraphModule)],
+                       self._mesh_rt.device)
             for t, p in self._targets():  # also for modules loaded from an export
                 if isinstance(p, nn.Parameter) and self._frozen(t):
                     p.requires_grad_(False)
@@ -275,7 +281,7 @@ class ParallelModule(StateMixin, nn.Module):
         if meta[0] is None:
             return None
         shape, dtype = meta[0]
-        x = x.detach().contiguous().clone() if mine else torch.empty(shape, dtype=dtype)
+        x = x.detach().contiguous().clone() if mine else torch.empty(shape, dtype=dtype, device=m.device)
         dist.broadcast(x, src=src, group=m.device_mesh.get_group(0))
         return x
 
@@ -294,7 +300,7 @@ class ParallelModule(StateMixin, nn.Module):
         if self._mesh_rt is None:
             raise RuntimeError("this ParallelModule is planning-only (no process group); "
                                "launch under torchrun to run it, or export() it")
-        flat = self.binder.flatten(args, kwargs)
+        flat = self.binder.flatten(args, kwargs, self._mesh_rt.device)
         if self._dparams is not None:
             self._dparams.before_forward()
         if self.zero is not None:
@@ -372,7 +378,7 @@ class ParallelModule(StateMixin, nn.Module):
             total = torch.nn.utils.get_total_norm(grads, norm_type)
             total = total.full_tensor() if isinstance(total, DTensor) else total
         else:
-            total = torch.zeros(())
+            total = torch.zeros((), device=self._mesh_rt.device)
         m = self._mesh_rt
         if m is not None and m.stages > 1:
             pp = m.device_mesh.get_group(0)

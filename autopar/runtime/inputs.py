@@ -75,8 +75,8 @@ class InputBinder:
         except (AttributeError, IndexError, TypeError):
             return None
 
-    def flatten(self, args: tuple, kwargs: dict) -> list:
-        """The flat inputs for a call; raises :class:`InputMismatchError` naming the
+    def flatten(self, args: tuple, kwargs: dict, device: torch.device | None = None) -> list:
+        """The flat inputs for a call, on ``device``; raises :class:`InputMismatchError` naming the
         argument, the planned and the given structure or shape."""
         keys = self._kwargs_order()
         if keys is not None:
@@ -92,6 +92,8 @@ class InputBinder:
         if self.spec is not None and spec != self.spec:
             raise InputMismatchError(f"the call's structure {spec} differs from the planned "
                                      f"{self.spec}: pass the same arguments the plan was made with")
+        if device is not None:  # batches may come from a CPU DataLoader
+            flat = [x.to(device) if isinstance(x, torch.Tensor) else x for x in flat]
         if self.mode is BatchMode.LOCAL:
             flat = self._gather_local(flat)
         self.check_shapes(flat)

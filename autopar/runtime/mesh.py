@@ -28,6 +28,7 @@ class RuntimeMesh:
     coord: tuple[int, ...]
     stages: int = 1
     stage: int = 0
+    device: torch.device = torch.device("cpu")
 
     def group(self, axis: int) -> dist.ProcessGroup:
         """Process group of the ranks that differ only along (sub-mesh) ``axis``."""
@@ -82,6 +83,9 @@ def init_mesh(shape: tuple[int, ...], backend: str | None = None, stages: int = 
                 f"--nproc-per-node {size} (planning alone needs no process group)"
             )
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl":
+            # one GPU per process: the one torchrun's LOCAL_RANK names
+            torch.cuda.set_device(local_device(backend))
         dist.init_process_group(backend)
     world = dist.get_world_size()
     if world != size:
@@ -91,16 +95,26 @@ def init_mesh(shape: tuple[int, ...], backend: str | None = None, stages: int = 
         )
     if _CURRENT is not None and (_CURRENT.stages, _CURRENT.shape) == (stages, tuple(shape)):
         return _CURRENT
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    dev = local_device(dist.get_backend())
+    device = dev.type
     # named axes let a pipeline stage slice out its sub-mesh (``param_mesh``)
     names = (("pp",) if stages > 1 else ()) + tuple(f"a{i}" for i in range(len(shape)))
     dm = init_device_mesh(device, full, mesh_dim_names=names)
     coord = tuple(int(c) for c in dm.get_coordinate())
     if stages > 1:
-        _CURRENT = RuntimeMesh(tuple(shape), dm, coord[1:], stages, coord[0])
+        _CURRENT = RuntimeMesh(tuple(shape), dm, coord[1:], stages, coord[0], dev)
     else:
-        _CURRENT = RuntimeMesh(tuple(shape), dm, coord)
+        _CURRENT = RuntimeMesh(tuple(shape), dm, coord, device=dev)
     return _CURRENT
+
+
+def local_device(backend: str | None = None) -> torch.device:
+    """The device this process computes on: ``cuda:LOCAL_RANK`` under NCCL (torchrun
+    sets ``LOCAL_RANK``; one GPU per process), else the CPU (gloo)."""
+    backend = backend or (dist.get_backend() if dist.is_initialized() else "gloo")
+    if backend == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
 
 
 def current() -> RuntimeMesh:

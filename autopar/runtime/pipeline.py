@@ -120,14 +120,14 @@ class _MicroBatch:
 
 
 def _encode(metas: list[_Meta]) -> torch.Tensor:
-    h = torch.zeros(len(metas) * _HEADER, dtype=torch.int64)
+    h = torch.zeros(len(metas) * _HEADER, dtype=torch.int64, device=current().device)
     for j, m in enumerate(metas):
         if len(m.shape) > _MAX_DIMS:
             raise ValueError(f"boundary value with {len(m.shape)} dims (at most {_MAX_DIMS})")
         if m.dtype not in _DTYPES:
             raise ValueError(f"boundary value of dtype {m.dtype} cannot be sent")
         row = [_DTYPES.index(m.dtype), int(m.requires_grad), len(m.shape), *m.shape]
-        h[j * _HEADER: j * _HEADER + len(row)] = torch.tensor(row)
+        h[j * _HEADER: j * _HEADER + len(row)] = torch.tensor(row, device=h.device)
     return h
 
 
@@ -217,7 +217,7 @@ class PipelineRunner:
         bufs = []
         for m in metas:
             dtype = torch.uint8 if m.dtype == torch.bool else m.dtype
-            bufs.append(torch.empty(m.shape, dtype=dtype))
+            bufs.append(torch.empty(m.shape, dtype=dtype, device=current().device))
         works = [dist.irecv(b, src=src) for b in bufs]
         for w in works:
             w.wait()
@@ -231,7 +231,7 @@ class PipelineRunner:
 
     def _recv_activations(self) -> list[torch.Tensor]:
         if self._recv_meta is None:
-            h = torch.empty(len(self.stage.recv) * _HEADER, dtype=torch.int64)
+            h = torch.empty(len(self.stage.recv) * _HEADER, dtype=torch.int64, device=current().device)
             dist.recv(h, src=self._prev)
             self._recv_meta = _decode(h, len(self.stage.recv))
         return self._recv(self._recv_meta, self._prev, grads=False)
@@ -321,7 +321,8 @@ class PipelineRunner:
 
     def _loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         mesh = current()
-        loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float32)
+        loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float32,
+                                                                      device=mesh.device)
         if self.stage.num_stages > 1:
             # the last stage's dtype is unknown to the others: compute in float32
             loss = loss.to(torch.float32).reshape(())

@@ -49,7 +49,7 @@ from autopar.runtime.mesh import current
 def _all_gather_flat(shard: torch.Tensor, axis: int) -> torch.Tensor:
     """Concatenate every rank's ``shard`` along the ZeRO axis, rank order."""
     m = current()
-    out = torch.empty(shard.numel() * m.shape[axis], dtype=shard.dtype)
+    out = torch.empty(shard.numel() * m.shape[axis], dtype=shard.dtype, device=shard.device)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(out, shard.contiguous(), group=m.group(axis))
     return out
@@ -57,7 +57,7 @@ def _all_gather_flat(shard: torch.Tensor, axis: int) -> torch.Tensor:
 
 def _reduce_scatter_flat(flat: torch.Tensor, axis: int) -> torch.Tensor:
     m = current()
-    out = torch.empty(flat.numel() // m.shape[axis], dtype=flat.dtype)
+    out = torch.empty(flat.numel() // m.shape[axis], dtype=flat.dtype, device=flat.device)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     fn(out, flat.contiguous(), group=m.group(axis))
     return out
@@ -300,7 +300,8 @@ class Zero(OrderedBuckets):
         if self.stage == 1:
             b.work = dist.all_reduce(b.flat, group=g, async_op=True)
         else:
-            out = torch.empty(b.flat.numel() // current().shape[self.axis], dtype=b.flat.dtype)
+            out = torch.empty(b.flat.numel() // current().shape[self.axis], dtype=b.flat.dtype,
+                              device=b.flat.device)
             fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
             b.work = fn(out, b.flat, group=g, async_op=True)
             b.flat = out
