@@ -400,8 +400,8 @@ def export_module(pm: ParallelModule, directory: Path) -> Path:
             made = e
         except OSError as e:
             made = ExportError(f"cannot prepare the export at {target}: {e}")
-    first = export_io.exchange(made if rank == 0 else None)[0]
-    export_io.agree(first if isinstance(first, AutoparError) else None)
+    first = export_io.exchange(made if rank == 0 else None, ExportError)[0]
+    export_io.agree(first if isinstance(first, AutoparError) else None, ExportError)
     tmp = Path(first)
     # 2. every rank writes its files; all learn whether every rank succeeded
     try:
@@ -410,7 +410,7 @@ def export_module(pm: ParallelModule, directory: Path) -> Path:
         mine = ExportError(f"writing the export into {tmp} failed on rank {rank}: "
                            f"{type(e).__name__}: {e}; the previous export at {target} is "
                            "unchanged")
-    everyone = export_io.exchange(mine)
+    everyone = export_io.exchange(mine, ExportError)
     bad = next((e for e in everyone if isinstance(e, AutoparError)), None)
     # 3. rank 0 writes the manifest (the completion marker) and swaps directories
     done: AutoparError | None = None
@@ -427,5 +427,5 @@ def export_module(pm: ParallelModule, directory: Path) -> Path:
         finally:
             if tmp.exists() and (bad is not None or done is not None):
                 shutil.rmtree(tmp, ignore_errors=True)
-    export_io.agree(bad or done)
+    export_io.agree(bad or done, ExportError)
     return target

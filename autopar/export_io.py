@@ -171,7 +171,7 @@ def verify(directory: Path, manifest: dict, names: list[str]) -> None:
         size = path.stat().st_size
         if size != rec["bytes"]:
             raise LoadError(f"{path} has {size} bytes but the manifest records {rec['bytes']}: "
-                            "the file is truncated or was replaced; export again")
+                            "the file is truncated, or was edited or replaced after export; export again")
         if sha256_file(path) != rec["sha256"]:
             raise LoadError(f"{path} does not match its sha256 in {MANIFEST}: the file is "
                             "corrupt or was edited after export; export again (or, for a "
@@ -273,19 +273,26 @@ def distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def exchange(mine: Any) -> list[Any]:
-    """Every rank's ``mine`` (picklable), on every rank; ``[mine]`` without a group."""
+def exchange(mine: Any, kind: type[AutoparError] = LoadError) -> list[Any]:
+    """Every rank's ``mine`` (picklable), on every rank; ``[mine]`` without a group.
+    A peer that died (the all-gather fails) is a ``kind`` error, not a bare
+    ``DistBackendError``."""
     if not distributed():
         return [mine]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, mine, group=_group())
+    try:
+        dist.all_gather_object(out, mine, group=_group())
+    except Exception as e:  # noqa: BLE001 - gloo/nccl raise several types for a lost peer
+        raise kind(f"rank {dist.get_rank()}: a peer rank stopped answering during "
+                   f"{'export' if kind is ExportError else 'load'} (it crashed or was killed): "
+                   f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
     return out
 
 
-def agree(err: AutoparError | None) -> None:
+def agree(err: AutoparError | None, kind: type[AutoparError] = LoadError) -> None:
     """Collective: raise on every rank the error of the lowest rank that had one (same
     type and message everywhere), or return when no rank had one."""
-    everyone = exchange(None if err is None else (type(err).__name__, str(err)))
+    everyone = exchange(None if err is None else (type(err).__name__, str(err)), kind)
     for r, e in enumerate(everyone):
         if e is not None:
             msg = e[1] if len(everyone) == 1 else f"rank {r}: {e[1]}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import sys
 import types
 import warnings
@@ -78,7 +79,11 @@ def _read_export(directory: Path, rank: int, world: int | None) -> _Parts:
             f"{manifest['pipeline_stages']} pipeline stage(s)) but the world size is {world}; "
             f"launch {manifest['world_size']} ranks or re-plan and re-export for {world}")
     rank_file = f"rank{rank}.pt"
-    export_io.verify(found, manifest, ["plan.json", "meta.json", "module.py", rank_file])
+    # every shared file (README too: the export is one unit) and this rank's tensors;
+    # the other ranks check theirs, and load_module's agreement makes that everyone's
+    shared = [n for n in manifest["files"] if not re.fullmatch(r"rank\d+\.pt", n)]
+    export_io.verify(found, manifest, sorted({"plan.json", "meta.json", "module.py", *shared})
+                     + [rank_file])
     plan = Plan.from_json(found / "plan.json")
     d = plan.decisions
     if (list(plan.mesh.shape), d.pipeline_stages) != (manifest["mesh"], manifest["pipeline_stages"]):
