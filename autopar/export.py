@@ -389,7 +389,9 @@ def export_module(pm: ParallelModule, directory: Path) -> Path:
     source = generated_source(graph, note)  # raises before anything is written
     states = _local_states(pm, graph)  # collective under a process group
     target = Path(directory).absolute()
-    rank = dist.get_rank() if export_io.distributed() else 0
+    # a planning-only module is written by whichever process calls export, alone
+    collective = pm._mesh_rt is not None and export_io.distributed()
+    rank = dist.get_rank() if collective else 0
 
     # 1. rank 0 checks the target and makes the staging directory; all learn its path
     made: Any = None
@@ -400,8 +402,9 @@ def export_module(pm: ParallelModule, directory: Path) -> Path:
             made = e
         except OSError as e:
             made = ExportError(f"cannot prepare the export at {target}: {e}")
-    first = export_io.exchange(made if rank == 0 else None, ExportError)[0]
-    export_io.agree(first if isinstance(first, AutoparError) else None, ExportError)
+    first = export_io.exchange(made if rank == 0 else None, ExportError, collective)[0]
+    export_io.agree(first if isinstance(first, AutoparError) else None, ExportError,
+                    collective)
     tmp = Path(first)
     # 2. every rank writes its files; all learn whether every rank succeeded
     try:
@@ -410,7 +413,7 @@ def export_module(pm: ParallelModule, directory: Path) -> Path:
         mine = ExportError(f"writing the export into {tmp} failed on rank {rank}: "
                            f"{type(e).__name__}: {e}; the previous export at {target} is "
                            "unchanged")
-    everyone = export_io.exchange(mine, ExportError)
+    everyone = export_io.exchange(mine, ExportError, collective)
     bad = next((e for e in everyone if isinstance(e, AutoparError)), None)
     # 3. rank 0 writes the manifest (the completion marker) and swaps directories
     done: AutoparError | None = None
@@ -427,5 +430,5 @@ def export_module(pm: ParallelModule, directory: Path) -> Path:
         finally:
             if tmp.exists() and (bad is not None or done is not None):
                 shutil.rmtree(tmp, ignore_errors=True)
-    export_io.agree(bad or done, ExportError)
+    export_io.agree(bad or done, ExportError, collective)
     return target

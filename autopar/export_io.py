@@ -273,11 +273,11 @@ def distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def exchange(mine: Any, kind: type[AutoparError] = LoadError) -> list[Any]:
-    """Every rank's ``mine`` (picklable), on every rank; ``[mine]`` without a group.
-    A peer that died (the all-gather fails) is a ``kind`` error, not a bare
-    ``DistBackendError``."""
-    if not distributed():
+def exchange(mine: Any, kind: type[AutoparError] = LoadError, collective: bool = True) -> list[Any]:
+    """Every rank's ``mine`` (picklable), on every rank; ``[mine]`` without a group or
+    when not ``collective``.  A peer that died (the all-gather fails) is a ``kind``
+    error, not a bare ``DistBackendError``."""
+    if not (collective and distributed()):
         return [mine]
     out: list[Any] = [None] * dist.get_world_size()
     try:
@@ -289,10 +289,11 @@ def exchange(mine: Any, kind: type[AutoparError] = LoadError) -> list[Any]:
     return out
 
 
-def agree(err: AutoparError | None, kind: type[AutoparError] = LoadError) -> None:
+def agree(err: AutoparError | None, kind: type[AutoparError] = LoadError,
+          collective: bool = True) -> None:
     """Collective: raise on every rank the error of the lowest rank that had one (same
     type and message everywhere), or return when no rank had one."""
-    everyone = exchange(None if err is None else (type(err).__name__, str(err)), kind)
+    everyone = exchange(None if err is None else (type(err).__name__, str(err)), kind, collective)
     for r, e in enumerate(everyone):
         if e is not None:
             msg = e[1] if len(everyone) == 1 else f"rank {r}: {e[1]}"
