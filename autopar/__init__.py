@@ -9,18 +9,33 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.api import LazyParallel, ParallelModule, auto_parallel, plan
 from autopar.cost_models import MeshSpec
-from autopar.errors import AutoparError, CaptureError, MeshMismatchError, PlanError
+from autopar.errors import (
+    AutoparError,
+    CaptureError,
+    ExportError,
+    LoadError,
+    MeshMismatchError,
+    PlanError,
+)
 from autopar.plan import Plan
 
 
-def load(directory):
-    """Load a module written by :meth:`ParallelModule.export` (under torchrun)."""
-    from autopar.export import load_module
+def load(directory) -> ParallelModule:
+    """Load a module written by :meth:`ParallelModule.export` (under torchrun: collective).
+
+    Only a complete export loads: its ``MANIFEST.json`` (written last) must be there and
+    every file this rank reads must match its recorded sha256.  A missing, truncated or
+    corrupt file, another autopar schema, an unknown key or a placement that does not fit
+    the mesh raises :class:`LoadError` naming the file on every rank (the same message);
+    a world size other than the export's raises :class:`MeshMismatchError`.  If an export
+    into the same directory crashed mid-swap, the complete export beside it is loaded
+    with a warning.  docs/reliability.md lists the faults and the errors."""
+    from autopar.loading import load_module
     return load_module(directory)
 
 
 __all__ = [
-    "AutoparError", "CaptureError", "LazyParallel", "MeshMismatchError", "MeshSpec",
-    "ParallelModule", "Partial", "Plan", "PlanError", "Replicate", "Shard", "auto_parallel",
+    "AutoparError", "CaptureError", "ExportError", "LazyParallel", "LoadError", "MeshMismatchError",
+    "MeshSpec", "ParallelModule", "Partial", "Plan", "PlanError", "Replicate", "Shard", "auto_parallel",
     "load", "plan",
 ]

@@ -17,3 +17,15 @@ class PlanError(AutoparError):
 
 class MeshMismatchError(AutoparError):
     """The running world does not match the plan's mesh."""
+
+
+class ExportError(AutoparError, ValueError):
+    """A module cannot be exported: nothing was replaced, the previous export (if any)
+    is still in place.  (A ``ValueError`` too, as it was before it moved here.)"""
+
+
+class LoadError(AutoparError, ValueError):
+    """An export directory or a plan file cannot be loaded: missing, truncated or
+    corrupt files, another autopar schema, unknown keys, or placements that do not fit
+    the plan's mesh.  The message names the file and the field; under a process group
+    every rank raises it with the same message."""

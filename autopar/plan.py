@@ -4,17 +4,46 @@ A Plan prints as a table (``print(plan)``), explains one node
 (``plan.explain("linear_3")``), diffs against another plan and round-trips through
 JSON, so a plan made on a laptop can be shipped to the cluster and lowered there.
 Placements are stored in their short string form (``"S(0)R"``: one entry per mesh axis).
+
+The JSON carries ``schema_version`` (:data:`SCHEMA_VERSION`), the autopar and torch
+versions that wrote it; reading it checks the schema (another one is an error saying to
+re-plan or re-export), rejects keys this autopar does not know (a plan from a newer
+autopar) and checks every placement against the mesh and the tensor's shape, naming the
+file, the node and the field (:class:`~autopar.errors.LoadError`).
 """
 
 from __future__ import annotations
 
 import io
 import json
-from dataclasses import asdict, dataclass, field
+import warnings
+from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 from autopar.cost_models import MeshSpec, format_bytes
+from autopar.errors import LoadError
+
+SCHEMA_VERSION = 1
+"""Version of the plan JSON layout; bumped whenever a field changes meaning or goes away."""
+
+_VERSION_KEYS = ("schema_version", "autopar_version", "torch_version")
+
+
+def versions() -> dict[str, Any]:
+    """What the files autopar writes record about their writer: schema, autopar and
+    torch versions (torch's decides the generated code's semantics)."""
+    import importlib.metadata
+
+    import torch
+
+    try:
+        mine = importlib.metadata.version("autopar")
+    except importlib.metadata.PackageNotFoundError:  # running from a source tree
+        mine = "unknown"
+    return {"schema_version": SCHEMA_VERSION, "autopar_version": mine,
+            "torch_version": torch.__version__}
 
 
 @dataclass
@@ -275,24 +304,100 @@ class Plan:
 
     # ------------------------------------------------------------ JSON
     def to_dict(self) -> dict:
-        """Plain-data form (JSON-serialisable)."""
-        d = asdict(self)
+        """Plain-data form (JSON-serialisable), with the writer's versions."""
+        d = versions() | asdict(self)
         d["mesh"] = self.mesh.to_dict()
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> Plan:
-        """Inverse of :meth:`to_dict`."""
-        nodes = {}
-        for k, v in d["nodes"].items():
-            v = dict(v)
-            v["redistributions"] = [Redistribution(**r) for r in v.get("redistributions", [])]
-            v["alternatives"] = [Alternative(**a) for a in v.get("alternatives", [])]
-            nodes[k] = NodePlan(**v)
-        rest = {k: v for k, v in d.items() if k not in ("mesh", "nodes", "solver", "decisions")}
-        return cls(mesh=MeshSpec.from_dict(d["mesh"]), nodes=nodes,
-                   solver=SolverInfo(**d["solver"]), decisions=Decisions(**d.get("decisions", {})),
-                   **rest)
+    def from_dict(cls, d: dict, source: str = "the plan") -> Plan:
+        """Inverse of :meth:`to_dict`.  Raises :class:`~autopar.errors.LoadError`
+        naming ``source`` (the file) and the field for another schema version, unknown
+        or missing keys, and placements that do not fit the mesh; warns when the plan
+        was made with another torch version."""
+        if not isinstance(d, dict):
+            raise LoadError(f"{source}: expected a JSON object, got {type(d).__name__}")
+        ver = d.get("schema_version")
+        if ver != SCHEMA_VERSION:
+            raise LoadError(
+                f"{source}: schema_version {ver!r} but this autopar (schema {SCHEMA_VERSION}) "
+                f"reads only {SCHEMA_VERSION}; it was written by autopar "
+                f"{d.get('autopar_version', 'before schema versions')}: re-export (or re-plan) "
+                "with this autopar, or load it with the autopar that wrote it")
+        if d.get("torch_version") not in (None, versions()["torch_version"]):
+            warnings.warn(f"{source} was written with torch {d['torch_version']} but this is "
+                          f"torch {versions()['torch_version']}; the plan loads, but re-plan if "
+                          "the model's captured graph changed", stacklevel=2)
+        try:
+            _known(d, cls, source, "", set(_VERSION_KEYS))
+            nodes = {}
+            for k, v in d["nodes"].items():
+                where = f"nodes.{k}"
+                _known(v, NodePlan, source, where)
+                v = dict(v)
+                for key, kind in (("redistributions", Redistribution), ("alternatives", Alternative)):
+                    for i, r in enumerate(v.get(key, [])):
+                        _known(r, kind, source, f"{where}.{key}[{i}]")
+                    v[key] = [kind(**r) for r in v.get(key, [])]
+                nodes[k] = NodePlan(**v)
+            _known(d["solver"], SolverInfo, source, "solver")
+            _known(d.get("decisions", {}), Decisions, source, "decisions")
+            rest = {k: v for k, v in d.items()
+                    if k not in ("mesh", "nodes", "solver", "decisions", *_VERSION_KEYS)}
+            try:
+                mesh = MeshSpec.from_dict(d["mesh"])
+            except (ValueError, TypeError) as e:
+                raise LoadError(f"{source}: field mesh: {e}") from e
+            plan = cls(mesh=mesh, nodes=nodes, solver=SolverInfo(**d["solver"]),
+                       decisions=Decisions(**d.get("decisions", {})), **rest)
+        except KeyError as e:
+            raise LoadError(f"{source}: required field {e} is missing (truncated or hand-edited?): "
+                            "re-export") from e
+        except TypeError as e:
+            raise LoadError(f"{source}: {e} (a field is missing or has the wrong type): "
+                            "re-export") from e
+        plan.check_placements(source)
+        return plan
+
+    def check_placements(self, source: str = "the plan") -> None:
+        """Every placement string has one entry per mesh axis, shards a dim the tensor
+        has, and the mesh axes sharding a dim divide it; raises
+        :class:`~autopar.errors.LoadError` naming ``source``, the node and the field."""
+        from autopar.placement import parse_placements, shard_factor
+
+        mesh = tuple(self.mesh.shape)
+        shapes = {n.name: n.shape for n in self.nodes.values()}
+
+        def check(node: str, fld: str, text: str, shape: list[int] | None) -> None:
+            where = f"{source}: node {node!r} field {fld} = {text!r}"
+            try:
+                pl = parse_placements(text)
+            except (ValueError, TypeError) as e:
+                raise LoadError(f"{where}: {e}") from e
+            if len(pl) != len(mesh):
+                raise LoadError(f"{where} has {len(pl)} entries but the plan's mesh {mesh} has "
+                                f"{len(mesh)} axes: the mesh or the placements were edited; "
+                                "re-plan for this mesh and re-export")
+            if shape is None:
+                return
+            for p in pl:
+                dim = getattr(p, "dim", None)
+                if dim is not None and not 0 <= dim < len(shape):
+                    raise LoadError(f"{where} shards dim {dim} of a tensor of shape {shape}: "
+                                    "re-plan and re-export")
+            for dim, size in enumerate(shape):
+                f = shard_factor(pl, mesh, dim)
+                if size % f:
+                    raise LoadError(f"{where}: mesh {mesh} cuts dim {dim} (size {size}) into {f} "
+                                    "pieces, which does not divide it: re-plan for this mesh "
+                                    "and re-export")
+
+        for n in self.nodes.values():
+            for i, text in enumerate(n.out_placements):
+                check(n.name, f"out_placements[{i}]", text, n.shape[i] if i < len(n.shape) else None)
+            for i, text in enumerate(n.in_placements):
+                src = shapes.get(n.inputs[i]) if i < len(n.inputs) else None
+                check(n.name, f"in_placements[{i}]", text, src[0] if src and len(src) == 1 else None)
 
     def to_json(self, path: str | Path | None = None) -> str:
         """JSON text; also written to ``path`` when given."""
@@ -303,7 +408,30 @@ class Plan:
 
     @classmethod
     def from_json(cls, path_or_text: str | Path) -> Plan:
-        """Load a plan from a JSON file or text."""
+        """Load a plan from a JSON file or text; a missing, unreadable or malformed file
+        is a :class:`~autopar.errors.LoadError` naming it."""
         s = str(path_or_text)
-        text = Path(s).read_text() if not s.lstrip().startswith("{") else s
-        return cls.from_dict(json.loads(text))
+        is_text = s.lstrip().startswith("{")
+        source = "plan JSON text" if is_text else s
+        try:
+            text = s if is_text else Path(s).read_text()
+            d = json.loads(text)
+        except OSError as e:
+            raise LoadError(f"cannot read plan file {s}: {e.strerror or e}") from e
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise LoadError(f"{source} is not valid JSON ({e}): the file is truncated or "
+                            "corrupt; re-export or re-plan") from e
+        return cls.from_dict(d, source)
+
+
+def _known(d: Any, kind: type, source: str, where: str, extra: set[str] = frozenset()) -> None:
+    """Raise :class:`LoadError` for keys of ``d`` that ``kind`` has no field for."""
+    if not isinstance(d, dict):
+        raise LoadError(f"{source}: field {where or 'top level'} should be an object, got "
+                        f"{type(d).__name__}")
+    unknown = sorted(set(d) - {f.name for f in fields(kind)} - extra)
+    if unknown:
+        raise LoadError(f"{source}: unknown key {unknown[0]!r} in {where or 'the top level'}"
+                        f"{f' (and {len(unknown) - 1} more)' if len(unknown) > 1 else ''}; it was "
+                        "probably written by a newer autopar: upgrade autopar or re-export with "
+                        "this one")
