@@ -20,7 +20,7 @@ from autopar.errors import (
 from autopar.plan import Plan
 
 
-def load(directory) -> ParallelModule:
+def load(directory, batch: str = "global") -> ParallelModule:
     """Load a module written by :meth:`ParallelModule.export` (under torchrun: collective).
 
     Only a complete export loads: its ``MANIFEST.json`` (written last) must be there and
@@ -29,9 +29,10 @@ def load(directory) -> ParallelModule:
     the mesh raises :class:`LoadError` naming the file on every rank (the same message);
     a world size other than the export's raises :class:`MeshMismatchError`.  If an export
     into the same directory crashed mid-swap, the complete export beside it is loaded
-    with a warning.  docs/reliability.md lists the faults and the errors."""
+    with a warning.  docs/reliability.md lists the faults and the errors.  ``batch`` is
+    as in :func:`auto_parallel`."""
     from autopar.loading import load_module
-    return load_module(directory)
+    return load_module(directory, batch=batch)
 
 
 __all__ = [

@@ -297,7 +297,7 @@ def _local_states(pm: ParallelModule, graph: fx.Graph) -> dict[int, dict[str, tu
         # collective: gathers ZeRO shards and broadcasts from the owning pipeline stage
         wholes = pm._local_wholes()
         return {dist.get_rank(): {t: (x.detach().clone(), t in params)
-                                  for t, x in wholes if pm._mine(t)} | consts}
+                                  for t, x in wholes if pm._mine(t)} | consts | _extras(pm)}
     # planning-only: the module kept the whole model's weights; write every rank's shards
     full = {t: next(pm._full_state[n] for n in pm.aliases[t] if n in pm._full_state).detach()
             for t, _ in pm._targets()}
@@ -310,8 +310,23 @@ def _local_states(pm: ParallelModule, graph: fx.Graph) -> dict[int, dict[str, tu
             out[stage * size + i] = {
                 t: (shard_tensor(full[t], pm._placements[t], shape, coord) if t in params
                     else full[t].clone(), t in params)
-                for t in full if pm._owner.get(t, 0) == stage} | consts
+                for t in full if pm._owner.get(t, 0) == stage} | consts | _extras(pm)
     return out
+
+
+EXTRA_KEY = "__autopar_extra__"
+
+
+def _extras(pm: ParallelModule) -> dict:
+    """The tensors the forward never reads (kept whole on every rank), under one key
+    that ``autopar.load`` takes out before building the module."""
+    if pm._full_state is not None:
+        src = {n: pm._full_state[n] for n in pm.info.unused if n in pm._full_state}
+    else:
+        src = {n: getattr(x, "_local_tensor", x) for n, x in pm._extra.items()}
+    if not src:
+        return {}
+    return {EXTRA_KEY: ({n: x.detach().cpu().clone() for n, x in src.items()}, False)}
 
 
 def _decisions_note(plan: Plan) -> str:
@@ -361,7 +376,10 @@ def _write_files(pm: ParallelModule, graph: fx.Graph, source: str, note: str, tm
         meta = {"aliases": pm.aliases, "state_keys": pm.state_keys,
                 "in_spec": pytree.treespec_dumps(pm._in_spec) if pm._in_spec is not None else None,
                 "out_spec": pytree.treespec_dumps(pm._out_spec) if pm._out_spec is not None else None,
-                "graph": graph_records(graph)}
+                "graph": graph_records(graph),
+                # frozen/unused/non-persistent tensors and the planned input shapes
+                "tensors": pm.info.to_json(),
+                "inputs": {"shapes": pm.binder.shapes, "names": pm.binder.names}}
         for name, data in (("plan.json", pm.plan.to_json()), ("module.py", source),
                            ("meta.json", json.dumps(meta, indent=1)),
                            ("README.md", _readme(pm, note))):

@@ -29,8 +29,10 @@ from torch.utils import _pytree as pytree
 
 from autopar import export_io
 from autopar.errors import AutoparError, LoadError, MeshMismatchError
-from autopar.export import _retrace
+from autopar.export import EXTRA_KEY, _retrace
+from autopar.module_state import TensorInfo
 from autopar.plan import Plan
+from autopar.runtime.inputs import InputBinder
 
 if TYPE_CHECKING:
     from autopar.parallel_module import ParallelModule
@@ -62,7 +64,7 @@ class _Parts(NamedTuple):
     state: dict
 
 
-_META_KEYS = {"aliases", "state_keys", "in_spec", "out_spec", "graph"}
+_META_KEYS = {"aliases", "state_keys", "in_spec", "out_spec", "graph", "tensors", "inputs"}
 
 
 def _read_export(directory: Path, rank: int, world: int | None) -> _Parts:
@@ -122,7 +124,8 @@ def _read_export(directory: Path, rank: int, world: int | None) -> _Parts:
 
 def _build_inner(parts: _Parts, directory: Path) -> tuple[fx.GraphModule, Any, Any]:
     """The retraced forward and input/output specs (local; errors name the files)."""
-    plan, meta, state = parts.plan, parts.meta, parts.state
+    plan, meta, state = parts.plan, parts.meta, dict(parts.state)
+    state.pop(EXTRA_KEY, None)
     d = plan.decisions
     if d.pipeline_stages > 1:
         owner = {n.param: d.stage_of(n.layer) for n in plan.nodes.values()
@@ -138,14 +141,15 @@ def _build_inner(parts: _Parts, directory: Path) -> tuple[fx.GraphModule, Any, A
     return inner, in_spec, out_spec
 
 
-def load_module(directory: str | Path) -> ParallelModule:
+def load_module(directory: str | Path, batch: str = "global") -> ParallelModule:
     """Build this rank's ParallelModule from an export directory (no planning).
 
     Collective: every rank first checks the manifest, the checksums and the contents of
     the files it needs, then the ranks agree, so a missing, truncated, corrupt or
     inconsistent export raises the same :class:`~autopar.errors.LoadError` (or
     :class:`~autopar.errors.MeshMismatchError`) on every rank, naming the file, before
-    any rank starts collectives that its peers would never join."""
+    any rank starts collectives that its peers would never join.  ``batch`` is as in
+    :func:`autopar.auto_parallel` (``"local"``: each data-parallel rank passes its part)."""
     from autopar.parallel_module import ParallelModule
     from autopar.runtime.mesh import init_mesh
 
@@ -165,5 +169,9 @@ def load_module(directory: str | Path) -> ParallelModule:
     export_io.agree(err)
     plan, meta = parts.plan, parts.meta
     init_mesh(tuple(plan.mesh.shape), stages=plan.decisions.pipeline_stages)
+    binder = InputBinder(in_spec, [tuple(s) if s is not None else None for s in meta["inputs"]["shapes"]],
+                         list(meta["inputs"]["names"]))
+    extra = parts.state.get(EXTRA_KEY, ({}, False))[0]
     return ParallelModule(inner, plan, meta["aliases"], in_spec, out_spec, meta["state_keys"],
-                          None, runtime=True)
+                          None, runtime=True, info=TensorInfo.from_json(meta["tensors"]),
+                          binder=binder, batch=batch, extra=extra)

@@ -198,7 +198,33 @@ def dcp_reshard(c: dict) -> dict:
     return res
 
 
-CASES = {"clip_norm": clip_norm, "names_modes_frozen": names_modes_frozen,
+def export_load(c: dict) -> dict:
+    """A loaded export keeps the habits: names, frozen and unused tensors, shapes."""
+    import autopar
+
+    torch.manual_seed(0)
+    model = Net()
+    model.fc2.bias.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    x, y = _batch()
+    pm = auto_parallel(model, example_inputs=(x, y), mesh=_mesh(c["mesh"]), pins=TP_MLP)
+    pm.export(c["dir"])
+    reset()
+    pm2 = autopar.load(c["dir"])
+    full = pm2.full_state_dict()
+    res = {"keys": list(pm2.state_dict()) == list(ref.state_dict()),
+           "unused": torch.equal(full["unused.weight"], ref.unused.weight),
+           "frozen": not pm2.get_parameter("fc2.bias").requires_grad,
+           "loss": abs(pm2(x, y).item() - ref(x, y).item())}
+    try:
+        pm2(*_batch(9))
+        res["small_batch"] = "ran"
+    except ValueError as e:
+        res["small_batch"] = f"{type(e).__name__}: {e}"
+    return res
+
+
+CASES = {"export_load": export_load, "clip_norm": clip_norm, "names_modes_frozen": names_modes_frozen,
          "seeds_and_shapes": seeds_and_shapes, "local_batch": local_batch, "dcp_reshard": dcp_reshard}
 
 

@@ -25,8 +25,10 @@ TWO = [
 
 
 @pytest.fixture(scope="module")
-def two():
-    return run_fn_cases(2, FN, TWO)
+def two(tmp_path_factory):
+    d = tmp_path_factory.mktemp("export")
+    return run_fn_cases(2, FN, TWO + [{"id": "export", "fn": "export_load", "mesh": [2],
+                                       "dir": str(d / "out")}])
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +77,14 @@ def test_rank0_weights_and_shape_errors(two):
     # before: torch.export's "specify dynamic_shapes" message
     assert r["small_batch"].startswith("InputMismatchError")
     assert "(6, 16)" in r["small_batch"] and "(8, 16)" in r["small_batch"]
+
+
+def test_loaded_export_keeps_the_habits(two):
+    # before: a reloaded module silently dropped the extra sample of a larger batch,
+    # lost unused tensors and unfroze frozen ones
+    r = _ok(two["export"])
+    assert r["keys"] and r["unused"] and r["frozen"] and r["loss"] < 1e-6
+    assert r["small_batch"].startswith("InputMismatchError") and "(9, 16)" in r["small_batch"]
 
 
 @pytest.mark.parametrize("case,dp", [("local-dp", 2), ("local-tp", 1)])
