@@ -22,6 +22,29 @@ _RESERVED = frozenset({"inner", "plan", "aliases", "state_keys", "rank", "runner
                        "grad_sync", "lowered_graph", "code", "binder", "info", "training"})
 
 
+def _move(module: nn.Module, device: torch.device) -> None:
+    """Move parameters and buffers to ``device`` in place, except meta stand-ins (other
+    pipeline stages' weights on a loaded module, which this rank drops)."""
+    with torch.no_grad():
+        for m in module.modules():
+            for store in (m._parameters, m._buffers):
+                for k, t in store.items():
+                    if t is not None and not t.is_meta and t.device != device:
+                        if isinstance(t, nn.Parameter):
+                            t.data = t.data.to(device)
+                        else:
+                            store[k] = t.to(device)
+            if isinstance(m, torch.fx.GraphModule):  # tensor constants export lifted
+                for n in m.graph.nodes:
+                    if n.op != "get_attr":
+                        continue
+                    *path, leaf = n.target.split(".")
+                    owner = m.get_submodule(".".join(path)) if path else m
+                    t = owner.__dict__.get(leaf)
+                    if isinstance(t, torch.Tensor) and not t.is_meta and t.device != device:
+                        setattr(owner, leaf, t.to(device))
+
+
 class ParallelModule(StateMixin, nn.Module):
     r"""This rank's part of a planned model.
 
@@ -79,7 +102,7 @@ class ParallelModule(StateMixin, nn.Module):
         if runtime:
             # one device per process (cuda:LOCAL_RANK under NCCL): weights, buffers and the
             # graph's constants move there before anything views them
-            inner.to(self._mesh_rt.device)
+            _move(inner, self._mesh_rt.device)
             from autopar.passes.device import set_device
             set_device([m for m in inner.modules() if isinstance(m, torch.fx.GraphModule)],
                        self._mesh_rt.device)
