@@ -53,6 +53,15 @@ def _all(x) -> list:
     return out
 
 
+def _refusal(pm, n: int) -> str:
+    """What calling ``pm`` on a batch of ``n`` samples gives: "ran" or the error."""
+    try:
+        pm(*_batch(n))
+        return "ran"
+    except ValueError as e:
+        return f"{type(e).__name__}: {e}"
+
+
 def clip_norm(c: dict) -> dict:
     """clip_grad_norm_ over the DTensor parameters: the global norm on every rank."""
     torch.manual_seed(0)
@@ -120,11 +129,7 @@ def seeds_and_shapes(c: dict) -> dict:
     res = {"weights": _all(w.sum().item())}
     if dist.get_rank() == 0:
         res["rank0_model"] = model.fc1.weight.sum().item()
-    try:
-        pm(*_batch(6))
-        res["small_batch"] = "ran"
-    except ValueError as e:
-        res["small_batch"] = f"{type(e).__name__}: {e}"
+    res["small_batch"] = _refusal(pm, 6)
     return res
 
 
@@ -216,11 +221,7 @@ def export_load(c: dict) -> dict:
            "unused": torch.equal(full["unused.weight"], ref.unused.weight),
            "frozen": not pm2.get_parameter("fc2.bias").requires_grad,
            "loss": abs(pm2(x, y).item() - ref(x, y).item())}
-    try:
-        pm2(*_batch(9))
-        res["small_batch"] = "ran"
-    except ValueError as e:
-        res["small_batch"] = f"{type(e).__name__}: {e}"
+    res["small_batch"] = _refusal(pm2, 9)
     return res
 
 
