@@ -57,7 +57,9 @@ def run_hf_case(c: dict) -> dict:
     reset()
     pm = auto_parallel(model, example_kwargs=batch, mesh=MeshSpec.preset("cpu-gloo", shape=mesh),
                        pins=pins, search="ilp", **opts)
-    res: dict = {"params": pm.plan.params(), "decisions": pm.plan.decisions.zero_stage}
+    res: dict = {"params": pm.plan.params(), "decisions": pm.plan.decisions.zero_stage,
+                 # tied weights (GPT-2, BERT, T5 embeddings) are one parameter, as in the model
+                 "n_params": len(list(pm.parameters())), "ref_n_params": len(list(ref.parameters()))}
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     names = [n for n, p in ref.named_parameters()]
@@ -88,4 +90,5 @@ def run_hf_case(c: dict) -> dict:
     full = pm.full_state_dict()
     res["adam_err"], res["adam_worst"] = _max_err(full, {n: ref.state_dict()[n] for n in names})
     res["keys_match"] = sorted(full) == sorted(ref.state_dict())
+    res["id"] = c["id"]
     return res

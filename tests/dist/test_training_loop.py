@@ -109,7 +109,7 @@ def test_dcp_round_trip_and_reshard(four):
     # before: DCP de-duplicated different shards saved under one key (silent corruption)
     res, d = four
     r = _ok(res["dcp"])
-    assert r["same"] and r["dp4"], r
+    assert r["same"] and r["dp4"] and r["zero3"], r
     assert r["same_optim"] and r["dp4_optim"]
     assert r["same_placements"] != r["dp4_placements"]
     # into the plain model in one process (no process group): DCP reshards to whole tensors
