@@ -77,21 +77,25 @@ def main(argv: list[str] | None = None) -> int:
     load0 = os.getloadavg()[0]
     res = run_fn_cases(2, "benchmarks.optimizer_overhead:measure", cases)
     load1 = os.getloadavg()[0]
-    rows = ["| case | params | local elements | AdamW | DTensor ms | plain ms | ratio |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| case | params | local elements | AdamW | DTensor ms | plain ms | ratio | extra per tensor |",
+            "|---|---|---|---|---|---|---|---|"]
     for cid, r in res.items():
         if "error" in r:
             rows.append(f"| {cid} | ERROR | | | | | |")
             continue
         for kind in ("foreach", "fused"):
             m = r[kind]
+            extra = 1e3 * (m["dtensor_ms"] - m["plain_ms"]) / r["params"]
             rows.append(f"| {cid} | {r['params']} | {r['numel']} | {kind} | {m['dtensor_ms']:.2f} | "
-                        f"{m['plain_ms']:.2f} | {m['dtensor_ms'] / m['plain_ms']:.2f} |")
+                        f"{m['plain_ms']:.2f} | {m['dtensor_ms'] / m['plain_ms']:.2f} | {extra:.0f} us |")
     text = (f"{SECTION}\n\nMachine: {machine()}; load average {load0:.1f} before, {load1:.1f} after. "
             f"GPT from examples/gpt.py on 2 gloo ranks, rank 0's medians of {args.steps} "
             "interleaved steps (DTensor, plain, DTensor, ...).  `dp`: every weight replicated; "
             "`tp`: Megatron pins.  The plain side steps copies of the same local shards, as a "
-            "hand-sharded loop would (and gives wrong clipping and checkpoints).\n\n"
+            "hand-sharded loop would (and gives wrong clipping and checkpoints).  The extra "
+            "time is DTensor's dispatch, paid per parameter tensor whatever its size; FSDP2 and "
+            "`parallelize_module` step DTensor parameters too, so a user pays it with them "
+            "as well.\n\n"
             + "\n".join(rows) + "\n")
     print(text)
     if not args.no_write:
