@@ -53,7 +53,7 @@ def run_hf_case(c: dict) -> dict:
     ref = copy.deepcopy(model)
     mesh = tuple(c["mesh"])
     pins = hf_zoo.tp_pins(c["model"], mesh) if c["mode"] == "tp" else {}
-    opts = {"zero3": {"zero_stage": 3}, "pp2": {"pipeline_stages": 2, "micro_batches": 2}}.get(c["mode"], {})
+    opts = {"zero3": {"zero_stage": 3}, "zero2": {"zero_stage": 2}, "zero1": {"zero_stage": 1}, "pp2": {"pipeline_stages": 2, "micro_batches": 2}}.get(c["mode"], {})
     reset()
     pm = auto_parallel(model, example_kwargs=batch, mesh=MeshSpec.preset("cpu-gloo", shape=mesh),
                        pins=pins, search="ilp", **opts)
