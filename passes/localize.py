@@ -27,6 +27,7 @@ SHAPE_ARG_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.defa
                  aten.expand.default}
 MEAN_OPS = {aten.mean.dim, aten.mean.default}
 ELEMENTWISE_LOSSES = {aten.mse_loss.default, aten.l1_loss.default}
+SCALED_FROM = "autopar_scaled_from"  # meta key: the planned node a rescale stands for
 
 
 def _places(plan: Plan, node: fx.Node) -> tuple[list[Placements], list[Placements]]:
@@ -41,6 +42,11 @@ def _scale_after(g: fx.Graph, node: fx.Node, factor: float) -> None:
     users = list(node.users)
     with g.inserting_after(node):
         y = g.call_function(aten.mul.Tensor, (node, factor))
+    # the rescaled value stands for ``node`` from here on: same shapes and placement, so
+    # later local forms (a mean of it) and the output's reduction (a Partial loss must
+    # still be all-reduced) read ``node``'s annotation and plan entry through it
+    y.meta.update({k: v for k, v in node.meta.items() if k in ("autopar", "val")})
+    y.meta[SCALED_FROM] = node
     for u in users:
         u.replace_input_with(node, y)
 

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import operator
 
-from autopar.passes.localize import localize
+from autopar.passes.localize import SCALED_FROM, localize
 from torch import fx
 
-from autopar.ir import info, tensor_inputs
+from autopar.ir import META_KEY, info, tensor_inputs
 from autopar.layers import POST, PRE
 from autopar.placement import Placements, R, parse_placements
 from autopar.plan import Plan
@@ -46,10 +46,20 @@ _EMIT = {
 def emit_redistribution(graph: fx.Graph, x: fx.Node, src: Placements, dst: Placements) -> fx.Node:
     """Insert the steps turning ``x`` from ``src`` into ``dst`` at the graph's current
     insertion point and return the final node."""
+    ann = x.meta.get(META_KEY)
     for step in plan_redistribution(src, dst):
         fn, args = _EMIT[step.kind](x, step)
         x = graph.call_function(fn, args)
+        _same_global(x, ann)
     return x
+
+
+def _same_global(node: fx.Node, ann) -> None:
+    """A redistribution changes placements, not the global tensor: the collective's
+    output carries its input's annotation (global shape and dtype), so local forms of
+    the consumer (a mean's rescale, a loss's count) read the global shape through it."""
+    if ann is not None:
+        node.meta[META_KEY] = ann
 
 
 def out_placement(plan: Plan, node: fx.Node) -> Placements:
@@ -72,6 +82,7 @@ def lower(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
                 fn, args = _EMIT[step.kind](last, step)
                 with g.inserting_after(last):
                     last = g.call_function(fn, args)
+                _same_global(last, node.meta.get(META_KEY))
             value[node] = last
     # 2. redistribute every edge whose placements differ
     cache: dict[tuple[fx.Node, Placements], fx.Node] = {}
@@ -101,9 +112,10 @@ def lower(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
     new_args = []
     for a in flat:
-        if isinstance(a, fx.Node) and a.name in plan.nodes and info(a).outputs:
+        planned = a.meta.get(SCALED_FROM, a) if isinstance(a, fx.Node) else a
+        if isinstance(a, fx.Node) and planned.name in plan.nodes and info(planned).outputs:
             with g.inserting_before(out):
-                y = emit_redistribution(g, a, out_placement(plan, a), replicated)
+                y = emit_redistribution(g, a, out_placement(plan, planned), replicated)
                 y = g.call_function(C.scale_grad, (y, 1.0 / plan.mesh.size))
             new_args.append(y)
         else:
