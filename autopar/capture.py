@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
+from autopar.capture_checks import custom_function_guard
 from autopar.errors import CaptureError
 
 _DROP_TARGETS = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size"}
@@ -114,9 +115,11 @@ def capture(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None
     t0 = time.perf_counter()
     kwargs = example_kwargs or {}
     try:
-        with warnings.catch_warnings(), _no_kv_cache(model):
+        with warnings.catch_warnings(), _no_kv_cache(model), custom_function_guard():
             warnings.simplefilter("ignore")
             ep = torch.export.export(model, tuple(example_inputs), kwargs, strict=False)
+    except CaptureError:
+        raise  # our own finding (a custom autograd.Function): already says what to do
     except Exception as export_err:  # noqa: BLE001 - reported with context below
         try:
             fx.symbolic_trace(model)
