@@ -5,12 +5,15 @@ model, searches data, tensor and ZeRO-style sharding jointly under a cost model,
 returns a module whose forward issues the collectives the plan needs.
 """
 
+import warnings
+
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.api import LazyParallel, ParallelModule, auto_parallel, plan
 from autopar.cost_models import MeshSpec
 from autopar.errors import (
     AutoparError,
+    AutoparWarning,
     CaptureError,
     ExportError,
     LoadError,
@@ -18,6 +21,10 @@ from autopar.errors import (
     PlanError,
 )
 from autopar.plan import Plan
+
+# autopar's own warnings show with every plan (the default filter shows a text once per
+# process: a second identical plan would hide its fallbacks); users can still filter them
+warnings.filterwarnings("always", category=AutoparWarning)
 
 
 def load(directory, batch: str = "global") -> ParallelModule:
@@ -36,7 +43,7 @@ def load(directory, batch: str = "global") -> ParallelModule:
 
 
 __all__ = [
-    "AutoparError", "CaptureError", "ExportError", "LazyParallel", "LoadError", "MeshMismatchError",
+    "AutoparError", "AutoparWarning", "CaptureError", "ExportError", "LazyParallel", "LoadError", "MeshMismatchError",
     "MeshSpec", "ParallelModule", "Partial", "Plan", "PlanError", "Replicate", "Shard", "auto_parallel",
     "load", "plan",
 ]

@@ -21,18 +21,28 @@ from autopar.runtime.inputs import InputBinder
 from autopar.runtime.mesh import local_device
 from autopar.search import PlanOptions
 
+DEFAULT_TIMEOUT = 600.0  # seconds; gloo's own default is 30 minutes
+
+
+def _seconds(timeout) -> float:
+    """``timeout`` as seconds (a number or a ``datetime.timedelta``), validated."""
+    t = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+        from autopar.errors import ConfigError
+        raise ConfigError(f"timeout={timeout!r}: expected a positive number of seconds or a "
+                          "datetime.timedelta (default 600)")
+    return float(t)
+
 
 def _mesh(mesh: MeshSpec | str | tuple | None) -> MeshSpec:
-    if isinstance(mesh, MeshSpec):
-        return mesh
-    if mesh is None:
-        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
-        return MeshSpec.preset("cpu-gloo", shape=(world,))
-    if isinstance(mesh, str) and (mesh.endswith(".json") or mesh.lstrip().startswith("{")):
-        return MeshSpec.from_json(mesh)
-    if isinstance(mesh, str) and not mesh.replace("x", "").isdigit():
-        return MeshSpec.preset(mesh)
-    return MeshSpec.preset("cpu-gloo", shape=MeshSpec.parse_shape(mesh))
+    from autopar import validate
+    return validate.mesh(mesh)
+
+
+def _check_pins(pins, plan_given: bool) -> None:
+    from autopar import validate
+    if not plan_given:
+        validate.pins(pins)
 
 
 def _capture_and_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec,
@@ -50,9 +60,11 @@ def _options(memory_budget, optimizer, time_limit, pins, decisions: Mapping,
     """PlanOptions from the public keyword arguments; ``decisions`` forces plan-level
     choices (``zero_stage``, ``pipeline_stages``, ``micro_batches``, ``schedule``,
     ``recompute``) or widens the search (``explore=True``)."""
+    from autopar import validate
     bad = sorted(set(decisions) - set(_DECISION_KEYS))
     if bad:
         raise TypeError(f"unknown option(s) {bad}; known: {', '.join(_DECISION_KEYS)}")
+    validate.options(memory_budget, optimizer, time_limit, search, decisions)
     d = dict(decisions)
     if d.get("recompute") is not None:
         d["recompute"] = tuple(d["recompute"])
@@ -73,25 +85,41 @@ def plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec | str | tuple |
     ``decisions`` force plan-level choices, e.g. ``zero_stage=2``, ``pipeline_stages=2,
     micro_batches=4, schedule="1f1b"``, ``recompute=["blocks.1"]``; unset ones are searched."""
     opts = _options(memory_budget, optimizer, time_limit, pins, decisions, search)
-    return _capture_and_plan(model, tuple(example_inputs), _mesh(mesh), example_kwargs, opts)[1]
+    m = _mesh(mesh)
+    _check_pins(pins, plan_given=False)
+    return _capture_and_plan(model, tuple(example_inputs), m, example_kwargs, opts)[1]
 
 
 def _shared_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOptions,
-                 example_kwargs: dict | None, given: Plan | None) -> tuple[Captured, Plan]:
-    """Capture on every rank; search on rank 0 only and broadcast the plan.
+                 example_kwargs: dict | None, given: Plan | None,
+                 timeout: float = DEFAULT_TIMEOUT) -> tuple[Captured, Plan]:
+    """Capture on every rank; search on rank 0 only and share the plan.
 
     A solver stopped by its time limit may return different incumbents on different
-    ranks; broadcasting makes every rank lower the identical plan, so all ranks issue
-    the same collectives in the same order (and the other ranks skip the search)."""
+    ranks; sharing makes every rank lower the identical plan, so all ranks issue the
+    same collectives in the same order (and the other ranks skip the search).  An error
+    on rank 0 is raised on every rank; the others wait for rank 0 at most ``timeout``
+    seconds (:mod:`autopar.runtime.agree`)."""
     from autopar.joint import micro_inputs
+    from autopar.runtime import agree
     multi = dist.is_initialized() and dist.get_world_size() > 1
     cap, p = None, given
     if given is None and (not multi or dist.get_rank() == 0):
-        cap, p = _capture_and_plan(model, example_inputs, mesh, example_kwargs, opts)
-    if multi and given is None:
-        box = [p.to_json() if p is not None else None]
-        dist.broadcast_object_list(box, src=0)
-        p = Plan.from_json(box[0])
+        try:
+            cap, p = _capture_and_plan(model, example_inputs, mesh, example_kwargs, opts)
+        except Exception as e:
+            if multi:
+                agree.publish(agree.error_payload(e))
+            raise
+        if multi:
+            agree.publish({"plan": p.to_json()})
+    elif given is None:
+        payload = agree.wait(timeout)
+        if "error" in payload:
+            raise agree.rebuild(payload)
+        p = Plan.from_json(payload["plan"])
+    if multi:
+        agree.all_arrived(timeout)
     if cap is None:
         # the plan's graph is the micro-batch's: capture at that size
         cap = capture(model, *micro_inputs((tuple(example_inputs), dict(example_kwargs or {})),
@@ -103,20 +131,22 @@ def _shared_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: 
 def build_parallel_module(model: nn.Module, example_inputs: tuple, mesh: MeshSpec,
                           opts: PlanOptions, example_kwargs: dict | None = None,
                           runtime: bool | None = None, plan: Plan | None = None,
-                          batch: str = "global") -> ParallelModule:
+                          batch: str = "global", timeout: float = DEFAULT_TIMEOUT) -> ParallelModule:
     """Capture, plan (or take ``plan``), lower and shard: the body of :func:`auto_parallel`."""
     from autopar.passes.lower import lower
 
     if runtime is None:
         runtime = dist.is_initialized() or "RANK" in os.environ
     if runtime:
+        from autopar import validate
+        validate.runnable_model(model)  # before joining: the same error on every rank
         # join the process group before planning so rank 0 can broadcast its plan
         from autopar.runtime.mesh import init_mesh
         if plan is not None:
-            init_mesh(tuple(plan.mesh.shape), stages=plan.decisions.pipeline_stages)
+            init_mesh(tuple(plan.mesh.shape), stages=plan.decisions.pipeline_stages, timeout=timeout)
         else:
-            init_mesh(tuple(mesh.shape))
-    cap, p = _shared_plan(model, example_inputs, mesh, opts, example_kwargs, plan)
+            init_mesh(tuple(mesh.shape), timeout=timeout)
+    cap, p = _shared_plan(model, example_inputs, mesh, opts, example_kwargs, plan, timeout)
     t0 = time.perf_counter()
     gm = lower(cap.gm, p)
     p.timings["lower"] = time.perf_counter() - t0
@@ -158,7 +188,7 @@ def auto_parallel(model: nn.Module | Callable | None = None, *, example_inputs: 
                   memory_budget: float | None = None, optimizer: str = "adamw",
                   time_limit: float = 30.0, example_kwargs: dict | None = None,
                   plan: Plan | None = None, search: str = "auto", batch: str = "global",
-                  **decisions):
+                  timeout: float = DEFAULT_TIMEOUT, **decisions):
     """Plan and shard ``model`` for ``mesh``.
 
     * ``auto_parallel(model, example_inputs=..., mesh=...)`` returns a
@@ -177,14 +207,20 @@ def auto_parallel(model: nn.Module | Callable | None = None, *, example_inputs: 
     ``batch="local"``: each data-parallel rank passes its own part, e.g. from
     ``DistributedSampler(ds, num_replicas=pm.data_parallel_size, rank=pm.data_parallel_rank)``;
     the example inputs are still the global batch.
+
+    ``timeout`` (seconds or a ``timedelta``; default 600) bounds every wait: the process
+    group autopar creates uses it for collectives, other ranks wait that long for rank
+    0's plan, and a rank that does not arrive ends the job with an error naming it.
     """
     opts = _options(memory_budget, optimizer, time_limit, pins, decisions, search)
     m = _mesh(mesh)
+    _check_pins(pins, plan_given=plan is not None)
+    timeout = _seconds(timeout)
     if model is None:
         return lambda target: _decorate(target, m, opts)
     if isinstance(model, nn.Module) and (example_inputs is not None or example_kwargs is not None):
         return build_parallel_module(model, tuple(example_inputs or ()), plan.mesh if plan else m,
-                                     opts, example_kwargs, plan=plan, batch=batch)
+                                     opts, example_kwargs, plan=plan, batch=batch, timeout=timeout)
     return _decorate(model, m, opts)
 
 

@@ -29,3 +29,19 @@ class LoadError(AutoparError, ValueError):
     corrupt files, another autopar schema, unknown keys, or placements that do not fit
     the plan's mesh.  The message names the file and the field; under a process group
     every rank raises it with the same message."""
+
+
+class ConfigError(PlanError, ValueError):
+    """An argument autopar was given is not one it accepts: the message names the
+    argument, the value and what is allowed.  A :class:`PlanError` too: no plan can be
+    made from it."""
+
+
+class RankTimeoutError(AutoparError, TimeoutError):
+    """A rank did not arrive, or did not answer, within the configured timeout."""
+
+
+class AutoparWarning(UserWarning):
+    """Something planned differently from what the user may expect (an op without a
+    sharding rule runs replicated, ...).  Shown every time a plan is made: the same
+    warning text is also kept in ``plan.warnings``."""

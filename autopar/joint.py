@@ -30,7 +30,7 @@ from torch.utils import _pytree as pytree
 from autopar.annotate import annotate
 from autopar.capture import Captured, capture
 from autopar.cost_models import MeshSpec, format_bytes, send_recv_time
-from autopar.errors import PlanError
+from autopar.errors import AutoparWarning, PlanError
 from autopar.ir import info
 from autopar.layers import layer_keys
 from autopar.plan import Decisions, Plan, Schedule
@@ -188,8 +188,9 @@ class JointSearch:
         full, sub = split_mesh(self.mesh, stages)
         cap = self._capture(micro)
         t0 = time.perf_counter()
-        left = self.opts.time_limit - (time.perf_counter() - self._t0)
-        intra_opts = dataclasses.replace(self.opts, memory_budget=budget, time_limit=max(1.0, left))
+        left = self.opts.time_limit - self._spent()
+        intra_opts = dataclasses.replace(self.opts, memory_budget=budget, time_limit=max(1.0, left),
+                                         choose_limit=self.opts.time_limit)
         p = make_plan(cap.gm, sub, cap.aliases, intra_opts)
         self.timings["intra_op"] = self.timings.get("intra_op", 0.0) + time.perf_counter() - t0
         stats = layer_stats(cap.gm, p)
@@ -244,10 +245,16 @@ class JointSearch:
             print(f"[autopar {time.perf_counter() - self._t0:7.2f} s] {msg}", file=sys.stderr,
                   flush=True)
 
+    def _spent(self) -> float:
+        """Seconds of search so far: capture and annotation are not charged to the time
+        limit (they depend on the model and the machine's load, not on the search)."""
+        free = self.timings.get("capture", 0.0) + self.timings.get("annotate", 0.0)
+        return time.perf_counter() - self._t0 - free
+
     def _out_of_time(self) -> bool:
         """The joint search shares ``time_limit`` with its intra-op searches: once it is
         spent, the remaining candidates are skipped and the plan says so."""
-        if time.perf_counter() - self._t0 <= self.opts.time_limit:
+        if self._spent() <= self.opts.time_limit:
             return False
         if not self._stopped:
             self._stopped = True
@@ -411,9 +418,10 @@ def joint_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: Pl
         warnings.simplefilter("always")
         cap, p = JointSearch(model, example_inputs, mesh, opts, example_kwargs).run()
     for w in caught:
-        warnings.warn(str(w.message), stacklevel=3)
         if str(w.message) not in p.warnings:
             p.warnings.append(str(w.message))
+    for msg in p.warnings:  # shown with every plan, not once per process
+        warnings.warn(msg, AutoparWarning, stacklevel=3)
     return cap, p
 
 

@@ -60,6 +60,10 @@ class PlanOptions:
     # planned from a shallow capture of identical blocks; planning only)
     blocks: int | None = None
     progress: bool = False  # print per-phase progress lines on stderr
+    # the limit ``search="auto"`` compares the ILP's predicted build time with: the user's
+    # whole time_limit even when a joint search passes what is left of it, so the
+    # searcher depends on the problem's size, never on how busy the machine is
+    choose_limit: float | None = None
 
 
 @dataclass
@@ -236,10 +240,11 @@ def choose_searcher(gm: fx.GraphModule, mesh: MeshSpec, opts: PlanOptions) -> tu
         in_reps = sum(len(lay.nodes) for lay in reps)
         entries *= (total - in_reps + in_reps / len(reps)) / total
     predicted = entries * _ILP_SECONDS_PER_ENTRY
-    if predicted <= _ILP_SHARE_OF_LIMIT * opts.time_limit:
+    limit = opts.choose_limit if opts.choose_limit is not None else opts.time_limit
+    if predicted <= _ILP_SHARE_OF_LIMIT * limit:
         return Searcher.ILP, f"auto: ILP (~{entries:.3g} edge entries, ~{predicted:.2g} s to build)"
     return Searcher.DREC, (f"auto: D-Rec (the ILP would price ~{entries:.3g} edge entries, "
-                           f"~{predicted:.2g} s, over half the {opts.time_limit:g} s limit)")
+                           f"~{predicted:.2g} s, over half the {limit:g} s limit)")
 
 
 def make_plan_drec(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts: PlanOptions,

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from autopar.errors import AutoparWarning
 from autopar.ir import info, tensor_inputs
 from autopar.placement import P, Placement, Placements, R, Shard, valid_for_shape
 
@@ -55,7 +56,6 @@ class RuleCtx:
 
 Rule = Callable[[fx.Node, RuleCtx], list[AxisStrategy]]
 _RULES: dict[object, Rule] = {}
-_WARNED: set[str] = set()
 
 
 def register(*targets: object) -> Callable[[Rule], Rule]:
@@ -155,12 +155,12 @@ def axis_strategies(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
     out = [replicate_strategy(node)]
     if rule is None:
         name = str(node.target)
-        if name not in _WARNED and any(True for _ in tensor_inputs(node)):
-            _WARNED.add(name)
+        if any(True for _ in tensor_inputs(node)):
+            # every time (joint_plan de-duplicates per plan and keeps it in plan.warnings)
             warnings.warn(
                 f"autopar: no sharding rule for op {name}; it runs replicated (all inputs "
                 "gathered). Register a rule in autopar/rules/ to shard it.",
-                stacklevel=2,
+                AutoparWarning, stacklevel=2,
             )
         return out
     for s in rule(node, ctx):

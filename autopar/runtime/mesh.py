@@ -3,6 +3,7 @@ collectives that generated code calls with a plain mesh-axis index."""
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -61,10 +62,12 @@ class RuntimeMesh:
 _CURRENT: RuntimeMesh | None = None
 
 
-def init_mesh(shape: tuple[int, ...], backend: str | None = None, stages: int = 1) -> RuntimeMesh:
+def init_mesh(shape: tuple[int, ...], backend: str | None = None, stages: int = 1,
+              timeout: float | None = None) -> RuntimeMesh:
     """Initialise (or reuse) the default process group and build the mesh.
 
-    ``shape`` is the mesh of the plan's placements; with ``stages > 1`` it is each
+    ``timeout`` (seconds, default 600) is the collective timeout of a process group
+    created here.  ``shape`` is the mesh of the plan's placements; with ``stages > 1`` it is each
     pipeline stage's sub-mesh and the world is ``stages`` times its size.
 
     Raises :class:`MeshMismatchError` when the world size differs from the mesh size:
@@ -86,7 +89,9 @@ def init_mesh(shape: tuple[int, ...], backend: str | None = None, stages: int = 
         if backend == "nccl":
             # one GPU per process: the one torchrun's LOCAL_RANK names
             torch.cuda.set_device(local_device(backend))
-        dist.init_process_group(backend)
+        # a bounded collective timeout (gloo's default is 30 minutes): a dead rank ends
+        # the job within ``timeout`` seconds
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout or 600.0))
     world = dist.get_world_size()
     if world != size:
         raise MeshMismatchError(

@@ -1,0 +1,112 @@
+"""Rank 0 plans for everyone: publish its plan, or its error, and wait for it, bounded.
+
+A blocking broadcast would make every other rank wait for rank 0's whole capture and
+search inside a collective: with a short process-group timeout they time out while
+rank 0 is still planning, and when rank 0 fails they see only gloo's "Connection
+closed by peer".  Instead rank 0 writes ``{"plan": ...}`` or ``{"error": type, message}``
+under a fresh key of the process group's store, and the other ranks poll that key
+with their own deadline, printing a progress line every ``report_every`` seconds.
+
+* An error on rank 0 is raised on every rank with the same autopar type and message.
+* Rank 0 dead (the store is gone) or silent past the deadline: an error naming rank 0.
+* After the plan is shared, :func:`all_arrived` checks that every rank is there (gloo's
+  ``monitored_barrier`` names the ranks that are not), so a hung rank ends the job
+  within the timeout with its rank in the message.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import time
+
+import torch.distributed as dist
+
+from autopar import errors
+from autopar.errors import AutoparError, RankTimeoutError
+
+_CALLS = [0]  # every rank calls publish/wait the same number of times: a fresh key each
+
+
+def _store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, AttributeError, ValueError):
+        return None
+
+
+def _key() -> str:
+    _CALLS[0] += 1
+    return f"autopar/plan/{_CALLS[0]}"
+
+
+def error_payload(e: BaseException) -> dict:
+    """What other ranks need to raise the same error."""
+    return {"error": type(e).__name__, "message": str(e)}
+
+
+def rebuild(payload: dict) -> BaseException:
+    """The error rank 0 published: the same autopar type and message (other types come
+    back as :class:`AutoparError` naming the original type)."""
+    cls = getattr(errors, payload["error"], None)
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        try:
+            return cls(payload["message"])
+        except TypeError:
+            pass
+    return AutoparError(f"rank 0 failed while planning: {payload['error']}: {payload['message']}")
+
+
+def publish(payload: dict) -> None:
+    """Rank 0: make ``payload`` (JSON-able) available to the other ranks."""
+    store = _store()
+    data = json.dumps(payload)
+    if store is None:  # no store to poll: fall back to a blocking broadcast
+        dist.broadcast_object_list([data], src=0)
+        return
+    store.set(_key(), data)
+
+
+def wait(timeout: float, report_every: float = 30.0) -> dict:
+    """Other ranks: rank 0's payload, within ``timeout`` seconds."""
+    store = _store()
+    if store is None:
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        return json.loads(box[0])
+    key = _key()
+    t0 = last = time.monotonic()
+    while True:
+        try:
+            if store.check([key]):
+                return json.loads(store.get(key))
+        except (RuntimeError, OSError, dist.DistStoreError) as e:
+            raise RankTimeoutError(f"rank {dist.get_rank()}: lost rank 0 while it was planning "
+                                   f"({type(e).__name__}: {str(e)[:200]}); see rank 0's error") from e
+        now = time.monotonic()
+        if now - t0 > timeout:
+            raise RankTimeoutError(
+                f"rank {dist.get_rank()}: rank 0 did not publish its plan within {timeout:g} s "
+                "(rank 0 captures and searches for every rank): is rank 0 alive and calling "
+                "auto_parallel with the same arguments? Raise timeout= for very large models")
+        if now - last >= report_every:
+            last = now
+            print(f"[autopar rank {dist.get_rank()}] waiting for rank 0's plan: {now - t0:.0f} s "
+                  f"of {timeout:g} s", file=sys.stderr, flush=True)
+        time.sleep(0.05)
+
+
+def all_arrived(timeout: float) -> None:
+    """Every rank reached this point within ``timeout`` seconds, or an error naming the
+    ranks that did not (gloo; other backends rely on their own collective timeout)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() != "gloo":
+        return
+    try:
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True)
+    except RuntimeError as e:
+        raise RankTimeoutError(f"rank {dist.get_rank()}: not every rank arrived within {timeout:g} s "
+                               f"({str(e).splitlines()[0][:300]})") from e
+
+
+__all__ = ["RankTimeoutError", "all_arrived", "error_payload", "publish", "rebuild", "wait"]

@@ -1,0 +1,133 @@
+"""Up-front checks of every public input: each failure is a :class:`ConfigError` that
+names the argument, the value and what is allowed, before any capture or search (the
+Python API as clear as the CLI).  docs/reliability.md lists them."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+
+from torch import nn
+
+from autopar.cost_models import MeshSpec
+from autopar.cost_models.mesh import PRESET_NAMES
+from autopar.errors import ConfigError
+
+SEARCHES = ("auto", "ilp", "drec")
+SCHEDULES = ("gpipe", "1f1b")
+_PLACEMENT = re.compile(r"(R|P|S\(-?\d+\))")
+
+
+def mesh(value) -> MeshSpec:
+    """A :class:`MeshSpec` from ``mesh=``: a MeshSpec, ``None`` (the world as a 1-D mesh),
+    a shape (``"2x4"``, ``8``, ``(2, 4)``), a preset name, JSON text or a JSON file."""
+    import os
+
+    import torch.distributed as dist
+
+    if isinstance(value, MeshSpec):
+        return value
+    if value is None:
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+        return MeshSpec.preset("cpu-gloo", shape=(world,))
+    if isinstance(value, str) and (value.endswith(".json") or value.lstrip().startswith("{")):
+        where = "the JSON text" if value.lstrip().startswith("{") else value
+        try:
+            return MeshSpec.from_json(value)
+        except FileNotFoundError:
+            raise ConfigError(f"mesh={value!r}: no such file") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"mesh={value!r}: {where} is not valid JSON (line {e.lineno}, "
+                              f"column {e.colno}: {e.msg})") from None
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"mesh={value!r}: {where} is not a mesh description ({e}); "
+                              "see MeshSpec.to_json for the format") from None
+    if isinstance(value, str) and not re.fullmatch(r"[\d\sx*,-]+", value):
+        if value not in PRESET_NAMES:
+            raise ConfigError(f"mesh={value!r}: unknown preset; presets: {', '.join(PRESET_NAMES)}; "
+                              "or give a shape like '8' or '2x4', or a JSON file")
+        return MeshSpec.preset(value)
+    try:
+        shape = MeshSpec.parse_shape(value)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"mesh={value!r}: {e}; a shape is positive ints like 8, '2x4' or (2, 4)") from None
+    if any(n < 1 for n in shape):
+        raise ConfigError(f"mesh={value!r}: every mesh axis needs at least one device")
+    return MeshSpec.preset("cpu-gloo", shape=shape)
+
+
+def placement_string(key: str, value) -> None:
+    """A pin value: a string of placements (``"S(0)R"``, one per mesh axis) or a sequence
+    of ``Placement`` objects.  How many per mesh axis is the planner's check."""
+    if isinstance(value, str):
+        compact = value.replace(" ", "")
+        if "".join(_PLACEMENT.findall(compact)) != compact or not compact:
+            raise ConfigError(f"pins[{key!r}]={value!r}: not a placement string; each mesh axis "
+                              "takes R, P or S(dim) with an integer dim, e.g. 'S(0)R'")
+    elif isinstance(value, (tuple, list)):
+        from torch.distributed.tensor import Partial, Replicate, Shard
+        if not all(isinstance(p, (Shard, Replicate, Partial)) for p in value):
+            raise ConfigError(f"pins[{key!r}]={value!r}: expected Shard/Replicate/Partial objects")
+    else:
+        raise ConfigError(f"pins[{key!r}]={value!r}: expected a placement string like 'S(0)R' "
+                          "or a tuple of placements")
+
+
+def pins(value: Mapping | None) -> dict:
+    """``pins=``: a mapping from names or globs to placements."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"pins={value!r}: expected a dict like {{'fc1.weight': 'S(0)'}}")
+    for k, v in value.items():
+        if not isinstance(k, str) or not k:
+            raise ConfigError(f"pins: key {k!r} is not a parameter name, glob or 'input:N'")
+        placement_string(k, v)
+    return dict(value)
+
+
+def positive(name: str, value, allow_none: bool = True) -> None:
+    """A positive finite number (or ``None`` when allowed)."""
+    if value is None and allow_none:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
+    if not ok:
+        raise ConfigError(f"{name} must be a positive number" + (" or None" if allow_none else "")
+                          + f", got {value!r}")
+
+
+def options(memory_budget, optimizer, time_limit, search, decisions: Mapping) -> None:
+    """The scalar options and forced decisions of :func:`autopar.plan` / ``auto_parallel``."""
+    positive("memory_budget", memory_budget)
+    positive("time_limit", time_limit, allow_none=False)
+    if str(search).lower() not in SEARCHES:
+        raise ConfigError(f"search must be one of {', '.join(SEARCHES)}, got {search!r}")
+    if not isinstance(optimizer, str):
+        raise ConfigError(f"optimizer={optimizer!r}: expected a name such as 'adamw' or 'sgd'")
+    z = decisions.get("zero_stage")
+    if z is not None and (isinstance(z, bool) or z not in (0, 1, 2, 3)):
+        raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {z!r}")
+    for key in ("pipeline_stages", "micro_batches", "blocks"):
+        v = decisions.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ConfigError(f"{key} must be a positive integer, got {v!r}")
+    s = decisions.get("schedule")
+    if s is not None and str(s).lower() not in SCHEDULES:
+        raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {s!r}")
+    r = decisions.get("recompute")
+    if r is not None and (isinstance(r, str) or not all(isinstance(x, str) for x in r)):
+        raise ConfigError(f"recompute={r!r}: expected a list of layer names like ['blocks.0']")
+
+
+def runnable_model(model: nn.Module) -> None:
+    """A model whose weights are real: planning works on the meta device, running does not."""
+    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if meta:
+        raise ConfigError(
+            f"model: {len(meta)} tensor(s) are on the meta device (e.g. {meta[0]!r}), which has "
+            "no values to train: autopar.plan(...) plans such a model; to run, build it with "
+            "real weights (or load a checkpoint into it) before auto_parallel")
+
+
+__all__ = ["mesh", "options", "pins", "placement_string", "positive", "runnable_model"]
