@@ -39,12 +39,6 @@ def _mesh(mesh: MeshSpec | str | tuple | None) -> MeshSpec:
     return validate.mesh(mesh)
 
 
-def _check_pins(pins, plan_given: bool) -> None:
-    from autopar import validate
-    if not plan_given:
-        validate.pins(pins)
-
-
 def _capture_and_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec,
                       example_kwargs: dict | None, opts: PlanOptions) -> tuple[Captured, Plan]:
     from autopar.joint import joint_plan
@@ -65,6 +59,7 @@ def _options(memory_budget, optimizer, time_limit, pins, decisions: Mapping,
     if bad:
         raise TypeError(f"unknown option(s) {bad}; known: {', '.join(_DECISION_KEYS)}")
     validate.options(memory_budget, optimizer, time_limit, search, decisions)
+    validate.pins(pins)
     d = dict(decisions)
     if d.get("recompute") is not None:
         d["recompute"] = tuple(d["recompute"])
@@ -86,7 +81,6 @@ def plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec | str | tuple |
     micro_batches=4, schedule="1f1b"``, ``recompute=["blocks.1"]``; unset ones are searched."""
     opts = _options(memory_budget, optimizer, time_limit, pins, decisions, search)
     m = _mesh(mesh)
-    _check_pins(pins, plan_given=False)
     return _capture_and_plan(model, tuple(example_inputs), m, example_kwargs, opts)[1]
 
 
@@ -214,7 +208,6 @@ def auto_parallel(model: nn.Module | Callable | None = None, *, example_inputs: 
     """
     opts = _options(memory_budget, optimizer, time_limit, pins, decisions, search)
     m = _mesh(mesh)
-    _check_pins(pins, plan_given=plan is not None)
     timeout = _seconds(timeout)
     if model is None:
         return lambda target: _decorate(target, m, opts)

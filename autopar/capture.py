@@ -18,7 +18,7 @@ import torch
 from torch import fx, nn
 
 from autopar.capture_checks import custom_function_guard
-from autopar.errors import CaptureError
+from autopar.errors import AutoparWarning, CaptureError
 
 _DROP_TARGETS = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size"}
 
@@ -91,6 +91,47 @@ def _aliases(model: nn.Module, gm: fx.GraphModule) -> dict[str, list[str]]:
     return out
 
 
+_SIMPLE = (int, float, bool, str, type(None))
+
+
+def _simple_attrs(m: nn.Module) -> dict[str, object]:
+    return {k: v for k, v in vars(m).items() if not k.startswith("_") and isinstance(v, _SIMPLE)}
+
+
+@contextlib.contextmanager
+def _frozen_python_state(model: nn.Module):
+    """Warn when the forward changes Python state (a call counter, a flag): capture runs
+    it once and freezes that call's values into the graph, so later calls would not see
+    the change.  torch.export restores the attributes afterwards, so the change is seen
+    by forward hooks around each submodule's call."""
+    changed: dict[str, tuple[object, object]] = {}
+    names = {m: n for n, m in model.named_modules()}
+    before: dict[nn.Module, dict] = {}
+
+    def pre(m, *_):
+        before[m] = _simple_attrs(m)
+
+    def post(m, *_):
+        now = _simple_attrs(m)
+        for k, v in before.pop(m, {}).items():
+            if now.get(k, v) != v:
+                changed.setdefault(f"{names[m]}.{k}".lstrip("."), (v, now[k]))
+
+    handles = [h for m in names for h in (m.register_forward_pre_hook(pre),
+                                          m.register_forward_hook(post))]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+    if changed:
+        desc = ", ".join(f"{k} ({a!r} -> {b!r})" for k, (a, b) in list(changed.items())[:5])
+        warnings.warn(f"autopar: the forward changed Python state {desc}; the plan captured one "
+                      "call, so every later call computes with that call's values. Keep such "
+                      "state in tensors (buffers) or outside the model.", AutoparWarning,
+                      stacklevel=4)
+
+
 @contextlib.contextmanager
 def _no_kv_cache(model: nn.Module):
     """Hugging Face models default to ``use_cache=True`` and return a ``DynamicCache``,
@@ -115,7 +156,9 @@ def capture(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None
     t0 = time.perf_counter()
     kwargs = example_kwargs or {}
     try:
-        with warnings.catch_warnings(), _no_kv_cache(model), custom_function_guard():
+        # the state check is outside catch_warnings: its own warning must show
+        with _frozen_python_state(model), warnings.catch_warnings(), _no_kv_cache(model), \
+                custom_function_guard():
             warnings.simplefilter("ignore")
             ep = torch.export.export(model, tuple(example_inputs), kwargs, strict=False)
     except CaptureError:
