@@ -90,12 +90,13 @@ def _render_globals(globals_: dict, src: str) -> list[str]:
 
 def _runtime_rewrites(graph: fx.Graph) -> list[str]:
     """Nodes of ``graph`` that only a live module's runtime rewrites create."""
+    from autopar.passes.recompute import checkpoint
     from autopar.runtime.zero import zero_gather
 
     bad = []
     for n in graph.nodes:
         if n.op == "call_module" or (n.op == "call_function" and n.target in
-                                     (torch.utils.checkpoint.checkpoint, zero_gather)):
+                                     (torch.utils.checkpoint.checkpoint, checkpoint, zero_gather)):
             bad.append(f"{n.name} ({n.op} {getattr(n.target, '__name__', n.target)})")
     return bad
 

@@ -13,12 +13,13 @@ from torch.utils import _pytree as pytree
 from autopar.module_state import StateMixin, TensorInfo
 from autopar.placement import is_replicate, parse_placements
 from autopar.plan import Plan
+from autopar.runtime import rng
 from autopar.runtime.inputs import BatchMode, InputBinder, data_parallel_axes, data_parallel_coords
 from autopar.sharding import gather_tensor, shard_tensor
 
 # attribute names of ParallelModule itself: a model's top-level submodule or parameter
 # of the same name could not be registered under its own name
-_RESERVED = frozenset({"inner", "plan", "aliases", "state_keys", "rank", "runner", "zero",
+_RESERVED = frozenset({"inner", "plan", "aliases", "state_keys", "rank", "runner", "zero", "rng",
                        "grad_sync", "lowered_graph", "code", "binder", "info", "training"})
 
 
@@ -113,6 +114,7 @@ class ParallelModule(StateMixin, nn.Module):
             self._start_schedule()
             self._start_grad_sync()
             self._start_dparams(full_state if full_state is not None else extra)
+            self._start_rng()
 
     # ------------------------------------------------------------ running
     def _coord(self) -> tuple[int, ...]:
@@ -207,6 +209,20 @@ class ParallelModule(StateMixin, nn.Module):
             if t in self._placements and isinstance(p, nn.Parameter) and p.requires_grad:
                 params.append((p, self._replicated_axes(t)))
         self.grad_sync = GradSync(params)
+
+    def _start_rng(self) -> None:
+        """One generator for the graph's dropouts, seeded alike on every rank with rank
+        0's seed (``torch.initial_seed()``): see :mod:`autopar.runtime.rng`."""
+        box = [torch.initial_seed()]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        self.rng = torch.Generator(device=self._mesh_rt.device)
+        self.rng.manual_seed(int(box[0]))
+
+    def manual_seed(self, seed: int) -> None:
+        """Seed the dropout generator (call with the same seed on every rank): dropout
+        then draws what one process would draw after ``torch.manual_seed(seed)``."""
+        self.rng.manual_seed(seed)
 
     def _frozen(self, t: str) -> bool:
         return all(n in self.info.frozen for n in self.aliases.get(t, [t]))
@@ -324,6 +340,7 @@ class ParallelModule(StateMixin, nn.Module):
             raise RuntimeError("this ParallelModule is planning-only (no process group); "
                                "launch under torchrun to run it, or export() it")
         flat = self.binder.flatten(args, kwargs, self._mesh_rt.device)
+        rng.use(self.rng)
         if self._dparams is not None:
             self._dparams.before_forward()
         if self.zero is not None:

@@ -5,7 +5,8 @@ After: literal shape arguments are local sizes (``view(x, [8, 32, 64])`` on a ba
 split in two becomes ``view(x, [4, 32, 64])``); means over sharded dims are rescaled
 to Partial sums; vocabulary-sharded embeddings and cross-entropies call the
 vocab-parallel forms in :mod:`autopar.runtime.ops`; row-sharded cross-entropy divides
-by the global count of non-ignored targets.
+by the global count of non-ignored targets; dropout draws the global mask and keeps
+this rank's slice (:mod:`autopar.runtime.rng`).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import torch
 from torch import fx
 
 from autopar.ir import info
-from autopar.placement import Placements, Shard, local_shape, parse_placements
+from autopar.placement import Placements, Shard, fmt_placements, local_shape, parse_placements
 from autopar.plan import Plan
 from autopar.rules.reductions import reduced_dims
 from autopar.runtime import ops as O
+from autopar.runtime.rng import sharded_dropout
 
 aten = torch.ops.aten
 
@@ -83,6 +85,14 @@ def localize(gm: fx.GraphModule, plan: Plan) -> None:
                 node.target = O.cross_entropy
                 node.args = (node.args[0], node.args[1], ignore, reduction, rows, classes)
                 node.kwargs = {}
+        elif t is aten.dropout.default:
+            # the global mask, sliced: independent per batch shard, equal across
+            # tensor-parallel peers, the single process's mask (autopar/runtime/rng.py)
+            train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+            node.target = sharded_dropout
+            node.args = (node.args[0], node.args[1], train, tuple(info(node).out.shape),
+                         fmt_placements(ins[0]))
+            node.kwargs = {}
         elif t is aten.embedding.default:
             vocab = tuple(a for a, p in enumerate(ins[0]) if isinstance(p, Shard) and p.dim == 0)
             if vocab:

@@ -10,9 +10,10 @@ emitted at the top of the graph), which are first moved down to their first use.
 After: each such run is moved into a submodule ``recompute_<key>`` (a GraphModule
 with no parameters of its own) and replaced by one call::
 
-    torch.utils.checkpoint.checkpoint(self.recompute_<key>, *inputs,
-                                      use_reentrant=False, early_stop=False)
+    checkpoint(self.recompute_<key>, *inputs)
 
+(:func:`checkpoint`: ``torch.utils.checkpoint.checkpoint`` non-reentrant, no early stop,
+replaying the dropout generator)
 so the layer's intermediate activations are dropped after the forward and recomputed
 in backward; only the segment's inputs stay alive.  Parameters and buffers are *inputs*
 of the submodule (the ``get_attr`` nodes stay in the outer graph), so gradients land
@@ -41,9 +42,8 @@ collective that another issues and both would hang.
 Example (examples/gpt.py, 2 blocks, ``recompute(gm, {"blocks.0"})``)::
 
     recompute_blocks_0 = self.recompute_blocks_0
-    blocks_0 = torch.utils.checkpoint.checkpoint(recompute_blocks_0, add,
-        blocks_0_ln1_weight, ..., blocks_0_mlp_fc2_bias, use_reentrant = False,
-        early_stop = False);  recompute_blocks_0 = add = ... = None
+    blocks_0 = autopar_passes_recompute_checkpoint(recompute_blocks_0, add,
+        blocks_0_ln1_weight, ..., blocks_0_mlp_fc2_bias);  recompute_blocks_0 = add = ... = None
     layer_norm_2 = torch.ops.aten.layer_norm.default(blocks_0, [64], ...)
 """
 
@@ -58,6 +58,7 @@ import torch.utils.checkpoint
 from torch import fx
 
 from autopar.layers import layer_keys
+from autopar.runtime.rng import replay_contexts
 
 TAG = "autopar_layer"
 # node kinds that compute; get_attr and placeholder nodes sit at the top of the graph
@@ -71,6 +72,15 @@ _KEEP_META = ("val", "tensor_meta", "autopar")
 class RecomputeError(ValueError):
     """A layer cannot be recomputed as asked (unknown key, or not contiguous)."""
 
+
+
+@torch.fx.wrap
+def checkpoint(fn, *inputs):
+    """``torch.utils.checkpoint.checkpoint`` (non-reentrant, no early stop, so every rank
+    re-issues the same collectives) whose recomputation replays the dropout generator's
+    state (:mod:`autopar.runtime.rng`), so a recomputed mask is the forward's."""
+    return torch.utils.checkpoint.checkpoint(fn, *inputs, use_reentrant=False, early_stop=False,
+                                             context_fn=replay_contexts)
 
 def _tags(gm: fx.GraphModule) -> dict[fx.Node, str]:
     """Layer key per node: the lowering's tags, else read from ``nn_module_stack``."""
@@ -158,8 +168,7 @@ def _outline(gm: fx.GraphModule, seg: list[fx.Node], key: str) -> None:
     with g.inserting_after(seg[-1]):
         fn = g.get_attr(name)
     with g.inserting_after(fn):
-        call = g.create_node("call_function", torch.utils.checkpoint.checkpoint, (fn, *inputs),
-                             {"use_reentrant": False, "early_stop": False},
+        call = g.create_node("call_function", checkpoint, (fn, *inputs), {},
                              name=re.sub(r"\W", "_", key))
     fn.meta[TAG] = call.meta[TAG] = key
     if len(outputs) == 1:
@@ -197,7 +206,7 @@ def recompute(gm: fx.GraphModule, keys: Iterable[str]) -> fx.GraphModule:
         return gm
     tags = _tags(gm)
     # idempotent: a layer already outlined is one checkpoint call carrying its tag
-    keys -= {tags.get(n) for n in gm.graph.nodes if n.target is torch.utils.checkpoint.checkpoint}
+    keys -= {tags.get(n) for n in gm.graph.nodes if n.target is checkpoint}
     # plan on a copy of the node order: one bad key raises before the graph changes
     order = list(gm.graph.nodes)
     for k in keys:

@@ -74,7 +74,7 @@ def _count_collectives() -> Iterator[dict[str, int]]:
 def recompute_case(c: dict) -> dict:
     """Run on every rank (see the module docstring); rank 0's dict is the result."""
     import gpt
-    from autopar.passes.recompute import recompute
+    from autopar.passes.recompute import checkpoint, recompute
 
     from autopar import MeshSpec, auto_parallel
     from autopar.runtime import collectives as C
@@ -91,7 +91,7 @@ def recompute_case(c: dict) -> dict:
     recompute(pm.inner, set(c["keys"]))
     comm = {C.all_reduce, C.all_gather, C.reduce_scatter, C.all_to_all}
     bodies = [pm.inner.get_submodule(n.args[0].target) for n in pm.inner.graph.nodes
-              if n.target is torch.utils.checkpoint.checkpoint]
+              if n.target is checkpoint]
     res: dict = {"plan_params": pm.plan.params(), "code_has_checkpoint": "checkpoint(" in pm.code,
                  "recomputed_layers": sorted(b.__class__.__name__ for b in bodies),
                  "recomputed_collectives": sum(n.target in comm for b in bodies for n in b.graph.nodes),

@@ -15,7 +15,7 @@ import pytest
 import torch
 from autopar.cost_models import MeshSpec
 from autopar.passes.lower import lower
-from autopar.passes.recompute import RecomputeError, recompute
+from autopar.passes.recompute import RecomputeError, checkpoint, recompute
 from torch import fx, nn
 
 from autopar.annotate import annotate
@@ -61,9 +61,9 @@ def test_recompute_is_exact_and_saves_the_blocks_activations(lowered) -> None:
 
     # the pass introduces no parameters: the submodules take them as inputs
     assert [n for n, _ in gm.named_parameters()] == [n for n, _ in ref.named_parameters()]
-    calls = [n for n in gm.graph.nodes if n.target is torch.utils.checkpoint.checkpoint]
+    calls = [n for n in gm.graph.nodes if n.target is checkpoint]
     assert [n.meta["autopar_layer"] for n in calls] == ["blocks.1", "blocks.2"]
-    assert "torch.utils.checkpoint.checkpoint(recompute_blocks_1" in gm.code
+    assert "checkpoint(recompute_blocks_1" in gm.code
     assert not any(n.meta.get("autopar_layer") in ("blocks.1", "blocks.2")
                    for n in gm.graph.nodes if n.op == "call_function" and n not in calls)
 
