@@ -27,7 +27,7 @@ from autopar.plan import Plan
 warnings.filterwarnings("always", category=AutoparWarning)
 
 
-def load(directory, batch: str = "global") -> ParallelModule:
+def load(directory, batch: str = "global", timeout: float = 600.0) -> ParallelModule:
     """Load a module written by :meth:`ParallelModule.export` (under torchrun: collective).
 
     Only a complete export loads: its ``MANIFEST.json`` (written last) must be there and
@@ -36,10 +36,10 @@ def load(directory, batch: str = "global") -> ParallelModule:
     the mesh raises :class:`LoadError` naming the file on every rank (the same message);
     a world size other than the export's raises :class:`MeshMismatchError`.  If an export
     into the same directory crashed mid-swap, the complete export beside it is loaded
-    with a warning.  docs/reliability.md lists the faults and the errors.  ``batch`` is
-    as in :func:`auto_parallel`."""
+    with a warning.  docs/reliability.md lists the faults and the errors.  ``batch`` and
+    ``timeout`` (seconds, default 600) are as in :func:`auto_parallel`."""
     from autopar.loading import load_module
-    return load_module(directory, batch=batch)
+    return load_module(directory, batch=batch, timeout=timeout)
 
 
 __all__ = [

@@ -141,7 +141,7 @@ def _build_inner(parts: _Parts, directory: Path) -> tuple[fx.GraphModule, Any, A
     return inner, in_spec, out_spec
 
 
-def load_module(directory: str | Path, batch: str = "global") -> ParallelModule:
+def load_module(directory: str | Path, batch: str = "global", timeout: float = 600.0) -> ParallelModule:
     """Build this rank's ParallelModule from an export directory (no planning).
 
     Collective: every rank first checks the manifest, the checksums and the contents of
@@ -149,13 +149,16 @@ def load_module(directory: str | Path, batch: str = "global") -> ParallelModule:
     inconsistent export raises the same :class:`~autopar.errors.LoadError` (or
     :class:`~autopar.errors.MeshMismatchError`) on every rank, naming the file, before
     any rank starts collectives that its peers would never join.  ``batch`` is as in
-    :func:`autopar.auto_parallel` (``"local"``: each data-parallel rank passes its part)."""
+    :func:`autopar.auto_parallel` (``"local"``: each data-parallel rank passes its part);
+    ``timeout`` (seconds) is the collective timeout of a process group created here."""
     from autopar.parallel_module import ParallelModule
     from autopar.runtime.mesh import init_mesh
 
     directory = Path(directory).absolute()
     if not dist.is_initialized() and "RANK" in os.environ:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        import datetime
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout))
     world = dist.get_world_size() if dist.is_initialized() else None
     rank = dist.get_rank() if dist.is_initialized() else 0
     err: AutoparError | None = None

@@ -10,11 +10,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from autopar.module_loop import LoopMixin, move_to_device
 from autopar.module_state import StateMixin, TensorInfo
 from autopar.placement import is_replicate, parse_placements
 from autopar.plan import Plan
 from autopar.runtime import rng
-from autopar.runtime.inputs import BatchMode, InputBinder, data_parallel_axes, data_parallel_coords
+from autopar.runtime.inputs import BatchMode, InputBinder, data_parallel_axes
 from autopar.sharding import gather_tensor, shard_tensor
 
 # attribute names of ParallelModule itself: a model's top-level submodule or parameter
@@ -23,30 +24,7 @@ _RESERVED = frozenset({"inner", "plan", "aliases", "state_keys", "rank", "runner
                        "grad_sync", "lowered_graph", "code", "binder", "info", "training"})
 
 
-def _move(module: nn.Module, device: torch.device) -> None:
-    """Move parameters and buffers to ``device`` in place, except meta stand-ins (other
-    pipeline stages' weights on a loaded module, which this rank drops)."""
-    with torch.no_grad():
-        for m in module.modules():
-            for store in (m._parameters, m._buffers):
-                for k, t in store.items():
-                    if t is not None and not t.is_meta and t.device != device:
-                        if isinstance(t, nn.Parameter):
-                            t.data = t.data.to(device)
-                        else:
-                            store[k] = t.to(device)
-            if isinstance(m, torch.fx.GraphModule):  # tensor constants export lifted
-                for n in m.graph.nodes:
-                    if n.op != "get_attr":
-                        continue
-                    *path, leaf = n.target.split(".")
-                    owner = m.get_submodule(".".join(path)) if path else m
-                    t = owner.__dict__.get(leaf)
-                    if isinstance(t, torch.Tensor) and not t.is_meta and t.device != device:
-                        setattr(owner, leaf, t.to(device))
-
-
-class ParallelModule(StateMixin, nn.Module):
+class ParallelModule(LoopMixin, StateMixin, nn.Module):
     r"""This rank's part of a planned model.
 
     Under a process group its parameters are ``nn.Parameter``\ s holding DTensors on
@@ -103,7 +81,7 @@ class ParallelModule(StateMixin, nn.Module):
         if runtime:
             # one device per process (cuda:LOCAL_RANK under NCCL): weights, buffers and the
             # graph's constants move there before anything views them
-            _move(inner, self._mesh_rt.device)
+            move_to_device(inner, self._mesh_rt.device)
             from autopar.passes.device import set_device
             set_device([m for m in inner.modules() if isinstance(m, torch.fx.GraphModule)],
                        self._mesh_rt.device)
@@ -209,20 +187,6 @@ class ParallelModule(StateMixin, nn.Module):
             if t in self._placements and isinstance(p, nn.Parameter) and p.requires_grad:
                 params.append((p, self._replicated_axes(t)))
         self.grad_sync = GradSync(params)
-
-    def _start_rng(self) -> None:
-        """One generator for the graph's dropouts, seeded alike on every rank with rank
-        0's seed (``torch.initial_seed()``): see :mod:`autopar.runtime.rng`."""
-        box = [torch.initial_seed()]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(box, src=0)
-        self.rng = torch.Generator(device=self._mesh_rt.device)
-        self.rng.manual_seed(int(box[0]))
-
-    def manual_seed(self, seed: int) -> None:
-        """Seed the dropout generator (call with the same seed on every rank): dropout
-        then draws what one process would draw after ``torch.manual_seed(seed)``."""
-        self.rng.manual_seed(seed)
 
     def _frozen(self, t: str) -> bool:
         return all(n in self.info.frozen for n in self.aliases.get(t, [t]))
@@ -381,58 +345,6 @@ class ParallelModule(StateMixin, nn.Module):
             with free_gathered_params():
                 return self.runner.step(flat)
         return self.runner.step(flat)
-
-    # ------------------------------------------------------------ training-loop habits
-    def train(self, mode: bool = True) -> ParallelModule:
-        """Switch dropout and batch norm between training and evaluation, as
-        ``nn.Module.train`` does for the original model: the generated graphs' dropout
-        and batch-norm calls take the mode as an argument, which is set here."""
-        super().train(mode)
-        from autopar.passes.train_mode import set_train_mode
-        graphs = [m for m in self.inner.modules() if isinstance(m, torch.fx.GraphModule)]
-        if self.runner is not None:
-            graphs += [m for m in self.runner.stage.module.modules() if isinstance(m, torch.fx.GraphModule)]
-        set_train_mode(graphs, mode)
-        return self
-
-    @property
-    def data_parallel_size(self) -> int:
-        """How many different parts the global batch is split into: give
-        ``DistributedSampler(num_replicas=pm.data_parallel_size, ...)``."""
-        return data_parallel_coords(self.binder.dp_axes, self.plan.mesh.shape, self._coord())[1]
-
-    @property
-    def data_parallel_rank(self) -> int:
-        """Which part of the global batch this rank holds (``DistributedSampler``'s
-        ``rank``); tensor-parallel peers and pipeline stages share it."""
-        return data_parallel_coords(self.binder.dp_axes, self.plan.mesh.shape, self._coord())[0]
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip gradients by their global norm over every rank and pipeline stage and
-        return that norm (a plain tensor, equal on every rank).  Without a pipeline this
-        equals ``torch.nn.utils.clip_grad_norm_(pm.parameters(), ...)``; with one, torch's
-        function sees only this stage's parameters, so use this method."""
-        from torch.distributed.tensor import DTensor
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if grads:
-            total = torch.nn.utils.get_total_norm(grads, norm_type)
-            total = total.full_tensor() if isinstance(total, DTensor) else total
-        else:
-            total = torch.zeros((), device=self._mesh_rt.device)
-        m = self._mesh_rt
-        if m is not None and m.stages > 1:
-            pp = m.device_mesh.get_group(0)
-            if norm_type == float("inf"):
-                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp)
-            else:
-                total = total.pow(norm_type)
-                dist.all_reduce(total, group=pp)
-                total = total.pow(1.0 / norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        with torch.no_grad():
-            for g in grads:
-                (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
-        return total
 
     @property
     def code(self) -> str:

@@ -15,14 +15,7 @@ import copy
 import torch
 import torch.distributed as dist
 
-
-def _max_err(a: dict, b: dict) -> tuple[float, str]:
-    worst, where = 0.0, ""
-    for k in b:
-        e = (a[k].float() - b[k].float()).abs().max().item()
-        if e > worst:
-            worst, where = e, k
-    return worst, where
+from tests.dist.harness import _max_err
 
 
 def _clip(pm, max_norm: float) -> float:
@@ -76,8 +69,8 @@ def run_hf_case(c: dict) -> dict:
             res["out_type"] = type(out).__name__ if out is not None else type(rout).__name__
             res["ref_type"] = type(rout).__name__
             grads = pm.full_grads()
-            res["grad_err"], res["grad_worst"] = _max_err(grads, {n: p.grad for n, p in ref.named_parameters()
-                                                                   if p.grad is not None})
+            ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+            res["grad_err"], res["grad_worst"] = _max_err(grads, ref_grads, ref_grads)
             res["grad_scale"] = max(p.grad.abs().max().item() for p in ref.parameters() if p.grad is not None)
         norm = _clip(pm, 0.1)
         rnorm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1))
@@ -88,7 +81,7 @@ def run_hf_case(c: dict) -> dict:
         opt.step()
         ropt.step()
     full = pm.full_state_dict()
-    res["adam_err"], res["adam_worst"] = _max_err(full, {n: ref.state_dict()[n] for n in names})
+    res["adam_err"], res["adam_worst"] = _max_err(full, ref.state_dict(), names)
     res["keys_match"] = sorted(full) == sorted(ref.state_dict())
     res["id"] = c["id"]
     return res

@@ -55,5 +55,6 @@ def test_dropout_two_ranks(two, case):
     _check(two[case])
 
 
+@pytest.mark.slow
 def test_dropout_four_ranks(four):
     _check(four["dp-x-tp"])

@@ -62,6 +62,7 @@ def test_loss_two_ranks(two, case, kind):
     _check(two, case, kind)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["dp4", "dp-x-tp"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_loss_four_ranks(four, case, kind):

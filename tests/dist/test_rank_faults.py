@@ -17,8 +17,8 @@ from tests.dist.harness import run_fn_cases
 FN = "tests.dist.rank_fault_cases:run"
 CASES = [
     {"id": "plan-error", "fn": "plan_error", "index": 1},
-    {"id": "rank0-silent", "fn": "silent", "silent": 0, "sleep": 12, "timeout": 4, "index": 2},
-    {"id": "rank1-silent", "fn": "silent", "silent": 1, "sleep": 12, "timeout": 4, "index": 3},
+    {"id": "rank0-silent", "fn": "silent", "silent": 0, "sleep": 10, "timeout": 4, "index": 2},
+    {"id": "rank1-silent", "fn": "silent", "silent": 1, "sleep": 10, "timeout": 4, "index": 3},
 ]
 
 

@@ -1,0 +1,108 @@
+"""Training-loop habits of a ParallelModule: ``train()``/``eval()``, data-parallel
+coordinates for ``DistributedSampler``, clipping over every pipeline stage, the dropout
+generator, and moving weights to the rank's device (a mixin of
+:class:`autopar.parallel_module.ParallelModule`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopar.runtime.inputs import data_parallel_coords
+
+
+def move_to_device(module: nn.Module, device: torch.device) -> None:
+    """Move parameters and buffers to ``device`` in place, except meta stand-ins (other
+    pipeline stages' weights on a loaded module, which this rank drops)."""
+    with torch.no_grad():
+        for m in module.modules():
+            for store in (m._parameters, m._buffers):
+                for k, t in store.items():
+                    if t is not None and not t.is_meta and t.device != device:
+                        if isinstance(t, nn.Parameter):
+                            t.data = t.data.to(device)
+                        else:
+                            store[k] = t.to(device)
+            if isinstance(m, torch.fx.GraphModule):  # tensor constants export lifted
+                for n in m.graph.nodes:
+                    if n.op != "get_attr":
+                        continue
+                    *path, leaf = n.target.split(".")
+                    owner = m.get_submodule(".".join(path)) if path else m
+                    t = owner.__dict__.get(leaf)
+                    if isinstance(t, torch.Tensor) and not t.is_meta and t.device != device:
+                        setattr(owner, leaf, t.to(device))
+
+
+class LoopMixin:
+    """See the module docstring; expects ParallelModule's attributes."""
+
+    def _start_rng(self) -> None:
+        """One generator for the graph's dropouts, seeded alike on every rank with rank
+        0's seed (``torch.initial_seed()``): see :mod:`autopar.runtime.rng`."""
+        box = [torch.initial_seed()]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        self.rng = torch.Generator(device=self._mesh_rt.device)
+        self.rng.manual_seed(int(box[0]))
+
+    def manual_seed(self, seed: int) -> None:
+        """Seed the dropout generator (call with the same seed on every rank): dropout
+        then draws what one process would draw after ``torch.manual_seed(seed)``."""
+        self.rng.manual_seed(seed)
+
+    # ------------------------------------------------------------ training-loop habits
+    def train(self, mode: bool = True):
+        """Switch dropout and batch norm between training and evaluation, as
+        ``nn.Module.train`` does for the original model: the generated graphs' dropout
+        and batch-norm calls take the mode as an argument, which is set here."""
+        super().train(mode)
+        from autopar.passes.train_mode import set_train_mode
+        graphs = [m for m in self.inner.modules() if isinstance(m, torch.fx.GraphModule)]
+        if self.runner is not None:
+            graphs += [m for m in self.runner.stage.module.modules() if isinstance(m, torch.fx.GraphModule)]
+        set_train_mode(graphs, mode)
+        return self
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many different parts the global batch is split into: give
+        ``DistributedSampler(num_replicas=pm.data_parallel_size, ...)``."""
+        return data_parallel_coords(self.binder.dp_axes, self.plan.mesh.shape, self._coord())[1]
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which part of the global batch this rank holds (``DistributedSampler``'s
+        ``rank``); tensor-parallel peers and pipeline stages share it."""
+        return data_parallel_coords(self.binder.dp_axes, self.plan.mesh.shape, self._coord())[0]
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip gradients by their global norm over every rank and pipeline stage and
+        return that norm (a plain tensor, equal on every rank).  Without a pipeline this
+        equals ``torch.nn.utils.clip_grad_norm_(pm.parameters(), ...)``; with one, torch's
+        function sees only this stage's parameters, so use this method."""
+        from torch.distributed.tensor import DTensor
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if grads:
+            total = torch.nn.utils.get_total_norm(grads, norm_type)
+            total = total.full_tensor() if isinstance(total, DTensor) else total
+        else:
+            total = torch.zeros((), device=self._mesh_rt.device)
+        m = self._mesh_rt
+        if m is not None and m.stages > 1:
+            pp = m.device_mesh.get_group(0)
+            if norm_type == float("inf"):
+                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp)
+            else:
+                total = total.pow(norm_type)
+                dist.all_reduce(total, group=pp)
+                total = total.pow(1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        with torch.no_grad():
+            for g in grads:
+                (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
+        return total
+
+
+__all__ = ["LoopMixin", "move_to_device"]
