@@ -38,7 +38,8 @@ SLOW2 = _cases(["llama"], ["zero3", "pp2"], (2,)) + _cases(["bert"], ["tp"], (2,
     + _cases(["mixtral", "t5", "vit", "gpt2"], ["auto", "tp", "zero3", "pp2"], (2,)) \
     + _cases(["bert"], ["auto", "zero3"], (2,)) + _cases(["mistral", "qwen2"], ["auto", "tp"], (2,)) \
     + _cases(["llama"], ["zero1", "zero2"], (2,))
-SLOW4 = _cases(["llama", "bert"], ["tp"], (2, 2)) + _cases(["llama"], ["pp2", "zero3"], (4,))
+SLOW4 = _cases(["llama", "mixtral", "bert", "t5", "vit", "gpt2"], ["tp"], (2, 2)) \
+    + _cases(["llama"], ["pp2", "zero3"], (4,))
 
 
 def check(r: dict) -> None:
