@@ -83,5 +83,5 @@ def run_hf_case(c: dict) -> dict:
     full = pm.full_state_dict()
     res["adam_err"], res["adam_worst"] = _max_err(full, ref.state_dict(), names)
     res["keys_match"] = sorted(full) == sorted(ref.state_dict())
-    res["id"] = c["id"]
+    res["id"], res["stages"] = c["id"], pm.plan.decisions.pipeline_stages
     return res
