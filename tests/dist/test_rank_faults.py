@@ -22,25 +22,34 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    d = tmp_path_factory.mktemp("faults")
-    for c in CASES:  # one process group each: a silent rank may leave the group unusable
+def _run(cases: list[dict], d) -> dict:
+    for c in cases:  # one process group each: a silent rank may leave the group unusable
         run_fn_cases(2, FN, [{**c, "dir": str(d)}])
     return {c["id"]: [json.loads((d / f"{c['id']}-{r}.json").read_text()) for r in (0, 1)]
-            for c in CASES}
+            for c in cases}
 
 
-def test_plan_error_reaches_every_rank(results):
-    a, b = results["plan-error"]
+@pytest.fixture(scope="module")
+def plan_error(tmp_path_factory):
+    return _run(CASES[:1], tmp_path_factory.mktemp("faults"))
+
+
+@pytest.fixture(scope="module")
+def silent(tmp_path_factory):
+    return _run(CASES[1:], tmp_path_factory.mktemp("faults"))
+
+
+def test_plan_error_reaches_every_rank(plan_error):
+    a, b = plan_error["plan-error"]
     assert a["error"] == b["error"] == "PlanError"
     assert a["message"] == b["message"] and "nope.weight" in a["message"]
 
 
-@pytest.mark.parametrize("case,silent", [("rank0-silent", 0), ("rank1-silent", 1)])
-def test_silent_rank_is_named_within_the_timeout(results, case, silent):
-    waiting = results[case][1 - silent]
+@pytest.mark.slow  # two process groups that wait out a 4 s timeout each
+@pytest.mark.parametrize("case,silent_rank", [("rank0-silent", 0), ("rank1-silent", 1)])
+def test_silent_rank_is_named_within_the_timeout(silent, case, silent_rank):
+    waiting = silent[case][1 - silent_rank]
     assert waiting["error"] == "RankTimeoutError", waiting
     msg = waiting["message"]
-    assert f"rank {silent} " in msg or f"Ranks {silent} " in msg or f"Rank {silent} " in msg, msg
+    assert f"rank {silent_rank} " in msg or f"Ranks {silent_rank} " in msg or f"Rank {silent_rank} " in msg, msg
     assert waiting["seconds"] < 4 + 6  # the 4 s timeout, plus planning time under load

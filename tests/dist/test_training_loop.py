@@ -97,6 +97,7 @@ def test_local_batch(two, case, dp):
         assert losses == pytest.approx(r["refs"], rel=1e-5)
 
 
+@pytest.mark.slow  # a 4-rank process group
 def test_local_batch_2x2(four):
     r = _ok(four[0]["local-2x2"])
     # tensor-parallel peers (axis 1) share a data-parallel rank
@@ -105,6 +106,7 @@ def test_local_batch_2x2(four):
         assert losses == pytest.approx(r["refs"], rel=1e-5)
 
 
+@pytest.mark.slow  # a 4-rank process group (TP2 x DP2 -> DP4 needs four ranks)
 def test_dcp_round_trip_and_reshard(four):
     # before: DCP de-duplicated different shards saved under one key (silent corruption)
     res, d = four
