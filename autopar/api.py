@@ -103,10 +103,10 @@ def _shared_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: 
             cap, p = _capture_and_plan(model, example_inputs, mesh, example_kwargs, opts)
         except Exception as e:
             if multi:
-                agree.publish(agree.error_payload(e))
+                agree.publish(agree.error_payload(e), timeout)
             raise
         if multi:
-            agree.publish({"plan": p.to_json()})
+            agree.publish({"plan": p.to_json()}, timeout)
     elif given is None:
         payload = agree.wait(timeout)
         if "error" in payload:

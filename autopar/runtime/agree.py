@@ -58,14 +58,21 @@ def rebuild(payload: dict) -> BaseException:
     return AutoparError(f"rank 0 failed while planning: {payload['error']}: {payload['message']}")
 
 
-def publish(payload: dict) -> None:
-    """Rank 0: make ``payload`` (JSON-able) available to the other ranks."""
+def publish(payload: dict, timeout: float = 600.0) -> None:
+    """Rank 0: make ``payload`` (JSON-able) available to the other ranks.  An error
+    payload waits (at most ``timeout`` s) until they have read it: the store lives in
+    rank 0's process, so a rank 0 that raises and exits at once could take it along (a
+    plan is followed by :func:`all_arrived`, which every rank reaches after reading)."""
     store = _store()
     data = json.dumps(payload)
     if store is None:  # no store to poll: fall back to a blocking broadcast
         dist.broadcast_object_list([data], src=0)
         return
-    store.set(_key(), data)
+    key = _key()
+    store.set(key, data)
+    deadline = time.monotonic() + (timeout if "error" in payload else 0.0)
+    while store.add(key + "/read", 0) < dist.get_world_size() - 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def wait(timeout: float, report_every: float = 30.0) -> dict:
@@ -80,7 +87,9 @@ def wait(timeout: float, report_every: float = 30.0) -> dict:
     while True:
         try:
             if store.check([key]):
-                return json.loads(store.get(key))
+                payload = json.loads(store.get(key))
+                store.add(key + "/read", 1)  # rank 0 may now go on (or exit)
+                return payload
         except (RuntimeError, OSError, dist.DistStoreError) as e:
             raise RankTimeoutError(f"rank {dist.get_rank()}: lost rank 0 while it was planning "
                                    f"({type(e).__name__}: {str(e)[:200]}); see rank 0's error") from e
