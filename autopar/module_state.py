@@ -71,8 +71,7 @@ class StateMixin:
             return as_dtensor(whole, self._dparams.mesh, pl, tuple(self._param_nodes[t].shape[0]))
         if e is not None:
             return e.param
-        _, x = next((tt, x) for tt, x in self._targets() if tt == t)
-        return x
+        return self.inner.get_buffer(t)  # a held target without a DTensor entry is a buffer
 
     def _held_keys(self) -> list[str]:
         """The state keys this rank holds: all of them, or its pipeline stage's (DCP

@@ -27,7 +27,6 @@ uses the parameters' own shapes.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -124,10 +123,6 @@ class DParams:
                 e.param.grad = None
             elif not isinstance(e.param.grad, DTensor) or e.param.grad._local_tensor is not g:
                 e.param.grad = as_dtensor(g, self.mesh, e.placements, e.shape)
-
-    def numel(self) -> int:
-        """Elements of the local tensors (for overhead accounting)."""
-        return sum(math.prod(e.local.shape) for e in self.entries)
 
 
 def register_tree(root: nn.Module, name: str, value: torch.Tensor, *, buffer: bool = False,

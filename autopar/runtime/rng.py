@@ -30,11 +30,6 @@ def use(generator: torch.Generator | None) -> None:
     _CURRENT[0] = generator
 
 
-def current_generator() -> torch.Generator | None:
-    """The generator in use (``None``: torch's default generator)."""
-    return _CURRENT[0]
-
-
 @torch.fx.wrap
 def sharded_dropout(x: torch.Tensor, p: float, train: bool, global_shape: tuple[int, ...],
                     placements: str) -> torch.Tensor:
@@ -85,4 +80,4 @@ def replay_contexts():
     return forward(), recompute()
 
 
-__all__ = ["current_generator", "replay_contexts", "sharded_dropout", "use"]
+__all__ = ["replay_contexts", "sharded_dropout", "use"]
