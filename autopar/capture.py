@@ -18,7 +18,7 @@ import torch
 from torch import fx, nn
 
 from autopar.capture_checks import custom_function_guard
-from autopar.errors import AutoparWarning, CaptureError
+from autopar.errors import AutoparWarning, CaptureError, user_stacklevel
 
 _DROP_TARGETS = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size"}
 
@@ -129,7 +129,7 @@ def _frozen_python_state(model: nn.Module):
         warnings.warn(f"autopar: the forward changed Python state {desc}; the plan captured one "
                       "call, so every later call computes with that call's values. Keep such "
                       "state in tensors (buffers) or outside the model.", AutoparWarning,
-                      stacklevel=4)
+                      stacklevel=user_stacklevel())
 
 
 @contextlib.contextmanager

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from autopar.plan import Plan
 
-__all__ = ["CLIError", "decision_options", "format_decisions", "format_why", "load_factory", "main",
+__all__ = ["CLIError", "decision_options", "format_timings", "format_why", "load_factory", "main",
            "parse_bytes", "parse_recompute"]
 
 _UNITS = {
@@ -138,35 +138,6 @@ def decision_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.explore:
         out["explore"] = True
     return out
-
-
-def format_decisions(p: Plan) -> str:
-    """The plan-level decisions, one line each (printed under the table)."""
-    d = p.decisions
-    stages = (f"{d.pipeline_stages} ({d.schedule} schedule; "
-              + "; ".join(f"stage {i}: {', '.join(keys)}" for i, keys in enumerate(d.stages)) + ")"
-              if d.pipeline_stages > 1 else "1 (no pipeline)")
-    if not d.zero_stage:
-        zero = "off"
-    elif d.zero_axis is None or p.mesh.shape[d.zero_axis] == 1:
-        # e.g. forced on a mesh whose stages have one rank each: nothing to shard over
-        zero = f"stage {d.zero_stage} asked, inactive (no mesh axis of size > 1 to shard over)"
-    else:
-        zero = f"stage {d.zero_stage} over mesh axis {d.zero_axis}"
-    notes = []
-    if d.global_batch and d.global_batch % d.micro_batches == 0:
-        notes.append(f"micro-batch size {d.global_batch // d.micro_batches}")
-    if d.pipeline_stages == 1 and d.micro_batches > 1:
-        notes.append("gradient accumulation")
-    micro = f"{d.micro_batches}" + (f" ({'; '.join(notes)})" if notes else "")
-    lines = ["decisions:",
-             f"  pipeline stages  {stages}",
-             f"  micro-batches    {micro}",
-             f"  ZeRO             {zero}",
-             f"  recompute        {', '.join(d.recompute) if d.recompute else 'none'}"]
-    if d.step_seconds:
-        lines.append(f"  step time        {d.step_seconds * 1e3:.4f} ms (predicted)")
-    return "\n".join(lines)
 
 
 def format_why(p: Plan) -> str:
@@ -321,39 +292,58 @@ def cmd_plan(args) -> int:
     try:
         p = make_plan(model, inputs, mesh, example_kwargs=kwargs, pins=pins,
                       memory_budget=budget, time_limit=args.time_limit or 30.0,
-                      search=args.search, **decisions)
+                      search=args.search, progress=_progress(args), **decisions)
     except TimeoutError as e:  # the solver found no plan at all within its limit
         raise CLIError(f"{e} (--time-limit)") from e
     total = time.perf_counter() - t0
 
-    print(p.table(max_rows=args.max_rows, show_views=args.show_views))
-    print(format_decisions(p))
-    order = ("capture", "annotate", "enumerate_and_price", "solve", "lower")
-    keys = sorted(p.timings, key=lambda k: order.index(k) if k in order else len(order))
-    stages = ", ".join(f"{k} {p.timings[k]:.2f} s" for k in keys)
-    print(f"planned in {total:.2f} s ({stages})")
+    if args.format == "tsv":  # greppable: the node rows and nothing else on stdout
+        print(p.table(nodes=True, fmt="tsv", show_views=args.show_views))
+    elif args.format == "json":
+        print(p.to_json())
+    else:
+        print(p.summary())
+        print()
+        print(p.table(max_rows=args.max_rows, show_views=args.show_views, nodes=args.nodes))
+        if not args.quiet:
+            print(format_timings(p, total))
     if args.json:
         try:
             p.to_json(args.json)
         except OSError as e:
             raise CLIError(f"cannot write {args.json}: {e.strerror or e}") from None
-        print(f"plan written to {args.json}")
+        if args.format == "text":
+            print(f"plan written to {args.json}")
     for name in args.explain:
+        print()
         if name == _WHY:
-            print()
             print(format_why(p))
             continue
         try:
-            text = p.explain(name)
-        except KeyError:
-            names = list(p.nodes) + [n.param for n in p.nodes.values() if n.param] + \
-                list(getattr(p.decisions, "why", {}) or {})
-            close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
-            raise CLIError(f"--explain {name}: no node or parameter of that name in the plan"
-                           + (f"; did you mean {', '.join(close)}?" if close else "")) from None
-        print()
-        print(text)
+            print(p.explain(name))
+        except KeyError as e:
+            raise CLIError(f"--explain {name}: {e.args[0]}") from None
     return 0
+
+
+def _progress(args) -> bool:
+    """Live progress: ``--progress``/``--no-progress``; by default on a terminal only,
+    and never with ``--quiet``."""
+    if args.quiet:
+        return False
+    return sys.stderr.isatty() if args.progress is None else args.progress
+
+
+def format_timings(p: Plan, total: float) -> str:
+    """Where the planning time went, nested as it was spent: capture (and annotation)
+    once per micro-batch size, then the search; inside the search the placement ILP or
+    D-Rec of every candidate, the rest being the choice of plan-level decisions."""
+    t = p.timings
+    cap = t.get("capture", 0.0) + t.get("annotate", 0.0)
+    placement = t.get("intra_op", t.get("enumerate_and_price", 0.0) + t.get("solve", 0.0))
+    search = t.get("joint_search", total) - cap
+    return (f"planned in {total:.2f} s: capture {cap:.2f} s, search {search:.2f} s (op placement "
+            f"{placement:.2f} s, plan-level decisions {max(0.0, search - placement):.2f} s)")
 
 
 _WHY = "\0why"  # what a bare --explain appends: every decision's reason
@@ -363,6 +353,12 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for documentation and tests)."""
     ap = argparse.ArgumentParser(prog="autopar", description="Automatic parallelization "
                                  "planner for PyTorch models.")
+    from autopar.plan import versions
+
+    v = versions()
+    ap.add_argument("--version", action="version",
+                    version=f"autopar {v['autopar_version']} (torch {v['torch_version']}, "
+                            f"plan schema {v['schema_version']})")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser(
         "plan", help="plan a model and print the plan",
@@ -411,11 +407,46 @@ def build_parser() -> argparse.ArgumentParser:
                         "blocks.0,blocks.1, or none (repeatable)")
     d.add_argument("--explore", action="store_true",
                    help="also try pipelines and micro-batches when the plain plan fits")
-    p.add_argument("--max-rows", type=int, default=None, help="truncate the table")
+    o = p.add_argument_group("output")
+    o.add_argument("--nodes", action="store_true",
+                   help="one row per graph node instead of per layer (after the summary)")
+    o.add_argument("--format", choices=("text", "tsv", "json"), default="text",
+                   help="text (summary and tables, default), tsv (the node rows only, "
+                        "tab-separated) or json (the plan)")
+    o.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="live search progress on stderr (default: on when stderr is a terminal)")
+    o.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress and no timing line; warnings and errors only on stderr")
+    o.add_argument("-v", "--verbose", action="count", default=0,
+                   help="log what autopar does (-v: phases, -vv: detail) on stderr")
+    p.add_argument("--max-rows", type=int, default=None, help="truncate the node table")
     p.add_argument("--show-views", action="store_true",
                    help="also list free ops (views, getitems) in the table")
     p.set_defaults(func=cmd_plan)
+    from autopar.cli_tools import add_parsers
+
+    add_parsers(sub)
     return ap
+
+
+def _logging(args) -> None:
+    """``-v``/``-vv``: the ``autopar`` logger at INFO/DEBUG on stderr."""
+    import logging
+
+    level = {0: None, 1: logging.INFO}.get(getattr(args, "verbose", 0), logging.DEBUG)
+    if level is None:
+        return
+    log = logging.getLogger("autopar")
+    log.setLevel(level)
+    # our own handler on stderr (whatever the root logger has); handlers of earlier runs
+    # in this process are replaced so that sys.stderr is the current one
+    for h in [h for h in log.handlers if getattr(h, "_autopar_cli", False)]:
+        log.removeHandler(h)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    handler._autopar_cli = True  # type: ignore[attr-defined]
+    log.addHandler(handler)
+    log.propagate = False
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -431,6 +462,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from autopar.errors import AutoparError
 
+    _logging(args)
     try:
         return args.func(args)
     except CLIError as e:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 
 class AutoparError(Exception):
     """Base class of autopar's errors."""
@@ -45,3 +47,34 @@ class AutoparWarning(UserWarning):
     """Something planned differently from what the user may expect (an op without a
     sharding rule runs replicated, ...).  Shown every time a plan is made: the same
     warning text is also kept in ``plan.warnings``."""
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_OURS = tuple(os.path.join(_ROOT, pkg) + os.sep for pkg in ("autopar", "passes", "cost_models"))
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for ``warnings.warn`` called in the function that calls this
+    one, attributing the warning to the first frame outside autopar (the user's
+    ``plan(...)`` or ``auto_parallel(...)`` line); torch's and the standard library's frames between
+    (export, contextlib) are skipped too, since the user did not write them either."""
+    import sys
+
+    frame = sys._getframe(1)  # our caller, which passes the result to warnings.warn: level 1
+    level = 1
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not (name.startswith(_OURS) or "/torch/" in name or name.startswith("<frozen")
+                or name.endswith(("contextlib.py", "functools.py"))):
+            return level
+        frame = frame.f_back
+        level += 1
+    return 1
+
+
+def warn(message: str, category: type[Warning] | None = None) -> None:
+    """``warnings.warn`` attributed to the user's call site (see :func:`user_stacklevel`);
+    ``category`` defaults to :class:`AutoparWarning`."""
+    import warnings
+
+    warnings.warn(message, category or AutoparWarning, stacklevel=user_stacklevel())

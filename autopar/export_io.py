@@ -42,7 +42,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from autopar.errors import AutoparError, ExportError, LoadError, MeshMismatchError
+from autopar.errors import AutoparError, ExportError, LoadError, MeshMismatchError, user_stacklevel
 from autopar.plan import SCHEMA_VERSION, Plan, versions
 
 MANIFEST = "MANIFEST.json"
@@ -153,7 +153,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     if m["torch_version"] != versions()["torch_version"]:
         warnings.warn(f"{directory} was exported with torch {m['torch_version']} but this is "
                       f"torch {versions()['torch_version']}: it loads, but if training differs "
-                      "re-export with this torch", stacklevel=3)
+                      "re-export with this torch", stacklevel=user_stacklevel())
     return m
 
 

@@ -18,22 +18,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 import time
 import warnings
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from autopar.annotate import annotate
 from autopar.capture import Captured, capture
 from autopar.cost_models import MeshSpec, format_bytes, send_recv_time
-from autopar.errors import AutoparWarning, PlanError
+from autopar.errors import AutoparWarning, PlanError, user_stacklevel
 from autopar.ir import info
 from autopar.layers import layer_keys
-from autopar.plan import Decisions, Plan, Schedule
+from autopar.plan import Decisions, Plan, Request, Schedule
+from autopar.progress import report, show
 from autopar.search import PlanOptions, make_plan
 from autopar.solve.layer_stats import LayerStat, layer_stats
 from autopar.solve.pipeline import Config, Priced, price
@@ -176,6 +176,7 @@ class JointSearch:
     def _capture(self, micro: int) -> Captured:
         size = batch_size(self._call) // micro
         if size not in self.captures:
+            report(f"capturing the model at micro-batch size {size}")
             cap = capture(self.model, *micro_inputs(self._call, micro))
             t0 = time.perf_counter()
             annotate(cap.gm)
@@ -189,6 +190,8 @@ class JointSearch:
         cap = self._capture(micro)
         t0 = time.perf_counter()
         left = self.opts.time_limit - self._spent()
+        report(f"placing ops for {stages} stage(s) x {micro} micro-batch(es) on sub-mesh "
+               f"{'x'.join(map(str, sub.shape))}")
         intra_opts = dataclasses.replace(self.opts, memory_budget=budget, time_limit=max(1.0, left),
                                          choose_limit=self.opts.time_limit)
         p = make_plan(cap.gm, sub, cap.aliases, intra_opts)
@@ -240,10 +243,8 @@ class JointSearch:
 
     # ------------------------------------------------------------ search
     def _say(self, msg: str) -> None:
-        """One progress line on stderr (``progress=True``): phase and elapsed time."""
-        if self.opts.progress:
-            print(f"[autopar {time.perf_counter() - self._t0:7.2f} s] {msg}", file=sys.stderr,
-                  flush=True)
+        """One finished step for the progress display and the log (:mod:`autopar.progress`)."""
+        report(msg, done=True)
 
     def _spent(self) -> float:
         """Seconds of search so far: capture and annotation are not charged to the time
@@ -288,6 +289,10 @@ class JointSearch:
 
     def run(self) -> tuple[Captured, Plan]:
         """Search and return the chosen capture (at the micro-batch size) and plan."""
+        with show(bool(self.opts.progress), self.opts.time_limit):
+            return self._run()
+
+    def _run(self) -> tuple[Captured, Plan]:
         self._t0 = t0 = time.perf_counter()
         self._stopped = False
         stages = self.opts.pipeline_stages or 1
@@ -343,9 +348,11 @@ class JointSearch:
             zero_stage=cfg.zero_stage, zero_axis=cfg.zero_axis, recompute=recompute,
             global_batch=batch_size(self._call),
             stage_seconds=[sp.seconds for sp in pr.stages],
-            stage_memory=[sp.total_memory for sp in pr.stages], step_seconds=pr.step_seconds)
+            stage_memory=[sp.total_memory for sp in pr.stages], step_seconds=pr.step_seconds,
+            breakdown=pr.breakdown())
         d.why = self._why(pr)
         plan.decisions = d
+        plan.request = request(cand.cap.gm, cfg.micro_batches, list(self.mesh.shape), self.budget)
         worst = max(pr.stages, key=lambda sp: sp.total_memory)
         plan.memory = dict(worst.memory)
         plan.memory["total"] = worst.total_memory
@@ -411,6 +418,25 @@ class JointSearch:
         return why
 
 
+def request(gm: fx.GraphModule, micro_batches: int, mesh_shape: list[int],
+            budget: float) -> Request:
+    """The plan's :class:`~autopar.plan.Request` from the graph captured at the
+    micro-batch size: tokens are read from the first integer input of two or more dims
+    (token ids: batch x sequence), FLOPs from the annotated ops (x3: forward + backward)."""
+    tokens = 0
+    for n in gm.graph.nodes:
+        if n.op != "placeholder" or info(n).param or info(n).buffer or len(info(n).outputs) != 1:
+            continue
+        t = info(n).out
+        if t.ndim >= 2 and not t.dtype.is_floating_point and not t.dtype.is_complex \
+                and t.dtype != torch.bool:
+            tokens = t.shape[0] * t.shape[1] * micro_batches
+            break
+    flops = sum(info(n).flops for n in gm.graph.nodes if n.op == "call_function")
+    return Request(mesh_shape=mesh_shape, memory_budget_bytes=float(budget), tokens_per_step=tokens,
+                   model_flops_per_step=3.0 * flops * micro_batches)
+
+
 def joint_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOptions,
                example_kwargs: dict | None = None) -> tuple[Captured, Plan]:
     """Run :class:`JointSearch`; warnings raised while planning are kept on the plan."""
@@ -421,8 +447,8 @@ def joint_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: Pl
         if str(w.message) not in p.warnings:
             p.warnings.append(str(w.message))
     for msg in p.warnings:  # shown with every plan, not once per process
-        warnings.warn(msg, AutoparWarning, stacklevel=3)
+        warnings.warn(msg, AutoparWarning, stacklevel=user_stacklevel())
     return cap, p
 
 
-__all__ = ["JointSearch", "batch_size", "joint_plan", "micro_inputs", "split_mesh"]
+__all__ = ["JointSearch", "batch_size", "joint_plan", "micro_inputs", "request", "split_mesh"]

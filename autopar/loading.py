@@ -28,7 +28,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from autopar import export_io
-from autopar.errors import AutoparError, LoadError, MeshMismatchError
+from autopar.errors import AutoparError, LoadError, MeshMismatchError, user_stacklevel
 from autopar.export import EXTRA_KEY, _retrace
 from autopar.module_state import TensorInfo
 from autopar.plan import Plan
@@ -73,7 +73,7 @@ def _read_export(directory: Path, rank: int, world: int | None) -> _Parts:
     :class:`~autopar.errors.AutoparError` naming the file."""
     found, warning = export_io.resolve(directory)
     if warning:
-        warnings.warn(warning, stacklevel=3)
+        warnings.warn(warning, stacklevel=user_stacklevel())
     manifest = export_io.read_manifest(found)
     if world is not None and manifest["world_size"] != world:
         raise MeshMismatchError(

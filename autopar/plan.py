@@ -14,7 +14,6 @@ file, the node and the field (:class:`~autopar.errors.LoadError`).
 
 from __future__ import annotations
 
-import io
 import json
 import warnings
 from dataclasses import asdict, dataclass, field, fields
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.cost_models import MeshSpec, format_bytes
-from autopar.errors import LoadError
+from autopar.errors import LoadError, user_stacklevel
 
 SCHEMA_VERSION = 1
 """Version of the plan JSON layout; bumped whenever a field changes meaning or goes away."""
@@ -82,6 +81,11 @@ class NodePlan:
     memory: float = 0.0
     param: str | None = None
     layer: str = ""
+    flops: float = 0.0
+    """Forward FLOPs of the op on the whole (unsharded) micro-batch."""
+    local_seconds: float = 0.0
+    """This node's price with its neighbours' choices fixed (its own cost plus its
+    edges' redistributions): the number :attr:`alternatives` are comparable with."""
     redistributions: list[Redistribution] = field(default_factory=list)
     alternatives: list[Alternative] = field(default_factory=list)
 
@@ -113,6 +117,21 @@ class Schedule(StrEnum):
 
 
 @dataclass
+class Request:
+    """What the plan was asked for and the work one training step does: the mesh as the
+    user gave it (before pipeline stages were carved out of its first axis), the memory
+    budget per device, and per step the tokens (0 when the model takes no token ids) and
+    the model FLOPs (forward + backward of the whole global batch, backward counted as
+    twice the forward as in the usual MFU convention).  The summary derives tokens/s,
+    samples/s and MFU from them."""
+
+    mesh_shape: list[int] = field(default_factory=list)
+    memory_budget_bytes: float = 0.0
+    tokens_per_step: int = 0
+    model_flops_per_step: float = 0.0
+
+
+@dataclass
 class Decisions:
     """Plan-level decisions beside the per-node placements (issue: ZeRO, pipeline,
     recomputation, gradient accumulation), with the numbers that justify them.
@@ -139,6 +158,13 @@ class Decisions:
     stage_memory: list[float] = field(default_factory=list)
     step_seconds: float = 0.0
     why: dict[str, str] = field(default_factory=dict)
+    breakdown: dict[str, float] = field(default_factory=dict)
+    """``step_seconds`` on the slowest stage split into ``compute_seconds`` (forward,
+    backward and recomputation), ``exposed_comm_seconds`` (collectives on the critical
+    path: the ops' own, ZeRO gathers, pipeline sends, the gradient sync left after the
+    last backward), ``bubble_seconds`` (pipeline fill and drain); these three sum to the
+    step.  ``hidden_comm_seconds`` is gradient sync overlapped with backward (not in
+    the sum)."""
 
     def stage_of(self, layer: str) -> int:
         """Pipeline stage holding ``layer`` (0 without a pipeline)."""
@@ -166,6 +192,7 @@ class Plan:
     timings: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     decisions: Decisions = field(default_factory=Decisions)
+    request: Request = field(default_factory=Request)
 
     @property
     def world_size(self) -> int:
@@ -197,7 +224,25 @@ class Plan:
         for n in self.nodes.values():
             if n.param == name:
                 return n
-        raise KeyError(f"no node or parameter named {name!r} in the plan")
+        raise KeyError(self._unknown(name))
+
+    def explainable(self) -> list[str]:
+        """Every name :meth:`explain` accepts: decisions, layer keys, parameters, nodes."""
+        names = ["pipeline", "zero", "micro_batches", "recompute"]
+        names += sorted({n.layer for n in self.nodes.values() if n.layer})
+        names += [n.param for n in self.nodes.values() if n.param]
+        return names + list(self.nodes)
+
+    def _unknown(self, name: str) -> str:
+        import difflib
+
+        known = self.explainable()
+        close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
+        hint = f"did you mean {', '.join(close)}? " if close else ""
+        return (f"no node, parameter, layer or decision named {name!r} in the plan; {hint}"
+                f"decisions: pipeline, zero, micro_batches, recompute; layers: "
+                f"{', '.join(sorted({n.layer for n in self.nodes.values() if n.layer})) or 'none'}"
+                "; parameters and nodes: see plan.explainable()")
 
     # ------------------------------------------------------------ explaining
     def explain(self, name: str) -> str:
@@ -229,84 +274,85 @@ class Plan:
             lines.append(f"  input {r.input}: {r.src} -> {r.dst} via {', '.join(r.steps)} "
                          f"({r.seconds * 1e3:.4f} ms)")
         if n.alternatives:
-            best = min(a.seconds for a in n.alternatives)
+            # deltas against the chosen strategy on the same footing (plans written before
+            # local_seconds existed fall back to the best alternative)
+            ref, what = (n.local_seconds, "chosen") if n.local_seconds else \
+                (min(a.seconds for a in n.alternatives), "best alternative")
+            if n.local_seconds:
+                lines.append(f"  chosen, with its neighbours' choices fixed: {ref * 1e3:.4f} ms")
             lines.append("  alternatives (this node's cost with its neighbours' choices fixed):")
             for a in n.alternatives:
                 lines.append(f"    inputs {a.inputs} -> {a.outputs}: {a.seconds * 1e3:.4f} ms"
-                             f" (+{(a.seconds - best) * 1e3:.4f} ms)")
+                             f" ({(a.seconds - ref) * 1e3:+.4f} ms vs {what})")
+        from autopar.summary import LEGEND
+        lines.append(f"  ({LEGEND})")
         return "\n".join(lines)
 
-    def diff(self, other: Plan) -> str:
-        """Nodes whose placements differ between ``self`` and ``other``."""
-        lines = []
-        for name, a in self.nodes.items():
-            b = other.nodes.get(name)
-            if b is None:
-                lines.append(f"{name}: only in this plan")
-            elif (a.in_placements, a.out_placements) != (b.in_placements, b.out_placements):
-                lines.append(f"{name}: {a.in_placements}->{a.out_placements} vs "
-                             f"{b.in_placements}->{b.out_placements}")
-        lines.append(f"objective {self.objective * 1e3:.4f} ms vs {other.objective * 1e3:.4f} ms")
-        return "\n".join(lines)
+    def diff(self, other: Plan, max_nodes: int | None = None) -> str:
+        """What differs between ``self`` (A) and ``other`` (B): layout, step time, memory
+        and decisions first, then the nodes whose placements differ (at most
+        ``max_nodes`` of them, all when None)."""
+        from autopar.summary import summary_numbers
+
+        a, b = summary_numbers(self), summary_numbers(other)
+        lines = [f"layout     A {a['layout']}", f"           B {b['layout']}",
+                 f"step       A {a['step_seconds'] * 1e3:.4f} ms, B {b['step_seconds'] * 1e3:.4f} ms"
+                 f" (B/A {b['step_seconds'] / a['step_seconds']:.3f})" if a["step_seconds"] else "",
+                 f"memory     A {format_bytes(self.memory.get('total', 0))}, "
+                 f"B {format_bytes(other.memory.get('total', 0))} per device"]
+        da, db = asdict(self.decisions), asdict(other.decisions)
+        for k in ("pipeline_stages", "schedule", "micro_batches", "stages", "zero_stage",
+                  "zero_axis", "recompute"):
+            if da[k] != db[k]:
+                lines.append(f"{k:<10} A {da[k]}, B {db[k]}")
+        nodes = []
+        for name, x in self.nodes.items():
+            y = other.nodes.get(name)
+            if y is None:
+                nodes.append(f"  {name}: only in A")
+            elif (x.in_placements, x.out_placements) != (y.in_placements, y.out_placements):
+                nodes.append(f"  {name}: A {x.in_placements}->{x.out_placements}, "
+                             f"B {y.in_placements}->{y.out_placements}")
+        nodes += [f"  {name}: only in B" for name in other.nodes if name not in self.nodes]
+        lines.append(f"nodes      {len(nodes)} differ" + (":" if nodes else ""))
+        shown = nodes if max_nodes is None else nodes[:max_nodes]
+        lines += shown
+        if len(shown) < len(nodes):
+            lines.append(f"  ... {len(nodes) - len(shown)} more (autopar diff --all)")
+        return "\n".join(x for x in lines if x)
 
     # ------------------------------------------------------------ printing
-    def table(self, max_rows: int | None = None, show_views: bool = False) -> str:
-        """The plan as a text table (rich); views and getitems are hidden by default."""
-        from rich.console import Console
-        from rich.table import Table
+    def table(self, max_rows: int | None = None, show_views: bool = False, *, nodes: bool = False,
+              fmt: str = "text", width: int | None = None) -> str:
+        """The per-layer view (repeated layers folded), or with ``nodes=True`` one row per
+        graph node (views and getitems hidden unless ``show_views``).  ``fmt="tsv"``
+        gives the node rows tab-separated, for grep and spreadsheets; ``width`` overrides
+        the terminal's width."""
+        from autopar.plan_table import node_table
+        from autopar.summary import layer_view
 
-        t = Table(title=f"autopar plan: mesh {self.mesh.shape} {self.mesh.axis_names} "
-                        f"({self.mesh.name}), searcher {self.solver.searcher}/{self.solver.backend}")
-        for col in ("node", "op", "shape", "placement", "inserted collectives",
-                    "compute ms", "comm ms", "memory"):
-            t.add_column(col, overflow="fold")
-        rows = 0
-        for n in self.nodes.values():
-            if not show_views and n.kind == "op" and n.compute == 0 and not n.redistributions \
-                    and n.memory == 0:
-                continue
-            if max_rows is not None and rows >= max_rows:
-                t.add_row("...", "", "", "", "", "", "", "")
-                break
-            coll = "; ".join(f"{r.input}: {' '.join(r.steps)}" for r in n.redistributions
-                             if any(not s.startswith("local") for s in r.steps))
-            t.add_row(n.param or n.name, n.op, "x".join(map(str, n.shape[0])) if n.shape else "",
-                      ",".join(n.out_placements), coll, f"{n.compute * 1e3:.4f}",
-                      f"{n.comm * 1e3:.4f}", format_bytes(n.memory))
-            rows += 1
-        mem = self.memory
-        d = self.decisions
-        decided = (
-            f"step time {d.step_seconds * 1e3:.4f} ms: "
-            + (f"{d.pipeline_stages} pipeline stages ({d.schedule}), " if d.pipeline_stages > 1 else "")
-            + f"{d.micro_batches} micro-batch(es), "
-            + (f"ZeRO-{d.zero_stage} over axis {d.zero_axis}, " if d.zero_stage else "no ZeRO, ")
-            + (f"recompute {', '.join(d.recompute)}" if d.recompute else "no recomputation")
-            + "; per micro-batch: ") if d.step_seconds else ""
-        t.caption = decided + (
-            f"time {self.objective * 1e3:.4f} ms = compute {self.compute_seconds * 1e3:.4f} + "
-            f"communication {self.comm_seconds * 1e3:.4f} + gradient sync "
-            f"{self.grad_sync_seconds * 1e3:.4f}; memory per device "
-            f"{format_bytes(mem.get('total', 0))} (params {format_bytes(mem.get('params', 0))}, "
-            f"grads {format_bytes(mem.get('grads', 0))}, optimizer "
-            f"{format_bytes(mem.get('optimizer', 0))}, activations "
-            f"{format_bytes(mem.get('activations', 0))}); solver {self.solver.status}"
-            + (f", gap {self.solver.gap:.2%}" if self.solver.gap else "")
-            + f" in {self.solver.seconds:.2f} s"
-            + (f"; {self.solver.message}" if self.solver.message else "")
-        )
-        buf = io.StringIO()
-        Console(file=buf, width=170, force_terminal=False, color_system=None).print(t)
-        return buf.getvalue()
+        if nodes or fmt == "tsv":
+            return node_table(self, max_rows=max_rows, show_views=show_views, fmt=fmt, width=width)
+        return layer_view(self, width)
+
+    def summary(self) -> str:
+        """The plan in words: layout per mesh axis, step time split, throughput and MFU,
+        memory against the budget, decisions and why (:mod:`autopar.summary`)."""
+        from autopar.summary import summary
+
+        return summary(self)
 
     def __str__(self) -> str:
-        return self.table()
+        return self.summary() + "\n\n" + self.table()
 
     # ------------------------------------------------------------ JSON
     def to_dict(self) -> dict:
         """Plain-data form (JSON-serialisable), with the writer's versions."""
+        from autopar.summary import summary_numbers
+
         d = versions() | asdict(self)
         d["mesh"] = self.mesh.to_dict()
+        d["summary"] = summary_numbers(self)
         return d
 
     @classmethod
@@ -327,9 +373,9 @@ class Plan:
         if d.get("torch_version") not in (None, versions()["torch_version"]):
             warnings.warn(f"{source} was written with torch {d['torch_version']} but this is "
                           f"torch {versions()['torch_version']}; the plan loads, but re-plan if "
-                          "the model's captured graph changed", stacklevel=2)
+                          "the model's captured graph changed", stacklevel=user_stacklevel())
         try:
-            _known(d, cls, source, "", set(_VERSION_KEYS))
+            _known(d, cls, source, "", {*_VERSION_KEYS, "summary"})
             nodes = {}
             for k, v in d["nodes"].items():
                 where = f"nodes.{k}"
@@ -342,14 +388,17 @@ class Plan:
                 nodes[k] = NodePlan(**v)
             _known(d["solver"], SolverInfo, source, "solver")
             _known(d.get("decisions", {}), Decisions, source, "decisions")
-            rest = {k: v for k, v in d.items()
-                    if k not in ("mesh", "nodes", "solver", "decisions", *_VERSION_KEYS)}
+            _known(d.get("request", {}), Request, source, "request")
+            # "summary" is derived (to_dict writes it for readers of the JSON): not read back
+            rest = {k: v for k, v in d.items() if k not in
+                    ("mesh", "nodes", "solver", "decisions", "request", "summary", *_VERSION_KEYS)}
             try:
                 mesh = MeshSpec.from_dict(d["mesh"])
             except (ValueError, TypeError) as e:
                 raise LoadError(f"{source}: field mesh: {e}") from e
             plan = cls(mesh=mesh, nodes=nodes, solver=SolverInfo(**d["solver"]),
-                       decisions=Decisions(**d.get("decisions", {})), **rest)
+                       decisions=Decisions(**d.get("decisions", {})),
+                       request=Request(**d.get("request", {})), **rest)
         except KeyError as e:
             raise LoadError(f"{source}: required field {e} is missing (truncated or hand-edited?): "
                             "re-export") from e

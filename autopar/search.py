@@ -26,6 +26,7 @@ from autopar.ir import info, tensor_inputs
 from autopar.layers import layer_keys, layers
 from autopar.placement import R, fmt_placements
 from autopar.plan import Alternative, NodePlan, Plan, Redistribution, SolverInfo
+from autopar.progress import report
 from autopar.redistribute import plan_redistribution
 from autopar.rules import OpStrategy
 from autopar.solve.cluster import Clustering, find_clusters, shared_pricing, solve_clustered
@@ -258,6 +259,7 @@ def make_plan_drec(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts: Plan
     cm = CostModel(mesh, optimizer=opts.optimizer)
     budget = opts.memory_budget if opts.memory_budget is not None else mesh.mem_capacity
     pins = resolve_pins(gm, opts.pins, tuple(mesh.shape), aliases)
+    report(f"D-Rec search over {len(gm.graph.nodes)} graph nodes, one mesh axis at a time")
     res = drec_search(gm, mesh, cm, DRecOptions(), pins, budget)
     t1 = time.perf_counter()
     pb = build_problem(gm, mesh, {n: [s] for n, s in res.choice.items()}, cm, budget)
@@ -279,6 +281,8 @@ def make_plan(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts: PlanOptio
     if searcher is Searcher.DREC:
         return make_plan_drec(gm, mesh, aliases, opts, why)
     t0 = time.perf_counter()
+    report(f"pricing the strategies of {len(gm.graph.nodes)} graph nodes on mesh "
+           f"{'x'.join(map(str, mesh.shape))}")
     strategies = enumerate_strategies(gm, tuple(mesh.shape))
     apply_pins(strategies, opts.pins, tuple(mesh.shape), aliases, gm)
     cm = CostModel(mesh, optimizer=opts.optimizer)
@@ -286,6 +290,8 @@ def make_plan(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts: PlanOptio
     lays = layers(gm)  # one grouping for shared pricing and clustering: not free at depth
     pb = build_problem(gm, mesh, strategies, cm, budget, shared_pricing(gm, strategies, lays))
     t1 = time.perf_counter()
+    report(f"solving the placement ILP: {len(pb.nodes)} nodes, {len(pb.problem.edges)} edges, "
+           f"limit {opts.time_limit:.0f} s")
     sol = _solve(pb.problem, opts.time_limit, find_clusters(gm, pb.nodes, pb.strategies, pb.problem, lays))
     t2 = time.perf_counter()
     if not math.isfinite(sol.objective):
@@ -341,6 +347,10 @@ def assemble(gm: fx.GraphModule, mesh: MeshSpec, pb: Problem, choice: dict[fx.No
                 alts.append(Alternative([fmt_placements(p) for p in alt.inputs],
                                         [fmt_placements(p) for p in alt.outputs], float(sec)))
         alts.sort(key=lambda a: a.seconds)
+        # the chosen strategy's price on the same footing as the alternatives'
+        mine = chosen[n]
+        local = own + sum((m[chosen[pb.nodes[o]], mine] if is_in else m[mine, chosen[pb.nodes[o]]])
+                          for o, m, is_in in incident[n])
         memory = pb.problem.node_memory[index[n]][chosen[n]]
         if kind == "param":
             sync += own
@@ -362,6 +372,7 @@ def assemble(gm: fx.GraphModule, mesh: MeshSpec, pb: Problem, choice: dict[fx.No
             out_placements=[fmt_placements(p) for p in s.outputs],
             compute=float(own if kind == "op" else 0.0), comm=float(edge_comm),
             memory=float(memory), param=ni.param, layer=layer_of.get(n, ""),
+            flops=float(ni.flops), local_seconds=float(local),
             redistributions=reds, alternatives=alts[:5],
         )
     mem["total"] = sum(mem.values())

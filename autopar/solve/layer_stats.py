@@ -50,6 +50,7 @@ class LayerStat:
     key: str
     seconds: float = 0.0
     forward: float = 0.0
+    compute: float = 0.0  # the compute share of ``seconds`` (the rest is communication)
     activations: float = 0.0
     out_bytes: float = 0.0
     params: list[ParamStat] = field(default_factory=list)
@@ -91,6 +92,7 @@ def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) ->
             st.buffers += np_.memory
         elif np_.kind == "op":
             st.seconds += np_.compute + np_.comm
+            st.compute += np_.compute
             st.forward += np_.compute / (1.0 + backward_factor) + np_.comm / 2.0
             st.activations += np_.memory
     # bytes leaving each layer: values used by a later layer (each value once)

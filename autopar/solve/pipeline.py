@@ -53,6 +53,11 @@ class StagePrice:
     extra: float
     memory: dict[str, float]
     recompute: list[str] = field(default_factory=list)
+    parts: dict[str, float] = field(default_factory=dict)
+    """``seconds`` and ``extra`` split for the plan summary: ``compute``, ``recompute``
+    and ``comm`` (per micro-batch; they sum to ``seconds``), ``sync`` (all gradient
+    reduction, mostly hidden under backward), ``sync_exposed`` and ``gather_step`` (the
+    step's exposed tail; they sum to ``extra``)."""
 
     @property
     def total_memory(self) -> float:
@@ -73,6 +78,26 @@ class Priced:
     def feasible(self) -> bool:
         """True when every stage fits the budget."""
         return math.isfinite(self.step_seconds)
+
+    def breakdown(self) -> dict[str, float]:
+        """``step_seconds`` split as :attr:`autopar.plan.Decisions.breakdown` says: the
+        slowest stage's micro-batches (compute + exposed communication), the step's
+        exposed tail (gradient sync after the last backward, ZeRO-1/2 gathers) and the
+        pipeline bubble (the other stages' share of fill and drain)."""
+        if not self.stages:
+            return {}
+        m = self.config.micro_batches
+        slow = max(self.stages, key=lambda sp: sp.seconds)
+        tail = max(self.stages, key=lambda sp: sp.extra)
+        p = slow.parts
+        compute = m * (p.get("compute", 0.0) + p.get("recompute", 0.0))
+        exposed = m * p.get("comm", 0.0) + tail.extra
+        # one stage has no bubble (what the subtraction leaves then is rounding)
+        bubble = max(0.0, self.step_seconds - m * slow.seconds - tail.extra) \
+            if self.config.stages > 1 else 0.0
+        hidden = max(0.0, tail.parts.get("sync", 0.0) - tail.parts.get("sync_exposed", 0.0))
+        return {"compute_seconds": compute, "exposed_comm_seconds": exposed,
+                "bubble_seconds": bubble, "hidden_comm_seconds": hidden}
 
 
 def _exposed_sync(layers: list[LayerStat], syncs: list[float], recompute: set[str]) -> float:
@@ -147,12 +172,18 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
             seconds += 2.0 * pipe_link(_in_bytes(layers))
         if index < cfg.stages - 1:
             seconds += 2.0 * pipe_link(layers[-1].out_bytes)
-    extra = _exposed_sync(layers, [z.sync for z in zp], rc) + sum(z.gather_step for z in zp)
+    exposed = _exposed_sync(layers, [z.sync for z in zp], rc)
+    gather_step = sum(z.gather_step for z in zp)
+    extra = exposed + gather_step
+    compute = sum(st.compute for st in layers)
+    recompute = sum(st.forward for st in chosen)
+    parts = {"compute": compute, "recompute": recompute, "comm": seconds - compute - recompute,
+             "sync": sum(z.sync for z in zp), "sync_exposed": exposed, "gather_step": gather_step}
     memory = {"params": sum(z.params for z in zp), "grads": sum(z.grads for z in zp),
               "optimizer": sum(z.optimizer for z in zp),
               "activations": mem(chosen) - static, "buffers": sum(st.buffers for st in layers)}
     memory["transient"] = static - sum(memory[k] for k in ("params", "grads", "optimizer", "buffers"))
-    return StagePrice([st.key for st in layers], seconds, extra, memory, sorted(rc))
+    return StagePrice([st.key for st in layers], seconds, extra, memory, sorted(rc), parts)
 
 
 def _in_bytes(layers: list[LayerStat]) -> float:

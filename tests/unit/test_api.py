@@ -25,12 +25,12 @@ def gpt_plan() -> Plan:
 
 def test_plan_table_explain_json(gpt_plan: Plan) -> None:
     text = str(gpt_plan)
-    assert "linear" in text and "step time" in text
+    assert "layout" in text and "step time" in text and "linear" in gpt_plan.table(nodes=True)
     assert "chosen" in gpt_plan.explain("linear")
     again = Plan.from_json(gpt_plan.to_json())
     assert again.params() == gpt_plan.params()
     assert again.objective == pytest.approx(gpt_plan.objective)
-    assert "objective" in gpt_plan.diff(again)
+    assert "step       A" in gpt_plan.diff(again) and "0 differ" in gpt_plan.diff(again)
 
 
 def test_plan_is_deterministic() -> None:

@@ -30,7 +30,7 @@ def mlp_plan_json(tmp_path_factory):
     path = tmp_path_factory.mktemp("cli") / "mlp.json"
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(["plan", f"{MLP}:build", "--mesh", "2x2", "--json", str(path),
+        code = main(["plan", f"{MLP}:build", "--mesh", "2x2", "--json", str(path), "--nodes",
                      "--explain", "fc1.weight"])
     return code, out.getvalue(), err.getvalue(), path
 
@@ -38,7 +38,8 @@ def mlp_plan_json(tmp_path_factory):
 def test_mlp_2x2_table_json_and_explain(mlp_plan_json):
     code, out, err, path = mlp_plan_json
     assert code == 0, err
-    assert "autopar plan: mesh (2, 2)" in out
+    assert "autopar plan for mesh 2x2 (4 devices" in out
+    assert "nodes of the plan for mesh 2x2" in out  # --nodes: the node table after the summary
     for name in ("fc1.weight", "fc2.weight", "fc3.bias", "linear", "mse_loss"):
         assert name in out
     p = Plan.from_json(path)
@@ -65,7 +66,7 @@ def test_mlp_1d_mesh_with_pin(capsys, tmp_path):
     code, out, err = run(capsys, "plan", f"{MLP}:build", "--mesh", "2", "--pin", "fc1.weight=S(0)",
                          "--json", str(out_json), "--memory-budget", "1GiB", "--time-limit", "10")
     assert code == 0, err
-    assert "mesh (2,)" in out
+    assert "autopar plan for mesh 2 (2 devices" in out
     p = Plan.from_json(out_json)
     assert p.placement("fc1.weight") == "S(0)"
 
@@ -87,7 +88,7 @@ def test_mesh_json_reshaped(capsys, tmp_path):
 def test_gpt_small(capsys, tmp_path, mesh):
     out_json = tmp_path / "gpt.json"
     code, out, err = run(capsys, "plan", f"{GPT}:build", "--mesh", mesh, "--json", str(out_json),
-                         *GPT_SMALL)
+                         "--nodes", *GPT_SMALL)
     assert code == 0, err
     p = Plan.from_json(out_json)
     assert p.mesh.shape == tuple(int(x) for x in mesh.split("x"))
@@ -112,7 +113,7 @@ def test_factory_defaults_to_build_and_example_inputs(capsys, tmp_path):
         "def example_inputs():\n"
         "    return torch.randn(4, 8)\n"
     )
-    code, out, err = run(capsys, "plan", f"{f}:make", "--mesh", "2")
+    code, out, err = run(capsys, "plan", f"{f}:make", "--mesh", "2", "--nodes")
     assert code == 0, err
     assert "fc.weight" in out
 
@@ -145,7 +146,7 @@ def test_user_errors_exit_2(capsys, argv, message):
     (["plan", f"{MLP}:build", "--mesh", "2", "--pin", "fc1.weight=RR"], "2 placements for a 1-axis"),
     (["plan", f"{MLP}:build", "--mesh", "2", "--memory-budget", "1KiB"], "memory budget"),
     (["plan", f"{MLP}:build", "--mesh", "2", "--explain", "no_such_node"],
-     "--explain no_such_node: no node or parameter"),
+     "--explain no_such_node: no node, parameter, layer or decision"),
 ])
 def test_autopar_errors_exit_2(capsys, argv, message):
     code, out, err = run(capsys, *argv)
@@ -225,15 +226,14 @@ def test_forced_pipeline_micro_batches_and_recompute(capsys, tmp_path):
     d = Plan.from_json(out_json).decisions
     assert (d.pipeline_stages, d.micro_batches, d.schedule, d.recompute, d.zero_stage) == \
         (2, 4, "gpipe", ["blocks.1"], 0)
-    # the decisions block under the table, then the reasons (bare --explain) and one reason
-    decided = out[out.index("decisions:"):]
-    assert "pipeline stages  2 (gpipe schedule; stage 0: pre, blocks.0; stage 1: blocks.1, post)" \
-        in decided
-    assert "micro-batches    4 (micro-batch size 1)" in decided
-    assert "ZeRO             off" in decided and "recompute        blocks.1" in decided
+    # the summary states the layout and the stages, then the reasons (bare --explain)
+    assert "layout         PP2 (one host; gpipe, 4 micro-batches)" in out
+    assert "stages         0: pre, blocks.0; 1: blocks.1, post" in out
+    assert "1 layers recomputed (blocks.1)" in out
     why = out[out.index("why:"):]
     assert "  pipeline: " in why and "  layer:blocks.1: " in why
-    assert why.count(d.why["pipeline"]) == 2  # once in the list, once for --explain pipeline
+    # in the summary's decisions, in the bare --explain list, and for --explain pipeline
+    assert out.count(d.why["pipeline"]) == 3
 
 
 def test_forced_zero_on_data_parallel_mesh(capsys):
@@ -241,8 +241,10 @@ def test_forced_zero_on_data_parallel_mesh(capsys):
                          "--pipeline-stages", "1", "--micro-batches", "1", "--recompute", "none",
                          "--pin", "*=R", "--pin", "input:0=S(0)", "--max-rows", "1", *GPT_TWO)
     assert code == 0, err
-    assert "ZeRO             stage 2 over mesh axis 0" in out
-    assert "pipeline stages  1 (no pipeline)" in out and "recompute        none" in out
+    # "*=R" pins every op replicated (the batch is gathered): the summary says so
+    assert "layout         rep2 (one host), ZeRO-2" in out
+    assert "ZeRO-2 over mesh axis 0" in out and "no pipeline" in out
+    assert "no layer is recomputed" in out
 
 
 @pytest.mark.parametrize("argv, message", [
