@@ -307,6 +307,15 @@ def cmd_plan(args) -> int:
         print(p.table(max_rows=args.max_rows, show_views=args.show_views, nodes=args.nodes))
         if not args.quiet:
             print(format_timings(p, total))
+    for out, what in ((args.timeline, "timeline"), (args.trace, "trace")):
+        if out:
+            from autopar import timeline
+
+            try:
+                (timeline.draw_timeline if what == "timeline" else timeline.write_trace)(p, out)
+            except OSError as e:
+                raise CLIError(f"cannot write {out}: {e.strerror or e}") from None
+            print(f"predicted {what} written to {out}", file=sys.stderr)
     if args.json:
         try:
             p.to_json(args.json)
@@ -413,6 +422,12 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--format", choices=("text", "tsv", "json"), default="text",
                    help="text (summary and tables, default), tsv (the node rows only, "
                         "tab-separated) or json (the plan)")
+    o.add_argument("--timeline", metavar="OUT.png",
+                   help="draw the predicted step per pipeline stage (compute, communication, "
+                        "bubbles) as a PNG")
+    o.add_argument("--trace", metavar="OUT.json",
+                   help="write the predicted step as a Chrome/Perfetto trace (pm.trace records "
+                        "the real one in the same format)")
     o.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="live search progress on stderr (default: on when stderr is a terminal)")
     o.add_argument("-q", "--quiet", action="store_true",

@@ -334,7 +334,10 @@ class JointSearch:
                    f"{len(self.priced)} configurations; this is the best plan found")
             plan.warnings.append(msg)
             plan.solver.message = (plan.solver.message + "; " if plan.solver.message else "") + msg
-        self._say(f"chose {pr.config}: {pr.step_seconds * 1e3:.3f} ms per step")
+        c = pr.config
+        self._say(f"chose {c.stages} stage(s) ({c.schedule}), {c.micro_batches} micro-batch(es), "
+                  + (f"ZeRO-{c.zero_stage} over axis {c.zero_axis}" if c.zero_stage else "no ZeRO")
+                  + f": {pr.step_seconds * 1e3:.3f} ms per step")
         return cand.cap, plan
 
     # ------------------------------------------------------------ the plan
@@ -349,7 +352,7 @@ class JointSearch:
             global_batch=batch_size(self._call),
             stage_seconds=[sp.seconds for sp in pr.stages],
             stage_memory=[sp.total_memory for sp in pr.stages], step_seconds=pr.step_seconds,
-            breakdown=pr.breakdown())
+            stage_parts=[dict(sp.parts) for sp in pr.stages], breakdown=pr.breakdown())
         d.why = self._why(pr)
         plan.decisions = d
         plan.request = request(cand.cap.gm, cfg.micro_batches, list(self.mesh.shape), self.budget)

@@ -52,6 +52,15 @@ class LoopMixin:
         then draws what one process would draw after ``torch.manual_seed(seed)``."""
         self.rng.manual_seed(seed)
 
+    def trace(self, path, record_shapes: bool = False):
+        """Record the real steps run inside ``with pm.trace("step.json") as t:`` (call
+        ``t.step()`` after each) as a Chrome trace per rank, ``step.rank<r>.json``, to
+        open beside the predicted one (``autopar plan --trace``); see
+        :mod:`autopar.runtime.trace`."""
+        from autopar.runtime.trace import trace
+
+        return trace(path, self._mesh_rt.device, record_shapes)
+
     # ------------------------------------------------------------ training-loop habits
     def train(self, mode: bool = True):
         """Switch dropout and batch norm between training and evaluation, as

@@ -158,6 +158,10 @@ class Decisions:
     stage_memory: list[float] = field(default_factory=list)
     step_seconds: float = 0.0
     why: dict[str, str] = field(default_factory=dict)
+    stage_parts: list[dict[str, float]] = field(default_factory=list)
+    """Per stage: its per-micro-batch ``stage_seconds`` split into ``compute``,
+    ``recompute`` and ``comm``, and the step's tail ``sync_exposed`` + ``gather_step``
+    (with ``sync``, all gradient reduction): what :mod:`autopar.timeline` draws."""
     breakdown: dict[str, float] = field(default_factory=dict)
     """``step_seconds`` on the slowest stage split into ``compute_seconds`` (forward,
     backward and recomputation), ``exposed_comm_seconds`` (collectives on the critical

@@ -234,7 +234,31 @@ def export_load(c: dict) -> dict:
     return res
 
 
-CASES = {"export_load": export_load, "clip_norm": clip_norm, "names_modes_frozen": names_modes_frozen,
+def trace(c: dict) -> dict:
+    """pm.trace records real steps as a Chrome trace per rank (torch.profiler)."""
+    import json
+
+    torch.manual_seed(0)
+    x, y = _batch()
+    pm = auto_parallel(Net(), example_inputs=(x, y), mesh=_mesh(c["mesh"]), pins=TP_MLP)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    with pm.trace(Path(c["dir"]) / "step.json") as t:
+        for _ in range(2):
+            pm(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            t.step()
+    dist.barrier()
+    mine = Path(c["dir"]) / f"step.rank{dist.get_rank()}.json"
+    names = {e.get("name", "") for e in json.loads(mine.read_text())["traceEvents"]}
+    return {"files": _all(mine.exists()),
+            "aten": _all(any(n.startswith("aten::mm") or n.startswith("aten::addmm") for n in names)),
+            "collective": _all(sorted(n for n in names if "gloo" in n or "all_reduce" in n
+                                      or "allreduce" in n)[:3]),
+            "steps": _all(sorted(n for n in names if n.startswith("ProfilerStep#")))}
+
+
+CASES = {"trace": trace, "export_load": export_load, "clip_norm": clip_norm, "names_modes_frozen": names_modes_frozen,
          "seeds_and_shapes": seeds_and_shapes, "local_batch": local_batch, "dcp_reshard": dcp_reshard}
 
 

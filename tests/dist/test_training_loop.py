@@ -28,7 +28,8 @@ TWO = [
 def two(tmp_path_factory):
     d = tmp_path_factory.mktemp("export")
     return run_fn_cases(2, FN, TWO + [{"id": "export", "fn": "export_load", "mesh": [2],
-                                       "dir": str(d / "out")}])
+                                       "dir": str(d / "out")},
+                                      {"id": "trace", "fn": "trace", "mesh": [2], "dir": str(d)}])
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +123,13 @@ def test_dcp_round_trip_and_reshard(four):
     dcp.load(sd, checkpoint_id=d)
     expected = torch.load(d / "expected.pt")
     assert all(torch.equal(sd["model"][k], v) for k, v in expected.items())
+
+
+def test_trace_records_real_steps_per_rank(two):
+    """Issue 13: pm.trace writes a Chrome trace per rank with the ops, the collectives
+    the tensor-parallel plan issues, and one ProfilerStep per t.step()."""
+    r = two["trace"]
+    assert r["files"] == [True, True] and r["aten"] == [True, True]
+    assert all(r["collective"]), r["collective"]
+    # (the profiler opens one more, empty, step after the last t.step())
+    assert all({"ProfilerStep#0", "ProfilerStep#1"} <= set(x) for x in r["steps"]), r["steps"]
