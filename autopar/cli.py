@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from autopar.plan import Plan
 
-__all__ = ["CLIError", "decision_options", "format_timings", "format_why", "load_factory", "main",
+__all__ = ["CLIError", "decision_options", "format_why", "load_factory", "main",
            "parse_bytes", "parse_recompute"]
 
 _UNITS = {
@@ -277,6 +277,7 @@ def make_mesh(args):
 def cmd_plan(args) -> int:
     """``autopar plan``: capture, search and print the plan."""
     from autopar.api import plan as make_plan
+    from autopar.cli_tools import format_timings, progress_wanted
 
     mesh = make_mesh(args)
     pins = parse_pins(args.pin)
@@ -292,7 +293,7 @@ def cmd_plan(args) -> int:
     try:
         p = make_plan(model, inputs, mesh, example_kwargs=kwargs, pins=pins,
                       memory_budget=budget, time_limit=args.time_limit or 30.0,
-                      search=args.search, progress=_progress(args), **decisions)
+                      search=args.search, progress=progress_wanted(args), **decisions)
     except TimeoutError as e:  # the solver found no plan at all within its limit
         raise CLIError(f"{e} (--time-limit)") from e
     total = time.perf_counter() - t0
@@ -333,26 +334,6 @@ def cmd_plan(args) -> int:
         except KeyError as e:
             raise CLIError(f"--explain {name}: {e.args[0]}") from None
     return 0
-
-
-def _progress(args) -> bool:
-    """Live progress: ``--progress``/``--no-progress``; by default on a terminal only,
-    and never with ``--quiet``."""
-    if args.quiet:
-        return False
-    return sys.stderr.isatty() if args.progress is None else args.progress
-
-
-def format_timings(p: Plan, total: float) -> str:
-    """Where the planning time went, nested as it was spent: capture (and annotation)
-    once per micro-batch size, then the search; inside the search the placement ILP or
-    D-Rec of every candidate, the rest being the choice of plan-level decisions."""
-    t = p.timings
-    cap = t.get("capture", 0.0) + t.get("annotate", 0.0)
-    placement = t.get("intra_op", t.get("enumerate_and_price", 0.0) + t.get("solve", 0.0))
-    search = t.get("joint_search", total) - cap
-    return (f"planned in {total:.2f} s: capture {cap:.2f} s, search {search:.2f} s (op placement "
-            f"{placement:.2f} s, plan-level decisions {max(0.0, search - placement):.2f} s)")
 
 
 _WHY = "\0why"  # what a bare --explain appends: every decision's reason
@@ -439,45 +420,35 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also list free ops (views, getitems) in the table")
     p.set_defaults(func=cmd_plan)
     from autopar.cli_tools import add_parsers
+    from autopar.launch import add_parsers as launch_parsers
 
     add_parsers(sub)
+    launch_parsers(sub)
     return ap
-
-
-def _logging(args) -> None:
-    """``-v``/``-vv``: the ``autopar`` logger at INFO/DEBUG on stderr."""
-    import logging
-
-    level = {0: None, 1: logging.INFO}.get(getattr(args, "verbose", 0), logging.DEBUG)
-    if level is None:
-        return
-    log = logging.getLogger("autopar")
-    log.setLevel(level)
-    # our own handler on stderr (whatever the root logger has); handlers of earlier runs
-    # in this process are replaced so that sys.stderr is the current one
-    for h in [h for h in log.handlers if getattr(h, "_autopar_cli", False)]:
-        log.removeHandler(h)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    handler._autopar_cli = True  # type: ignore[attr-defined]
-    log.addHandler(handler)
-    log.propagate = False
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``autopar`` command; returns the exit status."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     ap = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command: list[str] = []
+    if argv[:1] == ["launch"] and "--" in argv:  # autopar launch ... -- train.py --its-options
+        cut = argv.index("--")
+        argv, command = argv[:cut], argv[cut + 1:]
     try:
         args = ap.parse_args(argv)
+        if command:
+            args.command = command
     except SystemExit as e:  # --help, or a usage error argparse already printed
         return e.code if isinstance(e.code, int) else 2
     if getattr(args, "func", None) is None:
         ap.print_help(sys.stderr)
         return 2
+    from autopar.cli_tools import setup_logging
     from autopar.errors import AutoparError
 
-    _logging(args)
+    setup_logging(args)
     try:
         return args.func(args)
     except CLIError as e:

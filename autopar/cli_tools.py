@@ -13,6 +13,7 @@ export directory (its ``plan.json`` is read).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -113,5 +114,45 @@ def add_parsers(sub) -> None:
     p.set_defaults(func=cmd_diff)
 
 
-__all__ = ["add_parsers", "cmd_diff", "cmd_explain", "cmd_presets", "presets_table", "read_plan"]
+def progress_wanted(args) -> bool:
+    """Live progress: ``--progress``/``--no-progress``; by default on a terminal only,
+    and never with ``--quiet``."""
+    if args.quiet:
+        return False
+    return sys.stderr.isatty() if args.progress is None else args.progress
+
+
+def format_timings(p: Plan, total: float) -> str:
+    """Where the planning time went, nested as it was spent: capture (and annotation)
+    once per micro-batch size, then the search; inside the search the placement ILP or
+    D-Rec of every candidate, the rest being the choice of plan-level decisions."""
+    t = p.timings
+    cap = t.get("capture", 0.0) + t.get("annotate", 0.0)
+    placement = t.get("intra_op", t.get("enumerate_and_price", 0.0) + t.get("solve", 0.0))
+    search = t.get("joint_search", total) - cap
+    return (f"planned in {total:.2f} s: capture {cap:.2f} s, search {search:.2f} s (op placement "
+            f"{placement:.2f} s, plan-level decisions {max(0.0, search - placement):.2f} s)")
+
+
+def setup_logging(args) -> None:
+    """``-v``/``-vv``: the ``autopar`` logger at INFO/DEBUG on stderr."""
+    import logging
+
+    level = {0: None, 1: logging.INFO}.get(getattr(args, "verbose", 0), logging.DEBUG)
+    if level is None:
+        return
+    log = logging.getLogger("autopar")
+    log.setLevel(level)
+    # our own handler on stderr (whatever the root logger has); handlers of earlier runs
+    # in this process are replaced so that sys.stderr is the current one
+    for h in [h for h in log.handlers if getattr(h, "_autopar_cli", False)]:
+        log.removeHandler(h)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    handler._autopar_cli = True  # type: ignore[attr-defined]
+    log.addHandler(handler)
+    log.propagate = False
+
+
+__all__ = ["add_parsers", "format_timings", "progress_wanted", "setup_logging", "cmd_diff", "cmd_explain", "cmd_presets", "presets_table", "read_plan"]
 

@@ -359,7 +359,10 @@ def _readme(pm: ParallelModule, note: str) -> str:
             or pm.plan.decisions.micro_batches > 1 else
             "loss = pmodel(*batch)\nloss.backward()\noptimizer.step()\n")
     return (f"# autopar export\n\n{mesh} ({n} ranks). Load under torchrun:\n\n"
-            f"```\ntorchrun --nproc-per-node {n} your_script.py\n```\n\nwith\n\n```python\n"
+            f"```\ntorchrun --nproc-per-node {n} your_script.py\n```\n\n(or `autopar run --plan "
+            "<this directory> your_script.py`, which sizes torchrun from the plan and checks the "
+            "world size; `autopar launch --slurm|--k8s <this directory> -- your_script.py` writes "
+            "an sbatch script or a Kubernetes PyTorchJob) with\n\n```python\n"
             "import autopar, torch\npmodel = autopar.load(\"<this directory>\")\n"
             "optimizer = torch.optim.AdamW(pmodel.parameters())\n" + step + "```\n\n"
             "`module.py` is the generated forward (collectives visible); `plan.json` the plan; "

@@ -12,7 +12,7 @@ Shell blocks run with ``bash -e`` and this interpreter's ``bin`` first on ``PATH
 activating it, the pinned ``pip install`` lines) and the test command itself are what
 ``.ci/run`` runs verbatim, which :func:`test_setup_commands_are_what_ci_runs` checks;
 they are taken out of the block, the rest runs.  A shell block that starts a
-multi-rank job (``torchrun`` / ``--nproc-per-node``) is marked slow.
+multi-rank job (``torchrun``, ``--nproc-per-node``, ``autopar run``) is marked slow.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ def shell_commands(code: str) -> list[str]:
 def _slow(lang: str, code: str) -> bool:
     if lang == "python":
         return TORCHRUN.match(code.splitlines()[0]) is not None
-    return any("torchrun" in c or "--nproc-per-node" in c for c in shell_commands(code))
+    return any("torchrun" in c or "--nproc-per-node" in c or c.startswith("autopar run")
+               for c in shell_commands(code))
 
 
 def _param(where: str, lang: str, code: str):
