@@ -445,12 +445,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         ap.print_help(sys.stderr)
         return 2
-    from autopar.cli_tools import setup_logging
+    from autopar.cli_tools import cli_warnings, setup_logging
     from autopar.errors import AutoparError
 
     setup_logging(args)
     try:
-        return args.func(args)
+        with cli_warnings():
+            return args.func(args)
     except CLIError as e:
         print(f"autopar: error: {e}", file=sys.stderr)
         return 2

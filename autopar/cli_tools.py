@@ -13,6 +13,7 @@ export directory (its ``plan.json`` is read).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -154,5 +155,30 @@ def setup_logging(args) -> None:
     log.propagate = False
 
 
-__all__ = ["add_parsers", "format_timings", "progress_wanted", "setup_logging", "cmd_diff", "cmd_explain", "cmd_presets", "presets_table", "read_plan"]
+@contextlib.contextmanager
+def cli_warnings():
+    """autopar's warnings as ``autopar: warning: ...`` lines on stderr: at the command
+    line there is no user code to point at, so file and line would only name our entry
+    point."""
+    import warnings
+
+    from autopar.errors import AutoparWarning
+
+    old = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, AutoparWarning):
+            text = str(message).removeprefix("autopar: ")
+            print(f"autopar: warning: {text}", file=sys.stderr)
+        else:
+            old(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = old
+
+
+__all__ = ["add_parsers", "cli_warnings", "format_timings", "progress_wanted", "setup_logging", "cmd_diff", "cmd_explain", "cmd_presets", "presets_table", "read_plan"]
 

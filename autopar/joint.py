@@ -393,7 +393,7 @@ class JointSearch:
                            else "no pipeline; ") + here + "; " + versus(
             self._alt(lambda c: c.stages == 1) if cfg.stages > 1 else
             self._alt(lambda c: c.stages > 1), "one stage" if cfg.stages > 1 else "pipelining")
-        why["micro_batches"] = f"{cfg.micro_batches} micro-batches of " \
+        why["micro_batches"] = f"{cfg.micro_batches} micro-batch{'es' if cfg.micro_batches > 1 else ''} of " \
             f"{batch_size(self._call) // cfg.micro_batches}; " + versus(
                 self._alt(lambda c: c.micro_batches != cfg.micro_batches),
                 "other micro-batch counts (best of them)")

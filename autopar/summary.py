@@ -11,7 +11,8 @@ into ``plan.json`` under ``"summary"``.
 
 Axis roles are read from the placements, not from the search's internals, so a plan
 loaded from JSON reads the same: an axis is *DP* when most compute runs on inputs split
-on the batch dim over it, *TP* when most weight bytes are split over it instead, *SP*
+on the batch dim over it, *TP* when most weight bytes of the repeated layers (all
+layers' when there are none) are split over it instead, *SP*
 when activations are split on the sequence dim only, and *FSDP* when it is DP with the
 weights split too (gathered per use).
 """
@@ -89,6 +90,9 @@ def axis_roles(plan: Plan) -> list[AxisRole]:
             mesh.with_shape((d.pipeline_stages,))
         roles.append(AxisRole("pp", d.pipeline_stages, "PP", _link_words(full, 0)))
     params = [n for n in plan.nodes.values() if n.kind == "param" and n.shape and len(n.shape[0]) >= 2]
+    # the repeated layers decide (a large embedding and head must not outvote them); a
+    # model without repeated layers is judged on all its weights
+    params = [n for n in params if n.layer not in ("", "pre", "post")] or params
     weight_total = sum(math.prod(n.shape[0]) for n in params) or 1.0
     ops = [n for n in plan.nodes.values() if n.kind == "op" and n.flops > 0 and n.in_placements]
     flop_total = sum(n.flops for n in ops) or 1.0

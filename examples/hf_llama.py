@@ -28,6 +28,24 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def build(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, vocab: int = 128,
+          batch: int = 8, seq: int = 16, meta: bool = False):
+    """Factory for ``autopar plan examples/hf_llama.py:build``: a ``LlamaForCausalLM``
+    (GQA) of the given size, no positional inputs, and a keyword batch
+    ``{"input_ids", "labels"}``.  ``meta=True`` builds it on the meta device, so sizes
+    far beyond this machine's memory plan without allocating weights."""
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 2.75),
+                         num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, max_position_embeddings=max(64, seq))
+    with torch.device("meta" if meta else "cpu"):
+        torch.manual_seed(0)
+        model = tf.LlamaForCausalLM(cfg)
+        ids = torch.randint(0, vocab, (batch, seq))
+    return model, (), {"input_ids": ids, "labels": ids}
+
+
 def main(argv: list[str] | None = None) -> list[float]:
     """Train; returns the losses of the steps run (rank 0 prints them)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
