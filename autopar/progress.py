@@ -41,6 +41,11 @@ class _Live:
             f", search time left {max(0.0, self.time_limit - self.elapsed()):.0f} s"
         return f"[autopar {self.elapsed():6.1f} s{left}] {self.phase}"
 
+    def _text(self):
+        from rich.text import Text
+
+        return Text(self._status_text())  # plain text: "[autopar ...]" is not rich markup
+
     def update(self, message: str, done: bool) -> None:
         if self.status is not None:
             if done:
@@ -48,7 +53,7 @@ class _Live:
                                    highlight=False, markup=False)
             else:
                 self.phase = message
-            self.status.update(self._status_text())  # type: ignore[attr-defined]
+            self.status.update(self._text())  # type: ignore[attr-defined]
         else:
             print(f"[autopar {self.elapsed():7.2f} s] {message}", file=sys.stderr, flush=True)
 
@@ -76,7 +81,7 @@ def show(enabled: bool, time_limit: float | None = None) -> Iterator[None]:
         from rich.console import Console
 
         live.console = Console(stderr=True)
-        with live.console.status(live._status_text()) as status:
+        with live.console.status(live._text()) as status:
             live.status = status
             _active.append(live)
             try:
