@@ -91,7 +91,7 @@ def _render_globals(globals_: dict, src: str) -> list[str]:
 def _runtime_rewrites(graph: fx.Graph) -> list[str]:
     """Nodes of ``graph`` that only a live module's runtime rewrites create."""
     from autopar.passes.recompute import checkpoint
-    from autopar.runtime.zero import zero_gather
+    from autopar.runtime.zero3 import zero_gather
 
     bad = []
     for n in graph.nodes:

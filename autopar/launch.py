@@ -139,6 +139,11 @@ def slurm_script(plan: Plan, script: str, args: list[str] = (), *, layout: Layou
     ``layout`` (default: :func:`layout_for` the plan)."""
     from autopar.summary import layout as layout_words
 
+    for what, v in (("job name", job_name), ("partition", partition), ("time", time)):
+        # sbatch reads #SBATCH lines itself (no shell quoting): a space or a newline would
+        # cut the option or inject another line
+        if v is not None and (not v or any(c.isspace() or c in "#'\"\\" for c in v)):
+            raise LaunchError(f"{what} {v!r} cannot go on an #SBATCH line (no spaces, quotes or #)")
     lay = layout or layout_for(plan)
     gpus = plan.mesh.gpus_per_node and lay.nproc_per_node if gpus_per_node is None else gpus_per_node
     lines = ["#!/bin/bash",
@@ -210,11 +215,18 @@ def pytorchjob(plan: Plan, script: str, args: list[str] = (), *, image: str, nam
 
 
 def pytorchjob_yaml(job: dict, comment: str = "") -> str:
-    """``job`` as YAML (PyYAML), with an optional leading comment."""
+    """``job`` as YAML (PyYAML), with an optional leading comment.  Every string is
+    double-quoted: PyYAML follows YAML 1.1 and leaves ``1e-3`` or ``0x10`` bare, which
+    Kubernetes' YAML 1.2 parser reads as numbers, and a number in ``command`` (a list of
+    strings) is rejected by the API server."""
     import yaml
 
+    class Quoted(yaml.SafeDumper):
+        pass
+
+    Quoted.add_representer(str, lambda d, v: d.represent_scalar("tag:yaml.org,2002:str", v, style='"'))
     head = "".join(f"# {line}\n" for line in comment.splitlines())
-    return head + yaml.safe_dump(job, sort_keys=False)
+    return head + yaml.dump(job, Dumper=Quoted, sort_keys=False)
 
 
 # ---------------------------------------------------------------- CLI

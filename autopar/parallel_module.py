@@ -116,7 +116,8 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
             if t in self._placements and isinstance(p, nn.Parameter) and p.requires_grad \
                     and z in self._replicated_axes(t):
                 params.append((t, tuple(a for a in self._replicated_axes(t) if a != z)))
-        self.zero = Zero.install(self.inner, params, d.zero_stage, z)
+        layers = {n.param: n.layer for n in self.plan.nodes.values() if n.param and n.layer}
+        self.zero = Zero.install(self.inner, params, d.zero_stage, z, layers)
 
     def _mine(self, t: str) -> bool:
         """True when this rank's pipeline stage holds target ``t``."""

@@ -20,9 +20,11 @@ group: the ranks of one stage's sub-mesh) from the plan's own prices
 The forward share of a stage's time is the cost model's: a third of its compute and
 half its communication (backward costs twice the forward; recomputation is in the
 backward).  The optimizer step is not priced by the cost model yet, so it is not drawn.
-With stages of equal time the last event ends at ``plan.decisions.step_seconds``; with
-unequal stages the search's step time (all stages' time plus ``m - 1`` times the
-slowest) is an upper bound of this dependency-driven layout, and the picture says both.
+Without a pipeline, or with stages of equal time, the last event ends at
+``plan.decisions.step_seconds``.  With unequal stages the search's formula (all stages'
+time plus ``m - 1`` times the slowest) and this dependency-driven layout differ a little
+either way (1F1B's layout is usually shorter; GPipe's can be longer, as the slowest
+forward and the slowest backward need not be on one stage), and the picture states both.
 
 :func:`draw_timeline` writes the PNG (matplotlib), :func:`write_trace` the same
 events as Chrome trace-event JSON (open in https://ui.perfetto.dev or chrome://tracing;
@@ -259,7 +261,7 @@ def draw_timeline(plan: Plan, path: str | Path, title: str | None = None) -> Pat
     ax.set_xlabel("ms (predicted)")
     ax.set_xlim(0, end * ms * 1.01)
     step = plan.decisions.step_seconds or plan.objective
-    ax.set_title(title or f"{layout(plan)}\npredicted step {step * ms:.3g} ms (search's bound); "
+    ax.set_title(title or f"{layout(plan)}\npredicted step {step * ms:.3g} ms (search's formula); "
                  f"this layout ends at {end * ms:.3g} ms; optimizer step not priced", fontsize=9)
     used = [k for k in Kind if any(e.kind == k for e in events)]
     fig.legend(handles=[Patch(facecolor=_COLOURS[k], hatch="//" if k == Kind.BUBBLE else None,

@@ -31,19 +31,21 @@ rank, so the re-gathers line up).
 
 from __future__ import annotations
 
-import contextlib
+import itertools
 import math
-import weakref
+import operator
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import fx, nn
-from torch.autograd import Function
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from autopar.runtime.grad_sync import OrderedBuckets
 from autopar.runtime.mesh import current
+
+# stage 3 lives in autopar.runtime.zero3 (one gather per layer, prefetched)
+from autopar.runtime.zero3 import Group, free_gathered_params, register, zero_gather
 
 
 def _all_gather_flat(shard: torch.Tensor, axis: int) -> torch.Tensor:
@@ -63,85 +65,7 @@ def _reduce_scatter_flat(flat: torch.Tensor, axis: int) -> torch.Tensor:
     return out
 
 
-# ---------------------------------------------------------------- stage 3
-@dataclass
-class _Gathered:
-    root: weakref.ref  # the gathered flat tensor: views of it point to it via ``_base``
-    shard: torch.Tensor
-    axis: int
-    shape: torch.Size
-    numel: int
-
-
-# storage address -> gathered parameter; entries are checked against ``root`` because
-# an address may be reused by another tensor once a gathered parameter is freed
-_GATHERED: dict[int, _Gathered] = {}
-
-
-class _GatherParam(Function):
-    """Stage 3: shard -> whole parameter (all-gather); backward reduce-scatters."""
-
-    @staticmethod
-    def forward(ctx, shard: torch.Tensor, shape: tuple[int, ...], axis: int) -> torch.Tensor:
-        numel = math.prod(shape)
-        root = _all_gather_flat(shard, axis)
-        full = root[:numel].view(shape)
-        _GATHERED[root.untyped_storage().data_ptr()] = _Gathered(
-            weakref.ref(root), shard.detach(), axis, torch.Size(shape), numel)
-        ctx.axis, ctx.pad = axis, shard.numel() * current().shape[axis] - numel
-        return full
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        flat = torch.nn.functional.pad(grad.reshape(-1), (0, ctx.pad))
-        return _reduce_scatter_flat(flat, ctx.axis), None, None
-
-
-@torch.fx.wrap
-def zero_gather(shard: torch.Tensor, shape: tuple[int, ...], axis: int) -> torch.Tensor:
-    """Generated code's call for a stage-3 parameter: gather it for its use."""
-    return _GatherParam.apply(shard, tuple(shape), axis)
-
-
-@dataclass
-class _Handle:
-    """A saved tensor that lived in a gathered parameter: re-gathered on unpack."""
-
-    shard: torch.Tensor
-    axis: int
-    shape: torch.Size
-    numel: int
-    size: torch.Size
-    stride: tuple[int, ...]
-    offset: int
-
-
-def _pack(t: torch.Tensor):
-    if not _GATHERED or t.layout != torch.strided:
-        return t
-    hit = _GATHERED.get(t.untyped_storage().data_ptr())
-    root = hit.root() if hit is not None else None
-    if root is None or not (t is root or t._base is root):
-        return t
-    return _Handle(hit.shard, hit.axis, hit.shape, hit.numel, t.size(), t.stride(), t.storage_offset())
-
-
-def _unpack(h):
-    if not isinstance(h, _Handle):
-        return h
-    full = _all_gather_flat(h.shard, h.axis)[: h.numel].view(h.shape)
-    return full.as_strided(h.size, h.stride, h.offset)
-
-
-@contextlib.contextmanager
-def free_gathered_params():
-    """Context for a forward: tensors saved from gathered parameters are dropped and
-    re-gathered in backward (the registry of gathered storages lives only this long)."""
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
-            yield
-    finally:
-        _GATHERED.clear()
+_GROUP_IDS = itertools.count()
 
 
 # ---------------------------------------------------------------- bookkeeping
@@ -213,10 +137,12 @@ class Zero(OrderedBuckets):
     # ------------------------------------------------------------ set-up
     @classmethod
     def install(cls, gm: fx.GraphModule, params: list[tuple[str, tuple[int, ...]]], stage: int,
-                axis: int) -> Zero:
+                axis: int, layers: dict[str, str] | None = None) -> Zero:
         """Move ``params`` (graph target, other replicated axes), in forward order, under
         ZeRO on ``gm``: register shards, demote (stages 1-2) or remove (stage 3) the
-        whole parameters and, for stage 3, make every use gather."""
+        whole parameters and, for stage 3, gather each layer's parameters (``layers``:
+        target -> layer key; a target without one is its own group) before their first
+        use."""
         m = current()
         d, r = m.shape[axis], m.coord[axis]
         z = cls(stage, axis)
@@ -235,28 +161,52 @@ class Zero(OrderedBuckets):
             z.params.append(zp)
         z.__post_init__()
         if stage == 3:
-            z._rewrite_gathers(gm)
+            z._rewrite_gathers(gm, layers or {})
         else:
             z._make_buckets()
         z._versions = [zp.shard._version for zp in z.params]
         return z
 
-    def _rewrite_gathers(self, gm: fx.GraphModule) -> None:
+    def _rewrite_gathers(self, gm: fx.GraphModule, layers: dict[str, str]) -> None:
+        """One :func:`~autopar.runtime.zero3.zero_gather` per layer, right before the
+        layer's first use of any of its parameters (so whole parameters are not all
+        alive from the top of the forward); groups are chained in use order for
+        prefetching."""
         g = gm.graph
         order = {n: i for i, n in enumerate(g.nodes)}
-        for n in list(g.nodes):
+        reads: dict[str, list[fx.Node]] = {}
+        for n in g.nodes:
             if n.op == "get_attr" and n.target in self._by_target:
-                zp = self._by_target[n.target]
-                # gather right before the first use, so whole parameters are not all
-                # alive from the top of the forward
-                first = min(n.users, key=order.__getitem__) if n.users else n
-                with g.inserting_before(first):
-                    s = g.get_attr(shard_name(zp.target))
-                    full = g.call_function(zero_gather, (s, tuple(zp.shape), self.axis))
-                n.replace_all_uses_with(full)
-                full.meta.update(n.meta)
-                s.meta.update(n.meta)
-                g.erase_node(n)
+                reads.setdefault(n.target, []).append(n)
+        members: dict[str, list[str]] = {}
+        for zp in self.params:
+            if zp.target in reads:
+                members.setdefault(layers.get(zp.target, zp.target), []).append(zp.target)
+
+        def first_use(targets: list[str]) -> fx.Node:
+            nodes = [u for t in targets for n in reads[t] for u in (n.users or [n])]
+            return min(nodes, key=order.__getitem__)
+
+        chain = sorted(members.values(), key=lambda ts: order[first_use(ts)])
+        uid = next(_GROUP_IDS)
+        keys = [f"zero3.{uid}.{i}" for i in range(len(chain))]
+        for i, (key, targets) in enumerate(zip(keys, chain)):
+            zps = [self._by_target[t] for t in targets]
+            register(Group(key, [zp.shard for zp in zps], [zp.shape for zp in zps], self.axis,
+                           next=keys[i + 1] if i + 1 < len(keys) else None,
+                           prev=keys[i - 1] if i else None))
+            meta = reads[targets[0]][0].meta
+            with g.inserting_before(first_use(targets)):
+                shards = [g.get_attr(shard_name(t)) for t in targets]
+                call = g.call_function(zero_gather, (key, *shards))
+                for x in (*shards, call):
+                    x.meta.update(meta)
+                for j, t in enumerate(targets):
+                    full = g.call_function(operator.getitem, (call, j))
+                    full.meta.update(meta)
+                    for n in reads[t]:
+                        n.replace_all_uses_with(full)
+                        g.erase_node(n)
         g.lint()
         gm.recompile()
 

@@ -139,17 +139,19 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | None, op
         sync += reduce_scatter_time(mesh, (axis,), p.bytes) - reduce_scatter_time(mesh, (axis,), d)
         if others:
             sync += all_reduce_time(mesh, others, p.bytes / d) - all_reduce_time(mesh, others, 1.0)
-        gather = all_gather_time(mesh, (axis,), p.bytes)
         if stage < 3:
-            gstep += gather
+            gstep += all_gather_time(mesh, (axis,), p.bytes)
             pb += p.bytes
         else:
-            gmb += 2.0 * gather
             pb += p.bytes / d
-            tr += p.bytes
+            tr += p.bytes  # the layer's whole parameters, gathered together below
         gb += p.bytes / d if stage >= 2 else p.bytes
         bk += p.bytes if stage == 2 else 0.0
         ob += opt / d
+    if tr:
+        # stage 3 gathers a layer's parameters in one collective (runtime/zero3.py), in
+        # the forward and again in the backward: the latency is paid once per layer
+        gmb = 2.0 * all_gather_time(mesh, (axis,), tr)
     return ZeroPrice(sync, gstep, gmb, pb, gb, ob, tr, bk)
 
 

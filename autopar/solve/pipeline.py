@@ -125,7 +125,10 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     if zp is None:
         zp = [zero_price(st, mesh, cfg.zero_stage, cfg.zero_axis, optimizer) for st in layers]
     static = sum(z.params + z.grads + z.optimizer for z in zp) + sum(st.buffers for st in layers)
-    static += max((z.transient for z in zp), default=0.0)
+    # stage 3: a layer's whole parameters live while it runs, and the next layer's
+    # prefetched gather lands meanwhile (runtime/zero3.py): two neighbours at once
+    tr = [z.transient for z in zp]
+    static += max((a + b for a, b in zip(tr, tr[1:])), default=max(tr, default=0.0))
     # stage 2 reduce-scatters a bucket once all its gradients exist: up to one bucket of
     # whole gradients is alive at a time (runtime/zero.py, 4 MiB buckets)
     static += min(ZERO_BUCKET_BYTES, sum(z.bucket for z in zp))

@@ -66,7 +66,10 @@ def test_tightening_budget_moves_to_memory_savers(plain):
         kinds.append(_kind(p))
     assert kinds[0] == "plain"
     assert len(set(kinds)) >= 3, kinds  # the plan keeps changing kind as memory shrinks
-    assert any("recompute" in k for k in kinds) and any("pp" in k for k in kinds), kinds
+    # recomputation first; then the state itself must shrink: a pipeline or ZeRO-3
+    # (since ZeRO-3 gathers a layer in one collective it is priced below a pipeline here)
+    assert any("recompute" in k for k in kinds), kinds
+    assert any("pp" in k or "zero" in k for k in kinds[2:]), kinds
 
 
 def test_zero_when_pipelining_is_off(plain):

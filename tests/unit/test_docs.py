@@ -53,7 +53,14 @@ def shell_commands(code: str) -> list[str]:
     return [c for c in cmds if c not in SETUP]
 
 
-def _slow(lang: str, code: str) -> bool:
+SLOW_PAGES = ("docs/tutorial.md", "docs/launch.md")
+"""Pages run whole in CI's slow step: they plan a 1B-wide Llama and start multi-rank
+jobs (~1.5 min together), and their blocks share files, so they cannot be split."""
+
+
+def _slow(lang: str, code: str, where: str = "") -> bool:
+    if where.startswith(SLOW_PAGES):
+        return True
     if lang == "python":
         return TORCHRUN.match(code.splitlines()[0]) is not None
     return any("torchrun" in c or "--nproc-per-node" in c or c.startswith("autopar run")
@@ -61,7 +68,7 @@ def _slow(lang: str, code: str) -> bool:
 
 
 def _param(where: str, lang: str, code: str):
-    marks = [pytest.mark.slow] if _slow(lang, code) else []
+    marks = [pytest.mark.slow] if _slow(lang, code, where) else []
     return pytest.param(where, lang, code, id=where, marks=marks)
 
 

@@ -20,7 +20,15 @@ import yaml
 
 import autopar
 from autopar.cli import main
-from autopar.launch import LaunchError, Layout, layout_for, pytorchjob, slurm_script, torchrun_argv
+from autopar.launch import (
+    LaunchError,
+    Layout,
+    layout_for,
+    pytorchjob,
+    pytorchjob_yaml,
+    slurm_script,
+    torchrun_argv,
+)
 from tests.dist.harness import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -157,6 +165,13 @@ def test_pytorchjob_validates_against_the_crd_schema(plans, capsys, tmp_path):
     bad["spec"]["nprocPerNode"] = 8
     with pytest.raises(jsonschema.ValidationError):
         _validate(bad)
+    # YAML 1.2 (Kubernetes) would read a bare 1e-3 as a number: every string is quoted
+    text = pytorchjob_yaml(pytorchjob(plans["h100"], "t.py", ["--lr", "1e-3", "0x10"], image="i"))
+    assert '"1e-3"' in text and '"0x10"' in text
+    assert yaml.safe_load(text)["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"][
+        "containers"][0]["command"][-3:] == ["--lr", "1e-3", "0x10"]
+    with pytest.raises(LaunchError, match="#SBATCH line"):
+        slurm_script(plans["h100"], "t.py", partition="gpu\n#SBATCH --nodes=99")
     with pytest.raises(LaunchError, match="not a Kubernetes name"):
         pytorchjob(plans["h100"], "t.py", image="i", name="Llama_1")
     assert main(["launch", "--k8s", str(plans["dir"] / "h100.json"), "--", "t.py"]) == 2

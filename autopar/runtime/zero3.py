@@ -1,0 +1,198 @@
+"""ZeRO-3 parameter gathers, one collective per layer, prefetched (issue 11).
+
+Each parameter keeps its own shard (this rank's ``1/d`` of its flattened, padded local
+tensor: what the optimizer steps and ``parameters()`` yields), but the parameters of one
+layer form a *group* gathered together: their shards are concatenated into one send
+buffer, one ``all_gather_into_tensor`` brings every rank's buffer, and each whole
+parameter is cut out of it (FSDP2's copy-in / copy-out).  The group's backward
+reduce-scatters all of its gradients in one collective, laid out rank-major so each
+rank receives exactly its shards.
+
+Prefetch: while a group is gathered in the forward, the next group's gather is launched
+asynchronously, so it overlaps the current layer's compute; the next forward use waits
+for it.  Memory: at most two layers' whole parameters are alive at once in the forward.
+
+Backward: tensors saved from a gathered parameter are dropped (``saved_tensors_hooks``)
+and re-gathered when backward unpacks them, again one collective for the whole group,
+kept until the group's own backward (its reduce-scatter) has run, while the previous
+group's re-gather is prefetched.  Autograd runs the same nodes in the same order on
+every rank, so every rank issues the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Function
+
+from autopar.runtime.mesh import current
+
+
+@dataclass
+class Group:
+    """The parameters of one layer under ZeRO-3 (forward order), and its neighbours."""
+
+    key: str
+    shards: list[torch.Tensor]
+    shapes: list[torch.Size]
+    axis: int
+    next: str | None = None  # the group whose forward use comes next
+    prev: str | None = None  # the one before: needed next in backward
+    sizes: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.sizes = [s.numel() for s in self.shards]
+
+
+_GROUPS: dict[str, Group] = {}
+# group key -> (async work, output buffer) of a gather launched ahead of its use
+_AHEAD: dict[str, tuple[object, torch.Tensor]] = {}
+# group key -> whole parameters re-gathered for backward (kept until its reduce-scatter)
+_BACKWARD: dict[str, list[torch.Tensor]] = {}
+# storage address -> (weak storage owner, group key, index) for the pack hook
+_GATHERED: dict[int, tuple[weakref.ref, str, int]] = {}
+
+
+def register(group: Group) -> None:
+    """Make ``group`` known to the generated code's :func:`zero_gather` calls."""
+    _GROUPS[group.key] = group
+
+
+def _launch(g: Group, async_op: bool):
+    m = current()
+    d = m.shape[g.axis]
+    send = torch.cat([s.detach().reshape(-1) for s in g.shards])
+    out = torch.empty(send.numel() * d, dtype=send.dtype, device=send.device)
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    work = fn(out, send, group=m.group(g.axis), async_op=async_op)
+    return work, out
+
+
+def _split(g: Group, out: torch.Tensor) -> list[torch.Tensor]:
+    """Whole parameters from the gathered buffer (rank-major: rank r's shards first)."""
+    d = current().shape[g.axis]
+    rows = out.view(d, -1)
+    fulls, off = [], 0
+    for c, shape in zip(g.sizes, g.shapes):
+        fulls.append(rows[:, off:off + c].reshape(-1)[: math.prod(shape)].view(shape))
+        off += c
+    return fulls
+
+
+def _gather(key: str, ahead: bool) -> list[torch.Tensor]:
+    """The group's whole parameters: from a prefetched gather when one is waiting, else
+    gathered now; then (``ahead``) the next group's gather is launched."""
+    g = _GROUPS[key]
+    pending = _AHEAD.pop(key, None)
+    if pending is not None:
+        pending[0].wait()
+        out = pending[1]
+    else:
+        out = _launch(g, async_op=False)[1]
+    nxt = g.next if ahead else None
+    if nxt is not None and nxt not in _AHEAD:
+        _AHEAD[nxt] = _launch(_GROUPS[nxt], async_op=True)
+    return _split(g, out)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class _GatherGroup(Function):
+    """Shards of a group -> whole parameters (one all-gather); backward: one
+    reduce-scatter of all their gradients."""
+
+    @staticmethod
+    def forward(ctx, key: str, *shards: torch.Tensor):
+        # prefetch only in a real forward: a recomputation inside backward gathers one
+        # layer, and a launched gather of another would wait for a use that never comes
+        fulls = _gather(key, ahead=not _in_backward())
+        for i, f in enumerate(fulls):
+            # the tensor owning the storage: saved views (a transposed weight) point to it
+            root = f if f._base is None else f._base
+            _GATHERED[f.untyped_storage().data_ptr()] = (weakref.ref(root), key, i)
+        ctx.key = key
+        return tuple(fulls)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        g = _GROUPS[ctx.key]
+        _BACKWARD.pop(ctx.key, None)  # this group's re-gathered parameters are done with
+        stale = _AHEAD.pop(ctx.key, None)  # a re-gather prefetched but never unpacked
+        if stale is not None:
+            stale[0].wait()
+        m = current()
+        d = m.shape[g.axis]
+        per = []
+        for grad, c, shape, shard in zip(grads, g.sizes, g.shapes, g.shards):
+            n = math.prod(shape)
+            flat = grad.reshape(-1) if grad is not None else shard.new_zeros(n)
+            per.append(torch.nn.functional.pad(flat, (0, c * d - n)).view(d, c))
+        send = torch.cat(per, dim=1).reshape(-1)
+        out = torch.empty(send.numel() // d, dtype=send.dtype, device=send.device)
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        fn(out, send, group=m.group(g.axis))
+        return (None, *out.split(g.sizes))
+
+
+@torch.fx.wrap
+def zero_gather(key: str, *shards: torch.Tensor):
+    """Generated code's call for a ZeRO-3 group: its whole parameters, as a tuple."""
+    return _GatherGroup.apply(key, *shards)
+
+
+@dataclass
+class _Handle:
+    """A saved tensor that lived in a gathered parameter: re-gathered on unpack."""
+
+    key: str
+    index: int
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+def _pack(t: torch.Tensor):
+    if not _GATHERED or t.layout != torch.strided:
+        return t
+    hit = _GATHERED.get(t.untyped_storage().data_ptr())
+    root = hit[0]() if hit is not None else None
+    if root is None or not (t is root or t._base is root):
+        return t
+    return _Handle(hit[1], hit[2], t.size(), t.stride(), t.storage_offset())
+
+
+def _unpack(h):
+    if not isinstance(h, _Handle):
+        return h
+    fulls = _BACKWARD.get(h.key)
+    if fulls is None:
+        fulls = _BACKWARD[h.key] = _gather(h.key, ahead=False)
+        prev = _GROUPS[h.key].prev
+        if prev is not None and prev not in _AHEAD and prev not in _BACKWARD:
+            _AHEAD[prev] = _launch(_GROUPS[prev], async_op=True)
+    return fulls[h.index].as_strided(h.size, h.stride, h.offset)
+
+
+@contextlib.contextmanager
+def free_gathered_params():
+    """Context for a forward: tensors saved from gathered parameters are dropped and
+    re-gathered in backward; a prefetch the forward did not use (it stopped early) is
+    completed and dropped, so no later forward reads parameters from before a step."""
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+            yield
+    finally:
+        _GATHERED.clear()
+        for key in [k for k in _AHEAD]:
+            work, _ = _AHEAD.pop(key)
+            work.wait()
+
+
+__all__ = ["Group", "free_gathered_params", "register", "zero_gather"]
