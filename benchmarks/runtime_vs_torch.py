@@ -6,7 +6,9 @@ On ``--world`` gloo ranks of this machine (one thread each), examples/gpt.py (4 
 dim 192, fp32) trains with AdamW; each case builds the hand-written module and
 autopar's from the same weights and runs their steps interleaved (A B A B ...), each
 step timed as the slowest rank's (barrier before, MAX all-reduce of the time after).
-Cases:
+Both sides use ``AdamW(foreach=True)`` (``--no-foreach``: the CPU default loop, where
+DTensor parameters pay a dispatch per op per parameter), except ``tp``, whose
+hand-written side mixes DTensor and plain parameters, which foreach refuses. Cases:
 
 * ``dp``: data parallel pinned (``{"*": "R", "input:0": "S(0)", "input:1": "S(0)"}``,
   ``batch="local"``) vs ``DistributedDataParallel``;
@@ -44,7 +46,10 @@ sys.path.insert(0, str(ROOT))
 MEGATRON = {"*q_proj.weight": "S(0)", "*k_proj.weight": "S(0)", "*v_proj.weight": "S(0)",
             "*q_proj.bias": "S(0)", "*k_proj.bias": "S(0)", "*v_proj.bias": "S(0)",
             "*out_proj.weight": "S(1)", "*out_proj.bias": "R", "*fc1.weight": "S(0)",
-            "*fc1.bias": "S(0)", "*fc2.weight": "S(1)", "*fc2.bias": "R"}
+            "*fc1.bias": "S(0)", "*fc2.weight": "S(1)", "*fc2.bias": "R",
+            # the batch stays whole on every rank, as with parallelize_module; without
+            # these the planner splits it too and gathers the pinned weights (FSDP-like)
+            "input:0": "R", "input:1": "R"}
 DP = {"*": "R", "input:0": "S(0)", "input:1": "S(0)"}
 
 
@@ -114,7 +119,7 @@ CASES = {"dp": (_hand_dp, dict(pins=DP, batch="local"), True),
          "tp": (_hand_tp, dict(pins=MEGATRON), False)}
 
 
-def _case(name: str, rank: int, world: int, steps: int) -> dict:
+def _case(name: str, rank: int, world: int, steps: int, foreach: bool) -> dict:
     """Build both modules for one case, run them interleaved and measure."""
     import gpt
 
@@ -129,8 +134,14 @@ def _case(name: str, rank: int, world: int, steps: int) -> dict:
     hand = make_hand(ref, world)
     n = x.shape[0] // world
     xs, ys = (x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]) if local else (x, y)
-    oa = torch.optim.AdamW(pm.parameters(), lr=1e-3)
-    ob = torch.optim.AdamW(hand.parameters(), lr=1e-3)
+    # foreach: on CPU torch's optimizers default to a per-parameter loop, which costs
+    # ~1 ms per DTensor parameter per step under gloo (CUDA defaults to foreach); both
+    # sides use the same implementation
+    # (hand-written TP leaves embeddings and norms plain tensors beside DTensors, which
+    # foreach refuses to mix: that case keeps the loop on both sides)
+    foreach = foreach and name != "tp"
+    oa = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=foreach)
+    ob = torch.optim.AdamW(hand.parameters(), lr=1e-3, foreach=foreach)
     losses: dict[str, list[float]] = {"autopar": [], "hand": []}
 
     def step_a():
@@ -168,7 +179,7 @@ def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    rows = [_case(name, rank, world, args["steps"]) for name in args["cases"]]
+    rows = [_case(name, rank, world, args["steps"], args["foreach"]) for name in args["cases"]]
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
     dist.barrier()
@@ -182,6 +193,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--cases", default="dp,zero3,tp")
+    ap.add_argument("--no-foreach", dest="foreach", action="store_false",
+                    help="the optimizers' default per-parameter loop on CPU")
     a = ap.parse_args(argv)
     from tests.dist.harness import free_port
 
@@ -189,11 +202,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "rows.json")
         load0 = os.getloadavg()[0]
-        mp.spawn(_worker, args=(a.world, free_port(), {"steps": a.steps, "cases": cases}, out),
+        mp.spawn(_worker, args=(a.world, free_port(), {"steps": a.steps, "cases": cases,
+                                                  "foreach": a.foreach}, out),
                  nprocs=a.world, join=True)
         rows = json.loads(Path(out).read_text())
     print(f"| case | hand-written ms | autopar ms | autopar / hand | collectives per step, hand / "
           f"autopar | max loss difference |  (world {a.world}, {a.steps} interleaved steps, "
+          f"AdamW foreach={a.foreach}, "
           f"load {load0:.2f} before)")
     print("|---|---:|---:|---:|---:|---:|")
     for r in rows:

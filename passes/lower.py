@@ -62,6 +62,16 @@ def _same_global(node: fx.Node, ann) -> None:
         node.meta[META_KEY] = ann
 
 
+def _scalar_outputs(y: fx.Node, start: fx.Node) -> None:
+    """The all-reduces from ``start`` to the output ``y`` of a scalar become
+    :func:`~autopar.runtime.collectives.all_reduce_scalar_out` (same forward, backward
+    without communication)."""
+    while y is not start and y.op == "call_function":
+        if y.target is C.all_reduce:
+            y.target = C.all_reduce_scalar_out
+        y = y.args[0]
+
+
 def out_placement(plan: Plan, node: fx.Node) -> Placements:
     """The planned output placement of ``node``."""
     return parse_placements(plan.nodes[node.name].out_placements[0])
@@ -116,6 +126,9 @@ def lower(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         if isinstance(a, fx.Node) and planned.name in plan.nodes and info(planned).outputs:
             with g.inserting_before(out):
                 y = emit_redistribution(g, a, out_placement(plan, planned), replicated)
+                outs = info(planned).outputs
+                if len(outs) == 1 and not outs[0].shape:  # a scalar (the loss): no mirror all-reduce
+                    _scalar_outputs(y, a)
                 y = g.call_function(C.scale_grad, (y, 1.0 / plan.mesh.size))
             new_args.append(y)
         else:

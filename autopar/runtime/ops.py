@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from autopar.runtime.collectives import all_reduce, all_reduce_nograd
+from autopar.runtime.collectives import all_reduce, all_reduce_nograd_async
 from autopar.runtime.mesh import current
 
 
@@ -40,6 +40,9 @@ def cross_entropy(x: torch.Tensor, target: torch.Tensor, ignore_index: int, redu
     (output replicated there).  ``reduction`` uses aten's enum (0 none, 1 mean, 2 sum).
     """
     valid = target != ignore_index
+    # the global count of targets is known before any of the work below: start its
+    # all-reduce now and wait at the division (mean only)
+    count_wait = all_reduce_nograd_async(valid.sum(), row_axes) if reduction == 1 else None
     if class_axes:
         cl = x.shape[1]
         off = _shard_offset(class_axes, cl)
@@ -64,7 +67,5 @@ def cross_entropy(x: torch.Tensor, target: torch.Tensor, ignore_index: int, redu
     total = per_row.sum()
     if reduction == 2:
         return total
-    count = valid.sum()
-    if row_axes:
-        count = all_reduce_nograd(count, row_axes)
+    count = count_wait()
     return total / count.to(total.dtype)
