@@ -6,8 +6,8 @@
   stages with 1F1B and 8 micro-batches (forced, to show the schedule's warm-up,
   steady state, cool-down and bubbles);
 * ``timeline_zero3.png``: the same family (4 layers, dim 512, batch 32) with ZeRO-3
-  forced on 4 A100s and 2 micro-batches: the per-micro-batch parameter gathers that
-  the cost model (like the runtime today) runs in line with compute.
+  forced on 4 A100s and 2 micro-batches: the per-micro-batch, per-layer parameter
+  gathers, which the cost model runs in line with compute.
 """
 
 from __future__ import annotations

@@ -294,7 +294,32 @@ def zero3_collectives(c: dict) -> dict:
             "collectives": dict(names), "loss_err": max(losses)}
 
 
-CASES = {"zero3_collectives": zero3_collectives, "trace": trace, "export_load": export_load, "clip_norm": clip_norm, "names_modes_frozen": names_modes_frozen,
+def dp_backward_collectives(c: dict) -> dict:
+    """Data parallel's backward issues only the gradient buckets' all-reduces: the
+    loss's mirror all-reduce (a replicated scalar, same seed on every rank) is gone."""
+    import collections
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    import gpt
+
+    model, (x, y) = gpt.build(layers=2)
+    ref = copy.deepcopy(model)
+    pm = auto_parallel(model, example_inputs=(x, y), mesh=_mesh(c["mesh"]),
+                       pins={"*": "R", "input:0": "S(0)", "input:1": "S(0)"})
+    loss = pm(x, y)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        loss.backward()
+    r = ref(x, y)
+    r.backward()
+    grads = pm.full_grads()
+    err = max((grads[k] - p.grad).abs().max().item() for k, p in ref.named_parameters())
+    names = collections.Counter(e.name for e in prof.events() if e.name.startswith("gloo:"))
+    return {"backward": dict(names), "buckets": len(pm.grad_sync.buckets), "grad_err": err,
+            "loss_err": abs(float(loss) - float(r))}
+
+
+CASES = {"dp_backward_collectives": dp_backward_collectives, "zero3_collectives": zero3_collectives, "trace": trace, "export_load": export_load, "clip_norm": clip_norm, "names_modes_frozen": names_modes_frozen,
          "seeds_and_shapes": seeds_and_shapes, "local_batch": local_batch, "dcp_reshard": dcp_reshard}
 
 

@@ -203,10 +203,11 @@ def _current() -> _SimMesh:
 
 
 def _all_reduce(tensor: torch.Tensor, op: object = dist.ReduceOp.SUM, group: object = None,
-                async_op: bool = False) -> None:
-    """In-memory all-reduce across the simulated ranks of ``group`` (in place)."""
+                async_op: bool = False) -> "_DoneWork | None":
+    """In-memory all-reduce across the simulated ranks of ``group`` (in place).  An
+    async call completes before it returns (the ranks are threads meeting at a
+    barrier) and hands back a work handle whose wait is a no-op."""
     assert isinstance(group, _Group), f"all_reduce needs a mesh-axis group, got {group!r}"
-    assert not async_op
     r = _current().coord[group.axis]
     group.slots[r] = tensor.detach().clone()
     group.ops[r] = op
@@ -223,6 +224,15 @@ def _all_reduce(tensor: torch.Tensor, op: object = dist.ReduceOp.SUM, group: obj
     group.barrier.wait()  # nobody refills the slots before every rank has read them
     with torch.no_grad():
         tensor.copy_(result)
+    return _DoneWork() if async_op else None
+
+
+class _DoneWork:
+    """The handle of a simulated async collective, already complete."""
+
+    def wait(self) -> bool:
+        """Nothing to wait for: the simulated collective finished when it was issued."""
+        return True
 
 
 def _unsupported(*args: object, **kwargs: object) -> None:
