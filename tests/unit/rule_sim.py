@@ -203,7 +203,7 @@ def _current() -> _SimMesh:
 
 
 def _all_reduce(tensor: torch.Tensor, op: object = dist.ReduceOp.SUM, group: object = None,
-                async_op: bool = False) -> "_DoneWork | None":
+                async_op: bool = False) -> _DoneWork | None:
     """In-memory all-reduce across the simulated ranks of ``group`` (in place).  An
     async call completes before it returns (the ranks are threads meeting at a
     barrier) and hands back a work handle whose wait is a no-op."""
