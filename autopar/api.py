@@ -46,7 +46,7 @@ def _capture_and_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec,
 
 
 _DECISION_KEYS = ("zero_stage", "pipeline_stages", "micro_batches", "schedule", "recompute", "explore",
-                  "blocks", "progress")
+                  "blocks", "progress", "bucket_bytes")
 
 
 def _options(memory_budget, optimizer, time_limit, pins, decisions: Mapping,
@@ -78,7 +78,9 @@ def plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec | str | tuple |
     ``solver.searcher`` says which ran.
 
     ``decisions`` force plan-level choices, e.g. ``zero_stage=2``, ``pipeline_stages=2,
-    micro_batches=4, schedule="1f1b"``, ``recompute=["blocks.1"]``; unset ones are searched."""
+    micro_batches=4, schedule="1f1b"``, ``recompute=["blocks.1"]``, ``bucket_bytes=25 << 20``
+    (fixed-size gradient buckets instead of the cost model's choice); unset ones are
+    searched."""
     opts = _options(memory_budget, optimizer, time_limit, pins, decisions, search)
     m = _mesh(mesh)
     return _capture_and_plan(model, tuple(example_inputs), m, example_kwargs, opts)[1]

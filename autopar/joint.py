@@ -224,7 +224,8 @@ class JointSearch:
             # ZeRO needs a sub-mesh axis to shard over: no config when there is none
             for a in (axes if z else [None]):
                 for s in scheds:
-                    out.append(Config(cand.stages, cand.micro_batches, s, z, a, self.opts.recompute))
+                    out.append(Config(cand.stages, cand.micro_batches, s, z, a, self.opts.recompute,
+                                      self.opts.bucket_bytes))
         return out
 
     def _price(self, cand: _Candidate) -> None:
@@ -352,7 +353,8 @@ class JointSearch:
             global_batch=batch_size(self._call),
             stage_seconds=[sp.seconds for sp in pr.stages],
             stage_memory=[sp.total_memory for sp in pr.stages], step_seconds=pr.step_seconds,
-            stage_parts=[dict(sp.parts) for sp in pr.stages], breakdown=pr.breakdown())
+            stage_parts=[dict(sp.parts) for sp in pr.stages], breakdown=pr.breakdown(),
+            grad_buckets=[b for sp in pr.stages for b in sp.buckets])
         d.why = self._why(pr)
         plan.decisions = d
         plan.request = request(cand.cap.gm, cfg.micro_batches, list(self.mesh.shape), self.budget)
@@ -418,7 +420,26 @@ class JointSearch:
                         f"{format_bytes(self.budget)}")
         else:
             why["recompute"] = "no layer is recomputed: the plan fits without it"
+        why["buckets"] = _bucket_words(pr, cfg)
         return why
+
+
+def _bucket_words(pr: Priced, cfg) -> str:
+    """One line on the gradient buckets of the stage whose reduction tail is longest."""
+    n = sum(len(sp.buckets) for sp in pr.stages)
+    if not n:
+        return "no gradient is all-reduced by data parallelism (nothing replicated to reduce)"
+    tail = max(pr.stages, key=lambda sp: sp.parts.get("sync_exposed", 0.0))
+    p = tail.parts
+    how = (f"{format_bytes(cfg.bucket_bytes)} each as asked (bucket_bytes)" if cfg.bucket_bytes
+           else "chosen to end the reduction earliest (MG-WFBP)")
+    where = f" on stage {pr.stages.index(tail)}" if len(pr.stages) > 1 else ""
+    return (f"{n} gradient bucket{'s' if n > 1 else ''} of {format_bytes(p.get('bucket_bytes_min', 0.0))}"
+            f"-{format_bytes(p.get('bucket_bytes_max', 0.0))}, {how}: "
+            f"{p.get('sync_exposed', 0.0) * 1e3:.3f} ms of {p.get('sync', 0.0) * 1e3:.3f} ms of "
+            f"reduction exposed after the backward{where}; one bucket per gradient would expose "
+            f"{p.get('sync_exposed_per_gradient', 0.0) * 1e3:.3f} ms, one bucket for all "
+            f"{p.get('sync_exposed_one_bucket', 0.0) * 1e3:.3f} ms")
 
 
 def request(gm: fx.GraphModule, micro_batches: int, mesh_shape: list[int],

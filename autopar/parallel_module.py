@@ -183,11 +183,11 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
                 zp = self.zero._by_target[t]
                 if self.zero.stage == 3 and zp.other_axes:
                     # stage 3: the shard's gradient is still Partial on the other axes
-                    params.append((zp.shard, zp.other_axes))
+                    params.append((t, zp.shard, zp.other_axes))
                 continue
             if t in self._placements and isinstance(p, nn.Parameter) and p.requires_grad:
-                params.append((p, self._replicated_axes(t)))
-        self.grad_sync = GradSync(params)
+                params.append((t, p, self._replicated_axes(t)))
+        self.grad_sync = GradSync(params, self.plan.decisions.grad_buckets)
 
     def _frozen(self, t: str) -> bool:
         return all(n in self.info.frozen for n in self.aliases.get(t, [t]))

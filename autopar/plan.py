@@ -169,6 +169,11 @@ class Decisions:
     last backward), ``bubble_seconds`` (pipeline fill and drain); these three sum to the
     step.  ``hidden_comm_seconds`` is gradient sync overlapped with backward (not in
     the sum)."""
+    grad_buckets: list[list[str]] = field(default_factory=list)
+    """Data-parallel gradient buckets in launch order (parameter targets), chosen by
+    :mod:`autopar.solve.buckets` (or ``bucket_bytes=`` each); the runtime reduces
+    exactly these.  Empty in plans made before buckets were planned: the runtime then
+    falls back to 4 MiB buckets."""
 
     def stage_of(self, layer: str) -> int:
         """Pipeline stage holding ``layer`` (0 without a pipeline)."""
@@ -232,7 +237,7 @@ class Plan:
 
     def explainable(self) -> list[str]:
         """Every name :meth:`explain` accepts: decisions, layer keys, parameters, nodes."""
-        names = ["pipeline", "zero", "micro_batches", "recompute"]
+        names = ["pipeline", "zero", "micro_batches", "recompute", "buckets"]
         names += sorted({n.layer for n in self.nodes.values() if n.layer})
         names += [n.param for n in self.nodes.values() if n.param]
         return names + list(self.nodes)
@@ -244,7 +249,7 @@ class Plan:
         close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
         hint = f"did you mean {', '.join(close)}? " if close else ""
         return (f"no node, parameter, layer or decision named {name!r} in the plan; {hint}"
-                f"decisions: pipeline, zero, micro_batches, recompute; layers: "
+                f"decisions: pipeline, zero, micro_batches, recompute, buckets; layers: "
                 f"{', '.join(sorted({n.layer for n in self.nodes.values() if n.layer})) or 'none'}"
                 "; parameters and nodes: see plan.explainable()")
 
@@ -252,11 +257,13 @@ class Plan:
     def explain(self, name: str) -> str:
         """Why node ``name`` got its strategy (its price and the best alternatives), or
         why a plan-level decision was taken: ``"pipeline"`` (stages and schedule),
-        ``"zero"``, ``"micro_batches"``, ``"recompute"``, or a layer key such as
+        ``"zero"``, ``"micro_batches"``, ``"recompute"``, ``"buckets"`` (the gradient
+        buckets), or a layer key such as
         ``"blocks.7"`` (is it recomputed, which stage holds it)."""
         d = self.decisions
         aliases = {"stages": "pipeline", "schedule": "pipeline", "optimizer": "zero",
-                   "accumulation": "micro_batches", "gradient_accumulation": "micro_batches"}
+                   "accumulation": "micro_batches", "gradient_accumulation": "micro_batches",
+                   "grad_buckets": "buckets", "bucket_bytes": "buckets"}
         key = aliases.get(name, name)
         if key in d.why:
             return d.why[key]

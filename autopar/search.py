@@ -57,6 +57,7 @@ class PlanOptions:
     schedule: str | None = None
     recompute: tuple[str, ...] | None = None
     explore: bool = False  # also try pipelines/micro-batches when the plain plan fits
+    bucket_bytes: int | None = None  # fixed gradient bucket size; None = chosen (MG-WFBP)
     # plan as if the model's repeated block were stacked this many times (deep models
     # planned from a shallow capture of identical blocks; planning only)
     blocks: int | None = None

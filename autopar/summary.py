@@ -179,6 +179,8 @@ def _rate(x: float) -> str:
 
 
 def _ms(x: float) -> str:
+    if abs(x) < 1e-9:  # rounding left by differences of equal sums
+        return "0 ms"
     return f"{x * 1e3:.3g} ms" if x >= 1e-3 else f"{x * 1e6:.3g} us"
 
 
@@ -186,7 +188,7 @@ def _decision_lines(plan: Plan) -> list[str]:
     d = plan.decisions
     lines = []
     for key, label in (("pipeline", "pipeline"), ("micro_batches", "micro-batches"),
-                       ("zero", "ZeRO"), ("recompute", "recompute")):
+                       ("zero", "ZeRO"), ("recompute", "recompute"), ("buckets", "grad buckets")):
         if key in d.why:
             lines.append(f"  {label:<14} {d.why[key]}")
     return lines

@@ -108,7 +108,7 @@ def options(memory_budget, optimizer, time_limit, search, decisions: Mapping) ->
     z = decisions.get("zero_stage")
     if z is not None and (isinstance(z, bool) or z not in (0, 1, 2, 3)):
         raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {z!r}")
-    for key in ("pipeline_stages", "micro_batches", "blocks"):
+    for key in ("pipeline_stages", "micro_batches", "blocks", "bucket_bytes"):
         v = decisions.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ConfigError(f"{key} must be a positive integer, got {v!r}")

@@ -78,24 +78,35 @@ class OrderedBuckets:
 class GradSync(OrderedBuckets):
     """Hooks that all-reduce replicated parameters' gradients after backward."""
 
-    def __init__(self, params: list[tuple[nn.Parameter, tuple[int, ...]]], bucket_bytes: int = 4 << 20) -> None:
-        """``params``: (parameter, axes it is replicated on), in forward order."""
+    def __init__(self, params: list[tuple[str, nn.Parameter, tuple[int, ...]]],
+                 planned: list[list[str]] | None = None, bucket_bytes: int = 4 << 20) -> None:
+        """``params``: (name, parameter, axes it is replicated on), in forward order.
+        ``planned``: the plan's buckets (parameter names in launch order,
+        :attr:`autopar.plan.Decisions.grad_buckets`); names not on this rank are
+        skipped, a bucket mixing axes is split by axes.  Parameters in no planned
+        bucket (a plan made before buckets were planned, ZeRO-3 shards reduced over
+        their other axes) follow in ``bucket_bytes`` buckets, back to front."""
         self.buckets: list[Bucket] = []
         self.enabled = True
+        by_name = {n: (p, axes) for n, p, axes in params if axes}
+        placed: set[str] = set()
+        for names in planned or []:
+            runs: dict[tuple[int, ...], list[nn.Parameter]] = {}
+            for n in names:
+                if n in by_name and n not in placed:
+                    placed.add(n)
+                    p, axes = by_name[n]
+                    runs.setdefault(axes, []).append(p)
+            self.buckets.extend(Bucket(ps, axes) for axes, ps in runs.items())
         groups: dict[tuple[int, ...], list[nn.Parameter]] = {}
-        order: list[tuple[int, ...]] = []
         # reverse forward order: gradients become ready roughly back to front
-        for p, axes in reversed(params):
-            if not axes:
-                continue
-            if axes not in groups:
-                groups[axes] = []
-                order.append(axes)
-            groups[axes].append(p)
-        for axes in order:
+        for n, p, axes in reversed(params):
+            if axes and n not in placed:
+                groups.setdefault(axes, []).append(p)
+        for axes, ps in groups.items():
             cur: list[nn.Parameter] = []
             size = 0
-            for p in groups[axes]:
+            for p in ps:
                 cur.append(p)
                 size += p.numel() * p.element_size()
                 if size >= bucket_bytes:

@@ -41,6 +41,7 @@ class ParamStat:
 
     bytes: float
     replicated: tuple[int, ...]
+    name: str = ""  # the parameter's graph target (what the runtime's buckets name)
 
 
 @dataclass
@@ -87,7 +88,8 @@ def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) ->
         if np_.kind == "param":
             pl = parse_placements(np_.out_placements[0])
             rep = tuple(a for a, p in enumerate(pl) if is_replicate(p) and mesh.shape[a] > 1)
-            st.params.append(ParamStat(_local_bytes(n, np_.out_placements[0], mesh), rep))
+            st.params.append(ParamStat(_local_bytes(n, np_.out_placements[0], mesh), rep,
+                                       np_.param or n.name))
         elif np_.kind == "buffer":
             st.buffers += np_.memory
         elif np_.kind == "op":
@@ -120,11 +122,12 @@ class ZeroPrice:
     optimizer: float
     transient: float     # whole parameters alive while the layer runs (stage 3)
     bucket: float = 0.0  # stage 2: whole gradients waiting in a reduce bucket
+    zero_sync: float = 0.0  # the part of ``sync`` that ZeRO's own reduce-scatters do
 
 
 def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | None, optimizer: str) -> ZeroPrice:
     """Price ``stat``'s parameters under ZeRO ``stage`` over sub-mesh ``axis``."""
-    sync = gstep = gmb = pb = gb = ob = tr = bk = 0.0
+    sync = gstep = gmb = pb = gb = ob = tr = bk = zsync = 0.0
     for p in stat.params:
         opt = optimizer_state_bytes(p.bytes, optimizer)
         on_z = stage > 0 and axis is not None and axis in p.replicated
@@ -136,9 +139,11 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | None, op
             continue
         d = mesh.shape[axis]
         others = tuple(a for a in p.replicated if a != axis)
+        before = sync
         sync += reduce_scatter_time(mesh, (axis,), p.bytes) - reduce_scatter_time(mesh, (axis,), d)
         if others:
             sync += all_reduce_time(mesh, others, p.bytes / d) - all_reduce_time(mesh, others, 1.0)
+        zsync += sync - before
         if stage < 3:
             gstep += all_gather_time(mesh, (axis,), p.bytes)
             pb += p.bytes
@@ -148,11 +153,18 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | None, op
         gb += p.bytes / d if stage >= 2 else p.bytes
         bk += p.bytes if stage == 2 else 0.0
         ob += opt / d
+    if zsync and axis is not None:
+        # the layer's gradients leave in one reduce-scatter (stage 3, runtime/zero3.py)
+        # or a few fused buckets (stages 1-2): one latency per layer, as the data-parallel
+        # buckets pay theirs (autopar/solve/buckets.py)
+        lat = reduce_scatter_time(mesh, (axis,), mesh.shape[axis])
+        zsync += lat
+        sync += lat
     if tr:
         # stage 3 gathers a layer's parameters in one collective (runtime/zero3.py), in
         # the forward and again in the backward: the latency is paid once per layer
         gmb = 2.0 * all_gather_time(mesh, (axis,), tr)
-    return ZeroPrice(sync, gstep, gmb, pb, gb, ob, tr, bk)
+    return ZeroPrice(sync, gstep, gmb, pb, gb, ob, tr, bk, zsync)
 
 
 __all__ = ["LayerStat", "ParamStat", "ZeroPrice", "layer_stats", "zero_price"]

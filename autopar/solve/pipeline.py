@@ -13,9 +13,10 @@ ZeRO stage and axis) is priced as
   stage, greedily by bytes saved per second of extra forward, until the stage fits
   the memory budget (the least extra compute that fits when the layers are alike);
 * step time ``= sum_s t_s + (M - 1) * max_s t_s`` plus, for the slowest stage, the
-  gradient reduction not hidden behind the last micro-batch's backward (simulated
-  layer by layer: a layer's gradients are reduced while earlier layers run backward)
-  and the ZeRO-1/2 parameter all-gather after the step;
+  gradient reduction not hidden behind the last micro-batch's backward (gradients are
+  reduced in buckets while earlier layers run backward; the buckets are chosen by
+  :mod:`autopar.solve.buckets`, MG-WFBP) and the ZeRO-1/2 parameter all-gather after
+  the step;
 * stage boundaries come from a dynamic program over layer ranges that minimises the
   slowest stage (then the sum), every stage within the budget.
 """
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 
 from autopar.cost_models import MeshSpec
 from autopar.plan import Schedule
+from autopar.solve import buckets as bk
 from autopar.solve.layer_stats import LayerStat, zero_price
 
 ZERO_BUCKET_BYTES = 4 << 20  # runtime/zero.py Zero.bucket_bytes
@@ -42,6 +44,7 @@ class Config:
     zero_stage: int = 0
     zero_axis: int | None = None
     recompute: tuple[str, ...] | None = None  # forced recomputed layer keys; None = searched
+    bucket_bytes: float | None = None  # fixed gradient bucket size; None = chosen (MG-WFBP)
 
 
 @dataclass
@@ -58,6 +61,8 @@ class StagePrice:
     and ``comm`` (per micro-batch; they sum to ``seconds``), ``sync`` (all gradient
     reduction, mostly hidden under backward), ``sync_exposed`` and ``gather_step`` (the
     step's exposed tail; they sum to ``extra``)."""
+    buckets: list[list[str]] = field(default_factory=list)
+    """The data-parallel gradient buckets, parameter names in launch order."""
 
     @property
     def total_memory(self) -> float:
@@ -100,21 +105,31 @@ class Priced:
                 "bubble_seconds": bubble, "hidden_comm_seconds": hidden}
 
 
-def _exposed_sync(layers: list[LayerStat], syncs: list[float], recompute: set[str]) -> float:
-    """Gradient reduction left after the last backward: layer gradients are ready back
-    to front and are reduced one after the other while earlier layers still compute."""
-    t = done = 0.0
-    for st, s in zip(reversed(layers), reversed(syncs)):
-        t += st.seconds - st.forward + (st.forward if st.key in recompute else 0.0)
-        done = max(done, t) + s
-    return max(0.0, done - t)
+def _sync(layers: list[LayerStat], zp: list, rc: set[str], cfg: Config,
+          mesh: MeshSpec) -> tuple[bk.BucketPlan, list[list[str]], dict[str, float]]:
+    """The stage's gradient buckets (chosen, or ``cfg.bucket_bytes`` each), their
+    timing, and for ``explain`` the exposed reduction with one bucket per gradient and
+    with one bucket for all, plus the chosen buckets' smallest and largest bytes."""
+    items, backward = bk.stage_items(layers, zp, rc, cfg.zero_stage, cfg.zero_axis)
+    if cfg.bucket_bytes is None:
+        bp = bk.optimal(items, mesh, backward)
+    else:
+        bp = bk.simulate(items, bk.fixed_size(items, cfg.bucket_bytes), mesh, backward)
+    sizes = [sum(x.bytes for x in items[i:j]) for i, j in bp.cuts if items[i].fixed is None]
+    extremes = {
+        "sync_exposed_per_gradient": bk.simulate(items, bk.per_gradient(items), mesh, backward).exposed,
+        "sync_exposed_one_bucket": bk.simulate(items, bk.one_bucket(items), mesh, backward).exposed,
+        "bucket_bytes_min": min(sizes, default=0.0), "bucket_bytes_max": max(sizes, default=0.0)}
+    return bp, bp.names(items), extremes
 
 
 def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec, pipe_link,
-                budget: float, optimizer: str, zp: list | None = None) -> StagePrice:
+                budget: float, optimizer: str, zp: list | None = None,
+                sync: bool = True) -> StagePrice:
     """Price stage ``index`` holding ``layers`` (see the module docstring);
     ``pipe_link(bytes)`` is the time of one point-to-point message between stages;
-    ``zp`` the layers' :func:`zero_price` when already computed.
+    ``zp`` the layers' :func:`zero_price` when already computed; ``sync=False`` leaves
+    the gradient buckets out (the split search needs only ``seconds`` and memory).
     The returned memory may exceed ``budget`` when nothing fits."""
     if cfg.stages == 1:
         inflight = 1
@@ -175,18 +190,20 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
             seconds += 2.0 * pipe_link(_in_bytes(layers))
         if index < cfg.stages - 1:
             seconds += 2.0 * pipe_link(layers[-1].out_bytes)
-    exposed = _exposed_sync(layers, [z.sync for z in zp], rc)
+    bp, names, extremes = _sync(layers, zp, rc, cfg, mesh) if sync else (None, [], {})
+    exposed = bp.exposed if bp is not None else 0.0
     gather_step = sum(z.gather_step for z in zp)
     extra = exposed + gather_step
     compute = sum(st.compute for st in layers)
     recompute = sum(st.forward for st in chosen)
     parts = {"compute": compute, "recompute": recompute, "comm": seconds - compute - recompute,
-             "sync": sum(z.sync for z in zp), "sync_exposed": exposed, "gather_step": gather_step}
+             "sync": bp.busy if bp is not None else 0.0, "sync_exposed": exposed,
+             "gather_step": gather_step, **extremes}
     memory = {"params": sum(z.params for z in zp), "grads": sum(z.grads for z in zp),
               "optimizer": sum(z.optimizer for z in zp),
               "activations": mem(chosen) - static, "buffers": sum(st.buffers for st in layers)}
     memory["transient"] = static - sum(memory[k] for k in ("params", "grads", "optimizer", "buffers"))
-    return StagePrice([st.key for st in layers], seconds, extra, memory, sorted(rc), parts)
+    return StagePrice([st.key for st in layers], seconds, extra, memory, sorted(rc), parts, names)
 
 
 def _in_bytes(layers: list[LayerStat]) -> float:
@@ -204,22 +221,29 @@ def price(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget
     cache: dict[tuple[int, int, int], StagePrice] = {}
     zps = [zero_price(st, mesh, cfg.zero_stage, cfg.zero_axis, optimizer) for st in stats]
 
-    def stage(i: int, j: int, s: int) -> StagePrice:
+    def stage(i: int, j: int, s: int, sync: bool = False) -> StagePrice:
         # stages differ only by their in-flight count and whether they send/receive
         inflight = (1 if cfg.stages == 1 else cfg.micro_batches if cfg.schedule == Schedule.GPIPE.value
                     else min(cfg.stages - s, cfg.micro_batches))
-        key = (i, j, inflight, s == 0, s == cfg.stages - 1)
+        key = (i, j, inflight, s == 0, s == cfg.stages - 1, sync)
         if key not in cache:
-            cache[key] = price_stage(stats[i:j], s, cfg, mesh, pipe_link, budget, optimizer, zps[i:j])
+            cache[key] = price_stage(stats[i:j], s, cfg, mesh, pipe_link, budget, optimizer, zps[i:j],
+                                     sync=sync)
         return cache[key]
 
-    # best[s][j]: (slowest stage, sum, split) covering layers [0, j) with s + 1 stages
+    # best[s][j]: (slowest stage, sum, split as (start, end) ranges) covering layers
+    # [0, j) with s + 1 stages; the split's gradient buckets are priced once at the end
     inf = (math.inf, math.inf, [])
     best = [[inf] * (n + 1) for _ in range(p)]
+    def idle(sp: StagePrice) -> bool:
+        # a stage without compute (only an embedding lookup's inputs, say) leaves its
+        # devices idle: never a pipeline stage of its own
+        return p > 1 and sp.parts.get("compute", 0.0) <= 0.0
+
     for j in range(1, n - p + 2):
         sp = stage(0, j, 0)
-        if sp.total_memory <= budget:
-            best[0][j] = (sp.seconds, sp.seconds, [sp])
+        if sp.total_memory <= budget and not idle(sp):
+            best[0][j] = (sp.seconds, sp.seconds, [(0, j)])
     for s in range(1, p):
         for j in range(s + 1, n - (p - s - 1) + 1):
             for i in range(s, j):
@@ -227,16 +251,17 @@ def price(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget
                 if not math.isfinite(prev[0]):
                     continue
                 sp = stage(i, j, s)
-                if sp.total_memory > budget:
+                if sp.total_memory > budget or idle(sp):
                     continue
-                cand = (max(prev[0], sp.seconds), prev[1] + sp.seconds, prev[2] + [sp])
+                cand = (max(prev[0], sp.seconds), prev[1] + sp.seconds, prev[2] + [(i, j)])
                 if cand[:2] < best[s][j][:2]:
                     best[s][j] = cand
-    slow, total, split = best[p - 1][n]
+    slow, total, ranges = best[p - 1][n]
     min_mem = min((sp.total_memory for sp in cache.values()), default=math.inf)
     if not math.isfinite(slow):
         # report the smallest per-device memory any split could reach
         return Priced(cfg, [], math.inf, _min_split_memory(stats, cfg, stage, min_mem))
+    split = [stage(i, j, s, sync=True) for s, (i, j) in enumerate(ranges)]
     step = total + (cfg.micro_batches - 1) * slow + max(sp.extra for sp in split)
     return Priced(cfg, split, step, max(sp.total_memory for sp in split))
 

@@ -315,8 +315,11 @@ def dp_backward_collectives(c: dict) -> dict:
     grads = pm.full_grads()
     err = max((grads[k] - p.grad).abs().max().item() for k, p in ref.named_parameters())
     names = collections.Counter(e.name for e in prof.events() if e.name.startswith("gloo:"))
+    planned = [[n for n in b] for b in pm.plan.decisions.grad_buckets]
+    run_buckets = [[n for p in b.params for n, q in pm.inner.named_parameters() if q is p]
+                   for b in pm.grad_sync.buckets]
     return {"backward": dict(names), "buckets": len(pm.grad_sync.buckets), "grad_err": err,
-            "loss_err": abs(float(loss) - float(r))}
+            "loss_err": abs(float(loss) - float(r)), "planned": planned, "run_buckets": run_buckets}
 
 
 CASES = {"dp_backward_collectives": dp_backward_collectives, "zero3_collectives": zero3_collectives, "trace": trace, "export_load": export_load, "clip_norm": clip_norm, "names_modes_frozen": names_modes_frozen,

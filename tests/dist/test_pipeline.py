@@ -175,9 +175,9 @@ def run_pipeline_case(c: dict) -> dict:
         owner.register_parameter(leaf, nn.Parameter(shard(full_state[cap.aliases[t][0]], t)))
     stage = split_stages(gm, plan)[rt.stage]
     params = {t: gm.get_parameter(t) for t in stage.params}
-    sync = GradSync([(p, tuple(a for a, x in enumerate(placements[t])
-                               if is_replicate(x) and plan.mesh.shape[a] > 1))
-                     for t, p in params.items()])
+    sync = GradSync([(t, p, tuple(a for a, x in enumerate(placements[t])
+                                  if is_replicate(x) and plan.mesh.shape[a] > 1))
+                     for t, p in params.items()], plan.decisions.grad_buckets)
     runner = PipelineRunner(stage, case.schedule if case.stages else "none",
                             case.micro_batches, grad_sync=sync)
     refp = dict(ref.named_parameters())

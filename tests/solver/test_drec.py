@@ -89,7 +89,9 @@ def test_drec_plans_1024_devices_quickly(shape) -> None:
     p = plan(model, ex, mesh, search="drec")
     seconds = time.perf_counter() - t0
     assert p.solver.searcher == "drec", p.solver.message
-    assert p.mesh.size == 1024
+    # every device is used: the whole mesh, or pipeline stages of sub-meshes (on (128, 8)
+    # the exposed gradient all-reduce over 256 ranks makes 4 stages worth their bubble)
+    assert p.world_size == 1024
     assert seconds < 30, seconds  # measured ~1-2 s on 2 cores (capture included)
     # the slowest link is decided first (the in-node axis, NVLink, last)
     assert axis_order(mesh)[-1] == len(shape) - 1

@@ -30,7 +30,7 @@ MEGATRON_GPT = {"*q_proj.weight": "S(0)", "*k_proj.weight": "S(0)", "*v_proj.wei
 # the structure of the summary: the label each line starts with, in order
 GOLDEN = ["autopar plan for mesh 2x8 (16 devices, preset multinode-h100-ib, axes a0, a1)",
           "layout", "axis a0", "axis a1", "step time", "throughput", "memory", "decisions",
-          "pipeline", "micro-batches", "ZeRO", "recompute", "unsupported", "search"]
+          "pipeline", "micro-batches", "ZeRO", "recompute", "grad buckets", "unsupported", "search"]
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +67,9 @@ def test_llama_summary_golden_structure(llama_plan):
     assert re.search(r"[0-9.]+[kMG]? tokens/s \(2048 per step\)", text)
     assert f"MFU {n['mfu'] * 100:.3g}% of 989 TFLOP/s" in text
     assert "of 80.0 GiB per device" in text
+    # the gradient buckets: how many, chosen how, and what the two extremes would expose
+    assert re.search(r"grad buckets +[0-9]+ gradient buckets? of .*MG-WFBP.*one bucket per "
+                     r"gradient would expose [0-9.]+ ms, one bucket for all [0-9.]+ ms", text)
 
 
 def test_summary_numbers_are_consistent(llama_plan):

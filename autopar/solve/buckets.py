@@ -1,0 +1,235 @@
+"""Gradient buckets chosen by the cost model (MG-WFBP, Shi et al. 2019).
+
+Data-parallel gradients are all-reduced in buckets launched strictly in order as the
+backward produces them (:mod:`autopar.runtime.grad_sync`).  Many small buckets pay the
+collective's latency many times; one large bucket waits for the last gradient before
+anything is sent.  Given each gradient's bytes, the mesh axes it is reduced over and
+the time the backward makes it ready, the buckets are chosen to minimise the end of
+the last bucket: with ``f(j)`` the earliest end of the buckets covering gradients
+``[0, j)`` (in the order they become ready),
+
+    f(j) = min_i  max(f(i), ready[j-1]) + T(bytes[i:j])
+
+over the cuts ``i`` that keep one bucket on one set of axes.  ``T`` is the
+all-reduce's alpha-beta price, affine in the bytes, so each ``j`` is one numpy
+expression over every ``i`` (``O(n^2)`` arithmetic, ``O(n)`` Python steps).  Because a
+bucket's end grows with the previous end, taking the least ``f(i)`` is optimal: the
+recurrence is exact for this model, not a heuristic.  Among cuts that end equally
+early (the reduction hides under the backward either way) the one holding the link
+the fewest seconds is kept: fewer latencies, less contention with the backward.
+
+Items whose time is fixed (a ZeRO layer's reduce-scatters, priced elsewhere) take the
+link in their turn but never merge with others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from autopar.cost_models import MeshSpec, all_reduce_time
+from autopar.solve.layer_stats import LayerStat, ZeroPrice
+
+
+@dataclass(frozen=True)
+class GradItem:
+    """One gradient (or a fixed-time reduction) as the backward produces it."""
+
+    name: str
+    bytes: float
+    axes: tuple[int, ...]
+    ready: float
+    """Seconds after the last backward starts at which the gradient exists."""
+    fixed: float | None = None
+    """A reduction priced elsewhere (never merged): its time on the link."""
+
+
+@dataclass
+class BucketPlan:
+    """Chosen buckets (indices into the items, in launch order) and their timing."""
+
+    cuts: list[tuple[int, int]]
+    end: float
+    """When the last bucket's reduction ends (seconds after the backward starts)."""
+    backward: float
+    """When the backward ends; ``end - backward`` (at least 0) is exposed."""
+    busy: float = 0.0
+    """Seconds the reductions hold the link (hidden or not)."""
+
+    @property
+    def exposed(self) -> float:
+        """Reduction left after the backward: on the step's critical path."""
+        return max(0.0, self.end - self.backward)
+
+    def names(self, items: list[GradItem]) -> list[list[str]]:
+        """Gradient names per bucket, fixed-time items left out (they are not bucketed)."""
+        return [[items[k].name for k in range(i, j)] for i, j in self.cuts
+                if items[i].fixed is None]
+
+
+def _affine(mesh: MeshSpec, axes: tuple[int, ...]) -> tuple[float, float]:
+    """(latency, seconds per byte) of an all-reduce over ``axes``: the price is affine
+    in the bytes for any non-empty message (design.md §5)."""
+    big = float(1 << 30)
+    t1, tb = all_reduce_time(mesh, axes, 1.0), all_reduce_time(mesh, axes, big)
+    per_byte = (tb - t1) / (big - 1.0)
+    return t1 - per_byte, per_byte
+
+
+def _runs(items: list[GradItem]) -> list[int]:
+    """For each item, the first index of the run of mergeable items it belongs to."""
+    start, out = 0, []
+    for k, it in enumerate(items):
+        if k and (it.fixed is not None or items[k - 1].fixed is not None
+                  or it.axes != items[k - 1].axes):
+            start = k
+        out.append(start)
+    return out
+
+
+def simulate(items: list[GradItem], cuts: list[tuple[int, int]], mesh: MeshSpec,
+             backward: float) -> BucketPlan:
+    """Timing of given buckets: each starts when the link is free and its last
+    gradient is ready, and holds the link for its all-reduce."""
+    end = busy = 0.0
+    prices = {}
+    for i, j in cuts:
+        it = items[i]
+        if it.fixed is not None:
+            t = it.fixed
+        else:
+            if it.axes not in prices:
+                prices[it.axes] = _affine(mesh, it.axes)
+            lat, per = prices[it.axes]
+            t = lat + per * sum(x.bytes for x in items[i:j])
+        end = max(end, items[j - 1].ready) + t
+        busy += t
+    return BucketPlan(list(cuts), end, backward, busy)
+
+
+def optimal(items: list[GradItem], mesh: MeshSpec, backward: float) -> BucketPlan:
+    """The buckets that end the reduction earliest (the module's recurrence)."""
+    n = len(items)
+    if n == 0:
+        return BucketPlan([], 0.0, backward)
+    runs = _runs(items)
+    ready = np.array([it.ready for it in items])
+    prefix = np.concatenate([[0.0], np.cumsum([it.bytes for it in items])])
+    prices = {it.axes: _affine(mesh, it.axes) for it in items if it.fixed is None}
+    f = np.zeros(n + 1)
+    arg = np.zeros(n + 1, dtype=np.int64)
+    for j in range(1, n + 1):
+        it = items[j - 1]
+        if it.fixed is not None:
+            f[j], arg[j] = max(f[j - 1], it.ready) + it.fixed, j - 1
+            continue
+        s = runs[j - 1]
+        lat, per = prices[it.axes]
+        cand = np.maximum(f[s:j], ready[j - 1]) + lat + per * (prefix[j] - prefix[s:j])
+        k = int(np.argmin(cand))  # first minimum: the larger bucket on ties
+        f[j], arg[j] = float(cand[k]), s + k
+    cuts, j = [], n
+    while j > 0:
+        cuts.append((int(arg[j]), j))
+        j = int(arg[j])
+    return simulate(items, _coarsen(items, cuts[::-1], runs, prices, float(f[n])), mesh, backward)
+
+
+def _coarsen(items: list[GradItem], cuts: list[tuple[int, int]], runs: list[int],
+             prices: dict, target: float) -> list[tuple[int, int]]:
+    """Merge neighbouring buckets while the last one still ends by ``target``.
+
+    The recurrence ends every prefix as early as it can, which sends each gradient on
+    its own whenever the link keeps up with the backward; the step is no faster for
+    it, and every extra bucket is one more latency on a link and a host shared with
+    the backward.  Each bucket has a deadline (the latest end that lets the buckets
+    after it, as they are, finish by ``target``); a bucket absorbs the next one while
+    the merged bucket meets the next one's deadline."""
+    prefix = np.concatenate([[0.0], np.cumsum([it.bytes for it in items])])
+
+    def t(i: int, j: int) -> float:
+        it = items[i]
+        if it.fixed is not None:
+            return it.fixed
+        lat, per = prices[it.axes]
+        return lat + per * float(prefix[j] - prefix[i])
+
+    dead = [0.0] * len(cuts)
+    nxt = target
+    for k in range(len(cuts) - 1, -1, -1):
+        dead[k] = nxt
+        nxt = dead[k] - t(*cuts[k])
+    out: list[tuple[int, int]] = []
+    prev_end = 0.0
+    a, b = cuts[0]
+    cur_end = max(prev_end, items[b - 1].ready) + t(a, b)
+    for k in range(1, len(cuts)):
+        i, j = cuts[k]
+        mergeable = items[a].fixed is None and items[i].fixed is None and runs[i] == runs[a]
+        if mergeable:
+            end = max(prev_end, items[j - 1].ready) + t(a, j)
+            if end <= dead[k] * (1.0 + 1e-12):
+                b, cur_end = j, end
+                continue
+        out.append((a, b))
+        prev_end = cur_end
+        a, b = i, j
+        cur_end = max(prev_end, items[b - 1].ready) + t(a, b)
+    out.append((a, b))
+    return out
+
+
+def fixed_size(items: list[GradItem], bucket_bytes: float) -> list[tuple[int, int]]:
+    """Buckets closed once they hold ``bucket_bytes`` (the usual fixed-size rule, as
+    DDP's ``bucket_cap_mb``), never across a change of axes."""
+    runs = _runs(items)
+    cuts, start, size = [], 0, 0.0
+    for k, it in enumerate(items):
+        if k > start and runs[k] == k:
+            cuts.append((start, k))
+            start, size = k, 0.0
+        size += it.bytes
+        if it.fixed is not None or size >= bucket_bytes:
+            cuts.append((start, k + 1))
+            start, size = k + 1, 0.0
+    if start < len(items):
+        cuts.append((start, len(items)))
+    return cuts
+
+
+def per_gradient(items: list[GradItem]) -> list[tuple[int, int]]:
+    """One bucket per gradient (no fusion)."""
+    return [(k, k + 1) for k in range(len(items))]
+
+
+def one_bucket(items: list[GradItem]) -> list[tuple[int, int]]:
+    """One bucket per run of gradients on the same axes (maximal fusion)."""
+    runs = _runs(items)
+    starts = sorted(set(runs))
+    return list(zip(starts, starts[1:] + [len(items)]))
+
+
+def stage_items(layers: list[LayerStat], zp: list[ZeroPrice], recompute: set[str],
+                zero_stage: int, zero_axis: int | None) -> tuple[list[GradItem], float]:
+    """The gradients of one pipeline stage in the order its last backward makes them,
+    and when that backward ends.  Layers run backward last to first, each taking its
+    backward time (plus its forward again when recomputed); inside a layer the
+    gradients appear evenly spread, last parameter first.  A layer's ZeRO reduction
+    (its own reduce-scatters, :mod:`autopar.runtime.zero`) is one fixed item."""
+    items: list[GradItem] = []
+    t = 0.0
+    for st, z in zip(reversed(layers), reversed(zp)):
+        bwd = st.seconds - st.forward + (st.forward if st.key in recompute else 0.0)
+        mine = [p for p in st.params if p.replicated
+                and not (zero_stage > 0 and zero_axis is not None and zero_axis in p.replicated)]
+        for k, p in enumerate(reversed(mine)):
+            items.append(GradItem(p.name, p.bytes, p.replicated, t + bwd * (k + 1) / len(mine)))
+        t += bwd
+        if z.zero_sync > 0:
+            items.append(GradItem(f"zero:{st.key}", 0.0, (), t, fixed=z.zero_sync))
+    return items, t
+
+
+__all__ = ["BucketPlan", "GradItem", "fixed_size", "one_bucket", "optimal", "per_gradient", "simulate",
+           "stage_items"]

@@ -1,0 +1,129 @@
+"""Gradient buckets chosen by the cost model (autopar/solve/buckets.py, MG-WFBP)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from autopar.cost_models import MeshSpec
+from autopar.cost_models.mesh import LinkSpec
+
+import autopar
+from autopar.solve import buckets as bk
+
+
+def _mesh(alpha: float, beta: float = 1e9, shape: tuple[int, ...] = (4,)) -> MeshSpec:
+    return MeshSpec(shape=shape, links=tuple(LinkSpec(alpha=alpha, beta=beta) for _ in shape),
+                    axis_names=tuple(f"a{i}" for i in range(len(shape))), peak_flops=1e11,
+                    mem_bandwidth=2e10, mem_capacity=16e9)
+
+
+def _items(rng: random.Random, n: int, axes=((0,),)) -> list[bk.GradItem]:
+    t, out = 0.0, []
+    for k in range(n):
+        t += rng.uniform(0.0, 2e-3)
+        out.append(bk.GradItem(f"p{k}", rng.choice([1e3, 1e5, 1e6, 4e6]), rng.choice(axes), t))
+    return out
+
+
+def _partitions(items: list[bk.GradItem]):
+    """Every split of the items into consecutive buckets that keep one set of axes."""
+    n = len(items)
+    for mask in itertools.product([False, True], repeat=n - 1):
+        cuts, start = [], 0
+        for k, cut in enumerate(mask, start=1):
+            if cut:
+                cuts.append((start, k))
+                start = k
+        cuts.append((start, n))
+        if all(len({x.axes for x in items[i:j]}) == 1 for i, j in cuts):
+            yield cuts
+
+
+@pytest.mark.parametrize("alpha", [1e-5, 5e-4, 3e-3])
+@pytest.mark.parametrize("seed", range(4))
+def test_optimal_matches_brute_force(alpha: float, seed: int) -> None:
+    """The recurrence's end is the least end over every partition (it is exact, not a
+    heuristic), from latency-bound to bandwidth-bound links, with mixed axes."""
+    rng = random.Random(seed)
+    mesh = _mesh(alpha, shape=(2, 2))
+    items = _items(rng, 9, axes=((0,), (0,), (0, 1)))
+    backward = items[-1].ready + 1e-3
+    best = min(bk.simulate(items, c, mesh, backward).end for c in _partitions(items))
+    got = bk.optimal(items, mesh, backward)
+    # the same floating-point sums in another order: relative 1e-12
+    assert got.end == pytest.approx(best, rel=1e-12)
+    assert bk.simulate(items, got.cuts, mesh, backward).end == pytest.approx(got.end, rel=1e-12)
+    # buckets never mix axes
+    assert all(len({x.axes for x in items[i:j]}) == 1 for i, j in got.cuts)
+
+
+def test_optimal_beats_both_extremes_and_fixed_size() -> None:
+    """On a latency-bound link one bucket per gradient pays the latency n times; one
+    bucket for all waits for the last gradient; the chosen buckets beat both (and 4
+    MiB buckets) in the model, and take fewer buckets than one per gradient."""
+    rng = random.Random(7)
+    mesh = _mesh(2e-3, beta=5e8)
+    items = _items(rng, 60)
+    backward = items[-1].ready
+    got = bk.optimal(items, mesh, backward)
+    for cuts in (bk.per_gradient(items), bk.one_bucket(items), bk.fixed_size(items, 4 << 20)):
+        assert got.end < bk.simulate(items, cuts, mesh, backward).end
+    assert 1 < len(got.cuts) < len(items)
+
+
+def test_ties_prefer_fewer_buckets() -> None:
+    """When the link keeps up with the backward every split ends alike; the chosen one
+    merges buckets (fewer latencies) without ending later."""
+    items = [bk.GradItem(f"p{k}", 1e3, (0,), 1e-2 * (k + 1)) for k in range(20)]
+    mesh = _mesh(1e-5)
+    got = bk.optimal(items, mesh, items[-1].ready)
+    per = bk.simulate(items, bk.per_gradient(items), mesh, items[-1].ready)
+    assert got.end == pytest.approx(per.end, rel=1e-12)
+    assert len(got.cuts) < len(items) and got.busy < per.busy
+
+
+def test_fixed_items_are_never_merged() -> None:
+    """A ZeRO layer's own reduction keeps its bucket; the data-parallel ones around it
+    are chosen freely."""
+    items = [bk.GradItem("a", 1e6, (0,), 1e-3), bk.GradItem("zero:l1", 0.0, (), 2e-3, fixed=5e-3),
+             bk.GradItem("b", 1e6, (0,), 3e-3)]
+    got = bk.optimal(items, _mesh(1e-3), 3e-3)
+    assert (1, 2) in got.cuts
+    assert got.names(items) == [["a"], ["b"]]
+    assert bk.fixed_size(items, 1 << 30) == [(0, 1), (1, 2), (2, 3)]
+
+
+def _gpt_plan(mesh: MeshSpec, **kw) -> autopar.Plan:
+    from examples.gpt import GPT, GPTConfig
+    m = GPT(GPTConfig(layers=2, dim=64, heads=2, vocab=128, seq=16))
+    x = torch.randint(0, 128, (8, 16))
+    return autopar.plan(m, (x, x), mesh, **kw)
+
+
+def test_plan_records_buckets_and_bucket_bytes_override() -> None:
+    """The plan lists its buckets (every replicated parameter exactly once), prices
+    their exposed tail into the step, and ``bucket_bytes=`` makes fixed-size ones;
+    the choice survives plan.json."""
+    slow = _mesh(2e-3, beta=5e8)
+    chosen = _gpt_plan(slow, zero_stage=0)
+    d = chosen.decisions
+    names = [n for b in d.grad_buckets for n in b]
+    reps = [n.param for n in chosen.nodes.values()
+            if n.kind == "param" and "S" not in n.out_placements[0]]
+    assert sorted(names) == sorted(reps) and len(set(names)) == len(names)
+    assert 1 <= len(d.grad_buckets) < len(names)
+    one = _gpt_plan(slow, zero_stage=0, bucket_bytes=1)  # every gradient alone
+    assert len(one.decisions.grad_buckets) == len(names)
+    # the chosen buckets end no later than one per gradient, in the model
+    assert d.stage_parts[0]["sync_exposed"] <= one.decisions.stage_parts[0]["sync_exposed"]
+    again = autopar.Plan.from_json(chosen.to_json())
+    assert again.decisions.grad_buckets == d.grad_buckets
+
+
+def test_bucket_bytes_is_validated() -> None:
+    """A bucket size that is not a positive integer is refused before any work."""
+    with pytest.raises(autopar.errors.ConfigError, match="bucket_bytes"):
+        _gpt_plan(_mesh(1e-3), bucket_bytes=0)
