@@ -82,6 +82,28 @@ def _timed(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> flo
     return _median(samples)
 
 
+def _overlapped(group: Any, nb: int, compute: Callable[[], Any], repeats: int,
+                sync: Callable[[], None], device: Any) -> float:
+    """Median time of an ``nb``-byte all-reduce started asynchronously while this rank
+    keeps computing until it completes (every rank does the same)."""
+    import torch
+    import torch.distributed as dist
+
+    buf = torch.ones(nb // 4, dtype=torch.float32, device=device)
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        work = dist.all_reduce(buf, group=group, async_op=True)
+        while not work.is_completed():
+            compute()
+            sync()
+        work.wait()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return _median(times[1:])
+
+
 def _host_memory_bytes() -> float:
     """Physical memory of this host divided among the ranks on it (LOCAL_WORLD_SIZE or 1)."""
     try:
@@ -102,7 +124,8 @@ def calibrate(
     Every rank of ``group`` must call this with the same arguments: it runs the same
     collectives in the same order (all-reduces of each size in ``sizes`` bytes, median of
     ``repeats``), a square matmul and a large copy locally, then all-reduces the timings with MAX
-    so all ranks derive identical numbers. ``peak_flops`` is the measured matmul rate (fp32 on
+    so all ranks derive identical numbers; ``overlap`` is the largest all-reduce's time
+    alone over its time while every rank keeps computing. ``peak_flops`` is the measured matmul rate (fp32 on
     CPU, bf16 on CUDA) with ``flops_efficiency = 1.0`` because it already is a real kernel's
     rate. ``mem_capacity`` and ``kernel_floor`` come from ``base`` when given, otherwise from
     the device (MIN over ranks). A single-rank group measures no link and keeps ``base``'s
@@ -147,6 +170,10 @@ def calibrate(
     a = torch.randn(mm_n, mm_n, dtype=mm_dtype, device=device)
     bmat = torch.randn(mm_n, mm_n, dtype=mm_dtype, device=device)
     mm_time = _timed(lambda: torch.mm(a, bmat), repeats, sync)
+    # 2b. The largest all-reduce again while every rank computes: how much of its speed
+    # communication keeps beside the backward (MeshSpec.overlap)
+    busy_time = _overlapped(group, nbytes[-1], lambda: torch.mm(a, bmat), repeats, sync, device) \
+        if world > 1 else 0.0
     src = torch.empty(copy_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
     copy_time = _timed(lambda: dst.copy_(src), repeats, sync)
@@ -157,12 +184,13 @@ def calibrate(
 
     # 3. MAX over ranks. Capacity is negated so MAX yields the smallest device's capacity.
     # Timer resolution can round a tiny op to 0, which would make rates infinite; floor at 1 ns.
-    local = [*ar_times, mm_time, copy_time, -capacity]
+    local = [*ar_times, mm_time, copy_time, busy_time, -capacity]
     vec = torch.tensor([max(x, 1e-9) if i < len(local) - 1 else x for i, x in enumerate(local)],
                        dtype=torch.float64, device=device)
     dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
     shared = [float(x) for x in vec.cpu().tolist()]
-    ar_times, (mm_time, copy_time, neg_capacity) = shared[: len(ar_times)], shared[len(ar_times):]
+    ar_times, (mm_time, copy_time, busy_time, neg_capacity) = \
+        shared[: len(ar_times)], shared[len(ar_times):]
 
     if world > 1:
         alpha, beta = fit_alpha_beta(world, nbytes, ar_times)
@@ -183,6 +211,9 @@ def calibrate(
         mem_capacity=-neg_capacity,
         flops_efficiency=1.0,
         name="calibrated",
+        # the same all-reduce alone and beside compute (slowest rank each); capped at 1:
+        # beside compute it cannot be faster, whatever the noise says
+        overlap=min(1.0, ar_times[-1] / busy_time) if world > 1 and busy_time > 0 else 1.0,
     )
     if base is not None:
         spec = replace(spec, mem_capacity=base.mem_capacity, kernel_floor=base.kernel_floor)

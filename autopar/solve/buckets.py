@@ -18,6 +18,11 @@ recurrence is exact for this model, not a heuristic.  Among cuts that end equall
 early (the reduction hides under the backward either way) the one holding the link
 the fewest seconds is kept: fewer latencies, less contention with the backward.
 
+While the backward still computes, a reduction runs at ``mesh.overlap`` of its speed
+(communication and compute share the host's cores under gloo; 1.0 on GPUs), at full
+speed after it: a bucket's end still grows with its start, so the recurrence stays
+exact.
+
 Items whose time is fixed (a ZeRO layer's reduce-scatters, priced elsewhere) take the
 link in their turn but never merge with others.
 """
@@ -77,6 +82,24 @@ def _affine(mesh: MeshSpec, axes: tuple[int, ...]) -> tuple[float, float]:
     return t1 - per_byte, per_byte
 
 
+def _end(start, work, backward: float, overlap: float):
+    """When ``work`` seconds of full-speed reduction started at ``start`` end, running
+    at ``overlap`` of full speed until ``backward`` and at full speed after (numpy
+    arrays or floats)."""
+    slow = start + work / overlap
+    mixed = backward + work - (backward - start) * overlap
+    return np.where(start >= backward, start + work, np.where(slow <= backward, slow, mixed))
+
+
+def _latest_start(end: float, work: float, backward: float, overlap: float) -> float:
+    """The latest start at which ``work`` ends by ``end`` (the inverse of :func:`_end`)."""
+    if end - work >= backward:
+        return end - work
+    if end <= backward:
+        return end - work / overlap
+    return backward - (backward + work - end) / overlap
+
+
 def _runs(items: list[GradItem]) -> list[int]:
     """For each item, the first index of the run of mergeable items it belongs to."""
     start, out = 0, []
@@ -103,7 +126,7 @@ def simulate(items: list[GradItem], cuts: list[tuple[int, int]], mesh: MeshSpec,
                 prices[it.axes] = _affine(mesh, it.axes)
             lat, per = prices[it.axes]
             t = lat + per * sum(x.bytes for x in items[i:j])
-        end = max(end, items[j - 1].ready) + t
+        end = float(_end(max(end, items[j - 1].ready), t, backward, mesh.overlap))
         busy += t
     return BucketPlan(list(cuts), end, backward, busy)
 
@@ -119,25 +142,28 @@ def optimal(items: list[GradItem], mesh: MeshSpec, backward: float) -> BucketPla
     prices = {it.axes: _affine(mesh, it.axes) for it in items if it.fixed is None}
     f = np.zeros(n + 1)
     arg = np.zeros(n + 1, dtype=np.int64)
+    ov = mesh.overlap
     for j in range(1, n + 1):
         it = items[j - 1]
         if it.fixed is not None:
-            f[j], arg[j] = max(f[j - 1], it.ready) + it.fixed, j - 1
+            f[j], arg[j] = float(_end(max(f[j - 1], it.ready), it.fixed, backward, ov)), j - 1
             continue
         s = runs[j - 1]
         lat, per = prices[it.axes]
-        cand = np.maximum(f[s:j], ready[j - 1]) + lat + per * (prefix[j] - prefix[s:j])
+        cand = _end(np.maximum(f[s:j], ready[j - 1]), lat + per * (prefix[j] - prefix[s:j]),
+                    backward, ov)
         k = int(np.argmin(cand))  # first minimum: the larger bucket on ties
         f[j], arg[j] = float(cand[k]), s + k
     cuts, j = [], n
     while j > 0:
         cuts.append((int(arg[j]), j))
         j = int(arg[j])
-    return simulate(items, _coarsen(items, cuts[::-1], runs, prices, float(f[n])), mesh, backward)
+    return simulate(items, _coarsen(items, cuts[::-1], runs, prices, float(f[n]), backward,
+                                    mesh.overlap), mesh, backward)
 
 
 def _coarsen(items: list[GradItem], cuts: list[tuple[int, int]], runs: list[int],
-             prices: dict, target: float) -> list[tuple[int, int]]:
+             prices: dict, target: float, backward: float, overlap: float) -> list[tuple[int, int]]:
     """Merge neighbouring buckets while the last one still ends by ``target``.
 
     The recurrence ends every prefix as early as it can, which sends each gradient on
@@ -159,23 +185,26 @@ def _coarsen(items: list[GradItem], cuts: list[tuple[int, int]], runs: list[int]
     nxt = target
     for k in range(len(cuts) - 1, -1, -1):
         dead[k] = nxt
-        nxt = dead[k] - t(*cuts[k])
+        nxt = _latest_start(dead[k], t(*cuts[k]), backward, overlap)
+    def end(start: float, i: int, j: int) -> float:
+        return float(_end(max(start, items[j - 1].ready), t(i, j), backward, overlap))
+
     out: list[tuple[int, int]] = []
     prev_end = 0.0
     a, b = cuts[0]
-    cur_end = max(prev_end, items[b - 1].ready) + t(a, b)
+    cur_end = end(prev_end, a, b)
     for k in range(1, len(cuts)):
         i, j = cuts[k]
         mergeable = items[a].fixed is None and items[i].fixed is None and runs[i] == runs[a]
         if mergeable:
-            end = max(prev_end, items[j - 1].ready) + t(a, j)
-            if end <= dead[k] * (1.0 + 1e-12):
-                b, cur_end = j, end
+            merged = end(prev_end, a, j)
+            if merged <= dead[k] * (1.0 + 1e-12):
+                b, cur_end = j, merged
                 continue
         out.append((a, b))
         prev_end = cur_end
         a, b = i, j
-        cur_end = max(prev_end, items[b - 1].ready) + t(a, b)
+        cur_end = end(prev_end, a, b)
     out.append((a, b))
     return out
 

@@ -14,10 +14,11 @@ import autopar
 from autopar.solve import buckets as bk
 
 
-def _mesh(alpha: float, beta: float = 1e9, shape: tuple[int, ...] = (4,)) -> MeshSpec:
+def _mesh(alpha: float, beta: float = 1e9, shape: tuple[int, ...] = (4,),
+          overlap: float = 1.0) -> MeshSpec:
     return MeshSpec(shape=shape, links=tuple(LinkSpec(alpha=alpha, beta=beta) for _ in shape),
                     axis_names=tuple(f"a{i}" for i in range(len(shape))), peak_flops=1e11,
-                    mem_bandwidth=2e10, mem_capacity=16e9)
+                    mem_bandwidth=2e10, mem_capacity=16e9, overlap=overlap)
 
 
 def _items(rng: random.Random, n: int, axes=((0,),)) -> list[bk.GradItem]:
@@ -42,13 +43,16 @@ def _partitions(items: list[bk.GradItem]):
             yield cuts
 
 
+@pytest.mark.parametrize("overlap", [1.0, 0.35])
 @pytest.mark.parametrize("alpha", [1e-5, 5e-4, 3e-3])
 @pytest.mark.parametrize("seed", range(4))
-def test_optimal_matches_brute_force(alpha: float, seed: int) -> None:
+def test_optimal_matches_brute_force(alpha: float, seed: int, overlap: float) -> None:
     """The recurrence's end is the least end over every partition (it is exact, not a
-    heuristic), from latency-bound to bandwidth-bound links, with mixed axes."""
+    heuristic), from latency-bound to bandwidth-bound links, with mixed axes, with
+    communication slowed beside the backward (overlap 0.35, as gloo on this host) or
+    not."""
     rng = random.Random(seed)
-    mesh = _mesh(alpha, shape=(2, 2))
+    mesh = _mesh(alpha, shape=(2, 2), overlap=overlap)
     items = _items(rng, 9, axes=((0,), (0,), (0, 1)))
     backward = items[-1].ready + 1e-3
     best = min(bk.simulate(items, c, mesh, backward).end for c in _partitions(items))
@@ -83,6 +87,20 @@ def test_ties_prefer_fewer_buckets() -> None:
     per = bk.simulate(items, bk.per_gradient(items), mesh, items[-1].ready)
     assert got.end == pytest.approx(per.end, rel=1e-12)
     assert len(got.cuts) < len(items) and got.busy < per.busy
+
+
+def test_overlap_slows_reductions_under_the_backward_only() -> None:
+    """With overlap 0.5 a reduction that starts while the backward computes runs at
+    half speed until the backward ends, then at full speed."""
+    mesh = _mesh(1e-3, beta=1e9, shape=(2,), overlap=0.5)
+    lat = 2 * (2 - 1) * 1e-3  # the all-reduce's latency on 2 ranks
+    work = lat + 2 * (2 - 1) / 2 * 1e6 / 1e9  # 1 MB: 2 ms latency + 1 ms bandwidth
+    item = [bk.GradItem("a", 1e6, (0,), 0.0)]
+    assert bk.simulate(item, [(0, 1)], mesh, 0.0).end == pytest.approx(work)
+    # the backward runs 1 ms more: 0.5 ms of work done by then, the rest at full speed
+    assert bk.simulate(item, [(0, 1)], mesh, 1e-3).end == pytest.approx(1e-3 + work - 0.5e-3)
+    # a long backward: all of it at half speed
+    assert bk.simulate(item, [(0, 1)], mesh, 1.0).end == pytest.approx(2 * work)
 
 
 def test_fixed_items_are_never_merged() -> None:

@@ -3,6 +3,7 @@ memory model and input validation for ``autopar.cost_models``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -423,3 +424,15 @@ def test_fit_alpha_beta_noise_stays_positive() -> None:
         assert 0 < alpha < math.inf and 0 < beta < math.inf
     with pytest.raises(ValueError):
         fit_alpha_beta(1, [1.0], [1.0])
+
+
+def test_mesh_overlap_is_validated_and_serialised() -> None:
+    """MeshSpec.overlap: in (0, 1], kept by JSON, 1.0 on GPU presets, measured-low on
+    cpu-gloo (gloo's threads share the cores with the backward)."""
+    m = MeshSpec.preset("cpu-gloo", shape=(4,))
+    assert 0 < m.overlap < 1 and m.with_shape((2,)).overlap == m.overlap
+    assert MeshSpec.from_json(m.to_json()).overlap == m.overlap
+    assert MeshSpec.preset("8xH100-nvlink").overlap == 1.0
+    for bad in (0, 1.5, -0.1, True):
+        with pytest.raises(ValueError, match="overlap"):
+            dataclasses.replace(m, overlap=bad)
