@@ -10,7 +10,7 @@ collectives in the same order and the reduction overlaps the rest of backward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,6 @@ class Bucket:
     flat: torch.Tensor | None = None
     work: object = None
     launched: bool = False
-    waiting_axes: tuple[int, ...] = field(default_factory=tuple)
 
 
 class OrderedBuckets:
@@ -126,16 +125,13 @@ class GradSync(OrderedBuckets):
         b.flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                             for p in b.params])
         m = current()
-        b.work = dist.all_reduce(b.flat, group=m.group(b.axes[0]), async_op=True)
-        b.waiting_axes = b.axes[1:]
+        # every replicated axis at once, asynchronously (one group spanning them)
+        b.work = dist.all_reduce(b.flat, group=m.group_of(b.axes), async_op=True)
         b.launched = True
 
     def _complete(self) -> None:
-        m = current()
         for b in self.buckets:
             b.work.wait()
-            for a in b.waiting_axes:
-                dist.all_reduce(b.flat, group=m.group(a))
             off = 0
             for p in b.params:
                 n = p.numel()

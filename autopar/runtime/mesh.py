@@ -4,8 +4,9 @@ collectives that generated code calls with a plain mesh-axis index."""
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -30,10 +31,19 @@ class RuntimeMesh:
     stages: int = 1
     stage: int = 0
     device: torch.device = torch.device("cpu")
+    flat: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
 
     def group(self, axis: int) -> dist.ProcessGroup:
         """Process group of the ranks that differ only along (sub-mesh) ``axis``."""
         return self.device_mesh.get_group(axis + (1 if self.stages > 1 else 0))
+
+    def group_of(self, axes: tuple[int, ...]) -> dist.ProcessGroup:
+        """Process group of the ranks that differ only along the (sub-mesh) ``axes``:
+        one collective over several axes (a gradient replicated on a 2-D data-parallel
+        mesh is all-reduced once, asynchronously, not once per axis)."""
+        if len(axes) == 1:
+            return self.group(axes[0])
+        return self.flat[tuple(sorted(axes))]
 
     def stage_rank(self, stage: int) -> int:
         """Global rank of the rank with this rank's sub-mesh coordinate in ``stage``."""
@@ -110,7 +120,36 @@ def init_mesh(shape: tuple[int, ...], backend: str | None = None, stages: int = 
         _CURRENT = RuntimeMesh(tuple(shape), dm, coord[1:], stages, coord[0], dev)
     else:
         _CURRENT = RuntimeMesh(tuple(shape), dm, coord, device=dev)
+    _CURRENT.flat = _flat_groups(dm, stages > 1, timeout)
     return _CURRENT
+
+
+def _flat_groups(dm: DeviceMesh, pipelined: bool,
+                 timeout: float | None) -> dict[tuple[int, ...], dist.ProcessGroup]:
+    """One process group per set of two or more sub-mesh axes, for this rank.
+
+    ``new_group`` is collective over the whole world: every rank creates every group,
+    in the same order (axis sets in order, then the groups' rank lists in order), and
+    keeps the one it belongs to.  Made here, once, because later only some ranks (one
+    pipeline stage) would need a given group."""
+    mesh = dm.mesh
+    lead = 1 if pipelined else 0
+    sub = mesh.ndim - lead
+    me = dist.get_rank()
+    out: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    kw = {"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}
+    for k in range(2, sub + 1):
+        for axes in itertools.combinations(range(sub), k):
+            dims = [a + lead for a in axes]
+            rest = [d for d in range(mesh.ndim) if d not in dims]
+            # ranks sharing the other coordinates: move the group's dims last, flatten
+            ranks = mesh.permute(*rest, *dims).reshape(-1, int(torch.tensor(
+                [mesh.shape[d] for d in dims]).prod()))
+            for row in ranks.tolist():
+                g = dist.new_group(row, **kw)
+                if me in row:
+                    out[axes] = g
+    return out
 
 
 def local_device(backend: str | None = None) -> torch.device:
