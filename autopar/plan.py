@@ -218,7 +218,11 @@ class Plan:
         return {n.param: n.out_placements[0] for n in self.nodes.values() if n.kind == "param"}
 
     def collectives(self) -> list[tuple[str, str]]:
-        """(node, step) for every collective the forward issues, in graph order."""
+        """(node, step) for every redistribution collective on the plan's edges, in
+        graph order (forward; each runs its dual in backward).  Not listed: the ops' own
+        collectives (a vocabulary-parallel cross-entropy's), the loss reduction, the
+        gradient buckets (:attr:`Decisions.grad_buckets`) and ZeRO's gathers and
+        reduce-scatters; a profiler trace (``pm.trace``) shows everything that runs."""
         out = []
         for n in self.nodes.values():
             for r in n.redistributions:

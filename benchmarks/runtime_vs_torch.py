@@ -12,6 +12,8 @@ hand-written side mixes DTensor and plain parameters, which foreach refuses. Cas
 
 * ``dp``: data parallel pinned (``{"*": "R", "input:0": "S(0)", "input:1": "S(0)"}``,
   ``batch="local"``) vs ``DistributedDataParallel``;
+* ``dp2x2``: the same on a 2x2 mesh (weights replicated on both axes, the batch split
+  over both: one all-reduce per bucket over a group spanning them) vs DDP;
 * ``zero3``: the same with ``zero_stage=3`` vs FSDP2 ``fully_shard`` on every block and
   the root;
 * ``tp``: Megatron pins (q/k/v, fc1 column; out_proj, fc2 row) vs ``parallelize_module``
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import statistics
@@ -114,12 +117,14 @@ def _hand_tp(model, world):
     return model
 
 
+DP2X2 = {"*": "RR", "input:0": "S(0)S(0)", "input:1": "S(0)S(0)"}
 CASES = {"dp": (_hand_dp, dict(pins=DP, batch="local"), True),
+         "dp2x2": (_hand_dp, dict(pins=DP2X2, batch="local", mesh=(2, 2)), True),
          "zero3": (_hand_zero3, dict(pins=DP, batch="local", zero_stage=3), True),
          "tp": (_hand_tp, dict(pins=MEGATRON), False)}
 
 
-def _case(name: str, rank: int, world: int, steps: int, foreach: bool) -> dict:
+def _case(name: str, rank: int, world: int, steps: int, foreach: bool, measured=None) -> dict:
     """Build both modules for one case, run them interleaved and measure."""
     import gpt
 
@@ -130,7 +135,13 @@ def _case(name: str, rank: int, world: int, steps: int, foreach: bool) -> dict:
     model, (x, y) = gpt.build(layers=4, dim=192, heads=4, vocab=256, seq=64, batch=8 * world)
     ref = copy.deepcopy(model)
     reset()
-    pm = autopar.auto_parallel(model, example_inputs=(x, y), mesh=(world,), **opts)
+    opts = dict(opts)
+    mesh = opts.pop("mesh", (world,))
+    if measured is not None:
+        # the measured 1-D mesh's link on every axis of the case's shape
+        mesh = dataclasses.replace(measured, shape=tuple(mesh), axis_names=(),
+                                   links=measured.links * len(mesh))
+    pm = autopar.auto_parallel(model, example_inputs=(x, y), mesh=mesh, **opts)
     hand = make_hand(ref, world)
     n = x.shape[0] // world
     xs, ys = (x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]) if local else (x, y)
@@ -179,7 +190,11 @@ def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    rows = [_case(name, rank, world, args["steps"], args["foreach"]) for name in args["cases"]]
+    link = None
+    if args["calibrate"]:  # plan on this group's measured link (cost_models/calibrate.py)
+        from autopar.cost_models.calibrate import calibrate
+        link = calibrate()
+    rows = [_case(name, rank, world, args["steps"], args["foreach"], link) for name in args["cases"]]
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
     dist.barrier()
@@ -195,6 +210,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--cases", default="dp,zero3,tp")
     ap.add_argument("--no-foreach", dest="foreach", action="store_false",
                     help="the optimizers' default per-parameter loop on CPU")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="plan on the link measured on the running group, not the cpu-gloo preset")
     a = ap.parse_args(argv)
     from tests.dist.harness import free_port
 
@@ -203,12 +220,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         out = os.path.join(d, "rows.json")
         load0 = os.getloadavg()[0]
         mp.spawn(_worker, args=(a.world, free_port(), {"steps": a.steps, "cases": cases,
-                                                  "foreach": a.foreach}, out),
+                                                  "foreach": a.foreach, "calibrate": a.calibrate}, out),
                  nprocs=a.world, join=True)
         rows = json.loads(Path(out).read_text())
     print(f"| case | hand-written ms | autopar ms | autopar / hand | collectives per step, hand / "
           f"autopar | max loss difference |  (world {a.world}, {a.steps} interleaved steps, "
-          f"AdamW foreach={a.foreach}, "
+          f"AdamW foreach={a.foreach}, {'calibrated link' if a.calibrate else 'cpu-gloo preset'}, "
           f"load {load0:.2f} before)")
     print("|---|---:|---:|---:|---:|---:|")
     for r in rows:

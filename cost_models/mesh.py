@@ -152,7 +152,12 @@ _PRESETS: dict[str, _NodePreset] = {
     "multinode-a100-ib": _NodePreset(8, _NVLINK_A100, _IB_HDR, default_shape=(4, 8), **_A100),
     "multinode-h100-ib": _NodePreset(8, _NVLINK_H100, _IB_NDR, default_shape=(4, 8), **_H100),
     # One CPU host running gloo over loopback: every rank is on the same host, so there is no
-    # node boundary. Numbers are deliberately modest (a few cores per rank, fp32).
+    # node boundary. Numbers are deliberately modest (a few cores per rank, fp32). The link
+    # is optimistic for this project's 2-core machine (measured: about 0.5 ms per ring hop
+    # and 1 GB/s; design.md section 4), kept because at the measured latency the planner
+    # gathers the logits to skip the loss's reductions, a choice to be checked by measuring
+    # (issue 12's plan.verify) before it becomes the default; calibrate() measures the real
+    # link. A collective keeps 0.35 of its speed while the ranks compute (MeshSpec.overlap).
     "cpu-gloo": _NodePreset(None, LinkSpec(alpha=5e-5, beta=2e9), None, peak_flops=5e10,
                             mem_bandwidth=1e10, mem_capacity=8.0 * _GIB, default_shape=(2,),
                             kernel_floor=1e-5, overlap=0.35),
