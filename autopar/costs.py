@@ -50,6 +50,13 @@ class CostModel:
             self._cache[key] = 2.0 * self._redistribution_once(src, dst, t)
         return self._cache[key]
 
+    def output_redistribution(self, src: Placements, dst: Placements, t: TensorInfo) -> float:
+        """Seconds per step to make a model output ``dst``: forward and backward dual,
+        except for a scalar (the loss), whose backward needs no communication (every
+        rank seeds the same gradient, passes/lower.py ``_scalar_outputs``)."""
+        once = self._redistribution_once(src, dst, t) if src != dst else 0.0
+        return once if not t.shape else 2.0 * once
+
     def _redistribution_once(self, src: Placements, dst: Placements, t: TensorInfo) -> float:
         if src == dst:
             return 0.0
@@ -91,10 +98,13 @@ class CostModel:
                             list(s.inputs) + list(s.outputs))
         )
         t = compute_time(self.mesh, ni.flops / div, local_bytes)
-        return t * (1.0 + self.backward_factor) + self.own_comm(node, s)
+        return t * (1.0 + self.backward_factor) + self.own_comm(node, s, t)
 
-    def own_comm(self, node: fx.Node, s: OpStrategy) -> float:
-        """Collectives an op issues inside its lowering (vocab-parallel cross-entropy)."""
+    def own_comm(self, node: fx.Node, s: OpStrategy, forward: float = 0.0) -> float:
+        """Collectives an op issues inside its lowering (vocab-parallel cross-entropy).
+        A batch-sharded cross-entropy's token count is all-reduced asynchronously while
+        the op's ``forward`` seconds compute (runtime/ops.py), at ``mesh.overlap`` of
+        its speed: only what is left after them is exposed."""
         if node.target is not aten.cross_entropy_loss.default:
             return 0.0
         x = info(node.args[0]).out
@@ -104,7 +114,7 @@ class CostModel:
             if isinstance(p, Shard) and p.dim == 1:
                 total += 3 * all_reduce_time(self.mesh, a, rows * 4.0)
             elif isinstance(p, Shard) and p.dim == 0:
-                total += all_reduce_time(self.mesh, a, 8.0)
+                total += max(0.0, all_reduce_time(self.mesh, a, 8.0) - forward * self.mesh.overlap)
         return total
 
     def grad_sync(self, p: Placements, t: TensorInfo) -> float:

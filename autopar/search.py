@@ -102,8 +102,8 @@ def build_problem(gm: fx.GraphModule, mesh: MeshSpec, strategies: dict[fx.Node, 
         # the loss (or any output) must end up replicated: price that here
         for user in n.users:
             if user.op == "output":
-                c = c + np.array([cm.redistribution(s.outputs[0], (R,) * len(mesh.shape), info(n).out)
-                                  for s in strategies[n]])
+                c = c + np.array([cm.output_redistribution(s.outputs[0], (R,) * len(mesh.shape),
+                                                           info(n).out) for s in strategies[n]])
         costs.append(c)
         mems.append(np.array([cm.node_memory(n, s) for s in strategies[n]], dtype=np.float64))
         priced[n] = (c, mems[-1])

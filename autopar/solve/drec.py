@@ -449,7 +449,7 @@ class _Search:
             return self._ms_own(n)
         c = self.cm.node_cost(n, s)
         if n in self.g.to_output:  # outputs end up replicated, as the ILP prices them
-            c += self.cm.redistribution(s.outputs[0], (R,) * len(self.shape), info(n).out)
+            c += self.cm.output_redistribution(s.outputs[0], (R,) * len(self.shape), info(n).out)
         if self.lam:
             c += self.lam * self.cm.node_memory(n, s)
         return c

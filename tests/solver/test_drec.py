@@ -126,9 +126,10 @@ def test_drec_honours_pins() -> None:
 
 
 def test_drec_memory_budget() -> None:
-    # Megatron-sharded weights dominate: the fastest plan needs 98.5 MiB per device, the
-    # leanest 97.2 MiB (the ILP's exact minimum).  1% less than the fastest forces D-Rec
-    # to price memory in; 10% less is infeasible for both searchers.
+    # Megatron-sharded weights dominate: the fastest plan needs 98.2 MiB per device (98.5
+    # before the loss's reduction was priced once), the leanest 97.2 MiB (the ILP's exact
+    # minimum).  0.5% less than the fastest forces D-Rec to price memory in; 10% less is
+    # infeasible for both searchers.
     with torch.device("meta"):
         model = MLP(1024, 4096, 1024)
         ex = (torch.randn(64, 1024), torch.randn(64, 1024))
@@ -138,8 +139,8 @@ def test_drec_memory_budget() -> None:
     cm = CostModel(mesh)
     fastest = drec_search(cap.gm, mesh, cm)
     assert fastest.lam == 0
-    lean = drec_search(cap.gm, mesh, cm, memory_budget=0.99 * fastest.memory)
-    assert lean.memory <= 0.99 * fastest.memory and lean.lam > 0
+    lean = drec_search(cap.gm, mesh, cm, memory_budget=0.995 * fastest.memory)
+    assert lean.memory <= 0.995 * fastest.memory and lean.lam > 0
     assert "memory priced in" in lean.message
     with pytest.raises(PlanError, match="no plan within the memory budget"):
         drec_search(cap.gm, mesh, cm, memory_budget=0.9 * fastest.memory)
