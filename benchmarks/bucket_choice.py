@@ -113,9 +113,8 @@ def _run(rank: int, world: int, steps: int, alpha: float | None) -> list[dict]:
 
 
 def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from _ranks import finish, join
+    join(rank, world, port)
     rows = _run(rank, world, args["steps"], args["alpha"])
     # ranks end their backward at different times (4 processes share 2 cores): a rank
     # that ends early waits in the all-reduce for the others, which is imbalance, not
@@ -127,11 +126,7 @@ def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
             t = torch.tensor([mine], dtype=torch.float64)
             dist.all_reduce(t, op=op)
             r[key] = float(t)
-    if rank == 0:
-        Path(out).write_text(json.dumps(rows))
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    finish(rank, rows, out)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -187,19 +187,14 @@ def _case(name: str, rank: int, world: int, steps: int, foreach: bool, measured=
 
 
 def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from _ranks import finish, join
+    join(rank, world, port)
     link = None
     if args["calibrate"]:  # plan on this group's measured link (cost_models/calibrate.py)
         from autopar.cost_models.calibrate import calibrate
         link = calibrate()
     rows = [_case(name, rank, world, args["steps"], args["foreach"], link) for name in args["cases"]]
-    if rank == 0:
-        Path(out).write_text(json.dumps(rows))
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    finish(rank, rows, out)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
