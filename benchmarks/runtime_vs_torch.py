@@ -21,7 +21,8 @@ hand-written side mixes DTensor and plain parameters, which foreach refuses. Cas
   every rank for both).
 
 For one extra step per side, ``torch.profiler`` counts the collectives issued
-(events of the process-group backend). Prints one markdown row per case: medians, the
+(events of the process-group backend), and for one more the bytes this rank sends are
+read from ``/proc/self/io`` and set beside the analytic minimum of the case. Prints one markdown row per case: medians, the
 ratio, the collective counts and the load average.
 """
 
@@ -71,6 +72,30 @@ def _collectives(step) -> int:
         step()
     names = [e.name for e in prof.events()]
     return sum(1 for n in names if n.startswith(("gloo:", "nccl:")))
+
+
+def _sent(step) -> float:
+    """Bytes this rank writes during one step: gloo's TCP sends are the process's only
+    writes meanwhile (/proc/self/io ``wchar``; design.md: within 0.3% of the ring bytes)."""
+    dist.barrier()
+    before = _wchar()
+    step()
+    return float(_wchar() - before)
+
+
+def _wchar() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("wchar:")).split()[1])
+
+
+def _minimum(name: str, g: float, world: int) -> float | None:
+    """Analytic minimum bytes a rank sends per step (ring collectives over ``world``):
+    data parallel all-reduces the fp32 gradients once, 2(p-1)/p G; ZeRO-3 gathers the
+    parameters in forward and again in backward and reduce-scatters the gradients,
+    which gloo runs as an all-reduce: 4(p-1)/p G.  None for tensor parallelism (it
+    depends on the activations).  ``g``: the trainable parameters' bytes."""
+    f = (world - 1) / world
+    return {"dp": 2 * f * g, "dp2x2": 2 * f * g, "zero3": 4 * f * g}.get(name)
 
 
 def _hand_dp(model, world):
@@ -134,6 +159,7 @@ def _case(name: str, rank: int, world: int, steps: int, foreach: bool, measured=
     make_hand, opts, local = CASES[name]
     model, (x, y) = gpt.build(layers=4, dim=192, heads=4, vocab=256, seq=64, batch=8 * world)
     ref = copy.deepcopy(model)
+    gbytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     reset()
     opts = dict(opts)
     mesh = opts.pop("mesh", (world,))
@@ -181,7 +207,9 @@ def _case(name: str, rank: int, world: int, steps: int, foreach: bool, measured=
         ta.append(_timed(step_a))
         tb.append(_timed(step_b))
     ca, cb = _collectives(step_a), _collectives(step_b)
+    sa, sb = _sent(step_a), _sent(step_b)
     return {"case": name, "autopar_ms": statistics.median(ta) * 1e3,
+            "sent_autopar": sa, "sent_hand": sb, "sent_min": _minimum(name, gbytes, world),
             "hand_ms": statistics.median(tb) * 1e3, "coll_autopar": ca, "coll_hand": cb,
             "loss_diff": max(abs(a - b) for a, b in zip(losses["autopar"], losses["hand"]))}
 
@@ -219,13 +247,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
                  nprocs=a.world, join=True)
         rows = json.loads(Path(out).read_text())
     print(f"| case | hand-written ms | autopar ms | autopar / hand | collectives per step, hand / "
-          f"autopar | max loss difference |  (world {a.world}, {a.steps} interleaved steps, "
+          f"autopar | MB sent per rank per step, hand / autopar / analytic minimum | "
+          f"max loss difference |  (world {a.world}, {a.steps} interleaved steps, "
           f"AdamW foreach={a.foreach}, {'calibrated link' if a.calibrate else 'cpu-gloo preset'}, "
           f"load {load0:.2f} before)")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
+        low = f"{r['sent_min'] / 1e6:.2f}" if r["sent_min"] else "-"
         print(f"| {r['case']} | {r['hand_ms']:.1f} | {r['autopar_ms']:.1f} | "
               f"{r['autopar_ms'] / r['hand_ms']:.2f} | {r['coll_hand']} / {r['coll_autopar']} | "
+              f"{r['sent_hand'] / 1e6:.2f} / {r['sent_autopar'] / 1e6:.2f} / {low} | "
               f"{r['loss_diff']:.2e} |")
     return rows
 
