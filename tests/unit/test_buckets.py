@@ -145,3 +145,25 @@ def test_bucket_bytes_is_validated() -> None:
     """A bucket size that is not a positive integer is refused before any work."""
     with pytest.raises(autopar.errors.ConfigError, match="bucket_bytes"):
         _gpt_plan(_mesh(1e-3), bucket_bytes=0)
+
+
+def test_runtime_takes_the_planned_buckets_or_falls_back() -> None:
+    """GradSync reduces the plan's buckets as listed (a bucket mixing axes is split by
+    axes, names not on this rank are skipped); parameters in no planned bucket, or a
+    plan made before buckets were planned, get 4 MiB buckets, last parameter first."""
+    from torch import nn
+
+    from autopar.runtime.grad_sync import GradSync
+
+    ps = {n: nn.Parameter(torch.zeros(4)) for n in "abcd"}
+    axes = {"a": (0,), "b": (0,), "c": (0, 1), "d": (0,)}
+    params = [(n, ps[n], axes[n]) for n in "abcd"]
+    planned = GradSync(params, [["d", "c", "b"], ["a", "elsewhere"]])
+    got = [([n for p in b.params for n, q in ps.items() if q is p], b.axes) for b in planned.buckets]
+    assert got == [(["d", "b"], (0,)), (["c"], (0, 1)), (["a"], (0,))]
+    old = GradSync(params, None)
+    got = [([n for p in b.params for n, q in ps.items() if q is p], b.axes) for b in old.buckets]
+    assert got == [(["d", "b", "a"], (0,)), (["c"], (0, 1))]
+    partial = GradSync(params, [["d"]])
+    got = [[n for p in b.params for n, q in ps.items() if q is p] for b in partial.buckets]
+    assert got == [["d"], ["c"], ["b", "a"]]  # the rest grouped by axes, first seen first
