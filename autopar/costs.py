@@ -54,8 +54,8 @@ class CostModel:
         """Seconds per step to make a model output ``dst``: forward and backward dual,
         except for a scalar (the loss), whose backward needs no communication (every
         rank seeds the same gradient, passes/lower.py ``_scalar_outputs``)."""
-        once = self._redistribution_once(src, dst, t) if src != dst else 0.0
-        return once if not t.shape else 2.0 * once
+        both = self.redistribution(src, dst, t)
+        return both / 2.0 if not t.shape else both
 
     def _redistribution_once(self, src: Placements, dst: Placements, t: TensorInfo) -> float:
         if src == dst:

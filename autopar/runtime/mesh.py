@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -143,8 +144,7 @@ def _flat_groups(dm: DeviceMesh, pipelined: bool,
             dims = [a + lead for a in axes]
             rest = [d for d in range(mesh.ndim) if d not in dims]
             # ranks sharing the other coordinates: move the group's dims last, flatten
-            ranks = mesh.permute(*rest, *dims).reshape(-1, int(torch.tensor(
-                [mesh.shape[d] for d in dims]).prod()))
+            ranks = mesh.permute(*rest, *dims).reshape(-1, math.prod(mesh.shape[d] for d in dims))
             for row in ranks.tolist():
                 g = dist.new_group(row, **kw)
                 if me in row:

@@ -82,6 +82,25 @@ def _affine(mesh: MeshSpec, axes: tuple[int, ...]) -> tuple[float, float]:
     return t1 - per_byte, per_byte
 
 
+class _Prices:
+    """Link time of any bucket ``[i, j)`` of ``items``: its fixed time, or one
+    all-reduce of its bytes over its axes (one price per set of axes, prefix sums of
+    the bytes), shared by the recurrence, the merge pass and :func:`simulate`."""
+
+    def __init__(self, items: list[GradItem], mesh: MeshSpec) -> None:
+        self.items = items
+        self.prefix = np.concatenate([[0.0], np.cumsum([it.bytes for it in items])])
+        self.affine = {it.axes: _affine(mesh, it.axes) for it in items if it.fixed is None}
+
+    def time(self, i: int, j: int) -> float:
+        """Seconds the bucket ``[i, j)`` holds the link at full speed."""
+        it = self.items[i]
+        if it.fixed is not None:
+            return it.fixed
+        lat, per = self.affine[it.axes]
+        return lat + per * float(self.prefix[j] - self.prefix[i])
+
+
 def _end(start, work, backward: float, overlap: float):
     """When ``work`` seconds of full-speed reduction started at ``start`` end, running
     at ``overlap`` of full speed until ``backward`` and at full speed after (numpy
@@ -116,16 +135,9 @@ def simulate(items: list[GradItem], cuts: list[tuple[int, int]], mesh: MeshSpec,
     """Timing of given buckets: each starts when the link is free and its last
     gradient is ready, and holds the link for its all-reduce."""
     end = busy = 0.0
-    prices = {}
+    prices = _Prices(items, mesh)
     for i, j in cuts:
-        it = items[i]
-        if it.fixed is not None:
-            t = it.fixed
-        else:
-            if it.axes not in prices:
-                prices[it.axes] = _affine(mesh, it.axes)
-            lat, per = prices[it.axes]
-            t = lat + per * sum(x.bytes for x in items[i:j])
+        t = prices.time(i, j)
         end = float(_end(max(end, items[j - 1].ready), t, backward, mesh.overlap))
         busy += t
     return BucketPlan(list(cuts), end, backward, busy)
@@ -138,8 +150,8 @@ def optimal(items: list[GradItem], mesh: MeshSpec, backward: float) -> BucketPla
         return BucketPlan([], 0.0, backward)
     runs = _runs(items)
     ready = np.array([it.ready for it in items])
-    prefix = np.concatenate([[0.0], np.cumsum([it.bytes for it in items])])
-    prices = {it.axes: _affine(mesh, it.axes) for it in items if it.fixed is None}
+    prices = _Prices(items, mesh)
+    prefix = prices.prefix
     f = np.zeros(n + 1)
     arg = np.zeros(n + 1, dtype=np.int64)
     ov = mesh.overlap
@@ -149,7 +161,7 @@ def optimal(items: list[GradItem], mesh: MeshSpec, backward: float) -> BucketPla
             f[j], arg[j] = float(_end(max(f[j - 1], it.ready), it.fixed, backward, ov)), j - 1
             continue
         s = runs[j - 1]
-        lat, per = prices[it.axes]
+        lat, per = prices.affine[it.axes]
         cand = _end(np.maximum(f[s:j], ready[j - 1]), lat + per * (prefix[j] - prefix[s:j]),
                     backward, ov)
         k = int(np.argmin(cand))  # first minimum: the larger bucket on ties
@@ -163,7 +175,7 @@ def optimal(items: list[GradItem], mesh: MeshSpec, backward: float) -> BucketPla
 
 
 def _coarsen(items: list[GradItem], cuts: list[tuple[int, int]], runs: list[int],
-             prices: dict, target: float, backward: float, overlap: float) -> list[tuple[int, int]]:
+             prices: _Prices, target: float, backward: float, overlap: float) -> list[tuple[int, int]]:
     """Merge neighbouring buckets while the last one still ends by ``target``.
 
     The recurrence ends every prefix as early as it can, which sends each gradient on
@@ -172,22 +184,14 @@ def _coarsen(items: list[GradItem], cuts: list[tuple[int, int]], runs: list[int]
     the backward.  Each bucket has a deadline (the latest end that lets the buckets
     after it, as they are, finish by ``target``); a bucket absorbs the next one while
     the merged bucket meets the next one's deadline."""
-    prefix = np.concatenate([[0.0], np.cumsum([it.bytes for it in items])])
-
-    def t(i: int, j: int) -> float:
-        it = items[i]
-        if it.fixed is not None:
-            return it.fixed
-        lat, per = prices[it.axes]
-        return lat + per * float(prefix[j] - prefix[i])
-
     dead = [0.0] * len(cuts)
     nxt = target
     for k in range(len(cuts) - 1, -1, -1):
         dead[k] = nxt
-        nxt = _latest_start(dead[k], t(*cuts[k]), backward, overlap)
+        nxt = _latest_start(dead[k], prices.time(*cuts[k]), backward, overlap)
+
     def end(start: float, i: int, j: int) -> float:
-        return float(_end(max(start, items[j - 1].ready), t(i, j), backward, overlap))
+        return float(_end(max(start, items[j - 1].ready), prices.time(i, j), backward, overlap))
 
     out: list[tuple[int, int]] = []
     prev_end = 0.0
