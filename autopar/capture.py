@@ -19,6 +19,7 @@ from torch import fx, nn
 
 from autopar.capture_checks import custom_function_guard
 from autopar.errors import AutoparWarning, CaptureError, user_stacklevel
+from autopar.passes.side_views import duplicate_side_views
 
 _DROP_TARGETS = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size"}
 
@@ -177,6 +178,9 @@ def capture(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None
         ) from export_err
     gm = ep.module()
     _strip_guards(gm)
+    # a layer's view of a shared input (rotary tables) copied per user: the layer stays a
+    # chain link for the repeated-layer solver and each user picks its own layout
+    duplicate_side_views(gm)
     # Flat calling convention: the ParallelModule flattens inputs and unflattens
     # outputs with these specs, so the generated code is plain and exportable.
     in_spec, out_spec = gm._in_spec, gm._out_spec
