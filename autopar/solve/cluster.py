@@ -41,10 +41,12 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 from torch import fx
@@ -66,6 +68,8 @@ from autopar.solve.problem import (
 
 __all__ = [
     "FLAT_MIP_MAX_NODES",
+    "MAX_SIDE_LAYOUTS",
+    "STOP_GAP",
     "Block",
     "Clustering",
     "find_clusters",
@@ -73,9 +77,16 @@ __all__ = [
     "solve_clustered",
 ]
 
+MAX_SIDE_LAYOUTS = 256
+"""Most joint layouts of the shared side inputs the clustered solver conditions on (each
+costs one transfer per class and one chain solve; 25-100 is typical of a mask on a 2-D mesh)."""
+
 FLAT_MIP_MAX_NODES = 600
 """Largest flat problem that still gets the budgeted MIP after a Lagrangian gap: above it
 the MIP was measured to find nothing better within the limit (design.md section 4)."""
+STOP_GAP = 1e-3
+"""Proven relative gap at which the Lagrangian bisection stops: further steps could win at
+most 0.1% of the step time, and each costs one solve per side-input layout."""
 # Relative gap under which the Lagrangian plan is reported optimal (float summation noise).
 _OPTIMAL_GAP = 1e-9
 
@@ -115,15 +126,16 @@ class Clustering:
     blocks: list[Block]
     kept: list[int]
     classes: int
+    sides: tuple[int, ...] = ()
 
     def describe(self) -> str:
         """One line for ``plan.solver.message``."""
-        sizes: dict[int, int] = {}
-        for b in self.blocks:
-            sizes[b.cls] = sizes.get(b.cls, 0) + 1
-        return (f"clustered {len(self.blocks)} repeated layers into {self.classes} class"
-                f"{'es' if self.classes != 1 else ''} ({len(self.blocks[0].nodes)} nodes each), "
-                f"reduced problem {len(self.kept) + len(self.blocks)} nodes")
+        shared = ""
+        if self.sides:
+            shared = f", {len(self.sides)} shared input{'s' if len(self.sides) != 1 else ''}"
+        return (f"clustered {len(self.blocks)} repeated layers into {self.classes} layer class"
+                f"{'es' if self.classes != 1 else ''} ({len(self.blocks[0].nodes)} nodes each"
+                f"{shared}), reduced problem {len(self.kept) + len(self.blocks)} nodes")
 
 
 # ------------------------------------------------------------------------------ detection
@@ -199,13 +211,16 @@ def find_clusters(gm: fx.GraphModule, nodes: Sequence[fx.Node],
                 sources[lv].add(u)
         if lu >= 0 and lu != lv:
             exported[lu].add(u)
+    sides = _side_inputs(sources, layer_of, problem)
+    side_pos = {u: -2 - j for j, u in enumerate(sides)}
     classes: dict[tuple, int] = {}
     blocks: list[Block] = []
     for m, (key, local) in enumerate(members):
-        if len(sources[m]) != 1 or len(exported[m]) != 1:
+        chain = sources[m] - set(sides)
+        if len(chain) != 1 or len(exported[m]) != 1:
             continue  # not a chain link: stays in the reduced problem as it is
-        (entry,) = sources[m]
-        pos = {u: j for j, u in enumerate(local)}
+        (entry,) = chain
+        pos = {u: j for j, u in enumerate(local)} | side_pos
         pos[entry] = -1
         wiring = tuple((pos[problem.edges[e][0]], pos[problem.edges[e][1]]) for e in owned[m])
         (out,) = exported[m]
@@ -220,7 +235,23 @@ def find_clusters(gm: fx.GraphModule, nodes: Sequence[fx.Node],
     for b in blocks:
         in_block[list(b.nodes)] = True
     kept = [int(i) for i in np.flatnonzero(~in_block)]
-    return Clustering(blocks, kept, len(classes))
+    used = {problem.edges[e][0] for b in blocks for e in b.edges} & set(sides)
+    return Clustering(blocks, kept, len(classes), tuple(u for u in sides if u in used))
+
+
+def _side_inputs(sources: list[set[int]], layer_of: np.ndarray,
+                 problem: StrategyProblem) -> list[int]:
+    """Outside nodes that feed two or more layers (rotary tables, masks, position
+    embeddings, an encoder's output), in problem order. The solver conditions on their
+    joint strategy, so their layouts multiply: none are taken (no clustering of the
+    layers they feed) when the product passes :data:`MAX_SIDE_LAYOUTS`."""
+    feeds: dict[int, int] = {}
+    for src in sources:
+        for u in src:
+            feeds[u] = feeds.get(u, 0) + 1
+    sides = sorted(u for u, k in feeds.items() if k >= 2 and layer_of[u] < 0)
+    layouts = math.prod(len(problem.node_costs[u]) for u in sides)
+    return sides if layouts <= MAX_SIDE_LAYOUTS else []
 
 
 # ------------------------------------------------------------------------------ transfer
@@ -236,32 +267,34 @@ class _Transfer:
     exit_local: int
 
 
-@dataclass
-class _Cache:
-    """Transfers computed for one ``lam``, keyed by class and checked numerically."""
-
-    entries: dict[int, list[tuple[Block, _Transfer]]] = field(default_factory=dict)
-
-
-def _local_problem(problem: StrategyProblem, block: Block, cost: list[np.ndarray]) -> StrategyProblem:
-    """The block with its entry as local node 0 (zero cost: it belongs elsewhere)."""
+def _local_problem(problem: StrategyProblem, block: Block, cost: list[np.ndarray],
+                   fixed: dict[int, int]) -> StrategyProblem:
+    """The block with its entry as local node 0 (zero cost: it belongs elsewhere); an edge
+    from a side input, whose strategy ``fixed`` gives, becomes a cost on its consumer."""
     pos = {u: j + 1 for j, u in enumerate(block.nodes)}
     pos[block.entry] = 0
     k0 = len(problem.node_costs[block.entry])
     costs = [np.zeros(k0)] + [cost[u] for u in block.nodes]
+    edges = []
+    for e in block.edges:
+        u, v, m = problem.edges[e]
+        if u in fixed:
+            costs[pos[v]] = costs[pos[v]] + m[fixed[u]]
+        else:
+            edges.append((pos[u], pos[v], m))
     mems = [np.zeros(len(c)) for c in costs]
-    edges = [(pos[problem.edges[e][0]], pos[problem.edges[e][1]], problem.edges[e][2])
-             for e in block.edges]
     return StrategyProblem(costs, mems, edges)
 
 
-def _same(problem: StrategyProblem, a: Block, b: Block, cost: list[np.ndarray]) -> bool:
-    """Numeric identity of two blocks of one class (costs, memory, edges, entry width)."""
+def _same(problem: StrategyProblem, a: Block, b: Block) -> bool:
+    """Numeric identity of two blocks of one class (costs, memory, edges, entry width):
+    then they have the same transfer at every weight and side-input layout."""
     if len(problem.node_costs[a.entry]) != len(problem.node_costs[b.entry]):
         return False
-    for u, v in zip(a.nodes, b.nodes):
-        if cost[u] is not cost[v] and not np.array_equal(cost[u], cost[v]):
-            return False
+    for table in (problem.node_costs, problem.node_memory):
+        for u, v in zip(a.nodes, b.nodes):
+            if table[u] is not table[v] and not np.array_equal(table[u], table[v]):
+                return False
     for e, f in zip(a.edges, b.edges):
         ma, mb = problem.edges[e][2], problem.edges[f][2]
         if ma is not mb and not np.array_equal(ma, mb):
@@ -285,16 +318,19 @@ def _transfer(local: StrategyProblem, exit_local: int) -> _Transfer | None:
     return _Transfer(table, red, exit_local)
 
 
-def _block_transfer(problem: StrategyProblem, block: Block, cost: list[np.ndarray],
-                    cache: _Cache) -> _Transfer | None:
-    """The block's transfer, reusing a numerically identical block's when there is one."""
-    for rep, tr in cache.entries.get(block.cls, []):
-        if _same(problem, rep, block, cost):
-            return tr
-    tr = _transfer(_local_problem(problem, block, cost), block.exit + 1)
-    if tr is not None:
-        cache.entries.setdefault(block.cls, []).append((block, tr))
-    return tr
+def _twins(problem: StrategyProblem, cl: Clustering) -> list[int]:
+    """For each block, the first block numerically identical to it (itself if none):
+    one transfer is computed per distinct block, checked once per solve."""
+    reps: dict[int, list[int]] = {}
+    out = []
+    for i, b in enumerate(cl.blocks):
+        same = [r for r in reps.get(b.cls, []) if _same(problem, cl.blocks[r], b)]
+        if same:
+            out.append(same[0])
+        else:
+            reps.setdefault(b.cls, []).append(i)
+            out.append(i)
+    return out
 
 
 # ------------------------------------------------------------------------------ one lam
@@ -314,32 +350,95 @@ class _NotClusterable(Exception):
     """A block is not series-parallel between its entry and exit."""
 
 
-def _solve_weighted(problem: StrategyProblem, cl: Clustering, cost: list[np.ndarray],
-                    time_limit: float) -> _LamResult:
-    """Minimise ``sum cost + edges`` (no budget) on the reduced problem and expand."""
-    cache = _Cache()
-    transfers = []
-    for b in cl.blocks:
-        tr = _block_transfer(problem, b, cost, cache)
-        if tr is None:
-            raise _NotClusterable(b.key)
-        transfers.append(tr)
+def _solve_weighted(problem: StrategyProblem, cl: Clustering, twins: list[int],
+                    cost: list[np.ndarray], time_limit: float) -> _LamResult:
+    """Minimise ``sum cost + edges`` (no budget) exactly: the least over every joint layout
+    of the side inputs of the reduced problem solved with that layout fixed."""
+    deadline = time.monotonic() + time_limit
+    best: _LamResult | None = None
+    optimal = True  # a layout not solved to optimality may hide a better plan
+    for layout in itertools.product(*_side_layouts(problem, cl.sides, cost)):
+        left = max(1.0, deadline - time.monotonic())
+        res = _solve_layout(problem, cl, twins, cost, dict(zip(cl.sides, layout)), left)
+        optimal &= res.optimal
+        if best is None or res.value < best.value:
+            best = res
+    assert best is not None
+    return dataclasses.replace(best, optimal=optimal)
+
+
+def _side_layouts(problem: StrategyProblem, sides: tuple[int, ...],
+                  cost: list[np.ndarray]) -> list[list[int]]:
+    """Per side input, the strategies worth conditioning on: a strategy is dropped when
+    another one costs no more (weighted cost) and no more on every edge it is part of,
+    since swapping it in never makes a plan worse. Exact only for sides not joined by an
+    edge to another side; those keep every strategy."""
+    side_set = set(sides)
+    rows: dict[int, list[np.ndarray]] = {u: [cost[u][:, None]] for u in sides}
+    joined: set[int] = set()
+    for u, v, m in problem.edges:
+        if u in side_set and v in side_set:
+            joined.update((u, v))
+        elif u in side_set:
+            rows[u].append(m)
+        elif v in side_set:
+            rows[v].append(m.T)
+    out = []
+    for u in sides:
+        k = len(cost[u])
+        if u in joined or k == 1:
+            out.append(list(range(k)))
+            continue
+        profile = np.concatenate(rows[u], axis=1)  # (k, everything strategy k pays)
+        keep = []
+        for i in range(k):
+            dominated = False
+            for j in range(k):
+                if j == i or not np.all(profile[j] <= profile[i]):
+                    continue
+                # strictly better somewhere, or equal and earlier: one of twins survives
+                if np.any(profile[j] < profile[i]) or j < i:
+                    dominated = True
+                    break
+            if not dominated:
+                keep.append(i)
+        out.append(keep)
+    return out
+
+
+def _solve_layout(problem: StrategyProblem, cl: Clustering, twins: list[int],
+                  cost: list[np.ndarray], fixed: dict[int, int], time_limit: float) -> _LamResult:
+    """The reduced problem with the side inputs' strategies ``fixed``, solved and expanded."""
+    distinct: dict[int, _Transfer] = {}
+    for i, b in enumerate(cl.blocks):
+        if twins[i] == i:
+            tr = _transfer(_local_problem(problem, b, cost, fixed), b.exit + 1)
+            if tr is None:
+                raise _NotClusterable(b.key)
+            distinct[i] = tr
+    transfers = [distinct[twins[i]] for i in range(len(cl.blocks))]
     red_index = {u: r for r, u in enumerate(cl.kept)}
     for b in cl.blocks:
         red_index[b.exit_node] = len(red_index)
-    costs = [cost[u] for u in cl.kept] + [np.zeros(len(cost[b.exit_node])) for b in cl.blocks]
+
+    def width(u: int) -> slice:
+        """The strategies node ``u`` may take: one when it is a fixed side input."""
+        return slice(fixed[u], fixed[u] + 1) if u in fixed else slice(None)
+
+    costs = [cost[u][width(u)] for u in cl.kept] + [np.zeros(len(cost[b.exit_node]))
+                                                    for b in cl.blocks]
     owned = set()
     for b in cl.blocks:
         owned.update(b.edges)
-    edges = [(red_index[u], red_index[v], m) for e, (u, v, m) in enumerate(problem.edges)
-             if e not in owned]
-    edges += [(red_index[b.entry], red_index[b.exit_node], tr.table)
+    edges = [(red_index[u], red_index[v], m[width(u), width(v)])
+             for e, (u, v, m) in enumerate(problem.edges) if e not in owned]
+    edges += [(red_index[b.entry], red_index[b.exit_node], tr.table[width(b.entry)])
               for b, tr in zip(cl.blocks, transfers)]
     reduced = StrategyProblem(costs, [np.zeros(len(c)) for c in costs], edges)
     sol = solve_ilp(reduced, time_limit=time_limit)
     choice = [-1] * problem.num_nodes
     for u in cl.kept:
-        choice[u] = sol.choice[red_index[u]]
+        choice[u] = fixed.get(u, sol.choice[red_index[u]])
     for b, tr in zip(cl.blocks, transfers):
         a, o = sol.choice[red_index[b.entry]], sol.choice[red_index[b.exit_node]]
         local = tr.reduction.recover([a, o])
@@ -368,7 +467,9 @@ def solve_clustered(problem: StrategyProblem, clusters: Clustering,
     budget = problem.memory_budget
     what = clusters.describe()
     try:
-        first = _solve_weighted(problem, clusters, [np.asarray(c, float) for c in problem.node_costs],
+        twins = _twins(problem, clusters)
+        first = _solve_weighted(problem, clusters, twins,
+                                [np.asarray(c, float) for c in problem.node_costs],
                                 time_limit)
     except _NotClusterable:
         return None
@@ -382,7 +483,12 @@ def solve_clustered(problem: StrategyProblem, clusters: Clustering,
         return Solution(first.choice, obj, status, 0.0 if first.optimal else None,
                         f"cluster/{first.solver}", time.monotonic() - started,
                         f"{'optimal' if first.optimal else 'feasible'} plan ({what}){note}")
-    return _budgeted(problem, clusters, first, started, deadline, what)
+    return _budgeted(problem, clusters, twins, first, started, deadline, what)
+
+
+def _close(a, b) -> bool:
+    """Two (cost, memory) pairs equal up to float summation order."""
+    return all(math.isclose(x, y, rel_tol=1e-9) for x, y in zip(a, b))
 
 
 def _mix_blocks(problem: StrategyProblem, cl: Clustering, fits: list[int],
@@ -404,8 +510,8 @@ def _mix_blocks(problem: StrategyProblem, cl: Clustering, fits: list[int],
     return plan
 
 
-def _budgeted(problem: StrategyProblem, cl: Clustering, first: _LamResult, started: float,
-              deadline: float, what: str) -> Solution:
+def _budgeted(problem: StrategyProblem, cl: Clustering, twins: list[int], first: _LamResult,
+              started: float, deadline: float, what: str) -> Solution:
     """Lagrangian bisection on ``lam`` (see the module docstring), then polish and gap."""
     budget = problem.memory_budget
     assert budget is not None
@@ -414,7 +520,7 @@ def _budgeted(problem: StrategyProblem, cl: Clustering, first: _LamResult, start
 
     def run(lam: float) -> tuple[_LamResult, float, float]:
         left = max(1.0, deadline - time.monotonic())
-        res = _solve_weighted(problem, cl, [c + lam * m for c, m in zip(costs, mems)], left)
+        res = _solve_weighted(problem, cl, twins, [c + lam * m for c, m in zip(costs, mems)], left)
         obj, mem = evaluate(problem, res.choice)
         return res, obj, mem
 
@@ -423,7 +529,7 @@ def _budgeted(problem: StrategyProblem, cl: Clustering, first: _LamResult, start
     memory_only = StrategyProblem(problem.node_costs, problem.node_memory,
                                   [(u, v, np.where(np.isinf(m), np.inf, 0.0))
                                    for u, v, m in problem.edges])
-    least = _solve_weighted(memory_only, cl, mems, max(1.0, deadline - time.monotonic()))
+    least = _solve_weighted(memory_only, cl, twins, mems, max(1.0, deadline - time.monotonic()))
     least_mem = evaluate(problem, least.choice)[1]
     if least_mem > budget:
         raise InfeasibleError(
@@ -434,7 +540,7 @@ def _budgeted(problem: StrategyProblem, cl: Clustering, first: _LamResult, start
     cost_span = sum(float(np.ptp(c)) for c in costs) + 1e-300
     mem_span = sum(float(np.ptp(m)) for m in mems) + 1e-300
     lo, hi = 0.0, cost_span / mem_span
-    def probe(lam: float) -> tuple[bool, list[int]]:
+    def probe(lam: float) -> tuple[bool, list[int], float, float]:
         """Solve at weight ``lam``: tighten the bound, keep the best plan that fits."""
         nonlocal lower, best_choice, best_obj
         res, obj, mem = run(lam)
@@ -443,26 +549,34 @@ def _budgeted(problem: StrategyProblem, cl: Clustering, first: _LamResult, start
         fits = mem <= budget
         if fits and obj < best_obj:
             best_choice, best_obj = res.choice, obj
-        return fits, res.choice
+        return fits, res.choice, obj, mem
 
     found = False
+    fit_at = (math.inf, math.inf)  # (cost, memory) of the plan found at hi
     for _ in range(40):  # grow lam until the plan fits (4**40 covers any unit ratio)
         if time.monotonic() > deadline:
             break
-        found, _choice = probe(hi)
+        found, _choice, *fit_at = probe(hi)
         if found:
             break
         lo, hi = hi, hi * 4.0
     over = first.choice  # the cheapest plan that does not fit, nearest to lam*
+    over_at = evaluate(problem, over)
     for _ in range(LAGRANGE_STEPS if found else 0):
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline or best_obj - lower <= STOP_GAP * abs(best_obj):
             break
-        mid = 0.5 * (lo + hi)
-        fits, choice = probe(mid)
+        # where the two plans' weighted costs cross: if nothing beats them there, that
+        # weight is the dual optimum (the bound cannot rise) and the search is over
+        cross = (fit_at[0] - over_at[0]) / max(over_at[1] - fit_at[1], 1e-300)
+        at_cross = lo < cross < hi
+        mid = cross if at_cross else 0.5 * (lo + hi)
+        fits, choice, *seen = probe(mid)
+        if at_cross and any(_close(seen, known) for known in (fit_at, over_at)):
+            break
         if fits:
-            hi = mid
+            hi, fit_at = mid, seen
         else:
-            lo, over = mid, choice
+            lo, over, over_at = mid, choice, seen
     best_choice = _mix_blocks(problem, cl, best_choice, over)
     best_choice = polish_under_budget(problem, best_choice)
     best_obj = evaluate(problem, best_choice)[0]

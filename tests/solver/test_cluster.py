@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 
 import pytest
 import torch
@@ -96,3 +97,81 @@ def test_meta_device_plan_allocates_nothing():
     assert p.solver.searcher == "ilp" and p.solver.backend.startswith("cluster")
     assert "clustered 8 repeated layers" in p.solver.message
     assert p.objective > 0 and len(p.nodes) > 8 * 30
+
+
+# ------------------------------------------------------------------ Hugging Face Llama
+def _llama_problem(layers: int, shape: tuple[int, ...], preset: str = "8xA100-nvlink"):
+    """A tiny HF Llama (GQA: 4 query heads, 2 key/value heads) on the meta device: its
+    layers share the rotary cos/sin tables and the attention mask, which the one-entry
+    block rule used to refuse."""
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=128)
+    with torch.device("meta"):
+        model = tf.LlamaForCausalLM(cfg)
+    ids = torch.zeros(8, 64, dtype=torch.long, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # replicated fallbacks of the rotary/mask ops
+        cap = capture(model, (), {"input_ids": ids, "labels": ids})
+        annotate(cap.gm)
+        mesh = MeshSpec.preset(preset, shape=shape)
+        st = enumerate_strategies(cap.gm, shape)
+        pb = build_problem(cap.gm, mesh, st, CostModel(mesh), None)
+    return model, ids, cap.gm, pb
+
+
+@pytest.fixture(scope="module")
+def llama4():
+    return _llama_problem(4, (2, 4))
+
+
+def test_clustering_engages_on_hf_llama_and_equals_the_flat_optimum(llama4):
+    _, _, gm, pb = llama4
+    cl = find_clusters(gm, pb.nodes, pb.strategies, pb.problem)
+    assert cl is not None and len(cl.blocks) == 4 and cl.classes == 1
+    # the rotary cos, sin and the mask feed every layer: shared inputs, not chain entries
+    assert len(cl.sides) >= 2
+    assert "1 layer class" in cl.describe()
+    clustered = solve_clustered(pb.problem, cl, time_limit=60)
+    flat = solve_ilp(pb.problem, time_limit=60)
+    assert clustered is not None
+    assert clustered.status is SolveStatus.OPTIMAL and flat.status is SolveStatus.OPTIMAL
+    # the same DP, summed in another order: 1e-12 relative
+    assert clustered.objective == pytest.approx(flat.objective, rel=1e-12)
+    assert evaluate(pb.problem, clustered.choice)[0] == pytest.approx(clustered.objective, rel=1e-12)
+
+
+@pytest.mark.slow
+def test_clustered_budget_bound_is_valid_on_hf_llama():
+    # one 4-device axis: the flat budgeted MIP proves its optimum in seconds here
+    _, _, gm, pb = _llama_problem(4, (4,))
+    cl = find_clusters(gm, pb.nodes, pb.strategies, pb.problem)
+    free = solve_ilp(pb.problem)
+    tight = dataclasses.replace(pb.problem, memory_budget=0.9 * evaluate(pb.problem, free.choice)[1])
+    sol = solve_clustered(tight, cl, time_limit=60)
+    flat = solve_ilp(tight, time_limit=120)
+    assert evaluate(tight, sol.choice)[1] <= tight.memory_budget
+    assert sol.gap is not None and sol.gap <= 0.01
+    # the proven bound may not pass the true budgeted optimum (the flat MIP's, or its
+    # incumbent when it stopped early; 1e-9 is float summation order)
+    assert sol.objective * (1 - sol.gap) <= flat.objective * (1 + 1e-9)
+    assert sol.objective >= (flat.objective * (1 - flat.gap) if flat.gap else flat.objective) * (1 - 1e-9)
+
+
+def test_hf_llama_plan_says_its_layer_classes():
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=128)
+    with torch.device("meta"):
+        model = tf.LlamaForCausalLM(cfg)
+    ids = torch.zeros(8, 64, dtype=torch.long, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = plan(model, (), MeshSpec.preset("8xA100-nvlink", shape=(8,)), search="ilp",
+                 example_kwargs={"input_ids": ids, "labels": ids})
+    assert p.solver.backend.startswith("cluster")
+    assert "clustered 3 repeated layers into 1 layer class" in p.solver.message
