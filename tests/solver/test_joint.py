@@ -157,3 +157,23 @@ def test_tied_weights_rule_out_pipelines():
         plan(model, ex, (2,), pipeline_stages=2, micro_batches=2)
     p = plan(model, ex, (2,), explore=True)
     assert p.decisions.pipeline_stages == 1
+
+
+def test_micro_inputs_cut_keyword_inputs_like_positional_ones():
+    import torch
+
+    from autopar.joint import batch_size, micro_inputs
+
+    ids = torch.arange(8 * 5).reshape(8, 5)
+    call = ((ids,), {"labels": ids + 1, "attention_mask": torch.ones(8, 5),
+                     "scale": torch.tensor(2.0), "table": torch.zeros(3, 5)})
+    args, kwargs = micro_inputs(call, 4)
+    assert batch_size(call) == 8
+    assert torch.equal(args[0], ids[:2]) and torch.equal(kwargs["labels"], ids[:2] + 1)
+    assert kwargs["attention_mask"].shape == (2, 5)
+    # neither a scalar nor a tensor whose dim 0 is not the batch is cut
+    assert kwargs["scale"].shape == () and kwargs["table"].shape == (3, 5)
+    with pytest.raises(PlanError, match="does not split into 3"):
+        micro_inputs(call, 3)
+    with pytest.raises(PlanError, match="keyword"):
+        batch_size(((), {"flag": True}))
