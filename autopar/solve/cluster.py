@@ -211,14 +211,17 @@ def find_clusters(gm: fx.GraphModule, nodes: Sequence[fx.Node],
                 sources[lv].add(u)
         if lu >= 0 and lu != lv:
             exported[lu].add(u)
-    sides = _side_inputs(sources, layer_of, problem)
+    sides = _side_inputs(sources, problem)
     side_pos = {u: -2 - j for j, u in enumerate(sides)}
+    side_set = set(sides)
     classes: dict[tuple, int] = {}
     blocks: list[Block] = []
     for m, (key, local) in enumerate(members):
-        chain = sources[m] - set(sides)
-        if len(chain) != 1 or len(exported[m]) != 1:
-            continue  # not a chain link: stays in the reduced problem as it is
+        chain = sources[m] - side_set
+        if len(chain) != 1 or len(exported[m]) != 1 or not side_set.isdisjoint(local):
+            # not a chain link (or it computes a side input other layers read, like T5's
+            # position bias in block 0): stays in the reduced problem as it is
+            continue
         (entry,) = chain
         pos = {u: j for j, u in enumerate(local)} | side_pos
         pos[entry] = -1
@@ -239,17 +242,17 @@ def find_clusters(gm: fx.GraphModule, nodes: Sequence[fx.Node],
     return Clustering(blocks, kept, len(classes), tuple(u for u in sides if u in used))
 
 
-def _side_inputs(sources: list[set[int]], layer_of: np.ndarray,
-                 problem: StrategyProblem) -> list[int]:
-    """Outside nodes that feed two or more layers (rotary tables, masks, position
-    embeddings, an encoder's output), in problem order. The solver conditions on their
-    joint strategy, so their layouts multiply: none are taken (no clustering of the
-    layers they feed) when the product passes :data:`MAX_SIDE_LAYOUTS`."""
+def _side_inputs(sources: list[set[int]], problem: StrategyProblem) -> list[int]:
+    """Nodes that feed two or more layers other than their own (rotary tables, masks,
+    position embeddings, an encoder's output, a bias one layer computes for the rest), in
+    problem order. The solver conditions on their joint strategy, so their layouts
+    multiply: none are taken (no clustering of the layers they feed) when the product
+    passes :data:`MAX_SIDE_LAYOUTS`."""
     feeds: dict[int, int] = {}
     for src in sources:
         for u in src:
             feeds[u] = feeds.get(u, 0) + 1
-    sides = sorted(u for u, k in feeds.items() if k >= 2 and layer_of[u] < 0)
+    sides = sorted(u for u, k in feeds.items() if k >= 2)
     layouts = math.prod(len(problem.node_costs[u]) for u in sides)
     return sides if layouts <= MAX_SIDE_LAYOUTS else []
 

@@ -175,3 +175,42 @@ def test_hf_llama_plan_says_its_layer_classes():
                  example_kwargs={"input_ids": ids, "labels": ids})
     assert p.solver.backend.startswith("cluster")
     assert "clustered 3 repeated layers into 1 layer class" in p.solver.message
+
+
+def _hf_case(name: str):
+    import transformers as tf
+
+    ids = torch.zeros(4, 16, dtype=torch.long)
+    if name == "gpt2":
+        cfg = tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=3, n_head=4, n_positions=32,
+                            bos_token_id=0, eos_token_id=0)
+        return tf.GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids}
+    if name == "bert":
+        cfg = tf.BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=3,
+                            num_attention_heads=4, intermediate_size=128,
+                            max_position_embeddings=32)
+        return tf.BertForMaskedLM(cfg), {"input_ids": ids, "labels": ids}
+    cfg = tf.ViTConfig(image_size=16, patch_size=4, hidden_size=64, num_hidden_layers=3,
+                       num_attention_heads=4, intermediate_size=128, num_labels=5)
+    return tf.ViTForImageClassification(cfg), {"pixel_values": torch.zeros(4, 3, 16, 16),
+                                                "labels": torch.zeros(4, dtype=torch.long)}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "vit"])
+def test_clustering_on_hf_models_equals_the_flat_optimum(name):
+    """GPT-2 (position embeddings), BERT (extended attention mask) and ViT as they come:
+    each layer reads one shared input besides its predecessor's output."""
+    model, kw = _hf_case(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cap = capture(model, (), kw)
+        annotate(cap.gm)
+        mesh = MeshSpec.preset("8xA100-nvlink", shape=(4,))
+        st = enumerate_strategies(cap.gm, (4,))
+        pb = build_problem(cap.gm, mesh, st, CostModel(mesh), None)
+    cl = find_clusters(cap.gm, pb.nodes, pb.strategies, pb.problem)
+    assert cl is not None and len(cl.blocks) == 3 and cl.classes == 1
+    clustered = solve_clustered(pb.problem, cl, time_limit=60)
+    flat = solve_ilp(pb.problem, time_limit=60)
+    assert clustered is not None and clustered.status is SolveStatus.OPTIMAL
+    assert clustered.objective == pytest.approx(flat.objective, rel=1e-12)  # summation order
