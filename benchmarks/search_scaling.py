@@ -257,7 +257,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--_child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--_out", help=argparse.SUPPRESS)
     ap.add_argument("--_skip", nargs="*", default=[], help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    ap.add_argument("--hf", action="store_true",
+                    help="Hugging Face Llama 8B/70B shapes instead (benchmarks/search_scaling_hf.py)")
+    given = list(sys.argv[1:] if argv is None else argv)
+    if "--hf" in given:  # its own options (--models, --devices, --cell-limit, --no-write)
+        from search_scaling_hf import main as hf_main
+        return hf_main([a for a in given if a != "--hf"])
+    args = ap.parse_args(given)
     budget = {"none": None, "capacity": None}.get(args.memory_budget)
     if args.memory_budget not in ("none", "capacity"):
         budget = float(args.memory_budget)
