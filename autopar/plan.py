@@ -166,8 +166,9 @@ class Decisions:
     """``step_seconds`` on the slowest stage split into ``compute_seconds`` (forward,
     backward and recomputation), ``exposed_comm_seconds`` (collectives on the critical
     path: the ops' own, ZeRO gathers, pipeline sends, the gradient sync left after the
-    last backward), ``bubble_seconds`` (pipeline fill and drain); these three sum to the
-    step.  ``hidden_comm_seconds`` is gradient sync overlapped with backward (not in
+    last backward), ``bubble_seconds`` (pipeline fill and drain) and ``optimizer_seconds``
+    (the optimizer's update of this device's parameters, memory-bound); these four sum to
+    the step.  ``hidden_comm_seconds`` is gradient sync overlapped with backward (not in
     the sum)."""
     grad_buckets: list[list[str]] = field(default_factory=list)
     """Data-parallel gradient buckets in launch order (parameter targets), chosen by

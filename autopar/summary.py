@@ -209,7 +209,8 @@ def summary(plan: Plan) -> str:
     if d.breakdown:
         lines.append(f"  step time      {_ms(step)} predicted = compute {_ms(n['compute_seconds'])} "
                      f"+ exposed comm {_ms(n['exposed_comm_seconds'])} + bubble "
-                     f"{_ms(n['bubble_seconds'])}; hidden comm {_ms(n['hidden_comm_seconds'])} "
+                     f"{_ms(n['bubble_seconds'])} + optimizer {_ms(n.get('optimizer_seconds', 0.0))}"
+                     f"; hidden comm {_ms(n['hidden_comm_seconds'])} "
                      "(overlapped with backward)")
     else:
         lines.append(f"  step time      {_ms(step)} predicted")

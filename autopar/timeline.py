@@ -52,6 +52,7 @@ class Kind(StrEnum):
     GRAD_SYNC = "grad sync"
     GRAD_SYNC_HIDDEN = "grad sync (hidden)"
     PARAM_GATHER = "param all-gather"
+    OPTIMIZER = "optimizer step"
     BUBBLE = "bubble"
 
 
@@ -164,6 +165,10 @@ def predicted_events(plan: Plan) -> list[Event]:
         if exposed > 0:
             events.append(Event(s, Lane.COMM, Kind.GRAD_SYNC, end, exposed, label="grad reduce"))
             end += exposed
+        opt = parts.get("optimizer_step", 0.0)
+        if opt > 0:  # updates the reduced gradients' shards; ZeRO-1/2 then gathers them
+            events.append(Event(s, Lane.COMPUTE, Kind.OPTIMIZER, end, opt, label="optimizer step"))
+            end += opt
         gather = parts.get("gather_step", 0.0)
         if gather > 0:
             events.append(Event(s, Lane.COMM, Kind.PARAM_GATHER, end, gather,
@@ -171,7 +176,7 @@ def predicted_events(plan: Plan) -> list[Event]:
     last = max(e.end for e in events)
     for s in range(p):
         busy = sorted((e.start, e.end) for e in events if e.stage == s and
-                      (e.lane == Lane.COMPUTE or e.kind in (Kind.COMM,)))
+                      (e.lane == Lane.COMPUTE or e.kind in (Kind.COMM, Kind.GRAD_SYNC)))
         t = 0.0
         for a, b in busy:
             if a - t > 1e-12 * max(last, 1e-30):
@@ -221,7 +226,7 @@ def write_trace(plan: Plan, path: str | Path) -> Path:
 
 _COLOURS = {Kind.FORWARD: "#4c72b0", Kind.BACKWARD: "#dd8452", Kind.COMM: "#c44e52",
             Kind.GRAD_SYNC: "#8172b3", Kind.GRAD_SYNC_HIDDEN: "#b8acd9",
-            Kind.PARAM_GATHER: "#937860", Kind.BUBBLE: "#eeeeee"}
+            Kind.PARAM_GATHER: "#937860", Kind.OPTIMIZER: "#da8bc3", Kind.BUBBLE: "#eeeeee"}
 
 
 def draw_timeline(plan: Plan, path: str | Path, title: str | None = None) -> Path:

@@ -15,7 +15,7 @@ from .collectives import (
     reduce_scatter_time,
     send_recv_time,
 )
-from .compute import compute_time, matmul_flops
+from .compute import compute_time, matmul_flops, optimizer_step_time
 from .memory import (
     MemoryBreakdown,
     OptimizerKind,
@@ -42,6 +42,7 @@ __all__ = [
     "fit_alpha_beta",
     "format_bytes",
     "matmul_flops",
+    "optimizer_step_time",
     "optimizer_state_bytes",
     "peak_live_bytes",
     "reduce_scatter_time",

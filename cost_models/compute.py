@@ -11,7 +11,7 @@ import numbers
 
 from .mesh import MeshSpec
 
-__all__ = ["compute_time", "matmul_flops"]
+__all__ = ["compute_time", "matmul_flops", "optimizer_step_time"]
 
 
 def _check_amount(name: str, value: float) -> None:
@@ -45,3 +45,17 @@ def matmul_flops(m: int, k: int, n: int, batch: int = 1) -> float:
     for name, v in (("m", m), ("k", k), ("n", n), ("batch", batch)):
         _check_amount(name, v)
     return float(2 * batch * m * k * n)
+
+
+def optimizer_step_time(mesh: MeshSpec, param_bytes: float, state_bytes: float) -> float:
+    """Seconds one device of ``mesh`` spends updating ``param_bytes`` of parameters with
+    ``state_bytes`` of optimizer state (AdamW: two fp32 states per element).
+
+    An elementwise update is memory-bound: it reads the parameters, their gradients and
+    the states and writes the parameters and the states back, ``3 * param_bytes + 2 *
+    state_bytes`` at ``mesh.mem_bandwidth``. The fused (foreach) kernels launch a few
+    kernels per step, not per element, so no launch floor is charged per tensor.
+    """
+    _check_amount("param_bytes", param_bytes)
+    _check_amount("state_bytes", state_bytes)
+    return (3.0 * param_bytes + 2.0 * state_bytes) / mesh.mem_bandwidth

@@ -28,6 +28,7 @@ from autopar.cost_models import (
     all_gather_time,
     all_reduce_time,
     optimizer_state_bytes,
+    optimizer_step_time,
     reduce_scatter_time,
 )
 from autopar.ir import info
@@ -123,11 +124,12 @@ class ZeroPrice:
     transient: float     # whole parameters alive while the layer runs (stage 3)
     bucket: float = 0.0  # stage 2: whole gradients waiting in a reduce bucket
     zero_sync: float = 0.0  # the part of ``sync`` that ZeRO's own reduce-scatters do
+    opt_step: float = 0.0  # the optimizer's update of the parameters this device owns
 
 
 def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | None, optimizer: str) -> ZeroPrice:
     """Price ``stat``'s parameters under ZeRO ``stage`` over sub-mesh ``axis``."""
-    sync = gstep = gmb = pb = gb = ob = tr = bk = zsync = 0.0
+    sync = gstep = gmb = pb = gb = ob = tr = bk = zsync = step = 0.0
     for p in stat.params:
         opt = optimizer_state_bytes(p.bytes, optimizer)
         on_z = stage > 0 and axis is not None and axis in p.replicated
@@ -136,6 +138,7 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | None, op
                 # bandwidth only: bucketing pays the latency once per bucket
                 sync += all_reduce_time(mesh, p.replicated, p.bytes) - all_reduce_time(mesh, p.replicated, 1.0)
             pb, gb, ob = pb + p.bytes, gb + p.bytes, ob + opt
+            step += optimizer_step_time(mesh, p.bytes, opt)
             continue
         d = mesh.shape[axis]
         others = tuple(a for a in p.replicated if a != axis)
@@ -153,6 +156,7 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | None, op
         gb += p.bytes / d if stage >= 2 else p.bytes
         bk += p.bytes if stage == 2 else 0.0
         ob += opt / d
+        step += optimizer_step_time(mesh, p.bytes / d, opt / d)  # each rank updates its shard
     if zsync and axis is not None:
         # the layer's gradients leave in one reduce-scatter (stage 3, runtime/zero3.py)
         # or a few fused buckets (stages 1-2): one latency per layer, as the data-parallel
@@ -164,7 +168,7 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | None, op
         # stage 3 gathers a layer's parameters in one collective (runtime/zero3.py), in
         # the forward and again in the backward: the latency is paid once per layer
         gmb = 2.0 * all_gather_time(mesh, (axis,), tr)
-    return ZeroPrice(sync, gstep, gmb, pb, gb, ob, tr, bk, zsync)
+    return ZeroPrice(sync, gstep, gmb, pb, gb, ob, tr, bk, zsync, step)
 
 
 __all__ = ["LayerStat", "ParamStat", "ZeroPrice", "layer_stats", "zero_price"]

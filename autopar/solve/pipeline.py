@@ -87,8 +87,9 @@ class Priced:
     def breakdown(self) -> dict[str, float]:
         """``step_seconds`` split as :attr:`autopar.plan.Decisions.breakdown` says: the
         slowest stage's micro-batches (compute + exposed communication), the step's
-        exposed tail (gradient sync after the last backward, ZeRO-1/2 gathers) and the
-        pipeline bubble (the other stages' share of fill and drain)."""
+        exposed tail (gradient sync after the last backward, ZeRO-1/2 gathers, the
+        optimizer's update) and the pipeline bubble (the other stages' share of fill and
+        drain)."""
         if not self.stages:
             return {}
         m = self.config.micro_batches
@@ -96,13 +97,15 @@ class Priced:
         tail = max(self.stages, key=lambda sp: sp.extra)
         p = slow.parts
         compute = m * (p.get("compute", 0.0) + p.get("recompute", 0.0))
-        exposed = m * p.get("comm", 0.0) + tail.extra
+        optimizer = tail.parts.get("optimizer_step", 0.0)
+        exposed = m * p.get("comm", 0.0) + tail.extra - optimizer
         # one stage has no bubble (what the subtraction leaves then is rounding)
         bubble = max(0.0, self.step_seconds - m * slow.seconds - tail.extra) \
             if self.config.stages > 1 else 0.0
         hidden = max(0.0, tail.parts.get("sync", 0.0) - tail.parts.get("sync_exposed", 0.0))
         return {"compute_seconds": compute, "exposed_comm_seconds": exposed,
-                "bubble_seconds": bubble, "hidden_comm_seconds": hidden}
+                "bubble_seconds": bubble, "optimizer_seconds": optimizer,
+                "hidden_comm_seconds": hidden}
 
 
 def _sync(layers: list[LayerStat], zp: list, rc: set[str], cfg: Config,
@@ -193,12 +196,15 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     bp, names, extremes = _sync(layers, zp, rc, cfg, mesh) if sync else (None, [], {})
     exposed = bp.exposed if bp is not None else 0.0
     gather_step = sum(z.gather_step for z in zp)
-    extra = exposed + gather_step
+    # the optimizer updates the stage's parameters once per step, after the gradients
+    # are reduced and before the next forward: nothing overlaps it
+    opt_step = sum(z.opt_step for z in zp)
+    extra = exposed + gather_step + opt_step
     compute = sum(st.compute for st in layers)
     recompute = sum(st.forward for st in chosen)
     parts = {"compute": compute, "recompute": recompute, "comm": seconds - compute - recompute,
              "sync": bp.busy if bp is not None else 0.0, "sync_exposed": exposed,
-             "gather_step": gather_step, **extremes}
+             "gather_step": gather_step, "optimizer_step": opt_step, **extremes}
     memory = {"params": sum(z.params for z in zp), "grads": sum(z.grads for z in zp),
               "optimizer": sum(z.optimizer for z in zp),
               "activations": mem(chosen) - static, "buffers": sum(st.buffers for st in layers)}

@@ -436,3 +436,22 @@ def test_mesh_overlap_is_validated_and_serialised() -> None:
     for bad in (0, 1.5, -0.1, True):
         with pytest.raises(ValueError, match="overlap"):
             dataclasses.replace(m, overlap=bad)
+
+
+def test_optimizer_step_is_memory_bound_and_sharded_by_zero():
+    from autopar.cost_models import optimizer_step_time
+
+    from autopar.solve.layer_stats import LayerStat, ParamStat, zero_price
+
+    mesh = MeshSpec.preset("8xA100-nvlink", shape=(4,))
+    # AdamW: read params, grads, m, v; write params, m, v
+    assert optimizer_step_time(mesh, 1e9, 2e9) == pytest.approx(7e9 / mesh.mem_bandwidth)
+    assert optimizer_step_time(mesh, 1e9, 0.0) == pytest.approx(3e9 / mesh.mem_bandwidth)  # plain SGD
+    with pytest.raises(ValueError):
+        optimizer_step_time(mesh, -1.0, 0.0)
+    layer = LayerStat("blocks.0", params=[ParamStat(4e8, (0,)), ParamStat(1e8, (0,))])
+    plain = zero_price(layer, mesh, 0, None, "adamw").opt_step
+    assert plain == pytest.approx(optimizer_step_time(mesh, 5e8, 1e9))
+    # ZeRO-1 over the 4-way axis: each rank updates a quarter (every stage alike)
+    for stage in (1, 2, 3):
+        assert zero_price(layer, mesh, stage, 0, "adamw").opt_step == pytest.approx(plain / 4)
