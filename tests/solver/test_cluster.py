@@ -68,6 +68,7 @@ def test_shared_pricing_builds_the_same_problem():
     assert all(u == p and v == q and (m == n).all() for (u, v, m), (p, q, n) in zip(a.edges, b.edges))
 
 
+@pytest.mark.slow  # ~15 s; the HF Llama budget case covers the same path
 def test_budget_plans_fit_and_report_a_gap():
     gm, pb = _problem(3, 256, "8xA100-nvlink", (2, 4))
     cl = find_clusters(gm, pb.nodes, pb.strategies, pb.problem)
