@@ -1,0 +1,230 @@
+"""How well the predicted step time ranks and matches measured steps, preset vs calibrated.
+
+    python benchmarks/cost_fidelity.py [--steps 5] [--world 4] [--no-write]
+
+On ``--world`` gloo ranks of this machine (one thread each), each case plans and builds
+an autopar module (``auto_parallel``) for one model under one set of decisions, trains
+it with AdamW (foreach) and times ``--steps`` steps (zero_grad, forward, backward,
+optimizer step; slowest rank; median). ``plan.decisions.step_seconds`` is the
+prediction. Every case runs twice: planned on the shipped ``cpu-gloo`` preset and on
+the link measured on the running group (``cost_models.calibrate``, the MeshSpec
+``autopar calibrate`` writes). Models: ``examples/gpt.py`` (4 layers, dim 192) and a
+tiny Hugging Face Llama (``examples/hf_llama.py``, GQA, called as ``model(**batch)``).
+Reported per preset: Spearman rank correlation of predicted against measured, and the
+median relative error ``|predicted - measured| / measured``; the table goes into
+``docs/benchmarks.md`` with the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SECTION = "## Cost-model fidelity (benchmarks/cost_fidelity.py)"
+DP = {"*": "R", "input:0": "S(0)", "input:1": "S(0)"}
+MEGATRON = {"*q_proj.weight": "S(0)", "*k_proj.weight": "S(0)", "*v_proj.weight": "S(0)",
+            "*out_proj.weight": "S(1)", "*fc1.weight": "S(0)", "*fc2.weight": "S(1)"}
+BLOCKS = tuple(f"blocks.{i}" for i in range(4))
+# (model, case name, auto_parallel options); mesh (world,) unless the options say
+CASES = [
+    ("gpt", "auto", {}),
+    ("gpt", "dp", {"pins": DP}),
+    ("gpt", "zero1", {"pins": DP, "zero_stage": 1}),
+    ("gpt", "zero2", {"pins": DP, "zero_stage": 2}),
+    ("gpt", "zero3", {"pins": DP, "zero_stage": 3}),
+    ("gpt", "megatron-tp", {"pins": MEGATRON}),
+    ("gpt", "pp2-1f1b", {"pipeline_stages": 2, "micro_batches": 2, "schedule": "1f1b"}),
+    ("gpt", "recompute-all", {"recompute": BLOCKS}),
+    ("gpt", "2-micro-batches", {"micro_batches": 2}),
+    ("gpt", "dp-2x2", {"pins": {"*": "RR", "input:0": "S(0)S(0)", "input:1": "S(0)S(0)"},
+                       "mesh": (2, 2)}),
+    ("gpt", "auto-2x2", {"mesh": (2, 2)}),
+    ("llama", "auto", {}),
+    ("llama", "dp", {"pins": DP}),  # input:0, input:1 are input_ids, labels (flat order)
+    ("llama", "zero3", {"zero_stage": 3}),
+    ("llama", "2-micro-batches", {"micro_batches": 2}),
+]
+
+
+def _model(name: str, world: int):
+    """(module, example kwargs or args, called with keywords)."""
+    torch.manual_seed(0)
+    if name == "gpt":
+        import gpt
+        model, (x, y) = gpt.build(layers=4, dim=192, heads=4, vocab=256, seq=64, batch=8 * world)
+        return model, (x, y), False
+    import hf_llama
+    model, _, batch = hf_llama.build(hidden=128, layers=2, heads=4, kv_heads=2, vocab=256,
+                                     batch=4 * world, seq=64)
+    return model, batch, True
+
+
+def _timed(step) -> float:
+    import time
+
+    import torch.distributed as dist
+    dist.barrier()
+    t0 = time.perf_counter()
+    step()
+    t = torch.tensor([time.perf_counter() - t0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _case(model_name: str, case: str, opts: dict, world: int, steps: int, mesh_spec) -> dict:
+    import dataclasses
+
+    import autopar
+    from autopar.runtime.mesh import reset
+
+    model, inputs, kw = _model(model_name, world)
+    opts = dict(opts)
+    shape = opts.pop("mesh", (world,))
+    mesh = dataclasses.replace(mesh_spec, shape=tuple(shape), axis_names=(),
+                               links=mesh_spec.links[:1] * len(shape))
+    reset()
+    try:
+        if kw:
+            pm = autopar.auto_parallel(model, example_inputs=(), example_kwargs=inputs,
+                                       mesh=mesh, **opts)
+        else:
+            pm = autopar.auto_parallel(model, example_inputs=inputs, mesh=mesh, **opts)
+    except Exception as e:  # noqa: BLE001 - raised alike on every rank: a table entry
+        return {"model": model_name, "case": case, "error": f"{type(e).__name__}: {str(e)[:100]}"}
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=True)
+
+    def step():
+        # train_step: forward and backward of the whole batch, whatever the schedule
+        # (a pipeline or micro-batches interleave them)
+        opt.zero_grad()
+        if kw:
+            pm.train_step(**inputs)
+        else:
+            pm.train_step(*inputs)
+        opt.step()
+
+    for _ in range(2):  # warm-up
+        step()
+    times = [_timed(step) for _ in range(steps)]
+    d = pm.plan.decisions
+    return {"model": model_name, "case": case, "predicted_ms": d.step_seconds * 1e3,
+            "measured_ms": statistics.median(times) * 1e3,
+            "spread": (max(times) - min(times)) / statistics.median(times)}
+
+
+def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
+    from _ranks import finish, join
+
+    from autopar import MeshSpec
+    join(rank, world, port)
+    from autopar.cost_models.calibrate import calibrate
+    meshes = {"cpu-gloo preset": MeshSpec.preset("cpu-gloo", shape=(world,)),
+              "calibrated": calibrate()}
+    rows = []
+    for preset, spec in meshes.items():
+        for model_name, case, opts in CASES:
+            r = _case(model_name, case, opts, world, args["steps"], spec)
+            rows.append({**r, "preset": preset})
+    finish(rank, rows, out)
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman rank correlation (average ranks for ties)."""
+    def ranks(x):
+        x = np.asarray(x, float)
+        order = x.argsort()
+        r = np.empty(len(x))
+        r[order] = np.arange(len(x), dtype=float)
+        for v in np.unique(x):  # ties share their mean rank
+            r[x == v] = r[x == v].mean()
+        return r
+    ra, rb = ranks(a), ranks(b)
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def summary(rows: list[dict]) -> dict[str, dict]:
+    """Per preset: Spearman and median relative error over the cases that ran."""
+    out = {}
+    for preset in dict.fromkeys(r["preset"] for r in rows):
+        ok = [r for r in rows if r["preset"] == preset and "error" not in r]
+        p = [r["predicted_ms"] for r in ok]
+        m = [r["measured_ms"] for r in ok]
+        out[preset] = {"cases": len(ok), "spearman": spearman(p, m),
+                       "median_error": statistics.median(abs(x - y) / y for x, y in zip(p, m))}
+    return out
+
+
+def section(rows: list[dict], world: int, steps: int, load: tuple[float, float]) -> str:
+    """The markdown section for docs/benchmarks.md."""
+    from plan_time import machine
+
+    lines = [SECTION, "",
+             f"Predicted (`plan.decisions.step_seconds`) against measured step time (median of "
+             f"{steps} AdamW steps, slowest of {world} gloo ranks, one thread each) for "
+             f"`examples/gpt.py` (4 layers, dim 192) and a tiny HF Llama (2 layers, hidden 128, "
+             "GQA), each case planned on the shipped `cpu-gloo` preset and on the link "
+             "`cost_models.calibrate` measured on the running group.", "",
+             f"Measured {_dt.date.today().isoformat()} on: {machine()}; load average "
+             f"{load[0]:.2f} before, {load[1]:.2f} after.", "",
+             "| preset | cases | Spearman | median relative error |", "|---|---:|---:|---:|"]
+    for preset, s in summary(rows).items():
+        lines.append(f"| {preset} | {s['cases']} | {s['spearman']:.2f} | {100 * s['median_error']:.0f}% |")
+    lines += ["", "| preset | model | case | predicted ms | measured ms | measured spread |",
+              "|---|---|---|---:|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['preset']} | {r['model']} | {r['case']} | {r['error']} | - | - |")
+        else:
+            lines.append(f"| {r['preset']} | {r['model']} | {r['case']} | {r['predicted_ms']:.1f} | "
+                         f"{r['measured_ms']:.1f} | {100 * r['spread']:.0f}% |")
+    ok = [r for r in rows if "error" not in r]
+    if ok:
+        ratio = [r["predicted_ms"] / r["measured_ms"] for r in ok]
+        lines += ["", f"Predicted / measured ranges {min(ratio):.2f}-{max(ratio):.2f} over all "
+                  "cases. Issue 12's targets (calibrated Spearman >= 0.9, median error <= 20%) "
+                  "are not met: 4 ranks share 2 cores, so measured compute runs well below the "
+                  "rate the preset and the uncontended calibration assume, and per-op dispatch "
+                  "overhead on tiny tensors is not modelled."]
+    lines += ["", "Regenerate with `python benchmarks/cost_fidelity.py`.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--no-write", action="store_true")
+    a = ap.parse_args(argv)
+    from plan_time import write_section
+
+    from tests.dist.harness import free_port
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "rows.json")
+        load0 = os.getloadavg()[0]
+        mp.spawn(_worker, args=(a.world, free_port(), {"steps": a.steps}, out),
+                 nprocs=a.world, join=True)
+        rows = json.loads(Path(out).read_text())
+    text = section(rows, a.world, a.steps, (load0, os.getloadavg()[0]))
+    print(text)
+    if not a.no_write:
+        write_section(text)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
