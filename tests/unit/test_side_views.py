@@ -40,12 +40,17 @@ def _shared_views(gm) -> list[str]:
     return out
 
 
-def test_llama_rotary_views_are_copied_and_numbers_unchanged():
+def _captured():
+    """(model, input ids, its capture) of the tiny Llama, fallback warnings silenced."""
     model = _tiny_llama()
     ids = torch.randint(0, 64, (2, 8))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cap = capture(model, (), {"input_ids": ids})
+        return model, ids, capture(model, (), {"input_ids": ids})
+
+
+def test_llama_rotary_views_are_copied_and_numbers_unchanged():
+    model, ids, cap = _captured()
     assert _shared_views(cap.gm) == []
     names = {n.name for n in cap.gm.graph.nodes}
     # the copies exist: cos and sin views, one more per layer each (query and key users)
@@ -58,11 +63,7 @@ def test_llama_rotary_views_are_copied_and_numbers_unchanged():
 
 
 def test_pass_is_idempotent_and_leaves_plain_models_alone():
-    model = _tiny_llama()
-    ids = torch.randint(0, 64, (2, 8))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        cap = capture(model, (), {"input_ids": ids})
+    _, _, cap = _captured()
     assert duplicate_side_views(cap.gm) == 0  # capture already ran it
     mlp = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
     before = capture(mlp, (torch.randn(3, 4),))
