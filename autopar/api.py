@@ -46,7 +46,7 @@ def _capture_and_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec,
 
 
 _DECISION_KEYS = ("zero_stage", "pipeline_stages", "micro_batches", "schedule", "recompute", "explore",
-                  "blocks", "progress", "bucket_bytes")
+                  "blocks", "progress", "bucket_bytes", "precision")
 
 
 def _options(memory_budget, optimizer, time_limit, pins, decisions: Mapping,
@@ -63,6 +63,9 @@ def _options(memory_budget, optimizer, time_limit, pins, decisions: Mapping,
     d = dict(decisions)
     if d.get("recompute") is not None:
         d["recompute"] = tuple(d["recompute"])
+    if "precision" in d:
+        from autopar.passes.mixed_precision import Precision
+        d["precision"] = Precision.parse(d["precision"]).value
     return PlanOptions(memory_budget=memory_budget, optimizer=optimizer, time_limit=time_limit,
                        pins=dict(pins or {}), search=search, **d)
 
@@ -119,7 +122,8 @@ def _shared_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: 
     if cap is None:
         # the plan's graph is the micro-batch's: capture at that size
         cap = capture(model, *micro_inputs((tuple(example_inputs), dict(example_kwargs or {})),
-                                           p.decisions.micro_batches))
+                                           p.decisions.micro_batches),
+                      precision=p.decisions.precision)
         annotate(cap.gm)
     return cap, p
 

@@ -19,6 +19,7 @@ from torch import fx, nn
 
 from autopar.capture_checks import custom_function_guard
 from autopar.errors import AutoparWarning, CaptureError, user_stacklevel
+from autopar.passes.mixed_precision import Precision, apply_mixed_precision
 from autopar.passes.side_views import duplicate_side_views
 
 _DROP_TARGETS = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size"}
@@ -149,8 +150,11 @@ def _no_kv_cache(model: nn.Module):
             c.use_cache = True
 
 
-def capture(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None = None) -> Captured:
-    """Capture ``model`` called as ``model(*example_inputs, **example_kwargs)``.
+def capture(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None = None,
+            precision: Precision | str = Precision.NATIVE) -> Captured:
+    """Capture ``model`` called as ``model(*example_inputs, **example_kwargs)``;
+    ``precision="bf16-mixed"`` writes autocast's casts into the graph
+    (:mod:`autopar.passes.mixed_precision`).
 
     Raises :class:`CaptureError` naming both tracers' failures when neither works.
     """
@@ -178,6 +182,7 @@ def capture(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None
         ) from export_err
     gm = ep.module()
     _strip_guards(gm)
+    apply_mixed_precision(gm, precision)
     # a layer's view of a shared input (rotary tables) copied per user: the layer stays a
     # chain link for the repeated-layer solver and each user picks its own layout
     duplicate_side_views(gm)

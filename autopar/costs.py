@@ -97,7 +97,9 @@ class CostModel:
             for x, p in zip([info(u).out for u in tensor_inputs(node)] + list(ni.outputs),
                             list(s.inputs) + list(s.outputs))
         )
-        t = compute_time(self.mesh, ni.flops / div, local_bytes)
+        # the kernel computes in its output's dtype (a matmul's inputs and output share it)
+        dtype = ni.outputs[0].dtype if ni.outputs else None
+        t = compute_time(self.mesh, ni.flops / div, local_bytes, dtype)
         return t * (1.0 + self.backward_factor) + self.own_comm(node, s, t)
 
     def own_comm(self, node: fx.Node, s: OpStrategy, forward: float = 0.0) -> float:

@@ -177,7 +177,7 @@ class JointSearch:
         size = batch_size(self._call) // micro
         if size not in self.captures:
             report(f"capturing the model at micro-batch size {size}")
-            cap = capture(self.model, *micro_inputs(self._call, micro))
+            cap = capture(self.model, *micro_inputs(self._call, micro), precision=self.opts.precision)
             t0 = time.perf_counter()
             annotate(cap.gm)
             self.captures[size] = cap
@@ -350,6 +350,7 @@ class JointSearch:
             pipeline_stages=cfg.stages, schedule=cfg.schedule, micro_batches=cfg.micro_batches,
             stages=[sp.layers for sp in pr.stages] if cfg.stages > 1 else [],
             zero_stage=cfg.zero_stage, zero_axis=cfg.zero_axis, recompute=recompute,
+            precision=self.opts.precision,
             global_batch=batch_size(self._call),
             stage_seconds=[sp.seconds for sp in pr.stages],
             stage_memory=[sp.total_memory for sp in pr.stages], step_seconds=pr.step_seconds,

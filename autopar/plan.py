@@ -153,6 +153,9 @@ class Decisions:
     zero_stage: int = 0
     zero_axis: int | None = None
     recompute: list[str] = field(default_factory=list)
+    precision: str = "native"
+    """``"native"`` (the model's own dtypes) or ``"bf16-mixed"``: the graph was captured
+    with :mod:`autopar.passes.mixed_precision`'s casts, which every rank re-applies."""
     global_batch: int = 0
     stage_seconds: list[float] = field(default_factory=list)
     stage_memory: list[float] = field(default_factory=list)

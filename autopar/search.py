@@ -58,6 +58,9 @@ class PlanOptions:
     recompute: tuple[str, ...] | None = None
     explore: bool = False  # also try pipelines/micro-batches when the plain plan fits
     bucket_bytes: int | None = None  # fixed gradient bucket size; None = chosen (MG-WFBP)
+    # "native" (the model's dtypes) or "bf16-mixed" (passes/mixed_precision.py): never
+    # searched, since it changes the numbers the model computes
+    precision: str = "native"
     # plan as if the model's repeated block were stacked this many times (deep models
     # planned from a shallow capture of identical blocks; planning only)
     blocks: int | None = None

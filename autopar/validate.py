@@ -115,6 +115,13 @@ def options(memory_budget, optimizer, time_limit, search, decisions: Mapping) ->
     s = decisions.get("schedule")
     if s is not None and str(s).lower() not in SCHEDULES:
         raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {s!r}")
+    p = decisions.get("precision")
+    if p is not None:
+        from autopar.passes.mixed_precision import Precision
+        try:
+            Precision.parse(p)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     r = decisions.get("recompute")
     if r is not None and (isinstance(r, str) or not all(isinstance(x, str) for x in r)):
         raise ConfigError(f"recompute={r!r}: expected a list of layer names like ['blocks.0']")

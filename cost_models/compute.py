@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 import numbers
 
+import torch
+
 from .mesh import MeshSpec
 
 __all__ = ["compute_time", "matmul_flops", "optimizer_step_time"]
@@ -22,18 +24,21 @@ def _check_amount(name: str, value: float) -> None:
         raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
 
 
-def compute_time(mesh: MeshSpec, flops: float, bytes_moved: float) -> float:
-    """Seconds one device of ``mesh`` needs for a kernel doing ``flops`` and moving ``bytes_moved``.
+def compute_time(mesh: MeshSpec, flops: float, bytes_moved: float,
+                 dtype: torch.dtype | None = None) -> float:
+    """Seconds one device of ``mesh`` needs for a kernel doing ``flops`` in ``dtype`` and
+    moving ``bytes_moved``.
 
-    The max of the compute-bound time (at ``flops_efficiency`` of peak), the memory-bound time,
-    and the per-kernel launch floor; 0.0 when both amounts are zero, since views launch nothing.
+    The max of the compute-bound time (at ``flops_efficiency`` of the dtype's peak,
+    :meth:`MeshSpec.peak_for`), the memory-bound time, and the per-kernel launch floor; 0.0
+    when both amounts are zero, since views launch nothing.
     """
     _check_amount("flops", flops)
     _check_amount("bytes_moved", bytes_moved)
     if flops == 0 and bytes_moved == 0:
         return 0.0
     return max(
-        flops / (mesh.peak_flops * mesh.flops_efficiency),
+        flops / (mesh.peak_for(dtype) * mesh.flops_efficiency),
         bytes_moved / mesh.mem_bandwidth,
         mesh.kernel_floor,
     )

@@ -26,6 +26,8 @@ from os import PathLike
 from pathlib import Path
 from typing import Any
 
+import torch
+
 __all__ = ["PRESET_NAMES", "LinkSpec", "MeshSpec"]
 
 
@@ -130,19 +132,25 @@ class _NodePreset:
     kernel_floor: float = 5e-6
     hint: str = ""
     overlap: float = 1.0
+    fp32_peak_flops: float | None = None
 
 
 _GIB = 2**30
 # NVLink numbers are effective per-direction bandwidth per GPU (A100 NVLink3 600 GB/s
 # bidirectional -> ~300e9; H100 NVLink4 900 GB/s -> ~450e9). InfiniBand is one HDR (200 Gb/s,
 # 25e9 B/s) or NDR (400 Gb/s, 50e9 B/s) NIC per GPU. GPU peak_flops is the dense bf16
-# tensor-core peak, since that is the dtype large models train in; cpu-gloo uses fp32.
+# tensor-core peak, since that is the dtype large models train in, and fp32_peak_flops the
+# dense fp32 peak without tensor cores: PyTorch keeps TF32 off for matmuls by default
+# (torch.backends.cuda.matmul.allow_tf32 = False), so an fp32 model runs at that rate.
+# cpu-gloo has one rate for every dtype.
 _NVLINK_A100 = LinkSpec(alpha=5e-6, beta=300e9)
 _NVLINK_H100 = LinkSpec(alpha=5e-6, beta=450e9)
 _IB_HDR = LinkSpec(alpha=1e-5, beta=25e9)
 _IB_NDR = LinkSpec(alpha=1e-5, beta=50e9)
-_A100 = {"peak_flops": 312e12, "mem_bandwidth": 2.039e12, "mem_capacity": 80.0 * _GIB}
-_H100 = {"peak_flops": 989e12, "mem_bandwidth": 3.35e12, "mem_capacity": 80.0 * _GIB}
+_A100 = {"peak_flops": 312e12, "fp32_peak_flops": 19.5e12, "mem_bandwidth": 2.039e12,
+         "mem_capacity": 80.0 * _GIB}
+_H100 = {"peak_flops": 989e12, "fp32_peak_flops": 67e12, "mem_bandwidth": 3.35e12,
+         "mem_capacity": 80.0 * _GIB}
 
 _PRESETS: dict[str, _NodePreset] = {
     "8xA100-nvlink": _NodePreset(8, _NVLINK_A100, None, default_shape=(8,),
@@ -213,7 +221,9 @@ class MeshSpec:
     """Logical device mesh: shape, axis names, a link per mesh axis, and device roofline numbers.
 
     ``peak_flops`` is per device in FLOP/s (GPU presets: dense bf16 tensor-core peak; cpu-gloo
-    and calibrated meshes: fp32), ``mem_bandwidth`` in bytes/s, ``mem_capacity`` in bytes per
+    and calibrated meshes: fp32); ``fp32_peak_flops`` is the rate of fp32 (and fp64)
+    kernels where it differs (GPUs: no tensor cores), None where one rate fits all dtypes
+    (:meth:`peak_for`), ``mem_bandwidth`` in bytes/s, ``mem_capacity`` in bytes per
     device. ``flops_efficiency`` is the fraction of peak a real kernel reaches and
     ``kernel_floor`` the minimum time of any kernel in seconds. ``overlap`` is the fraction
     of its speed a collective keeps while the device computes (1.0: the link runs beside
@@ -239,6 +249,7 @@ class MeshSpec:
     intra: LinkSpec | None = None
     inter: LinkSpec | None = None
     overlap: float = 1.0
+    fp32_peak_flops: float | None = None
 
     def __post_init__(self) -> None:
         """Normalise sequences to tuples and validate every field (ValueError on bad input)."""
@@ -262,6 +273,8 @@ class MeshSpec:
                 raise ValueError(f"MeshSpec.links[{i}] (axis {names[i]!r}): {e}") from None
         for attr in ("peak_flops", "mem_bandwidth", "mem_capacity", "flops_efficiency"):
             _check_positive_finite("MeshSpec", attr, getattr(self, attr))
+        if self.fp32_peak_flops is not None:
+            _check_positive_finite("MeshSpec", "fp32_peak_flops", self.fp32_peak_flops)
         if self.flops_efficiency > 1:
             raise ValueError(f"MeshSpec.flops_efficiency must be <= 1, got {self.flops_efficiency}")
         ov = self.overlap
@@ -280,6 +293,13 @@ class MeshSpec:
             v = getattr(self, attr)
             if v is not None and not isinstance(v, LinkSpec):
                 raise ValueError(f"MeshSpec.{attr} must be a LinkSpec or None, got {v!r}")
+
+    def peak_for(self, dtype: torch.dtype | None) -> float:
+        """Peak FLOP/s of a kernel computing in ``dtype``: :attr:`fp32_peak_flops` for fp32
+        and fp64 where it is set, :attr:`peak_flops` otherwise (and for ``None``)."""
+        if self.fp32_peak_flops is not None and dtype in (torch.float32, torch.float64):
+            return self.fp32_peak_flops
+        return self.peak_flops
 
     @property
     def size(self) -> int:
@@ -362,6 +382,7 @@ class MeshSpec:
             intra=p.intra,
             inter=p.inter,
             overlap=p.overlap,
+            fp32_peak_flops=p.fp32_peak_flops,
         )
 
     def with_shape(
@@ -406,6 +427,7 @@ class MeshSpec:
             "intra": None if self.intra is None else self.intra.to_dict(),
             "inter": None if self.inter is None else self.inter.to_dict(),
             "overlap": self.overlap,
+            "fp32_peak_flops": self.fp32_peak_flops,
         }
 
     @classmethod

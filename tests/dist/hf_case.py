@@ -48,19 +48,24 @@ def run_hf_case(c: dict) -> dict:
     pins = hf_zoo.tp_pins(c["model"], mesh) if c["mode"] == "tp" else {}
     opts = {"zero3": {"zero_stage": 3}, "zero2": {"zero_stage": 2}, "zero1": {"zero_stage": 1}, "pp2": {"pipeline_stages": 2, "micro_batches": 2}}.get(c["mode"], {})
     reset()
+    precision = c.get("precision", "native")
     pm = auto_parallel(model, example_kwargs=batch, mesh=MeshSpec.preset("cpu-gloo", shape=mesh),
-                       pins=pins, search="ilp", **opts)
+                       pins=pins, search="ilp", precision=precision, **opts)
+    # the single-process reference of bf16-mixed is the model under torch.autocast
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
     res: dict = {"params": pm.plan.params(), "decisions": pm.plan.decisions.zero_stage,
                  # tied weights (GPT-2, BERT, T5 embeddings) are one parameter, as in the model
                  "n_params": len(list(pm.parameters())), "ref_n_params": len(list(ref.parameters()))}
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     names = [n for n, p in ref.named_parameters()]
+    start = {n: p.detach().clone() for n, p in ref.named_parameters()}
     for step in range(2):
         opt.zero_grad()
         ropt.zero_grad()
         loss, out = _step(pm, batch)
-        rout = ref(**batch)
+        with autocast:
+            rout = ref(**batch)
         rout.loss.backward()
         if step == 0:
             losses = [None] * dist.get_world_size()
@@ -82,6 +87,14 @@ def run_hf_case(c: dict) -> dict:
         ropt.step()
     full = pm.full_state_dict()
     res["adam_err"], res["adam_worst"] = _max_err(full, ref.state_dict(), names)
+    # how far the two updates differ, relative to the update: norms over all parameters
+    ref_now = dict(ref.named_parameters())
+    diff = sum(float((full[n].float() - ref_now[n].detach()).pow(2).sum()) for n in names)
+    moved = sum(float((ref_now[n].detach() - start[n]).pow(2).sum()) for n in names)
+    res["update_rel"] = (diff / moved) ** 0.5
     res["keys_match"] = sorted(full) == sorted(ref.state_dict())
     res["id"], res["stages"] = c["id"], pm.plan.decisions.pipeline_stages
+    res["param_dtypes"] = sorted({str(p.dtype) for p in pm.parameters()})
+    res["grad_dtypes"] = sorted({str(p.grad.dtype) for p in pm.parameters() if p.grad is not None})
+    res["code_casts"] = pm.code.count("_to_copy") if hasattr(pm, "code") else -1
     return res

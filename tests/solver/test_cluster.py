@@ -101,7 +101,8 @@ def test_meta_device_plan_allocates_nothing():
 
 
 # ------------------------------------------------------------------ Hugging Face Llama
-def _llama_problem(layers: int, shape: tuple[int, ...], preset: str = "8xA100-nvlink"):
+def _llama_problem(layers: int, shape: tuple[int, ...], preset: str = "8xA100-nvlink",
+                   precision: str = "native"):
     """A tiny HF Llama (GQA: 4 query heads, 2 key/value heads) on the meta device: its
     layers share the rotary cos/sin tables and the attention mask, which the one-entry
     block rule used to refuse."""
@@ -115,7 +116,7 @@ def _llama_problem(layers: int, shape: tuple[int, ...], preset: str = "8xA100-nv
     ids = torch.zeros(8, 64, dtype=torch.long, device="meta")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # replicated fallbacks of the rotary/mask ops
-        cap = capture(model, (), {"input_ids": ids, "labels": ids})
+        cap = capture(model, (), {"input_ids": ids, "labels": ids}, precision=precision)
         annotate(cap.gm)
         mesh = MeshSpec.preset(preset, shape=shape)
         st = enumerate_strategies(cap.gm, shape)
@@ -128,8 +129,11 @@ def llama4():
     return _llama_problem(4, (2, 4))
 
 
-def test_clustering_engages_on_hf_llama_and_equals_the_flat_optimum(llama4):
-    _, _, gm, pb = llama4
+@pytest.mark.parametrize("precision", ["native", "bf16-mixed"])
+def test_clustering_engages_on_hf_llama_and_equals_the_flat_optimum(llama4, precision):
+    # bf16-mixed: a parameter's cast sits in the layer that uses it, so the layers stay
+    # chain links (passes/mixed_precision.py)
+    _, _, gm, pb = llama4 if precision == "native" else _llama_problem(4, (2, 4), precision=precision)
     cl = find_clusters(gm, pb.nodes, pb.strategies, pb.problem)
     assert cl is not None and len(cl.blocks) == 4 and cl.classes == 1
     # the rotary cos, sin and the mask feed every layer: shared inputs, not chain entries
