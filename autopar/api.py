@@ -14,6 +14,7 @@ from torch import nn
 from autopar.annotate import annotate
 from autopar.capture import Captured, capture, named_tensors
 from autopar.cost_models import MeshSpec
+from autopar.errors import ConfigError
 from autopar.module_state import TensorInfo
 from autopar.parallel_module import ParallelModule
 from autopar.plan import Plan
@@ -50,7 +51,7 @@ _DECISION_KEYS = ("zero_stage", "pipeline_stages", "micro_batches", "schedule", 
 
 
 def _options(memory_budget, optimizer, time_limit, pins, decisions: Mapping,
-             search: str = "auto") -> PlanOptions:
+             search: str = "auto", batch: str = "global") -> PlanOptions:
     """PlanOptions from the public keyword arguments; ``decisions`` forces plan-level
     choices (``zero_stage``, ``pipeline_stages``, ``micro_batches``, ``schedule``,
     ``recompute``) or widens the search (``explore=True``)."""
@@ -60,6 +61,8 @@ def _options(memory_budget, optimizer, time_limit, pins, decisions: Mapping,
         raise TypeError(f"unknown option(s) {bad}; known: {', '.join(_DECISION_KEYS)}")
     validate.options(memory_budget, optimizer, time_limit, search, decisions)
     validate.pins(pins)
+    if batch not in ("global", "local"):
+        raise ConfigError(f"batch must be 'global' or 'local', got {batch!r}")
     d = dict(decisions)
     if d.get("recompute") is not None:
         d["recompute"] = tuple(d["recompute"])
@@ -67,13 +70,14 @@ def _options(memory_budget, optimizer, time_limit, pins, decisions: Mapping,
         from autopar.passes.mixed_precision import Precision
         d["precision"] = Precision.parse(d["precision"]).value
     return PlanOptions(memory_budget=memory_budget, optimizer=optimizer, time_limit=time_limit,
-                       pins=dict(pins or {}), search=search, **d)
+                       pins=dict(pins or {}), search=search, batch=batch, **d)
 
 
 def plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec | str | tuple | None = None, *,
          example_kwargs: dict | None = None, pins: Mapping | None = None,
          memory_budget: float | None = None, optimizer: str = "adamw",
-         time_limit: float = 30.0, search: str = "auto", **decisions) -> Plan:
+         time_limit: float = 30.0, search: str = "auto", batch: str = "global",
+         **decisions) -> Plan:
     """Plan only: capture, cost and search; needs no process group and no real devices.
 
     ``search`` is ``"ilp"`` (exact), ``"drec"`` (fast, one mesh axis per round) or
@@ -83,8 +87,9 @@ def plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec | str | tuple |
     ``decisions`` force plan-level choices, e.g. ``zero_stage=2``, ``pipeline_stages=2,
     micro_batches=4, schedule="1f1b"``, ``recompute=["blocks.1"]``, ``bucket_bytes=25 << 20``
     (fixed-size gradient buckets instead of the cost model's choice); unset ones are
-    searched."""
-    opts = _options(memory_budget, optimizer, time_limit, pins, decisions, search)
+    searched.  ``batch="local"`` plans for each data-parallel rank passing its part of the
+    batch and getting its rows of batch-shaped outputs back, as :func:`auto_parallel`'s."""
+    opts = _options(memory_budget, optimizer, time_limit, pins, decisions, search, batch)
     m = _mesh(mesh)
     return _capture_and_plan(model, tuple(example_inputs), m, example_kwargs, opts)[1]
 
@@ -203,16 +208,22 @@ def auto_parallel(model: nn.Module | Callable | None = None, *, example_inputs: 
     :func:`plan`.  Hugging Face models are passed as they are, with
     ``example_kwargs={"input_ids": x, "labels": y}``, and called as ``pm(**batch)``.
 
-    ``batch="global"`` (default): every rank passes the whole global batch.
-    ``batch="local"``: each data-parallel rank passes its own part, e.g. from
-    ``DistributedSampler(ds, num_replicas=pm.data_parallel_size, rank=pm.data_parallel_rank)``;
-    the example inputs are still the global batch.
+    ``batch="global"`` (default): every rank passes the whole global batch and gets every
+    output whole.  ``batch="local"``: each data-parallel rank passes its own part, e.g. from
+    ``DistributedSampler(ds, num_replicas=pm.data_parallel_size, rank=pm.data_parallel_rank)``,
+    and gets its own rows of outputs whose dim 0 is the batch (logits), as with DDP; a
+    scalar loss computed inside the model is still the global batch's.  The plan prices
+    that (no gather of the logits); the example inputs are still the global batch.
 
     ``timeout`` (seconds or a ``timedelta``; default 600) bounds every wait: the process
     group autopar creates uses it for collectives, other ranks wait that long for rank
     0's plan, and a rank that does not arrive ends the job with an error naming it.
     """
-    opts = _options(memory_budget, optimizer, time_limit, pins, decisions, search)
+    opts = _options(memory_budget, optimizer, time_limit, pins, decisions, search, batch)
+    if plan is not None and plan.decisions.batch != batch:
+        raise ConfigError(f"batch={batch!r} but the given plan was made for "
+                          f"batch={plan.decisions.batch!r}: plan again, or pass batch="
+                          f"{plan.decisions.batch!r}")
     m = _mesh(mesh)
     timeout = _seconds(timeout)
     if model is None:

@@ -25,7 +25,14 @@ from autopar.cost_models import (
     reduce_scatter_time,
 )
 from autopar.ir import TensorInfo, info, tensor_inputs
-from autopar.placement import Placements, Shard, is_partial, is_replicate, local_shape
+from autopar.placement import (
+    Placements,
+    Shard,
+    is_partial,
+    is_replicate,
+    local_shape,
+    returned_placement,
+)
 from autopar.redistribute import StepKind, plan_redistribution, step_shapes
 from autopar.rules import OpStrategy
 
@@ -39,6 +46,9 @@ class CostModel:
     mesh: MeshSpec
     optimizer: str = "adamw"
     backward_factor: float = 2.0
+    local_rows: int | None = None
+    """The global batch when outputs are returned per data-parallel rank (``batch="local"``,
+    :func:`autopar.placement.returned_placement`); None: outputs are returned replicated."""
     _cache: dict = field(default_factory=dict)
 
     # ------------------------------------------------------------ edges
@@ -56,6 +66,13 @@ class CostModel:
         rank seeds the same gradient, passes/lower.py ``_scalar_outputs``)."""
         both = self.redistribution(src, dst, t)
         return both / 2.0 if not t.shape else both
+
+    def output_cost(self, node: fx.Node, s: OpStrategy) -> float:
+        """Seconds per step to return ``node``'s output (a model output) where the caller
+        gets it (:func:`autopar.placement.returned_placement`)."""
+        t = info(node).out
+        dst = returned_placement(s.outputs[0], t.shape, self.local_rows)
+        return self.output_redistribution(s.outputs[0], dst, t)
 
     def _redistribution_once(self, src: Placements, dst: Placements, t: TensorInfo) -> float:
         if src == dst:

@@ -34,7 +34,7 @@ from autopar.ir import info
 from autopar.layers import layer_keys
 from autopar.plan import Decisions, Plan, Request, Schedule
 from autopar.progress import report, show
-from autopar.search import PlanOptions, make_plan
+from autopar.search import PlanOptions, local_axes, make_plans
 from autopar.solve.layer_stats import LayerStat, layer_stats
 from autopar.solve.pipeline import Config, Priced, price
 
@@ -185,7 +185,10 @@ class JointSearch:
             self.timings["annotate"] = self.timings.get("annotate", 0.0) + time.perf_counter() - t0
         return self.captures[size]
 
-    def _intra(self, stages: int, micro: int, budget: float | None) -> _Candidate:
+    def _intra(self, stages: int, micro: int, budget: float | None) -> list[_Candidate]:
+        """The intra-op plans of one (stages, micro-batches) split: the ILP's, and the one
+        it finds with gradient sync priced as hidden when that differs
+        (:func:`autopar.search.make_plans`); the step model picks between them."""
         full, sub = split_mesh(self.mesh, stages)
         cap = self._capture(micro)
         t0 = time.perf_counter()
@@ -194,12 +197,15 @@ class JointSearch:
                f"{'x'.join(map(str, sub.shape))}")
         intra_opts = dataclasses.replace(self.opts, memory_budget=budget, time_limit=max(1.0, left),
                                          choose_limit=self.opts.time_limit)
-        p = make_plan(cap.gm, sub, cap.aliases, intra_opts)
+        plans = make_plans(cap.gm, sub, cap.aliases, intra_opts, hidden_sync=True)
         self.timings["intra_op"] = self.timings.get("intra_op", 0.0) + time.perf_counter() - t0
-        stats = layer_stats(cap.gm, p)
-        if self.opts.blocks is not None:
-            stats = extrapolate_blocks(stats, self.opts.blocks)
-        return _Candidate(stages, micro, cap, p, stats, full)
+        out = []
+        for p in plans:
+            stats = layer_stats(cap.gm, p)
+            if self.opts.blocks is not None:
+                stats = extrapolate_blocks(stats, self.opts.blocks)
+            out.append(_Candidate(stages, micro, cap, p, stats, full))
+        return out
 
     def _configs(self, cand: _Candidate) -> list[Config]:
         sub = cand.plan.mesh
@@ -273,14 +279,15 @@ class JointSearch:
         t0 = time.perf_counter()
         lean = budget is not None and math.isfinite(budget)
         try:
-            cand = self._intra(stages, micro, budget)
+            cands = self._intra(stages, micro, budget)
         except PlanError as e:
             if strict:
                 raise
             self._say(f"stages {stages}, micro-batches {micro}: skipped ({e})")
             return
         n = len(self.priced)
-        self._price(cand)
+        for cand in cands:
+            self._price(cand)
         ok = [p for _, p in self.priced[n:] if p.feasible]
         best = min((p.step_seconds for p in ok), default=math.inf)
         self._say(f"stages {stages}, micro-batches {micro}"
@@ -350,7 +357,10 @@ class JointSearch:
             pipeline_stages=cfg.stages, schedule=cfg.schedule, micro_batches=cfg.micro_batches,
             stages=[sp.layers for sp in pr.stages] if cfg.stages > 1 else [],
             zero_stage=cfg.zero_stage, zero_axis=cfg.zero_axis, recompute=recompute,
-            precision=self.opts.precision,
+            precision=self.opts.precision, batch=self.opts.batch,
+            # a micro-batched or pipelined step returns the loss alone: no rows to return
+            local_axes=local_axes(cand.cap.gm, plan)
+            if self.opts.batch == "local" and cfg.micro_batches == 1 and cfg.stages == 1 else None,
             global_batch=batch_size(self._call),
             stage_seconds=[sp.seconds for sp in pr.stages],
             stage_memory=[sp.total_memory for sp in pr.stages], step_seconds=pr.step_seconds,

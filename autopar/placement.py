@@ -136,3 +136,23 @@ def parse_placements(s: str) -> Placements:
         else:
             raise ValueError(f"cannot parse placements {s!r}")
     return tuple(out)
+
+
+def returned_placement(src: Placements, shape: Sequence[int], local_rows: int | None) -> Placements:
+    """Where a model output is returned to the caller: replicated on every mesh axis; with
+    ``batch="local"`` (``local_rows`` = the planned global batch) an output whose dim 0 is
+    the batch keeps its ``Shard(0)`` axes, so each data-parallel rank gets its own rows, as
+    DDP returns them, and is replicated on the other axes (no gather of, e.g., the logits)."""
+    if local_rows is None or not shape or shape[0] != local_rows:
+        return (R,) * len(src)
+    return tuple(p if isinstance(p, Shard) and p.dim == 0 else R for p in src)
+
+
+def graph_batch(gm) -> int | None:
+    """The planned global batch of a captured graph: dim 0 of its first tensor input with
+    a dim (the convention of :func:`autopar.runtime.inputs.data_parallel_axes`)."""
+    for n in gm.graph.nodes:
+        v = n.meta.get("val") if n.op == "placeholder" else None
+        if v is not None and hasattr(v, "shape") and len(v.shape) > 0:
+            return int(v.shape[0])
+    return None

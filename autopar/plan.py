@@ -156,6 +156,14 @@ class Decisions:
     precision: str = "native"
     """``"native"`` (the model's own dtypes) or ``"bf16-mixed"``: the graph was captured
     with :mod:`autopar.passes.mixed_precision`'s casts, which every rank re-applies."""
+    batch: str = "global"
+    """``"global"``: every rank passes the whole batch and gets outputs replicated;
+    ``"local"``: each data-parallel rank passes its part and gets its rows of every
+    batch-shaped output (:func:`autopar.placement.returned_placement`)."""
+    local_axes: list[int] | None = None
+    """Under ``batch="local"``: the mesh axes that split the returned rows (the first
+    batch-shaped output's ``Shard(0)`` axes), which are then the data-parallel axes the
+    caller's sampler follows; None when no output is batch-shaped."""
     global_batch: int = 0
     stage_seconds: list[float] = field(default_factory=list)
     stage_memory: list[float] = field(default_factory=list)

@@ -18,13 +18,20 @@ from enum import StrEnum
 
 import numpy as np
 from torch import fx
+from torch.utils import _pytree as pytree
 
 from autopar.cost_models import MeshSpec
 from autopar.costs import CostModel, param_state_split
 from autopar.errors import PlanError
 from autopar.ir import info, tensor_inputs
 from autopar.layers import layer_keys, layers
-from autopar.placement import R, fmt_placements
+from autopar.placement import (
+    Shard,
+    fmt_placements,
+    graph_batch,
+    parse_placements,
+    returned_placement,
+)
 from autopar.plan import Alternative, NodePlan, Plan, Redistribution, SolverInfo
 from autopar.progress import report
 from autopar.redistribute import plan_redistribution
@@ -61,6 +68,9 @@ class PlanOptions:
     # "native" (the model's dtypes) or "bf16-mixed" (passes/mixed_precision.py): never
     # searched, since it changes the numbers the model computes
     precision: str = "native"
+    # "global": outputs returned replicated; "local": each data-parallel rank passes its
+    # part of the batch and gets its rows of batch-shaped outputs back (as with DDP)
+    batch: str = "global"
     # plan as if the model's repeated block were stacked this many times (deep models
     # planned from a shallow capture of identical blocks; planning only)
     blocks: int | None = None
@@ -102,11 +112,10 @@ def build_problem(gm: fx.GraphModule, mesh: MeshSpec, strategies: dict[fx.Node, 
             mems.append(m)
             continue
         c = np.array([cm.node_cost(n, s) for s in strategies[n]], dtype=np.float64)
-        # the loss (or any output) must end up replicated: price that here
-        for user in n.users:
-            if user.op == "output":
-                c = c + np.array([cm.output_redistribution(s.outputs[0], (R,) * len(mesh.shape),
-                                                           info(n).out) for s in strategies[n]])
+        # a model output must end up where the caller gets it (replicated, or its rows
+        # per data-parallel rank under batch="local"): price that here
+        if any(user.op == "output" for user in n.users):
+            c = c + np.array([cm.output_cost(n, s) for s in strategies[n]])
         costs.append(c)
         mems.append(np.array([cm.node_memory(n, s) for s in strategies[n]], dtype=np.float64))
         priced[n] = (c, mems[-1])
@@ -252,6 +261,27 @@ def choose_searcher(gm: fx.GraphModule, mesh: MeshSpec, opts: PlanOptions) -> tu
                            f"~{predicted:.2g} s, over half the {limit:g} s limit)")
 
 
+def cost_model(gm: fx.GraphModule, mesh: MeshSpec, opts: PlanOptions) -> CostModel:
+    """The cost model of one planning call: outputs priced as ``opts.batch`` returns them."""
+    local = graph_batch(gm) if opts.batch == "local" else None
+    return CostModel(mesh, optimizer=opts.optimizer, local_rows=local)
+
+
+def local_axes(gm: fx.GraphModule, plan: Plan) -> list[int] | None:
+    """Under ``batch="local"``: the mesh axes that split the rows of the first batch-shaped
+    model output as it is returned (:func:`autopar.placement.returned_placement`); None
+    when no output has the batch as dim 0."""
+    rows = graph_batch(gm)
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    for a in pytree.tree_leaves(out.args[0]):
+        np_ = plan.nodes.get(a.name) if isinstance(a, fx.Node) else None
+        if np_ is None or len(np_.shape) != 1 or not np_.shape[0] or np_.shape[0][0] != rows:
+            continue
+        pl = returned_placement(parse_placements(np_.out_placements[0]), np_.shape[0], rows)
+        return [i for i, p in enumerate(pl) if isinstance(p, Shard)]
+    return None
+
+
 def make_plan_drec(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts: PlanOptions,
                    why: str = "") -> Plan:
     """Plan with D-Rec, then price its choice exactly as the ILP's (a one-strategy
@@ -260,7 +290,7 @@ def make_plan_drec(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts: Plan
     from autopar.solve.problem import Solution, SolveStatus
 
     t0 = time.perf_counter()
-    cm = CostModel(mesh, optimizer=opts.optimizer)
+    cm = cost_model(gm, mesh, opts)
     budget = opts.memory_budget if opts.memory_budget is not None else mesh.mem_capacity
     pins = resolve_pins(gm, opts.pins, tuple(mesh.shape), aliases)
     report(f"D-Rec search over {len(gm.graph.nodes)} graph nodes, one mesh axis at a time")
@@ -281,15 +311,45 @@ def make_plan_drec(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts: Plan
 def make_plan(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts: PlanOptions) -> Plan:
     """Enumerate, price, solve and assemble the plan for an annotated graph
     (``opts.search`` picks the ILP, D-Rec, or one of them by problem size)."""
+    return make_plans(gm, mesh, aliases, opts)[0]
+
+
+SYNC_WEIGHTS = (0.5, 0.25, 0.0)
+"""The fractions of each gradient all-reduce left exposed in :func:`make_plans`' variants
+(1.0, fully charged, is the plan itself)."""
+
+
+def _sync_weighted(pb: Problem, w: float) -> StrategyProblem:
+    """``pb``'s problem with every parameter's gradient all-reduce charged at ``w`` of its
+    price, the rest taken as hidden behind backward (a parameter's node cost is nothing
+    else: :meth:`CostModel.node_cost`)."""
+    costs = [c * w if n.op == "get_attr" and info(n).param is not None else c
+             for n, c in zip(pb.nodes, pb.problem.node_costs)]
+    return dataclasses.replace(pb.problem, node_costs=costs)
+
+
+def make_plans(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts: PlanOptions,
+               hidden_sync: bool = False) -> list[Plan]:
+    """:func:`make_plan`'s plan, and with ``hidden_sync`` (ILP only) the distinct plans
+    solved with the gradient all-reduces charged at :data:`SYNC_WEIGHTS` of their price.
+
+    The ILP charges each parameter's gradient sync in full, while the joint step model
+    (:mod:`autopar.solve.pipeline`) overlaps the buckets with backward and exposes only
+    the tail. Where bf16 compute makes communication matter, the two disagree: the ILP
+    shards weights over data-parallel axes to save an all-reduce the step would have
+    hidden, while charging nothing replicates every weight (which may not fit). The
+    joint search prices every variant with its step model, ZeRO and recomputation and
+    keeps the fastest; the problem is priced once and every plan carries its true (fully
+    charged) objective."""
     searcher, why = choose_searcher(gm, mesh, opts)
     if searcher is Searcher.DREC:
-        return make_plan_drec(gm, mesh, aliases, opts, why)
+        return [make_plan_drec(gm, mesh, aliases, opts, why)]
     t0 = time.perf_counter()
     report(f"pricing the strategies of {len(gm.graph.nodes)} graph nodes on mesh "
            f"{'x'.join(map(str, mesh.shape))}")
     strategies = enumerate_strategies(gm, tuple(mesh.shape))
     apply_pins(strategies, opts.pins, tuple(mesh.shape), aliases, gm)
-    cm = CostModel(mesh, optimizer=opts.optimizer)
+    cm = cost_model(gm, mesh, opts)
     budget = opts.memory_budget if opts.memory_budget is not None else mesh.mem_capacity
     lays = layers(gm)  # one grouping for shared pricing and clustering: not free at depth
     pb = build_problem(gm, mesh, strategies, cm, budget, shared_pricing(gm, strategies, lays))
@@ -298,13 +358,31 @@ def make_plan(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts: PlanOptio
            f"limit {opts.time_limit:.0f} s")
     sol = _solve(pb.problem, opts.time_limit, find_clusters(gm, pb.nodes, pb.strategies, pb.problem, lays))
     t2 = time.perf_counter()
+    plans = [_finish(gm, mesh, pb, sol, cm, opts, why, t1 - t0, t2 - t1)]
+    seen = [sol.choice]
+    for w in SYNC_WEIGHTS if hidden_sync and math.isfinite(sol.objective) else ():
+        t3 = time.perf_counter()
+        weighted = _sync_weighted(pb, w)
+        alt = _solve(weighted, opts.time_limit, find_clusters(gm, pb.nodes, pb.strategies, weighted, lays))
+        if alt.choice in seen or not math.isfinite(alt.objective):
+            continue
+        seen.append(alt.choice)
+        alt.objective = evaluate(pb.problem, alt.choice)[0]  # the true, fully charged price
+        alt.message += f"; solved with the gradient all-reduces charged at {w:g} of their price"
+        plans.append(_finish(gm, mesh, pb, alt, cm, opts, why, t1 - t0, time.perf_counter() - t3))
+    return plans
+
+
+def _finish(gm: fx.GraphModule, mesh: MeshSpec, pb: Problem, sol, cm: CostModel, opts: PlanOptions,
+            why: str, price_s: float, solve_s: float) -> Plan:
+    """Assemble one ILP solution into a Plan (finite objective, timings, the searcher's why)."""
     if not math.isfinite(sol.objective):
         raise PlanError("the search found no finite-cost plan (contradictory pins?)")
     choice = {n: pb.strategies[n][c] for n, c in zip(pb.nodes, sol.choice)}
     plan = assemble(gm, mesh, pb, choice, cm, sol, opts)
     if why:
         plan.solver.message += f"; {why}"
-    plan.timings.update(enumerate_and_price=t1 - t0, solve=t2 - t1)
+    plan.timings.update(enumerate_and_price=price_s, solve=solve_s)
     return plan
 
 

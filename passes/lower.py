@@ -12,7 +12,9 @@ After: the same graph where
   (:mod:`autopar.passes.localize`);
 * each output is made replicated and wrapped in ``scale_grad(1/world)`` so the loss
   seeds of all ranks sum to one (see the dual-placement convention in
-  :mod:`autopar.runtime.collectives`).
+  :mod:`autopar.runtime.collectives`); under ``batch="local"`` a batch-shaped output is
+  returned as this rank's rows instead (``Shard(0)`` on :attr:`Decisions.local_axes`),
+  and the same scale makes the gradient that of the mean of the ranks' losses, as DDP.
 
 Parameters are not touched here: the module holding the graph stores local shards.
 Example (MLP, batch-sharded on a 1-D mesh): ``linear(local_slice(x, 0, 0), w, b)``;
@@ -28,7 +30,7 @@ from torch import fx
 
 from autopar.ir import META_KEY, info, tensor_inputs
 from autopar.layers import POST, PRE
-from autopar.placement import Placements, R, parse_placements
+from autopar.placement import Placements, R, Shard, graph_batch, parse_placements
 from autopar.plan import Plan
 from autopar.redistribute import StepKind, plan_redistribution
 from autopar.runtime import collectives as C
@@ -81,6 +83,10 @@ def lower(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Apply the plan to ``gm`` in place (see the module docstring) and return it."""
     g = gm.graph
     replicated = (R,) * len(plan.mesh.shape)
+    d = plan.decisions
+    # batch="local": batch-shaped outputs go back as this rank's rows (read before the
+    # placeholders are sliced)
+    rows = graph_batch(gm) if d.batch == "local" and d.local_axes is not None else None
     # value[u]: the graph node that holds u in its planned placement
     value: dict[fx.Node, fx.Node] = {}
     # 1. inputs arrive whole: slice each placeholder to its planned placement
@@ -117,16 +123,20 @@ def lower(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
                 v.replace_input_with(u, feed)
     # 3. local forms of ops
     localize(gm, plan)
-    # 4. outputs: replicated, and the loss seeds summed to one
+    # 4. outputs: replicated (or this rank's rows), and the loss seeds summed to one
     out = next(n for n in g.nodes if n.op == "output")
     flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
     new_args = []
     for a in flat:
         planned = a.meta.get(SCALED_FROM, a) if isinstance(a, fx.Node) else a
         if isinstance(a, fx.Node) and planned.name in plan.nodes and info(planned).outputs:
+            outs = info(planned).outputs
+            dst = replicated
+            if rows is not None and len(outs) == 1 and outs[0].shape and outs[0].shape[0] == rows:
+                # every batch-shaped output on the same axes: the rows the caller passed
+                dst = tuple(Shard(0) if i in d.local_axes else R for i in range(len(replicated)))
             with g.inserting_before(out):
-                y = emit_redistribution(g, a, out_placement(plan, planned), replicated)
-                outs = info(planned).outputs
+                y = emit_redistribution(g, a, out_placement(plan, planned), dst)
                 if len(outs) == 1 and not outs[0].shape:  # a scalar (the loss): no mirror all-reduce
                     _scalar_outputs(y, a)
                 y = g.call_function(C.scale_grad, (y, 1.0 / plan.mesh.size))

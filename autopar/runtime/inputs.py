@@ -134,11 +134,14 @@ class InputBinder:
 
 
 def data_parallel_axes(plan) -> tuple[int, ...]:
-    """Mesh axes over which the plan splits the batch: those on which the first batch
-    input is sharded along dim 0.  Ranks that differ only on other axes (tensor-parallel
+    """Mesh axes over which the plan splits the batch: under ``batch="local"`` those that
+    split the returned rows (:attr:`Decisions.local_axes`), else those on which the first
+    batch input is sharded along dim 0.  Ranks that differ only on other axes (tensor-parallel
     peers, pipeline stages) must see the same samples."""
     from autopar.placement import Shard, parse_placements
 
+    if plan.decisions.batch == BatchMode.LOCAL.value and plan.decisions.local_axes is not None:
+        return tuple(plan.decisions.local_axes)
     for n in plan.nodes.values():
         if n.kind != "input" or not n.shape or not n.shape[0]:
             continue

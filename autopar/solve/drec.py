@@ -448,8 +448,8 @@ class _Search:
         if self.opts.cost_mode is CostMode.MINDSPORE:
             return self._ms_own(n)
         c = self.cm.node_cost(n, s)
-        if n in self.g.to_output:  # outputs end up replicated, as the ILP prices them
-            c += self.cm.output_redistribution(s.outputs[0], (R,) * len(self.shape), info(n).out)
+        if n in self.g.to_output:  # outputs end up where the caller gets them, as the ILP prices them
+            c += self.cm.output_cost(n, s)
         if self.lam:
             c += self.lam * self.cm.node_memory(n, s)
         return c

@@ -160,6 +160,41 @@ def local_batch(c: dict) -> dict:
     return {"dp": _all((pm.data_parallel_rank, pm.data_parallel_size)), "losses": _all(losses), "refs": refs}
 
 
+def local_outputs(c: dict) -> dict:
+    """batch="local" with an HF Llama: each data-parallel rank passes its rows, gets its
+    rows of the logits back and trains on its own loss from them, as under DDP."""
+    import hf_zoo
+
+    from tests.dist.harness import _max_err
+
+    model, batch = hf_zoo.build("llama", batch=8)
+    ref = copy.deepcopy(model)
+    pins = c.get("pins", {})
+    if c.get("tp"):  # Megatron TP on the last axis, the batch on the first
+        pins = hf_zoo.tp_pins("llama", tuple(c["mesh"])) | {"input:0": "S(0)R"}
+    pm = auto_parallel(model, example_kwargs=batch, mesh=_mesh(c["mesh"]), pins=pins, batch="local")
+    r, n = pm.data_parallel_rank, pm.data_parallel_size
+    rows = 8 // n
+    mine = {k: v[r * rows:(r + 1) * rows] for k, v in batch.items()}  # a contiguous sampler
+
+    def user_loss(logits, ids):  # next-token loss written outside the model
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+    out = pm(**mine)
+    user_loss(out.logits, mine["input_ids"]).backward()
+    rout = ref(**batch)
+    # equal local batches: the mean of the ranks' losses is the global batch's loss
+    user_loss(rout.logits, batch["input_ids"]).backward()
+    ref_grads = {k: p.grad for k, p in ref.named_parameters() if p.grad is not None}
+    grad_err, worst = _max_err(pm.full_grads(), ref_grads, ref_grads)
+    return {"dp": _all((r, n)), "local_axes": pm.plan.decisions.local_axes,
+            "logits_shape": list(out.logits.shape),
+            "logits_err": (out.logits - rout.logits[r * rows:(r + 1) * rows]).abs().max().item(),
+            "model_loss": float(out.loss), "ref_model_loss": float(rout.loss),
+            "grad_err": grad_err, "grad_worst": worst,
+            "grad_scale": max(g.abs().max().item() for g in ref_grads.values())}
+
+
 def dcp_reshard(c: dict) -> dict:
     """DCP: save under TP2 x DP2, load bit-exactly into the same plan and into DP4;
     the test then loads the checkpoint into the plain model in one process.  ZeRO is
@@ -326,7 +361,7 @@ def dp_backward_collectives(c: dict) -> dict:
 
 
 CASES = {"dp_backward_collectives": dp_backward_collectives, "zero3_collectives": zero3_collectives, "trace": trace, "export_load": export_load, "clip_norm": clip_norm, "names_modes_frozen": names_modes_frozen,
-         "seeds_and_shapes": seeds_and_shapes, "local_batch": local_batch, "dcp_reshard": dcp_reshard}
+         "seeds_and_shapes": seeds_and_shapes, "local_batch": local_batch, "local_outputs": local_outputs, "dcp_reshard": dcp_reshard}
 
 
 def run(c: dict) -> dict:

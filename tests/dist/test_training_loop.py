@@ -21,6 +21,7 @@ TWO = [
     {"id": "seeds", "fn": "seeds_and_shapes", "mesh": [2]},
     {"id": "local-dp", "fn": "local_batch", "mesh": [2], "pins": {"*": "R", "input:0": "S(0)"}},
     {"id": "local-tp", "fn": "local_batch", "mesh": [2], "pins": TP_MLP | {"input:0": "R"}},
+    {"id": "local-logits", "fn": "local_outputs", "mesh": [2], "pins": {"*": "R", "input:0": "S(0)"}},
 ]
 
 
@@ -41,6 +42,8 @@ def four(tmp_path_factory):
         {"id": "dcp", "fn": "dcp_reshard", "dir": str(d)},
         {"id": "local-2x2", "fn": "local_batch", "mesh": [2, 2],
          "pins": {k: "R" + v for k, v in TP_MLP.items()} | {"input:0": "S(0)R"}},
+        {"id": "local-logits-2x2", "fn": "local_outputs", "mesh": [2, 2],
+         "tp": True},
     ]), d
 
 
@@ -98,6 +101,31 @@ def test_local_batch(two, case, dp):
     assert sorted(k for k, _ in r["dp"]) == ([0, 1] if dp == 2 else [0, 0])
     for losses in r["losses"]:
         assert losses == pytest.approx(r["refs"], rel=1e-5)
+
+
+def _local_outputs(r: dict, rows: int) -> None:
+    assert r["logits_shape"][0] == rows  # this rank's rows only: no gather of the logits
+    # fp32 in another summation order: a few ulps of O(1) logits
+    assert r["logits_err"] <= 1e-5
+    # the model's own loss is still the global batch's
+    assert r["model_loss"] == pytest.approx(r["ref_model_loss"], rel=1e-5)
+    # the mean of the ranks' own losses, as DDP averages: tolerance of hf_case.py
+    assert r["grad_err"] <= 2e-5 + 1e-4 * r["grad_scale"], (r["grad_worst"], r["grad_err"])
+
+
+def test_local_batch_returns_this_ranks_rows_of_the_logits(two):
+    # before: every rank got all 8 rows (the logits gathered over the data-parallel axis,
+    # a cost the plan paid or avoided by computing the head unsharded)
+    r = _ok(two["local-logits"])
+    assert r["local_axes"] == [0] and sorted(r["dp"]) == [[0, 2], [1, 2]]
+    _local_outputs(r, 4)
+
+
+@pytest.mark.slow  # a 4-rank process group
+def test_local_batch_returns_rows_under_dp_x_tp(four):
+    r = _ok(four[0]["local-logits-2x2"])
+    assert r["local_axes"] == [0] and sorted(r["dp"]) == [[0, 2], [0, 2], [1, 2], [1, 2]]
+    _local_outputs(r, 4)
 
 
 @pytest.mark.slow  # a 4-rank process group

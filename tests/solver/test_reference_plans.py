@@ -44,6 +44,7 @@ def test_megatron_pins_put_tp_on_the_last_axis() -> None:
     assert rp.BY_NAME["39.1B"].megatron_micro_batches() == [2, 4, 8, 16]
 
 
+@pytest.mark.slow  # four joint searches at 1.7B width: ~35 s
 def test_ours_never_slower_than_megatron_1_7b() -> None:
     ref = rp.BY_NAME["1.7B"]
     shape = ref.megatron_shape()
