@@ -35,6 +35,10 @@ SECTION = "## Search scaling on Hugging Face Llama (benchmarks/search_scaling_hf
 # Llama-3 configs (Meta's model cards): layers, hidden, heads, kv heads, ffn, vocab
 LLAMAS = {"8B": (32, 4096, 32, 8, 14336, 128256), "70B": (80, 8192, 64, 8, 28672, 128256)}
 SEQ = 2048
+# as real runs train: bf16 mixed precision, each data-parallel rank feeding (and getting
+# back) its own rows
+PRECISION = "bf16-mixed"
+BATCH = "local"
 MESHES = {8: ("multinode-h100-ib", (8,)), 64: ("multinode-h100-ib", (8, 8)),
           256: ("multinode-h100-ib", (32, 8)), 1024: ("multinode-h100-ib", (128, 8))}
 
@@ -58,8 +62,7 @@ def measure(name: str, devices: int, time_limit: float, flat: bool) -> dict:
     from autopar import MeshSpec
     from autopar.annotate import annotate
     from autopar.capture import capture
-    from autopar.costs import CostModel
-    from autopar.search import PlanOptions, _solve, build_problem, make_plan
+    from autopar.search import PlanOptions, _solve, build_problem, cost_model, make_plan
     from autopar.strategies import enumerate_strategies
 
     model = _model(name)
@@ -68,7 +71,7 @@ def measure(name: str, devices: int, time_limit: float, flat: bool) -> dict:
                  "params": sum(p.numel() for p in model.parameters())}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the rotary/mask ops' replicated fallbacks
-        cap = capture(model, (), {"input_ids": ids, "labels": ids})
+        cap = capture(model, (), {"input_ids": ids, "labels": ids}, precision=PRECISION)
         t0 = time.perf_counter()
         annotate(cap.gm)
         rec.update(capture=cap.seconds, annotate=time.perf_counter() - t0,
@@ -76,7 +79,8 @@ def measure(name: str, devices: int, time_limit: float, flat: bool) -> dict:
         preset, shape = MESHES[devices]
         mesh = MeshSpec.preset(preset, shape=shape)
         t0 = time.perf_counter()
-        p = make_plan(cap.gm, mesh, cap.aliases, PlanOptions(time_limit=time_limit, search="ilp"))
+        opts = PlanOptions(time_limit=time_limit, search="ilp", precision=PRECISION, batch=BATCH)
+        p = make_plan(cap.gm, mesh, cap.aliases, opts)
         s = p.solver
         rec.update(seconds=time.perf_counter() - t0, objective_ms=p.objective * 1e3,
                    status=s.status, gap=s.gap, backend=s.backend, message=s.message,
@@ -84,7 +88,7 @@ def measure(name: str, devices: int, time_limit: float, flat: bool) -> dict:
         if flat:
             t0 = time.perf_counter()
             st = enumerate_strategies(cap.gm, shape)
-            pb = build_problem(cap.gm, mesh, st, CostModel(mesh), mesh.mem_capacity)
+            pb = build_problem(cap.gm, mesh, st, cost_model(cap.gm, mesh, opts), mesh.mem_capacity)
             try:
                 sol = _solve(pb.problem, time_limit)
                 rec["flat"] = {"seconds": time.perf_counter() - t0, "status": str(sol.status),
@@ -154,7 +158,8 @@ def section(recs: list[dict], time_limit: float) -> str:
         SECTION, "",
         "`transformers.LlamaForCausalLM` with the Llama-3 8B (32 layers) and 70B (80 layers) "
         "configs (GQA 8 key/value heads, vocab 128,256), built on the meta device and captured "
-        f"with one {SEQ}-token sequence per device (batch = devices), fp32 as captured; preset "
+        f"with one {SEQ}-token sequence per device (batch = devices) in `precision=\"{PRECISION}\"` "
+        f"with `batch=\"{BATCH}\"` (each rank gets its own rows of the logits, as with DDP); preset "
         "`multinode-h100-ib` (80 GiB per device as the memory budget), meshes (8,), (8, 8), "
         "(32, 8), (128, 8). A cell is `make_plan` (ILP: enumerate, price, clustered solve, "
         "assemble) wall seconds; the flat ILP prices and solves the same problem without "
