@@ -226,6 +226,14 @@ def auto_parallel(model: nn.Module | Callable | None = None, *, example_inputs: 
                           f"{plan.decisions.batch!r}")
     m = _mesh(mesh)
     timeout = _seconds(timeout)
+    decorating = model is None or not (isinstance(model, nn.Module) and (
+        example_inputs is not None or example_kwargs is not None))
+    if decorating and batch != "global":
+        # the decorator plans on the first batch it is called with, which under "local"
+        # would be one rank's part taken for the global batch: refuse, never guess
+        raise ConfigError("batch='local' needs the global batch to plan with: call "
+                          "auto_parallel(model, example_inputs=<global batch>, batch='local') "
+                          "instead of the decorator form")
     if model is None:
         return lambda target: _decorate(target, m, opts)
     if isinstance(model, nn.Module) and (example_inputs is not None or example_kwargs is not None):

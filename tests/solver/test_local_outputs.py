@@ -67,3 +67,9 @@ def test_a_plan_for_another_batch_mode_is_refused():
         autopar.auto_parallel(model, example_inputs=ex, plan=p, batch="local")
     with pytest.raises(autopar.errors.ConfigError, match="batch must be"):
         autopar.plan(model, ex, (2,), batch="rows")
+    # before: the decorator ignored batch="local" and planned one rank's part as the
+    # global batch, each rank then training on different samples as if they were one
+    with pytest.raises(autopar.errors.ConfigError, match="needs the global batch"):
+        autopar.auto_parallel(mesh=(2,), batch="local")
+    with pytest.raises(autopar.errors.ConfigError, match="needs the global batch"):
+        autopar.auto_parallel(type(model), mesh=(2,), batch="local")
