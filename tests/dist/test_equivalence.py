@@ -8,7 +8,11 @@ largest intermediate.  Loss: rtol 1e-5.  Gradients and parameters after two SGD 
 (lr 0.02, momentum 0.9):
 atol 2e-5 + 1e-4 relative to the largest gradient (values are O(1e-2..1)).  After two
 AdamW steps (lr 1e-3) each update is lr * m/sqrt(v), bounded by lr; reordered sums
-perturb m/sqrt(v) most where v is tiny, so we allow 2e-5 (2% of one step).
+perturb m/sqrt(v) most where v is tiny: HF GPT-2 on four ranks has elements whose
+gradient is ~1e-8, where a 2e-8 reordering difference moved the parameter by 2.35e-5 on
+an Intel Xeon host (the same code stayed under 2e-5 on an AMD EPYC one: the CPU's
+kernels sum in another order).  We allow 5e-5 (5% of one step); a wrong shard, a lost
+step or a missing average is off by ~lr = 1e-3, twenty times more.
 """
 
 from __future__ import annotations
@@ -88,7 +92,7 @@ def check(res: dict) -> None:
     tol = 2e-5 + 1e-4 * res["grad_scale"]
     assert res["grad_err"] <= tol, f"gradient of {res['grad_worst']} off by {res['grad_err']}"
     assert res["sgd_err"] <= tol, f"{res['sgd_worst']} after SGD off by {res['sgd_err']}"
-    assert res["adam_err"] <= 2e-5, f"{res['adam_worst']} after AdamW off by {res['adam_err']}"
+    assert res["adam_err"] <= 5e-5, f"{res['adam_worst']} after AdamW off by {res['adam_err']}"
     assert res["state_keys_match"]
 
 
