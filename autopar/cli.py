@@ -137,6 +137,10 @@ def decision_options(args: argparse.Namespace) -> dict[str, Any]:
         out["recompute"] = recompute
     if args.explore:
         out["explore"] = True
+    if args.precision != "native":
+        out["precision"] = args.precision
+    if args.batch != "global":
+        out["batch"] = args.batch
     return out
 
 
@@ -395,6 +399,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--recompute", action="append", default=None, metavar="LAYER[,LAYER...]",
                    help="layers whose activations are recomputed in backward, e.g. "
                         "blocks.0,blocks.1, or none (repeatable)")
+    d.add_argument("--precision", choices=("native", "bf16-mixed"), default="native",
+                   help="bf16-mixed: compute as torch.autocast(bfloat16) would, fp32 master "
+                        "weights (default: the model's own dtypes)")
+    d.add_argument("--batch", choices=("global", "local"), default="global",
+                   help="local: each data-parallel rank passes its part of the batch and gets "
+                        "its rows of batch-shaped outputs back, as with DDP")
     d.add_argument("--explore", action="store_true",
                    help="also try pipelines and micro-batches when the plain plan fits")
     o = p.add_argument_group("output")

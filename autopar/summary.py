@@ -205,6 +205,13 @@ def summary(plan: Plan) -> str:
     for a in axis_roles(plan):
         if a.size > 1:
             lines.append(f"    axis {a.name:<8} {a.words()}")
+    if d.precision != "native":
+        lines.append(f"  precision      {d.precision}: bf16 matmuls and attention, fp32 norms, "
+                     "losses and master weights")
+    if d.batch == "local":
+        axes = ", ".join(plan.mesh.axis_names[a] for a in d.local_axes or [])
+        lines.append("  batch          local: each data-parallel rank passes its part"
+                     + (f" and gets its rows back (split over {axes})" if axes else ""))
     step = n["step_seconds"]
     if d.breakdown:
         lines.append(f"  step time      {_ms(step)} predicted = compute {_ms(n['compute_seconds'])} "

@@ -51,6 +51,7 @@ def test_local_batch_does_not_pay_for_gathering_the_logits(search):
     assert g.batch == "global" and g.local_axes is None
     assert loc.batch == "local" and loc.local_axes  # rows split over some axes
     assert loc.step_seconds < g.step_seconds / 2
+    assert "batch          local" in str(p["local"]) and "batch    " not in str(p["global"])
     again = autopar.Plan.from_json(p["local"].to_json())
     assert again.decisions.local_axes == loc.local_axes
 

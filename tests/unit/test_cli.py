@@ -204,10 +204,11 @@ def test_decision_flags_map_onto_plan_options():
     args = build_parser().parse_args(
         ["plan", "m.py", "--zero-stage", "3", "--pipeline-stages", "2", "--micro-batches", "4",
          "--schedule", "1f1b", "--recompute", "blocks.0,blocks.1", "--recompute", "blocks.3",
-         "--explore"])
+         "--explore", "--precision", "bf16-mixed", "--batch", "local"])
     assert decision_options(args) == {
         "zero_stage": 3, "pipeline_stages": 2, "micro_batches": 4, "schedule": "1f1b",
-        "recompute": ["blocks.0", "blocks.1", "blocks.3"], "explore": True}
+        "recompute": ["blocks.0", "blocks.1", "blocks.3"], "explore": True,
+        "precision": "bf16-mixed", "batch": "local"}
     # nothing given: nothing forced, the search chooses everything
     assert decision_options(build_parser().parse_args(["plan", "m.py"])) == {}
     # "none" forces no recomputation (an empty list), unlike leaving the flag out

@@ -119,6 +119,8 @@ def test_memory_decides_differently_in_bf16_mixed():
     # A100: 312 TFLOP/s bf16 against 19.5 fp32 (no TF32 by default)
     assert d16.step_seconds < d32.step_seconds / 4
     assert d16.precision == "bf16-mixed" and d32.precision == "native"
+    # the summary says so; a native plan says nothing about precision
+    assert "precision      bf16-mixed" in str(p16) and "precision " not in str(p32)
     again = Plan.from_json(p16.to_json())
     assert again.decisions.precision == "bf16-mixed"
 
