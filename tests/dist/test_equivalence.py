@@ -10,8 +10,8 @@ atol 2e-5 + 1e-4 relative to the largest gradient (values are O(1e-2..1)).  Afte
 AdamW steps (lr 1e-3) each update is lr * m/sqrt(v), bounded by lr; reordered sums
 perturb m/sqrt(v) most where v is tiny: HF GPT-2 on four ranks has elements whose
 gradient is ~1e-8, where a 2e-8 reordering difference moved the parameter by 2.35e-5 on
-an Intel Xeon host (the same code stayed under 2e-5 on an AMD EPYC one: the CPU's
-kernels sum in another order).  We allow 5e-5 (5% of one step); a wrong shard, a lost
+an Intel Xeon host (an earlier CI run of the same code passed 2e-5 on another host: the
+CPU's kernels sum in another order).  We allow 5e-5 (5% of one step); a wrong shard, a lost
 step or a missing average is off by ~lr = 1e-3, twenty times more.
 """
 
