@@ -61,12 +61,22 @@ def check(r: dict) -> None:
 
 @pytest.fixture(scope="module")
 def default_results():
-    return run_fn_cases(2, FN, DEFAULT)
+    # the bf16-mixed default case (tests/dist/test_mixed_precision.py) rides on this
+    # process group: one group start less in the default suite
+    from tests.dist.test_mixed_precision import DEFAULT as BF16
+    return run_fn_cases(2, FN, DEFAULT + BF16)
 
 
 @pytest.mark.parametrize("case", [c["id"] for c in DEFAULT])
 def test_hf_two_ranks(default_results, case):
     check(default_results[case])
+
+
+def test_bf16_mixed_two_ranks(default_results):
+    from tests.dist.test_mixed_precision import DEFAULT as BF16
+    from tests.dist.test_mixed_precision import check as check_bf16
+    for c in BF16:
+        check_bf16(default_results[c["id"]])
 
 
 @pytest.mark.slow

@@ -34,8 +34,8 @@ def _cases(modes, mesh) -> list[dict]:
              "mesh": list(mesh), "precision": "bf16-mixed"} for mode in modes]
 
 
-# the default suite keeps the planner's choice (data parallel here); the rest run in CI's
-# slow step
+# the default suite keeps the planner's choice (data parallel here; run by
+# tests/dist/test_hf_models.py's default group); the rest run in CI's slow step
 DEFAULT = _cases(["auto"], (2,))
 SLOW = _cases(["tp", "zero3", "zero1", "pp2"], (2,))
 
@@ -59,14 +59,7 @@ def check(r: dict) -> None:
     assert r["code_casts"] > 0  # the casts are in the generated code
 
 
-@pytest.fixture(scope="module")
-def default_results():
-    return run_fn_cases(2, FN, DEFAULT)
-
-
-@pytest.mark.parametrize("case", [c["id"] for c in DEFAULT])
-def test_bf16_mixed_two_ranks(default_results, case):
-    check(default_results[case])
+# DEFAULT runs in tests/dist/test_hf_models.py's default process group
 
 
 @pytest.mark.slow
