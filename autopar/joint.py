@@ -186,9 +186,9 @@ class JointSearch:
         return self.captures[size]
 
     def _intra(self, stages: int, micro: int, budget: float | None) -> list[_Candidate]:
-        """The intra-op plans of one (stages, micro-batches) split: the ILP's, and the one
-        it finds with gradient sync priced as hidden when that differs
-        (:func:`autopar.search.make_plans`); the step model picks between them."""
+        """The intra-op plans of one (stages, micro-batches) split: the ILP's, and those it
+        finds with gradient sync charged at a fraction of its price where they differ
+        (:func:`autopar.search.make_plans`); the step model picks among them."""
         full, sub = split_mesh(self.mesh, stages)
         cap = self._capture(micro)
         t0 = time.perf_counter()
@@ -197,7 +197,7 @@ class JointSearch:
                f"{'x'.join(map(str, sub.shape))}")
         intra_opts = dataclasses.replace(self.opts, memory_budget=budget, time_limit=max(1.0, left),
                                          choose_limit=self.opts.time_limit)
-        plans = make_plans(cap.gm, sub, cap.aliases, intra_opts, hidden_sync=True)
+        plans = make_plans(cap.gm, sub, cap.aliases, intra_opts, sync_variants=True)
         self.timings["intra_op"] = self.timings.get("intra_op", 0.0) + time.perf_counter() - t0
         out = []
         for p in plans:

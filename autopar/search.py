@@ -329,8 +329,8 @@ def _sync_weighted(pb: Problem, w: float) -> StrategyProblem:
 
 
 def make_plans(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts: PlanOptions,
-               hidden_sync: bool = False) -> list[Plan]:
-    """:func:`make_plan`'s plan, and with ``hidden_sync`` (ILP only) the distinct plans
+               sync_variants: bool = False) -> list[Plan]:
+    """:func:`make_plan`'s plan, and with ``sync_variants`` (ILP only) the distinct plans
     solved with the gradient all-reduces charged at :data:`SYNC_WEIGHTS` of their price.
 
     The ILP charges each parameter's gradient sync in full, while the joint step model
@@ -356,14 +356,16 @@ def make_plans(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts: PlanOpti
     t1 = time.perf_counter()
     report(f"solving the placement ILP: {len(pb.nodes)} nodes, {len(pb.problem.edges)} edges, "
            f"limit {opts.time_limit:.0f} s")
-    sol = _solve(pb.problem, opts.time_limit, find_clusters(gm, pb.nodes, pb.strategies, pb.problem, lays))
+    # the clusters depend on the problem's edges and strategy counts only, which the
+    # sync-weighted variants below share: found once
+    clusters = find_clusters(gm, pb.nodes, pb.strategies, pb.problem, lays)
+    sol = _solve(pb.problem, opts.time_limit, clusters)
     t2 = time.perf_counter()
     plans = [_finish(gm, mesh, pb, sol, cm, opts, why, t1 - t0, t2 - t1)]
     seen = [sol.choice]
-    for w in SYNC_WEIGHTS if hidden_sync and math.isfinite(sol.objective) else ():
+    for w in SYNC_WEIGHTS if sync_variants and math.isfinite(sol.objective) else ():
         t3 = time.perf_counter()
-        weighted = _sync_weighted(pb, w)
-        alt = _solve(weighted, opts.time_limit, find_clusters(gm, pb.nodes, pb.strategies, weighted, lays))
+        alt = _solve(_sync_weighted(pb, w), opts.time_limit, clusters)
         if alt.choice in seen or not math.isfinite(alt.objective):
             continue
         seen.append(alt.choice)

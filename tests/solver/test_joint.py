@@ -207,7 +207,7 @@ def test_sync_weighted_variants_give_the_step_model_a_faster_plan(monkeypatch):
     monkeypatch.setattr(S, "SYNC_WEIGHTS", (0.5, 0.25, 0.0))
     cap = capture(model, (ids, ids), precision="bf16-mixed")
     annotate(cap.gm)
-    plans = make_plans(cap.gm, mesh, cap.aliases, PlanOptions(search="ilp"), hidden_sync=True)
+    plans = make_plans(cap.gm, mesh, cap.aliases, PlanOptions(search="ilp"), sync_variants=True)
     assert len(plans) >= 2
     assert all(p.objective >= plans[0].objective * (1 - 1e-12) for p in plans[1:])
     assert "charged at" in plans[-1].solver.message
