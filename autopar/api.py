@@ -18,7 +18,7 @@ from autopar.errors import ConfigError
 from autopar.module_state import TensorInfo
 from autopar.parallel_module import ParallelModule
 from autopar.plan import Plan
-from autopar.runtime.inputs import InputBinder
+from autopar.runtime.inputs import BatchMode, InputBinder
 from autopar.runtime.mesh import local_device
 from autopar.search import PlanOptions
 
@@ -61,7 +61,7 @@ def _options(memory_budget, optimizer, time_limit, pins, decisions: Mapping,
         raise TypeError(f"unknown option(s) {bad}; known: {', '.join(_DECISION_KEYS)}")
     validate.options(memory_budget, optimizer, time_limit, search, decisions)
     validate.pins(pins)
-    if batch not in ("global", "local"):
+    if batch not in {b.value for b in BatchMode}:
         raise ConfigError(f"batch must be 'global' or 'local', got {batch!r}")
     d = dict(decisions)
     if d.get("recompute") is not None:
@@ -226,9 +226,8 @@ def auto_parallel(model: nn.Module | Callable | None = None, *, example_inputs: 
                           f"{plan.decisions.batch!r}")
     m = _mesh(mesh)
     timeout = _seconds(timeout)
-    decorating = model is None or not (isinstance(model, nn.Module) and (
-        example_inputs is not None or example_kwargs is not None))
-    if decorating and batch != "global":
+    direct = isinstance(model, nn.Module) and (example_inputs is not None or example_kwargs is not None)
+    if not direct and batch != "global":
         # the decorator plans on the first batch it is called with, which under "local"
         # would be one rank's part taken for the global batch: refuse, never guess
         raise ConfigError("batch='local' needs the global batch to plan with: call "
@@ -236,7 +235,7 @@ def auto_parallel(model: nn.Module | Callable | None = None, *, example_inputs: 
                           "instead of the decorator form")
     if model is None:
         return lambda target: _decorate(target, m, opts)
-    if isinstance(model, nn.Module) and (example_inputs is not None or example_kwargs is not None):
+    if direct:
         return build_parallel_module(model, tuple(example_inputs or ()), plan.mesh if plan else m,
                                      opts, example_kwargs, plan=plan, batch=batch, timeout=timeout)
     return _decorate(model, m, opts)
