@@ -43,6 +43,21 @@ def _numel(n: object) -> int:
     return 0
 
 
+def _einsum_flops(equation: str, shapes: list[tuple[int, ...]]) -> float:
+    """A multiply-add per point of the letters' product space per extra operand (2 for
+    ``egcm,emh->egch``: 2*E*G*C*M*H, the batched matmul it runs).  An ellipsis counts
+    as one letter of the largest size it stands for in any operand."""
+    sizes: dict[str, int] = {}
+    for spec, sh in zip(equation.replace(" ", "").split("->")[0].split(","), shapes):
+        head, dots, tail = spec.partition("...")
+        named = [*zip(head, sh[:len(head)]), *zip(tail, sh[len(sh) - len(tail):])]
+        if dots:  # the dims between the named head and tail
+            named.append(("...", math.prod(sh[len(head):len(sh) - len(tail)])))
+        for c, n in named:
+            sizes[c] = max(sizes.get(c, 1), n)
+    return 2.0 * (len(shapes) - 1) * math.prod(sizes.values())
+
+
 def op_flops(node: fx.Node) -> float:
     """Forward FLOPs of one node (multiply-add counted as 2)."""
     t = node.target
@@ -59,10 +74,16 @@ def op_flops(node: fx.Node) -> float:
         return 2.0 * out_numel * shape(a[1])[-1]
     if t in (aten.mm.default, aten.bmm.default, aten.matmul.default):
         return 2.0 * out_numel * shape(a[0])[-1]
+    if t is aten.einsum.default and len(a[1]) >= 2:
+        return _einsum_flops(str(a[0]), [shape(x) for x in a[1]])
     if t is aten.scaled_dot_product_attention.default:
         b_h_t_d = shape(a[0])
         s = shape(a[1])[-2]
         return 4.0 * math.prod(b_h_t_d) * s
+    if str(t) == "autopar.moe_experts.default":
+        # routed experts: every token's k experts, gate+up [2I, H] and down [H, I]
+        tk, hd, inter = shape(a[1])[0] * shape(a[1])[1], shape(a[0])[-1], shape(a[4])[-1]
+        return 2.0 * tk * 3 * hd * inter
     if t in (aten.conv2d.default, aten.convolution.default):
         w = shape(a[1])
         return 2.0 * out_numel * math.prod(w[1:])

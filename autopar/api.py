@@ -47,7 +47,7 @@ def _capture_and_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec,
 
 
 _DECISION_KEYS = ("zero_stage", "pipeline_stages", "micro_batches", "schedule", "recompute", "explore",
-                  "blocks", "progress", "bucket_bytes", "precision")
+                  "blocks", "progress", "bucket_bytes", "precision", "context_parallel")
 
 
 def _options(memory_budget, optimizer, time_limit, pins, decisions: Mapping,
@@ -86,8 +86,10 @@ def plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec | str | tuple |
 
     ``decisions`` force plan-level choices, e.g. ``zero_stage=2``, ``pipeline_stages=2,
     micro_batches=4, schedule="1f1b"``, ``recompute=["blocks.1"]``, ``bucket_bytes=25 << 20``
-    (fixed-size gradient buckets instead of the cost model's choice); unset ones are
-    searched.  ``batch="local"`` plans for each data-parallel rank passing its part of the
+    (fixed-size gradient buckets instead of the cost model's choice),
+    ``context_parallel="exchange"`` (attention on sequence chunks of q, k and v: Ulysses or
+    ring attention), ``"gather-kv"`` (query rows, keys and values gathered) or ``"off"``;
+    unset ones are searched.  ``batch="local"`` plans for each data-parallel rank passing its part of the
     batch and getting its rows of batch-shaped outputs back, as :func:`auto_parallel`'s."""
     opts = _options(memory_budget, optimizer, time_limit, pins, decisions, search, batch)
     m = _mesh(mesh)

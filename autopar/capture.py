@@ -18,7 +18,9 @@ import torch
 from torch import fx, nn
 
 from autopar.capture_checks import custom_function_guard
+from autopar.capture_experts import experts_as_op
 from autopar.errors import AutoparWarning, CaptureError, user_stacklevel
+from autopar.passes.grad_regions import inline_grad_regions
 from autopar.passes.mixed_precision import Precision, apply_mixed_precision
 from autopar.passes.side_views import duplicate_side_views
 
@@ -163,7 +165,7 @@ def capture(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None
     try:
         # the state check is outside catch_warnings: its own warning must show
         with _frozen_python_state(model), warnings.catch_warnings(), _no_kv_cache(model), \
-                custom_function_guard():
+                custom_function_guard(), experts_as_op(model):  # experts: one op per layer
             warnings.simplefilter("ignore")
             ep = torch.export.export(model, tuple(example_inputs), kwargs, strict=False)
     except CaptureError:
@@ -181,6 +183,8 @@ def capture(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None
             "with nonzero) cannot be planned; use fixed-capacity routing."
         ) from export_err
     gm = ep.module()
+    # no_grad regions (HF rotary embeddings) as plain ops: plannable and exportable
+    inline_grad_regions(gm)
     _strip_guards(gm)
     apply_mixed_precision(gm, precision)
     # a layer's view of a shared input (rotary tables) copied per user: the layer stays a

@@ -23,6 +23,7 @@ from autopar.cost_models import (
     compute_time,
     optimizer_state_bytes,
     reduce_scatter_time,
+    send_recv_time,
 )
 from autopar.ir import TensorInfo, info, tensor_inputs
 from autopar.placement import (
@@ -35,6 +36,8 @@ from autopar.placement import (
 )
 from autopar.redistribute import StepKind, plan_redistribution, step_shapes
 from autopar.rules import OpStrategy
+from autopar.rules.attention import SDPA, CPImpl, context_layout, sdpa_args
+from autopar.runtime.experts import MOE_EXPERTS
 
 aten = __import__("torch").ops.aten
 
@@ -117,13 +120,20 @@ class CostModel:
         # the kernel computes in its output's dtype (a matmul's inputs and output share it)
         dtype = ni.outputs[0].dtype if ni.outputs else None
         t = compute_time(self.mesh, ni.flops / div, local_bytes, dtype)
+        if node.target is SDPA:
+            t *= self.attention_compute_factor(node, s)
         return t * (1.0 + self.backward_factor) + self.own_comm(node, s, t)
 
     def own_comm(self, node: fx.Node, s: OpStrategy, forward: float = 0.0) -> float:
-        """Collectives an op issues inside its lowering (vocab-parallel cross-entropy).
-        A batch-sharded cross-entropy's token count is all-reduced asynchronously while
-        the op's ``forward`` seconds compute (runtime/ops.py), at ``mesh.overlap`` of
-        its speed: only what is left after them is exposed."""
+        """Collectives an op issues inside its lowering (vocab-parallel cross-entropy,
+        context-parallel attention).  A batch-sharded cross-entropy's token count is
+        all-reduced asynchronously while the op's ``forward`` seconds compute
+        (runtime/ops.py), at ``mesh.overlap`` of its speed: only what is left after
+        them is exposed."""
+        if node.target is SDPA:
+            return self.attention_comm(node, s)
+        if node.target is MOE_EXPERTS:
+            return self.experts_comm(node, s)
         if node.target is not aten.cross_entropy_loss.default:
             return 0.0
         x = info(node.args[0]).out
@@ -135,6 +145,84 @@ class CostModel:
             elif isinstance(p, Shard) and p.dim == 0:
                 total += max(0.0, all_reduce_time(self.mesh, a, 8.0) - forward * self.mesh.overlap)
         return total
+
+    def _local_bytes(self, x: fx.Node, p: Placements) -> float:
+        t = info(x).out
+        return math.prod(local_shape(t.shape, p, self.mesh.shape)) * (t.nbytes / max(t.numel, 1))
+
+    def _ring(self, node: fx.Node, axes: tuple[int, ...]) -> tuple[int, bool]:
+        """Ring size and whether ring attention of ``node`` over ``axes`` runs zigzag
+        balanced (causal, each rank's chunk halves: ``ring_balanced``)."""
+        from autopar.runtime.ring_attention import ring_balanced
+
+        n = math.prod(self.mesh.shape[a] for a in axes)
+        causal = sdpa_args(node).is_causal
+        return n, causal and ring_balanced(info(node.args[0]).out.shape[2] // n)
+
+    def attention_comm(self, node: fx.Node, s: OpStrategy) -> float:
+        """Seconds per step (forward + backward) of a context-parallel attention's own
+        exchanges (:mod:`autopar.runtime.context`, :mod:`autopar.runtime.ring_attention`).
+
+        Ulysses: per CP axis one all-to-all of q, k, v and the output in the forward,
+        the reverse ones in the backward.  Ring: the busiest rank's point-to-point
+        transfers of key/value blocks (``n - 1`` shifts, plus the zigzag re-layout when
+        it runs), as many again for their gradients in the backward.
+        """
+        layout = context_layout(node, s.inputs, self.mesh.shape)
+        if layout is None or layout.impl is None:
+            return 0.0
+        a = sdpa_args(node)
+        q, k, v = (self._local_bytes(x, p) for x, p in zip((a.q, a.k, a.v), s.inputs))
+        if layout.impl is CPImpl.RING:
+            from autopar.runtime.ring_attention import ring_attention_cost_factors
+
+            n, balanced = self._ring(node, layout.cp_axes)
+            _, transfers = ring_attention_cost_factors(n, a.is_causal, balanced)
+            return 2.0 * transfers * send_recv_time(self.mesh, layout.cp_axes, k + v)
+        o = self._local_bytes(node, s.outputs[0])
+        return 2.0 * sum(all_to_all_time(self.mesh, ax, b)
+                         for ax in layout.cp_axes for b in (q, k, v, o))
+
+    def experts_comm(self, node: fx.Node, s: OpStrategy) -> float:
+        """Seconds per step of an expert-parallel experts op's own exchanges
+        (:func:`autopar.runtime.experts.expert_parallel`): per expert-parallel axis the
+        routed rows (``T_local * k`` of ``H`` elements) go out and come back by two
+        all-to-alls in the forward and two in the backward, plus the small exchanges of
+        counts and expert ids.  Routing is assumed even: the all-to-alls are priced at
+        the mean rows per rank; a skewed router makes the busiest rank send and compute
+        more than this says (no capacity limit caps it).  Experts split with tokens
+        whole exchange nothing here (their Partial output is priced on its edge)."""
+        from autopar.rules.experts import expert_axes
+
+        ep, _ = expert_axes(s.inputs)
+        if not ep:
+            return 0.0
+        hidden, index = info(node.args[0]).out, info(node.args[1]).out
+        loc_h = local_shape(hidden.shape, s.inputs[0], self.mesh.shape)
+        loc_i = local_shape(index.shape, s.inputs[1], self.mesh.shape)
+        pairs = loc_i[0] * loc_i[1]
+        rows = pairs * loc_h[-1] * hidden.nbytes / max(hidden.numel, 1)
+        n = self.mesh.shape[ep[0]]
+        return (4.0 * all_to_all_time(self.mesh, ep[0], rows)
+                + all_to_all_time(self.mesh, ep[0], pairs * 8.0)
+                + all_to_all_time(self.mesh, ep[0], n * 8.0))
+
+    def attention_compute_factor(self, node: fx.Node, s: OpStrategy) -> float:
+        """The slowest rank's attention work against an even split of the priced FLOPs.
+
+        Every attention is priced at its whole score matrix, causal or not (a fused
+        causal kernel skips about half, for every strategy alike).  So the ring is
+        charged only for its imbalance, not credited with the future blocks it skips:
+        zigzag-balanced or non-causal it is even (1.0); causal with contiguous chunks the
+        last rank does ``(2n-1)/(2n^2)`` of the causal work where an even split does
+        ``1/(2n)``, ``(2n-1)/n`` times more.  (Crediting the skip made the planner pick
+        ring attention on gloo where it measured 1.9x slower than data parallel:
+        docs/benchmarks.md, context parallel.)"""
+        layout = context_layout(node, s.inputs, self.mesh.shape)
+        if layout is None or layout.impl is not CPImpl.RING or not sdpa_args(node).is_causal:
+            return 1.0
+        n, balanced = self._ring(node, layout.cp_axes)
+        return 1.0 if balanced else (2 * n - 1) / n
 
     def grad_sync(self, p: Placements, t: TensorInfo) -> float:
         """All-reduce of a parameter's gradient over the axes it is replicated on."""

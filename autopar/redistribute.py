@@ -96,14 +96,18 @@ def plan_redistribution(src: Placements, dst: Placements) -> list[Step]:
             if outer_changing or outer_new:
                 need.add(i)
                 changed = True
-    # all-to-all where the swap is local to one axis and no other axis touches either dim
+    # all-to-all where the swap is local to one axis: every other axis that shards
+    # either dim is an outer one that keeps its shard (the swap then happens inside
+    # its chunk, which is where the inner axis's pieces live: expert parallelism on the
+    # inner axis of a (dp, ep) mesh, groups sharded on both); an inner one would
+    # interleave the pieces
     done: set[int] = set()
     for i in sorted(need):
         if is_shard(dst[i]) and is_shard(cur[i]) and not any(j > i and j in need for j in range(n)):
             a, b = cur[i].dim, dst[i].dim
-            others = [j for j in range(n) if j != i]
-            if not _shards_dim(cur, a, others) and not _shards_dim(cur, b, others) \
-                    and not _shards_dim(dst, a, others) and not _shards_dim(dst, b, others):
+            touching = [j for j in range(n) if j != i and (_shards_dim(cur, a, [j]) or _shards_dim(
+                cur, b, [j]) or _shards_dim(dst, a, [j]) or _shards_dim(dst, b, [j]))]
+            if all(j < i and cur[j] == dst[j] for j in touching):
                 steps.append(Step(StepKind.ALL_TO_ALL, i, a, b))
                 cur[i] = dst[i]
                 done.add(i)

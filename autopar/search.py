@@ -36,6 +36,7 @@ from autopar.plan import Alternative, NodePlan, Plan, Redistribution, SolverInfo
 from autopar.progress import report
 from autopar.redistribute import plan_redistribution
 from autopar.rules import OpStrategy
+from autopar.rules.attention import restrict_attention
 from autopar.solve.cluster import Clustering, find_clusters, shared_pricing, solve_clustered
 from autopar.solve.ilp import solve_ilp
 from autopar.solve.problem import InfeasibleError, StrategyProblem, evaluate
@@ -65,6 +66,9 @@ class PlanOptions:
     recompute: tuple[str, ...] | None = None
     explore: bool = False  # also try pipelines/micro-batches when the plain plan fits
     bucket_bytes: int | None = None  # fixed gradient bucket size; None = chosen (MG-WFBP)
+    # the sequence split attention may use (autopar.rules.attention.ContextParallel:
+    # "off", "gather-kv", "exchange"); None = searched
+    context_parallel: str | None = None
     # "native" (the model's dtypes) or "bf16-mixed" (passes/mixed_precision.py): never
     # searched, since it changes the numbers the model computes
     precision: str = "native"
@@ -242,6 +246,12 @@ def choose_searcher(gm: fx.GraphModule, mesh: MeshSpec, opts: PlanOptions) -> tu
     except ValueError:
         raise PlanError(f"unknown search {opts.search!r}; expected one of "
                         f"{', '.join(s.value for s in Searcher)}") from None
+    if opts.context_parallel is not None:
+        # D-Rec decides axis by axis and cannot restrict a mesh strategy's form
+        if want is Searcher.DREC:
+            raise PlanError("context_parallel= restricts the ILP's strategies; use search='ilp' "
+                            "or 'auto' with it (D-Rec chooses the attention's split itself)")
+        return Searcher.ILP, "context_parallel= is set: the ILP"
     if want is not Searcher.AUTO:
         return want, ""
     nodes, entries = ilp_size(gm, tuple(mesh.shape))
@@ -349,6 +359,10 @@ def make_plans(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts: PlanOpti
            f"{'x'.join(map(str, mesh.shape))}")
     strategies = enumerate_strategies(gm, tuple(mesh.shape))
     apply_pins(strategies, opts.pins, tuple(mesh.shape), aliases, gm)
+    try:
+        restrict_attention(strategies, opts.context_parallel, tuple(mesh.shape))
+    except ValueError as e:
+        raise PlanError(str(e)) from None
     cm = cost_model(gm, mesh, opts)
     budget = opts.memory_budget if opts.memory_budget is not None else mesh.mem_capacity
     lays = layers(gm)  # one grouping for shared pricing and clustering: not free at depth

@@ -16,6 +16,7 @@ from torch import fx
 
 from autopar.errors import PlanError
 from autopar.ir import info
+from autopar.passes.grad_regions import KEEP_REPLICATED
 from autopar.placement import (
     Placements,
     R,
@@ -63,6 +64,8 @@ def enumerate_strategies(gm: fx.GraphModule, mesh_shape: tuple[int, ...]) -> dic
                 continue
             if ni.outputs:
                 out[node] = op_strategies(node, ctx)
+                if node.meta.get(KEEP_REPLICATED):
+                    out[node] = out[node][:1]  # the registry lists all-replicate first
     return out
 
 

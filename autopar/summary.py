@@ -11,9 +11,12 @@ into ``plan.json`` under ``"summary"``.
 
 Axis roles are read from the placements, not from the search's internals, so a plan
 loaded from JSON reads the same: an axis is *DP* when most compute runs on inputs split
-on the batch dim over it, *TP* when most weight bytes of the repeated layers (all
+on the batch dim over it (or the model's inputs are, most compute runs split and its weights are not), *TP* when most weight bytes of the repeated layers (all
 layers' when there are none) are split over it instead, *SP*
-when activations are split on the sequence dim only, and *FSDP* when it is DP with the
+when activations are split on the sequence dim only, *CP* when attention itself runs on
+sequence chunks over it (``+CP`` beside another role), *EP* when stacks of per-expert
+weights (3-D parameters) are split on their expert dim over it (``DP+EP``: dense layers
+data parallel, experts split), and *FSDP* when it is DP with the
 weights split too (gathered per use).
 """
 
@@ -36,13 +39,14 @@ LEGEND = ("placements: one entry per mesh axis; S(d) = tensor dim d split over t
           "(e.g. S(0)R: dim 0 split over the first axis, replicated over the second)")
 """One line explaining the placement notation used in tables and ``explain``."""
 
+_SDPA = "scaled_dot_product_attention"  # NodePlan.op of an attention node
 _UNSUPPORTED = re.compile(r"no sharding rule for op (\S+);")
 
 
 @dataclass(frozen=True)
 class AxisRole:
-    """What one mesh axis does in a plan: ``kind`` is PP, DP, FSDP, TP, TP+SP, SP or
-    R (replicated: the axis does no useful split); ``link`` says where its ranks sit
+    """What one mesh axis does in a plan: ``kind`` is PP, DP, FSDP, TP, TP+SP, SP, CP, EP
+    (or one of them ``+EP`` / ``+CP``) or R (replicated: the axis does no useful split); ``link`` says where its ranks sit
     (intra-node, inter-node, spans nodes, one host)."""
 
     name: str
@@ -93,6 +97,11 @@ def axis_roles(plan: Plan) -> list[AxisRole]:
     # the repeated layers decide (a large embedding and head must not outvote them); a
     # model without repeated layers is judged on all its weights
     params = [n for n in params if n.layer not in ("", "pre", "post")] or params
+    # stacks of per-expert matrices ([experts, in, out]) make an axis EP when split on the
+    # expert dim; the other weights alone decide TP/FSDP (experts would outvote them)
+    experts = [n for n in params if len(n.shape[0]) == 3]
+    expert_total = sum(math.prod(n.shape[0]) for n in experts) or 1.0
+    params = [n for n in params if len(n.shape[0]) != 3] or params
     weight_total = sum(math.prod(n.shape[0]) for n in params) or 1.0
     ops = [n for n in plan.nodes.values() if n.kind == "op" and n.flops > 0 and n.in_placements]
     flop_total = sum(n.flops for n in ops) or 1.0
@@ -104,7 +113,15 @@ def axis_roles(plan: Plan) -> list[AxisRole]:
         batch = sum(n.flops for n in ops if _shard_dims(n.in_placements[0], a) == 0) / flop_total
         seq = sum(1 for n in plan.nodes.values() if n.kind == "op" and n.in_placements
                   and n.shape and len(n.shape[0]) == 3 and _shard_dims(n.in_placements[0], a) == 1)
-        if batch > 0.5:
+        # context parallel: attention itself runs on sequence chunks over this axis
+        cp = any(n.op == _SDPA and _shard_dims(n.in_placements[0], a) == 2 for n in ops)
+        # the model's inputs split on the batch over this axis and most FLOPs on split
+        # tensors: data parallel even where the batch (MoE groups) is not their dim 0
+        fed = any(n.kind == "input" and n.out_placements and n.shape and len(n.shape[0]) >= 1
+                  and _shard_dims(n.out_placements[0], a) == 0 for n in plan.nodes.values())
+        split = sum(n.flops for n in ops
+                    if any(_shard_dims(p, a) is not None for p in n.in_placements)) / flop_total
+        if batch > 0.5 or (fed and split > 0.5 and weights <= 0.5 and not seq):
             kind = "FSDP" if weights > 0.5 else "DP"
         elif weights > 0.5:
             kind = "TP+SP" if seq else "TP"
@@ -112,6 +129,14 @@ def axis_roles(plan: Plan) -> list[AxisRole]:
             kind = "SP"
         else:
             kind = "R"
+        cut = {n.name: _shard_dims(n.out_placements[0], a) for n in experts}
+        ep = sum(math.prod(n.shape[0]) for n in experts if cut[n.name] == 0) / expert_total > 0.5
+        # each expert's matrices split (Megatron inside the experts): tensor parallel
+        etp = not ep and sum(math.prod(n.shape[0]) for n in experts
+                             if cut[n.name] not in (None, 0)) / expert_total > 0.5
+        for flag, tag in ((ep, "EP"), (etp and "TP" not in kind, "TP"), (cp, "CP")):
+            if flag:
+                kind = tag if kind in ("SP", "R") else f"{kind}+{tag}"
         zero = d.zero_stage if d.zero_stage and d.zero_axis == a and size > 1 else 0
         roles.append(AxisRole(name, size, kind, _link_words(mesh, a), zero))
     return roles

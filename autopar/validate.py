@@ -122,6 +122,12 @@ def options(memory_budget, optimizer, time_limit, search, decisions: Mapping) ->
             Precision.parse(p)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    cp = decisions.get("context_parallel")
+    if cp is not None:
+        from autopar.rules.attention import ContextParallel
+        if cp not in {c.value for c in ContextParallel}:
+            raise ConfigError(f"context_parallel must be one of "
+                              f"{', '.join(c.value for c in ContextParallel)} or None, got {cp!r}")
     r = decisions.get("recompute")
     if r is not None and (isinstance(r, str) or not all(isinstance(x, str) for x in r)):
         raise ConfigError(f"recompute={r!r}: expected a list of layer names like ['blocks.0']")

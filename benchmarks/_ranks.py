@@ -1,10 +1,15 @@
-"""What the multi-rank benchmarks share: joining the gloo group in a spawned worker and
-handing rank 0's rows back to the parent."""
+"""What the multi-rank benchmarks share: spawning the ranks, joining the gloo group,
+timing a step on the slowest rank, counting its collectives, and handing rank 0's rows
+back to the parent."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,3 +31,35 @@ def finish(rank: int, rows: list[dict], out: str) -> None:
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)
+
+
+def timed(step: Callable[[], None]) -> float:
+    """Seconds ``step`` takes on the slowest rank (every rank starts together)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    step()
+    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def gloo_events(step: Callable[[], None]) -> list[str]:
+    """Names of the collectives one ``step`` issues on this rank (gloo profiler events)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    return [e.name for e in prof.events() if e.name.startswith("gloo:")]
+
+
+def spawn_rows(worker: Callable, world: int, params: dict) -> tuple[list[dict], tuple[float, float]]:
+    """Run ``worker(rank, world, port, params, out)`` on ``world`` spawned ranks; return
+    the rows rank 0 wrote (via :func:`finish`) and the load average before and after."""
+    import torch.multiprocessing as mp
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.dist.harness import free_port
+
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "rows.json")
+        load0 = os.getloadavg()[0]
+        mp.spawn(worker, args=(world, free_port(), params, out), nprocs=world, join=True)
+        return json.loads(Path(out).read_text()), (load0, os.getloadavg()[0])

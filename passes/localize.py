@@ -6,7 +6,9 @@ split in two becomes ``view(x, [4, 32, 64])``); means over sharded dims are resc
 to Partial sums; vocabulary-sharded embeddings and cross-entropies call the
 vocab-parallel forms in :mod:`autopar.runtime.ops`; row-sharded cross-entropy divides
 by the global count of non-ignored targets; dropout draws the global mask and keeps
-this rank's slice (:mod:`autopar.runtime.rng`).
+this rank's slice (:mod:`autopar.runtime.rng`); attention with its sequence split calls
+the row, Ulysses or ring form (:mod:`autopar.runtime.context`,
+:func:`autopar.rules.attention.context_layout`).
 """
 
 from __future__ import annotations
@@ -19,8 +21,12 @@ from torch import fx
 from autopar.ir import info
 from autopar.placement import Placements, Shard, fmt_placements, local_shape, parse_placements
 from autopar.plan import Plan
+from autopar.rules.attention import SDPA, CPImpl, context_layout, sdpa_args
+from autopar.rules.experts import localize_experts
 from autopar.rules.reductions import reduced_dims
+from autopar.runtime import context as CP
 from autopar.runtime import ops as O
+from autopar.runtime.experts import MOE_EXPERTS
 from autopar.runtime.rng import sharded_dropout
 
 aten = torch.ops.aten
@@ -99,3 +105,27 @@ def localize(gm: fx.GraphModule, plan: Plan) -> None:
                 node.target = O.vocab_embedding
                 node.args = (node.args[0], node.args[1], vocab)
                 node.kwargs = {}
+        elif t is SDPA:
+            _localize_attention(node, ins, mesh)
+        elif t is MOE_EXPERTS:  # routed experts: expert parallel / Partial local forms
+            localize_experts(node, ins, mesh)
+
+
+def _localize_attention(node: fx.Node, ins: list[Placements], mesh: tuple[int, ...]) -> None:
+    layout = context_layout(node, ins, mesh)
+    if layout is None:
+        raise ValueError(f"{node.name}: no lowering for attention placements "
+                         f"{[fmt_placements(p) for p in ins]} on mesh {mesh}")
+    if not layout.sharded:
+        return
+    a = sdpa_args(node)
+    if layout.impl is CPImpl.RING:
+        from autopar.runtime.ring_attention import ring_attention
+
+        node.target = ring_attention
+        node.args = (a.q, a.k, a.v, a.mask, a.is_causal, a.scale, layout.cp_axes)
+    else:
+        axes = layout.cp_axes or layout.row_axes
+        node.target = CP.ulysses_attention if layout.impl is CPImpl.ULYSSES else CP.row_attention
+        node.args = (a.q, a.k, a.v, a.mask, a.is_causal, a.scale, a.enable_gqa, axes)
+    node.kwargs = {}

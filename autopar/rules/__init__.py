@@ -55,14 +55,20 @@ class RuleCtx:
 
 
 Rule = Callable[[fx.Node, RuleCtx], list[AxisStrategy]]
+MeshCheck = Callable[[fx.Node, OpStrategy, Sequence[int]], bool]
 _RULES: dict[object, Rule] = {}
+_MESH_CHECKS: dict[object, MeshCheck] = {}
 
 
-def register(*targets: object) -> Callable[[Rule], Rule]:
-    """Decorator: register a rule for the given aten overloads."""
+def register(*targets: object, mesh_check: MeshCheck | None = None) -> Callable[[Rule], Rule]:
+    """Decorator: register a rule for the given aten overloads.  ``mesh_check`` (optional)
+    vets each mesh strategy the per-axis product makes, for ops whose lowering depends
+    on how the axes combine (attention: no query-row split beside a CP exchange)."""
     def deco(fn: Rule) -> Rule:
         for t in targets:
             _RULES[t] = fn
+            if mesh_check is not None:
+                _MESH_CHECKS[t] = mesh_check
         return fn
     return deco
 
@@ -91,8 +97,10 @@ def _load_families() -> None:
         attention,
         conv,
         embedding,
+        experts,
         losses,
         matmul,
+        moe,
         norms,
         pointwise,
         reductions,
@@ -180,11 +188,15 @@ def combine_axes(per_axis: Sequence[AxisStrategy]) -> OpStrategy:
 
 def divides(node: fx.Node, s: OpStrategy, mesh_shape: Sequence[int]) -> bool:
     """True when every sharded dim of every input and output of ``node`` under ``s``
-    is divided evenly by its mesh axes (the registry's validity filter)."""
+    is divided evenly by its mesh axes and the op's own mesh check (if registered)
+    accepts ``s`` (the registry's validity filter)."""
     ins = [info(x).out.shape for x in tensor_inputs(node)] if node.op == "call_function" else []
     outs = [t.shape for t in info(node).outputs]
-    return (all(valid_for_shape(p, sh, mesh_shape) for p, sh in zip(s.inputs, ins))
-            and all(valid_for_shape(p, sh, mesh_shape) for p, sh in zip(s.outputs, outs)))
+    if not (all(valid_for_shape(p, sh, mesh_shape) for p, sh in zip(s.inputs, ins))
+            and all(valid_for_shape(p, sh, mesh_shape) for p, sh in zip(s.outputs, outs))):
+        return False
+    check = _MESH_CHECKS.get(node.target) if node.op == "call_function" else None
+    return check is None or check(node, s, mesh_shape)
 
 
 def op_strategies(node: fx.Node, ctx: RuleCtx) -> list[OpStrategy]:

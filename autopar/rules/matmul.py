@@ -108,3 +108,39 @@ def matmul_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
         batch = _batch_letters(na - 2).upper()
         return einsum_strategies(node, [a, b], f"{batch}mk,kn->{batch}mn")
     return []
+
+
+def einsum_equation(node: fx.Node) -> tuple[list[str], str] | None:
+    """(operand letters, output letters) of an ``aten.einsum`` node whose equation every
+    strategy of :func:`einsum_strategies` computes correctly on local shards, else None.
+
+    Refused: ellipsis (its dims are not named) and a letter twice in one operand (a
+    diagonal).  A letter broadcast from size 1 needs no care here: sharding it would cut
+    the size-1 dim, which the registry's divisibility filter drops.  An implicit output
+    is the letters used once, sorted.
+    """
+    eq = str(node.args[0]).replace(" ", "")
+    ops = list(node.args[1])
+    if "." in eq:
+        return None
+    lhs, out = eq.split("->") if "->" in eq else (eq, None)
+    specs = lhs.split(",")
+    if out is None:
+        out = "".join(sorted(c for c in set(lhs) if c.isalpha() and lhs.count(c) == 1))
+    if len(specs) != len(ops) or any(len(set(s)) != len(s) for s in [*specs, out]):
+        return None
+    if any(not isinstance(x, fx.Node) or ndim(x) != len(spec) for x, spec in zip(ops, specs)):
+        return None
+    return specs, out
+
+
+@register(aten.einsum.default)
+def einsum_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
+    """``torch.einsum`` as written: any letter shards (a contracted one leaves a Partial
+    sum), and Partial passes through one operand.  MoE dispatch ``gsec,gsm->egcm`` and
+    batched experts ``egcm,emh->egch`` are the uses that matter."""
+    parsed = einsum_equation(node)
+    if parsed is None:
+        return []
+    specs, out = parsed
+    return einsum_strategies(node, list(node.args[1]), f"{','.join(specs)}->{out}")

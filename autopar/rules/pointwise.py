@@ -33,6 +33,7 @@ NONLINEAR_UNARY = [
 LINEAR_UNARY = [
     aten.neg.default, aten.clone.default, aten.to.dtype, aten.to.dtype_layout,
     aten._to_copy.default, aten.type_as.default, aten.alias.default, aten.detach.default,
+    aten.to.device,
     aten.contiguous.default, aten.lift_fresh_copy.default,
 ]
 NONLINEAR_BINARY = [

@@ -11,7 +11,7 @@ from autopar.runtime.collectives import all_reduce, all_reduce_nograd_async
 from autopar.runtime.mesh import current
 
 
-def _shard_offset(axes: tuple[int, ...], local: int) -> int:
+def shard_offset(axes: tuple[int, ...], local: int) -> int:
     """Start index of this rank's chunk of a dim sharded over ``axes`` (in order)."""
     m = current()
     idx = 0
@@ -24,7 +24,7 @@ def vocab_embedding(weight: torch.Tensor, idx: torch.Tensor, axes: tuple[int, ..
     """Embedding with the vocabulary (weight dim 0) sharded over ``axes``: look up the
     rows this rank owns, zeros elsewhere; the result is a Partial sum."""
     vl = weight.shape[0]
-    off = _shard_offset(axes, vl)
+    off = shard_offset(axes, vl)
     mine = (idx >= off) & (idx < off + vl)
     local = torch.where(mine, idx - off, torch.zeros_like(idx))
     return F.embedding(local, weight) * mine.unsqueeze(-1).to(weight.dtype)
@@ -45,7 +45,7 @@ def cross_entropy(x: torch.Tensor, target: torch.Tensor, ignore_index: int, redu
     count_wait = all_reduce_nograd_async(valid.sum(), row_axes) if reduction == 1 else None
     if class_axes:
         cl = x.shape[1]
-        off = _shard_offset(class_axes, cl)
+        off = shard_offset(class_axes, cl)
         with torch.no_grad():
             m = x.max(dim=1).values
             for a in class_axes:

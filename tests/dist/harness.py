@@ -71,6 +71,9 @@ def run_case(case: Case) -> dict:
                        **case.options)
     d = pm.plan.decisions
     res: dict = {"plan_params": pm.plan.params(), "collectives": len(pm.plan.collectives()),
+                 # what the generated forward calls (collectives, local op forms)
+                 "calls": sorted({getattr(n.target, "__name__", str(n.target))
+                                  for n in pm.inner.graph.nodes if n.op == "call_function"}),
                  "searcher": pm.plan.solver.searcher,
                  "decisions": {"zero": d.zero_stage, "stages": d.pipeline_stages, "schedule": d.schedule,
                                "micro_batches": d.micro_batches, "recompute": d.recompute}}

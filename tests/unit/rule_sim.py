@@ -20,7 +20,9 @@ For one node of an annotated graph and one :class:`~autopar.rules.OpStrategy`:
 
 from __future__ import annotations
 
+import collections
 import itertools
+import queue
 import threading
 from collections.abc import Sequence
 from types import SimpleNamespace
@@ -32,7 +34,9 @@ from autopar.passes.localize import localize
 from torch import fx
 
 import autopar.runtime.collectives as C
+import autopar.runtime.context as CP
 import autopar.runtime.ops as O
+import autopar.runtime.ring_attention as RA
 from autopar.ir import tensor_inputs
 from autopar.placement import Partial, Placements, Replicate, Shard, fmt_placements
 from autopar.rules import OpStrategy, RuleCtx, op_strategies
@@ -227,6 +231,58 @@ def _all_reduce(tensor: torch.Tensor, op: object = dist.ReduceOp.SUM, group: obj
     return _DoneWork() if async_op else None
 
 
+def _all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,
+                       input_split_sizes=None, group: object = None,
+                       async_op: bool = False) -> _DoneWork | None:
+    """In-memory all-to-all: rank ``r``'s output chunk ``j`` is rank ``j``'s input chunk
+    ``r``; equal chunks (what ``autopar.runtime.collectives.all_to_all`` sends) or, with
+    split sizes, uneven ones along dim 0 (``autopar.runtime.experts``), whose output
+    sizes must match what the senders send."""
+    assert isinstance(group, _Group), f"all_to_all_single needs a mesh-axis group, got {group!r}"
+    assert (output_split_sizes is None) == (input_split_sizes is None), "one-sided split sizes"
+    r = _current().coord[group.axis]
+    group.slots[r] = input.detach().clone()
+    group.ops[r] = None if input_split_sizes is None else list(input_split_sizes)
+    group.barrier.wait()
+    if input_split_sizes is None:
+        mine = torch.cat([group.slots[j].chunk(group.n)[r] for j in range(group.n)])
+    else:
+        got = [group.slots[j].split(group.ops[j])[r] for j in range(group.n)]
+        assert [int(g.shape[0]) for g in got] == list(output_split_sizes), \
+            f"rank {r} expects {list(output_split_sizes)} rows, is sent {[g.shape[0] for g in got]}"
+        mine = torch.cat(got)
+    group.barrier.wait()
+    with torch.no_grad():
+        output.copy_(mine)
+    return _DoneWork() if async_op else None
+
+
+class _SimRing:
+    """What :func:`autopar.runtime.ring_attention.ring_of` returns on a simulated rank:
+    point-to-point messages through queues keyed by (ring, source, destination, tag)."""
+
+    def __init__(self, boxes: dict, ring: tuple, size: int, pos: int) -> None:
+        self.boxes, self.ring, self.size, self.pos = boxes, ring, size, pos
+
+    def exchange(self, sends, recvs) -> None:
+        """Post every send, then take every receive (a missing message fails, not hangs)."""
+        for t, p, tag in sends:
+            self.boxes[(self.ring, self.pos, p, tag)].put(t.detach().clone())
+        for t, p, tag in recvs:
+            t.copy_(self.boxes[(self.ring, p, self.pos, tag)].get(timeout=BARRIER_TIMEOUT_S))
+
+
+def _ring_of(boxes: dict):
+    def ring_of(axes: tuple[int, ...]) -> _SimRing:
+        m = _current()
+        pos, size = 0, 1
+        for a in axes:
+            pos, size = pos * m.shape[a] + m.coord[a], size * m.shape[a]
+        others = tuple(c for a, c in enumerate(m.coord) if a not in axes)
+        return _SimRing(boxes, (tuple(axes), others), size, pos)
+    return ring_of
+
+
 class _DoneWork:
     """The handle of a simulated async collective, already complete."""
 
@@ -263,8 +319,10 @@ def run_ranks(gm: fx.GraphModule, local_inputs: dict[Coord, list[torch.Tensor]],
 
     with mock.patch.object(dist, "all_reduce", _all_reduce), \
             mock.patch.object(dist, "all_gather", _unsupported), \
-            mock.patch.object(dist, "all_to_all_single", _unsupported), \
+            mock.patch.object(dist, "all_to_all_single", _all_to_all_single), \
             mock.patch.object(C, "current", _current), \
+            mock.patch.object(CP, "current", _current), \
+            mock.patch.object(RA, "ring_of", _ring_of(collections.defaultdict(queue.Queue))), \
             mock.patch.object(O, "current", _current):
         threads = [threading.Thread(target=work, args=(c,)) for c in coords]
         for t in threads:

@@ -197,6 +197,7 @@ direct("empty_like", aten.empty_like.default, [N(4, 6)], x0, shape_only=True)
 direct("logical_not", aten.logical_not.default, [B(4, 6)], x0)
 direct("bitwise_not", aten.bitwise_not.default, [B(4, 6)], x0)
 direct("to_dtype_layout", aten.to.dtype_layout, [N(4, 6)], x0, dtype=torch.float32)
+direct("to_device", aten.to.device, [N(4, 6)], x0, torch.device("cpu"), torch.float32)
 direct("_to_copy_f32", aten._to_copy.default, [N(4, 6)], x0, dtype=torch.float32)
 direct("type_as", aten.type_as.default, [N(4, 6), N(2)], x0, x1)
 direct("masked_fill_scalar", aten.masked_fill.Scalar, [N(2, 4, 4), B(4, 4)], x0, x1, -1.0)
@@ -294,6 +295,17 @@ cap("sdpa_mask", lambda m, q, k, v, a: F.scaled_dot_product_attention(q, k, v, a
     N(2, 2, 4, 8), N(2, 2, 4, 8), N(2, 2, 4, 8), N(2, 1, 4, 4))
 cap("sdpa_gqa", lambda m, q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
     N(2, 4, 4, 8), N(2, 2, 4, 8), N(2, 2, 4, 8))
+# the sequence split (context parallel): query rows, Ulysses (heads divide the CP degree)
+# and ring attention (they do not: 2 heads on 4 ranks, GQA's 2 key/value heads on 4)
+cap("sdpa_cp_causal", lambda m, q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+    N(2, 4, 8, 8), N(2, 4, 8, 8), N(2, 4, 8, 8), meshes=WITH_4)
+cap("sdpa_cp_head_mask", lambda m, q, k, v, a: F.scaled_dot_product_attention(q, k, v, attn_mask=a),
+    N(2, 4, 8, 8), N(2, 4, 8, 8), N(2, 4, 8, 8), N(2, 4, 8, 8), meshes=WITH_4)
+cap("sdpa_cp_gqa_causal", lambda m, q, k, v: F.scaled_dot_product_attention(
+    q, k, v, is_causal=True, enable_gqa=True, scale=0.3),
+    N(1, 4, 8, 8), N(1, 2, 8, 8), N(1, 2, 8, 8), meshes=WITH_4)
+cap("sdpa_cp_ring_odd", lambda m, q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+    N(1, 2, 12, 4), N(1, 2, 12, 4), N(1, 2, 12, 4), meshes=WITH_4)
 
 # ---------------------------------------------------------------- embedding and losses
 cap("embedding", lambda m, i: m.e(i), Ints(8, 4, 6), e=nn.Embedding(8, 4), meshes=WITH_4)
@@ -320,6 +332,42 @@ cap("pool2d", lambda m, x: (F.avg_pool2d(x, 2), F.max_pool2d(x, 2),
 direct("max_pool2d", aten.max_pool2d.default, [N(2, 4, 6, 6)], x0, [2, 2])
 direct("avg_pool1d", aten.avg_pool1d.default, [N(2, 4, 8)], x0, [2])
 direct("max_pool1d", aten.max_pool1d.default, [N(2, 4, 8)], x0, [2])
+
+# ---------------------------------------------------------------- einsum and MoE routing
+cap("einsum_moe", lambda m, d, x, w: torch.einsum(
+    "gsec,egcm->gsm", d, torch.einsum("egcm,emh->egch", torch.einsum("gsec,gsm->egcm", d, x), w)),
+    N(2, 4, 2, 2), N(2, 4, 6), N(2, 6, 6), meshes=WITH_4)
+cap("einsum_forms", lambda m, x, y: (torch.einsum("ij,jk", x, y), torch.einsum("ij->i", x),
+                                     torch.einsum("ij->ji", x), torch.einsum("ij,ij->i", x, x)),
+    N(4, 6), N(6, 4))
+direct("einsum_broadcast", aten.einsum.default, [N(2, 4, 6), N(1, 6, 2)], "bij,bjk->bik", [x0, x1])
+direct("einsum_ellipsis", aten.einsum.default, [N(2, 4, 6), N(6, 2)], "...j,jk->...k", [x0, x1])
+direct("topk", aten.topk.default, [N(2, 4, 6)], x0, 2)
+direct("topk_dim1", aten.topk.default, [N(2, 4, 6)], x0, 3, 1, False)
+direct("sort", aten.sort.default, [N(2, 4, 6)], x0, 1, True)
+direct("sort_stable", aten.sort.stable, [N(2, 4, 6)], x0, stable=True, dim=0)
+direct("argsort", aten.argsort.default, [N(2, 4, 6)], x0, -1)
+direct("argsort_stable", aten.argsort.stable, [N(2, 4, 6)], x0, stable=True, dim=1)
+direct("one_hot", aten.one_hot.default, [Ints(5, 4, 2)], x0, 5, meshes=WITH_4)
+direct("one_hot_inferred", aten.one_hot.default, [Ints(5, 4, 2)], x0)
+direct("gather", aten.gather.default, [N(2, 4, 6), Ints(6, 2, 4, 3)], x0, 2, x1)
+direct("gather_short_index", aten.gather.default, [N(2, 4, 6), Ints(4, 2, 2, 6)], x0, 1, x1)
+direct("scatter_add", aten.scatter_add.default, [N(2, 4, 6), Ints(6, 2, 4, 3), N(2, 4, 3)],
+       x0, 2, x1, x2)
+direct("scatter_add_short_src", aten.scatter_add.default, [N(4, 6), Ints(4, 2, 6), N(3, 6)],
+       x0, 0, x1, x2)
+direct("index_select", aten.index_select.default, [N(2, 4, 6), Ints(4, 4)], x0, 1, x1)
+
+# ---------------------------------------------------------------- routed experts (MoE)
+# autopar::moe_experts (autopar/runtime/experts.py): tokens split, expert parallel (uneven
+# all-to-alls on simulated ranks), experts split with a Partial output; routing spread
+# over the experts, and skewed (every pair to expert 0: ranks receive nothing)
+from autopar.runtime.experts import MOE_EXPERTS  # noqa: E402
+
+_MOE = [N(8, 4), Ints(4, 8, 2), N(8, 2), N(4, 6, 4), N(4, 4, 3)]
+direct("moe_experts", MOE_EXPERTS, _MOE, x0, x1, x2, x3, Arg(4), "silu", meshes=WITH_4)
+direct("moe_experts_skewed", MOE_EXPERTS, [_MOE[0], Ints(1, 8, 2), *_MOE[2:]],
+       x0, x1, x2, x3, Arg(4), "gelu_tanh", meshes=WITH_4)
 
 # Registered ops no sample exercises, each with the reason why.  Empty: every rule
 # registered today has a sample above; add an entry only with a real reason (e.g. the

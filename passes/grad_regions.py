@@ -1,0 +1,83 @@
+"""Inline ``torch.no_grad()`` regions that ``torch.export`` wrapped in a higher-order op.
+
+Before: the captured graph may hold ``wrap_with_set_grad_enabled(False, submod_k, *xs)``
+calls (Hugging Face rotary embeddings run their ``forward`` under ``@torch.no_grad()``),
+each reading a sub-``GraphModule`` through a ``get_attr`` node.  Such a call has no
+sharding rule (it ran replicated with a warning), and its ``GraphModule`` attribute is
+no tensor, so ``ParallelModule.export`` could not write it.
+
+After: the sub-graph's nodes stand in the main graph in its place; with grad disabled
+each result is ``aten.detach``-ed (exactly what ``no_grad`` gives: no gradient flows back
+through the region) and marked :data:`KEEP_REPLICATED`, with grad enabled the results
+are used as they are.  The sub-module and its ``get_attr`` are gone, ``getitem`` users
+read the inlined results.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+aten = torch.ops.aten
+KEEP_REPLICATED = "autopar_keep_replicated"
+"""Meta key on a no_grad region's results: they keep the one strategy the region had as a
+single op, all-replicated (small tables; shared by every layer, their layouts would
+multiply the repeated-layer solver's side inputs: autopar/solve/cluster.py)."""
+
+
+def _is_grad_region(node: fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "__name__", "") == \
+        "wrap_with_set_grad_enabled"
+
+
+def _copy_region(g: fx.Graph, sub: fx.Graph, operands: list[object]) -> list[object]:
+    """Copy ``sub``'s nodes into ``g`` at its insertion point, its placeholders bound to
+    ``operands``; returns what its output returns, as a list."""
+    env: dict[fx.Node, object] = {}
+    inputs = iter(operands)
+    result: object = None
+    for n in sub.nodes:
+        if n.op == "placeholder":
+            env[n] = next(inputs)
+        elif n.op == "output":
+            result = fx.map_arg(n.args[0], env.__getitem__)
+        else:
+            env[n] = g.node_copy(n, env.__getitem__)
+    return list(result) if isinstance(result, (tuple, list)) else [result]
+
+
+def _detached(g: fx.Graph, x: object) -> object:
+    if not isinstance(x, fx.Node):
+        return x
+    d = g.call_function(aten.detach.default, (x,))
+    d.meta.update({k: v for k, v in x.meta.items() if k in ("val", "tensor_meta")})
+    d.meta[KEEP_REPLICATED] = True
+    return d
+
+
+def inline_grad_regions(gm: fx.GraphModule) -> int:
+    """Inline every grad-mode region of ``gm`` in place; returns how many there were."""
+    g = gm.graph
+    regions = [n for n in g.nodes if _is_grad_region(n)]
+    for node in regions:
+        enabled, sub_attr, *operands = node.args
+        with g.inserting_before(node):
+            outs = _copy_region(g, getattr(gm, sub_attr.target).graph, operands)
+            if not enabled:
+                outs = [_detached(g, o) for o in outs]
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(outs[user.args[1]])
+                g.erase_node(user)
+        if node.users:  # a single (non-tuple) result used directly
+            node.replace_all_uses_with(outs[0])
+        g.erase_node(node)
+        if not sub_attr.users:
+            g.erase_node(sub_attr)
+            delattr(gm, sub_attr.target)
+    if regions:
+        g.lint()
+        gm.recompile()
+    return len(regions)
