@@ -437,11 +437,17 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         return export_module(self, Path(directory))
 
     def shutdown(self) -> None:
-        """Destroy the process group (call once at the end of a torchrun script)."""
+        """Destroy the process group (call once at the end of a torchrun script).
+
+        The groups are destroyed here, not at interpreter exit: their worker threads
+        end before this returns (:func:`autopar.runtime.mesh.release_groups` says why)."""
+        from autopar.runtime.mesh import release_groups, reset
+
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
-        from autopar.runtime.mesh import reset
+        if self._mesh_rt is not None:
+            release_groups(self._mesh_rt)
         reset()
 
 

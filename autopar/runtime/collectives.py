@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.autograd import Function
 
 from autopar.runtime.mesh import current
+from autopar.runtime.tls import issue
 
 
 def _group(axis: int) -> tuple[dist.ProcessGroup, int]:
@@ -37,21 +38,21 @@ def _group(axis: int) -> tuple[dist.ProcessGroup, int]:
 def _all_reduce(x: torch.Tensor, axis: int) -> torch.Tensor:
     g, _ = _group(axis)
     y = x.contiguous().clone()
-    dist.all_reduce(y, group=g)
+    issue(dist.all_reduce, y, group=g)
     return y
 
 
 def _all_gather(x: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
     g, n = _group(axis)
     parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(n)]
-    dist.all_gather(parts, x.contiguous(), group=g)
+    issue(dist.all_gather, parts, x.contiguous(), group=g)
     return torch.cat(parts, dim=dim)
 
 
 def _reduce_scatter_flat(out: torch.Tensor, flat: torch.Tensor, g: dist.ProcessGroup) -> None:
     # torch 2.13 renamed reduce_scatter_tensor (now deprecated) to reduce_scatter_single
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, flat, group=g)
+    issue(fn, out, flat, group=g)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
@@ -68,7 +69,7 @@ def _all_to_all(x: torch.Tensor, gather_dim: int, scatter_dim: int, axis: int) -
     chunks = [c.contiguous() for c in x.chunk(n, dim=scatter_dim)]
     flat = torch.cat([c.reshape(-1) for c in chunks])
     out = torch.empty_like(flat)
-    dist.all_to_all_single(out, flat, group=g)
+    issue(dist.all_to_all_single, out, flat, group=g)
     pieces = out.chunk(n)
     return torch.cat([p.view(chunks[0].shape) for p in pieces], dim=gather_dim)
 
@@ -208,12 +209,12 @@ def all_reduce_nograd_async(x: torch.Tensor, axes: tuple[int, ...]):
     y = x.detach().clone()
     if not axes:
         return lambda: y
-    work = dist.all_reduce(y, group=_group(axes[0])[0], async_op=True)
+    work = issue(dist.all_reduce, y, group=_group(axes[0])[0], async_op=True)
 
     def wait() -> torch.Tensor:
         work.wait()
         for a in axes[1:]:
-            dist.all_reduce(y, group=_group(a)[0])
+            issue(dist.all_reduce, y, group=_group(a)[0])
         return y
 
     return wait

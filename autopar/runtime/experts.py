@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.autograd import Function
 
 from autopar.runtime import collectives as C
+from autopar.runtime.tls import issue
 
 _ACTS = {
     "silu": F.silu,
@@ -132,7 +133,7 @@ def partial_experts(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Te
 def _uneven_all_to_all(x: torch.Tensor, send: list[int], recv: list[int], axis: int) -> torch.Tensor:
     g, _ = C._group(axis)
     out = x.new_empty((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=list(recv),
+    issue(dist.all_to_all_single, out, x.contiguous(), output_split_sizes=list(recv),
                            input_split_sizes=list(send), group=g)
     return out
 
@@ -176,7 +177,7 @@ def expert_parallel(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Te
     dest = torch.div(expert, e_local, rounding_mode="floor")
     send_t = torch.bincount(dest, minlength=n).to(torch.int64)
     recv_t = torch.empty_like(send_t)
-    dist.all_to_all_single(recv_t, send_t, group=g)
+    issue(dist.all_to_all_single, recv_t, send_t, group=g)
     send, recv = send_t.tolist(), recv_t.tolist()
     rows = uneven_all_to_all(hidden[tok], send, recv, axis)
     with torch.no_grad():

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.runtime.mesh import current
+from autopar.runtime.tls import issue
 
 
 @dataclass
@@ -126,7 +127,7 @@ class GradSync(OrderedBuckets):
                             for p in b.params])
         m = current()
         # every replicated axis at once, asynchronously (one group spanning them)
-        b.work = dist.all_reduce(b.flat, group=m.group_of(b.axes), async_op=True)
+        b.work = issue(dist.all_reduce, b.flat, group=m.group_of(b.axes), async_op=True)
         b.launched = True
 
     def _complete(self) -> None:

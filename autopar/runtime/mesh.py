@@ -4,12 +4,19 @@ collectives that generated code calls with a plain mesh-axis index."""
 from __future__ import annotations
 
 import datetime
+import gc
 import itertools
 import math
 import os
 from dataclasses import dataclass, field
 
 import torch
+
+# Before any process group exists (this module loads with ``import autopar``): torch 2.13
+# keeps 10 references to the world group for good when torch._dynamo is first imported
+# after the group is made (capture imports it), so the group's gloo threads would
+# outlive destroy_process_group() and can abort the process at exit (release_groups).
+import torch._dynamo  # noqa: F401, I001
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -172,3 +179,26 @@ def reset() -> None:
     """Forget the current mesh (tests re-create it between process groups)."""
     global _CURRENT
     _CURRENT = None
+
+
+def release_groups(m: RuntimeMesh) -> None:
+    """Drop the references ``m`` and every live ``DeviceMesh`` hold to process groups,
+    after ``destroy_process_group()``, so the groups are destroyed now and gloo joins
+    its worker threads while the interpreter is whole.
+
+    Why: the ``DeviceMesh`` (which the module's DTensor parameters keep alive) holds its
+    groups in ``_pg_registry``.  While a group lives, its worker threads do too, and they
+    may still drop the last reference to a finished work.  At interpreter exit that
+    can need the GIL after finalization has begun, which aborts the process ("terminate
+    called without an active exception"; autopar/runtime/tls.py has the rest).  torch
+    destroys a group with the GIL released, so the workers can finish first."""
+    m.flat.clear()
+    # every live DeviceMesh, not only ``m``'s: torch's DTensor caches keep older meshes
+    # alive, and a copied mesh (unpickling re-resolves its groups) holds its own
+    # registry.  After destroy_process_group() every group they name is dead anyway.
+    gc.collect()
+    for dm in [m.device_mesh, *(o for o in gc.get_objects() if isinstance(o, DeviceMesh))]:
+        registry = getattr(dm, "_pg_registry", None)  # on the root mesh (torch 2.13)
+        if isinstance(registry, dict):
+            registry.clear()
+    gc.collect()

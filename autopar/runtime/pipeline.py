@@ -63,6 +63,7 @@ import torch.distributed as dist
 from autopar.passes.split_stages import StageGraph
 from autopar.plan import Schedule
 from autopar.runtime.mesh import current
+from autopar.runtime.tls import issue
 
 # dtypes a boundary value may have, by header code
 _DTYPES: tuple[torch.dtype, ...] = (
@@ -211,14 +212,14 @@ class PipelineRunner:
     # ------------------------------------------------------------ point to point
     def _isend(self, t: torch.Tensor, dst: int) -> None:
         w = _wire(t)
-        self._pending.append((dist.isend(w, dst=dst), w))
+        self._pending.append((issue(dist.isend, w, dst=dst), w))
 
     def _recv(self, metas: list[_Meta], src: int, grads: bool) -> list[torch.Tensor]:
         bufs = []
         for m in metas:
             dtype = torch.uint8 if m.dtype == torch.bool else m.dtype
             bufs.append(torch.empty(m.shape, dtype=dtype, device=current().device))
-        works = [dist.irecv(b, src=src) for b in bufs]
+        works = [issue(dist.irecv, b, src=src) for b in bufs]
         for w in works:
             w.wait()
         out = []
@@ -232,7 +233,7 @@ class PipelineRunner:
     def _recv_activations(self) -> list[torch.Tensor]:
         if self._recv_meta is None:
             h = torch.empty(len(self.stage.recv) * _HEADER, dtype=torch.int64, device=current().device)
-            dist.recv(h, src=self._prev)
+            issue(dist.recv, h, src=self._prev)
             self._recv_meta = _decode(h, len(self.stage.recv))
         return self._recv(self._recv_meta, self._prev, grads=False)
 
@@ -326,7 +327,7 @@ class PipelineRunner:
         if self.stage.num_stages > 1:
             # the last stage's dtype is unknown to the others: compute in float32
             loss = loss.to(torch.float32).reshape(())
-            dist.broadcast(loss, src=mesh.stage_rank(self.stage.num_stages - 1),
+            issue(dist.broadcast, loss, src=mesh.stage_rank(self.stage.num_stages - 1),
                            group=mesh.device_mesh.get_group(0))
         return loss
 

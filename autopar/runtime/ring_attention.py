@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.autograd import Function
 
 from autopar.runtime.mesh import current
+from autopar.runtime.tls import issue
 
 _SHIFT_TAG = 1 << 20  # above every sub-chunk tag (chunk ids) used by the re-layout
 
@@ -53,7 +54,7 @@ class Ring:
         ops = [dist.P2POp(dist.isend, t, self.ranks[p], self.group, tag) for t, p, tag in sends]
         ops += [dist.P2POp(dist.irecv, t, self.ranks[p], self.group, tag) for t, p, tag in recvs]
         if ops:
-            for w in dist.batch_isend_irecv(ops):
+            for w in issue(dist.batch_isend_irecv, ops):
                 w.wait()
 
 

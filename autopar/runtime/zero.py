@@ -43,6 +43,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from autopar.runtime.grad_sync import OrderedBuckets
 from autopar.runtime.mesh import current
+from autopar.runtime.tls import issue
 
 # stage 3 lives in autopar.runtime.zero3 (one gather per layer, prefetched)
 from autopar.runtime.zero3 import Group, free_gathered_params, register, zero_gather
@@ -53,7 +54,7 @@ def _all_gather_flat(shard: torch.Tensor, axis: int) -> torch.Tensor:
     m = current()
     out = torch.empty(shard.numel() * m.shape[axis], dtype=shard.dtype, device=shard.device)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, shard.contiguous(), group=m.group(axis))
+    issue(fn, out, shard.contiguous(), group=m.group(axis))
     return out
 
 
@@ -61,7 +62,7 @@ def _reduce_scatter_flat(flat: torch.Tensor, axis: int) -> torch.Tensor:
     m = current()
     out = torch.empty(flat.numel() // m.shape[axis], dtype=flat.dtype, device=flat.device)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, flat.contiguous(), group=m.group(axis))
+    issue(fn, out, flat.contiguous(), group=m.group(axis))
     return out
 
 
@@ -248,12 +249,12 @@ class Zero(OrderedBuckets):
             zp.full.grad = None  # the bucket holds it now; stage 2 frees it here
         g = current().group(self.axis)
         if self.stage == 1:
-            b.work = dist.all_reduce(b.flat, group=g, async_op=True)
+            b.work = issue(dist.all_reduce, b.flat, group=g, async_op=True)
         else:
             out = torch.empty(b.flat.numel() // current().shape[self.axis], dtype=b.flat.dtype,
                               device=b.flat.device)
             fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-            b.work = fn(out, b.flat, group=g, async_op=True)
+            b.work = issue(fn, out, b.flat, group=g, async_op=True)
             b.flat = out
 
     def _complete(self) -> None:
@@ -269,7 +270,7 @@ class Zero(OrderedBuckets):
                 c = zp.shard.numel()
                 g = mine[off:off + c].clone()
                 for a in zp.other_axes:
-                    dist.all_reduce(g, group=m.group(a))
+                    issue(dist.all_reduce, g, group=m.group(a))
                 zp.shard.grad = g if zp.shard.grad is None else zp.shard.grad + g
                 off += c
             b.ready, b.flat, b.work = 0, None, None

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.autograd import Function
 
 from autopar.runtime.mesh import current
+from autopar.runtime.tls import issue
 
 
 @dataclass
@@ -69,7 +70,7 @@ def _launch(g: Group, async_op: bool):
     send = torch.cat([s.detach().reshape(-1) for s in g.shards])
     out = torch.empty(send.numel() * d, dtype=send.dtype, device=send.device)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    work = fn(out, send, group=m.group(g.axis), async_op=async_op)
+    work = issue(fn, out, send, group=m.group(g.axis), async_op=async_op)
     return work, out
 
 
@@ -137,7 +138,7 @@ class _GatherGroup(Function):
         send = torch.cat(per, dim=1).reshape(-1)
         out = torch.empty(send.numel() // d, dtype=send.dtype, device=send.device)
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        fn(out, send, group=m.group(g.axis))
+        issue(fn, out, send, group=m.group(g.axis))
         return (None, *out.split(g.sizes))
 
 

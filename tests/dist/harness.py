@@ -137,6 +137,44 @@ def _measure_memory(pm, opt, ex) -> list[dict]:
     return everyone
 
 
+# every torch.distributed call the runtime issues collectives through; isend and irecv
+# stay as they are (P2POp accepts only the originals): batch_isend_irecv is watched
+_SPIED = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+          "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all_single", "broadcast",
+          "send", "recv", "batch_isend_irecv", "barrier")
+
+
+def _spy_thread_state(seen: list[str]) -> None:
+    """Wrap the collectives of ``torch.distributed`` so that each call issued with a
+    Python object in the thread's state (autopar/runtime/tls.py: such a work can abort
+    the process at exit) appends ``"name: what"`` to ``seen``."""
+    import functools
+
+    from autopar.runtime.tls import python_state
+
+    def wrap(name: str, fn):
+        @functools.wraps(fn)
+        def spied(*args, **kwargs):
+            state = python_state()
+            if state:
+                seen.append(f"{name}: {', '.join(state)}")
+            return fn(*args, **kwargs)
+        return spied
+
+    for name in _SPIED:
+        if hasattr(dist, name):
+            setattr(dist, name, wrap(name, getattr(dist, name)))
+
+
+def _no_thread_state_leaks(results: dict[str, dict]) -> dict[str, dict]:
+    """``results`` as they are, unless a case issued a collective with Python objects
+    in its thread state (then AssertionError naming the cases and collectives)."""
+    leaks = {k: r["thread_state_leaks"] for k, r in results.items()
+             if isinstance(r, dict) and r.get("thread_state_leaks")}
+    assert not leaks, f"collectives issued with Python objects in thread-local state: {leaks}"
+    return results
+
+
 def _resolve(fn: str):
     """The function named ``"module:function"``."""
     mod, name = fn.split(":")
@@ -151,10 +189,13 @@ def _worker(rank: int, world: int, port: int, cases: list[dict], out: str,
     torch.set_num_threads(1)
     import warnings
     warnings.filterwarnings("ignore")
+    seen: list[str] = []
+    _spy_thread_state(seen)  # imports autopar before the group is made, as a script would
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=180))
     results = {}
     for c in cases:
+        seen.clear()
         try:
             if fn is not None:
                 results[c["id"]] = _resolve(fn)(c)
@@ -164,9 +205,12 @@ def _worker(rank: int, world: int, port: int, cases: list[dict], out: str,
         except Exception:  # noqa: BLE001 - reported to the test, which fails on it
             results[c["id"]] = {"error": traceback.format_exc()}
             break  # ranks may now disagree on collectives: stop rather than hang
+        if isinstance(results[c["id"]], dict) and seen:
+            results[c["id"]]["thread_state_leaks"] = sorted(set(seen))
     if rank == 0:
         Path(out).write_text(json.dumps(results))
-    dist.destroy_process_group()
+    if dist.is_initialized():  # a case may end with pm.shutdown()
+        dist.destroy_process_group()
     # leave without running C++ static destructors: a rank whose library threads were
     # still being torn down at interpreter exit was seen to abort ("terminate called
     # without an active exception") after its work was done and reported
@@ -181,7 +225,7 @@ def run_cases(world: int, cases: list[Case]) -> dict[str, dict]:
         out = os.path.join(d, "results.json")
         mp.spawn(_worker, args=(world, free_port(), [asdict(c) for c in cases], out),
                  nprocs=world, join=True)
-        return json.loads(Path(out).read_text())
+        return _no_thread_state_leaks(json.loads(Path(out).read_text()))
 
 
 def run_fn_cases(world: int, fn: str, cases: list[dict]) -> dict[str, dict]:
@@ -190,4 +234,4 @@ def run_fn_cases(world: int, fn: str, cases: list[dict]) -> dict[str, dict]:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "results.json")
         mp.spawn(_worker, args=(world, free_port(), cases, out, fn), nprocs=world, join=True)
-        return json.loads(Path(out).read_text())
+        return _no_thread_state_leaks(json.loads(Path(out).read_text()))

@@ -32,7 +32,10 @@ def two(tmp_path_factory):
                                        "dir": str(d / "out")},
                                       {"id": "trace", "fn": "trace", "mesh": [2], "dir": str(d)},
                                       {"id": "zero3", "fn": "zero3_collectives", "mesh": [2]},
-                                      {"id": "dp-bwd", "fn": "dp_backward_collectives", "mesh": [2]}])
+                                      {"id": "dp-bwd", "fn": "dp_backward_collectives", "mesh": [2]},
+                                      # last: it destroys the process group
+                                      {"id": "shutdown", "fn": "shutdown_joins_threads", "mesh": [2],
+                                       "pins": TP_MLP}])
 
 
 @pytest.fixture(scope="module")
@@ -194,3 +197,12 @@ def test_data_parallel_backward_issues_only_gradient_buckets(two):
     # the runtime reduces exactly the buckets the plan chose (autopar/solve/buckets.py)
     assert r["run_buckets"] == r["planned"] and r["planned"], r
     assert r["grad_err"] < 1e-6 and r["loss_err"] < 1e-5
+
+
+def test_shutdown_joins_gloo_threads(two):
+    # before: 3 gloo threads (one tcp loop, two workers) outlived shutdown(); at exit they
+    # could drop a finished work after finalization began and abort the process
+    # (docs/training.md's first example under torchrun, about 1 run in 20 under load)
+    r = _ok(two["shutdown"])
+    assert r["before"], "a gloo process group ran the step"
+    assert r["after"] == [], r["after"]
