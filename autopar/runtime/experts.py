@@ -77,10 +77,13 @@ def routed_experts(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Ten
     routing is data-dependent)."""
     out = torch.zeros_like(hidden)
     n = gate_up.shape[0]
+    ran = False
     for e in range(n):
         slot, tok = torch.where(index.t() == first + e)
-        if tok.numel() == 0:
+        if tok.numel() == 0 and (ran or e < n - 1):
             continue
+        # the last expert runs even on no rows when none ran: _no_rows_keeps_grad
+        ran = True
         y = _expert(hidden[tok], gate_up[e], down[e], act) * weights[tok, slot, None]
         out = out.index_add(0, tok, y.to(out.dtype))
     return out
@@ -121,6 +124,12 @@ MOE_EXPERTS = torch.ops.autopar.moe_experts.default
 
 
 # ------------------------------------------------------------------ local forms
+# _no_rows_keeps_grad: when no routed row reaches any of this rank's experts, one of them
+# still runs on zero rows.  Its weights then get a gradient of zeros, as in the single
+# process (where the stacked expert tensor gets a gradient whenever any expert ran),
+# not ``None``: an optimizer skips a parameter whose gradient is ``None``, so AdamW's
+# weight decay and momentum would stop for this rank's experts alone and the shards
+# would drift from the model they split.
 def partial_experts(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
                     gate_up: torch.Tensor, down: torch.Tensor, act: str,
                     axis: int) -> torch.Tensor:
@@ -185,12 +194,11 @@ def expert_parallel(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Te
     # rows from each source are sorted by expert; group them by expert across sources
     order = torch.sort(got, stable=True).indices
     counts = torch.bincount(got, minlength=e_local).tolist()
-    pieces = []
-    for e, part in enumerate(torch.split(order, counts)):
-        if part.numel():
-            pieces.append(_expert(rows[part], gate_up[e], down[e], act))
-    y = torch.cat(pieces) if pieces else rows[:0]
-    y = y[torch.argsort(order)] if pieces else y  # back to arrival order
+    pieces = [_expert(rows[part], gate_up[e], down[e], act)
+              for e, part in enumerate(torch.split(order, counts)) if part.numel()]
+    if not pieces:  # no rows for this rank's experts: _no_rows_keeps_grad
+        pieces.append(_expert(rows[:0], gate_up[0], down[0], act))
+    y = torch.cat(pieces)[torch.argsort(order)]  # back to arrival order
     back = uneven_all_to_all(y, recv, send, axis)
     out = torch.zeros_like(hidden)
     return out.index_add(0, tok, (back * weights[tok, slot, None]).to(out.dtype))

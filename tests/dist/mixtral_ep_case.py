@@ -55,6 +55,13 @@ def run_case(c: dict) -> dict:
     from autopar.runtime.mesh import reset
 
     model, batch = build(aux=c.get("aux", False))
+    if c.get("skew"):
+        # a zero router ties every expert: top-2 takes the same two for every token
+        # (experts 2 and 3 on this CPU), so the other rank's experts get no rows at all
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith("mlp.gate.weight"):
+                    p.zero_()
     ref = copy.deepcopy(model)
     mesh = tuple(c["mesh"])
     pins = ep_pins(mesh, c["axis"]) if c.get("axis") is not None else {}
@@ -80,6 +87,13 @@ def run_case(c: dict) -> dict:
             dist.all_gather_object(losses, float(out.loss))
             res["losses"], res["ref_loss"] = losses, float(rout.loss)
             res["aux"] = None if rout.aux_loss is None else float(rout.aux_loss)
+            # a parameter with a gradient in the model has one on every rank: an
+            # optimizer skips a None gradient (no weight decay, no momentum step)
+            has = {n for n, p in ref.named_parameters() if p.grad is not None}
+            mine = sorted(n for n, p in pm.named_parameters() if n in has and p.grad is None)
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+            res["missing_grads"] = sorted({n for m in everyone for n in m})
             grads = pm.full_grads()
             ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
             res["grad_err"], res["grad_worst"] = _max_err(grads, ref_grads, ref_grads)

@@ -6,7 +6,9 @@ every rank, every gradient, the parameters after two AdamW steps.
 
 Cases on 2 ranks: EP pinned, EP pinned with the router's load-balancing loss in the
 loss (``output_router_logits``: ``loss += router_aux_loss_coef * aux_loss``), the
-planner's own choice (experts split with the tokens gathered and a Partial output).
+planner's own choice (experts split with the tokens gathered and a Partial output), and
+EP with every token routed to one rank's experts (the other rank's get no rows, yet
+their weights must get a gradient of zeros on that rank, as in the single process).
 On 4 ranks (slow): EP x DP 2x2, experts on the inner axis.
 
 Tolerances: those of tests/dist/test_equivalence.py (fp32 sums reordered by sharded
@@ -29,6 +31,8 @@ TWO = [
     {"id": "ep-2", "mesh": [2], "axis": 0},
     {"id": "ep-2-aux", "mesh": [2], "axis": 0, "aux": True},
     {"id": "auto-2", "mesh": [2], "axis": None},
+    # every token routed to one rank's experts: the other rank's experts get no rows
+    {"id": "ep-2-skewed", "mesh": [2], "axis": 0, "skew": True},
 ]
 FOUR = [{"id": "ep-dp-2x2", "mesh": [2, 2], "axis": 1, "aux": True}]
 
@@ -40,6 +44,8 @@ def _check(r: dict, case: dict) -> None:
     assert r["grad_err"] <= 2e-5 + 1e-4 * r["grad_scale"], (r["grad_err"], r["grad_worst"])
     assert r["adam_err"] <= 5e-5, (r["adam_err"], r["adam_worst"])
     assert r["keys_match"]
+    # before: with no rows for its experts, a rank's expert weights had no gradient
+    assert r["missing_grads"] == [], r["missing_grads"]
     assert len(r["moe"]) == 2
     if case.get("aux"):
         assert r["aux"] is not None and r["aux"] > 0
