@@ -105,8 +105,14 @@ class CostModel:
         """Compute (forward + backward) plus the op's own communication."""
         if node.op == "get_attr" and info(node).param is not None:
             return self.grad_sync(s.outputs[0], info(node).out)
+        return sum(self.op_time(node, s))
+
+    def op_time(self, node: fx.Node, s: OpStrategy) -> tuple[float, float]:
+        """(compute forward + backward, the op's own communication) of an op under
+        strategy ``s``: the collectives its local form issues itself (context-parallel
+        attention, expert dispatch, distributed cross-entropy), not those on its edges."""
         if node.op != "call_function" or node.target in VIEW_OPS or node.target is operator.getitem:
-            return 0.0
+            return 0.0, 0.0
         ni = info(node)
         div = 1
         for a, n in enumerate(self.mesh.shape):
@@ -122,7 +128,7 @@ class CostModel:
         t = compute_time(self.mesh, ni.flops / div, local_bytes, dtype)
         if node.target is SDPA:
             t *= self.attention_compute_factor(node, s)
-        return t * (1.0 + self.backward_factor) + self.own_comm(node, s, t)
+        return t * (1.0 + self.backward_factor), self.own_comm(node, s, t)
 
     def own_comm(self, node: fx.Node, s: OpStrategy, forward: float = 0.0) -> float:
         """Collectives an op issues inside its lowering (vocab-parallel cross-entropy,

@@ -88,6 +88,12 @@ class NodePlan:
     edges' redistributions): the number :attr:`alternatives` are comparable with."""
     redistributions: list[Redistribution] = field(default_factory=list)
     alternatives: list[Alternative] = field(default_factory=list)
+    own_comm: float = 0.0
+    """Seconds of :attr:`compute` that are the op's own exchanges (context-parallel
+    attention, expert dispatch, distributed cross-entropy), not edge redistributions."""
+    lowering: str = ""
+    """What the op's local form does when it communicates itself, in words
+    (:func:`autopar.lowering.describe`); empty for ops that do not."""
 
 
 @dataclass
@@ -297,6 +303,10 @@ class Plan:
                  f"  chosen: inputs {n.in_placements} -> output {n.out_placements}; "
                  f"compute {n.compute * 1e3:.4f} ms, communication {n.comm * 1e3:.4f} ms, "
                  f"memory {format_bytes(n.memory)}"]
+        if n.lowering:
+            own = f"; its own exchanges {n.own_comm * 1e3:.4f} ms (inside the compute above)" \
+                if n.own_comm > 0 else ""
+            lines.append(f"  runs as: {n.lowering}{own}")
         for r in n.redistributions:
             lines.append(f"  input {r.input}: {r.src} -> {r.dst} via {', '.join(r.steps)} "
                          f"({r.seconds * 1e3:.4f} ms)")

@@ -25,6 +25,7 @@ from autopar.costs import CostModel, param_state_split
 from autopar.errors import PlanError
 from autopar.ir import info, tensor_inputs
 from autopar.layers import layer_keys, layers
+from autopar.lowering import describe
 from autopar.placement import (
     Shard,
     fmt_placements,
@@ -472,6 +473,8 @@ def assemble(gm: fx.GraphModule, mesh: MeshSpec, pb: Problem, choice: dict[fx.No
             memory=float(memory), param=ni.param, layer=layer_of.get(n, ""),
             flops=float(ni.flops), local_seconds=float(local),
             redistributions=reds, alternatives=alts[:5],
+            own_comm=float(cm.op_time(n, s)[1]) if kind == "op" else 0.0,
+            lowering=describe(n, s, mesh) if kind == "op" else "",
         )
     mem["total"] = sum(mem.values())
     return Plan(

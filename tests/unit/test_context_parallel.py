@@ -89,9 +89,9 @@ def _seq_plan(**kw):
                         search="ilp", **kw)
 
 
-@pytest.mark.parametrize("mode,fn", [("exchange", "ulysses_attention"),
-                                     ("gather-kv", "row_attention")])
-def test_context_parallel_option_and_summary(mode, fn):
+@pytest.mark.parametrize("mode,fn,says", [("exchange", "ulysses_attention", "Ulysses"),
+                                           ("gather-kv", "row_attention", "query rows")])
+def test_context_parallel_option_and_summary(mode, fn, says):
     plan = _seq_plan(context_parallel=mode)
     attn = [n for n in plan.nodes.values() if n.op == "scaled_dot_product_attention"]
     assert attn and all(n.in_placements[0] == "S(2)" for n in attn)
@@ -99,6 +99,13 @@ def test_context_parallel_option_and_summary(mode, fn):
     assert all(n.in_placements[1] == want_k for n in attn)
     assert axis_roles(plan)[0].kind.endswith("CP"), axis_roles(plan)
     assert "CP2" in str(plan)
+    # explain names the lowering; Ulysses's all-to-alls are its own exchanges, priced
+    text = plan.explain(attn[0].name)
+    assert f"runs as: {'context parallel over a0 (2), ' if mode == 'exchange' else ''}{says}" \
+        in text, text
+    assert (attn[0].own_comm > 0) == (mode == "exchange"), attn[0].own_comm
+    assert ("its own exchanges" in text) == (mode == "exchange")
+    assert type(plan).from_json(plan.to_json()).nodes[attn[0].name].lowering == attn[0].lowering
     off = _seq_plan(context_parallel="off")
     assert all(n.in_placements[0] != "S(2)" for n in off.nodes.values()
                if n.op == "scaled_dot_product_attention")

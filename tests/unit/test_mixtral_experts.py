@@ -140,6 +140,8 @@ def test_pinned_expert_parallel_plan_calls_the_dispatch():
     assert all(n.in_placements[0] == "S(0)" and n.in_placements[3] == "S(0)" for n in moe)
     assert pm.code.count("autopar_runtime_experts_expert_parallel(") == 2
     assert "moe_experts.default" not in pm.code
+    text = pm.plan.explain(moe[0].name)
+    assert "runs as: expert parallel over a0 (2)" in text and "its own exchanges" in text, text
 
 
 @pytest.mark.slow
