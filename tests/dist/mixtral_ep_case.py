@@ -49,6 +49,23 @@ def ep_pins(mesh: tuple[int, ...], axis: int) -> dict[str, str]:
     return pins
 
 
+def ep_tp_pins(ep_axis: int = 0, tp_axis: int = 1) -> dict[str, str]:
+    """EP x TP on a 2-D mesh: the batch and the experts split over ``ep_axis`` (the
+    experts' tokens travel by the dispatch all-to-alls there), attention split
+    Megatron-style over ``tp_axis`` (q/k/v by output rows, o by input columns), the
+    batch whole over ``tp_axis``."""
+    def on(axis: int, p: str) -> str:
+        return "".join(p if a == axis else "R" for a in range(2))
+    batch = on(ep_axis, "S(0)")
+    pins = {"*experts.gate_up_proj": batch, "*experts.down_proj": batch, "input:0": batch,
+            "input:1": batch}
+    pins.update({("moe_experts" if i == 0 else f"moe_experts_{i}"): batch for i in range(LAYERS)})
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        pins[f"*self_attn.{proj}.weight"] = on(tp_axis, "S(0)")
+    pins["*self_attn.o_proj.weight"] = on(tp_axis, "S(1)")
+    return pins
+
+
 def run_case(c: dict) -> dict:
     """Every rank runs this; rank 0's dict goes back to the test."""
     from autopar import MeshSpec, auto_parallel
@@ -64,12 +81,16 @@ def run_case(c: dict) -> dict:
                     p.zero_()
     ref = copy.deepcopy(model)
     mesh = tuple(c["mesh"])
-    pins = ep_pins(mesh, c["axis"]) if c.get("axis") is not None else {}
+    if c.get("tp"):
+        pins = ep_tp_pins(c["axis"], c["tp"])
+    else:
+        pins = ep_pins(mesh, c["axis"]) if c.get("axis") is not None else {}
     reset()
     pm = auto_parallel(model, example_kwargs=batch, mesh=MeshSpec.preset("cpu-gloo", shape=mesh),
                        pins=pins, search="ilp")
     res: dict = {"moe": [(n.in_placements, n.out_placements) for n in pm.plan.nodes.values()
                          if "moe_experts" in str(n.op)],
+                 "params": pm.plan.params(),
                  "calls": sorted({getattr(n.target, "__name__", str(n.target))
                                   for n in pm.inner.graph.nodes if n.op == "call_function"})}
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)

@@ -9,7 +9,8 @@ loss (``output_router_logits``: ``loss += router_aux_loss_coef * aux_loss``), th
 planner's own choice (experts split with the tokens gathered and a Partial output), and
 EP with every token routed to one rank's experts (the other rank's get no rows, yet
 their weights must get a gradient of zeros on that rank, as in the single process).
-On 4 ranks (slow): EP x DP 2x2, experts on the inner axis.
+On 4 ranks (slow): EP x DP 2x2, experts on the inner axis; EP x TP 2x2, experts on
+axis 0 and attention split Megatron-style on axis 1.
 
 Tolerances: those of tests/dist/test_equivalence.py (fp32 sums reordered by sharded
 contractions and collectives move results by a few ulps; AdamW's m/sqrt(v) amplifies
@@ -34,7 +35,9 @@ TWO = [
     # every token routed to one rank's experts: the other rank's experts get no rows
     {"id": "ep-2-skewed", "mesh": [2], "axis": 0, "skew": True},
 ]
-FOUR = [{"id": "ep-dp-2x2", "mesh": [2, 2], "axis": 1, "aux": True}]
+FOUR = [{"id": "ep-dp-2x2", "mesh": [2, 2], "axis": 1, "aux": True},
+        # experts split over axis 0, attention split Megatron-style over axis 1
+        {"id": "ep-tp-2x2", "mesh": [2, 2], "axis": 0, "tp": 1, "aux": True}]
 
 
 def _check(r: dict, case: dict) -> None:
@@ -53,6 +56,10 @@ def _check(r: dict, case: dict) -> None:
         assert "expert_parallel" in r["calls"], r["calls"]
         ax = case["axis"]
         assert all(parse_placements(ins[3])[ax] == Shard(0) for ins, _ in r["moe"]), r["moe"]
+    if case.get("tp"):  # the attention projections really are split over the TP axis
+        tp = {k: v for k, v in r["params"].items() if "self_attn" in k and k.endswith("weight")}
+        assert len(tp) == 4 * 2 and all(parse_placements(v)[case["tp"]] == (Shard(1) if "o_proj" in k else Shard(0))
+                   for k, v in tp.items()), tp
 
 
 @pytest.fixture(scope="module")
