@@ -36,7 +36,7 @@ from autopar.placement import (
 )
 from autopar.redistribute import StepKind, plan_redistribution, step_shapes
 from autopar.rules import OpStrategy
-from autopar.rules.attention import SDPA, CPImpl, context_layout, sdpa_args
+from autopar.rules.attention import SDPA, CPImpl, context_layout, sdpa_args, sdpa_placements
 from autopar.runtime.experts import MOE_EXPERTS
 
 aten = __import__("torch").ops.aten
@@ -178,14 +178,21 @@ class CostModel:
         if layout is None or layout.impl is None:
             return 0.0
         a = sdpa_args(node)
-        q, k, v = (self._local_bytes(x, p) for x, p in zip((a.q, a.k, a.v), s.inputs))
+        qp, kp, vp, _ = sdpa_placements(node, s.inputs)
+        q, k, v = (self._local_bytes(x, p) for x, p in ((a.q, qp), (a.k, kp), (a.v, vp)))
+        o = self._local_bytes(node, s.outputs[0])
         if layout.impl is CPImpl.RING:
             from autopar.runtime.ring_attention import ring_attention_cost_factors
 
             n, balanced = self._ring(node, layout.cp_axes)
             _, transfers = ring_attention_cost_factors(n, a.is_causal, balanced)
-            return 2.0 * transfers * send_recv_time(self.mesh, layout.cp_axes, k + v)
-        o = self._local_bytes(node, s.outputs[0])
+            # the factor counts the zigzag re-layout in K/V blocks, true when q and the
+            # output are as large as k and v; it moves half (2 ranks) or all of this
+            # rank's q, k, v and output, so price it by their real sizes (GQA: q is larger)
+            relayout = transfers - (n - 1)
+            return 2.0 * ((n - 1) * send_recv_time(self.mesh, layout.cp_axes, k + v)
+                          + relayout * send_recv_time(self.mesh, layout.cp_axes,
+                                                      (q + k + v + o) / 2))
         return 2.0 * sum(all_to_all_time(self.mesh, ax, b)
                          for ax in layout.cp_axes for b in (q, k, v, o))
 
@@ -223,9 +230,17 @@ class CostModel:
         last rank does ``(2n-1)/(2n^2)`` of the causal work where an even split does
         ``1/(2n)``, ``(2n-1)/n`` times more.  (Crediting the skip made the planner pick
         ring attention on gloo where it measured 1.9x slower than data parallel:
-        docs/benchmarks.md, context parallel.)"""
+        docs/benchmarks.md, context parallel.)  Causal query rows compute every block
+        under an explicit mask: 2.0, twice a fused causal kernel's work."""
         layout = context_layout(node, s.inputs, self.mesh.shape)
-        if layout is None or layout.impl is not CPImpl.RING or not sdpa_args(node).is_causal:
+        if layout is None or not sdpa_args(node).is_causal:
+            return 1.0
+        if layout.impl is None:
+            # query rows: row_attention turns is_causal into an explicit mask, so every
+            # score block is computed (and no fused causal kernel runs), twice what a
+            # fused causal kernel does on the other splits
+            return 2.0 if layout.row_axes else 1.0
+        if layout.impl is not CPImpl.RING:
             return 1.0
         n, balanced = self._ring(node, layout.cp_axes)
         return 1.0 if balanced else (2 * n - 1) / n

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from autopar.ir import tensor_inputs
 from autopar.placement import Placement, Placements, R, Shard, local_shape
 from autopar.rules import AxisStrategy, OpStrategy, RuleCtx, arg, assign, register, shape
 
@@ -56,6 +57,20 @@ def sdpa_args(node: fx.Node) -> SdpaArgs:
                     mask if isinstance(mask, fx.Node) else None,
                     float(arg(node, 4, "dropout_p", 0.0)), bool(arg(node, 5, "is_causal", False)),
                     arg(node, 6, "scale"), bool(arg(node, 7, "enable_gqa", False)))
+
+
+def sdpa_placements(node: fx.Node, inputs: Sequence[Placements]) -> tuple[
+        Placements, Placements, Placements, Placements | None]:
+    """(q, k, v, mask) placements of a strategy's ``inputs``.
+
+    ``inputs`` follow ``tensor_inputs(node)``, which lists a node once however often the
+    op reads it: self-attention written ``sdpa(x, x, x)`` has one input, ``sdpa(q, kv,
+    kv, mask)`` three.  So look placements up by node, never by position (by position, a
+    shared k and v read the mask's placement as v's, and ``sdpa(x, x, x, mask)`` lowered
+    to query rows with k and v split)."""
+    by = dict(zip(tensor_inputs(node), inputs))
+    a = sdpa_args(node)
+    return by[a.q], by[a.k], by[a.v], (by[a.mask] if a.mask is not None else None)
 
 
 class ContextParallel(enum.StrEnum):
@@ -108,14 +123,15 @@ def _mask_dim(a: SdpaArgs, d: int) -> int | None:
 def context_layout(node: fx.Node, inputs: Sequence[Placements],
                    mesh_shape: Sequence[int]) -> ContextLayout | None:
     """The sequence layout of ``node`` under input placements ``inputs`` (in
-    ``tensor_inputs`` order: q, k, v, mask), or ``None`` when no lowering exists for it.
+    ``tensor_inputs`` order: :func:`sdpa_placements`), or ``None`` when no lowering
+    exists for it.
 
     Ulysses needs the heads each rank holds (after batch/head sharding on other axes)
     to divide by the CP degree, for q and for k/v; ring attention runs otherwise (one
     ring over all CP axes, the first axis major).
     """
     a = sdpa_args(node)
-    qp, kp = inputs[0], inputs[1]
+    qp, kp, _, _ = sdpa_placements(node, inputs)
     cp = tuple(i for i, p in enumerate(qp) if p == Shard(SEQ) and kp[i] == Shard(SEQ))
     rows = tuple(i for i, p in enumerate(qp) if p == Shard(SEQ) and kp[i] != Shard(SEQ))
     if not cp:

@@ -68,6 +68,59 @@ def test_ulysses_price_is_four_all_to_alls_each_way():
     assert CostModel(mesh).attention_comm(node, _cp(node, (2,))) == pytest.approx(expected)
 
 
+class _SharedKV(nn.Module):
+    def forward(self, q, kv, mask):
+        return F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask)
+
+
+class _GQA(nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def _node(module: nn.Module, *xs: torch.Tensor):
+    gm = capture(module, xs).gm
+    annotate(gm)
+    return next(n for n in gm.graph.nodes if n.target is SDPA)
+
+
+def test_shared_kv_priced_by_its_own_placement():
+    # before: v's bytes were read from the mask's placement (the strategy lists kv once)
+    mesh = MeshSpec.preset("cpu-gloo", shape=(2,))
+    x = torch.randn(2, 4, 16, 8)
+    node = _node(_SharedKV(), x, x.clone(), torch.randn(2, 4, 16, 16))
+    s = next(st for st in op_strategies(node, RuleCtx((2,)))
+             if st.inputs[:2] == ((Shard(2),), (Shard(2),)))
+    local = 2 * 4 * 8 * 8 * 4  # q, kv and the output: [2, 4, 16/2, 8] fp32
+    expected = 2 * 4 * all_to_all_time(mesh, 0, local)
+    assert CostModel(mesh).attention_comm(node, s) == pytest.approx(expected)
+
+
+def test_ring_relayout_priced_by_q_and_output_under_gqa():
+    # 6 query heads, 3 key/value heads on 4 ranks: ring; 16/4 rows halve: zigzag.  The
+    # re-layout moves q, k, v and the output (2 block-equivalents on 4 ranks); q and the
+    # output are twice k's size here (before: priced as if they were k's size)
+    mesh = MeshSpec.preset("cpu-gloo", shape=(4,))
+    node = _node(_GQA(), torch.randn(2, 6, 16, 8), torch.randn(2, 3, 16, 8), torch.randn(2, 3, 16, 8))
+    s = _cp(node, (4,))
+    kv_block = 2 * 3 * 4 * 8 * 4
+    q_block = 2 * kv_block
+    expected = 2 * (3 * send_recv_time(mesh, 0, 2 * kv_block)
+                    + 2 * send_recv_time(mesh, 0, (q_block + 2 * kv_block + q_block) / 2))
+    assert CostModel(mesh).attention_comm(node, s) == pytest.approx(expected)
+
+
+def test_causal_query_rows_pay_the_whole_score_matrix():
+    # row_attention computes every block under an explicit mask: twice a fused causal
+    # kernel's work, which the batch and heads splits keep
+    node = _sdpa(4)
+    rows = next(st for st in op_strategies(node, RuleCtx((2,)))
+                if st.inputs == ((Shard(2),), (R,), (R,)))
+    cm = CostModel(MeshSpec.preset("cpu-gloo", shape=(2,)))
+    assert cm.attention_compute_factor(node, rows) == 2.0
+    assert cm.attention_compute_factor(node, _cp(node, (2,))) == 1.0
+
+
 def test_ring_price_counts_block_shifts_and_balance():
     mesh = MeshSpec.preset("cpu-gloo", shape=(4,))
     node = _sdpa(3)  # 3 heads on 4 ranks: ring; 16/4 = 4 rows each halve: zigzag

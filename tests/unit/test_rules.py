@@ -306,6 +306,15 @@ cap("sdpa_cp_gqa_causal", lambda m, q, k, v: F.scaled_dot_product_attention(
     N(1, 4, 8, 8), N(1, 2, 8, 8), N(1, 2, 8, 8), meshes=WITH_4)
 cap("sdpa_cp_ring_odd", lambda m, q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
     N(1, 2, 12, 4), N(1, 2, 12, 4), N(1, 2, 12, 4), meshes=WITH_4)
+# one node read as several of q, k, v: the strategy lists it once, so the rule's consumers
+# must look placements up by node (before: sdpa(x, x, x) raised IndexError while
+# planning, and sdpa(x, x, x, mask) lowered to query rows with k and v split: wrong values)
+cap("sdpa_self_causal", lambda m, x: F.scaled_dot_product_attention(x, x, x, is_causal=True),
+    N(1, 4, 8, 4), meshes=WITH_4)
+cap("sdpa_self_key_mask", lambda m, x, a: F.scaled_dot_product_attention(x, x, x, attn_mask=a),
+    N(1, 4, 8, 4), N(1, 1, 1, 1), meshes=WITH_4)
+cap("sdpa_shared_kv_mask", lambda m, q, kv, a: F.scaled_dot_product_attention(q, kv, kv, attn_mask=a),
+    N(2, 4, 8, 4), N(2, 4, 8, 4), N(2, 4, 8, 8), meshes=WITH_4)
 
 # ---------------------------------------------------------------- embedding and losses
 cap("embedding", lambda m, i: m.e(i), Ints(8, 4, 6), e=nn.Embedding(8, 4), meshes=WITH_4)
