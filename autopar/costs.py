@@ -123,8 +123,11 @@ class CostModel:
             for x, p in zip([info(u).out for u in tensor_inputs(node)] + list(ni.outputs),
                             list(s.inputs) + list(s.outputs))
         )
-        # the kernel computes in its output's dtype (a matmul's inputs and output share it)
+        # the kernel computes in its output's dtype (a matmul's inputs and output share
+        # it); the experts op in its expert weights' (its output keeps the residual's)
         dtype = ni.outputs[0].dtype if ni.outputs else None
+        if node.target is MOE_EXPERTS:
+            dtype = info(node.args[3]).out.dtype
         t = compute_time(self.mesh, ni.flops / div, local_bytes, dtype)
         if node.target is SDPA:
             t *= self.attention_compute_factor(node, s)
@@ -214,7 +217,8 @@ class CostModel:
         loc_h = local_shape(hidden.shape, s.inputs[0], self.mesh.shape)
         loc_i = local_shape(index.shape, s.inputs[1], self.mesh.shape)
         pairs = loc_i[0] * loc_i[1]
-        rows = pairs * loc_h[-1] * hidden.nbytes / max(hidden.numel, 1)
+        weights = info(node.args[3]).out  # rows travel in the experts' dtype
+        rows = pairs * loc_h[-1] * weights.nbytes / max(weights.numel, 1)
         n = self.mesh.shape[ep[0]]
         return (4.0 * all_to_all_time(self.mesh, ep[0], rows)
                 + all_to_all_time(self.mesh, ep[0], pairs * 8.0)

@@ -20,7 +20,8 @@ a training graph holds:
 - :data:`FULL_PRECISION` ops (norms, softmax, losses, exp/log/pow and reductions whose
   precision matters) get low-precision inputs cast back to fp32;
 - every other op runs in the dtype its inputs have (type promotion: ``bf16 + fp32`` is
-  fp32, so a residual stream kept in fp32 stays fp32, as under autocast).
+  fp32, so a residual stream kept in fp32 stays fp32, as under autocast);
+- the experts op ``autopar::moe_experts`` gets its expert weights cast (:data:`EXPERT_WEIGHTS`).
 
 A source is cast once per target dtype and shared by its consumers (autocast casts an
 activation per op; sharing computes and saves one copy instead of several).  Regions the
@@ -88,6 +89,13 @@ FULL_PRECISION = _packets(
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
+EXPERT_WEIGHTS = (3, 4)
+"""Arguments of ``autopar::moe_experts`` (gate_up, down: autopar/runtime/experts.py) cast
+to the low dtype.  Its token rows and routing weights keep their dtypes: the kernel casts
+each row at the matmul, and the product with the routing weights promotes back to
+fp32, as transformers' experts loop computes under autocast."""
+
+
 def _want(node: fx.Node, low: torch.dtype) -> torch.dtype | None:
     packet = getattr(node.target, "overloadpacket", None)
     if packet in LOW_PRECISION:
@@ -95,6 +103,10 @@ def _want(node: fx.Node, low: torch.dtype) -> torch.dtype | None:
     if packet in FULL_PRECISION:
         return torch.float32
     return None
+
+
+def _is_experts(node: fx.Node) -> bool:
+    return node.op == "call_function" and str(node.target) == "autopar.moe_experts.default"
 
 
 def apply_mixed_precision(gm: fx.GraphModule, precision: Precision | str,
@@ -126,8 +138,15 @@ class _CastingProp(FakeTensorProp):
     def run_node(self, n: fx.Node):
         """Cast ``n``'s floating inputs to the dtype its op runs in, then run it."""
         want = _want(n, self.low) if n.op == "call_function" else None
+        if _is_experts(n):
+            want = self.low
+            sources = [a for i, a in enumerate(n.args) if i in EXPERT_WEIGHTS]
+        else:
+            sources = list(n.all_input_nodes)
         if want is not None:
-            for src in list(n.all_input_nodes):
+            for src in sources:
+                if not isinstance(src, fx.Node):
+                    continue
                 v = self.env.get(src)
                 have = v.dtype if isinstance(v, torch.Tensor) else None
                 if have is None or have == want or have not in _FLOATS:
@@ -154,4 +173,4 @@ class _CastingProp(FakeTensorProp):
         return self.casts[key]
 
 
-__all__ = ["FULL_PRECISION", "LOW_PRECISION", "Precision", "apply_mixed_precision"]
+__all__ = ["EXPERT_WEIGHTS", "FULL_PRECISION", "LOW_PRECISION", "Precision", "apply_mixed_precision"]

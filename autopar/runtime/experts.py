@@ -56,7 +56,9 @@ def act_name(fn: object) -> str | None:
 
 
 def _expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str) -> torch.Tensor:
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    # rows in the weights' dtype, as autocast casts a linear's input: under bf16-mixed
+    # the weights come cast (passes/mixed_precision.py) and the expert runs in bf16
+    gate, up = F.linear(x.to(gate_up.dtype), gate_up).chunk(2, dim=-1)
     return F.linear(_ACTS[act](gate) * up, down)
 
 
@@ -188,7 +190,9 @@ def expert_parallel(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Te
     recv_t = torch.empty_like(send_t)
     issue(dist.all_to_all_single, recv_t, send_t, group=g)
     send, recv = send_t.tolist(), recv_t.tolist()
-    rows = uneven_all_to_all(hidden[tok], send, recv, axis)
+    # rows travel in the experts' dtype (bf16 under bf16-mixed: half the bytes); the
+    # expert would cast them on arrival anyway, so the values are the same
+    rows = uneven_all_to_all(hidden[tok].to(gate_up.dtype), send, recv, axis)
     with torch.no_grad():
         got = _uneven_all_to_all(expert.unsqueeze(1), send, recv, axis).squeeze(1) - first
     # rows from each source are sorted by expert; group them by expert across sources

@@ -42,10 +42,24 @@ def run_hf_case(c: dict) -> dict:
     from autopar import MeshSpec, auto_parallel
     from autopar.runtime.mesh import reset
 
-    model, batch = hf_zoo.build(c["model"])
+    if c["mode"] == "ep":
+        # experts wide enough against the tokens that the dispatch is cheaper than
+        # gathering them (tests/dist/mixtral_ep_case.py)
+        from tests.dist.mixtral_ep_case import build
+        model, batch = build()
+    else:
+        model, batch = hf_zoo.build(c["model"])
     ref = copy.deepcopy(model)
+    if c["model"] == "mixtral":
+        # the reference runs transformers' eager experts loop, the computation the
+        # experts op mirrors (grouped_mm orders a token's sum otherwise, and autocast
+        # does not reach its CPU fallback)
+        ref.config._experts_implementation = "eager"
     mesh = tuple(c["mesh"])
     pins = hf_zoo.tp_pins(c["model"], mesh) if c["mode"] == "tp" else {}
+    if c["mode"] == "ep":  # experts and tokens split on axis 0: the dispatch all-to-alls
+        from tests.dist.mixtral_ep_case import ep_pins
+        pins = ep_pins(mesh, 0)
     opts = {"zero3": {"zero_stage": 3}, "zero2": {"zero_stage": 2}, "zero1": {"zero_stage": 1}, "pp2": {"pipeline_stages": 2, "micro_batches": 2}}.get(c["mode"], {})
     reset()
     precision = c.get("precision", "native")
@@ -97,4 +111,6 @@ def run_hf_case(c: dict) -> dict:
     res["param_dtypes"] = sorted({str(p.dtype) for p in pm.parameters()})
     res["grad_dtypes"] = sorted({str(p.grad.dtype) for p in pm.parameters() if p.grad is not None})
     res["code_casts"] = pm.code.count("_to_copy") if hasattr(pm, "code") else -1
+    res["calls"] = sorted({getattr(n.target, "__name__", str(n.target))
+                           for n in pm.inner.graph.nodes if n.op == "call_function"})
     return res

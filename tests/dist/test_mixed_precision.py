@@ -1,4 +1,6 @@
-"""``precision="bf16-mixed"`` on real gloo ranks: an HF Llama (GQA) passed as it is, in the
+"""``precision="bf16-mixed"`` on real gloo ranks: an HF Llama (GQA), and an HF Mixtral under
+expert parallelism (each routed row computed in bf16 on its expert's rank, as the
+eager experts loop does under autocast), passed as they are, in the
 loop of tests/dist/hf_case.py (``pm(**batch)``, ``clip_grad_norm_``, two AdamW steps),
 against the single-process model under ``torch.autocast("cpu", torch.bfloat16)``.
 
@@ -37,7 +39,10 @@ def _cases(modes, mesh) -> list[dict]:
 # the default suite keeps the planner's choice (data parallel here; run by
 # tests/dist/test_hf_models.py's default group); the rest run in CI's slow step
 DEFAULT = _cases(["auto"], (2,))
-SLOW = _cases(["tp", "zero3", "zero1", "pp2"], (2,))
+SLOW = _cases(["tp", "zero3", "zero1", "pp2"], (2,)) + [
+    # the experts op in bf16 with its rows sent in bf16 (autopar/runtime/experts.py)
+    {"id": "mixtral-bf16-ep-2", "model": "mixtral", "mode": "ep", "mesh": [2],
+     "precision": "bf16-mixed"}]
 
 
 def check(r: dict) -> None:
@@ -57,6 +62,8 @@ def check(r: dict) -> None:
     # master weights, their gradients (and so AdamW's state) stay fp32
     assert r["param_dtypes"] == ["torch.float32"] and r["grad_dtypes"] == ["torch.float32"]
     assert r["code_casts"] > 0  # the casts are in the generated code
+    if "-ep-" in r["id"]:
+        assert "expert_parallel" in r["calls"], r["calls"]
 
 
 # DEFAULT runs in tests/dist/test_hf_models.py's default process group

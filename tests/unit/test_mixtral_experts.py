@@ -144,18 +144,11 @@ def test_pinned_expert_parallel_plan_calls_the_dispatch():
     assert "runs as: expert parallel over a0 (2)" in text and "its own exchanges" in text, text
 
 
-@pytest.mark.slow
-def test_golden_mixtral_8x7b_shape_gets_ep_on_the_intra_node_axis():
-    """Mixtral-8x7B's layer shape (8 experts of 4096 -> 14336, top-2, GQA) on 8 nodes of
-    8 H100s, bf16-mixed, 64 sequences of 4,096: the experts split over the NVLink axis
-    (all-to-alls inside the node, data parallel across), planned in seconds."""
-    import time
-
+def _mixtral_8x7b_plan(pins: dict | None = None):
     import transformers as tf
 
     import autopar
     from autopar import MeshSpec
-    from autopar.summary import axis_roles
 
     cfg = tf.MixtralConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
                            num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
@@ -163,14 +156,42 @@ def test_golden_mixtral_8x7b_shape_gets_ep_on_the_intra_node_axis():
     with torch.device("meta"):
         model = tf.MixtralForCausalLM(cfg)
     ids = torch.zeros(64, 4096, dtype=torch.long, device="meta")
-    t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        p = autopar.plan(model, (), example_kwargs={"input_ids": ids, "labels": ids},
-                         mesh=MeshSpec.preset("multinode-h100-ib", shape=(8, 8)),
-                         precision="bf16-mixed", batch="local")
+        return autopar.plan(model, (), example_kwargs={"input_ids": ids, "labels": ids},
+                            mesh=MeshSpec.preset("multinode-h100-ib", shape=(8, 8)),
+                            precision="bf16-mixed", batch="local", pins=pins or {})
+
+
+@pytest.mark.slow
+def test_golden_mixtral_8x7b_shape_gets_ep():
+    """Mixtral-8x7B's layer shape (8 experts of 4096 -> 14336, top-2, GQA) on 8 nodes of
+    8 H100s, bf16-mixed, 64 sequences of 4,096: the experts split on their expert dim
+    over one mesh axis (EP, the dispatch all-to-alls), planned in seconds.
+
+    Issue 14 asks for the intra-node axis unless the cost model proves otherwise, and
+    here it does: EP inside the node replicates every expert on the 8 nodes, so their fp32
+    gradients (2.8B parameters for these 2 layers) are all-reduced over InfiniBand, which
+    bf16 expert compute no longer hides; EP across nodes sends only the routed tokens
+    there (and shards each node's expert over NVLink).  Measured: 69 ms predicted against
+    87 ms with the experts pinned to EP inside the node.  The test holds the planner to
+    that reasoning whichever axis it picks: EP pinned to the intra-node axis is never
+    predicted faster."""
+    import time
+
+    from autopar.placement import Shard, parse_placements
+    from autopar.summary import axis_roles
+
+    t0 = time.perf_counter()
+    p = _mixtral_8x7b_plan()
     seconds = time.perf_counter() - t0
     experts = {v for k, v in p.params().items() if k.endswith(("gate_up_proj", "down_proj"))}
-    assert experts == {"RS(0)"}, experts
-    assert axis_roles(p)[1].kind.endswith("EP") and axis_roles(p)[1].link == "intra-node"
-    assert seconds < 60, seconds  # ~9 s on an idle 2-core machine
+    ep_axes = {a for v in experts for a, x in enumerate(parse_placements(v)) if x == Shard(0)}
+    assert len(ep_axes) == 1, experts  # one expert-parallel axis, the same for every expert
+    ep = ep_axes.pop()
+    assert "EP" in axis_roles(p)[ep].kind, axis_roles(p)
+    assert seconds < 60, seconds  # ~3 s on an idle 2-core machine
+    if axis_roles(p)[ep].link != "intra-node":
+        intra = _mixtral_8x7b_plan({"*experts.gate_up_proj": "RS(0)", "*experts.down_proj": "RS(0)"})
+        assert intra.decisions.step_seconds >= p.decisions.step_seconds, \
+            (intra.decisions.step_seconds, p.decisions.step_seconds)
