@@ -140,14 +140,18 @@ def setup_logging(args) -> None:
     import logging
 
     level = {0: None, 1: logging.INFO}.get(getattr(args, "verbose", 0), logging.DEBUG)
-    if level is None:
-        return
     log = logging.getLogger("autopar")
-    log.setLevel(level)
-    # our own handler on stderr (whatever the root logger has); handlers of earlier runs
-    # in this process are replaced so that sys.stderr is the current one
+    # handlers of earlier runs in this process go, with or without -v now: each is bound
+    # to the sys.stderr of its run, which may be closed by now (a notebook, a test's
+    # captured stream), and would print "--- Logging error ---" tracebacks
     for h in [h for h in log.handlers if getattr(h, "_autopar_cli", False)]:
         log.removeHandler(h)
+    if level is None:
+        log.setLevel(logging.NOTSET)
+        log.propagate = True
+        return
+    log.setLevel(level)
+    # our own handler on the current stderr (whatever the root logger has)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     handler._autopar_cli = True  # type: ignore[attr-defined]

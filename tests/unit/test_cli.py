@@ -274,3 +274,19 @@ def test_decision_flag_choices_are_checked_by_argparse(capsys):
 def test_decision_errors_found_by_planning(capsys, argv, message):
     code, _, err = run(capsys, "plan", f"{GPT}:build", "--mesh", "2", *argv, *GPT_TWO)
     assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_a_verbose_run_leaves_no_handler_behind(capsys):
+    # before: `plan -vv` left a handler on that run's stderr; a later run in the same
+    # process (a notebook, the next test) printed "--- Logging error ---" tracebacks
+    # into its output once that stream was closed
+    import logging
+
+    run(capsys, "plan", f"{GPT}:build", "--mesh", "2", "-vv", *GPT_SMALL)
+    code, out, err = run(capsys, "plan", f"{GPT}:build", "--mesh", "2", *GPT_SMALL)
+    assert code == 0
+    # (within one test the first stream is still open: the old handler printed there)
+    assert "INFO autopar" not in err and "DEBUG autopar" not in err, err[:400]
+    log = logging.getLogger("autopar")
+    assert not [h for h in log.handlers if getattr(h, "_autopar_cli", False)]
+    assert log.propagate and log.level == logging.NOTSET
