@@ -403,6 +403,14 @@ def _finish(gm: fx.GraphModule, mesh: MeshSpec, pb: Problem, sol, cm: CostModel,
     return plan
 
 
+def _lowering_fields(n: fx.Node, s: OpStrategy, mesh: MeshSpec, cm: CostModel,
+                     kind: str) -> dict:
+    """``NodePlan.lowering`` and ``own_comm`` (only ops that communicate themselves have
+    them: pricing every node again would cost a second per plan on a Llama)."""
+    lowering = describe(n, s, mesh) if kind == "op" else ""
+    return {"lowering": lowering, "own_comm": float(cm.op_time(n, s)[1]) if lowering else 0.0}
+
+
 def assemble(gm: fx.GraphModule, mesh: MeshSpec, pb: Problem, choice: dict[fx.Node, OpStrategy],
              cm: CostModel, sol, opts: PlanOptions, searcher: str = "ilp") -> Plan:
     """Turn the solver's choice into a Plan with per-node prices and alternatives
@@ -434,22 +442,23 @@ def assemble(gm: fx.GraphModule, mesh: MeshSpec, pb: Problem, choice: dict[fx.No
                     edge_comm += sec
                     reds.append(Redistribution(u.name, fmt_placements(src), fmt_placements(dst),
                                                [str(st) for st in plan_redistribution(src, dst)], sec))
-        alts = []
-        for j, alt in enumerate(pb.strategies[n]):
-            if j == chosen[n]:
-                continue
-            sec = pb.problem.node_costs[index[n]][j]
-            for other, m, is_in in incident[n]:
-                oc = chosen[pb.nodes[other]]
-                sec += m[oc, j] if is_in else m[j, oc]
-            if math.isfinite(sec):
-                alts.append(Alternative([fmt_placements(p) for p in alt.inputs],
-                                        [fmt_placements(p) for p in alt.outputs], float(sec)))
-        alts.sort(key=lambda a: a.seconds)
-        # the chosen strategy's price on the same footing as the alternatives'
+        # every strategy's price with the neighbours' choices fixed (its own cost plus its
+        # edges'), as one vector; the chosen one's is ``local``, the best five others
+        # are the alternatives (only they are formatted: the rest is most of the work)
         mine = chosen[n]
-        local = own + sum((m[chosen[pb.nodes[o]], mine] if is_in else m[mine, chosen[pb.nodes[o]]])
-                          for o, m, is_in in incident[n])
+        sec = np.array(pb.problem.node_costs[index[n]], dtype=np.float64)
+        for other, m, is_in in incident[n]:
+            oc = chosen[pb.nodes[other]]
+            sec += m[oc, :] if is_in else m[:, oc]
+        local = float(sec[mine])
+        alts = []
+        for j in np.argsort(sec, kind="stable"):
+            if len(alts) == 5 or not math.isfinite(sec[j]):
+                break
+            if j != mine:
+                alt = pb.strategies[n][j]
+                alts.append(Alternative([fmt_placements(p) for p in alt.inputs],
+                                        [fmt_placements(p) for p in alt.outputs], float(sec[j])))
         memory = pb.problem.node_memory[index[n]][chosen[n]]
         if kind == "param":
             sync += own
@@ -472,9 +481,8 @@ def assemble(gm: fx.GraphModule, mesh: MeshSpec, pb: Problem, choice: dict[fx.No
             compute=float(own if kind == "op" else 0.0), comm=float(edge_comm),
             memory=float(memory), param=ni.param, layer=layer_of.get(n, ""),
             flops=float(ni.flops), local_seconds=float(local),
-            redistributions=reds, alternatives=alts[:5],
-            own_comm=float(cm.op_time(n, s)[1]) if kind == "op" else 0.0,
-            lowering=describe(n, s, mesh) if kind == "op" else "",
+            redistributions=reds, alternatives=alts,
+            **_lowering_fields(n, s, mesh, cm, kind),
         )
     mem["total"] = sum(mem.values())
     return Plan(

@@ -13,9 +13,10 @@ import operator
 from collections.abc import Mapping
 
 from torch import fx
+from torch.fx.node import map_aggregate
 
 from autopar.errors import PlanError
-from autopar.ir import info
+from autopar.ir import info, tensor_inputs
 from autopar.passes.grad_regions import KEEP_REPLICATED
 from autopar.placement import (
     Placements,
@@ -42,10 +43,47 @@ def input_index(gm: fx.GraphModule) -> dict[str, int]:
     return {n.name: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
 
 
+def _hashable(v: object) -> object:
+    if isinstance(v, (list, tuple)):
+        return tuple(_hashable(x) for x in v)
+    if isinstance(v, dict):
+        return tuple(sorted((k, _hashable(x)) for k, x in v.items()))
+    hash(v)  # TypeError for an argument the signature cannot hold
+    return v
+
+
+def signature(node: fx.Node) -> tuple | None:
+    """What an op's strategies depend on, as a hashable key (``None``: not keyable).
+
+    Rules read the op (target), its arguments and the shapes and dtypes of the node and
+    its tensor inputs, nothing else (no producers, no users, no names).  Tensor inputs are
+    keyed by their position in ``tensor_inputs`` so that which arguments are the same
+    node is part of the key (``sdpa(x, x, x)`` is not ``sdpa(q, k, v)``); any other node
+    argument by its name, which keeps it apart from every other node's.  The 32 layers of
+    a Llama then share one key per op of a layer: enumerate once, not 32 times."""
+    pos = {x: i for i, x in enumerate(tensor_inputs(node))}
+
+    def enc(a: object) -> object:
+        if isinstance(a, fx.Node):
+            if a in pos:
+                return ("input", pos[a], info(a).outputs)
+            return ("node", a.name)
+        return a
+
+    try:
+        return (node.target, _hashable(map_aggregate(node.args, enc)),
+                _hashable(map_aggregate(dict(node.kwargs), enc)),
+                info(node).outputs, info(node).tuple_output)
+    except TypeError:
+        return None
+
+
 def enumerate_strategies(gm: fx.GraphModule, mesh_shape: tuple[int, ...]) -> dict[fx.Node, list[OpStrategy]]:
-    """Candidate strategies of every tensor-producing node (in graph order)."""
+    """Candidate strategies of every tensor-producing node (in graph order); nodes with
+    one :func:`signature` share one enumeration (each gets its own list)."""
     ctx = RuleCtx(tuple(mesh_shape))
     out: dict[fx.Node, list[OpStrategy]] = {}
+    seen: dict[tuple, list[OpStrategy]] = {}
     for node in gm.graph.nodes:
         ni = info(node)
         if node.op in ("placeholder", "get_attr"):
@@ -63,7 +101,13 @@ def enumerate_strategies(gm: fx.GraphModule, mesh_shape: tuple[int, ...]) -> dic
                     out[node] = [OpStrategy((), (s.outputs[idx],)) for s in out[src]]
                 continue
             if ni.outputs:
-                out[node] = op_strategies(node, ctx)
+                key = signature(node)
+                if key is None:
+                    out[node] = op_strategies(node, ctx)
+                else:
+                    if key not in seen:
+                        seen[key] = op_strategies(node, ctx)
+                    out[node] = list(seen[key])
                 if node.meta.get(KEEP_REPLICATED):
                     out[node] = out[node][:1]  # the registry lists all-replicate first
     return out
