@@ -31,10 +31,12 @@ from autopar.capture import Captured, capture
 from autopar.cost_models import MeshSpec, format_bytes, send_recv_time
 from autopar.errors import AutoparWarning, PlanError, user_stacklevel
 from autopar.ir import info
+from autopar.joint_why import Context, decisions_why
 from autopar.layers import layer_keys
 from autopar.plan import Decisions, Plan, Request, Schedule
 from autopar.progress import report, show
 from autopar.search import PlanOptions, local_axes, make_plans
+from autopar.shallow import KEEP, deepen, homogeneous, shallow_copy
 from autopar.solve.layer_stats import LayerStat, layer_stats
 from autopar.solve.pipeline import Config, Priced, price
 
@@ -87,6 +89,7 @@ class _Candidate:
     plan: Plan
     stats: list[LayerStat]
     full: MeshSpec
+    estimate: bool = False  # priced from the shallow copy (autopar/shallow.py)
 
 
 def extrapolate_blocks(stats: list[LayerStat], blocks: int) -> list[LayerStat]:
@@ -112,8 +115,12 @@ class JointSearch:
         # the whole call as one pytree: models called as model(**batch) have no positional input
         self._call = (self.inputs, dict(example_kwargs or {}))
         self.budget = opts.memory_budget if opts.memory_budget is not None else mesh.mem_capacity
-        self.captures: dict[int, Captured] = {}
+        self.captures: dict[tuple[int, bool], Captured] = {}
         self.priced: list[tuple[_Candidate, Priced]] = []
+        # (the model with its identical layers cut to KEEP, its depth, the layer list's path)
+        # once the plain
+        # candidate shows them identical: other candidates are then estimated from it
+        self._shallow: tuple[nn.Module, int, str] | None = None
         self.timings: dict[str, float] = {}
         self._t0 = time.perf_counter()  # reset by run(); the shared time limit counts from it
         self._stopped = False
@@ -173,24 +180,37 @@ class JointSearch:
         opts = [m for m in (1, 2, 4, 8, 16, 32) if b % m == 0]
         return [m for m in opts if m >= stages] or opts[-1:]
 
-    def _capture(self, micro: int) -> Captured:
+    def _capture(self, micro: int, shallow: bool = False) -> Captured:
         size = batch_size(self._call) // micro
-        if size not in self.captures:
-            report(f"capturing the model at micro-batch size {size}")
-            cap = capture(self.model, *micro_inputs(self._call, micro), precision=self.opts.precision)
+        key = (size, shallow)
+        if key not in self.captures:
+            model = self._shallow[0] if shallow and self._shallow else self.model
+            report(f"capturing the model{f' ({KEEP} layers)' if shallow else ''} at micro-batch "
+                   f"size {size}")
+            cap = capture(model, *micro_inputs(self._call, micro), precision=self.opts.precision)
             t0 = time.perf_counter()
             annotate(cap.gm)
-            self.captures[size] = cap
+            self.captures[key] = cap
             self.timings["capture"] = self.timings.get("capture", 0.0) + cap.seconds
             self.timings["annotate"] = self.timings.get("annotate", 0.0) + time.perf_counter() - t0
-        return self.captures[size]
+        return self.captures[key]
 
-    def _intra(self, stages: int, micro: int, budget: float | None) -> list[_Candidate]:
+    def _intra(self, stages: int, micro: int, budget: float | None,
+               estimate: bool = False) -> list[_Candidate]:
         """The intra-op plans of one (stages, micro-batches) split: the ILP's, and those it
         finds with gradient sync charged at a fraction of its price where they differ
-        (:func:`autopar.search.make_plans`); the step model picks among them."""
+        (:func:`autopar.search.make_plans`); the step model picks among them.
+        ``estimate``: on the shallow copy, its layers extrapolated to full depth."""
         full, sub = split_mesh(self.mesh, stages)
-        cap = self._capture(micro)
+        if estimate:
+            try:
+                cap = self._capture(micro, shallow=True)
+            except Exception as e:  # noqa: BLE001 - a copy that will not capture: go deep
+                self._say(f"the {KEEP}-layer copy did not capture ({type(e).__name__}): "
+                          "planning every split at full depth")
+                self._shallow, estimate = None, False
+        if not estimate:
+            cap = self._capture(micro)
         t0 = time.perf_counter()
         left = self.opts.time_limit - self._spent()
         report(f"placing ops for {stages} stage(s) x {micro} micro-batch(es) on sub-mesh "
@@ -204,7 +224,9 @@ class JointSearch:
             stats = layer_stats(cap.gm, p)
             if self.opts.blocks is not None:
                 stats = extrapolate_blocks(stats, self.opts.blocks)
-            out.append(_Candidate(stages, micro, cap, p, stats, full))
+            elif estimate:
+                stats = deepen(stats, self._shallow[2], self._shallow[1])
+            out.append(_Candidate(stages, micro, cap, p, stats, full, estimate))
         return out
 
     def _configs(self, cand: _Candidate) -> list[Config]:
@@ -240,8 +262,9 @@ class JointSearch:
             self.priced.append((cand, price(cand.stats, cfg, cand.plan.mesh, link, self.budget,
                                             self.opts.optimizer)))
 
-    def _best(self) -> tuple[_Candidate, Priced] | None:
-        ok = [(c, p) for c, p in self.priced if p.feasible]
+    def _best(self, exact: bool = False) -> tuple[_Candidate, Priced] | None:
+        """The fastest feasible config (``exact``: among those priced at full depth)."""
+        ok = [(c, p) for c, p in self.priced if p.feasible and not (exact and c.estimate)]
         if not ok:
             return None
         # fastest; on ties the simpler plan (fewer stages, micro-batches, lower ZeRO)
@@ -269,17 +292,19 @@ class JointSearch:
             self._say("time limit reached: keeping the best plan found so far")
         return True
 
-    def _try(self, stages: int, micro: int, budget: float | None, strict: bool = False) -> None:
+    def _try(self, stages: int, micro: int, budget: float | None, strict: bool = False,
+             estimate: bool = False, force: bool = False) -> None:
         """Plan and price one candidate. ``strict``: the candidate the user asked for
         (or the plain one), whose errors (bad pins, ...) are the user's and propagate;
         a candidate the search picked is skipped when, e.g., a pin cannot hold at its
-        micro-batch size."""
-        if self._out_of_time():
+        micro-batch size.  ``estimate``: from the shallow copy (cheap; not a plan).
+        ``force``: even when the time limit is spent."""
+        if self._out_of_time() and not force:
             return
         t0 = time.perf_counter()
         lean = budget is not None and math.isfinite(budget)
         try:
-            cands = self._intra(stages, micro, budget)
+            cands = self._intra(stages, micro, budget, estimate)
         except PlanError as e:
             if strict:
                 raise
@@ -292,6 +317,7 @@ class JointSearch:
         best = min((p.step_seconds for p in ok), default=math.inf)
         self._say(f"stages {stages}, micro-batches {micro}"
                   + (", memory-lean placements" if lean else "")
+                  + (f", estimated from {KEEP} layers" if estimate else "")
                   + f": {len(self.priced) - n} configs priced, {len(ok)} fit, best "
                   + (f"{best * 1e3:.3f} ms" if ok else "none") + f" ({time.perf_counter() - t0:.2f} s)")
 
@@ -315,15 +341,23 @@ class JointSearch:
         pressed = best is None or best[1].config.zero_stage > 0 or any(
             sp.recompute for sp in best[1].stages)
         if self.opts.explore or (pressed and not forced):
-            for p in self._stage_options():
-                for m in self._micro_options(p):
-                    if (p, m) != first:
-                        self._try(p, m, math.inf)
+            est = self._start_shallow()
+            # breadth first, each stage count's most promising micro-batch count first:
+            # a time limit then cuts depth, not whole stage counts (a 1,024-H100 Llama-3
+            # 70B search ran out in 1-stage micro-batching before).  With a pipeline
+            # more micro-batches shrink the bubble: the most first; without one they only
+            # trade speed for memory: the fewest first
+            splits = [(i, p, m) for p in self._stage_options()
+                      for i, m in enumerate(sorted(self._micro_options(p), reverse=p > 1))]
+            for _, p, m in sorted(splits):
+                if (p, m) != first:
+                    self._try(p, m, math.inf, estimate=est)
         if self._best() is None:
             # no split fits with the fastest placements: let the budget shape them
-            for p, m in sorted({(c.stages, c.micro_batches) for c, _ in self.priced}):
-                self._try(p, m, self.budget)
-        best = self._best()
+            for p, m, e in sorted({(c.stages, c.micro_batches, c.estimate) for c, _ in self.priced}):
+                self._try(p, m, self.budget, estimate=e)
+        self._confirm_estimates()
+        best = self._best(exact=True)
         if best is None:
             if not self.priced:
                 raise PlanError("the search found no plan within its time limit of "
@@ -335,6 +369,11 @@ class JointSearch:
                 f"considered) needs {format_bytes(need)} per device")
         cand, pr = best
         plan = self._decorate(cand, pr)
+        n_est = sum(1 for c, _ in self.priced if c.estimate)
+        if n_est:
+            msg = (f"{n_est} configurations estimated from a {KEEP}-layer copy of the model "
+                   "(its repeated layers are identical), the chosen one planned at full depth")
+            plan.solver.message = (plan.solver.message + "; " if plan.solver.message else "") + msg
         plan.timings.update(self.timings)
         plan.timings["joint_search"] = time.perf_counter() - t0
         if self._stopped:
@@ -347,6 +386,43 @@ class JointSearch:
                   + (f"ZeRO-{c.zero_stage} over axis {c.zero_axis}" if c.zero_stage else "no ZeRO")
                   + f": {pr.step_seconds * 1e3:.3f} ms per step")
         return cand.cap, plan
+
+    def _start_shallow(self) -> bool:
+        """Estimate the candidates to come from a shallow copy when the plain candidate's
+        repeated layers are identical (:mod:`autopar.shallow`); True when on."""
+        if self.opts.blocks is not None or not self.priced:
+            return False  # blocks=: the user's model is shallow already
+        found = homogeneous(self.priced[0][0].stats)
+        model = shallow_copy(self.model, found[0]) if found else None
+        if model is None:
+            return False
+        self._shallow = (model, found[1], found[0])
+        return True
+
+    def _confirm_estimates(self, most: int = 3) -> None:
+        """Plan at full depth the best estimated configurations (at most ``most`` splits)
+        while one is faster than the best exact plan: only exact plans are chosen.  The
+        first one is planned even when the time limit is spent: it finishes the search
+        rather than widening it (else an estimate the search found faster would only
+        appear in the summary as the road not taken)."""
+        tried: set[tuple[int, int]] = set()
+        while len(tried) < most and (not tried or not self._out_of_time()):
+            best, exact = self._best(), self._best(exact=True)
+            if best is None or not best[0].estimate or (
+                    exact is not None and exact[1].step_seconds <= best[1].step_seconds):
+                return
+            split = (best[0].stages, best[0].micro_batches)
+            if split in tried:
+                return
+            tried.add(split)
+            # this split's estimates have served: its exact configs replace them
+            self.priced = [(c, p) for c, p in self.priced
+                           if not (c.estimate and (c.stages, c.micro_batches) == split)]
+            n, first = len(self.priced), len(tried) == 1
+            self._try(*split, math.inf, force=first)
+            if not any(p.feasible for _, p in self.priced[n:]):
+                # memory-lean placements, as for any split
+                self._try(*split, self.budget, force=first)
 
     # ------------------------------------------------------------ the plan
     def _decorate(self, cand: _Candidate, pr: Priced) -> Plan:
@@ -366,92 +442,14 @@ class JointSearch:
             stage_memory=[sp.total_memory for sp in pr.stages], step_seconds=pr.step_seconds,
             stage_parts=[dict(sp.parts) for sp in pr.stages], breakdown=pr.breakdown(),
             grad_buckets=[b for sp in pr.stages for b in sp.buckets])
-        d.why = self._why(pr)
+        d.why = decisions_why(Context(self.priced, {id(p) for c, p in self.priced if c.estimate},
+                                      self.budget, batch_size(self._call), self.opts.optimizer), pr)
         plan.decisions = d
         plan.request = request(cand.cap.gm, cfg.micro_batches, list(self.mesh.shape), self.budget)
         worst = max(pr.stages, key=lambda sp: sp.total_memory)
         plan.memory = dict(worst.memory)
         plan.memory["total"] = worst.total_memory
         return plan
-
-    def _alt(self, pred) -> Priced | None:
-        ok = [p for _, p in self.priced if pred(p.config)]
-        feas = [p for p in ok if p.feasible]
-        if feas:
-            return min(feas, key=lambda p: p.step_seconds)
-        return min(ok, key=lambda p: p.min_memory) if ok else None
-
-    def _why(self, pr: Priced) -> dict[str, str]:
-        cfg = pr.config
-        ms = pr.step_seconds * 1e3
-        mem = max(sp.total_memory for sp in pr.stages)
-        why: dict[str, str] = {}
-
-        def versus(alt: Priced | None, what: str) -> str:
-            if alt is None:
-                return f"{what} was not tried"
-            if not alt.feasible:
-                return f"{what} needs {format_bytes(alt.min_memory)} per device, over the budget " \
-                       f"of {format_bytes(self.budget)}"
-            return f"{what} takes {alt.step_seconds * 1e3:.3f} ms per step and " \
-                   f"{format_bytes(alt.min_memory)} per device"
-
-        here = f"this plan: {ms:.3f} ms per step, {format_bytes(mem)} per device"
-        why["zero"] = (f"ZeRO-{cfg.zero_stage} over mesh axis {cfg.zero_axis}; " if cfg.zero_stage
-                       else "no ZeRO; ") + here + "; " + versus(
-            self._alt(lambda c: c.zero_stage == 0 and (c.stages, c.micro_batches) ==
-                      (cfg.stages, cfg.micro_batches)) if cfg.zero_stage else
-            self._alt(lambda c: c.zero_stage > 0), "without ZeRO" if cfg.zero_stage else "with ZeRO")
-        why["pipeline"] = (f"{cfg.stages} pipeline stages ({cfg.schedule}); " if cfg.stages > 1
-                           else "no pipeline; ") + here + "; " + versus(
-            self._alt(lambda c: c.stages == 1) if cfg.stages > 1 else
-            self._alt(lambda c: c.stages > 1), "one stage" if cfg.stages > 1 else "pipelining")
-        why["micro_batches"] = f"{cfg.micro_batches} micro-batch{'es' if cfg.micro_batches > 1 else ''} of " \
-            f"{batch_size(self._call) // cfg.micro_batches}; " + versus(
-                self._alt(lambda c: c.micro_batches != cfg.micro_batches),
-                "other micro-batch counts (best of them)")
-        rc = [k for sp in pr.stages for k in sp.recompute]
-        if rc:
-            cand = next(c for c, p in self.priced if p is pr)
-            link = (lambda b: send_recv_time(cand.full, (0,), b)) if cfg.stages > 1 else (lambda b: 0.0)
-            plain = price(cand.stats, dataclasses.replace(cfg, recompute=()), cand.plan.mesh, link,
-                          self.budget, self.opts.optimizer)
-            why["recompute"] = f"{len(rc)} layers recomputed ({', '.join(rc)}): {here}; " + versus(
-                plain, "the same plan without recomputation")
-            stats = {st.key: st for st in cand.stats}
-            for sp_i, sp in enumerate(pr.stages):
-                for k in sp.recompute:
-                    st = stats[k]
-                    why[f"layer:{k}"] = (
-                        f"{k} is recomputed in backward: it saves "
-                        f"{format_bytes(st.activations - st.out_bytes)} of activations per "
-                        f"micro-batch in flight on stage {sp_i} and costs "
-                        f"{st.forward * 1e3:.3f} ms of extra forward per micro-batch; without "
-                        f"recomputation stage {sp_i} would need more than the budget of "
-                        f"{format_bytes(self.budget)}")
-        else:
-            why["recompute"] = "no layer is recomputed: the plan fits without it"
-        why["buckets"] = _bucket_words(pr, cfg)
-        return why
-
-
-def _bucket_words(pr: Priced, cfg) -> str:
-    """One line on the gradient buckets of the stage whose reduction tail is longest."""
-    n = sum(len(sp.buckets) for sp in pr.stages)
-    if not n:
-        return "no gradient is all-reduced by data parallelism (nothing replicated to reduce)"
-    tail = max(pr.stages, key=lambda sp: sp.parts.get("sync_exposed", 0.0))
-    p = tail.parts
-    how = (f"{format_bytes(cfg.bucket_bytes)} each as asked (bucket_bytes)" if cfg.bucket_bytes
-           else "chosen to end the reduction earliest (MG-WFBP)")
-    where = f" on stage {pr.stages.index(tail)}" if len(pr.stages) > 1 else ""
-    return (f"{n} gradient bucket{'s' if n > 1 else ''} of {format_bytes(p.get('bucket_bytes_min', 0.0))}"
-            f"-{format_bytes(p.get('bucket_bytes_max', 0.0))}, {how}: "
-            f"{p.get('sync_exposed', 0.0) * 1e3:.3f} ms of {p.get('sync', 0.0) * 1e3:.3f} ms of "
-            f"reduction exposed after the backward{where}; one bucket per gradient would expose "
-            f"{p.get('sync_exposed_per_gradient', 0.0) * 1e3:.3f} ms, one bucket for all "
-            f"{p.get('sync_exposed_one_bucket', 0.0) * 1e3:.3f} ms")
-
 
 def request(gm: fx.GraphModule, micro_batches: int, mesh_shape: list[int],
             budget: float) -> Request:

@@ -218,20 +218,63 @@ def _in_bytes(layers: list[LayerStat]) -> float:
     return layers[0].out_bytes
 
 
+def layer_classes(stats: list[LayerStat]) -> list[int]:
+    """One id per layer, equal for layers with equal numbers (key and parameter names
+    aside): a stage's time and memory depend on its layers' numbers only."""
+    ids: dict[tuple, int] = {}
+    out = []
+    for st in stats:
+        k = (st.seconds, st.forward, st.compute, st.activations, st.out_bytes, st.buffers,
+             tuple((q.bytes, q.replicated) for q in st.params))
+        out.append(ids.setdefault(k, len(ids)))
+    return out
+
+
+def _runs(cls: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
+    """(run index of each layer, (start, end) of each run of equal consecutive ids)."""
+    run_of, runs = [], []
+    for k, c in enumerate(cls):
+        if not runs or cls[runs[-1][0]] != c:
+            runs.append((k, k + 1))
+        else:
+            runs[-1] = (runs[-1][0], k + 1)
+        run_of.append(len(runs) - 1)
+    return run_of, runs
+
+
 def price(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget: float,
           optimizer: str) -> Priced:
     """Best stage split for ``cfg`` and its step time."""
     n, p = len(stats), cfg.stages
     if p > n:
         return Priced(cfg, [], math.inf, math.inf)
-    cache: dict[tuple[int, int, int], StagePrice] = {}
-    zps = [zero_price(st, mesh, cfg.zero_stage, cfg.zero_axis, optimizer) for st in stats]
+    cache: dict[tuple, StagePrice] = {}
+    cls = layer_classes(stats)
+    # equal layers have equal ZeRO prices: one per class (80 Llama layers: 3 computed)
+    zc: dict[int, object] = {}
+    for c, st in zip(cls, stats):
+        if c not in zc:
+            zc[c] = zero_price(st, mesh, cfg.zero_stage, cfg.zero_axis, optimizer)
+    zps = [zc[c] for c in cls]
+    run_of, runs = _runs(cls)
+
+    def shape_of(i: int, j: int) -> tuple:
+        # the range's layers as runs of equal ones, without slicing: the partial first
+        # and last runs by (class, length), the full runs between by their index
+        r0, r1 = run_of[i], run_of[j - 1]
+        if r0 == r1:
+            return (cls[i], j - i)
+        return (cls[i], runs[r0][1] - i, r0 + 1, r1 - 1, cls[j - 1], j - runs[r1][0])
 
     def stage(i: int, j: int, s: int, sync: bool = False) -> StagePrice:
-        # stages differ only by their in-flight count and whether they send/receive
+        # stages differ only by their in-flight count and whether they send/receive.  The
+        # split search reads only time and memory, which ranges of equal layers share (80
+        # identical Llama layers: ~330 stage prices per config instead of ~3,400); the
+        # chosen split is priced by position, with its layers' names and buckets (sync)
         inflight = (1 if cfg.stages == 1 else cfg.micro_batches if cfg.schedule == Schedule.GPIPE.value
                     else min(cfg.stages - s, cfg.micro_batches))
-        key = (i, j, inflight, s == 0, s == cfg.stages - 1, sync)
+        where = (i, j) if sync else shape_of(i, j)
+        key = (where, inflight, s == 0, s == cfg.stages - 1, sync)
         if key not in cache:
             cache[key] = price_stage(stats[i:j], s, cfg, mesh, pipe_link, budget, optimizer, zps[i:j],
                                      sync=sync)
@@ -282,4 +325,4 @@ def _min_split_memory(stats, cfg: Config, stage, fallback: float) -> float:
         return fallback
 
 
-__all__ = ["Config", "Priced", "StagePrice", "price", "price_stage"]
+__all__ = ["Config", "Priced", "StagePrice", "layer_classes", "price", "price_stage"]
