@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 import warnings
 from dataclasses import dataclass
@@ -35,8 +36,8 @@ from autopar.joint_why import Context, decisions_why
 from autopar.layers import layer_keys
 from autopar.plan import Decisions, Plan, Request, Schedule
 from autopar.progress import report, show
-from autopar.search import PlanOptions, local_axes, make_plans
-from autopar.shallow import KEEP, deepen, homogeneous, shallow_copy
+from autopar.search import PlanOptions, local_axes, make_weighted_plans
+from autopar.shallow import KEEP, deepen, homogeneous, repeated_list, shallow_copy, steady
 from autopar.solve.layer_stats import LayerStat, layer_stats
 from autopar.solve.pipeline import Config, Priced, price
 
@@ -90,6 +91,7 @@ class _Candidate:
     stats: list[LayerStat]
     full: MeshSpec
     estimate: bool = False  # priced from the shallow copy (autopar/shallow.py)
+    weight: float = 1.0  # the gradient-sync weight its placements were solved with
 
 
 def extrapolate_blocks(stats: list[LayerStat], blocks: int) -> list[LayerStat]:
@@ -117,10 +119,11 @@ class JointSearch:
         self.budget = opts.memory_budget if opts.memory_budget is not None else mesh.mem_capacity
         self.captures: dict[tuple[int, bool], Captured] = {}
         self.priced: list[tuple[_Candidate, Priced]] = []
-        # (the model with its identical layers cut to KEEP, its depth, the layer list's path)
-        # once the plain
-        # candidate shows them identical: other candidates are then estimated from it
+        # (the model with its layer list cut to KEEP, the list's depth and path) while
+        # candidates are estimated from it (autopar/shallow.py); _exact: never again
         self._shallow: tuple[nn.Module, int, str] | None = None
+        self._exact = False
+        self._mismatch = False  # a confirmed split priced otherwise than its estimate
         self.timings: dict[str, float] = {}
         self._t0 = time.perf_counter()  # reset by run(); the shared time limit counts from it
         self._stopped = False
@@ -196,11 +199,12 @@ class JointSearch:
         return self.captures[key]
 
     def _intra(self, stages: int, micro: int, budget: float | None,
-               estimate: bool = False) -> list[_Candidate]:
+               estimate: bool = False, weights: tuple[float, ...] | None = None) -> list[_Candidate]:
         """The intra-op plans of one (stages, micro-batches) split: the ILP's, and those it
         finds with gradient sync charged at a fraction of its price where they differ
-        (:func:`autopar.search.make_plans`); the step model picks among them.
-        ``estimate``: on the shallow copy, its layers extrapolated to full depth."""
+        (:func:`autopar.search.make_weighted_plans`); the step model picks among them.
+        ``estimate``: on the shallow copy, its layers extrapolated to full depth;
+        ``weights``: only those sync weights' plans."""
         full, sub = split_mesh(self.mesh, stages)
         if estimate:
             try:
@@ -217,16 +221,22 @@ class JointSearch:
                f"{'x'.join(map(str, sub.shape))}")
         intra_opts = dataclasses.replace(self.opts, memory_budget=budget, time_limit=max(1.0, left),
                                          choose_limit=self.opts.time_limit)
-        plans = make_plans(cap.gm, sub, cap.aliases, intra_opts, sync_variants=True)
+        plans = make_weighted_plans(cap.gm, sub, cap.aliases, intra_opts, sync_variants=True,
+                                    weights=weights)
         self.timings["intra_op"] = self.timings.get("intra_op", 0.0) + time.perf_counter() - t0
         out = []
-        for p in plans:
+        if estimate and plans and not steady(layer_stats(cap.gm, plans[0][1])):
+            # the copy's layers after the first differ: nothing to extrapolate from
+            self._say(f"the {KEEP}-layer copy's layers differ: planning at full depth")
+            self._shallow, self._exact = None, True
+            return self._intra(stages, micro, budget, False, weights)
+        for w, p in plans:
             stats = layer_stats(cap.gm, p)
             if self.opts.blocks is not None:
                 stats = extrapolate_blocks(stats, self.opts.blocks)
             elif estimate:
                 stats = deepen(stats, self._shallow[2], self._shallow[1])
-            out.append(_Candidate(stages, micro, cap, p, stats, full, estimate))
+            out.append(_Candidate(stages, micro, cap, p, stats, full, estimate, w))
         return out
 
     def _configs(self, cand: _Candidate) -> list[Config]:
@@ -293,18 +303,20 @@ class JointSearch:
         return True
 
     def _try(self, stages: int, micro: int, budget: float | None, strict: bool = False,
-             estimate: bool = False, force: bool = False) -> None:
+             estimate: bool = False, force: bool = False,
+             weights: tuple[float, ...] | None = None) -> None:
         """Plan and price one candidate. ``strict``: the candidate the user asked for
         (or the plain one), whose errors (bad pins, ...) are the user's and propagate;
         a candidate the search picked is skipped when, e.g., a pin cannot hold at its
         micro-batch size.  ``estimate``: from the shallow copy (cheap; not a plan).
-        ``force``: even when the time limit is spent."""
+        ``force``: even when the time limit is spent; ``weights``: only those sync weights'
+        placements (:func:`autopar.search.make_weighted_plans`)."""
         if self._out_of_time() and not force:
             return
         t0 = time.perf_counter()
         lean = budget is not None and math.isfinite(budget)
         try:
-            cands = self._intra(stages, micro, budget, estimate)
+            cands = self._intra(stages, micro, budget, estimate, weights)
         except PlanError as e:
             if strict:
                 raise
@@ -317,7 +329,7 @@ class JointSearch:
         best = min((p.step_seconds for p in ok), default=math.inf)
         self._say(f"stages {stages}, micro-batches {micro}"
                   + (", memory-lean placements" if lean else "")
-                  + (f", estimated from {KEEP} layers" if estimate else "")
+                  + (f", estimated from {KEEP} layers" if cands and cands[0].estimate else "")
                   + f": {len(self.priced) - n} configs priced, {len(ok)} fit, best "
                   + (f"{best * 1e3:.3f} ms" if ok else "none") + f" ({time.perf_counter() - t0:.2f} s)")
 
@@ -331,7 +343,7 @@ class JointSearch:
         self._stopped = False
         stages = self.opts.pipeline_stages or 1
         first = (stages, self._micro_options(stages)[0])
-        self._try(*first, math.inf, strict=True)
+        self._try(*first, math.inf, strict=True, estimate=self._start_early())
         if stages > 1:
             self._stage_options()  # forced stages: refuse tied weights across layers now
         forced = self.opts.pipeline_stages is not None or self.opts.micro_batches is not None
@@ -341,7 +353,7 @@ class JointSearch:
         pressed = best is None or best[1].config.zero_stage > 0 or any(
             sp.recompute for sp in best[1].stages)
         if self.opts.explore or (pressed and not forced):
-            est = self._start_shallow()
+            est = self._shallow is not None or self._start_shallow()
             # breadth first, each stage count's most promising micro-batch count first:
             # a time limit then cuts depth, not whole stage counts (a 1,024-H100 Llama-3
             # 70B search ran out in 1-stage micro-batching before).  With a pipeline
@@ -358,6 +370,13 @@ class JointSearch:
                 self._try(p, m, self.budget, estimate=e)
         self._confirm_estimates()
         best = self._best(exact=True)
+        if self._mismatch and not self._exact:
+            # the estimates stood for layers that differ at full depth after all: their
+            # ranking is not to be trusted, so every split is planned at full depth
+            self._say("the layers differ at full depth: planning every split at full depth")
+            self.priced = [(c, p) for c, p in self.priced if not c.estimate]
+            self._shallow, self._exact = None, True
+            return self._run()
         if best is None:
             if not self.priced:
                 raise PlanError("the search found no plan within its time limit of "
@@ -387,10 +406,32 @@ class JointSearch:
                   + f": {pr.step_seconds * 1e3:.3f} ms per step")
         return cand.cap, plan
 
+    def _start_early(self) -> bool:
+        """Estimate every candidate, the plain one included, from a copy of the model
+        with its layer list cut to :data:`KEEP` layers (:mod:`autopar.shallow`), so that
+        only the chosen split is captured at full depth; True when on.  Not when the
+        user's options name layers of that list (a pin, ``recompute=``), nor for
+        ``blocks=`` (the model is shallow already)."""
+        found = None if self._exact or self.opts.blocks is not None else repeated_list(self.model)
+        if found is None:
+            return False
+        path, depth = found
+        # only input pins and globs over parameters that name no layer index: a pin on a
+        # node or on layer 7 would name nothing in the copy
+        indexed = re.compile(rf"(^|[.*]){re.escape(path)}\.\d")
+        named = bool(self.opts.recompute) or any(
+            not (str(k).startswith("input:") or ("*" in str(k) and not indexed.search(str(k))))
+            for k in self.opts.pins)
+        model = None if named else shallow_copy(self.model, path)
+        if model is None:
+            return False
+        self._shallow = (model, depth, path)
+        return True
+
     def _start_shallow(self) -> bool:
         """Estimate the candidates to come from a shallow copy when the plain candidate's
         repeated layers are identical (:mod:`autopar.shallow`); True when on."""
-        if self.opts.blocks is not None or not self.priced:
+        if self._exact or self.opts.blocks is not None or not self.priced:
             return False  # blocks=: the user's model is shallow already
         found = homogeneous(self.priced[0][0].stats)
         model = shallow_copy(self.model, found[0]) if found else None
@@ -414,12 +455,20 @@ class JointSearch:
             split = (best[0].stages, best[0].micro_batches)
             if split in tried:
                 return
+            # the variant the estimate won with: its placements, not all four, at full depth
+            weights = (best[0].weight,)
             tried.add(split)
+            estimated = best[1].step_seconds
             # this split's estimates have served: its exact configs replace them
             self.priced = [(c, p) for c, p in self.priced
                            if not (c.estimate and (c.stages, c.micro_batches) == split)]
             n, first = len(self.priced), len(tried) == 1
-            self._try(*split, math.inf, force=first)
+            self._try(*split, math.inf, force=first, weights=weights)
+            # the check that the estimates were exact: this split, planned at full depth
+            exact = [p.step_seconds for _, p in self.priced[n:] if p.feasible]
+            if not exact or not math.isclose(min(exact), estimated, rel_tol=1e-6):
+                self._mismatch = True
+                return
             if not any(p.feasible for _, p in self.priced[n:]):
                 # memory-lean placements, as for any split
                 self._try(*split, self.budget, force=first)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from autopar.cost_models import format_bytes, send_recv_time
 from autopar.solve.pipeline import Config, Priced, price
 
-ESTIMATED = " (estimated at full depth from a 2-layer copy of the model)"
+ESTIMATED = " (estimated at full depth from a shallow copy of the model)"
 
 
 @dataclasses.dataclass

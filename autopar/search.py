@@ -342,7 +342,18 @@ def _sync_weighted(pb: Problem, w: float) -> StrategyProblem:
 def make_plans(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts: PlanOptions,
                sync_variants: bool = False) -> list[Plan]:
     """:func:`make_plan`'s plan, and with ``sync_variants`` (ILP only) the distinct plans
-    solved with the gradient all-reduces charged at :data:`SYNC_WEIGHTS` of their price.
+    solved with the gradient all-reduces charged at :data:`SYNC_WEIGHTS` of their price
+    (:func:`make_weighted_plans` without the weights)."""
+    return [p for _, p in make_weighted_plans(gm, mesh, aliases, opts, sync_variants)]
+
+
+def make_weighted_plans(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts: PlanOptions,
+                        sync_variants: bool = False,
+                        weights: tuple[float, ...] | None = None) -> list[tuple[float, Plan]]:
+    """(sync weight, plan) pairs: the plan as priced (weight 1.0) and, with
+    ``sync_variants`` (ILP only), the distinct plans solved with the gradient
+    all-reduces charged at :data:`SYNC_WEIGHTS` of their price.  ``weights`` keeps
+    only those (the joint search re-plans one estimate's variant at full depth).
 
     The ILP charges each parameter's gradient sync in full, while the joint step model
     (:mod:`autopar.solve.pipeline`) overlaps the buckets with backward and exposes only
@@ -354,7 +365,7 @@ def make_plans(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts: PlanOpti
     charged) objective."""
     searcher, why = choose_searcher(gm, mesh, opts)
     if searcher is Searcher.DREC:
-        return [make_plan_drec(gm, mesh, aliases, opts, why)]
+        return [(1.0, make_plan_drec(gm, mesh, aliases, opts, why))]
     t0 = time.perf_counter()
     report(f"pricing the strategies of {len(gm.graph.nodes)} graph nodes on mesh "
            f"{'x'.join(map(str, mesh.shape))}")
@@ -374,19 +385,22 @@ def make_plans(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts: PlanOpti
     # the clusters depend on the problem's edges and strategy counts only, which the
     # sync-weighted variants below share: found once
     clusters = find_clusters(gm, pb.nodes, pb.strategies, pb.problem, lays)
-    sol = _solve(pb.problem, opts.time_limit, clusters)
-    t2 = time.perf_counter()
-    plans = [_finish(gm, mesh, pb, sol, cm, opts, why, t1 - t0, t2 - t1)]
-    seen = [sol.choice]
-    for w in SYNC_WEIGHTS if sync_variants and math.isfinite(sol.objective) else ():
+    plans: list[tuple[float, Plan]] = []
+    seen = []
+    todo = (1.0, *SYNC_WEIGHTS) if sync_variants else (1.0,)
+    for w in todo if weights is None else tuple(x for x in todo if x in weights):
         t3 = time.perf_counter()
-        alt = _solve(_sync_weighted(pb, w), opts.time_limit, clusters)
-        if alt.choice in seen or not math.isfinite(alt.objective):
+        sol = _solve(pb.problem if w == 1.0 else _sync_weighted(pb, w), opts.time_limit, clusters)
+        if w == 1.0 and not math.isfinite(sol.objective):
+            _finish(gm, mesh, pb, sol, cm, opts, why, t1 - t0, 0.0)  # raises: no finite plan
+        if sol.choice in seen or not math.isfinite(sol.objective):
             continue
-        seen.append(alt.choice)
-        alt.objective = evaluate(pb.problem, alt.choice)[0]  # the true, fully charged price
-        alt.message += f"; solved with the gradient all-reduces charged at {w:g} of their price"
-        plans.append(_finish(gm, mesh, pb, alt, cm, opts, why, t1 - t0, time.perf_counter() - t3))
+        seen.append(sol.choice)
+        if w != 1.0:
+            sol.objective = evaluate(pb.problem, sol.choice)[0]  # the true, fully charged price
+            sol.message += f"; solved with the gradient all-reduces charged at {w:g} of their price"
+        plans.append((w, _finish(gm, mesh, pb, sol, cm, opts, why, t1 - t0,
+                                 time.perf_counter() - t3)))
     return plans
 
 

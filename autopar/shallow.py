@@ -4,8 +4,9 @@ estimates for candidates it would otherwise capture at full depth.
 The joint search captures the model at every micro-batch size it tries.  That is one
 ``torch.export`` each: 15 s for an 80-layer Llama-3 70B on this 2-core machine, and
 62 of the 97 s a 1,024-device plan took.  When the plain candidate's per-layer numbers
-show every repeated layer alike (:func:`homogeneous`), a copy of the model with its
-layer list cut to two layers (:func:`shallow_copy`) stands in for the others.  It is
+show every repeated layer alike (:func:`homogeneous`), or a copy of the model whose
+layer list is cut to four layers shows its middle two alike (:func:`steady`), that copy
+(:func:`shallow_copy`) stands in for the model while the search compares candidates.  It is
 captured in a fraction of the time and its layer statistics are extrapolated to full
 depth (:func:`deepen`).  Those candidates are estimates, used to choose.
 The one chosen is captured at full depth and planned exactly before it can win
@@ -25,9 +26,10 @@ from torch import nn
 
 from autopar.solve.layer_stats import LayerStat
 
-KEEP = 2
-"""Layers the shallow copy keeps: two, so its graph has a repeated layer after the first
-(the repeated-layer solver needs two; the second one's numbers are extrapolated)."""
+KEEP = 4
+"""Layers the shallow copy keeps: the first (it pays its input's redistribution), the
+last (what leaves the stack may be counted with it) and two between, whose numbers must
+agree (:func:`steady`) before they stand for every middle layer."""
 
 
 def _same(a: LayerStat, b: LayerStat) -> bool:
@@ -41,11 +43,10 @@ def _same(a: LayerStat, b: LayerStat) -> bool:
 
 def homogeneous(stats: list[LayerStat]) -> tuple[str, int] | None:
     """(``path``, count) when the layers other than ``pre`` and ``post`` are
-    ``<path>.0`` .. ``<path>.<count-1>`` and every one after the first has identical
-    numbers, else ``None``.  The first may differ: it pays for its input's
-    redistribution from ``pre`` (Llama's layer 0: 12.4 against 11.1 ms).  A shallow
-    copy's first and second layers then give every layer's numbers exactly
-    (:func:`deepen`)."""
+    ``<path>.0`` .. ``<path>.<count-1>`` and every middle one has identical numbers,
+    else ``None``.  The first may differ (it pays for its input's redistribution from
+    ``pre``: Llama's layer 0, 12.4 against 11.1 ms) and so may the last (a residual add
+    after it is counted with ``post`` or with it)."""
     body = [st for st in stats if st.key not in ("pre", "post")]
     if len(body) <= KEEP:
         return None
@@ -55,15 +56,34 @@ def homogeneous(stats: list[LayerStat]) -> tuple[str, int] | None:
     path = m.group(1)
     if [st.key for st in body] != [f"{path}.{i}" for i in range(len(body))]:
         return None
-    return (path, len(body)) if all(_same(body[1], st) for st in body[2:]) else None
+    return (path, len(body)) if all(_same(body[1], st) for st in body[2:-1]) else None
+
+
+def steady(stats: list[LayerStat]) -> bool:
+    """Whether a shallow copy's middle layers agree (they then stand for every middle
+    layer of a stack of one kind)."""
+    body = [st for st in stats if st.key not in ("pre", "post")]
+    return len(body) >= KEEP and all(_same(body[1], st) for st in body[2:-1])
+
+
+def repeated_list(model: nn.Module) -> tuple[str, int] | None:
+    """(path, length) of the model's longest ``nn.ModuleList`` of one module class and
+    more than :data:`KEEP` entries (a decoder's layers), or ``None``."""
+    best: tuple[str, int] | None = None
+    for name, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and len(m) > KEEP and len({type(c) for c in m}) == 1 \
+                and (best is None or len(m) > best[1]):
+            best = (name, len(m))
+    return best
 
 
 def deepen(stats: list[LayerStat], path: str, depth: int) -> list[LayerStat]:
-    """A shallow copy's statistics at full depth: ``pre``, its first layer, ``depth - 1``
-    copies of its last layer (keys ``<path>.1`` ..), ``post``."""
+    """A shallow copy's statistics at full depth: ``pre``, its first layer, ``depth - 2``
+    copies of its second (keys ``<path>.1`` ..), its last layer, ``post``."""
     body = [st for st in stats if st.key not in ("pre", "post")]
-    copies = [dataclasses.replace(body[-1], key=f"{path}.{i}") for i in range(1, depth)]
-    return ([st for st in stats if st.key == "pre"] + body[:1] + copies
+    middle = [dataclasses.replace(body[1], key=f"{path}.{i}") for i in range(1, depth - 1)]
+    last = dataclasses.replace(body[-1], key=f"{path}.{depth - 1}")
+    return ([st for st in stats if st.key == "pre"] + body[:1] + middle + [last]
             + [st for st in stats if st.key == "post"])
 
 
@@ -91,4 +111,4 @@ def shallow_copy(model: nn.Module, path: str, keep: int = KEEP) -> nn.Module | N
     return copies[0]
 
 
-__all__ = ["KEEP", "deepen", "homogeneous", "shallow_copy"]
+__all__ = ["KEEP", "deepen", "homogeneous", "repeated_list", "shallow_copy", "steady"]

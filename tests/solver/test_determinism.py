@@ -74,14 +74,14 @@ def test_capture_time_is_not_charged_to_the_search(monkeypatch):
         cap.seconds += 2.0  # as if the capture itself had taken 2 s longer
         return cap
 
-    real_make_plans = joint.make_plans
+    real_make_plans = joint.make_weighted_plans
 
     def spy(gm, mesh, aliases, opts, **kw):
         seen.append(opts)
         return real_make_plans(gm, mesh, aliases, opts, **kw)
 
     monkeypatch.setattr(joint, "capture", slow_capture)
-    monkeypatch.setattr(joint, "make_plans", spy)
+    monkeypatch.setattr(joint, "make_weighted_plans", spy)
     model, ex = mlp.build()
     autopar.plan(model, ex, (2,), search="auto", time_limit=3.0)
     assert seen and seen[0].time_limit > 2.5  # before: max(1, 3 - 2.x) = 1

@@ -1,11 +1,13 @@
 """The joint search's estimates from a shallow copy (autopar/shallow.py).
 
-Once the plain candidate shows a model's repeated layers alike, the other (stages,
-micro-batches) splits are priced on a 2-layer copy extrapolated to full depth, and only
-the one that wins is planned at full depth.  Checked: the copy leaves the model as it
-was, an estimate prices exactly what the full-depth plan of the same split prices, and
-the search with estimates chooses the plan the all-exact search chooses.  Planning
-only (no process group).
+A model whose layer list holds one kind of layer is planned on a copy with the list
+cut to three layers; when the copy's last two agree, every (stages, micro-batches)
+split is priced from it, extrapolated to full depth, and only the one that wins is
+captured and planned at full depth.  Checked: the copy leaves the model as it was, an
+estimate prices exactly what the full-depth plan of the same split prices, the search
+with estimates chooses the plan the all-exact search chooses with one full-depth
+capture, and layers that differ at full depth send the search back to full depth.
+Planning only (no process group).
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 import autopar.joint as joint
 from autopar import MeshSpec, plan
 from autopar.joint import JointSearch
 from autopar.search import PlanOptions
-from autopar.shallow import deepen, homogeneous, shallow_copy
+from autopar.shallow import KEEP, deepen, homogeneous, shallow_copy, steady
 from autopar.solve.layer_stats import LayerStat
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -40,9 +43,9 @@ def test_shallow_copy_shares_weights_and_leaves_the_model_alone() -> None:
     model, (x, y) = _gpt()
     before = [id(p) for p in model.parameters()]
     short = shallow_copy(model, "blocks")
-    assert short is not None and len(short.blocks) == 2 and len(model.blocks) == LAYERS
+    assert short is not None and len(short.blocks) == KEEP and len(model.blocks) == LAYERS
     assert [id(p) for p in model.parameters()] == before
-    assert all(a is b for a, b in zip(short.blocks.parameters(), model.blocks[:2].parameters()))
+    assert all(a is b for a, b in zip(short.blocks.parameters(), model.blocks[:KEEP].parameters()))
     assert short.tok.weight is model.tok.weight
     short(x, y).item()  # the copy runs
     assert shallow_copy(model, "nothere") is None and shallow_copy(model, "tok") is None
@@ -52,14 +55,18 @@ def test_homogeneous_needs_equal_layers_after_the_first() -> None:
     def st(key: str, s: float) -> LayerStat:
         return LayerStat(key, seconds=s, forward=s / 3)
 
-    body = [st("h.0", 2.0)] + [st(f"h.{i}", 1.0) for i in range(1, 5)]
+    # the first and the last layer may differ (entry and exit), the middle must not
+    body = [st("h.0", 2.0)] + [st(f"h.{i}", 1.0) for i in range(1, 6)] + [st("h.6", 1.2)]
     stats = [st("pre", 0.5), *body, st("post", 0.7)]
-    assert homogeneous(stats) == ("h", 5)
-    deep = deepen([stats[0], body[0], body[1], stats[-1]], "h", 5)
+    assert homogeneous(stats) == ("h", 7)
+    copy = [stats[0], body[0], body[1], body[2], st("h.3", 1.2), stats[-1]]
+    assert steady(copy)
+    deep = deepen(copy, "h", 7)
     assert [s.key for s in deep] == [s.key for s in stats]
     assert [s.seconds for s in deep] == [s.seconds for s in stats]
-    assert homogeneous([stats[0], *body[:4], st("h.4", 1.5), stats[-1]]) is None  # one differs
-    assert homogeneous([stats[0], *body[:2], stats[-1]]) is None  # too shallow to cut
+    assert homogeneous([*stats[:4], st("h.3", 1.5), *stats[5:]]) is None  # a middle one differs
+    assert homogeneous([stats[0], *body[:3], stats[-1]]) is None  # too shallow to cut
+    assert not steady([stats[0], body[0], body[1], st("h.2", 1.3), body[-1], stats[-1]])
 
 
 def _search() -> JointSearch:
@@ -95,10 +102,65 @@ def test_search_with_estimates_chooses_what_the_exact_search_chooses(monkeypatch
         fast = plan(model, ex, MESH, memory_budget=budget, time_limit=120)
         monkeypatch.setattr(joint, "shallow_copy", lambda *a, **k: None)  # every split exact
         exact = plan(model, ex, MESH, memory_budget=budget, time_limit=120)
-    assert "estimated from a 2-layer copy" in fast.solver.message
+    assert f"estimated from a {KEEP}-layer copy" in fast.solver.message
     assert "estimated" not in exact.solver.message
     a, b = fast.decisions, exact.decisions
     assert (a.pipeline_stages, a.micro_batches, a.zero_stage, a.schedule) == \
         (b.pipeline_stages, b.micro_batches, b.zero_stage, b.schedule)
     assert a.step_seconds == pytest.approx(b.step_seconds, rel=1e-9)
     assert fast.params() == exact.params()
+
+
+def test_a_plan_that_fits_is_captured_at_full_depth_once(monkeypatch) -> None:
+    captured: list[int] = []
+    real = joint.capture
+
+    def counting(model, *a, **k):
+        captured.append(len(model.blocks))
+        return real(model, *a, **k)
+
+    monkeypatch.setattr(joint, "capture", counting)
+    model, ex = _gpt()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = plan(model, ex, MESH, time_limit=120)
+        monkeypatch.setattr(joint, "shallow_copy", lambda *a, **k: None)
+        exact = plan(model, ex, MESH, time_limit=120)
+    assert captured[:2] == [KEEP, LAYERS]  # the copy for the estimate, then the plan itself
+    assert captured.count(LAYERS) == 2  # one for each plan: never one per candidate
+    assert p.params() == exact.params()
+    assert p.decisions.step_seconds == pytest.approx(exact.decisions.step_seconds, rel=1e-9)
+
+
+class _Uneven(torch.nn.Module):
+    """Layers of one class whose last one is four times wider: a 3-layer copy looks
+    steady, the full depth does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        widths = [32] * 5 + [128]
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(32, w), torch.nn.ReLU(), torch.nn.Linear(w, 32))
+            for w in widths)
+        self.head = torch.nn.Linear(32, 32)
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = x + layer(x)
+        return torch.nn.functional.mse_loss(self.head(x), y)
+
+
+def test_layers_that_differ_at_full_depth_send_the_search_back(monkeypatch) -> None:
+    model, ex = _Uneven(), (torch.randn(16, 32), torch.randn(16, 32))
+    said: list[str] = []
+    real = joint.JointSearch._say
+    monkeypatch.setattr(joint.JointSearch, "_say", lambda self, m: (said.append(m), real(self, m)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = plan(model, ex, MESH, time_limit=120)
+        monkeypatch.setattr(joint, "shallow_copy", lambda *a, **k: None)
+        exact = plan(model, ex, MESH, time_limit=120)
+    assert any("differ at full depth" in m for m in said), said
+    assert "estimated" not in p.solver.message
+    assert p.params() == exact.params()
+    assert p.decisions.step_seconds == pytest.approx(exact.decisions.step_seconds, rel=1e-9)
