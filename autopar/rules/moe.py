@@ -1,5 +1,6 @@
 """Routing and indexing ops of mixture-of-experts layers: top-k, sort, one-hot,
-gather, scatter-add and index-select.
+gather, scatter-add and index-select; ``diff``, which also works along one dim; and
+``index`` with every dim indexed.
 
 Each of them works along one dim (``dim``: where it selects, sorts or scatters) and
 acts row by row on every other dim, so any other dim shards alike on every tensor
@@ -18,7 +19,7 @@ from torch import fx
 
 from autopar.ir import info
 from autopar.placement import P, Placement, R, Shard, normalize_dim
-from autopar.rules import AxisStrategy, RuleCtx, arg, assign, ndim, register, shape
+from autopar.rules import AxisStrategy, RuleCtx, arg, assign, ndim, pointwise_axis, register, shape
 
 aten = torch.ops.aten
 
@@ -105,3 +106,28 @@ def index_select_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
     result.append(assign(node, [(x, R), (index, Shard(0))], [Shard(d)]))
     result.append(assign(node, [(x, P), (index, R)], [P]))
     return [s for s in result if s is not None]
+
+
+@register(aten.diff.default)
+def diff_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
+    """``diff`` along ``dim`` (Hugging Face masks compare neighbouring positions): every
+    other dim shards, on the input and on ``prepend``/``append`` alike."""
+    x = node.args[0]
+    n = ndim(x)
+    d = normalize_dim(arg(node, 2, "dim", -1), n)
+    tensors = [x] + [t for t in (arg(node, 3, "prepend"), arg(node, 4, "append"))
+                     if isinstance(t, fx.Node)]
+    return _rowwise(node, tensors, d)
+
+
+@register(aten.index.Tensor)
+def index_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
+    """``x[i0, i1, ...]`` with every dim of ``x`` indexed by a tensor (Hugging Face's mask
+    construction): the output has the indices' broadcast shape and each element depends
+    on the indices at its position only, so the indices shard like a pointwise op's
+    inputs while ``x`` stays whole (the index values are global positions).  Other forms
+    (``None`` entries, fewer indices than dims) have no rule."""
+    x, idx = node.args[0], node.args[1]
+    if any(i is None for i in idx) or len(idx) != ndim(x):
+        return []
+    return pointwise_axis(node, [i for i in idx if isinstance(i, fx.Node)])

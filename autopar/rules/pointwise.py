@@ -43,6 +43,8 @@ NONLINEAR_BINARY = [
     aten.logical_and.default, aten.logical_or.default, aten.pow.Tensor_Tensor,
     aten.masked_fill.Tensor, aten.where.self, aten.atan2.default,
     aten.gelu_backward.default, aten.threshold_backward.default,
+    # Hugging Face's mask and position-bucket arithmetic (T5's relative positions)
+    aten.min.other, aten.max.other, aten.where.ScalarOther, aten.where.ScalarSelf,
 ]
 
 # tril/triu act on the last two dims: sharding those changes which elements are masked.

@@ -366,6 +366,15 @@ direct("scatter_add", aten.scatter_add.default, [N(2, 4, 6), Ints(6, 2, 4, 3), N
 direct("scatter_add_short_src", aten.scatter_add.default, [N(4, 6), Ints(4, 2, 6), N(3, 6)],
        x0, 0, x1, x2)
 direct("index_select", aten.index_select.default, [N(2, 4, 6), Ints(4, 4)], x0, 1, x1)
+# x[i0, i1] with broadcasting indices, as Hugging Face builds its masks
+direct("index_tensor", aten.index.Tensor, [N(4, 16), Ints(4, 4, 1, 1, 1), Ints(16, 1, 1, 16, 1)],
+       x0, [x1, x2])
+direct("diff", aten.diff.default, [N(4, 6)], x0, 1, 1)
+direct("diff_dim0_prepend", aten.diff.default, [N(4, 6), N(1, 6)], x0, 1, 0, x1)
+direct("min_other", aten.min.other, [N(4, 6), N(4, 6)], x0, x1)
+direct("max_other", aten.max.other, [N(4, 6), N(6)], x0, x1)
+direct("where_scalar_other", aten.where.ScalarOther, [B(4, 6), N(4, 6)], x0, x1, 0.5)
+direct("where_scalar_self", aten.where.ScalarSelf, [B(4, 6), N(4, 6)], x0, 0.5, x1)
 
 # ---------------------------------------------------------------- routed experts (MoE)
 # autopar::moe_experts (autopar/runtime/experts.py): tokens split, expert parallel (uneven
