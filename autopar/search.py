@@ -20,24 +20,23 @@ import numpy as np
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from autopar.assemble import assemble
 from autopar.cost_models import MeshSpec
-from autopar.costs import CostModel, param_state_split
+from autopar.costs import CostModel
 from autopar.errors import PlanError
 from autopar.ir import info, tensor_inputs
-from autopar.layers import layer_keys, layers
-from autopar.lowering import describe
+from autopar.layers import layers
 from autopar.placement import (
     Shard,
-    fmt_placements,
     graph_batch,
     parse_placements,
     returned_placement,
 )
-from autopar.plan import Alternative, NodePlan, Plan, Redistribution, SolverInfo
+from autopar.plan import Plan
 from autopar.progress import report
-from autopar.redistribute import plan_redistribution
 from autopar.rules import OpStrategy
 from autopar.rules.attention import restrict_attention
+from autopar.solve import bounds
 from autopar.solve.cluster import Clustering, find_clusters, shared_pricing, solve_clustered
 from autopar.solve.ilp import solve_ilp
 from autopar.solve.problem import InfeasibleError, StrategyProblem, evaluate
@@ -116,11 +115,7 @@ def build_problem(gm: fx.GraphModule, mesh: MeshSpec, strategies: dict[fx.Node, 
             costs.append(c)
             mems.append(m)
             continue
-        c = np.array([cm.node_cost(n, s) for s in strategies[n]], dtype=np.float64)
-        # a model output must end up where the caller gets it (replicated, or its rows
-        # per data-parallel rank under batch="local"): price that here
-        if any(user.op == "output" for user in n.users):
-            c = c + np.array([cm.output_cost(n, s) for s in strategies[n]])
+        c = _node_costs(n, strategies[n], cm)
         costs.append(c)
         mems.append(np.array([cm.node_memory(n, s) for s in strategies[n]], dtype=np.float64))
         priced[n] = (c, mems[-1])
@@ -151,6 +146,37 @@ def build_problem(gm: fx.GraphModule, mesh: MeshSpec, strategies: dict[fx.Node, 
     return Problem(nodes, strategies, prob, edge_src)
 
 
+def _node_costs(n: fx.Node, strategies: list[OpStrategy], cm: CostModel) -> np.ndarray:
+    """Node ``n``'s own price under each strategy."""
+    c = np.array([cm.node_cost(n, s) for s in strategies], dtype=np.float64)
+    # a model output must end up where the caller gets it (replicated, or its rows
+    # per data-parallel rank under batch="local"): price that here
+    if any(user.op == "output" for user in n.users):
+        c = c + np.array([cm.output_cost(n, s) for s in strategies])
+    return c
+
+
+def _drec_bound(gm: fx.GraphModule, mesh: MeshSpec, cm: CostModel, aliases: dict,
+                opts: PlanOptions, chosen: dict[fx.Node, OpStrategy], own: list[np.ndarray]) -> float:
+    """A lower bound on the best plan for a D-Rec plan's gap (:func:`autopar.solve.bounds.
+    node_bound`): every node's least own price over the strategies the ILP would choose
+    among (pins applied) and D-Rec's own (``own``: its chosen price per node). Edges are
+    not priced: that is what makes the ILP too big where D-Rec runs; identical layers are
+    priced once."""
+    strategies = enumerate_strategies(gm, tuple(mesh.shape))
+    apply_pins(strategies, opts.pins, tuple(mesh.shape), aliases, gm)
+    share = shared_pricing(gm, strategies)
+    least: dict[fx.Node, float] = {}
+    out = []
+    for n, c in zip(chosen, own):
+        key = share.get(n, n)
+        if key not in least:
+            st = strategies.get(key) or []
+            least[key] = float(_node_costs(key, st, cm).min()) if st else math.inf
+        out.append(np.array([min(least[key], float(c[0]))]))
+    return bounds.node_bound(out)
+
+
 def _solve(problem: StrategyProblem, time_limit: float, clusters: Clustering | None = None):
     """Exact shortcut first: the optimum without the memory budget (leaf/chain
     elimination, no MIP for tree-like graphs) is also optimal with it whenever it fits;
@@ -176,20 +202,6 @@ def _solve(problem: StrategyProblem, time_limit: float, clusters: Clustering | N
         return solve_ilp(problem, time_limit=time_limit)
     except InfeasibleError as e:
         raise PlanError(f"no plan fits the memory budget: {e}") from e
-
-
-def _kind(n: fx.Node) -> str:
-    if n.op == "placeholder":
-        return "input"
-    if n.op == "get_attr":
-        return "param" if info(n).param else "buffer"
-    return "op"
-
-
-def _op_name(n: fx.Node) -> str:
-    if n.op == "call_function":
-        return getattr(n.target, "__name__", str(n.target)).replace(".default", "")
-    return n.op
 
 
 class Searcher(StrEnum):
@@ -312,8 +324,10 @@ def make_plan_drec(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts: Plan
     objective, _ = evaluate(pb.problem, choice)
     if not math.isfinite(objective):
         raise PlanError("D-Rec found no finite-cost plan (contradictory pins?)")
-    sol = Solution(choice, objective, SolveStatus.FEASIBLE, None, "drec", res.seconds,
-                   res.message + (f"; {why}" if why else ""))
+    g = bounds.gap(objective, _drec_bound(gm, mesh, cm, aliases, opts, res.choice, pb.problem.node_costs))
+    bound_text = "gap unknown" if g is None else f"gap at most {100 * g:.1f}% (node-price bound)"
+    sol = Solution(choice, objective, SolveStatus.FEASIBLE, g, "drec", res.seconds,
+                   res.message + f"; {bound_text}" + (f"; {why}" if why else ""))
     plan = assemble(gm, mesh, pb, res.choice, cm, sol, opts, searcher=Searcher.DREC.value)
     plan.timings.update(solve=t1 - t0, enumerate_and_price=time.perf_counter() - t1)
     return plan
@@ -415,95 +429,3 @@ def _finish(gm: fx.GraphModule, mesh: MeshSpec, pb: Problem, sol, cm: CostModel,
         plan.solver.message += f"; {why}"
     plan.timings.update(enumerate_and_price=price_s, solve=solve_s)
     return plan
-
-
-def _lowering_fields(n: fx.Node, s: OpStrategy, mesh: MeshSpec, cm: CostModel,
-                     kind: str) -> dict:
-    """``NodePlan.lowering`` and ``own_comm`` (only ops that communicate themselves have
-    them: pricing every node again would cost a second per plan on a Llama)."""
-    lowering = describe(n, s, mesh) if kind == "op" else ""
-    return {"lowering": lowering, "own_comm": float(cm.op_time(n, s)[1]) if lowering else 0.0}
-
-
-def assemble(gm: fx.GraphModule, mesh: MeshSpec, pb: Problem, choice: dict[fx.Node, OpStrategy],
-             cm: CostModel, sol, opts: PlanOptions, searcher: str = "ilp") -> Plan:
-    """Turn the solver's choice into a Plan with per-node prices and alternatives
-    (``searcher`` names who chose: "ilp" or "drec")."""
-    index = {n: i for i, n in enumerate(pb.nodes)}
-    chosen = {n: pb.strategies[n].index(s) for n, s in choice.items()}
-    incident: dict[fx.Node, list[tuple[int, np.ndarray, bool]]] = {n: [] for n in pb.nodes}
-    for (u, v, _), (_, _, m) in zip(pb.edge_src, pb.problem.edges):
-        incident[v].append((index[u], m, True))
-        incident[u].append((index[v], m, False))
-    nodes: dict[str, NodePlan] = {}
-    layer_of = layer_keys(gm)
-    compute = comm = sync = 0.0
-    mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0, "buffers": 0.0}
-    for n in pb.nodes:
-        s = choice[n]
-        ni = info(n)
-        kind = _kind(n)
-        own = pb.problem.node_costs[index[n]][chosen[n]]
-        reds: list[Redistribution] = []
-        edge_comm = 0.0
-        if n.op == "call_function" and n.target is not operator.getitem:
-            for i, u in enumerate(tensor_inputs(n)):
-                if u not in choice:
-                    continue
-                src, dst = choice[u].outputs[0], s.inputs[i]
-                if src != dst:
-                    sec = cm.redistribution(src, dst, info(u).out)
-                    edge_comm += sec
-                    reds.append(Redistribution(u.name, fmt_placements(src), fmt_placements(dst),
-                                               [str(st) for st in plan_redistribution(src, dst)], sec))
-        # every strategy's price with the neighbours' choices fixed (its own cost plus its
-        # edges'), as one vector; the chosen one's is ``local``, the best five others
-        # are the alternatives (only they are formatted: the rest is most of the work)
-        mine = chosen[n]
-        sec = np.array(pb.problem.node_costs[index[n]], dtype=np.float64)
-        for other, m, is_in in incident[n]:
-            oc = chosen[pb.nodes[other]]
-            sec += m[oc, :] if is_in else m[:, oc]
-        local = float(sec[mine])
-        alts = []
-        for j in np.argsort(sec, kind="stable"):
-            if len(alts) == 5 or not math.isfinite(sec[j]):
-                break
-            if j != mine:
-                alt = pb.strategies[n][j]
-                alts.append(Alternative([fmt_placements(p) for p in alt.inputs],
-                                        [fmt_placements(p) for p in alt.outputs], float(sec[j])))
-        memory = pb.problem.node_memory[index[n]][chosen[n]]
-        if kind == "param":
-            sync += own
-            pbytes, gbytes, obytes = param_state_split(n, s.outputs[0], mesh, opts.optimizer)
-            mem["params"] += pbytes
-            mem["grads"] += gbytes
-            mem["optimizer"] += obytes
-        elif kind == "buffer":
-            mem["buffers"] += memory
-        else:
-            mem["activations"] += memory
-            compute += own
-        comm += edge_comm
-        nodes[n.name] = NodePlan(
-            name=n.name, op=_op_name(n), kind=kind,
-            shape=[list(t.shape) for t in ni.outputs],
-            inputs=[u.name for u in tensor_inputs(n)],
-            in_placements=[fmt_placements(p) for p in s.inputs],
-            out_placements=[fmt_placements(p) for p in s.outputs],
-            compute=float(own if kind == "op" else 0.0), comm=float(edge_comm),
-            memory=float(memory), param=ni.param, layer=layer_of.get(n, ""),
-            flops=float(ni.flops), local_seconds=float(local),
-            redistributions=reds, alternatives=alts,
-            **_lowering_fields(n, s, mesh, cm, kind),
-        )
-    mem["total"] = sum(mem.values())
-    return Plan(
-        mesh=mesh, nodes=nodes, objective=float(sol.objective), compute_seconds=compute,
-        comm_seconds=float(sol.objective) - compute - sync, grad_sync_seconds=sync, memory=mem,
-        solver=SolverInfo(searcher=searcher, backend=sol.solver, status=str(sol.status),
-                          gap=sol.gap, seconds=sol.wall_time, message=sol.message,
-                          problem_nodes=len(pb.nodes), problem_edges=len(pb.problem.edges)),
-        pins={k: (v if isinstance(v, str) else fmt_placements(tuple(v))) for k, v in opts.pins.items()},
-    )

@@ -54,6 +54,8 @@ from torch import fx
 from autopar.ir import info, tensor_inputs
 from autopar.layers import Layer, layers
 from autopar.rules import OpStrategy
+from autopar.solve.bounds import gap as gap_to
+from autopar.solve.bounds import star_bound
 from autopar.solve.ilp import solve_ilp
 from autopar.solve.incumbents import LAGRANGE_STEPS, polish_under_budget
 from autopar.solve.presolve import Graph, Reduction, eliminate
@@ -483,7 +485,9 @@ def solve_clustered(problem: StrategyProblem, clusters: Clustering,
     if budget is None or mem <= budget:
         status = SolveStatus.OPTIMAL if first.optimal else SolveStatus.FEASIBLE
         note = "" if budget is None else "; fits the memory budget"
-        return Solution(first.choice, obj, status, 0.0 if first.optimal else None,
+        # a layout the time limit cut short: the plan's gap from the star bound instead
+        return Solution(first.choice, obj, status,
+                        0.0 if first.optimal else gap_to(obj, star_bound(problem)),
                         f"cluster/{first.solver}", time.monotonic() - started,
                         f"{'optimal' if first.optimal else 'feasible'} plan ({what}){note}")
     return _budgeted(problem, clusters, twins, first, started, deadline, what)
@@ -584,6 +588,7 @@ def _budgeted(problem: StrategyProblem, cl: Clustering, twins: list[int], first:
     best_choice = polish_under_budget(problem, best_choice)
     best_obj = evaluate(problem, best_choice)[0]
     solver = "cluster/lagrangian"
+    lower = max(lower, star_bound(problem))  # known even when no Lagrangian solve finished
     gap = max(0.0, (best_obj - lower) / max(abs(best_obj), 1e-300)) if math.isfinite(lower) else None
     how = "Lagrangian over clustered layers"
     if (gap is None or gap > _OPTIMAL_GAP) and problem.num_nodes <= FLAT_MIP_MAX_NODES \

@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from autopar.solve.bounds import star_bound
 from autopar.solve.incumbents import heuristic, lagrangian_incumbent
 from autopar.solve.presolve import NoPlanError, reduce_problem
 from autopar.solve.problem import (
@@ -481,7 +482,11 @@ def solve_ilp(
     # A proven-optimal MIP plan makes any plan at least as cheap optimal too (the
     # incumbent can win a tie by one ulp of summation order).
     optimal = result.optimal
-    bound = None if result.bound is None else result.bound + red.offset
+    # the MIP's own bound, or the star bound of the residual when the MIP has none (it
+    # ran out of time before its root LP, or lost to the incumbent): a plan not proven
+    # optimal still says how far from optimal it can be
+    star = star_bound(residual) + red.offset
+    bound = star if result.bound is None else max(result.bound + red.offset, star)
     solver = chosen.value if optimal or best == result.choice else "heuristic"
     how = f"presolve kept {residual.num_nodes}/{problem.num_nodes} nodes, {chosen.value}"
     return _finish(problem, red.recover(best), optimal, bound, solver, started, time_limit, how)

@@ -63,6 +63,10 @@ def test_drec_within_5_percent_of_ilp(model, mesh_spec) -> None:
     assert ilp.solver.status == "optimal"
     assert drec.objective <= ilp.objective * 1.05, drec.diff(ilp)
     assert drec.objective >= ilp.objective * (1 - 1e-9)  # the ILP is optimal
+    # D-Rec's gap comes from a bound under the ILP's optimum (its definition: the plan
+    # is at most that far from optimal)
+    assert drec.solver.gap is not None
+    assert drec.objective * (1 - drec.solver.gap) <= ilp.objective * (1 + 1e-9)
     # the same Plan fields, priced the same way
     assert drec.objective == pytest.approx(
         drec.compute_seconds + drec.comm_seconds + drec.grad_sync_seconds)
