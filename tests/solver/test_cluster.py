@@ -8,6 +8,7 @@ summation order only, 1e-12 relative).
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import warnings
 
@@ -146,6 +147,31 @@ def test_clustering_engages_on_hf_llama_and_equals_the_flat_optimum(llama4, prec
     # the same DP, summed in another order: 1e-12 relative
     assert clustered.objective == pytest.approx(flat.objective, rel=1e-12)
     assert evaluate(pb.problem, clustered.choice)[0] == pytest.approx(clustered.objective, rel=1e-12)
+
+
+def test_side_layouts_bounded_above_the_best_are_not_solved(llama4, monkeypatch):
+    # the layouts of the shared rotary tables and mask: each is bounded before its MIP,
+    # and the answer must be the one solving every layout gives (same plan, same value)
+    import autopar.solve.cluster as cluster
+
+    _, _, gm, pb = llama4
+    cl = find_clusters(gm, pb.nodes, pb.strategies, pb.problem)
+    calls: list[int] = []
+    real = cluster.solve_ilp
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(cluster, "solve_ilp", counting)
+    pruned = solve_clustered(pb.problem, cl, time_limit=60)
+    n_pruned = len(calls)
+    monkeypatch.setattr(cluster, "_reduced_bound", lambda reduced: -math.inf)  # solve all
+    every = solve_clustered(pb.problem, cl, time_limit=60)
+    n_layouts = len(calls) - n_pruned
+    assert n_layouts > 1, "the test needs several side layouts"
+    assert n_pruned < n_layouts
+    assert pruned.choice == every.choice and pruned.objective == every.objective
 
 
 @pytest.mark.slow
