@@ -63,3 +63,19 @@ def spawn_rows(worker: Callable, world: int, params: dict) -> tuple[list[dict], 
         load0 = os.getloadavg()[0]
         mp.spawn(worker, args=(world, free_port(), params, out), nprocs=world, join=True)
         return json.loads(Path(out).read_text()), (load0, os.getloadavg()[0])
+
+
+def run_section(worker: Callable, world: int, a, ratios: Callable[[list[dict]], None],
+                section: Callable[..., str]) -> list[dict]:
+    """Run ``worker`` on ``world`` ranks with ``a``'s steps, seq and batch, add the
+    ratios, print the ``docs/benchmarks.md`` section and (unless ``a.no_write``) write it;
+    return the rows."""
+    from plan_time import write_section
+
+    rows, load = spawn_rows(worker, world, {"steps": a.steps, "seq": a.seq, "batch": a.batch})
+    ratios(rows)
+    text = section(rows, a, load)
+    print(text)
+    if not a.no_write:
+        write_section(text)
+    return rows

@@ -277,16 +277,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--batch", type=int, default=4, help="DP and EP need it divisible by 4")
     ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     a = ap.parse_args(argv)
-    from _ranks import spawn_rows
-    from plan_time import write_section
+    from _ranks import run_section
 
-    rows, load = spawn_rows(_worker, WORLD, {"steps": a.steps, "seq": a.seq, "batch": a.batch})
-    _ratios(rows)
-    text = section(rows, a, load)
-    print(text)
-    if not a.no_write:
-        write_section(text)
-    return rows
+    return run_section(_worker, WORLD, a, _ratios, section)
 
 
 if __name__ == "__main__":
