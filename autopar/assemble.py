@@ -95,9 +95,8 @@ def assemble(gm: fx.GraphModule, mesh: MeshSpec, pb: Problem, choice: dict[fx.No
             if len(alts) == 5 or not math.isfinite(sec[j]):
                 break
             if j != mine:
-                alt = pb.strategies[n][j]
-                alts.append(Alternative([fmt_placements(p) for p in alt.inputs],
-                                        [fmt_placements(p) for p in alt.outputs], float(sec[j])))
+                ins, outs = pb.strategies[n][j].formatted
+                alts.append(Alternative(list(ins), list(outs), float(sec[j])))
         memory = pb.problem.node_memory[index[n]][chosen[n]]
         if kind == "param":
             sync += own

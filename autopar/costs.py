@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from torch import fx
@@ -42,6 +43,22 @@ from autopar.runtime.experts import MOE_EXPERTS
 aten = __import__("torch").ops.aten
 
 
+_TABLES: OrderedDict[MeshSpec, tuple[dict, dict]] = OrderedDict()
+_TABLES_KEPT = 8  # meshes whose redistribution prices are kept (a joint search uses ~4)
+
+
+def _mesh_tables(mesh: MeshSpec) -> tuple[dict, dict]:
+    """The shared (prices, steps) caches of ``mesh``; the least recently used mesh's
+    are dropped beyond :data:`_TABLES_KEPT`, so a long session does not grow."""
+    if mesh in _TABLES:
+        _TABLES.move_to_end(mesh)
+    else:
+        _TABLES[mesh] = ({}, {})
+        while len(_TABLES) > _TABLES_KEPT:
+            _TABLES.popitem(last=False)
+    return _TABLES[mesh]
+
+
 @dataclass
 class CostModel:
     """Prices for one mesh and optimizer; caches redistribution prices."""
@@ -52,7 +69,14 @@ class CostModel:
     local_rows: int | None = None
     """The global batch when outputs are returned per data-parallel rank (``batch="local"``,
     :func:`autopar.placement.returned_placement`); None: outputs are returned replicated."""
-    _cache: dict = field(default_factory=dict)
+    _cache: dict = field(init=False, repr=False)
+    _steps: dict = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # redistribution prices depend on the mesh alone: every cost model of one mesh
+        # (a joint search prices a shallow copy, then the full depth, then each
+        # micro-batch size) shares them
+        self._cache, self._steps = _mesh_tables(self.mesh)
 
     # ------------------------------------------------------------ edges
     def redistribution(self, src: Placements, dst: Placements, t: TensorInfo) -> float:
@@ -80,9 +104,16 @@ class CostModel:
     def _redistribution_once(self, src: Placements, dst: Placements, t: TensorInfo) -> float:
         if src == dst:
             return 0.0
-        try:
-            steps = plan_redistribution(src, dst)
-        except ValueError:
+        # the steps depend on the placements alone: planned once per pair, then priced
+        # for each tensor shape (thousands of shapes x pairs on a 2-axis mesh)
+        steps = self._steps.get((src, dst), ())
+        if steps == ():
+            try:
+                steps = plan_redistribution(src, dst)
+            except ValueError:
+                steps = None
+            self._steps[(src, dst)] = steps
+        if steps is None:
             return math.inf
         isz = t.nbytes / max(t.numel, 1)
         shapes = step_shapes(steps, local_shape(t.shape, src, self.mesh.shape), self.mesh.shape)

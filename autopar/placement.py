@@ -12,6 +12,7 @@ holds the same local shape.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -104,8 +105,11 @@ def fmt_placement(p: Placement) -> str:
     return "R"
 
 
+@functools.lru_cache(maxsize=4096)
 def fmt_placements(ps: Placements) -> str:
-    """Short form of a placement tuple, e.g. ``S(0)R``; one entry per mesh axis."""
+    """Short form of a placement tuple, e.g. ``S(0)R``; one entry per mesh axis.
+    Cached: assembling a plan formats every strategy's placements (tens of thousands on
+    a deep model), and ``isinstance`` on DTensor's placement types is slow."""
     return "".join(fmt_placement(p) for p in ps)
 
 

@@ -109,6 +109,7 @@ def build_problem(gm: fx.GraphModule, mesh: MeshSpec, strategies: dict[fx.Node, 
     costs, mems = [], []
     priced: dict[fx.Node, tuple[np.ndarray, np.ndarray]] = {}
     matrices: dict[tuple[fx.Node, fx.Node, int], np.ndarray] = {}
+    tables: dict = {}
     for n in nodes:
         if share.get(n) in priced:
             c, m = priced[share[n]]
@@ -135,15 +136,39 @@ def build_problem(gm: fx.GraphModule, mesh: MeshSpec, strategies: dict[fx.Node, 
             key = (share.get(u, u), share.get(v, v), i)
             m = matrices.get(key)
             if m is None:
-                t = info(u).out
-                m = np.array([[cm.redistribution(a.outputs[0], b.inputs[i], t) for b in strategies[v]]
-                              for a in strategies[u]], dtype=np.float64)
-                matrices[key] = m
+                m = matrices[key] = edge_matrix(
+                    [a.outputs[0] for a in strategies[u]], [b.inputs[i] for b in strategies[v]],
+                    info(u).out, cm, tables)
             edges.append((index[u], index[v], m))
             edge_src.append((u, v, i))
     prob = StrategyProblem(node_costs=costs, node_memory=mems, edges=edges,
                            memory_budget=budget, names=[n.name for n in nodes])
     return Problem(nodes, strategies, prob, edge_src)
+
+
+def edge_matrix(src: list, dst: list, t, cm: CostModel, tables: dict | None = None) -> np.ndarray:
+    """Redistribution prices from each of ``src`` (a producer's output placements) to
+    each of ``dst`` (a consumer input's), for tensor ``t``.  Strategies repeat
+    placements (a matmul's dozens of strategies leave its output in a few layouts), so
+    only the distinct pairs are priced and the matrix is gathered from that table with
+    numpy; ``tables`` keeps the table per (distinct sources, distinct targets, shape,
+    dtype), shared by every edge carrying the same tensor between the same layouts."""
+    us, si = _distinct(src)
+    ud, di = _distinct(dst)
+    key = (us, ud, t.shape, t.dtype)
+    table = None if tables is None else tables.get(key)
+    if table is None:
+        table = np.array([[cm.redistribution(a, b, t) for b in ud] for a in us], dtype=np.float64)
+        if tables is not None:
+            tables[key] = table
+    return table[np.ix_(si, di)]
+
+
+def _distinct(items: list) -> tuple[tuple, np.ndarray]:
+    """The distinct items in first-seen order and each item's index among them."""
+    first: dict = {}
+    idx = [first.setdefault(x, len(first)) for x in items]
+    return tuple(first), np.asarray(idx, dtype=np.intp)
 
 
 def _node_costs(n: fx.Node, strategies: list[OpStrategy], cm: CostModel) -> np.ndarray:

@@ -38,8 +38,10 @@ import enum
 
 import torch
 from torch import fx
+from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.utils import _pytree as pytree
 
 aten = torch.ops.aten
 
@@ -115,25 +117,39 @@ def apply_mixed_precision(gm: fx.GraphModule, precision: Precision | str,
     re-propagate every node's ``meta["val"]``; returns how many casts were inserted."""
     if Precision.parse(precision) is Precision.NATIVE:
         return 0
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    args = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
-            for v in (n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder")]
-    prop = _CastingProp(gm, mode, low)
-    prop.propagate_dont_convert_inputs(*args)
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    # in the capture's own fake mode, a node whose inputs kept their dtypes keeps its
+    # ``meta["val"]`` as it is, without running it again (_CastingProp.run_node)
+    mode = detect_fake_mode(vals)
+    reuse = mode is not None
+    if mode is None:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        vals = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in vals]
+    prop = _CastingProp(gm, mode, low, reuse)
+    prop.propagate_dont_convert_inputs(*vals)
     if prop.casts:
         gm.graph.lint()
         gm.recompile()
     return len(prop.casts)
 
 
+def _dtypes(value: object) -> list:
+    """The dtypes of the tensors in a node's value (a tensor or a pytree of them)."""
+    return [getattr(x, "dtype", None) for x in pytree.tree_leaves(value)]
+
+
 class _CastingProp(FakeTensorProp):
     """Fake-tensor propagation in graph order that casts a node's inputs just before the
     node runs, so every decision sees the dtypes the casts upstream produced."""
 
-    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode, low: torch.dtype) -> None:
+    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode, low: torch.dtype,
+                 reuse: bool = False) -> None:
         super().__init__(gm, mode)
         self.low = low
         self.casts: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
+        self.reuse = reuse
+        # nodes whose value's dtypes differ from the capture's: their users run again
+        self.changed: set[fx.Node] = set()
 
     def run_node(self, n: fx.Node):
         """Cast ``n``'s floating inputs to the dtype its op runs in, then run it."""
@@ -154,7 +170,16 @@ class _CastingProp(FakeTensorProp):
                 if want is self.low and have != torch.float32:
                     continue  # fp64 stays fp64 (a deliberate choice of the model), as in autocast
                 n.replace_input_with(src, self._cast(src, want, n))
-        return super().run_node(n)
+        before = n.meta.get("val")
+        if self.reuse and before is not None and n.op not in ("placeholder", "output") \
+                and not any(u in self.changed for u in n.all_input_nodes):
+            # same inputs as captured (same dtypes, same fake mode): same value.  Most of
+            # a deep model's nodes; re-running them was ~1 s of an 8B Llama's capture
+            return before
+        out = super().run_node(n)
+        if _dtypes(out) != _dtypes(before):
+            self.changed.add(n)
+        return out
 
     def _cast(self, src: fx.Node, want: torch.dtype, user: fx.Node) -> fx.Node:
         key = (src, want)
@@ -170,6 +195,7 @@ class _CastingProp(FakeTensorProp):
                 self.env[c] = self.env[src].to(want)
             c.meta["val"] = self.env[c]
             self.casts[key] = c
+            self.changed.add(c)
         return self.casts[key]
 
 

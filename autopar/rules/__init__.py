@@ -15,6 +15,7 @@ brute-force validator simulates the ranks and compares with the unsharded op.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import warnings
 from collections.abc import Callable, Sequence
@@ -25,7 +26,7 @@ from torch import fx
 
 from autopar.errors import AutoparWarning
 from autopar.ir import info, tensor_inputs
-from autopar.placement import P, Placement, Placements, R, Shard, valid_for_shape
+from autopar.placement import P, Placement, Placements, R, Shard, fmt_placements, valid_for_shape
 
 aten = torch.ops.aten
 
@@ -45,6 +46,13 @@ class OpStrategy:
 
     inputs: tuple[Placements, ...]
     outputs: tuple[Placements, ...]
+
+    @functools.cached_property
+    def formatted(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(inputs, outputs) in short form (``S(0)R``), formatted once: a plan lists
+        the best alternatives of every node, and one strategy object serves many plans."""
+        return (tuple(fmt_placements(p) for p in self.inputs),
+                tuple(fmt_placements(p) for p in self.outputs))
 
 
 @dataclass(frozen=True)
