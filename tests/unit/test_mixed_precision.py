@@ -93,6 +93,29 @@ def test_hf_llama_graph_computes_what_torch_autocast_computes():
     assert abs(full - ref) > 1e-6 * abs(ref)
 
 
+@pytest.mark.parametrize("name", ["llama", "mixtral", "t5"])
+def test_reused_values_equal_a_full_repropagation(name, monkeypatch):
+    """The pass re-runs only the nodes whose inputs changed dtype and keeps the capture's
+    value for the rest; a full fake-tensor re-propagation (a fresh mode, every node run)
+    gives the same casts, code and every node's dtype and shape."""
+    import autopar.passes.mixed_precision as mp
+
+    model, batch = hf_zoo.build(name)
+
+    def sig(cap):
+        return cap.gm.code, [(n.name, [(getattr(x, "dtype", None), tuple(getattr(x, "shape", ())))
+                                       for x in torch.utils._pytree.tree_leaves(n.meta.get("val"))])
+                             for n in cap.gm.graph.nodes]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fast = sig(capture(model, (), batch, precision="bf16-mixed"))
+        monkeypatch.setattr(mp, "detect_fake_mode", lambda vals: None)  # the full propagation
+        full = sig(capture(model, (), batch, precision="bf16-mixed"))
+    assert "_to_copy" in fast[0]
+    assert fast == full
+
+
 def test_hf_mixtral_experts_compute_what_torch_autocast_computes():
     """The experts op (autopar/runtime/experts.py) under bf16-mixed runs its matmuls in
     bf16 as transformers' loop does under autocast: its weights cast like a linear's,
