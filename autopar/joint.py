@@ -39,7 +39,7 @@ from autopar.progress import report, show
 from autopar.search import PlanOptions, local_axes, make_weighted_plans
 from autopar.shallow import KEEP, deepen, homogeneous, repeated_list, shallow_copy, steady
 from autopar.solve.layer_stats import LayerStat, layer_stats
-from autopar.solve.pipeline import Config, Priced, price
+from autopar.solve.pipeline import Config, Priced, price, step_lower_bound
 
 
 def batch_size(example_inputs) -> int:
@@ -268,9 +268,21 @@ class JointSearch:
 
     def _price(self, cand: _Candidate) -> None:
         link = (lambda b: send_recv_time(cand.full, (0,), b)) if cand.stages > 1 else (lambda b: 0.0)
+        best = self._best()
+        cut = best[1].step_seconds if best is not None else math.inf
         for cfg in self._configs(cand):
-            self.priced.append((cand, price(cand.stats, cfg, cand.plan.mesh, link, self.budget,
-                                            self.opts.optimizer)))
+            if cand.stages > 1:
+                # a pipeline's split search is O(stages x layers^2) per config (80 layers
+                # on 48 stages: ~1 s): a config whose lower bound is already slower than
+                # a plan in hand cannot win and is only bounded
+                lb = step_lower_bound(cand.stats, cfg, cand.plan.mesh, link, self.opts.optimizer)
+                if lb > cut * (1.0 + 1e-9):
+                    self.priced.append((cand, Priced(cfg, [], math.inf, math.inf, bound=lb)))
+                    continue
+            pr = price(cand.stats, cfg, cand.plan.mesh, link, self.budget, self.opts.optimizer)
+            self.priced.append((cand, pr))
+            if pr.feasible:
+                cut = min(cut, pr.step_seconds)
 
     def _best(self, exact: bool = False) -> tuple[_Candidate, Priced] | None:
         """The fastest feasible config (``exact``: among those priced at full depth)."""
@@ -326,11 +338,14 @@ class JointSearch:
         for cand in cands:
             self._price(cand)
         ok = [p for _, p in self.priced[n:] if p.feasible]
+        bounded = sum(1 for _, p in self.priced[n:] if p.bound is not None)
         best = min((p.step_seconds for p in ok), default=math.inf)
         self._say(f"stages {stages}, micro-batches {micro}"
                   + (", memory-lean placements" if lean else "")
                   + (f", estimated from {KEEP} layers" if cands and cands[0].estimate else "")
-                  + f": {len(self.priced) - n} configs priced, {len(ok)} fit, best "
+                  + f": {len(self.priced) - n - bounded} configs priced"
+                  + (f" ({bounded} more bounded slower than the best so far)" if bounded else "")
+                  + f", {len(ok)} fit, best "
                   + (f"{best * 1e3:.3f} ms" if ok else "none") + f" ({time.perf_counter() - t0:.2f} s)")
 
     def run(self) -> tuple[Captured, Plan]:

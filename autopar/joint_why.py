@@ -36,6 +36,9 @@ def _alt(ctx: Context, pred: Callable[[Config], bool]) -> Priced | None:
     feas = [p for p in ok if p.feasible]
     if feas:
         return min(feas, key=lambda p: p.step_seconds)
+    bounded = [p for p in ok if p.bound is not None]
+    if bounded:
+        return min(bounded, key=lambda p: p.bound)
     return min(ok, key=lambda p: p.min_memory) if ok else None
 
 
@@ -43,6 +46,9 @@ def _versus(ctx: Context, alt: Priced | None, what: str) -> str:
     if alt is None:
         return f"{what} was not tried"
     est = ESTIMATED if id(alt) in ctx.estimated else ""
+    if alt.bound is not None:
+        return f"{what} takes at least {alt.bound * 1e3:.3f} ms per step (a lower bound: " \
+               f"slower than a plan already found, so not priced further){est}"
     if not alt.feasible:
         return f"{what} needs {format_bytes(alt.min_memory)} per device, over the budget " \
                f"of {format_bytes(ctx.budget)}{est}"

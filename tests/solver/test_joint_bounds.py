@@ -1,0 +1,84 @@
+"""The joint search bounds a pipelined config before its split search
+(:func:`autopar.solve.pipeline.step_lower_bound`) and skips the ones slower than a plan
+already found: the bound never exceeds the priced step, and the search chooses exactly
+what it chooses when every config is priced."""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+import autopar.joint as J
+from autopar import MeshSpec, plan
+from autopar.solve.pipeline import price
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+import gpt  # noqa: E402
+
+MESH = MeshSpec.preset("multinode-a100-ib", shape=(4, 2))
+
+
+def _plan(**kw):
+    model, ex = gpt.build(layers=4, dim=64, heads=4, vocab=256, seq=32, batch=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return plan(model, ex, MESH, explore=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def unpruned():
+    """Every config priced (the bound spied on and answered with 0), with each config's
+    (bound, priced step) pair."""
+    pairs: list[tuple[float, float]] = []
+    real = J.step_lower_bound
+
+    def spy(stats, cfg, mesh, link, optimizer):
+        lb = real(stats, cfg, mesh, link, optimizer)
+        pr = price(stats, cfg, mesh, link, math.inf, optimizer)  # no budget: the least step
+        pairs.append((lb, pr.step_seconds))
+        return 0.0
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(J, "step_lower_bound", spy)
+    try:
+        p = _plan()
+    finally:
+        mp.undo()
+    return p, pairs
+
+
+def test_bound_never_exceeds_the_priced_step(unpruned):
+    _, pairs = unpruned
+    assert len(pairs) > 50  # stages 2 and 4, micro-batch counts, ZeRO stages and axes, schedules
+    for lb, step in pairs:
+        assert math.isfinite(lb) and lb > 0.0
+        assert lb <= step * (1 + 1e-12)
+    # a bound worth having: within 2x of the step for most configs (could be false: a
+    # bound of the compute alone is 3-10x under on this mesh)
+    assert sorted(step / lb for lb, step in pairs)[len(pairs) // 2] < 2.0
+
+
+def test_pruned_search_chooses_what_pricing_everything_chooses(unpruned, monkeypatch):
+    full, pairs = unpruned
+    searched: list[int] = []
+    real = J.price
+
+    def counting(stats, cfg, *a):
+        if cfg.stages > 1:
+            searched.append(cfg.stages)
+        return real(stats, cfg, *a)
+
+    monkeypatch.setattr(J, "price", counting)
+    pruned = _plan()
+    # some pipelined configs were only bounded (could be false: a bound that never cuts)
+    assert len(searched) < len(pairs)
+    a, b = full.decisions, pruned.decisions
+    assert (a.pipeline_stages, a.micro_batches, a.schedule, a.zero_stage, a.zero_axis,
+            a.recompute, a.stages) == (b.pipeline_stages, b.micro_batches, b.schedule,
+                                        b.zero_stage, b.zero_axis, b.recompute, b.stages)
+    assert a.step_seconds == b.step_seconds
+    assert full.params() == pruned.params()
