@@ -43,20 +43,55 @@ from autopar.runtime.experts import MOE_EXPERTS
 aten = __import__("torch").ops.aten
 
 
-_TABLES: OrderedDict[MeshSpec, tuple[dict, dict]] = OrderedDict()
+@dataclass
+class _MeshTables:
+    """Caches that depend on the mesh alone, shared by its cost models: redistribution
+    prices per (source, target, shape, dtype), each placement pair's steps and step
+    program, and
+    collective times per (step kind, axis, bytes)."""
+
+    prices: dict = field(default_factory=dict)
+    programs: dict = field(default_factory=dict)
+    steps: dict = field(default_factory=dict)
+    collectives: dict = field(default_factory=dict)
+
+
+_TABLES: OrderedDict[MeshSpec, _MeshTables] = OrderedDict()
 _TABLES_KEPT = 8  # meshes whose redistribution prices are kept (a joint search uses ~4)
+_NO_PROGRAM = ()  # a pair no redistribution turns one into the other (S -> P)
 
 
-def _mesh_tables(mesh: MeshSpec) -> tuple[dict, dict]:
-    """The shared (prices, steps) caches of ``mesh``; the least recently used mesh's
-    are dropped beyond :data:`_TABLES_KEPT`, so a long session does not grow."""
+def _mesh_tables(mesh: MeshSpec) -> _MeshTables:
+    """The shared caches of ``mesh``; the least recently used mesh's are dropped beyond
+    :data:`_TABLES_KEPT`, so a long session does not grow."""
     if mesh in _TABLES:
         _TABLES.move_to_end(mesh)
     else:
-        _TABLES[mesh] = ({}, {})
+        _TABLES[mesh] = _MeshTables()
         while len(_TABLES) > _TABLES_KEPT:
             _TABLES.popitem(last=False)
     return _TABLES[mesh]
+
+
+def _program(src: Placements, dst: Placements, ndim: int, mesh_shape: tuple[int, ...],
+             steps: list | None):
+    """The steps turning ``src`` into ``dst`` for any tensor of ``ndim`` dims, each as
+    (kind, axis, divisor of the global element count before it), plus, per dim, the
+    product of the mesh axes that shard it in ``src`` or ``dst``: a tensor whose dims
+    that product divides has every intermediate local shape exact (each state shards a
+    dim by a subset of those axes), so the bytes before a step are numel // divisor.
+    :data:`_NO_PROGRAM` when no redistribution exists (``steps`` None)."""
+    if steps is None:
+        return _NO_PROGRAM
+    big = math.prod(mesh_shape)  # a dim every product of axis sizes divides
+    shapes = step_shapes(steps, local_shape((big,) * ndim, src, mesh_shape), mesh_shape)
+    whole = big ** ndim
+    prog = tuple((s.kind, s.axis, whole // math.prod(before)) for s, before in zip(steps, shapes))
+    need = [1] * ndim
+    for a, n in enumerate(mesh_shape):
+        for d in {p.dim for p in (src[a], dst[a]) if isinstance(p, Shard)}:
+            need[d] *= n
+    return prog, tuple(need)
 
 
 @dataclass
@@ -69,23 +104,23 @@ class CostModel:
     local_rows: int | None = None
     """The global batch when outputs are returned per data-parallel rank (``batch="local"``,
     :func:`autopar.placement.returned_placement`); None: outputs are returned replicated."""
-    _cache: dict = field(init=False, repr=False)
-    _steps: dict = field(init=False, repr=False)
+    _tables: _MeshTables = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         # redistribution prices depend on the mesh alone: every cost model of one mesh
         # (a joint search prices a shallow copy, then the full depth, then each
         # micro-batch size) shares them
-        self._cache, self._steps = _mesh_tables(self.mesh)
+        self._tables = _mesh_tables(self.mesh)
 
     # ------------------------------------------------------------ edges
     def redistribution(self, src: Placements, dst: Placements, t: TensorInfo) -> float:
         """Seconds per step (forward + its backward dual) to turn ``src`` into ``dst``;
         ``inf`` when impossible."""
         key = (src, dst, t.shape, t.dtype)
-        if key not in self._cache:
-            self._cache[key] = 2.0 * self._redistribution_once(src, dst, t)
-        return self._cache[key]
+        prices = self._tables.prices
+        if key not in prices:
+            prices[key] = 2.0 * self._redistribution_once(src, dst, t)
+        return prices[key]
 
     def output_redistribution(self, src: Placements, dst: Placements, t: TensorInfo) -> float:
         """Seconds per step to make a model output ``dst``: forward and backward dual,
@@ -104,32 +139,60 @@ class CostModel:
     def _redistribution_once(self, src: Placements, dst: Placements, t: TensorInfo) -> float:
         if src == dst:
             return 0.0
-        # the steps depend on the placements alone: planned once per pair, then priced
-        # for each tensor shape (thousands of shapes x pairs on a 2-axis mesh)
-        steps = self._steps.get((src, dst), ())
-        if steps == ():
-            try:
-                steps = plan_redistribution(src, dst)
-            except ValueError:
-                steps = None
-            self._steps[(src, dst)] = steps
-        if steps is None:
+        # the steps depend on the placements alone: planned once per pair (and tensor
+        # rank), then priced for each shape from the element count (tens of thousands of
+        # shapes x pairs on a 3-axis mesh)
+        shape = tuple(t.shape)
+        programs = self._tables.programs
+        pkey = (src, dst, len(shape))
+        prog = programs.get(pkey)
+        if prog is None:
+            prog = programs[pkey] = _program(src, dst, len(shape), tuple(self.mesh.shape),
+                                             self._steps(src, dst))
+        if prog is _NO_PROGRAM:
             return math.inf
+        steps, need = prog
         isz = t.nbytes / max(t.numel, 1)
+        if any(d % k for d, k in zip(shape, need)):
+            return self._uneven(src, dst, t, isz)
+        numel = math.prod(shape)
+        return sum(self._collective(kind, axis, (numel // div) * isz) for kind, axis, div in steps)
+
+    def _steps(self, src: Placements, dst: Placements) -> list | None:
+        """:func:`plan_redistribution`'s steps, planned once per pair; None: impossible."""
+        key = (src, dst)
+        memo = self._tables.steps
+        if key not in memo:
+            try:
+                memo[key] = plan_redistribution(src, dst)
+            except ValueError:
+                memo[key] = None
+        return memo[key]
+
+    def _collective(self, kind: StepKind, axis: int, b: float) -> float:
+        """Seconds of one redistribution step moving ``b`` local bytes (memoized)."""
+        key = (kind, axis, b)
+        memo = self._tables.collectives
+        if key not in memo:
+            if kind is StepKind.ALL_REDUCE:
+                memo[key] = all_reduce_time(self.mesh, axis, b)
+            elif kind is StepKind.ALL_GATHER:
+                memo[key] = all_gather_time(self.mesh, axis, b * self.mesh.shape[axis])
+            elif kind is StepKind.REDUCE_SCATTER:
+                memo[key] = reduce_scatter_time(self.mesh, axis, b)
+            elif kind is StepKind.ALL_TO_ALL:
+                memo[key] = all_to_all_time(self.mesh, axis, b)
+            else:  # slices and Replicate -> Partial are local
+                memo[key] = 0.0
+        return memo[key]
+
+    def _uneven(self, src: Placements, dst: Placements, t: TensorInfo, isz: float) -> float:
+        """Price from the local shapes step by step (a dim some intermediate layout may
+        not split evenly)."""
+        steps = self._steps(src, dst) or []
         shapes = step_shapes(steps, local_shape(t.shape, src, self.mesh.shape), self.mesh.shape)
-        total = 0.0
-        for s, before in zip(steps, shapes):
-            b = math.prod(before) * isz
-            n = self.mesh.shape[s.axis]
-            if s.kind is StepKind.ALL_REDUCE:
-                total += all_reduce_time(self.mesh, s.axis, b)
-            elif s.kind is StepKind.ALL_GATHER:
-                total += all_gather_time(self.mesh, s.axis, b * n)
-            elif s.kind is StepKind.REDUCE_SCATTER:
-                total += reduce_scatter_time(self.mesh, s.axis, b)
-            elif s.kind is StepKind.ALL_TO_ALL:
-                total += all_to_all_time(self.mesh, s.axis, b)
-        return total
+        return sum(self._collective(s.kind, s.axis, math.prod(before) * isz)
+                   for s, before in zip(steps, shapes))
 
     # ------------------------------------------------------------ nodes
     def node_cost(self, node: fx.Node, s: OpStrategy) -> float:
