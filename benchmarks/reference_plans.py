@@ -3,7 +3,7 @@
 Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM" (SC'21, arXiv:2104.04473), Table 1, trained GPT models with hand-chosen
 tensor-, pipeline- and data-parallel sizes on A100 80GB DGX nodes (8 GPUs on NVLink per
-node, InfiniBand between nodes; vocabulary 51,200, sequence 2,048).  For four of those
+node, InfiniBand between nodes; vocabulary 51,200, sequence 2,048).  For five of those
 runs this builds the model shape of ``examples/gpt.py`` on the meta device (no weights)
 and plans it twice on the preset ``multinode-a100-ib``:
 
@@ -32,7 +32,7 @@ Two blocks are captured and the joint search extrapolates to the full depth
 the table lists each model's total planning seconds.  Results go to the section
 "## Reference plans (benchmarks/reference_plans.py)" of ``docs/benchmarks.md``::
 
-    python benchmarks/reference_plans.py                 # all four models, updates the docs
+    python benchmarks/reference_plans.py                 # all five models, updates the docs
     python benchmarks/reference_plans.py --models 1.7B --no-write
     python benchmarks/reference_plans.py --all-meshes    # (nodes, 2, 4), (nodes, 4, 2) everywhere
 """
@@ -133,6 +133,7 @@ REFERENCES: tuple[Reference, ...] = (
     Reference("7.5B", heads=32, dim=4096, layers=36, gpus=128, tp=4, pp=1, batch=512),
     Reference("18.4B", heads=48, dim=6144, layers=40, gpus=256, tp=8, pp=1, batch=1024),
     Reference("39.1B", heads=64, dim=8192, layers=48, gpus=512, tp=8, pp=2, batch=1536),
+    Reference("145.6B", heads=96, dim=12288, layers=80, gpus=1536, tp=8, pp=8, batch=2304),
 )
 BY_NAME = {r.name: r for r in REFERENCES}
 
@@ -501,7 +502,10 @@ def section(rows: list[dict], wall: float, workers: int) -> str:
         "modelled; Megatron keeps bf16 weights with fp32 masters only in the optimizer, we keep "
         "fp32 weights and cast them per use as autocast does (4 bytes per replicated parameter "
         "more than Megatron's 2); our model keeps untied embedding and head weights "
-        "(so slightly more parameters than published); only the factorisations listed were "
+        "(so slightly more parameters than published); micro-batch counts above 32 are "
+        "searched for neither side, so a deep pipeline such as Megatron's PP8 for 145.6B is "
+        "priced with a bubble of 7/32 of a step where more, smaller micro-batches would "
+        "shrink it; only the factorisations listed were "
         "searched. Regenerate with `python benchmarks/reference_plans.py` "
         "(`--all-meshes` adds (nodes, 2, 4) and (nodes, 4, 2) for every model; slower).",
         "",
