@@ -22,6 +22,7 @@ import argparse
 import datetime as _dt
 import json
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -135,6 +136,7 @@ def _joint(model, ids, mesh) -> dict:
             "layout": nums["layout"], "step_ms": p.decisions.step_seconds * 1e3,
             "mfu": nums.get("mfu"), "gap": p.solver.gap, "status": p.solver.status,
             "estimated": "estimated from" in p.solver.message,
+            "stopped": any("stopped at its time limit" in w for w in p.warnings),
             "memory_gib": p.memory.get("total", 0.0) / 2**30}
 
 
@@ -223,13 +225,15 @@ def findings(recs: list[dict]) -> list[str]:
         j = r["joint"]
         how = ("its splits estimated from a 4-layer copy and the chosen one planned at full depth"
                if j.get("estimated") else "the plain plan fits, so no split is explored")
+        if j.get("stopped"):
+            how += " (the search stopped at its 30 s limit and kept the best plan found)"
         out.append(f"{r['model']} on {r['devices']} devices: the whole `autopar.plan` takes "
                    f"{j['seconds']:.1f} s ({j['capture']:.1f} s of it capture), {how}; it "
                    f"chooses {j['layout']} at {j['step_ms']:.0f} ms per step.")
     return out
 
 
-def section(recs: list[dict], time_limit: float) -> str:
+def section(recs: list[dict], time_limit: float, load: tuple[float, float] | None = None) -> str:
     """The markdown section for ``docs/benchmarks.md``."""
     return "\n".join([
         SECTION, "",
@@ -247,7 +251,8 @@ def section(recs: list[dict], time_limit: float) -> str:
         "under the memory budget (30 s limit, capture not counted), and the plan. That last "
         "capture runs in a process that has captured once already; a fresh process pays "
         "about 6 s more the first time (torch.export's and transformers' one-time set-up).",
-        "", f"Measured {_dt.date.today().isoformat()} on: {machine()}.", "",
+        "", f"Measured {_dt.date.today().isoformat()} on: {machine()}"
+        + (f"; load average {load[0]:.2f} before, {load[1]:.2f} after." if load else "."), "",
         HEADER, RULE, *(row(r) for r in recs), "", *(f"- {f}" for f in findings(recs)), "",
         "Regenerate with `python benchmarks/search_scaling.py --hf`.", ""])
 
@@ -266,9 +271,9 @@ def main(argv: list[str] | None = None) -> int:
         rec = measure(name, int(n), float(limit), flat == "1")
         Path(out).write_text(json.dumps(rec))
         sys.stdout.flush()
-        import os
         os._exit(0)
     recs = []
+    load0 = os.getloadavg()[0]
     for name in args.models:
         for n in [d for d in args.devices if d in DEVICES.get(name, args.devices)]:
             print(f"{name} on {n} devices ...", file=sys.stderr, flush=True)
@@ -277,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             print(row(r), file=sys.stderr, flush=True)
     print("\n".join([HEADER, RULE, *(row(r) for r in recs)]))
     if not args.no_write:
-        write_section(section(recs, args.cell_limit))
+        write_section(section(recs, args.cell_limit, (load0, os.getloadavg()[0])))
     return 0
 
 
