@@ -56,6 +56,29 @@ class _MeshTables:
     collectives: dict = field(default_factory=dict)
 
 
+def op_dtype(node: fx.Node):
+    """The dtype an op's kernel computes in: its output's (a matmul's inputs and output
+    share it); the experts op's expert weights' (its output keeps the residual's)."""
+    if node.target is MOE_EXPERTS:
+        return info(node.args[3]).out.dtype
+    ni = info(node)
+    return ni.outputs[0].dtype if ni.outputs else None
+
+
+def compute_floor(node: fx.Node, mesh: MeshSpec, backward_factor: float = 2.0) -> float:
+    """Device-seconds below which no placement prices ``node``'s forward + backward
+    compute: its FLOPs at the roofline's compute bound (the dtype's peak times
+    ``flops_efficiency``).  :meth:`CostModel.op_time` divides the FLOPs by at most the
+    devices that share the op and only adds (memory-bound time, launch floor, attention
+    imbalance), so a layer spread over ``d`` devices takes at least ``floor / d``."""
+    if node.op != "call_function" or node.target in VIEW_OPS or node.target is operator.getitem:
+        return 0.0
+    flops = info(node).flops
+    if not flops:
+        return 0.0
+    return flops / (mesh.peak_for(op_dtype(node)) * mesh.flops_efficiency) * (1.0 + backward_factor)
+
+
 _TABLES: OrderedDict[MeshSpec, _MeshTables] = OrderedDict()
 _TABLES_KEPT = 8  # meshes whose redistribution prices are kept (a joint search uses ~4)
 _NO_PROGRAM = ()  # a pair no redistribution turns one into the other (S -> P)
@@ -217,12 +240,7 @@ class CostModel:
             for x, p in zip([info(u).out for u in tensor_inputs(node)] + list(ni.outputs),
                             list(s.inputs) + list(s.outputs))
         )
-        # the kernel computes in its output's dtype (a matmul's inputs and output share
-        # it); the experts op in its expert weights' (its output keeps the residual's)
-        dtype = ni.outputs[0].dtype if ni.outputs else None
-        if node.target is MOE_EXPERTS:
-            dtype = info(node.args[3]).out.dtype
-        t = compute_time(self.mesh, ni.flops / div, local_bytes, dtype)
+        t = compute_time(self.mesh, ni.flops / div, local_bytes, op_dtype(node))
         if node.target is SDPA:
             t *= self.attention_compute_factor(node, s)
         return t * (1.0 + self.backward_factor), self.own_comm(node, s, t)

@@ -329,6 +329,8 @@ class JointSearch:
         placements (:func:`autopar.search.make_weighted_plans`)."""
         if self._out_of_time() and not force:
             return
+        if not force and self._bounded(stages, micro, estimate):
+            return
         t0 = time.perf_counter()
         lean = budget is not None and math.isfinite(budget)
         try:
@@ -351,6 +353,28 @@ class JointSearch:
                   + (f" ({bounded} more bounded slower than the best so far)" if bounded else "")
                   + f", {len(ok)} fit, best "
                   + (f"{best * 1e3:.3f} ms" if ok else "none") + f" ({time.perf_counter() - t0:.2f} s)")
+
+    def _bounded(self, stages: int, micro: int, estimate: bool) -> bool:
+        """Skip a split before its intra-op search (a capture and an ILP: seconds each on
+        a deep model) when even its compute cannot beat the best plan priced so far: the
+        model's compute floor (:attr:`LayerStat.floor`, the same for every split: FLOPs
+        are linear in the batch) spread over every device, times the pipeline's
+        ``(stages + micro - 1) / micro`` (the slowest stage runs ``micro`` micro-batches
+        and the others fill and drain).  The split is recorded with its bound."""
+        best = self._best()
+        known = next((c for c, _ in self.priced if c.stats), None)
+        if best is None or known is None:
+            return False
+        work = sum(st.floor for st in known.stats) * known.micro_batches
+        lb = work / math.prod(self.mesh.shape) * (stages + micro - 1) / micro
+        if lb <= best[1].step_seconds * (1.0 + 1e-9):
+            return False
+        cand = _Candidate(stages, micro, None, None, [], self.mesh, estimate)  # type: ignore[arg-type]
+        self.priced.append((cand, Priced(Config(stages, micro), [], math.inf, math.inf, bound=lb)))
+        self._say(f"stages {stages}, micro-batches {micro}: not searched, its compute alone takes "
+                  f"at least {lb * 1e3:.3f} ms per step, over the best "
+                  f"{best[1].step_seconds * 1e3:.3f} ms")
+        return True
 
     def run(self) -> tuple[Captured, Plan]:
         """Search and return the chosen capture (at the micro-batch size) and plan."""

@@ -31,6 +31,7 @@ from autopar.cost_models import (
     optimizer_step_time,
     reduce_scatter_time,
 )
+from autopar.costs import compute_floor
 from autopar.ir import info
 from autopar.placement import is_replicate, local_shape, parse_placements
 from autopar.plan import Plan
@@ -57,6 +58,9 @@ class LayerStat:
     out_bytes: float = 0.0
     params: list[ParamStat] = field(default_factory=list)
     buffers: float = 0.0
+    floor: float = 0.0
+    """Device-seconds of forward + backward compute no placement goes below
+    (:func:`autopar.costs.compute_floor` summed over the layer's ops)."""
 
     @property
     def param_bytes(self) -> float:
@@ -98,6 +102,7 @@ def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) ->
             st.compute += np_.compute
             st.forward += np_.compute / (1.0 + backward_factor) + np_.comm / 2.0
             st.activations += np_.memory
+            st.floor += compute_floor(n, mesh, backward_factor)
     # bytes leaving each layer: values used by a later layer (each value once)
     for n, key in layer_of.items():
         if n.op in ("placeholder", "get_attr") or n.target is operator.getitem:

@@ -316,18 +316,33 @@ def price(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget
         # devices idle: never a pipeline stage of its own
         return p > 1 and sp.parts.get("compute", 0.0) <= 0.0
 
+    # a stage's least memory grows with its range (more parameters, more kept
+    # activations, a later peak), so the ranges that fit a stage ending at j are those
+    # starting at or after some i: found by bisection, the longer ones never priced
+    def first_fit(j: int, s: int) -> int:
+        lo, hi = s, j  # hi: nothing fits
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if stage(mid, j, s).total_memory <= budget:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
     for j in range(1, n - p + 2):
         sp = stage(0, j, 0)
-        if sp.total_memory <= budget and not idle(sp):
+        if sp.total_memory > budget:
+            break  # longer first stages hold more
+        if not idle(sp):
             best[0][j] = (sp.seconds, sp.seconds, [(0, j)])
     for s in range(1, p):
         for j in range(s + 1, n - (p - s - 1) + 1):
-            for i in range(s, j):
+            for i in range(first_fit(j, s), j):
                 prev = best[s - 1][i]
                 if not math.isfinite(prev[0]):
                     continue
                 sp = stage(i, j, s)
-                if sp.total_memory > budget or idle(sp):
+                if idle(sp):
                     continue
                 cand = (max(prev[0], sp.seconds), prev[1] + sp.seconds, prev[2] + [(i, j)])
                 if cand[:2] < best[s][j][:2]:

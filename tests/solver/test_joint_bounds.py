@@ -1,7 +1,8 @@
-"""The joint search bounds a pipelined config before its split search
-(:func:`autopar.solve.pipeline.step_lower_bound`) and skips the ones slower than a plan
-already found: the bound never exceeds the priced step, and the search chooses exactly
-what it chooses when every config is priced."""
+"""The joint search bounds a split before its intra-op search (its compute floor,
+``JointSearch._bounded``) and a pipelined config before its split search
+(:func:`autopar.solve.pipeline.step_lower_bound`), and skips those slower than a plan
+already found: neither bound exceeds a priced step, and the search chooses exactly what
+it chooses when every split and config is priced."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ def unpruned():
 
     mp = pytest.MonkeyPatch()
     mp.setattr(J, "step_lower_bound", spy)
+    mp.setattr(J.JointSearch, "_bounded", lambda self, *a: False)  # every split searched
     try:
         p = _plan()
     finally:
@@ -82,3 +84,26 @@ def test_pruned_search_chooses_what_pricing_everything_chooses(unpruned, monkeyp
                                         b.zero_stage, b.zero_axis, b.recompute, b.stages)
     assert a.step_seconds == b.step_seconds
     assert full.params() == pruned.params()
+
+
+def test_split_bound_never_exceeds_a_priced_config(monkeypatch) -> None:
+    """The compute floor spread over every device, times the pipeline's fill and drain,
+    is below every config the search priced, whatever its split."""
+    from autopar.joint import JointSearch
+    from autopar.search import PlanOptions
+
+    model, ex = gpt.build(layers=4, dim=64, heads=4, vocab=256, seq=32, batch=16)
+    monkeypatch.setattr(JointSearch, "_bounded", lambda self, *a: False)  # price them all
+    monkeypatch.setattr(J, "step_lower_bound", lambda *a: 0.0)
+    js = JointSearch(model, ex, MESH, PlanOptions(explore=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        js.run()
+    known = next(c for c, _ in js.priced if c.stats)
+    work = sum(st.floor for st in known.stats) * known.micro_batches
+    assert work > 0
+    priced = [(c, p) for c, p in js.priced if p.feasible]
+    assert {c.stages for c, _ in priced} >= {1, 2, 4}
+    for c, p in priced:
+        lb = work / MESH.size * (c.stages + c.micro_batches - 1) / c.micro_batches
+        assert lb <= p.step_seconds * (1 + 1e-12), (c.stages, c.micro_batches)
