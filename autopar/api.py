@@ -106,7 +106,7 @@ def _shared_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: 
     same collectives in the same order (and the other ranks skip the search).  An error
     on rank 0 is raised on every rank; the others wait for rank 0 at most ``timeout``
     seconds (:mod:`autopar.runtime.agree`)."""
-    from autopar.joint import micro_inputs
+    from autopar.splits import micro_inputs
     from autopar.runtime import agree
     multi = dist.is_initialized() and dist.get_world_size() > 1
     cap, p = None, given

@@ -23,9 +23,7 @@ import time
 import warnings
 from dataclasses import dataclass
 
-import torch
-from torch import fx, nn
-from torch.utils import _pytree as pytree
+from torch import nn
 
 from autopar.annotate import annotate
 from autopar.capture import Captured, capture
@@ -34,52 +32,21 @@ from autopar.errors import AutoparWarning, PlanError, user_stacklevel
 from autopar.ir import info
 from autopar.joint_why import Context, decisions_why
 from autopar.layers import layer_keys
-from autopar.plan import Decisions, Plan, Request, Schedule
+from autopar.plan import Decisions, Plan, Schedule
 from autopar.progress import report, show
 from autopar.search import PlanOptions, local_axes, make_weighted_plans
-from autopar.shallow import KEEP, deepen, homogeneous, repeated_list, shallow_copy, steady
+from autopar.shallow import (
+    KEEP,
+    deepen,
+    extrapolate_blocks,
+    homogeneous,
+    repeated_list,
+    shallow_copy,
+    steady,
+)
 from autopar.solve.layer_stats import LayerStat, layer_stats
 from autopar.solve.pipeline import Config, Priced, price, step_lower_bound
-
-
-def batch_size(example_inputs) -> int:
-    """The global batch: dim 0 of the first tensor in the inputs, a pytree (positional
-    arguments, or ``(args, kwargs)`` for models called as ``model(**batch)``)."""
-    for x in pytree.tree_leaves(example_inputs):
-        if isinstance(x, torch.Tensor) and x.dim() > 0:
-            return int(x.shape[0])
-    raise PlanError("micro-batching needs a tensor input with a batch dim (dim 0); the "
-                    "example inputs (positional and keyword) hold none")
-
-
-def micro_inputs(example_inputs, micro_batches: int):
-    """The first micro-batch of a pytree of inputs: every tensor whose dim 0 is the
-    batch, cut to ``B / M``; the structure is kept."""
-    b = batch_size(example_inputs)
-    if b % micro_batches:
-        raise PlanError(f"the batch of {b} does not split into {micro_batches} micro-batches")
-    m = b // micro_batches
-    return pytree.tree_map(
-        lambda x: x[:m] if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == b else x,
-        example_inputs)
-
-
-def split_mesh(mesh: MeshSpec, stages: int) -> tuple[MeshSpec, MeshSpec]:
-    """(full mesh with a leading pipeline axis, one stage's sub-mesh) for ``stages``
-    pipeline stages carved out of mesh axis 0 (the outermost, slowest one)."""
-    if stages == 1:
-        return mesh, mesh
-    a0 = mesh.shape[0]
-    if a0 % stages:
-        raise PlanError(f"{stages} pipeline stages do not divide mesh axis 0 of size {a0}")
-    rest = ((a0 // stages,) if a0 > stages else ()) + tuple(mesh.shape[1:])
-    full = mesh.with_shape((stages, *rest))
-    if rest:
-        sub = dataclasses.replace(full, shape=full.shape[1:], links=full.links[1:],
-                                  axis_names=full.axis_names[1:])
-    else:
-        sub = dataclasses.replace(full, shape=(1,), links=full.links[:1], axis_names=("a0",))
-    return full, sub
+from autopar.splits import batch_size, micro_inputs, request, split_mesh
 
 
 @dataclass
@@ -92,19 +59,6 @@ class _Candidate:
     full: MeshSpec
     estimate: bool = False  # priced from the shallow copy (autopar/shallow.py)
     weight: float = 1.0  # the gradient-sync weight its placements were solved with
-
-
-def extrapolate_blocks(stats: list[LayerStat], blocks: int) -> list[LayerStat]:
-    """``stats`` with its repeated blocks replaced by ``blocks`` copies of the last one
-    (keys ``<prefix>.<i>``): identical blocks get identical intra-op plans, so a deep
-    model's per-layer numbers follow from a shallow capture."""
-    body = [st for st in stats if st.key not in ("pre", "post")]
-    if not body:
-        raise PlanError("blocks= needs a model with repeated blocks (an nn.ModuleList)")
-    last = body[-1]
-    prefix = last.key.rsplit(".", 1)[0]
-    copies = [dataclasses.replace(last, key=f"{prefix}.{i}") for i in range(blocks)]
-    return [st for st in stats if st.key == "pre"] + copies + [st for st in stats if st.key == "post"]
 
 
 class JointSearch:
@@ -542,25 +496,6 @@ class JointSearch:
         plan.memory = dict(worst.memory)
         plan.memory["total"] = worst.total_memory
         return plan
-
-def request(gm: fx.GraphModule, micro_batches: int, mesh_shape: list[int],
-            budget: float) -> Request:
-    """The plan's :class:`~autopar.plan.Request` from the graph captured at the
-    micro-batch size: tokens are read from the first integer input of two or more dims
-    (token ids: batch x sequence), FLOPs from the annotated ops (x3: forward + backward)."""
-    tokens = 0
-    for n in gm.graph.nodes:
-        if n.op != "placeholder" or info(n).param or info(n).buffer or len(info(n).outputs) != 1:
-            continue
-        t = info(n).out
-        if t.ndim >= 2 and not t.dtype.is_floating_point and not t.dtype.is_complex \
-                and t.dtype != torch.bool:
-            tokens = t.shape[0] * t.shape[1] * micro_batches
-            break
-    flops = sum(info(n).flops for n in gm.graph.nodes if n.op == "call_function")
-    return Request(mesh_shape=mesh_shape, memory_budget_bytes=float(budget), tokens_per_step=tokens,
-                   model_flops_per_step=3.0 * flops * micro_batches)
-
 
 def joint_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOptions,
                example_kwargs: dict | None = None) -> tuple[Captured, Plan]:

@@ -24,6 +24,7 @@ import re
 
 from torch import nn
 
+from autopar.errors import PlanError
 from autopar.solve.layer_stats import LayerStat
 
 KEEP = 4
@@ -87,6 +88,19 @@ def deepen(stats: list[LayerStat], path: str, depth: int) -> list[LayerStat]:
             + [st for st in stats if st.key == "post"])
 
 
+def extrapolate_blocks(stats: list[LayerStat], blocks: int) -> list[LayerStat]:
+    """``stats`` with its repeated blocks replaced by ``blocks`` copies of the last one
+    (keys ``<prefix>.<i>``): identical blocks get identical intra-op plans, so a deep
+    model's per-layer numbers follow from a shallow capture."""
+    body = [st for st in stats if st.key not in ("pre", "post")]
+    if not body:
+        raise PlanError("blocks= needs a model with repeated blocks (an nn.ModuleList)")
+    last = body[-1]
+    prefix = last.key.rsplit(".", 1)[0]
+    copies = [dataclasses.replace(last, key=f"{prefix}.{i}") for i in range(blocks)]
+    return [st for st in stats if st.key == "pre"] + copies + [st for st in stats if st.key == "post"]
+
+
 def shallow_copy(model: nn.Module, path: str, keep: int = KEEP) -> nn.Module | None:
     """``model`` with the ``nn.ModuleList`` at ``path`` cut to its first ``keep`` layers,
     sharing everything else; ``None`` when ``path`` names no such list."""
@@ -111,4 +125,5 @@ def shallow_copy(model: nn.Module, path: str, keep: int = KEEP) -> nn.Module | N
     return copies[0]
 
 
-__all__ = ["KEEP", "deepen", "homogeneous", "repeated_list", "shallow_copy", "steady"]
+__all__ = ["KEEP", "deepen", "extrapolate_blocks", "homogeneous", "repeated_list", "shallow_copy",
+           "steady"]
