@@ -106,8 +106,8 @@ def _shared_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: 
     same collectives in the same order (and the other ranks skip the search).  An error
     on rank 0 is raised on every rank; the others wait for rank 0 at most ``timeout``
     seconds (:mod:`autopar.runtime.agree`)."""
-    from autopar.splits import micro_inputs
     from autopar.runtime import agree
+    from autopar.splits import micro_inputs
     multi = dist.is_initialized() and dist.get_world_size() > 1
     cap, p = None, given
     if given is None and (not multi or dist.get_rank() == 0):
