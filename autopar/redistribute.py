@@ -16,7 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from autopar.placement import Placements, R, Shard, is_partial, is_replicate, is_shard
+from torch.distributed.tensor import Partial, Replicate
+
+from autopar.placement import Placements, Shard
 
 
 class StepKind(str, Enum):
@@ -50,8 +52,30 @@ class RedistributionError(ValueError):
     """The requested change of placement is not expressible (e.g. S -> P)."""
 
 
-def _shards_dim(ps: Sequence, d: int, axes: Sequence[int]) -> bool:
-    return any(is_shard(ps[j], d) for j in axes)
+# Placements as small ints inside the planner: Shard(d) -> d, Replicate -> -1, a
+# Partial -> -2 - k (k: its reduce op's index).  The search plans tens of thousands of
+# pairs on a 3-axis mesh, and isinstance on DTensor's placement types is slow.
+_REP = -1
+_PARTIAL_OPS: dict[str, int] = {}
+
+
+def _code(p) -> int:
+    t = type(p)
+    if t is Shard:
+        return p.dim
+    if t is Replicate:
+        return _REP
+    if t is Partial:
+        return -2 - _PARTIAL_OPS.setdefault(p.reduce_op, len(_PARTIAL_OPS))
+    raise RedistributionError(f"unsupported placement {p!r}: only Shard, Replicate and Partial")
+
+
+def _sh(c: int, d: int | None = None) -> bool:
+    return c >= 0 and (d is None or c == d)
+
+
+def _shards_dim(ps: Sequence[int], d: int, axes: Sequence[int]) -> bool:
+    return any(ps[j] == d for j in axes)
 
 
 def plan_redistribution(src: Placements, dst: Placements) -> list[Step]:
@@ -61,38 +85,39 @@ def plan_redistribution(src: Placements, dst: Placements) -> list[Step]:
     """
     if src == dst:
         return []
-    n = len(src)
-    cur = list(src)
+    s_, d_ = [_code(p) for p in src], [_code(p) for p in dst]
+    n = len(s_)
+    cur = list(s_)
     steps: list[Step] = []
     for i in range(n):
-        if is_partial(dst[i]) and is_shard(cur[i]):
+        if d_[i] <= -2 and cur[i] >= 0:
             raise RedistributionError(f"cannot turn {src} into {dst}: Shard -> Partial")
     # 1. pending sums
     for i in range(n):
-        if is_partial(cur[i]) and not is_partial(dst[i]):
-            if is_shard(dst[i]):
-                d = dst[i].dim
+        if cur[i] <= -2 and not d_[i] <= -2:
+            if d_[i] >= 0:
+                d = d_[i]
                 others = [j for j in range(n) if j != i]
                 later = [j for j in range(i + 1, n)]
-                if not _shards_dim(cur, d, others) and not _shards_dim(dst, d, later):
+                if not _shards_dim(cur, d, others) and not _shards_dim(d_, d, later):
                     steps.append(Step(StepKind.REDUCE_SCATTER, i, d))
-                    cur[i] = dst[i]
+                    cur[i] = d_[i]
                     continue
             steps.append(Step(StepKind.ALL_REDUCE, i))
-            cur[i] = R
+            cur[i] = _REP
     # 2. which shards must go: changed ones, plus every later axis sharding the same
     # dim (it must be gathered first), plus later axes that already shard a dim an
     # earlier axis is about to shard (slicing would nest in the wrong order).
-    need = {i for i in range(n) if is_shard(cur[i]) and cur[i] != dst[i]}
+    need = {i for i in range(n) if cur[i] >= 0 and cur[i] != d_[i]}
     changed = True
     while changed:
         changed = False
         for i in range(n):
-            if i in need or not is_shard(cur[i]):
+            if i in need or cur[i] < 0:
                 continue
-            d = cur[i].dim
-            outer_changing = any(j < i and j in need and is_shard(cur[j], d) for j in range(n))
-            outer_new = any(j < i and is_shard(dst[j], d) and cur[j] != dst[j] for j in range(n))
+            d = cur[i]
+            outer_changing = any(j < i and j in need and cur[j] == d for j in range(n))
+            outer_new = any(j < i and d_[j] == d and cur[j] != d_[j] for j in range(n))
             if outer_changing or outer_new:
                 need.add(i)
                 changed = True
@@ -103,30 +128,29 @@ def plan_redistribution(src: Placements, dst: Placements) -> list[Step]:
     # interleave the pieces
     done: set[int] = set()
     for i in sorted(need):
-        if is_shard(dst[i]) and is_shard(cur[i]) and not any(j > i and j in need for j in range(n)):
-            a, b = cur[i].dim, dst[i].dim
-            touching = [j for j in range(n) if j != i and (_shards_dim(cur, a, [j]) or _shards_dim(
-                cur, b, [j]) or _shards_dim(dst, a, [j]) or _shards_dim(dst, b, [j]))]
-            if all(j < i and cur[j] == dst[j] for j in touching):
+        if d_[i] >= 0 and cur[i] >= 0 and not any(j > i and j in need for j in range(n)):
+            a, b = cur[i], d_[i]
+            touching = [j for j in range(n) if j != i and (cur[j] in (a, b) or d_[j] in (a, b))]
+            if all(j < i and cur[j] == d_[j] for j in touching):
                 steps.append(Step(StepKind.ALL_TO_ALL, i, a, b))
-                cur[i] = dst[i]
+                cur[i] = d_[i]
                 done.add(i)
     for i in sorted(need, reverse=True):
         if i in done:
             continue
-        steps.append(Step(StepKind.ALL_GATHER, i, cur[i].dim))
-        cur[i] = R
+        steps.append(Step(StepKind.ALL_GATHER, i, cur[i]))
+        cur[i] = _REP
     # 3. new shards, outermost axis first: local slices
     for i in range(n):
-        if is_shard(dst[i]) and is_replicate(cur[i]):
-            steps.append(Step(StepKind.SLICE, i, dst[i].dim))
-            cur[i] = dst[i]
+        if d_[i] >= 0 and cur[i] == _REP:
+            steps.append(Step(StepKind.SLICE, i, d_[i]))
+            cur[i] = d_[i]
     # 4. Replicate -> Partial
     for i in range(n):
-        if is_partial(dst[i]) and is_replicate(cur[i]):
+        if d_[i] <= -2 and cur[i] == _REP:
             steps.append(Step(StepKind.TO_PARTIAL, i))
-            cur[i] = dst[i]
-    if tuple(cur) != tuple(dst):
+            cur[i] = d_[i]
+    if cur != d_:
         raise RedistributionError(f"internal: could not redistribute {src} -> {dst} (got {cur})")
     return steps
 

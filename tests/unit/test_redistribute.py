@@ -101,3 +101,18 @@ def test_expert_parallel_swap_is_one_all_to_all() -> None:
     # an outer axis that changes its shard of either dim forbids the shortcut
     assert all(s.kind is not StepKind.ALL_TO_ALL
                for s in plan_redistribution((Shard(1), Shard(1)), (Shard(0), Shard(1))))
+
+
+def test_placements_the_planner_does_not_know_are_refused_clearly() -> None:
+    """Placements are planned as small integer codes (Shard, Replicate, Partial by its
+    reduce op); a placement of another kind (DTensor's strided shard) is refused by
+    name instead of being taken for a plain shard."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    with pytest.raises(RedistributionError, match="unsupported placement"):
+        plan_redistribution((_StridedShard(0, split_factor=2),), (R,))
+    # two kinds of pending reduction are not the same layout: no step turns one into the other
+    from torch.distributed.tensor import Partial
+
+    with pytest.raises(RedistributionError):
+        plan_redistribution((Partial("avg"),), (Partial("sum"),))
