@@ -41,7 +41,6 @@ def _op_name(n: fx.Node) -> str:
     return n.op
 
 
-
 def _lowering_fields(n: fx.Node, s: OpStrategy, mesh: MeshSpec, cm: CostModel,
                      kind: str) -> dict:
     """``NodePlan.lowering`` and ``own_comm`` (only ops that communicate themselves have
@@ -114,8 +113,7 @@ def assemble(gm: fx.GraphModule, mesh: MeshSpec, pb: Problem, choice: dict[fx.No
             name=n.name, op=_op_name(n), kind=kind,
             shape=[list(t.shape) for t in ni.outputs],
             inputs=[u.name for u in tensor_inputs(n)],
-            in_placements=[fmt_placements(p) for p in s.inputs],
-            out_placements=[fmt_placements(p) for p in s.outputs],
+            in_placements=list(s.formatted[0]), out_placements=list(s.formatted[1]),
             compute=float(own if kind == "op" else 0.0), comm=float(edge_comm),
             memory=float(memory), param=ni.param, layer=layer_of.get(n, ""),
             flops=float(ni.flops), local_seconds=float(local),

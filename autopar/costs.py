@@ -47,8 +47,7 @@ aten = __import__("torch").ops.aten
 class _MeshTables:
     """Caches that depend on the mesh alone, shared by its cost models: redistribution
     prices per (source, target, shape, dtype), each placement pair's steps and step
-    program, and
-    collective times per (step kind, axis, bytes)."""
+    program, and collective times per (step kind, axis, bytes)."""
 
     prices: dict = field(default_factory=dict)
     programs: dict = field(default_factory=dict)

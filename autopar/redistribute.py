@@ -70,10 +70,6 @@ def _code(p) -> int:
     raise RedistributionError(f"unsupported placement {p!r}: only Shard, Replicate and Partial")
 
 
-def _sh(c: int, d: int | None = None) -> bool:
-    return c >= 0 and (d is None or c == d)
-
-
 def _shards_dim(ps: Sequence[int], d: int, axes: Sequence[int]) -> bool:
     return any(ps[j] == d for j in axes)
 

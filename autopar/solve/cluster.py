@@ -629,7 +629,7 @@ def _budgeted(problem: StrategyProblem, cl: Clustering, twins: list[int], first:
     best_obj = evaluate(problem, best_choice)[0]
     solver = "cluster/lagrangian"
     lower = max(lower, star_bound(problem))  # known even when no Lagrangian solve finished
-    gap = max(0.0, (best_obj - lower) / max(abs(best_obj), 1e-300)) if math.isfinite(lower) else None
+    gap = gap_to(best_obj, lower)
     how = "Lagrangian over clustered layers"
     if (gap is None or gap > _OPTIMAL_GAP) and problem.num_nodes <= FLAT_MIP_MAX_NODES \
             and deadline - time.monotonic() > 1.0:
@@ -641,7 +641,7 @@ def _budgeted(problem: StrategyProblem, cl: Clustering, twins: list[int], first:
             lower = max(lower, flat.objective)
         elif flat.gap is not None:
             lower = max(lower, flat.objective * (1.0 - flat.gap))
-        gap = max(0.0, (best_obj - lower) / max(abs(best_obj), 1e-300)) if math.isfinite(lower) else None
+        gap = gap_to(best_obj, lower)
     optimal = gap is not None and gap <= _OPTIMAL_GAP
     gap_text = "gap unknown" if gap is None else f"gap {100 * gap:.2f}%"
     message = (f"{'optimal' if optimal else 'feasible'} plan under the memory budget ({what}; "

@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from autopar.solve.bounds import gap as relative_gap
 from autopar.solve.bounds import star_bound
 from autopar.solve.incumbents import heuristic, lagrangian_incumbent
 from autopar.solve.presolve import NoPlanError, reduce_problem
@@ -412,9 +413,7 @@ def _finish(
         gap: float | None = 0.0
         message = f"optimal plan ({how})"
     else:
-        gap = None
-        if bound is not None:
-            gap = max(0.0, (objective - bound) / max(abs(objective), 1e-300))
+        gap = None if bound is None else relative_gap(objective, bound)
         gap_text = "gap unknown" if gap is None else f"gap {100 * gap:.1f}%"
         message = f"time limit {time_limit:g} s reached; returning best feasible plan, {gap_text}"
     status = SolveStatus.OPTIMAL if optimal else SolveStatus.FEASIBLE

@@ -245,6 +245,17 @@ def _runs(cls: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
     return run_of, runs
 
 
+def _zero_prices(stats: list[LayerStat], cls: list[int], cfg: Config, mesh: MeshSpec,
+                 optimizer: str) -> list:
+    """Each layer's :func:`zero_price` under ``cfg``; equal layers (``cls``, from
+    :func:`layer_classes`) have equal prices, so one per class (80 Llama layers: 3)."""
+    per_class: dict[int, object] = {}
+    for c, st in zip(cls, stats):
+        if c not in per_class:
+            per_class[c] = zero_price(st, mesh, cfg.zero_stage, cfg.zero_axis, optimizer)
+    return [per_class[c] for c in cls]
+
+
 def step_lower_bound(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link,
                      optimizer: str) -> float:
     """A lower bound on :func:`price`'s step time for ``cfg``, in O(layers) instead of
@@ -256,12 +267,8 @@ def step_lower_bound(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_l
     p, m = cfg.stages, cfg.micro_batches
     if p > len(stats):
         return math.inf
-    zc: dict[int, object] = {}
     total = tail = 0.0
-    for c, st in zip(layer_classes(stats), stats):
-        if c not in zc:
-            zc[c] = zero_price(st, mesh, cfg.zero_stage, cfg.zero_axis, optimizer)
-        z = zc[c]
+    for st, z in zip(stats, _zero_prices(stats, layer_classes(stats), cfg, mesh, optimizer)):
         total += st.seconds + z.gather_mb
         tail += z.gather_step + z.opt_step
     if p > 1:
@@ -277,12 +284,7 @@ def price(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget
         return Priced(cfg, [], math.inf, math.inf)
     cache: dict[tuple, StagePrice] = {}
     cls = layer_classes(stats)
-    # equal layers have equal ZeRO prices: one per class (80 Llama layers: 3 computed)
-    zc: dict[int, object] = {}
-    for c, st in zip(cls, stats):
-        if c not in zc:
-            zc[c] = zero_price(st, mesh, cfg.zero_stage, cfg.zero_axis, optimizer)
-    zps = [zc[c] for c in cls]
+    zps = _zero_prices(stats, cls, cfg, mesh, optimizer)
     run_of, runs = _runs(cls)
 
     def shape_of(i: int, j: int) -> tuple:
