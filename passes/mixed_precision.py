@@ -112,9 +112,10 @@ def _is_experts(node: fx.Node) -> bool:
 
 
 def apply_mixed_precision(gm: fx.GraphModule, precision: Precision | str,
-                          low: torch.dtype = torch.bfloat16) -> int:
+                          low: torch.dtype = torch.bfloat16, recompile: bool = True) -> int:
     """Insert the casts of ``precision`` into ``gm`` (see the module docstring) and
-    re-propagate every node's ``meta["val"]``; returns how many casts were inserted."""
+    re-propagate every node's ``meta["val"]``; returns how many casts were inserted.
+    ``recompile=False`` leaves regenerating ``gm``'s code to the caller."""
     if Precision.parse(precision) is Precision.NATIVE:
         return 0
     vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
@@ -129,7 +130,8 @@ def apply_mixed_precision(gm: fx.GraphModule, precision: Precision | str,
     prop.propagate_dont_convert_inputs(*vals)
     if prop.casts:
         gm.graph.lint()
-        gm.recompile()
+        if recompile:
+            gm.recompile()
     return len(prop.casts)
 
 

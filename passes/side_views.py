@@ -35,9 +35,10 @@ VIEW_OPS = frozenset({
 """Ops whose result is a view of their input: free to compute once per user."""
 
 
-def duplicate_side_views(gm: fx.GraphModule) -> int:
+def duplicate_side_views(gm: fx.GraphModule, recompile: bool = True) -> int:
     """Copy each shared-input view of a repeated layer once per extra user (see the module
-    docstring); returns how many copies were made and recompiles ``gm`` when any were."""
+    docstring); returns how many copies were made and recompiles ``gm`` when any were
+    (unless ``recompile=False``: the caller does it)."""
     made = 0
     for lay in layers(gm):
         if not lay.repeated:
@@ -58,7 +59,8 @@ def duplicate_side_views(gm: fx.GraphModule) -> int:
                 made += 1
     if made:
         gm.graph.lint()
-        gm.recompile()
+        if recompile:
+            gm.recompile()
     return made
 
 
