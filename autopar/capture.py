@@ -172,13 +172,24 @@ def capture(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None
     Raises :class:`CaptureError` naming both tracers' failures when neither works.
     """
     t0 = time.perf_counter()
+    gm = export_module(model, example_inputs, example_kwargs)
+    finish(gm, precision)
+    return captured(model, gm, time.perf_counter() - t0)
+
+
+def export_module(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None = None,
+                  dynamic_shapes: object = None) -> fx.GraphModule:
+    """``torch.export`` (non-strict) of ``model`` called with the example inputs, as an
+    unlifted graph module; ``dynamic_shapes`` as export takes it.  Raises
+    :class:`CaptureError` naming both tracers' failures when neither works."""
     kwargs = example_kwargs or {}
     try:
         # the state check is outside catch_warnings: its own warning must show
         with _frozen_python_state(model), warnings.catch_warnings(), _no_kv_cache(model), \
                 custom_function_guard(), experts_as_op(model), _lazy_code():  # experts: one op per layer
             warnings.simplefilter("ignore")
-            ep = torch.export.export(model, tuple(example_inputs), kwargs, strict=False)
+            ep = torch.export.export(model, tuple(example_inputs), kwargs, strict=False,
+                                     dynamic_shapes=dynamic_shapes)
     except CaptureError:
         raise  # our own finding (a custom autograd.Function): already says what to do
     except Exception as export_err:  # noqa: BLE001 - reported with context below
@@ -194,7 +205,13 @@ def capture(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None
             "with nonzero) cannot be planned; use fixed-capacity routing."
         ) from export_err
     with _lazy_code():
-        gm = ep.module()
+        return ep.module()
+
+
+def finish(gm: fx.GraphModule, precision: Precision | str) -> None:
+    """Capture's passes over an exported module, in place: grad regions inlined, guards
+    dropped, autocast's casts for ``precision``, side views copied per layer, and a flat
+    calling convention (``gm._in_spec``/``_out_spec`` keep the pytree specs)."""
     # no_grad regions (HF rotary embeddings) as plain ops: plannable and exportable
     inline_grad_regions(gm, recompile=False)
     _strip_guards(gm)
@@ -204,10 +221,16 @@ def capture(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None
     duplicate_side_views(gm, recompile=False)
     # Flat calling convention: the ParallelModule flattens inputs and unflattens
     # outputs with these specs, so the generated code is plain and exportable.
-    in_spec, out_spec = gm._in_spec, gm._out_spec
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    if info is not None:
+        gm._in_spec, gm._out_spec = info.in_spec, info.out_spec
     gm.graph._codegen = fx.graph.CodeGen()
     gm.recompile()
+
+
+def captured(model: nn.Module, gm: fx.GraphModule, seconds: float) -> Captured:
+    """The :class:`Captured` of ``model`` for its finished graph module ``gm``."""
     nin = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
-    return Captured(gm=gm, method="export", seconds=time.perf_counter() - t0,
-                    aliases=_aliases(model, gm), num_inputs=nin, in_spec=in_spec,
-                    out_spec=out_spec, state_keys=list(model.state_dict().keys()))
+    return Captured(gm=gm, method="export", seconds=seconds, aliases=_aliases(model, gm),
+                    num_inputs=nin, in_spec=gm._in_spec, out_spec=gm._out_spec,
+                    state_keys=list(model.state_dict().keys()))

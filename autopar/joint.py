@@ -27,6 +27,7 @@ from torch import nn
 
 from autopar.annotate import annotate
 from autopar.capture import Captured, capture
+from autopar.capture_batch import AnyBatch, capture_any_batch
 from autopar.cost_models import MeshSpec, format_bytes, send_recv_time
 from autopar.errors import AutoparWarning, PlanError, user_stacklevel
 from autopar.ir import info
@@ -72,6 +73,7 @@ class JointSearch:
         self._call = (self.inputs, dict(example_kwargs or {}))
         self.budget = opts.memory_budget if opts.memory_budget is not None else mesh.mem_capacity
         self.captures: dict[tuple[int, bool], Captured] = {}
+        self._generic: AnyBatch | bool | None = None  # the shallow copy's any-batch capture
         self.priced: list[tuple[_Candidate, Priced]] = []
         # (the model with its layer list cut to KEEP, the list's depth and path) while
         # candidates are estimated from it (autopar/shallow.py); _exact: never again
@@ -142,15 +144,35 @@ class JointSearch:
         key = (size, shallow)
         if key not in self.captures:
             model = self._shallow[0] if shallow and self._shallow else self.model
-            report(f"capturing the model{f' ({KEEP} layers)' if shallow else ''} at micro-batch "
-                   f"size {size}")
-            cap = capture(model, *micro_inputs(self._call, micro), precision=self.opts.precision)
+            cap = self._any_batch(micro) if shallow and self._shallow else None
+            if cap is None:
+                report(f"capturing the model{f' ({KEEP} layers)' if shallow else ''} at "
+                       f"micro-batch size {size}")
+                cap = capture(model, *micro_inputs(self._call, micro), precision=self.opts.precision)
             t0 = time.perf_counter()
             annotate(cap.gm)
             self.captures[key] = cap
             self.timings["capture"] = self.timings.get("capture", 0.0) + cap.seconds
             self.timings["annotate"] = self.timings.get("annotate", 0.0) + time.perf_counter() - t0
         return self.captures[key]
+
+    def _any_batch(self, micro: int) -> Captured | None:
+        """The shallow copy at ``micro`` micro-batches from its one symbolic-batch capture
+        (:mod:`autopar.capture_batch`), or ``None``: then it is exported at that size.
+        Estimates only: the chosen split is exported at full depth at its own size."""
+        if self._generic is None:
+            report(f"capturing the model ({KEEP} layers) once for every micro-batch size")
+            self._generic = capture_any_batch(self._shallow[0], micro_inputs(self._call, micro),
+                                              self.opts.precision) or False
+            if self._generic:
+                self.timings["capture"] = self.timings.get("capture", 0.0) + self._generic.seconds
+        if not self._generic:
+            return None
+        cap = self._generic.at(batch_size(self._call) // micro)
+        if cap is not None:
+            report(f"the model ({KEEP} layers) at micro-batch size {batch_size(self._call) // micro}"
+                   f" from that capture ({cap.seconds:.2f} s)")
+        return cap
 
     def _intra(self, stages: int, micro: int, budget: float | None,
                estimate: bool = False, weights: tuple[float, ...] | None = None) -> list[_Candidate]:

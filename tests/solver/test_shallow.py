@@ -113,13 +113,18 @@ def test_search_with_estimates_chooses_what_the_exact_search_chooses(monkeypatch
 
 def test_a_plan_that_fits_is_captured_at_full_depth_once(monkeypatch) -> None:
     captured: list[int] = []
-    real = joint.capture
+    real, real_any = joint.capture, joint.capture_any_batch
 
     def counting(model, *a, **k):
         captured.append(len(model.blocks))
         return real(model, *a, **k)
 
+    def counting_any(model, *a, **k):  # the copy, once for every micro-batch size
+        captured.append(len(model.blocks))
+        return real_any(model, *a, **k)
+
     monkeypatch.setattr(joint, "capture", counting)
+    monkeypatch.setattr(joint, "capture_any_batch", counting_any)
     model, ex = _gpt()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -128,6 +133,7 @@ def test_a_plan_that_fits_is_captured_at_full_depth_once(monkeypatch) -> None:
         exact = plan(model, ex, MESH, time_limit=120)
     assert captured[:2] == [KEEP, LAYERS]  # the copy for the estimate, then the plan itself
     assert captured.count(LAYERS) == 2  # one for each plan: never one per candidate
+    assert captured.count(KEEP) == 1  # the copy once, whatever micro-batch sizes are priced
     assert p.params() == exact.params()
     assert p.decisions.step_seconds == pytest.approx(exact.decisions.step_seconds, rel=1e-9)
 
