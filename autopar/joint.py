@@ -159,11 +159,16 @@ class JointSearch:
     def _any_batch(self, micro: int) -> Captured | None:
         """The shallow copy at ``micro`` micro-batches from its one symbolic-batch capture
         (:mod:`autopar.capture_batch`), or ``None``: then it is exported at that size.
-        Estimates only: the chosen split is exported at full depth at its own size."""
+        Estimates only: the chosen split is exported at full depth at its own size.  The
+        first size is exported as it is (the symbolic export costs ~2.5 of those, and a
+        search that is not short of memory never prices a second size)."""
+        if not any(shallow for _, shallow in self.captures):
+            return None
         if self._generic is None:
             report(f"capturing the model ({KEEP} layers) once for every micro-batch size")
-            self._generic = capture_any_batch(self._shallow[0], micro_inputs(self._call, micro),
-                                              self.opts.precision) or False
+            # traced at the whole batch: the size asked for may be 1, which export fixes
+            self._generic = capture_any_batch(self._shallow[0], self._call, self.opts.precision) \
+                or False
             if self._generic:
                 self.timings["capture"] = self.timings.get("capture", 0.0) + self._generic.seconds
         if not self._generic:

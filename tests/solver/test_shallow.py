@@ -213,3 +213,38 @@ def test_a_split_whose_copy_is_uneven_alone_goes_to_full_depth(monkeypatch) -> N
         warnings.simplefilter("ignore")
         ref = plan(model, ex, MESH, explore=True, time_limit=120)
     assert p.decisions.step_seconds == pytest.approx(ref.decisions.step_seconds, rel=1e-9)
+
+
+def test_the_copy_is_exported_three_times_for_five_micro_batch_sizes(monkeypatch) -> None:
+    # once as it is (a search that is not short of memory prices one size), once with a
+    # symbolic batch for every further size (autopar/capture_batch.py), and at size 1,
+    # which export fixes (batch 16: sizes 16, 8, 4, 2, 1)
+    exports: list[int] = []
+    sizes: list[int] = []
+    real, real_any, real_at = joint.capture, joint.capture_any_batch, joint.AnyBatch.at
+
+    def counting(model, *a, **k):
+        exports.append(len(model.blocks))
+        return real(model, *a, **k)
+
+    def counting_any(model, *a, **k):
+        exports.append(len(model.blocks))
+        return real_any(model, *a, **k)
+
+    def at(self, size):
+        sizes.append(size)
+        return real_at(self, size)
+
+    monkeypatch.setattr(joint, "capture", counting)
+    monkeypatch.setattr(joint, "capture_any_batch", counting_any)
+    monkeypatch.setattr(joint.AnyBatch, "at", at)
+    model, ex = _gpt()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = plan(model, ex, MESH, time_limit=120, explore=True)
+        assert exports.count(KEEP) == 3 and set(sizes) == {1, 2, 4, 8}
+        monkeypatch.setattr(joint, "capture_any_batch", lambda *a, **k: None)  # export per size
+        per_size = plan(model, ex, MESH, time_limit=120, explore=True)
+    assert exports.count(KEEP) >= 2 + len(set(sizes))
+    assert p.decisions.step_seconds == pytest.approx(per_size.decisions.step_seconds, rel=1e-9)
+    assert p.params() == per_size.params()
