@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from autopar.budget import Phase
+
 if TYPE_CHECKING:
     from autopar.plan import Plan
 
@@ -126,13 +128,18 @@ def progress_wanted(args) -> bool:
 def format_timings(p: Plan, total: float) -> str:
     """Where the planning time went, nested as it was spent: capture (and annotation)
     once per micro-batch size, then the search; inside the search the placement ILP or
-    D-Rec of every candidate, the rest being the choice of plan-level decisions."""
+    D-Rec of every candidate, the rest being the choice of plan-level decisions; and for a
+    joint search each phase's charged seconds against its share of ``time_limit``
+    (:mod:`autopar.budget`; the confirm phase also gets what explore left)."""
     t = p.timings
     cap = t.get("capture", 0.0) + t.get("annotate", 0.0)
     placement = t.get("intra_op", t.get("enumerate_and_price", 0.0) + t.get("solve", 0.0))
     search = t.get("joint_search", total) - cap
-    return (f"planned in {total:.2f} s: capture {cap:.2f} s, search {search:.2f} s (op placement "
+    line = (f"planned in {total:.2f} s: capture {cap:.2f} s, search {search:.2f} s (op placement "
             f"{placement:.2f} s, plan-level decisions {max(0.0, search - placement):.2f} s)")
+    phases = [f"{ph} {t[f'search_{ph}']:.2f} of {t[f'budget_{ph}']:.2f} s"
+              for ph in Phase if f"search_{ph}" in t]
+    return line + (f"; time_limit split: {', '.join(phases)}" if phases else "")
 
 
 def setup_logging(args) -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from autopar.annotate import annotate
+from autopar.budget import SHARES, Phase, TimeBudget
 from autopar.capture import Captured, capture
 from autopar.capture_batch import AnyBatch, capture_any_batch
 from autopar.cost_models import MeshSpec, format_bytes, send_recv_time
@@ -81,8 +82,9 @@ class JointSearch:
         self._exact = False
         self._mismatch = False  # a confirmed split priced otherwise than its estimate
         self.timings: dict[str, float] = {}
-        self._t0 = time.perf_counter()  # reset by run(); the shared time limit counts from it
-        self._stopped = False
+        # time_limit split among the search's phases (autopar/budget.py); reset by run()
+        self._clock = TimeBudget(opts.time_limit, self._uncharged)
+        self._stopped: set[Phase] = set()  # phases that ran out of their share
         self._validate()
 
     def _validate(self) -> None:
@@ -198,7 +200,7 @@ class JointSearch:
         if not estimate:
             cap = self._capture(micro)
         t0 = time.perf_counter()
-        left = self.opts.time_limit - self._spent()
+        left = self._clock.left()
         report(f"placing ops for {stages} stage(s) x {micro} micro-batch(es) on sub-mesh "
                f"{'x'.join(map(str, sub.shape))}")
         intra_opts = dataclasses.replace(self.opts, memory_budget=budget, time_limit=max(1.0, left),
@@ -283,20 +285,20 @@ class JointSearch:
         """One finished step for the progress display and the log (:mod:`autopar.progress`)."""
         report(msg, done=True)
 
-    def _spent(self) -> float:
-        """Seconds of search so far: capture and annotation are not charged to the time
-        limit (they depend on the model and the machine's load, not on the search)."""
-        free = self.timings.get("capture", 0.0) + self.timings.get("annotate", 0.0)
-        return time.perf_counter() - self._t0 - free
+    def _uncharged(self) -> float:
+        """Seconds not charged to the time limit: capture and annotation (they depend on
+        the model and the machine's load, not on the search)."""
+        return self.timings.get("capture", 0.0) + self.timings.get("annotate", 0.0)
 
     def _out_of_time(self) -> bool:
-        """The joint search shares ``time_limit`` with its intra-op searches: once it is
-        spent, the remaining candidates are skipped and the plan says so."""
-        if self._spent() <= self.opts.time_limit:
+        """The current phase has spent its share of ``time_limit`` (:mod:`autopar.budget`):
+        its remaining candidates are skipped and the plan says so."""
+        if not self._clock.over():
             return False
-        if not self._stopped:
-            self._stopped = True
-            self._say("time limit reached: keeping the best plan found so far")
+        if self._clock.phase not in self._stopped:
+            self._stopped.add(self._clock.phase)
+            self._say(f"{self._clock.phase} budget of {self._clock.deadline():.1f} s spent: "
+                      "keeping the best plan found so far")
         return True
 
     def _try(self, stages: int, micro: int, budget: float | None, strict: bool = False,
@@ -333,7 +335,7 @@ class JointSearch:
                   + f": {len(self.priced) - n - bounded} configs priced"
                   + (f" ({bounded} more bounded slower than the best so far)" if bounded else "")
                   + f", {len(ok)} fit, best "
-                  + (f"{best * 1e3:.3f} ms" if ok else "none") + f" ({time.perf_counter() - t0:.2f} s)")
+                  + (f"{best * 1e3:.3f} ms" if ok else "none") + f" ({time.perf_counter() - t0:.2f} s; {self._clock.status()})")
 
     def _bounded(self, stages: int, micro: int, estimate: bool) -> bool:
         """Skip a split before its intra-op search (a capture and an ILP: seconds each on
@@ -359,12 +361,16 @@ class JointSearch:
 
     def run(self) -> tuple[Captured, Plan]:
         """Search and return the chosen capture (at the micro-batch size) and plan."""
-        with show(bool(self.opts.progress), self.opts.time_limit):
+        self._clock = TimeBudget(self.opts.time_limit, self._uncharged)
+        with show(bool(self.opts.progress), self.opts.time_limit, left=lambda: self._clock.left()):
             return self._run()
 
     def _run(self) -> tuple[Captured, Plan]:
-        self._t0 = t0 = time.perf_counter()
-        self._stopped = False
+        t0 = time.perf_counter()
+        if self._stopped or self._clock.phase is not Phase.EXPLORE:
+            # a second pass (the estimates proved wrong): a budget of its own
+            self._clock = TimeBudget(self.opts.time_limit, self._uncharged)
+            self._stopped = set()
         stages = self.opts.pipeline_stages or 1
         first = (stages, self._micro_options(stages)[0])
         self._try(*first, math.inf, strict=True, estimate=self._start_early())
@@ -392,6 +398,7 @@ class JointSearch:
             # no split fits with the fastest placements: let the budget shape them
             for p, m, e in sorted({(c.stages, c.micro_batches, c.estimate) for c, _ in self.priced}):
                 self._try(p, m, self.budget, estimate=e)
+        self._clock.enter(Phase.CONFIRM)
         self._confirm_estimates()
         best = self._best(exact=True)
         if self._mismatch and not self._exact:
@@ -419,8 +426,11 @@ class JointSearch:
             plan.solver.message = (plan.solver.message + "; " if plan.solver.message else "") + msg
         plan.timings.update(self.timings)
         plan.timings["joint_search"] = time.perf_counter() - t0
+        self._clock.record(plan.timings)
         if self._stopped:
-            msg = (f"the joint search stopped at its time limit of {self.opts.time_limit} s after "
+            spent = " and ".join(f"its {p} budget ({self._clock.total * SHARES[p]:.1f} s)"
+                                 for p in Phase if p in self._stopped)
+            msg = (f"the joint search spent {spent} of time_limit={self.opts.time_limit} s after "
                    f"{len(self.priced)} configurations; this is the best plan found")
             plan.warnings.append(msg)
             plan.solver.message = (plan.solver.message + "; " if plan.solver.message else "") + msg

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 log = logging.getLogger("autopar")
@@ -28,6 +28,7 @@ class _Live:
     """One active display: a rich status on a terminal, plain lines otherwise."""
 
     time_limit: float | None
+    left: Callable[[], float] | None = None  # the search's own account of its time left
     start: float = field(default_factory=time.perf_counter)
     status: object | None = None
     console: object | None = None
@@ -37,8 +38,12 @@ class _Live:
         return time.perf_counter() - self.start
 
     def _status_text(self) -> str:
-        left = "" if self.time_limit is None else \
-            f", search time left {max(0.0, self.time_limit - self.elapsed()):.0f} s"
+        if self.left is not None:
+            left = f", search time left {self.left():.0f} s"
+        elif self.time_limit is not None:
+            left = f", search time left {max(0.0, self.time_limit - self.elapsed()):.0f} s"
+        else:
+            left = ""
         return f"[autopar {self.elapsed():6.1f} s{left}] {self.phase}"
 
     def _text(self):
@@ -70,13 +75,16 @@ def report(message: str, *, done: bool = False, detail: bool = False) -> None:
 
 
 @contextlib.contextmanager
-def show(enabled: bool, time_limit: float | None = None) -> Iterator[None]:
+def show(enabled: bool, time_limit: float | None = None,
+         left: Callable[[], float] | None = None) -> Iterator[None]:
     """Show :func:`report` messages live while the block runs (see the module
-    docstring); ``enabled=False`` shows nothing (messages still reach the log)."""
+    docstring); ``enabled=False`` shows nothing (messages still reach the log).
+    ``left``: the seconds the search has left, by its own account (the joint search's
+    phase budget, :mod:`autopar.budget`); else ``time_limit`` minus the time elapsed."""
     if not enabled or _active:  # nested planning (a joint search's inner plans) reuses the outer
         yield
         return
-    live = _Live(time_limit)
+    live = _Live(time_limit, left)
     if sys.stderr.isatty():
         from rich.console import Console
 

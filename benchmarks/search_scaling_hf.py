@@ -136,7 +136,7 @@ def _joint(model, ids, mesh) -> dict:
             "layout": nums["layout"], "step_ms": p.decisions.step_seconds * 1e3,
             "mfu": nums.get("mfu"), "gap": p.solver.gap, "status": p.solver.status,
             "estimated": "estimated from" in p.solver.message,
-            "stopped": any("stopped at its time limit" in w for w in p.warnings),
+            "stopped": any("budget (" in w and "time_limit=" in w for w in p.warnings),
             "memory_gib": p.memory.get("total", 0.0) / 2**30}
 
 

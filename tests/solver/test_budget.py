@@ -1,0 +1,76 @@
+"""The joint search's time_limit split among its phases (autopar/budget.py), on a clock
+the test drives: each intra-op search costs exactly one second of it."""
+
+from __future__ import annotations
+
+import sys
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+
+import autopar.budget as budget
+import autopar.joint as joint
+from autopar import MeshSpec, plan
+from autopar.budget import SHARES, Phase, TimeBudget
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+import gpt  # noqa: E402
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(budget, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    return now
+
+
+def test_the_shares_cover_the_limit_and_confirm_inherits_what_explore_left(clock):
+    assert sum(SHARES.values()) == pytest.approx(1.0)
+    b = TimeBudget(20.0)
+    assert b.deadline(Phase.EXPLORE) == 15.0 and b.deadline(Phase.CONFIRM) == 20.0
+    clock[0] += 9.0
+    assert not b.over() and b.left() == 6.0
+    assert b.status() == "explore budget: 6.0 s of its 15.0 s left"
+    b.enter(Phase.CONFIRM)  # explore used 9 of its 15 s: confirm gets 11
+    assert b.left() == 11.0 and b.status() == "confirm budget: 11.0 s of its 11.0 s left"
+    clock[0] += 12.0
+    assert b.over() and b.left() == 0.0
+    t: dict[str, float] = {}
+    b.record(t)
+    assert t == {"budget_explore": 15.0, "search_explore": 9.0,
+                 "budget_confirm": 5.0, "search_confirm": 12.0}
+
+
+def test_uncharged_seconds_do_not_count(clock):
+    b = TimeBudget(10.0, uncharged=lambda: 4.0)
+    clock[0] += 5.0
+    assert b.spent() == 1.0
+
+
+def test_the_confirm_phase_keeps_its_share_when_explore_runs_out(clock, monkeypatch):
+    """Before, the estimates drew on the whole limit and the full-depth solve of the
+    chosen split (the plan returned) got the 1 s floor; now exploring stops at 75%."""
+    limits: list[float] = []
+    real = joint.make_weighted_plans
+
+    def one_second_each(gm, mesh, aliases, opts, **k):
+        limits.append(opts.time_limit)
+        clock[0] += 1.0
+        return real(gm, mesh, aliases, opts, **k)
+
+    monkeypatch.setattr(joint, "make_weighted_plans", one_second_each)
+    monkeypatch.setattr(joint.JointSearch, "_uncharged", lambda self: 0.0)
+    model, ex = gpt.build(layers=6, dim=64, heads=4, vocab=256, seq=32, batch=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = plan(model, ex, MeshSpec.preset("8xA100-nvlink", shape=(4, 2)), time_limit=8.0,
+                 explore=True)
+    explore, confirm = limits[:-1], limits[-1]
+    # explore's share is 6 s: each solver gets what is left of it, and the split that
+    # starts with 1 s left is the last one (the plain one first, whatever its cost)
+    assert explore == [6.0 - i for i in range(len(explore))] and len(explore) == 6
+    assert confirm == 2.0  # 8 s - 6 s charged: more than the 1 s floor it got before
+    assert p.timings["search_explore"] == 6.0 and p.timings["search_confirm"] == 1.0
+    assert any("explore budget (6.0 s) of time_limit=8.0 s" in w for w in p.warnings)
