@@ -74,6 +74,11 @@ def _shards_dim(ps: Sequence[int], d: int, axes: Sequence[int]) -> bool:
     return any(ps[j] == d for j in axes)
 
 
+def placement_codes(placements: Placements) -> tuple[int, ...]:
+    """``placements`` as the planner's small ints (see ``_code``)."""
+    return tuple(_code(p) for p in placements)
+
+
 def plan_redistribution(src: Placements, dst: Placements) -> list[Step]:
     """Steps turning ``src`` into ``dst`` (same number of mesh axes).
 
@@ -81,7 +86,14 @@ def plan_redistribution(src: Placements, dst: Placements) -> list[Step]:
     """
     if src == dst:
         return []
-    s_, d_ = [_code(p) for p in src], [_code(p) for p in dst]
+    return plan_codes(placement_codes(src), placement_codes(dst), (src, dst))
+
+
+def plan_codes(s_: Sequence[int], d_: Sequence[int], names: tuple | None = None) -> list[Step]:
+    """:func:`plan_redistribution` on placement codes (:func:`placement_codes`);
+    ``names``: the (source, target) placements its errors name (default: the codes)."""
+    src, dst = names or (tuple(s_), tuple(d_))
+    s_, d_ = list(s_), list(d_)
     n = len(s_)
     cur = list(s_)
     steps: list[Step] = []
@@ -168,4 +180,5 @@ def step_shapes(steps: Sequence[Step], local: Sequence[int], mesh_shape: Sequenc
     return shapes
 
 
-__all__ = ["RedistributionError", "Step", "StepKind", "Shard", "plan_redistribution", "step_shapes"]
+__all__ = ["RedistributionError", "Shard", "Step", "StepKind", "placement_codes", "plan_codes",
+           "plan_redistribution", "step_shapes"]

@@ -158,7 +158,7 @@ def edge_matrix(src: list, dst: list, t, cm: CostModel, tables: dict | None = No
     key = (us, ud, t.shape, t.dtype)
     table = None if tables is None else tables.get(key)
     if table is None:
-        table = np.array([[cm.redistribution(a, b, t) for b in ud] for a in us], dtype=np.float64)
+        table = cm.redistribution_matrix(us, ud, t)
         if tables is not None:
             tables[key] = table
     return table[np.ix_(si, di)]

@@ -12,6 +12,7 @@ from .collectives import (
     all_to_all_time,
     broadcast_time,
     collective_time,
+    collective_times,
     reduce_scatter_time,
     send_recv_time,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "broadcast_time",
     "calibrate",
     "collective_time",
+    "collective_times",
     "compute_time",
     "fit_alpha_beta",
     "format_bytes",

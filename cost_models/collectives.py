@@ -42,6 +42,7 @@ __all__ = [
     "all_to_all_time",
     "broadcast_time",
     "collective_time",
+    "collective_times",
     "reduce_scatter_time",
     "send_recv_time",
 ]
@@ -127,6 +128,26 @@ def collective_time(kind: CollectiveKind | str, mesh: MeshSpec, axes: Axes, nbyt
             # Each level leaves 1/p of the data per rank for the next (slower) level.
             size /= p
     return total
+
+
+def collective_times(kind: CollectiveKind | str, mesh: MeshSpec, axes: Axes, nbytes):
+    """:func:`collective_time` of every element of the numpy array ``nbytes`` (all >= 0,
+    finite) at once, by the same arithmetic in the same order, so each element equals
+    the scalar price exactly (edge pricing on 3-axis meshes, ``autopar.costs``).  Not for
+    send/recv and broadcast (their ``max``/``min`` are scalar here)."""
+    kind = CollectiveKind(kind)
+    if kind in (CollectiveKind.SEND_RECV, CollectiveKind.BROADCAST):
+        raise ValueError(f"collective_times does not price {kind}")
+    levels = _levels(mesh, axes)
+    total = nbytes * 0.0
+    if not levels:
+        return total
+    size = nbytes.astype(float)
+    for link, p in levels:
+        total = total + _flat_time(kind, link, p, size)
+        if kind is not CollectiveKind.ALL_TO_ALL:
+            size = size / p
+    return total * (nbytes != 0)  # nothing to send: no collective
 
 
 def all_reduce_time(mesh: MeshSpec, axes: Axes, nbytes: float) -> float:

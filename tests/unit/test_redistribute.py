@@ -116,3 +116,29 @@ def test_placements_the_planner_does_not_know_are_refused_clearly() -> None:
 
     with pytest.raises(RedistributionError):
         plan_redistribution((Partial("avg"),), (Partial("sum"),))
+
+
+@pytest.mark.parametrize("mesh", [(3,), (4, 2), (2, 3, 4)])
+def test_edge_matrices_price_every_pair_exactly_like_one_at_a_time(mesh) -> None:
+    # the vectorized pricer (CostModel.redistribution_matrix) prices each step of every
+    # pair with numpy in the scalar arithmetic's order: bit-identical, not approximately;
+    # shapes even on every axis, uneven on some (step by step), and impossible pairs (inf)
+    import numpy as np
+    from autopar.cost_models import MeshSpec
+
+    from autopar.costs import CostModel
+    from autopar.ir import TensorInfo
+
+    spec = MeshSpec.preset("multinode-h100-ib", shape=mesh)
+    per_axis = [Shard(0), Shard(1), Shard(2), R, P]
+    layouts = list(itertools.product(per_axis, repeat=len(mesh)))
+    for shape, dtype in [((48, 24, 96), torch.bfloat16), ((6, 5, 7), torch.float32),
+                         ((96, 12, 8), torch.float32)]:
+        t = TensorInfo(shape, dtype)
+        ok = [p for p in layouts if valid_for_shape(p, shape, mesh)]
+        fresh = CostModel(MeshSpec.preset("multinode-h100-ib", shape=mesh))
+        got = fresh.redistribution_matrix(tuple(ok), tuple(layouts), t)
+        scalar = CostModel(spec)
+        want = np.array([[scalar._redistribution_once(a, b, t) * 2.0 for b in layouts] for a in ok])
+        assert np.array_equal(got, want)
+        assert np.isinf(got).any() and (got == 0).any() and np.isfinite(got).sum() > got.size // 2
