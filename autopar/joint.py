@@ -18,20 +18,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import time
 import warnings
 from dataclasses import dataclass
 
 from torch import nn
 
-from autopar.annotate import annotate
 from autopar.budget import SHARES, Phase, TimeBudget
-from autopar.capture import Captured, capture
-from autopar.capture_batch import AnyBatch, capture_any_batch
+from autopar.capture import Captured
+from autopar.capture_batch import AnyBatch
 from autopar.cost_models import MeshSpec, format_bytes, send_recv_time
 from autopar.errors import AutoparWarning, PlanError, user_stacklevel
 from autopar.ir import info
+from autopar.joint_capture import JointCaptures
 from autopar.joint_why import Context, decisions_why
 from autopar.layers import layer_keys
 from autopar.plan import Decisions, Plan, Schedule
@@ -41,9 +40,6 @@ from autopar.shallow import (
     KEEP,
     deepen,
     extrapolate_blocks,
-    homogeneous,
-    repeated_list,
-    shallow_copy,
     steady,
 )
 from autopar.solve.layer_stats import LayerStat, layer_stats
@@ -63,7 +59,7 @@ class _Candidate:
     weight: float = 1.0  # the gradient-sync weight its placements were solved with
 
 
-class JointSearch:
+class JointSearch(JointCaptures):
     """One joint search (see the module docstring); ``run()`` returns (capture, plan)."""
 
     def __init__(self, model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOptions,
@@ -140,46 +136,6 @@ class JointSearch:
         b = batch_size(self._call)
         opts = [m for m in (1, 2, 4, 8, 16, 32) if b % m == 0]
         return [m for m in opts if m >= stages] or opts[-1:]
-
-    def _capture(self, micro: int, shallow: bool = False) -> Captured:
-        size = batch_size(self._call) // micro
-        key = (size, shallow)
-        if key not in self.captures:
-            model = self._shallow[0] if shallow and self._shallow else self.model
-            cap = self._any_batch(micro) if shallow and self._shallow else None
-            if cap is None:
-                report(f"capturing the model{f' ({KEEP} layers)' if shallow else ''} at "
-                       f"micro-batch size {size}")
-                cap = capture(model, *micro_inputs(self._call, micro), precision=self.opts.precision)
-            t0 = time.perf_counter()
-            annotate(cap.gm)
-            self.captures[key] = cap
-            self.timings["capture"] = self.timings.get("capture", 0.0) + cap.seconds
-            self.timings["annotate"] = self.timings.get("annotate", 0.0) + time.perf_counter() - t0
-        return self.captures[key]
-
-    def _any_batch(self, micro: int) -> Captured | None:
-        """The shallow copy at ``micro`` micro-batches from its one symbolic-batch capture
-        (:mod:`autopar.capture_batch`), or ``None``: then it is exported at that size.
-        Estimates only: the chosen split is exported at full depth at its own size.  The
-        first size is exported as it is (the symbolic export costs ~2.5 of those, and a
-        search that is not short of memory never prices a second size)."""
-        if not any(shallow for _, shallow in self.captures):
-            return None
-        if self._generic is None:
-            report(f"capturing the model ({KEEP} layers) once for every micro-batch size")
-            # traced at the whole batch: the size asked for may be 1, which export fixes
-            self._generic = capture_any_batch(self._shallow[0], self._call, self.opts.precision) \
-                or False
-            if self._generic:
-                self.timings["capture"] = self.timings.get("capture", 0.0) + self._generic.seconds
-        if not self._generic:
-            return None
-        cap = self._generic.at(batch_size(self._call) // micro)
-        if cap is not None:
-            report(f"the model ({KEEP} layers) at micro-batch size {batch_size(self._call) // micro}"
-                   f" from that capture ({cap.seconds:.2f} s)")
-        return cap
 
     def _intra(self, stages: int, micro: int, budget: float | None,
                estimate: bool = False, weights: tuple[float, ...] | None = None) -> list[_Candidate]:
@@ -439,40 +395,6 @@ class JointSearch:
                   + (f"ZeRO-{c.zero_stage} over axis {c.zero_axis}" if c.zero_stage else "no ZeRO")
                   + f": {pr.step_seconds * 1e3:.3f} ms per step")
         return cand.cap, plan
-
-    def _start_early(self) -> bool:
-        """Estimate every candidate, the plain one included, from a copy of the model
-        with its layer list cut to :data:`KEEP` layers (:mod:`autopar.shallow`), so that
-        only the chosen split is captured at full depth; True when on.  Not when the
-        user's options name layers of that list (a pin, ``recompute=``), nor for
-        ``blocks=`` (the model is shallow already)."""
-        found = None if self._exact or self.opts.blocks is not None else repeated_list(self.model)
-        if found is None:
-            return False
-        path, depth = found
-        # only input pins and globs over parameters that name no layer index: a pin on a
-        # node or on layer 7 would name nothing in the copy
-        indexed = re.compile(rf"(^|[.*]){re.escape(path)}\.\d")
-        named = bool(self.opts.recompute) or any(
-            not (str(k).startswith("input:") or ("*" in str(k) and not indexed.search(str(k))))
-            for k in self.opts.pins)
-        model = None if named else shallow_copy(self.model, path)
-        if model is None:
-            return False
-        self._shallow = (model, depth, path)
-        return True
-
-    def _start_shallow(self) -> bool:
-        """Estimate the candidates to come from a shallow copy when the plain candidate's
-        repeated layers are identical (:mod:`autopar.shallow`); True when on."""
-        if self._exact or self.opts.blocks is not None or not self.priced:
-            return False  # blocks=: the user's model is shallow already
-        found = homogeneous(self.priced[0][0].stats)
-        model = shallow_copy(self.model, found[0]) if found else None
-        if model is None:
-            return False
-        self._shallow = (model, found[1], found[0])
-        return True
 
     def _confirm_estimates(self, most: int = 3) -> None:
         """Plan at full depth the best estimated configurations (at most ``most`` splits)

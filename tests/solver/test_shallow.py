@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import autopar.joint as joint
+import autopar.joint_capture as joint_capture
 from autopar import MeshSpec, plan
 from autopar.joint import JointSearch
 from autopar.search import PlanOptions
@@ -100,7 +101,7 @@ def test_search_with_estimates_chooses_what_the_exact_search_chooses(monkeypatch
         # a budget under the plain plan's memory: the search explores splits
         budget = plan(model, ex, MESH).memory["total"] * 0.6
         fast = plan(model, ex, MESH, memory_budget=budget, time_limit=120)
-        monkeypatch.setattr(joint, "shallow_copy", lambda *a, **k: None)  # every split exact
+        monkeypatch.setattr(joint_capture, "shallow_copy", lambda *a, **k: None)  # every split exact
         exact = plan(model, ex, MESH, memory_budget=budget, time_limit=120)
     assert f"estimated from a {KEEP}-layer copy" in fast.solver.message
     assert "estimated" not in exact.solver.message
@@ -113,7 +114,7 @@ def test_search_with_estimates_chooses_what_the_exact_search_chooses(monkeypatch
 
 def test_a_plan_that_fits_is_captured_at_full_depth_once(monkeypatch) -> None:
     captured: list[int] = []
-    real, real_any = joint.capture, joint.capture_any_batch
+    real, real_any = joint_capture.capture, joint_capture.capture_any_batch
 
     def counting(model, *a, **k):
         captured.append(len(model.blocks))
@@ -123,13 +124,13 @@ def test_a_plan_that_fits_is_captured_at_full_depth_once(monkeypatch) -> None:
         captured.append(len(model.blocks))
         return real_any(model, *a, **k)
 
-    monkeypatch.setattr(joint, "capture", counting)
-    monkeypatch.setattr(joint, "capture_any_batch", counting_any)
+    monkeypatch.setattr(joint_capture, "capture", counting)
+    monkeypatch.setattr(joint_capture, "capture_any_batch", counting_any)
     model, ex = _gpt()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         p = plan(model, ex, MESH, time_limit=120)
-        monkeypatch.setattr(joint, "shallow_copy", lambda *a, **k: None)
+        monkeypatch.setattr(joint_capture, "shallow_copy", lambda *a, **k: None)
         exact = plan(model, ex, MESH, time_limit=120)
     assert captured[:2] == [KEEP, LAYERS]  # the copy for the estimate, then the plan itself
     assert captured.count(LAYERS) == 2  # one for each plan: never one per candidate
@@ -164,7 +165,7 @@ def test_layers_that_differ_at_full_depth_send_the_search_back(monkeypatch) -> N
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         p = plan(model, ex, MESH, time_limit=120)
-        monkeypatch.setattr(joint, "shallow_copy", lambda *a, **k: None)
+        monkeypatch.setattr(joint_capture, "shallow_copy", lambda *a, **k: None)
         exact = plan(model, ex, MESH, time_limit=120)
     assert any("differ at full depth" in m for m in said), said
     assert "estimated" not in p.solver.message
@@ -221,7 +222,7 @@ def test_the_copy_is_exported_three_times_for_five_micro_batch_sizes(monkeypatch
     # which export fixes (batch 16: sizes 16, 8, 4, 2, 1)
     exports: list[int] = []
     sizes: list[int] = []
-    real, real_any, real_at = joint.capture, joint.capture_any_batch, joint.AnyBatch.at
+    real, real_any, real_at = joint_capture.capture, joint_capture.capture_any_batch, joint.AnyBatch.at
 
     def counting(model, *a, **k):
         exports.append(len(model.blocks))
@@ -235,15 +236,15 @@ def test_the_copy_is_exported_three_times_for_five_micro_batch_sizes(monkeypatch
         sizes.append(size)
         return real_at(self, size)
 
-    monkeypatch.setattr(joint, "capture", counting)
-    monkeypatch.setattr(joint, "capture_any_batch", counting_any)
+    monkeypatch.setattr(joint_capture, "capture", counting)
+    monkeypatch.setattr(joint_capture, "capture_any_batch", counting_any)
     monkeypatch.setattr(joint.AnyBatch, "at", at)
     model, ex = _gpt()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         p = plan(model, ex, MESH, time_limit=120, explore=True)
         assert exports.count(KEEP) == 3 and set(sizes) == {1, 2, 4, 8}
-        monkeypatch.setattr(joint, "capture_any_batch", lambda *a, **k: None)  # export per size
+        monkeypatch.setattr(joint_capture, "capture_any_batch", lambda *a, **k: None)  # export per size
         per_size = plan(model, ex, MESH, time_limit=120, explore=True)
     assert exports.count(KEEP) >= 2 + len(set(sizes))
     assert p.decisions.step_seconds == pytest.approx(per_size.decisions.step_seconds, rel=1e-9)
