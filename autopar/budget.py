@@ -11,6 +11,13 @@ Now the budget is split explicitly:
 - **confirm** (the rest, with whatever explore left unused): the best estimated splits
   planned at full depth.  The first one is always planned.
 
+A candidate starts while its phase has time left and is not cut short, so the last one
+explored may run past the share; the confirm phase then gets what remains of the total.
+An exact candidate (planned at full depth, whose plan may be returned as it is) gets
+what is left of the whole budget for its solver, not only of its phase's share.  When
+nothing fits with the fastest placements, the memory-lean re-plans run in the confirm
+phase (the first of them always).
+
 Capture and annotation are not charged (they depend on the model and the machine's load,
 not on the search, and cannot be cut short).  Each phase's solver limit is what is left of
 its share; the progress lines and ``plan.timings`` show it, and the CLI's timing line
@@ -47,10 +54,28 @@ class TimeBudget:
     phase: Phase = Phase.EXPLORE
     used: dict[Phase, float] = field(default_factory=dict)
     _entered: float = 0.0  # charged seconds when the current phase began
+    # uncharged seconds before this budget began (a second pass after wrong estimates
+    # starts a budget of its own: the first pass's captures are not its to deduct)
+    _base: float = field(init=False, default=0.0)
+
+    def __post_init__(self) -> None:
+        self._base = self.uncharged()
 
     def spent(self) -> float:
         """Charged seconds since the search began."""
-        return time.perf_counter() - self.start - self.uncharged()
+        return time.perf_counter() - self.start - (self.uncharged() - self._base)
+
+    def left_total(self) -> float:
+        """Seconds left of the whole budget (never below 0): the solver limit of a
+        candidate whose plan may be returned as it is (planned at full depth)."""
+        return max(0.0, self.total - self.spent())
+
+    def allowance(self, phase: Phase) -> float:
+        """Seconds ``phase`` may spend: explore its share, confirm the rest of the total
+        (its share plus what explore left, less what explore overran)."""
+        if phase is Phase.EXPLORE:
+            return self.total * SHARES[phase]
+        return max(0.0, self.total - self.used.get(Phase.EXPLORE, 0.0))
 
     def deadline(self, phase: Phase | None = None) -> float:
         """Charged seconds by which ``phase`` (default: the current one) must end."""
@@ -75,15 +100,14 @@ class TimeBudget:
 
     def status(self) -> str:
         """What is left, as the progress lines say it."""
-        return (f"{self.phase} budget: {self.left():.1f} s of its "
-                f"{max(0.0, self.deadline() - self._entered):.1f} s left")
+        return f"{self.phase} budget: {self.left():.1f} s of its {self.allowance(self.phase):.1f} s left"
 
     def record(self, timings: dict[str, float]) -> None:
-        """Each phase's share and charged seconds into a plan's ``timings``
+        """Each phase's allowance and charged seconds into a plan's ``timings``
         (``budget_explore``, ``search_explore``, ...)."""
         self.enter(self.phase)  # close the current phase's account
         for p in Phase:
-            timings[f"budget_{p}"] = self.total * SHARES[p]
+            timings[f"budget_{p}"] = self.allowance(p)
             timings[f"search_{p}"] = self.used.get(p, 0.0)
 
 

@@ -10,8 +10,11 @@ shapes propagated again with fake tensors.
 
 The joint search uses it for its estimates (the shallow copy of the model,
 :mod:`autopar.shallow`); the plan it returns is planned on a graph exported at its own
-size.  A test checks that a size's copy has the same code and shapes as an export at that
-size (HF Llama, Mixtral, GPT-2).  A model whose export fixes the batch (code that
+size.  A size's copy is not the same graph as an export at that size: it keeps a few
+no-op slices (whole-dim ``slice`` ops that a fixed-size export drops), which the rules
+shard like their input.  A test checks that it prices exactly like that export (input
+shapes, and every layer's time, compute, activations and parameter bytes under the
+chosen plan, on HF Llama, Mixtral and GPT-2).  A model whose export fixes the batch (code that
 branches on it) or a size of 1 (export specializes sizes 0 and 1) is exported per size as
 before: :meth:`AnyBatch.at` returns ``None`` for it.
 """
@@ -30,6 +33,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.capture import Captured, captured, export_module, finish
 from autopar.passes.mixed_precision import Precision
+from autopar.progress import log
 
 _SYM = (torch.SymInt, torch.SymBool, torch.SymFloat)
 
@@ -64,7 +68,9 @@ class AnyBatch:
                     _inline(n, self._number(val, size))
             g.eliminate_dead_code()
             FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
-        except Exception:  # noqa: BLE001 - a shape this graph cannot give: export instead
+        except Exception as e:  # noqa: BLE001 - a shape this graph cannot give: export instead
+            log.debug("the symbolic-batch graph gives no batch of %d (%s: %s): exported instead",
+                      size, type(e).__name__, e)
             return None
         gm.recompile()
         return captured(self.model, gm, time.perf_counter() - t0)
@@ -124,13 +130,15 @@ def capture_any_batch(model: nn.Module, call: tuple, precision: Precision | str)
             shapes[x] = {0: dim}
     try:
         gm = export_module(model, args, kwargs, shapes.dynamic_shapes(model, tuple(args), kwargs))
-    except Exception:  # noqa: BLE001 - the model fixes its batch: export per size
+        symbols = {s for n in gm.graph.nodes if n.op == "placeholder"
+                   for s in _free(n.meta.get("val"))}
+        if len(symbols) != 1:
+            log.debug("no symbolic-batch capture: the export has %d free symbols", len(symbols))
+            return None  # the batch was specialized away, or something else is dynamic
+        finish(gm, precision)  # capture's passes on a symbolic graph: may fail where an export would not
+    except Exception as e:  # noqa: BLE001 - the model fixes its batch: export per size
+        log.debug("no symbolic-batch capture (%s: %s): exported per size", type(e).__name__, e)
         return None
-    symbols = {s for n in gm.graph.nodes if n.op == "placeholder"
-               for s in _free(n.meta.get("val"))}
-    if len(symbols) != 1:
-        return None  # the batch was specialized away, or something else is dynamic
-    finish(gm, precision)
     return AnyBatch(model, gm, symbols.pop(), time.perf_counter() - t0)
 
 

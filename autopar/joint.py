@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from autopar.budget import SHARES, Phase, TimeBudget
+from autopar.budget import Phase, TimeBudget
 from autopar.capture import Captured
 from autopar.capture_batch import AnyBatch
 from autopar.cost_models import MeshSpec, format_bytes, send_recv_time
@@ -156,7 +156,9 @@ class JointSearch(JointCaptures):
         if not estimate:
             cap = self._capture(micro)
         t0 = time.perf_counter()
-        left = self._clock.left()
+        # an estimate's plan is never returned: its solver gets what its phase has left;
+        # an exact one's may be (nothing estimated): it gets what the whole budget has
+        left = self._clock.left() if estimate else self._clock.left_total()
         report(f"placing ops for {stages} stage(s) x {micro} micro-batch(es) on sub-mesh "
                f"{'x'.join(map(str, sub.shape))}")
         intra_opts = dataclasses.replace(self.opts, memory_budget=budget, time_limit=max(1.0, left),
@@ -253,7 +255,7 @@ class JointSearch(JointCaptures):
             return False
         if self._clock.phase not in self._stopped:
             self._stopped.add(self._clock.phase)
-            self._say(f"{self._clock.phase} budget of {self._clock.deadline():.1f} s spent: "
+            self._say(f"{self._clock.phase} budget of {self._clock.allowance(self._clock.phase):.1f} s spent: "
                       "keeping the best plan found so far")
         return True
 
@@ -350,11 +352,14 @@ class JointSearch(JointCaptures):
             for _, p, m in sorted(splits):
                 if (p, m) != first:
                     self._try(p, m, math.inf, estimate=est)
-        if self._best() is None:
-            # no split fits with the fastest placements: let the budget shape them
-            for p, m, e in sorted({(c.stages, c.micro_batches, c.estimate) for c, _ in self.priced}):
-                self._try(p, m, self.budget, estimate=e)
         self._clock.enter(Phase.CONFIRM)
+        if self._best() is None:
+            # no split fits with the fastest placements: let the budget shape them (in the
+            # confirm phase, the first always: else a spent explore share would report
+            # "no plan fits" without a memory-lean plan tried)
+            lean = sorted({(c.stages, c.micro_batches, c.estimate) for c, _ in self.priced})
+            for k, (p, m, e) in enumerate(lean):
+                self._try(p, m, self.budget, estimate=e, force=k == 0)
         self._confirm_estimates()
         best = self._best(exact=True)
         if self._mismatch and not self._exact:
@@ -384,7 +389,7 @@ class JointSearch(JointCaptures):
         plan.timings["joint_search"] = time.perf_counter() - t0
         self._clock.record(plan.timings)
         if self._stopped:
-            spent = " and ".join(f"its {p} budget ({self._clock.total * SHARES[p]:.1f} s)"
+            spent = " and ".join(f"its {p} budget ({plan.timings[f'budget_{p}']:.1f} s)"
                                  for p in Phase if p in self._stopped)
             msg = (f"the joint search spent {spent} of time_limit={self.opts.time_limit} s after "
                    f"{len(self.priced)} configurations; this is the best plan found")

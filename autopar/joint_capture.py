@@ -64,10 +64,11 @@ class JointCaptures:
         if self._generic is None:
             report(f"capturing the model ({KEEP} layers) once for every micro-batch size")
             # traced at the whole batch: the size asked for may be 1, which export fixes
+            t0 = time.perf_counter()
             self._generic = capture_any_batch(self._shallow[0], self._call, self.opts.precision) \
                 or False
-            if self._generic:
-                self.timings["capture"] = self.timings.get("capture", 0.0) + self._generic.seconds
+            # capture time, as any export (a failed attempt too: not the search's)
+            self.timings["capture"] = self.timings.get("capture", 0.0) + time.perf_counter() - t0
         if not self._generic:
             return None
         cap = self._generic.at(batch_size(self._call) // micro)

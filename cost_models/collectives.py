@@ -133,7 +133,7 @@ def collective_time(kind: CollectiveKind | str, mesh: MeshSpec, axes: Axes, nbyt
 def collective_times(kind: CollectiveKind | str, mesh: MeshSpec, axes: Axes, nbytes):
     """:func:`collective_time` of every element of the numpy array ``nbytes`` (all >= 0,
     finite) at once, by the same arithmetic in the same order, so each element equals
-    the scalar price exactly (edge pricing on 3-axis meshes, ``autopar.costs``).  Not for
+    the scalar price exactly (edge pricing on 3-axis meshes, ``autopar.edge_prices``).  Not for
     send/recv and broadcast (their ``max``/``min`` are scalar here)."""
     kind = CollectiveKind(kind)
     if kind in (CollectiveKind.SEND_RECV, CollectiveKind.BROADCAST):

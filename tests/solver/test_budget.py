@@ -35,18 +35,23 @@ def test_the_shares_cover_the_limit_and_confirm_inherits_what_explore_left(clock
     assert b.status() == "explore budget: 6.0 s of its 15.0 s left"
     b.enter(Phase.CONFIRM)  # explore used 9 of its 15 s: confirm gets 11
     assert b.left() == 11.0 and b.status() == "confirm budget: 11.0 s of its 11.0 s left"
+    assert b.allowance(Phase.CONFIRM) == 11.0
     clock[0] += 12.0
     assert b.over() and b.left() == 0.0
     t: dict[str, float] = {}
     b.record(t)
     assert t == {"budget_explore": 15.0, "search_explore": 9.0,
-                 "budget_confirm": 5.0, "search_confirm": 12.0}
+                 "budget_confirm": 11.0, "search_confirm": 12.0}
 
 
 def test_uncharged_seconds_do_not_count(clock):
-    b = TimeBudget(10.0, uncharged=lambda: 4.0)
+    # nor those before the budget began (a second pass after wrong estimates has a budget
+    # of its own: the first pass's captures are not deducted from it again)
+    uncharged = [3.0]
+    b = TimeBudget(10.0, uncharged=lambda: uncharged[0])
     clock[0] += 5.0
-    assert b.spent() == 1.0
+    uncharged[0] += 4.0  # a capture of 4 s during this budget
+    assert b.spent() == 1.0 and b.left_total() == 9.0
 
 
 def test_the_confirm_phase_keeps_its_share_when_explore_runs_out(clock, monkeypatch):
@@ -73,4 +78,29 @@ def test_the_confirm_phase_keeps_its_share_when_explore_runs_out(clock, monkeypa
     assert explore == [6.0 - i for i in range(len(explore))] and len(explore) == 6
     assert confirm == 2.0  # 8 s - 6 s charged: more than the 1 s floor it got before
     assert p.timings["search_explore"] == 6.0 and p.timings["search_confirm"] == 1.0
+    assert p.timings["budget_explore"] == 6.0 and p.timings["budget_confirm"] == 2.0
     assert any("explore budget (6.0 s) of time_limit=8.0 s" in w for w in p.warnings)
+
+
+def test_the_memory_lean_replan_runs_when_exploring_spent_its_share(clock, monkeypatch):
+    """Nothing fits with the fastest placements: the memory-lean re-plan runs in the
+    confirm phase, the first always (before, a spent explore share skipped every one and
+    the error said lean placements had been considered)."""
+    budgets: list[float | None] = []
+    real = joint.make_weighted_plans
+
+    def one_second_each(gm, mesh, aliases, opts, **k):
+        budgets.append(opts.memory_budget)
+        clock[0] += 1.0
+        return real(gm, mesh, aliases, opts, **k)
+
+    monkeypatch.setattr(joint, "make_weighted_plans", one_second_each)
+    monkeypatch.setattr(joint.JointSearch, "_uncharged", lambda self: 0.0)
+    model, ex = gpt.build(layers=6, dim=64, heads=4, vocab=256, seq=32, batch=16)
+    with warnings.catch_warnings(), pytest.raises(joint.PlanError, match="no plan fits"):
+        warnings.simplefilter("ignore")
+        plan(model, ex, MeshSpec.preset("8xA100-nvlink", shape=(4, 2)), time_limit=4.0,
+             explore=True, memory_budget=64 * 1024)
+    fastest = [b for b in budgets if b is None or b == float("inf")]
+    assert len(fastest) == 3  # explore's 3 s, one second each
+    assert len(budgets) > len(fastest)  # then at least one memory-lean re-plan
