@@ -128,7 +128,8 @@ class _Programs:
         """Row of each (source, target) pair of ids (-1: not added yet)."""
         grid = self.grid.get(nd)
         if grid is None or grid.shape[0] < ids:
-            bigger = np.full((2 * ids, 2 * ids), -1, dtype=np.int64)
+            # int32: a 4-axis mesh may meet ~1,300 layouts (a 2,600-square grid per rank)
+            bigger = np.full((2 * ids, 2 * ids), -1, dtype=np.int32)
             if grid is not None:
                 bigger[:grid.shape[0], :grid.shape[1]] = grid
             grid = self.grid[nd] = bigger
