@@ -82,7 +82,9 @@ def plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec | str | tuple |
 
     ``search`` is ``"ilp"`` (exact), ``"drec"`` (fast, one mesh axis per round) or
     ``"auto"`` (the ILP when its problem fits the time limit, else D-Rec); the plan's
-    ``solver.searcher`` says which ran.
+    ``solver.searcher`` says which ran.  ``time_limit`` is the search's seconds, capture
+    not counted; the joint search gives 75% to exploring splits and the rest to planning
+    the chosen one at full depth (``plan.timings`` says how each phase spent its share).
 
     ``decisions`` force plan-level choices, e.g. ``zero_stage=2``, ``pipeline_stages=2,
     micro_batches=4, schedule="1f1b"``, ``recompute=["blocks.1"]``, ``bucket_bytes=25 << 20``

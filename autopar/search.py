@@ -48,8 +48,10 @@ class PlanOptions:
     """Knobs of the search.
 
     ``memory_budget`` is bytes per device (default: the mesh's device capacity);
-    ``optimizer`` sizes optimizer state; ``time_limit`` bounds the solver (the best
-    feasible plan is returned when it runs out, and the plan says so); ``search`` is
+    ``optimizer`` sizes optimizer state; ``time_limit`` bounds the search in seconds,
+    capture not counted (the best feasible plan is returned when it runs out, and the plan
+    says so; a joint search splits it between exploring and planning the chosen split at
+    full depth, :mod:`autopar.budget`); ``search`` is
     ``"ilp"``, ``"drec"`` or ``"auto"`` (:class:`Searcher`).
     """
 
