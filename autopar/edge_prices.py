@@ -32,7 +32,6 @@ from autopar.redistribute import (
     StepKind,
     placement_codes,
     plan_codes,
-    plan_redistribution,
     step_shapes,
 )
 
@@ -40,12 +39,12 @@ from autopar.redistribute import (
 @dataclass
 class MeshTables:
     """Caches that depend on the mesh alone, shared by its cost models: redistribution
-    prices per (source, target, shape, dtype), each placement pair's steps and step
-    program, and collective times per (step kind, axis, bytes)."""
+    prices per (source, target, shape, dtype), each placement pair's step program, and
+    collective times per (step kind, axis, bytes).  The steps themselves do not depend on
+    the mesh: :func:`_code_steps` keeps them per process."""
 
     prices: dict = field(default_factory=dict)
     programs: dict = field(default_factory=dict)
-    steps: dict = field(default_factory=dict)
     collectives: dict = field(default_factory=dict)
     # for whole edge matrices (CostModel.redistribution_matrix): each layout as an int
     # (a placement's hash is Python code: hashing pairs of them was most of the time)
@@ -93,7 +92,6 @@ class _Programs:
     kinds: dict = field(default_factory=dict)  # (StepKind, axis) -> code
     grid: dict = field(default_factory=dict)
     layouts: list = field(default_factory=list)  # each layout id's placement codes
-    steps: dict = field(default_factory=dict)  # (source id, target id) -> steps or None
     uneven: dict = field(default_factory=dict)  # (row, shape, itemsize) -> seconds
 
     def add(self, prog, nd: int) -> int:
@@ -117,12 +115,8 @@ class _Programs:
         return k
 
     def plan(self, x: int, y: int) -> list | None:
-        """The steps from layout id ``x`` to ``y`` (None: none exists), planned once."""
-        key = (x, y)
-        if key not in self.steps:
-            self.steps[key] = _code_steps(self.layouts[x], self.layouts[y])
-        return self.steps[key]
-
+        """The steps from layout id ``x`` to ``y`` (None: none exists)."""
+        return _code_steps(self.layouts[x], self.layouts[y])
 
     def rows(self, ia: np.ndarray, ib: np.ndarray, nd: int, ids: int) -> np.ndarray:
         """Row of each (source, target) pair of ids (-1: not added yet)."""
@@ -134,8 +128,6 @@ class _Programs:
                 bigger[:grid.shape[0], :grid.shape[1]] = grid
             grid = self.grid[nd] = bigger
         return grid[np.ix_(ia, ib)]
-
-
 
 
 _TABLES: OrderedDict[MeshSpec, MeshTables] = OrderedDict()
@@ -162,6 +154,8 @@ def mesh_tables(mesh: MeshSpec) -> MeshTables:
 def _program(src: Placements, dst: Placements, ndim: int, mesh_shape: tuple[int, ...],
              steps: list | None):
     """:func:`_program_codes` of two placements."""
+    if steps is None:  # also a placement the planner has no code for: no program
+        return _NO_PROGRAM
     return _program_codes(placement_codes(src), placement_codes(dst), ndim, mesh_shape, steps)
 
 
@@ -293,15 +287,12 @@ class EdgePrices:
         return collective_times(_TALK[kind], self.mesh, axis, b)
 
     def _steps(self, src: Placements, dst: Placements) -> list | None:
-        """:func:`plan_redistribution`'s steps, planned once per pair; None: impossible."""
-        key = (src, dst)
-        memo = self._tables.steps
-        if key not in memo:
-            try:
-                memo[key] = plan_redistribution(src, dst)
-            except ValueError:
-                memo[key] = None
-        return memo[key]
+        """The steps from ``src`` to ``dst`` (:func:`_code_steps`, the cache the vectorized
+        path shares); None: impossible, or a placement the planner has no code for."""
+        try:
+            return _code_steps(placement_codes(src), placement_codes(dst))
+        except RedistributionError:
+            return None
 
     def _collective(self, kind: StepKind, axis: int, b: float) -> float:
         """Seconds of one redistribution step moving ``b`` local bytes (memoized)."""
