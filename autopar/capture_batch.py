@@ -21,6 +21,7 @@ before: :meth:`AnyBatch.at` returns ``None`` for it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -40,12 +41,11 @@ _SYM = (torch.SymInt, torch.SymBool, torch.SymFloat)
 
 @dataclass
 class AnyBatch:
-    """A model captured once with a symbolic batch: :meth:`at` gives it at one size."""
+    """A model captured once with a symbolic batch (``base``: its graph, with the names,
+    specs and state keys every size shares): :meth:`at` gives it at one size."""
 
-    model: nn.Module
-    gm: fx.GraphModule
+    base: Captured
     symbol: sympy.Symbol
-    seconds: float
 
     def at(self, size: int) -> Captured | None:
         """The capture at batch ``size`` (``None`` when this graph cannot give it: then
@@ -54,9 +54,9 @@ class AnyBatch:
             return None
         t0 = time.perf_counter()
         g = fx.Graph()
-        g.output(g.graph_copy(self.gm.graph, {}))
-        gm = fx.GraphModule(self.gm, g)
-        gm._in_spec, gm._out_spec = self.gm._in_spec, self.gm._out_spec
+        g.output(g.graph_copy(self.base.gm.graph, {}))
+        gm = fx.GraphModule(self.base.gm, g)
+        gm._in_spec, gm._out_spec = self.base.in_spec, self.base.out_spec
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         inputs = []
         try:
@@ -73,7 +73,8 @@ class AnyBatch:
                       size, type(e).__name__, e)
             return None
         gm.recompile()
-        return captured(self.model, gm, time.perf_counter() - t0)
+        # same parameters, inputs and specs as the symbolic graph: its names serve
+        return dataclasses.replace(self.base, gm=gm, seconds=time.perf_counter() - t0)
 
     def _number(self, val: object, size: int) -> object:
         """The value of a symbolic int/bool/float of the graph at batch ``size``."""
@@ -139,7 +140,7 @@ def capture_any_batch(model: nn.Module, call: tuple, precision: Precision | str)
     except Exception as e:  # noqa: BLE001 - the model fixes its batch: export per size
         log.debug("no symbolic-batch capture (%s: %s): exported per size", type(e).__name__, e)
         return None
-    return AnyBatch(model, gm, symbols.pop(), time.perf_counter() - t0)
+    return AnyBatch(captured(model, gm, time.perf_counter() - t0), symbols.pop())
 
 
 def _free(val: object) -> set:
