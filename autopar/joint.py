@@ -78,7 +78,7 @@ class JointSearch(JointCaptures):
         self._exact = False
         self._mismatch = False  # a confirmed split priced otherwise than its estimate
         self.timings: dict[str, float] = {}
-        # time_limit split among the search's phases (autopar/budget.py); reset by run()
+        # time_limit split among the search's phases (autopar/budget.py); one per pass of _run
         self._clock = TimeBudget(opts.time_limit, self._uncharged)
         self._stopped: set[Phase] = set()  # phases that ran out of their share
         self._validate()
@@ -319,16 +319,14 @@ class JointSearch(JointCaptures):
 
     def run(self) -> tuple[Captured, Plan]:
         """Search and return the chosen capture (at the micro-batch size) and plan."""
-        self._clock = TimeBudget(self.opts.time_limit, self._uncharged)
         with show(bool(self.opts.progress), self.opts.time_limit, left=lambda: self._clock.left()):
             return self._run()
 
     def _run(self) -> tuple[Captured, Plan]:
         t0 = time.perf_counter()
-        if self._stopped or self._clock.phase is not Phase.EXPLORE:
-            # a second pass (the estimates proved wrong): a budget of its own
-            self._clock = TimeBudget(self.opts.time_limit, self._uncharged)
-            self._stopped = set()
+        # a budget per pass (a second one follows estimates that proved wrong)
+        self._clock = TimeBudget(self.opts.time_limit, self._uncharged)
+        self._stopped = set()
         stages = self.opts.pipeline_stages or 1
         first = (stages, self._micro_options(stages)[0])
         self._try(*first, math.inf, strict=True, estimate=self._start_early())

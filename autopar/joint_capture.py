@@ -40,9 +40,10 @@ class JointCaptures:
         size = batch_size(self._call) // micro
         key = (size, shallow)
         if key not in self.captures:
-            model = self._shallow[0] if shallow and self._shallow else self.model
-            cap = self._any_batch(micro) if shallow and self._shallow else None
+            copy = shallow and self._shallow is not None
+            cap = self._any_batch(size) if copy else None
             if cap is None:
+                model = self._shallow[0] if copy else self.model
                 report(f"capturing the model{f' ({KEEP} layers)' if shallow else ''} at "
                        f"micro-batch size {size}")
                 cap = capture(model, *micro_inputs(self._call, micro), precision=self.opts.precision)
@@ -53,8 +54,8 @@ class JointCaptures:
             self.timings["annotate"] = self.timings.get("annotate", 0.0) + time.perf_counter() - t0
         return self.captures[key]
 
-    def _any_batch(self, micro: int) -> Captured | None:
-        """The shallow copy at ``micro`` micro-batches from its one symbolic-batch capture
+    def _any_batch(self, size: int) -> Captured | None:
+        """The shallow copy at batch ``size`` from its one symbolic-batch capture
         (:mod:`autopar.capture_batch`), or ``None``: then it is exported at that size.
         Estimates only: the chosen split is exported at full depth at its own size.  The
         first size is exported as it is (the symbolic export costs ~2.5 of those, and a
@@ -71,10 +72,10 @@ class JointCaptures:
             self.timings["capture"] = self.timings.get("capture", 0.0) + time.perf_counter() - t0
         if not self._generic:
             return None
-        cap = self._generic.at(batch_size(self._call) // micro)
+        cap = self._generic.at(size)
         if cap is not None:
-            report(f"the model ({KEEP} layers) at micro-batch size {batch_size(self._call) // micro}"
-                   f" from that capture ({cap.seconds:.2f} s)")
+            report(f"the model ({KEEP} layers) at micro-batch size {size} from that capture "
+                   f"({cap.seconds:.2f} s)")
         return cap
 
     def _start_early(self) -> bool:
