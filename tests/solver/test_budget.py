@@ -26,6 +26,23 @@ def clock(monkeypatch):
     return now
 
 
+@pytest.fixture
+def one_second_solves(clock, monkeypatch):
+    """Every intra-op search costs one second of the driven clock (capture costs none);
+    returns the options each was called with, in order."""
+    seen = []
+    real = joint.make_weighted_plans
+
+    def one_second_each(gm, mesh, aliases, opts, **k):
+        seen.append(opts)
+        clock[0] += 1.0
+        return real(gm, mesh, aliases, opts, **k)
+
+    monkeypatch.setattr(joint, "make_weighted_plans", one_second_each)
+    monkeypatch.setattr(joint.JointSearch, "_uncharged", lambda self: 0.0)
+    return seen
+
+
 def test_the_shares_cover_the_limit_and_confirm_inherits_what_explore_left(clock):
     assert sum(SHARES.values()) == pytest.approx(1.0)
     b = TimeBudget(20.0)
@@ -54,24 +71,15 @@ def test_uncharged_seconds_do_not_count(clock):
     assert b.spent() == 1.0 and b.left_total() == 9.0
 
 
-def test_the_confirm_phase_keeps_its_share_when_explore_runs_out(clock, monkeypatch):
+def test_the_confirm_phase_keeps_its_share_when_explore_runs_out(one_second_solves):
     """Before, the estimates drew on the whole limit and the full-depth solve of the
     chosen split (the plan returned) got the 1 s floor; now exploring stops at 75%."""
-    limits: list[float] = []
-    real = joint.make_weighted_plans
-
-    def one_second_each(gm, mesh, aliases, opts, **k):
-        limits.append(opts.time_limit)
-        clock[0] += 1.0
-        return real(gm, mesh, aliases, opts, **k)
-
-    monkeypatch.setattr(joint, "make_weighted_plans", one_second_each)
-    monkeypatch.setattr(joint.JointSearch, "_uncharged", lambda self: 0.0)
     model, ex = gpt.build(layers=6, dim=64, heads=4, vocab=256, seq=32, batch=16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         p = plan(model, ex, MeshSpec.preset("8xA100-nvlink", shape=(4, 2)), time_limit=8.0,
                  explore=True)
+    limits = [o.time_limit for o in one_second_solves]
     explore, confirm = limits[:-1], limits[-1]
     # explore's share is 6 s: each solver gets what is left of it, and the split that
     # starts with 1 s left is the last one (the plain one first, whatever its cost)
@@ -82,25 +90,16 @@ def test_the_confirm_phase_keeps_its_share_when_explore_runs_out(clock, monkeypa
     assert any("explore budget (6.0 s) of time_limit=8.0 s" in w for w in p.warnings)
 
 
-def test_the_memory_lean_replan_runs_when_exploring_spent_its_share(clock, monkeypatch):
+def test_the_memory_lean_replan_runs_when_exploring_spent_its_share(one_second_solves):
     """Nothing fits with the fastest placements: the memory-lean re-plan runs in the
     confirm phase, the first always (before, a spent explore share skipped every one and
     the error said lean placements had been considered)."""
-    budgets: list[float | None] = []
-    real = joint.make_weighted_plans
-
-    def one_second_each(gm, mesh, aliases, opts, **k):
-        budgets.append(opts.memory_budget)
-        clock[0] += 1.0
-        return real(gm, mesh, aliases, opts, **k)
-
-    monkeypatch.setattr(joint, "make_weighted_plans", one_second_each)
-    monkeypatch.setattr(joint.JointSearch, "_uncharged", lambda self: 0.0)
     model, ex = gpt.build(layers=6, dim=64, heads=4, vocab=256, seq=32, batch=16)
     with warnings.catch_warnings(), pytest.raises(joint.PlanError, match="no plan fits"):
         warnings.simplefilter("ignore")
         plan(model, ex, MeshSpec.preset("8xA100-nvlink", shape=(4, 2)), time_limit=4.0,
              explore=True, memory_budget=64 * 1024)
+    budgets = [o.memory_budget for o in one_second_solves]
     fastest = [b for b in budgets if b is None or b == float("inf")]
     assert len(fastest) == 3  # explore's 3 s, one second each
     assert len(budgets) > len(fastest)  # then at least one memory-lean re-plan
