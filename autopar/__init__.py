@@ -21,6 +21,7 @@ from autopar.errors import (
     PlanError,
 )
 from autopar.plan import Plan
+from autopar.verify import verify
 
 # autopar's own warnings show with every plan (the default filter shows a text once per
 # process: a second identical plan would hide its fallbacks); users can still filter them
@@ -45,5 +46,5 @@ def load(directory, batch: str = "global", timeout: float = 600.0) -> ParallelMo
 __all__ = [
     "AutoparError", "AutoparWarning", "CaptureError", "ExportError", "LazyParallel", "LoadError", "MeshMismatchError",
     "MeshSpec", "ParallelModule", "Partial", "Plan", "PlanError", "Replicate", "Shard", "auto_parallel",
-    "load", "plan",
+    "load", "plan", "verify",
 ]

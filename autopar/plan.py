@@ -372,6 +372,14 @@ class Plan:
             return node_table(self, max_rows=max_rows, show_views=show_views, fmt=fmt, width=width)
         return layer_view(self, width)
 
+    def verify(self, model, example_inputs: tuple = (), **options):
+        """Train this plan and its best variants for a few steps on the live job and
+        report predicted against measured step time; every rank calls it
+        (:func:`autopar.verify.verify`: ``k``, ``steps``, ``pick``, ``store``, ...)."""
+        from autopar.verify import verify_plan
+
+        return verify_plan(self, model, example_inputs, **options)
+
     def summary(self) -> str:
         """The plan in words: layout per mesh axis, step time split, throughput and MFU,
         memory against the budget, decisions and why (:mod:`autopar.summary`)."""
