@@ -434,6 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_parsers(sub)
     launch_parsers(sub)
+    from autopar.cli_check import add_parser as check_parser  # autopar check
+    check_parser(sub)
     return ap
 
 

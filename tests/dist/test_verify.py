@@ -150,3 +150,53 @@ def test_an_error_on_rank_0_is_raised_on_every_rank(results):
     assert "PlanError" in r0["error"] and "3 micro-batches" in r0["error"]
     assert r1["error"] == r0["error"]
     assert r0["unchanged"] and r1["unchanged"]
+
+
+def _misranked_plans(tmp) -> tuple[str, str]:
+    """The misranked pair of run_case, planned here and saved as plan.json files."""
+    import sys
+
+    from tests.dist.harness import ROOT
+    sys.path.insert(0, str(ROOT / "examples"))
+    import gpt
+
+    import autopar
+    from autopar import MeshSpec
+
+    model, ex = gpt.build(**BUILD)
+    mesh = MeshSpec.preset("cpu-gloo", shape=(2,))
+    fast = autopar.plan(model, ex, mesh, pins=DP, zero_stage=0, micro_batches=1)
+    slow = autopar.plan(model, ex, mesh, pins=DP, zero_stage=0, micro_batches=16,
+                        recompute=["blocks.0", "blocks.1"])
+    slow.decisions.step_seconds = fast.decisions.step_seconds / 10  # reversed on purpose
+    return fast.to_json(tmp / "fast.json"), slow.to_json(tmp / "slow.json")
+
+
+@pytest.mark.slow  # 17-21 s here: torchrun start-up, capture and two candidates on 2 ranks
+def test_autopar_check_under_torchrun_picks_the_measured_fastest(tmp_path):
+    """Issue 12's done-when through the CLI: ``autopar check --candidates`` with the
+    prediction reversed picks the measured fastest, not the predicted best."""
+    import subprocess
+    import sys
+
+    from tests.dist.harness import ROOT, free_port
+
+    _misranked_plans(tmp_path)
+    store, out = tmp_path / "m.jsonl", tmp_path / "check.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "autopar.cli",
+           "check", str(ROOT / "examples/gpt.py:build"),
+           "--factory-args", *(f"{k}={v}" for k, v in BUILD.items()),
+           "--candidates", str(tmp_path / "fast.json"), str(tmp_path / "slow.json"),
+           "--steps", "2", "--store", str(store), "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=tmp_path)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    assert p.stdout.count("Spearman (predicted vs measured)") == 1, p.stdout  # rank 0 only
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert [r["label"] for r in rows] == ["dp2, 16 mb, recompute 2 layers", "dp2"], p.stdout
+    assert report["chosen"] == 1 and report["pick"] == "measured", p.stdout
+    assert "chosen: #2 dp2 (measured fastest)" in p.stdout
+    assert report["plan"]["decisions"]["micro_batches"] == 1
+    assert len(store.read_text().splitlines()) == 2

@@ -141,3 +141,28 @@ def test_verify_needs_the_live_job(tiny, monkeypatch):
     model, ex = tiny
     with pytest.raises(ConfigError, match="under torchrun"):
         verify_fn(model, ex, MESH, k=1)
+
+
+GPT = str(ROOT / "examples" / "gpt.py") + ":build"
+
+
+@pytest.mark.parametrize("env, argv, message", [
+    ({}, [], "run it under torchrun"),
+    ({"RANK": "0", "WORLD_SIZE": "2"}, ["--k", "0"], "--k must be >= 1"),
+    ({"RANK": "0", "WORLD_SIZE": "2"}, ["--steps", "0"], "--steps must be >= 1"),
+    ({"RANK": "0", "WORLD_SIZE": "2"}, ["--mesh", "4"], "has 4 devices but torchrun started 2"),
+    ({"RANK": "0", "WORLD_SIZE": "2"}, ["--candidates", "nowhere.json"], "cannot read plan file nowhere.json"),
+])
+def test_check_cli_errors_before_joining(monkeypatch, capsys, env, argv, message):
+    """``autopar check``'s user errors: one line, status 2, no process group made."""
+    import torch.distributed as dist
+
+    from autopar.cli import main
+
+    for key in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert main(["check", GPT, "--factory-args", "layers=1", *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert not dist.is_initialized()
