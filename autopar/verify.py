@@ -126,9 +126,10 @@ def requested_mesh(plan: Plan) -> MeshSpec:
     return plan.mesh.with_shape(shape) if shape and shape != tuple(plan.mesh.shape) else plan.mesh
 
 
-def _variants(base: Plan, mesh: MeshSpec) -> list[tuple[str, MeshSpec, dict[str, Any]]]:
-    """(origin, mesh, forced decisions) of the plan-level variants worth pricing."""
-    out: list[tuple[str, MeshSpec, dict[str, Any]]] = []
+def _variants(base: Plan, mesh: MeshSpec) -> list[tuple[str, MeshSpec | tuple[int, ...], dict]]:
+    """(origin, mesh or the shape to refold it to, forced decisions) of the plan-level
+    variants worth pricing."""
+    out: list[tuple[str, MeshSpec | tuple[int, ...], dict]] = []
     if mesh.size > 1:  # ZeRO shards over data-parallel ranks: none on one device
         out += [(f"zero_stage={z}", mesh, {"zero_stage": z}) for z in range(4)]
     out.append(("micro_batches=2", mesh, {"micro_batches": 2}))
@@ -284,17 +285,10 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
     """Spearman rank correlation (ties share their mean rank); None when undefined
     (fewer than two values, or one side constant)."""
     def ranks(x: Sequence[float]) -> list[float]:
-        order = sorted(range(len(x)), key=lambda i: x[i])
-        r = [0.0] * len(x)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
-                j += 1
-            for t in range(i, j + 1):
-                r[order[t]] = (i + j) / 2
-            i = j + 1
-        return r
+        at: dict[float, list[int]] = {}
+        for i, v in enumerate(sorted(x)):
+            at.setdefault(v, []).append(i)
+        return [statistics.fmean(at[v]) for v in x]
     if len(a) != len(b) or len(a) < 2 or len(set(a)) < 2 or len(set(b)) < 2:
         return None
     ra, rb = ranks(a), ranks(b)
