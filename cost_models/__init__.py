@@ -4,7 +4,7 @@ Installed as ``autopar.cost_models``; imports nothing else from ``autopar`` so e
 package can depend on it without cycles. ``calibrate`` imports torch lazily.
 """
 
-from .calibrate import calibrate, fit_alpha_beta
+from .calibrate import Calibration, calibrate, fit_alpha_beta, measure_cluster
 from .collectives import (
     CollectiveKind,
     all_gather_time,
@@ -28,6 +28,7 @@ from .mesh import PRESET_NAMES, LinkSpec, MeshSpec
 
 __all__ = [
     "PRESET_NAMES",
+    "Calibration",
     "CollectiveKind",
     "LinkSpec",
     "MemoryBreakdown",
@@ -44,6 +45,7 @@ __all__ = [
     "fit_alpha_beta",
     "format_bytes",
     "matmul_flops",
+    "measure_cluster",
     "optimizer_step_time",
     "optimizer_state_bytes",
     "peak_live_bytes",

@@ -1,34 +1,77 @@
 """Measure a :class:`~autopar.cost_models.mesh.MeshSpec` on the running cluster.
 
-:func:`calibrate` times all-reduces of several sizes on an initialised ``torch.distributed``
-process group and fits the ring formula ``t(S) = 2(p-1) alpha + 2(p-1)/p * S / beta`` by
-least squares, then times a matmul (FLOP/s) and a copy (memory bandwidth) on the local device.
-All timings are all-reduced with MAX (the slowest rank paces a collective program) before
-anything is derived from them, so every rank returns the identical MeshSpec and plans the same.
+:func:`measure_cluster` (and :func:`calibrate`, its MeshSpec) runs on every rank of an
+initialised ``torch.distributed`` group, on the job that will train:
+
+- per mesh axis and per collective kind (all-reduce, all-gather, reduce-scatter,
+  all-to-all, send/recv), a latency-bandwidth curve over message sizes with repetitions
+  and spread, and each kind's ``(alpha, beta)`` fitted in that kind's own formula
+  (:func:`fit_alpha_beta`): the link's own numbers are the all-reduce's, the others go to
+  ``LinkSpec.kinds`` (so gloo's reduce-scatter, which costs an all-reduce, is priced as
+  one);
+- matmul throughput over several sizes, copy bandwidth and a tiny kernel's time, with
+  every rank computing at once (ranks that share cores get their share, as in training);
+- the optimizer step's bytes/s (a foreach AdamW step) and ``overlap`` fitted to a
+  collective run beside compute (:func:`~autopar.cost_models.measure.overlap_fraction`).
+
+Every timing is all-reduced with MAX before anything is derived from it, so every rank
+returns the identical MeshSpec and plans the same.  :class:`Calibration` keeps what was
+measured, when, on which host and how noisy; its JSON is a MeshSpec JSON that
+``--mesh-json`` and ``MeshSpec.from_json`` read (they skip the ``"calibration"`` record).
 """
 
 from __future__ import annotations
 
+import datetime as _dt
+import json
 import math
 import os
+import socket
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from .measure import (
+    Sample,
+    collective_samples,
+    compute_rates,
+    max_over_ranks,
+    optimizer_bandwidth,
+    overlap_fraction,
+)
 from .mesh import LinkSpec, MeshSpec
 
-__all__ = ["calibrate", "fit_alpha_beta"]
+__all__ = ["FITTED_KINDS", "Calibration", "calibrate", "fit_alpha_beta", "kind_coefficients",
+           "measure_cluster"]
+
+FITTED_KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+                                 "send_recv")
+"""The collective kinds calibration measures (broadcast keeps the all-reduce's link)."""
 
 
-def fit_alpha_beta(p: int, sizes: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
-    """Fit ``(alpha, beta)`` of the ring all-reduce formula to measured ``times`` at ``sizes``.
+def kind_coefficients(kind: str, p: int) -> tuple[float, float]:
+    """``(c_alpha, c_beta)`` of ``kind`` on ``p`` ranks: its time is ``c_alpha * alpha +
+    c_beta * S / beta`` (the ring formulas of :mod:`~autopar.cost_models.collectives`)."""
+    if kind == "all_reduce":
+        return 2.0 * (p - 1), 2.0 * (p - 1) / p
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return float(p - 1), (p - 1) / p
+    if kind == "send_recv":
+        return 1.0, 1.0
+    raise ValueError(f"no fitted formula for collective kind {kind!r}")
+
+
+def fit_alpha_beta(p: int, sizes: Sequence[float], times: Sequence[float],
+                   kind: str = "all_reduce") -> tuple[float, float]:
+    """Fit ``(alpha, beta)`` of ``kind``'s ring formula to measured ``times`` at ``sizes``.
 
     Fits ``t = a + b * S`` by least squares weighted by ``1 / t`` (relative error, so the small
     sizes that carry the latency are not swamped by the large ones), then
-    ``alpha = a / (2(p-1))`` and ``beta = 2(p-1)/p / b``. Noise can make ``a`` or ``b``
-    non-positive; the fit then falls back to the one-parameter model and finally to
-    conservative bounds, so both results are always positive and finite.
+    ``alpha = a / c_alpha`` and ``beta = c_beta / b`` (:func:`kind_coefficients`). Noise can
+    make ``a`` or ``b`` non-positive; the fit then falls back to the one-parameter model and
+    finally to conservative bounds, so both results are always positive and finite.
     """
     if p < 2:
         raise ValueError(f"fit_alpha_beta needs p >= 2 ranks, got {p}")
@@ -36,6 +79,7 @@ def fit_alpha_beta(p: int, sizes: Sequence[float], times: Sequence[float]) -> tu
         raise ValueError("sizes and times must be non-empty and of equal length")
     if any(not math.isfinite(t) or t <= 0 for t in times) or any(s <= 0 for s in sizes):
         raise ValueError(f"sizes and times must be positive and finite, got {sizes}, {times}")
+    ca, cb = kind_coefficients(kind, p)
     w = [1.0 / t for t in times]
     # Weighted normal equations for t = a + b x with weights w^2 on the squared residuals.
     sw = sum(wi * wi for wi in w)
@@ -59,49 +103,68 @@ def fit_alpha_beta(p: int, sizes: Sequence[float], times: Sequence[float]) -> tu
     if a <= 0:
         # Small positive residual: 1% of the smallest message's time, so alpha stays > 0.
         a = 0.01 * times[i_small]
-    return a / (2 * (p - 1)), 2 * (p - 1) / p / b
+    return a / ca, cb / b
 
 
-def _median(xs: Sequence[float]) -> float:
-    """Median of a non-empty sequence."""
-    s = sorted(xs)
-    mid = len(s) // 2
-    return s[mid] if len(s) % 2 else 0.5 * (s[mid - 1] + s[mid])
+@dataclass
+class Calibration:
+    """A measured MeshSpec and the measurements behind it.
 
+    ``curves`` maps ``"axis<i>/<kind>"`` to its samples (bytes, median seconds, spread)
+    with the fitted formula's time beside each; ``compute`` holds the matmul rate per size
+    and the copy and tiny-kernel numbers; ``overlap`` the three times the overlap was fitted
+    to.  ``noise`` is the median spread of all collective samples."""
 
-def _timed(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> float:
-    """Median wall time of ``fn`` over ``repeats`` runs after one warm-up run."""
-    fn()
-    sync()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        samples.append(time.perf_counter() - t0)
-    return _median(samples)
+    spec: MeshSpec
+    curves: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+    compute: dict[str, Any] = field(default_factory=dict)
+    overlap: dict[str, float] = field(default_factory=dict)
+    optimizer_bandwidth: float = 0.0
+    when: str = ""
+    host: str = ""
+    backend: str = ""
+    world: int = 1
+    repeats: int = 0
+    seconds: float = 0.0
 
+    @property
+    def noise(self) -> float:
+        """Median of every collective sample's spread (interquartile range / median)."""
+        spreads = sorted(s["spread"] for ss in self.curves.values() for s in ss)
+        return spreads[len(spreads) // 2] if spreads else 0.0
 
-def _overlapped(group: Any, nb: int, compute: Callable[[], Any], repeats: int,
-                sync: Callable[[], None], device: Any) -> float:
-    """Median time of an ``nb``-byte all-reduce started asynchronously while this rank
-    keeps computing until it completes (every rank does the same)."""
-    import torch
-    import torch.distributed as dist
+    def to_dict(self) -> dict[str, Any]:
+        """The MeshSpec's dict with a ``"calibration"`` record added."""
+        d = self.spec.to_dict()
+        d["calibration"] = {
+            "when": self.when, "host": self.host, "backend": self.backend, "world": self.world,
+            "repeats": self.repeats, "seconds": self.seconds, "noise": self.noise,
+            "curves": self.curves, "compute": self.compute, "overlap": self.overlap,
+            "optimizer_bandwidth": self.optimizer_bandwidth,
+        }
+        return d
 
-    buf = torch.ones(nb // 4, dtype=torch.float32, device=device)
-    times = []
-    for _ in range(repeats + 1):  # the first is a warm-up
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        work = dist.all_reduce(buf, group=group, async_op=True)
-        while not work.is_completed():
-            compute()
-            sync()
-        work.wait()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return _median(times[1:])
+    def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
+        """JSON text of :meth:`to_dict`; also written to ``path`` when given."""
+        text = json.dumps(self.to_dict(), indent=2)
+        if path is not None:
+            Path(path).write_text(text + "\n")
+        return text
+
+    def table(self) -> str:
+        """The measurements in a few lines of text (one per curve)."""
+        s = self.spec
+        lines = [f"calibrated {self.world} ranks ({self.backend}) on {self.host} at {self.when} "
+                 f"in {self.seconds:.1f} s; median spread {100 * self.noise:.0f}%",
+                 f"  matmul {s.peak_flops / 1e9:.1f} GFLOP/s, copy {s.mem_bandwidth / 1e9:.1f} GB/s, "
+                 f"kernel {s.kernel_floor * 1e6:.1f} us, optimizer {self.optimizer_bandwidth / 1e9:.2f} GB/s, "
+                 f"overlap {s.overlap:.2f}"]
+        for name, samples in self.curves.items():
+            pts = ", ".join(f"{x['nbytes'] / 1024:g} KiB {x['seconds'] * 1e3:.2f} ms "
+                            f"(fit {x['fitted'] * 1e3:.2f}, spread {100 * x['spread']:.0f}%)"
+                            for x in samples)
+            lines.append(f"  {name}: {pts}")
+        return "\n".join(lines)
 
 
 def _host_memory_bytes() -> float:
@@ -113,109 +176,124 @@ def _host_memory_bytes() -> float:
     return float(total) / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
-def calibrate(
-    group: Any = None,
-    sizes: Sequence[int] = (2**10, 2**16, 2**20, 2**22),
-    repeats: int = 5,
-    base: MeshSpec | None = None,
-) -> MeshSpec:
-    """Measure a 1-D MeshSpec named ``"calibrated"`` over ``group`` (default: the world group).
+def _axis_groups(group: Any, shape: tuple[int, ...] | None, device_type: str) -> list[Any]:
+    """One process group per mesh axis containing this rank (``group`` for a 1-D mesh)."""
+    if shape is None or len(shape) == 1:
+        return [group]
+    from torch.distributed.device_mesh import init_device_mesh
 
-    Every rank of ``group`` must call this with the same arguments: it runs the same
-    collectives in the same order (all-reduces of each size in ``sizes`` bytes, median of
-    ``repeats``), a square matmul and a large copy locally, then all-reduces the timings with MAX
-    so all ranks derive identical numbers; ``overlap`` is the largest all-reduce's time
-    alone over its time while every rank keeps computing. ``peak_flops`` is the measured matmul rate (fp32 on
-    CPU, bf16 on CUDA) with ``flops_efficiency = 1.0`` because it already is a real kernel's
-    rate. ``mem_capacity`` and ``kernel_floor`` come from ``base`` when given, otherwise from
-    the device (MIN over ranks). A single-rank group measures no link and keeps ``base``'s
-    link, or the cpu-gloo preset's.
-    """
+    if group is not None:
+        raise ValueError("calibrate(): give either group (1-D) or shape, not both")
+    mesh = init_device_mesh(device_type, tuple(shape))
+    return [mesh.get_group(i) for i in range(len(shape))]
+
+
+def _link(kind_samples: dict[str, list[Sample]], p: int,
+          out: dict[str, list[dict[str, float]]], prefix: str) -> LinkSpec:
+    """The axis' LinkSpec from its curves; each sample's fitted time goes into ``out``."""
+    fits = {}
+    for kind, samples in kind_samples.items():
+        sizes = [float(s.nbytes) for s in samples]
+        times = [s.seconds for s in samples]
+        a, b = fit_alpha_beta(p, sizes, times, kind)
+        fits[kind] = (a, b)
+        ca, cb = kind_coefficients(kind, p)
+        out[f"{prefix}/{kind}"] = [{"nbytes": s.nbytes, "seconds": s.seconds, "spread": s.spread,
+                                    "fitted": ca * a + cb * s.nbytes / b} for s in samples]
+    alpha, beta = fits.pop("all_reduce")
+    return LinkSpec(alpha=alpha, beta=beta, kinds=tuple((k, a, b) for k, (a, b) in fits.items()))
+
+
+def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repeats: int = 5,
+                    base: MeshSpec | None = None, shape: Sequence[int] | None = None,
+                    kinds: Sequence[str] = FITTED_KINDS) -> Calibration:
+    """Measure the running group; see the module docstring.  Every rank calls it alike.
+
+    ``group`` (default the world) is a 1-D mesh; ``shape`` (product = world size) measures
+    each axis of that mesh over its own groups, all of an axis' groups at once.
+    ``sizes`` are message bytes (default 4 KiB-4 MiB on CPU, 64 KiB-64 MiB on GPU),
+    ``repeats`` the repetitions per point, ``kinds`` a subset of :data:`FITTED_KINDS`
+    (all-reduce is always measured).  ``base`` supplies what cannot be measured here
+    (``mem_capacity``) and the link of an axis of one rank."""
     import torch
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("calibrate() needs an initialised torch.distributed process group")
-    if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 4 for s in sizes):
-        raise ValueError(f"sizes must be non-empty ints >= 4 bytes, got {sizes!r}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
-    world = dist.get_world_size(group)
-
-    if dist.get_backend(group) == "nccl":
+    unknown = set(kinds) - set(FITTED_KINDS)
+    if unknown:
+        raise ValueError(f"calibrate(): unknown kinds {sorted(unknown)}; known: {FITTED_KINDS}")
+    kinds = ("all_reduce", *[k for k in FITTED_KINDS if k in kinds and k != "all_reduce"])
+    t_start = time.perf_counter()
+    cuda = dist.get_backend(group) == "nccl"
+    if cuda:
         device = torch.device("cuda", torch.cuda.current_device())
-        mm_dtype, mm_n, copy_bytes = torch.bfloat16, 4096, 2**28
+        dtype, mm_sizes, copy_bytes, opt_elems, min_s = torch.bfloat16, (2048, 4096, 8192), 2**28, 2**26, 0.2
+        default_sizes = (2**16, 2**20, 2**24, 2**26)
 
         def sync() -> None:
             torch.cuda.synchronize(device)
     else:
         device = torch.device("cpu")
-        # Small enough to keep a CPU calibration well under a second per rank.
-        mm_dtype, mm_n, copy_bytes = torch.float32, 256, 2**25
+        # Small enough to keep a CPU calibration to a few seconds per rank.
+        dtype, mm_sizes, copy_bytes, opt_elems, min_s = torch.float32, (128, 256, 512), 2**25, 2**20, 0.15
+        default_sizes = (2**12, 2**16, 2**20, 2**22)
 
         def sync() -> None:
             pass
+    sizes = tuple(default_sizes if sizes is None else sizes)
+    if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 4 for s in sizes):
+        raise ValueError(f"sizes must be non-empty ints >= 4 bytes, got {sizes!r}")
+    world = dist.get_world_size(group)
+    dims = (world,) if shape is None else MeshSpec.parse_shape(tuple(shape))
+    if math.prod(dims) != world:
+        raise ValueError(f"calibrate(): shape {dims} has {math.prod(dims)} ranks, the group {world}")
+    groups = _axis_groups(group, dims, device.type)
 
-    # 1. All-reduce at each size; fp32 elements, so the byte count is rounded to a multiple of 4.
-    nbytes = [4 * (s // 4) for s in sizes]
-    ar_times: list[float] = []
-    if world > 1:
-        for nb in nbytes:
-            buf = torch.ones(nb // 4, dtype=torch.float32, device=device)
-            # A barrier first so no rank's timer includes waiting for a late peer.
-            dist.barrier(group=group)
-            ar_times.append(_timed(lambda b=buf: dist.all_reduce(b, group=group), repeats, sync))
-
-    # 2. Local matmul and copy.
-    a = torch.randn(mm_n, mm_n, dtype=mm_dtype, device=device)
-    bmat = torch.randn(mm_n, mm_n, dtype=mm_dtype, device=device)
-    mm_time = _timed(lambda: torch.mm(a, bmat), repeats, sync)
-    # 2b. The largest all-reduce again while every rank computes: how much of its speed
-    # communication keeps beside the backward (MeshSpec.overlap)
-    busy_time = _overlapped(group, nbytes[-1], lambda: torch.mm(a, bmat), repeats, sync, device) \
-        if world > 1 else 0.0
-    src = torch.empty(copy_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
-    dst = torch.empty_like(src)
-    copy_time = _timed(lambda: dst.copy_(src), repeats, sync)
-    if device.type == "cuda":
+    fallback = (base or MeshSpec.preset("cpu-gloo")).links[0]
+    curves: dict[str, list[dict[str, float]]] = {}
+    links = []
+    for i, (g, p) in enumerate(zip(groups, dims)):
+        if p < 2:
+            links.append(fallback)
+            continue
+        samples = {k: collective_samples(k, g, sizes, repeats, device, sync) for k in kinds}
+        links.append(_link(samples, p, curves, f"axis{i}"))
+    rates = compute_rates(group, device, dtype, mm_sizes, copy_bytes, min_s, sync)
+    opt_bw = optimizer_bandwidth(group, device, opt_elems, min_s, sync)
+    widest = max(range(len(dims)), key=lambda i: dims[i])
+    ov = overlap_fraction(groups[widest], max(sizes), device, dtype, mm_sizes[len(mm_sizes) // 2],
+                          repeats, sync) if dims[widest] > 1 else {"overlap": 1.0}
+    if base is not None:
+        capacity = base.mem_capacity
+    elif cuda:
         capacity = float(torch.cuda.get_device_properties(device).total_memory)
     else:
         capacity = _host_memory_bytes()
+    # MIN over ranks (a negated MAX) so every rank plans for the smallest device
+    capacity = -max_over_ranks([-capacity], group, device)[0]
+    spec = MeshSpec(shape=dims, axis_names=(), links=tuple(links),
+                    peak_flops=rates["peak_flops"], mem_bandwidth=rates["mem_bandwidth"],
+                    mem_capacity=capacity, flops_efficiency=1.0, name="calibrated",
+                    kernel_floor=rates["kernel_floor"], overlap=ov["overlap"],
+                    optimizer_bandwidth=opt_bw)
+    elapsed = max_over_ranks([time.perf_counter() - t_start], group, device)[0]
+    return Calibration(
+        spec=spec, curves=curves, compute={k: v for k, v in rates.items()}, overlap=ov,
+        optimizer_bandwidth=opt_bw, when=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        host=socket.gethostname(), backend=str(dist.get_backend(group)), world=world,
+        repeats=repeats, seconds=elapsed)
 
-    # 3. MAX over ranks. Capacity is negated so MAX yields the smallest device's capacity.
-    # Timer resolution can round a tiny op to 0, which would make rates infinite; floor at 1 ns.
-    local = [*ar_times, mm_time, copy_time, busy_time, -capacity]
-    vec = torch.tensor([max(x, 1e-9) if i < len(local) - 1 else x for i, x in enumerate(local)],
-                       dtype=torch.float64, device=device)
-    dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
-    shared = [float(x) for x in vec.cpu().tolist()]
-    ar_times, (mm_time, copy_time, busy_time, neg_capacity) = \
-        shared[: len(ar_times)], shared[len(ar_times):]
 
-    if world > 1:
-        alpha, beta = fit_alpha_beta(world, nbytes, ar_times)
-        link = LinkSpec(alpha=alpha, beta=beta)
-    else:
-        link = (base or MeshSpec.preset("cpu-gloo")).links[0]
-        link = LinkSpec(alpha=link.alpha, beta=link.beta)
-    peak_flops = 2.0 * mm_n**3 / mm_time
-    # A copy reads and writes every byte.
-    mem_bandwidth = 2.0 * copy_bytes / copy_time
+def calibrate(group: Any = None, sizes: Sequence[int] | None = None, repeats: int = 5,
+              base: MeshSpec | None = None, shape: Sequence[int] | None = None) -> MeshSpec:
+    """The MeshSpec :func:`measure_cluster` measures, named ``"calibrated"``.
 
-    spec = MeshSpec(
-        shape=(world,),
-        axis_names=(),
-        links=(link,),
-        peak_flops=peak_flops,
-        mem_bandwidth=mem_bandwidth,
-        mem_capacity=-neg_capacity,
-        flops_efficiency=1.0,
-        name="calibrated",
-        # the same all-reduce alone and beside compute (slowest rank each); capped at 1:
-        # beside compute it cannot be faster, whatever the noise says
-        overlap=min(1.0, ar_times[-1] / busy_time) if world > 1 and busy_time > 0 else 1.0,
-    )
-    if base is not None:
-        spec = replace(spec, mem_capacity=base.mem_capacity, kernel_floor=base.kernel_floor)
-    return spec
-
+    ``peak_flops`` is the median matmul rate over sizes with every rank computing (fp32 on
+    CPU, bf16 on CUDA) and ``flops_efficiency = 1.0``, since it already is a real kernel's
+    rate; ``kernel_floor`` a tiny kernel's time; ``optimizer_bandwidth`` a real AdamW step's;
+    ``overlap`` fitted in the bucket model's terms.  A single-rank group measures no link and
+    keeps ``base``'s link, or the cpu-gloo preset's."""
+    return measure_cluster(group, sizes, repeats, base, shape).spec

@@ -82,7 +82,7 @@ def _levels(mesh: MeshSpec, axes: Axes) -> list[tuple[LinkSpec, int]]:
 
 def _flat_time(kind: CollectiveKind, link: LinkSpec, p: int, nbytes: float) -> float:
     """Ring / tree time of ``kind`` on ``p > 1`` ranks of one flat link (module table)."""
-    a, b = link.alpha, link.beta
+    a, b = link.for_kind(kind.value)
     if kind is CollectiveKind.ALL_REDUCE:
         return 2 * (p - 1) * a + 2 * (p - 1) / p * nbytes / b
     if kind in (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_TO_ALL):

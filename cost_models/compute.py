@@ -58,9 +58,10 @@ def optimizer_step_time(mesh: MeshSpec, param_bytes: float, state_bytes: float) 
 
     An elementwise update is memory-bound: it reads the parameters, their gradients and
     the states and writes the parameters and the states back, ``3 * param_bytes + 2 *
-    state_bytes`` at ``mesh.mem_bandwidth``. The fused (foreach) kernels launch a few
+    state_bytes`` at ``mesh.optimizer_bandwidth`` (what calibration measured for a real
+    step), else ``mesh.mem_bandwidth``. The fused (foreach) kernels launch a few
     kernels per step, not per element, so no launch floor is charged per tensor.
     """
     _check_amount("param_bytes", param_bytes)
     _check_amount("state_bytes", state_bytes)
-    return (3.0 * param_bytes + 2.0 * state_bytes) / mesh.mem_bandwidth
+    return (3.0 * param_bytes + 2.0 * state_bytes) / (mesh.optimizer_bandwidth or mesh.mem_bandwidth)

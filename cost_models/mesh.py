@@ -28,94 +28,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["PRESET_NAMES", "LinkSpec", "MeshSpec"]
+from .link import KIND_NAMES, LinkSpec, _check_int, _check_positive_finite
 
-
-def _check_positive_finite(owner: str, name: str, value: float) -> None:
-    """Raise ValueError unless ``value`` is a finite number > 0."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{owner}.{name} must be a number, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{owner}.{name} must be finite and > 0, got {value!r}")
-
-
-def _check_int(owner: str, name: str, value: object, minimum: int) -> None:
-    """Raise ValueError unless ``value`` is an int (not bool) >= ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{owner}.{name} must be an int >= {minimum}, got {value!r}")
-
-
-@dataclass(frozen=True)
-class LinkSpec:
-    """The link one mesh axis communicates over (alpha-beta model, design.md section 5).
-
-    ``alpha`` is the latency of one message step in seconds and ``beta`` the bandwidth in
-    bytes/s of one rank's link. A hierarchical axis that spans nodes sets ``inter``: then
-    ``group`` ranks of the axis share a node and talk over this link (``alpha``, ``beta``), and the
-    remaining ``p / group`` factor of the axis crosses the ``inter`` link.
-    """
-
-    alpha: float
-    beta: float
-    inter: LinkSpec | None = None
-    group: int = 1
-
-    def __post_init__(self) -> None:
-        """Validate: alpha >= 0 finite, beta > 0 finite, group >= 1 and only with ``inter``."""
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, numbers.Real):
-            raise ValueError(f"LinkSpec.alpha must be a number, got {self.alpha!r}")
-        if not math.isfinite(self.alpha) or self.alpha < 0:
-            raise ValueError(f"LinkSpec.alpha must be finite and >= 0, got {self.alpha!r}")
-        _check_positive_finite("LinkSpec", "beta", self.beta)
-        _check_int("LinkSpec", "group", self.group, 1)
-        if self.inter is not None and not isinstance(self.inter, LinkSpec):
-            raise ValueError(f"LinkSpec.inter must be a LinkSpec or None, got {self.inter!r}")
-        # Without an inter link there is no second level, so a group size would be silently
-        # meaningless; reject it rather than let a typo change nothing.
-        if self.inter is None and self.group != 1:
-            raise ValueError(f"LinkSpec.group={self.group} only applies when inter is set")
-
-    @property
-    def hierarchical(self) -> bool:
-        """True when the axis spans nodes (``inter`` is set)."""
-        return self.inter is not None
-
-    def levels(self, p: int) -> list[tuple[LinkSpec, int]]:
-        """Split an axis of ``p`` ranks on this link into flat ``(link, ranks)`` levels.
-
-        The innermost level comes first: ``[(intra, group), (inter, p // group)]`` for a
-        hierarchical link, ``[(self, p)]`` otherwise. Returned links never have ``inter`` set.
-        """
-        _check_int("LinkSpec.levels", "p", p, 1)
-        if self.inter is None:
-            return [(self, p)]
-        if p % self.group:
-            raise ValueError(f"axis of {p} ranks is not a multiple of LinkSpec.group={self.group}")
-        flat = LinkSpec(alpha=self.alpha, beta=self.beta)
-        return [(flat, self.group), *self.inter.levels(p // self.group)]
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-compatible dict; ``inter`` nests as a dict or None."""
-        return {
-            "alpha": self.alpha,
-            "beta": self.beta,
-            "inter": None if self.inter is None else self.inter.to_dict(),
-            "group": self.group,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> LinkSpec:
-        """Inverse of :meth:`to_dict`; unknown keys are a ValueError."""
-        unknown = set(d) - {"alpha", "beta", "inter", "group"}
-        if unknown:
-            raise ValueError(f"unknown LinkSpec keys: {sorted(unknown)}")
-        inter = d.get("inter")
-        return cls(
-            alpha=d["alpha"],
-            beta=d["beta"],
-            inter=None if inter is None else cls.from_dict(inter),
-            group=d.get("group", 1),
-        )
+__all__ = ["KIND_NAMES", "PRESET_NAMES", "LinkSpec", "MeshSpec"]
 
 
 @dataclass(frozen=True)
@@ -166,7 +81,11 @@ _PRESETS: dict[str, _NodePreset] = {
     # gathers the logits to skip the loss's reductions, a choice to be checked by measuring
     # (issue 12's plan.verify) before it becomes the default; calibrate() measures the real
     # link. A collective keeps 0.35 of its speed while the ranks compute (MeshSpec.overlap).
-    "cpu-gloo": _NodePreset(None, LinkSpec(alpha=5e-5, beta=2e9), None, peak_flops=5e10,
+    # gloo's reduce-scatter is an all-reduce followed by a local slice (it sends 2(p-1)/p of
+    # the bytes, not (p-1)/p, and pays 2(p-1) latencies): measured here it costs 1-2x an
+    # all-reduce of the same input, so its own (alpha, beta) price it exactly as one.
+    "cpu-gloo": _NodePreset(None, LinkSpec(alpha=5e-5, beta=2e9,
+                                           kinds=(("reduce_scatter", 1e-4, 1e9),)), None, peak_flops=5e10,
                             mem_bandwidth=1e10, mem_capacity=8.0 * _GIB, default_shape=(2,),
                             kernel_floor=1e-5, overlap=0.35),
 }
@@ -228,7 +147,9 @@ class MeshSpec:
     ``kernel_floor`` the minimum time of any kernel in seconds. ``overlap`` is the fraction
     of its speed a collective keeps while the device computes (1.0: the link runs beside
     the kernels; below 1 where compute and communication share cores, as gloo does on a
-    CPU host: 0.30-0.42 measured on this project's 2-core machine, 2 and 4 ranks, 1-8 MiB). ``gpus_per_node``, ``intra`` and
+    CPU host: 0.30-0.42 measured on this project's 2-core machine, 2 and 4 ranks, 1-8 MiB). ``optimizer_bandwidth`` is the bytes/s
+    an optimizer step streams (:func:`~autopar.cost_models.compute.optimizer_step_time`;
+    None: ``mem_bandwidth``). ``gpus_per_node``, ``intra`` and
     ``inter`` keep the node description of a preset so :meth:`with_shape` can re-derive links;
     ``gpus_per_node=None`` with ``intra`` set means one host without node boundaries.
 
@@ -250,6 +171,7 @@ class MeshSpec:
     inter: LinkSpec | None = None
     overlap: float = 1.0
     fp32_peak_flops: float | None = None
+    optimizer_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         """Normalise sequences to tuples and validate every field (ValueError on bad input)."""
@@ -273,8 +195,9 @@ class MeshSpec:
                 raise ValueError(f"MeshSpec.links[{i}] (axis {names[i]!r}): {e}") from None
         for attr in ("peak_flops", "mem_bandwidth", "mem_capacity", "flops_efficiency"):
             _check_positive_finite("MeshSpec", attr, getattr(self, attr))
-        if self.fp32_peak_flops is not None:
-            _check_positive_finite("MeshSpec", "fp32_peak_flops", self.fp32_peak_flops)
+        for attr in ("fp32_peak_flops", "optimizer_bandwidth"):
+            if getattr(self, attr) is not None:
+                _check_positive_finite("MeshSpec", attr, getattr(self, attr))
         if self.flops_efficiency > 1:
             raise ValueError(f"MeshSpec.flops_efficiency must be <= 1, got {self.flops_efficiency}")
         ov = self.overlap
@@ -428,17 +351,20 @@ class MeshSpec:
             "inter": None if self.inter is None else self.inter.to_dict(),
             "overlap": self.overlap,
             "fp32_peak_flops": self.fp32_peak_flops,
+            "optimizer_bandwidth": self.optimizer_bandwidth,
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> MeshSpec:
         """Inverse of :meth:`to_dict`; unknown keys are a ValueError, missing optional keys
-        take their defaults."""
-        known = set(cls.__dataclass_fields__)
+        take their defaults.  A ``"calibration"`` key (what :func:`autopar.calibrate`
+        measured, when and how noisy) is a record for people and is not read."""
+        known = set(cls.__dataclass_fields__) | {"calibration"}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown MeshSpec keys: {sorted(unknown)}")
         kw = dict(d)
+        kw.pop("calibration", None)
         kw["shape"] = tuple(kw.get("shape", ()))
         kw["axis_names"] = tuple(kw.get("axis_names", ()))
         kw["links"] = tuple(LinkSpec.from_dict(x) for x in kw.get("links", ()))

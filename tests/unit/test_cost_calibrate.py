@@ -1,8 +1,10 @@
 """``calibrate`` on a real 2-rank gloo process group: both ranks must return the identical
-MeshSpec (deterministic planning) with positive, finite measured numbers."""
+MeshSpec (deterministic planning) with positive, finite measured numbers, a fit per
+collective kind, and a JSON record of what was measured that loads as a MeshSpec."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import socket
@@ -11,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from autopar.cost_models import MeshSpec, calibrate
+from autopar.cost_models import MeshSpec, calibrate, measure_cluster
 
 WORLD = 2
 
@@ -34,6 +36,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         based = calibrate(sizes=(2**10, 2**18), repeats=2, base=base)
         Path(out_dir, f"rank{rank}.json").write_text(mesh.to_json())
         Path(out_dir, f"based{rank}.json").write_text(based.to_json())
+        # a 2x1 mesh: axis 0 measured over its own groups, axis 1 (one rank) keeps base's link
+        record = measure_cluster(sizes=(2**10, 2**16), repeats=2, base=base, shape=(2, 1))
+        Path(out_dir, f"record{rank}.json").write_text(record.to_json())
+        Path(out_dir, f"table{rank}.txt").write_text(record.table())
     finally:
         dist.destroy_process_group()
 
@@ -52,9 +58,25 @@ def test_calibrate_two_ranks_agree(tmp_path: Path) -> None:
     assert 0 < m.overlap <= 1
     based = [MeshSpec.from_json(tmp_path / f"based{r}.json") for r in range(WORLD)]
     assert based[0] == based[1]
-    # base supplies what calibrate does not measure.
+    # base supplies what calibrate does not measure; the kernel floor and the optimizer's
+    # bytes/s are measured
     assert based[0].mem_capacity == MeshSpec.preset("cpu-gloo").mem_capacity
-    assert based[0].kernel_floor == MeshSpec.preset("cpu-gloo").kernel_floor
+    assert 0 < m.kernel_floor < 1e-2 and 0 < m.optimizer_bandwidth < math.inf
+    # every measured kind but the all-reduce (the link's own numbers) has its own fit
+    assert [k for k, _, _ in link.kinds] == ["all_gather", "all_to_all", "reduce_scatter", "send_recv"]
+    assert all(0 < a < math.inf and 0 < b < math.inf for _, a, b in link.kinds)
+
+    records = [(tmp_path / f"record{r}.json").read_text() for r in range(WORLD)]
+    assert records[0].count('"axis0/') == 5 and '"axis1/' not in records[0]
+    spec = MeshSpec.from_json(records[0])  # the record is a MeshSpec JSON
+    assert spec == MeshSpec.from_json(records[1]) and spec.shape == (2, 1)
+    assert spec.links[1] == MeshSpec.preset("cpu-gloo").links[0]
+    cal = json.loads(records[0])["calibration"]
+    assert cal["world"] == WORLD and cal["repeats"] == 2 and cal["when"]
+    for samples in cal["curves"].values():
+        assert [s["nbytes"] for s in samples] == [2**10, 2**16]
+        assert all(s["seconds"] > 0 and s["spread"] >= 0 and s["fitted"] > 0 for s in samples)
+    assert "axis0/reduce_scatter" in (tmp_path / "table0.txt").read_text()
 
 
 def test_calibrate_needs_process_group() -> None:

@@ -115,8 +115,9 @@ def test_multinode_h100_and_cpu_gloo() -> None:
     m = MeshSpec.preset("multinode-h100-ib", shape=(2, 8))
     assert m.links == (LinkSpec(1e-5, 50e9), LinkSpec(5e-6, 450e9))
     cpu = MeshSpec.preset("cpu-gloo", shape=(2, 2))
-    # One host: no node boundary, every axis on the loopback link.
-    assert cpu.links == (LinkSpec(5e-5, 2e9),) * 2
+    # One host: no node boundary, every axis on the loopback link; gloo's reduce-scatter
+    # costs an all-reduce (its own alpha, beta).
+    assert cpu.links == (LinkSpec(5e-5, 2e9, kinds=(("reduce_scatter", 1e-4, 1e9),)),) * 2
     assert cpu.peak_flops == 5e10 and cpu.mem_bandwidth == 1e10 and cpu.gpus_per_node is None
 
 
