@@ -436,6 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
     launch_parsers(sub)
     from autopar.cli_check import add_parser as check_parser  # autopar check
     check_parser(sub)
+    from autopar.cli_calibrate import add_parser as calibrate_parser  # autopar calibrate
+    calibrate_parser(sub)
     return ap
 
 
@@ -476,4 +478,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # ``python -m autopar.cli``: run the imported module's main, not this __main__ copy's,
+    # so the subcommands' CLIError (imported from autopar.cli) is the class main catches
+    from autopar.cli import main as _main
+
+    raise SystemExit(_main())

@@ -1,0 +1,96 @@
+"""``autopar calibrate``: measure the running cluster and write a MeshSpec JSON.
+
+It measures the job it runs in, so it runs under torchrun, one process per device::
+
+    torchrun --nproc-per-node 4 --no-python autopar calibrate --out mesh.json
+    autopar plan examples/gpt.py:build --mesh-json mesh.json
+
+Every rank joins the process group (gloo on CPU, NCCL with GPUs), measures per mesh axis
+and per collective kind a latency-bandwidth curve, compute and the optimizer step with
+every rank busy (:func:`autopar.cost_models.measure_cluster`); rank 0 prints what was
+measured and writes the JSON (the MeshSpec plus a ``"calibration"`` record: when, on
+which host, every sample and its spread).  ``--shape 2x2`` measures each axis of that
+mesh over its own groups.
+"""
+
+from __future__ import annotations
+
+import os
+
+from autopar.cli import CLIError, parse_bytes
+
+__all__ = ["add_parser", "cmd_calibrate"]
+
+
+def cmd_calibrate(args) -> int:
+    """``autopar calibrate``: measure on every rank, rank 0 writes and prints."""
+    import torch.distributed as dist
+
+    from autopar.cost_models import MeshSpec, measure_cluster
+    from autopar.verify import join
+
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise CLIError("autopar calibrate measures the job it runs in: run it under torchrun, "
+                       "one process per device, e.g. torchrun --nproc-per-node 4 --no-python "
+                       "autopar calibrate --out mesh.json")
+    world = int(os.environ["WORLD_SIZE"])
+    try:
+        shape = MeshSpec.parse_shape(args.shape) if args.shape else None
+    except ValueError as e:
+        raise CLIError(f"--shape: {e}") from None
+    if shape is not None and _prod(shape) != world:
+        raise CLIError(f"--shape {args.shape} has {_prod(shape)} ranks but torchrun started {world}")
+    if args.repeats < 1:
+        raise CLIError(f"--repeats must be >= 1, got {args.repeats}")
+    sizes = None
+    if args.sizes:
+        try:
+            sizes = tuple(int(parse_bytes(s)) for s in args.sizes.split(","))
+        except CLIError as e:
+            raise CLIError(f"--sizes: {e}") from None
+        if any(s < 4 for s in sizes):
+            raise CLIError(f"--sizes must be at least 4 bytes each, got {args.sizes}")
+    base = MeshSpec.preset(args.preset) if args.preset else None
+    join()
+    try:
+        record = measure_cluster(sizes=sizes, repeats=args.repeats, base=base, shape=shape)
+        if dist.get_rank() == 0:
+            print(record.table())
+            try:
+                record.to_json(args.out)
+            except OSError as e:
+                raise CLIError(f"cannot write {args.out}: {e.strerror or e}") from None
+            print(f"mesh written to {args.out} (use it with --mesh-json {args.out})")
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.barrier()  # rank 0 may still be writing
+            finally:
+                dist.destroy_process_group()
+    return 0
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+def add_parser(sub) -> None:
+    """Register ``calibrate`` on the CLI's subparsers."""
+    p = sub.add_parser(
+        "calibrate", help="measure the running cluster and write a MeshSpec JSON (under torchrun)",
+        description="Measure collectives per mesh axis and kind over message sizes, compute "
+                    "and the optimizer step on this job, every rank at once, and write the "
+                    "MeshSpec that --mesh-json takes.  Run it under torchrun.",
+        epilog="example: torchrun --nproc-per-node 4 --no-python autopar calibrate --out mesh.json")
+    p.add_argument("--out", default="calibrated-mesh.json", metavar="PATH.json",
+                   help="where rank 0 writes the mesh (default calibrated-mesh.json)")
+    p.add_argument("--shape", help="mesh shape whose axes to measure, e.g. 2x2 (default: one axis)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="repetitions per message size; the median counts (default 5)")
+    p.add_argument("--sizes", metavar="B,B,...",
+                   help="message sizes, e.g. 4KiB,1MiB,4MiB (default 4KiB-4MiB on CPU, 64KiB-64MiB on GPU)")
+    p.add_argument("--preset", help="preset supplying what is not measured (memory capacity)")
+    p.set_defaults(func=cmd_calibrate)

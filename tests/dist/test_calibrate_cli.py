@@ -1,0 +1,51 @@
+"""``autopar calibrate`` under torchrun: rank 0 writes a MeshSpec JSON that ``--mesh-json``
+takes, with the calibration record; outside torchrun it is a clear error."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from autopar.cost_models import MeshSpec
+
+from tests.dist.harness import ROOT, free_port
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.slow  # ~10 s: torchrun start-up and one calibration on 2 ranks
+def test_calibrate_under_torchrun_writes_a_mesh_plan_reads(tmp_path: Path) -> None:
+    out = tmp_path / "mesh.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "autopar.cli",
+           "calibrate", "--out", str(out), "--repeats", "2", "--sizes", "4KiB,256KiB"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=240, cwd=tmp_path)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    assert p.stdout.count("mesh written to") == 1, p.stdout  # rank 0 only
+    spec = MeshSpec.from_json(out)
+    assert spec.name == "calibrated" and spec.shape == (2,)
+    record = json.loads(out.read_text())["calibration"]
+    assert record["world"] == 2 and record["backend"] == "gloo"
+    assert sorted(record["curves"]) == sorted(f"axis0/{k}" for k in (
+        "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"))
+    # the file plans: autopar plan --mesh-json takes it as it is
+    plan = subprocess.run([sys.executable, "-m", "autopar.cli", "plan",
+                           str(ROOT / "examples/gpt.py:build"), "--factory-args", "layers=1",
+                           "dim=32", "--mesh-json", str(out), "--quiet"],
+                          capture_output=True, text=True, env=_env(), timeout=240, cwd=tmp_path)
+    assert plan.returncode == 0, (plan.stdout + plan.stderr)[-4000:]
+    assert "calibrated" in plan.stdout
+
+
+def test_calibrate_outside_torchrun_is_a_clear_error(tmp_path: Path) -> None:
+    env = {k: v for k, v in _env().items() if k not in ("RANK", "WORLD_SIZE")}
+    p = subprocess.run([sys.executable, "-m", "autopar.cli", "calibrate", "--out", "m.json"],
+                       capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    assert p.returncode == 2 and "run it under torchrun" in p.stderr
+    assert not (tmp_path / "m.json").exists()
