@@ -9,13 +9,17 @@ initialised ``torch.distributed`` group, on the job that will train:
   (:func:`fit_alpha_beta`): the link's own numbers are the all-reduce's, the others go to
   ``LinkSpec.kinds`` (so gloo's reduce-scatter, which costs an all-reduce, is priced as
   one);
-- matmul throughput over several sizes, copy bandwidth and a tiny kernel's time, with
-  every rank computing at once (ranks that share cores get their share, as in training);
-- the optimizer step's bytes/s (a foreach AdamW step) and ``overlap`` fitted to a
-  collective run beside compute (:func:`~autopar.cost_models.measure.overlap_fraction`).
+- matmul throughput over several sizes, alone and inside a training block's forward and
+  backward (the rate planned with), copy bandwidth and a tiny kernel's time, with every
+  rank computing at once (ranks that share cores get their share, as in training);
+- the optimizer step's bytes/s (a foreach AdamW step), ``overlap`` fitted to a
+  collective run beside compute (:func:`~autopar.cost_models.measure.overlap_fraction`)
+  and ``idle_reuse``, how much of a pipeline bubble ranks sharing cores win back
+  (:func:`~autopar.cost_models.measure.idle_reuse`).
 
-Every timing is all-reduced with MAX before anything is derived from it, so every rank
-returns the identical MeshSpec and plans the same.  :class:`Calibration` keeps what was
+Every timing is all-reduced (MAX for collectives, which the slowest rank paces; the mean
+for compute rates) before anything is derived from it, so every rank returns the
+identical MeshSpec and plans the same.  :class:`Calibration` keeps what was
 measured, when, on which host and how noisy; its JSON is a MeshSpec JSON that
 ``--mesh-json`` and ``MeshSpec.from_json`` read (they skip the ``"calibration"`` record).
 """
@@ -37,6 +41,7 @@ from .measure import (
     Sample,
     collective_samples,
     compute_rates,
+    idle_reuse,
     max_over_ranks,
     optimizer_bandwidth,
     overlap_fraction,
@@ -158,7 +163,7 @@ class Calibration:
                  f"in {self.seconds:.1f} s; median spread {100 * self.noise:.0f}%",
                  f"  matmul {s.peak_flops / 1e9:.1f} GFLOP/s, copy {s.mem_bandwidth / 1e9:.1f} GB/s, "
                  f"kernel {s.kernel_floor * 1e6:.1f} us, optimizer {self.optimizer_bandwidth / 1e9:.2f} GB/s, "
-                 f"overlap {s.overlap:.2f}"]
+                 f"overlap {s.overlap:.2f}, idle reuse {s.idle_reuse:.2f}"]
         for name, samples in self.curves.items():
             pts = ", ".join(f"{x['nbytes'] / 1024:g} KiB {x['seconds'] * 1e3:.2f} ms "
                             f"(fit {x['fitted'] * 1e3:.2f}, spread {100 * x['spread']:.0f}%)"
@@ -238,7 +243,7 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
     else:
         device = torch.device("cpu")
         # Small enough to keep a CPU calibration to a few seconds per rank.
-        dtype, mm_sizes, copy_bytes, opt_elems, min_s = torch.float32, (128, 256, 512), 2**25, 2**20, 0.15
+        dtype, mm_sizes, copy_bytes, opt_elems, min_s = torch.float32, (128, 256, 512), 2**25, 2**20, 0.25
         default_sizes = (2**12, 2**16, 2**20, 2**22)
 
         def sync() -> None:
@@ -261,11 +266,15 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
             continue
         samples = {k: collective_samples(k, g, sizes, repeats, device, sync) for k in kinds}
         links.append(_link(samples, p, curves, f"axis{i}"))
-    rates = compute_rates(group, device, dtype, mm_sizes, copy_bytes, min_s, sync)
+    rates = compute_rates(group, device, dtype, mm_sizes, copy_bytes, min_s, sync,
+                          tokens=4096 if cuda else 512)
     opt_bw = optimizer_bandwidth(group, device, opt_elems, min_s, sync)
     widest = max(range(len(dims)), key=lambda i: dims[i])
+    # three times the repetitions: the fraction is a difference of times a few ms long, and
+    # at 5 it came out anywhere in 0.02-0.39 on the 2-core host (0.02-0.05 at 15, every run)
     ov = overlap_fraction(groups[widest], max(sizes), device, dtype, mm_sizes[len(mm_sizes) // 2],
-                          repeats, sync) if dims[widest] > 1 else {"overlap": 1.0}
+                          3 * repeats, sync) if dims[widest] > 1 else {"overlap": 1.0}
+    reuse = idle_reuse(group, device, dtype, mm_sizes[len(mm_sizes) // 2], min_s, sync)
     if base is not None:
         capacity = base.mem_capacity
     elif cuda:
@@ -278,10 +287,10 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
                     peak_flops=rates["peak_flops"], mem_bandwidth=rates["mem_bandwidth"],
                     mem_capacity=capacity, flops_efficiency=1.0, name="calibrated",
                     kernel_floor=rates["kernel_floor"], overlap=ov["overlap"],
-                    optimizer_bandwidth=opt_bw)
+                    optimizer_bandwidth=opt_bw, idle_reuse=reuse["idle_reuse"])
     elapsed = max_over_ranks([time.perf_counter() - t_start], group, device)[0]
     return Calibration(
-        spec=spec, curves=curves, compute={k: v for k, v in rates.items()}, overlap=ov,
+        spec=spec, curves=curves, compute={**rates, "idle_reuse": reuse}, overlap=ov,
         optimizer_bandwidth=opt_bw, when=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         host=socket.gethostname(), backend=str(dist.get_backend(group)), world=world,
         repeats=repeats, seconds=elapsed)
@@ -291,9 +300,9 @@ def calibrate(group: Any = None, sizes: Sequence[int] | None = None, repeats: in
               base: MeshSpec | None = None, shape: Sequence[int] | None = None) -> MeshSpec:
     """The MeshSpec :func:`measure_cluster` measures, named ``"calibrated"``.
 
-    ``peak_flops`` is the median matmul rate over sizes with every rank computing (fp32 on
-    CPU, bf16 on CUDA) and ``flops_efficiency = 1.0``, since it already is a real kernel's
-    rate; ``kernel_floor`` a tiny kernel's time; ``optimizer_bandwidth`` a real AdamW step's;
+    ``peak_flops`` is the median rate over widths of a training block's matmuls (forward
+    and backward, autograd included) with every rank computing (fp32 on CPU, bf16 on CUDA)
+    and ``flops_efficiency = 1.0``, since it already is what real kernels reach; ``kernel_floor`` a tiny kernel's time; ``optimizer_bandwidth`` a real AdamW step's;
     ``overlap`` fitted in the bucket model's terms.  A single-rank group measures no link and
     keeps ``base``'s link, or the cpu-gloo preset's."""
     return measure_cluster(group, sizes, repeats, base, shape).spec

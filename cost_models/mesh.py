@@ -149,7 +149,10 @@ class MeshSpec:
     the kernels; below 1 where compute and communication share cores, as gloo does on a
     CPU host: 0.30-0.42 measured on this project's 2-core machine, 2 and 4 ranks, 1-8 MiB). ``optimizer_bandwidth`` is the bytes/s
     an optimizer step streams (:func:`~autopar.cost_models.compute.optimizer_step_time`;
-    None: ``mem_bandwidth``). ``gpus_per_node``, ``intra`` and
+    None: ``mem_bandwidth``).  ``idle_reuse`` is the share of a
+    pipeline bubble the other ranks win back: 0 on GPUs (an idle GPU is lost), about
+    ``1 - K / R`` where ``R`` ranks share ``K`` cores (an idle rank gives its core to the
+    others, which then compute faster); calibration measures it. ``gpus_per_node``, ``intra`` and
     ``inter`` keep the node description of a preset so :meth:`with_shape` can re-derive links;
     ``gpus_per_node=None`` with ``intra`` set means one host without node boundaries.
 
@@ -172,6 +175,7 @@ class MeshSpec:
     overlap: float = 1.0
     fp32_peak_flops: float | None = None
     optimizer_bandwidth: float | None = None
+    idle_reuse: float = 0.0
 
     def __post_init__(self) -> None:
         """Normalise sequences to tuples and validate every field (ValueError on bad input)."""
@@ -200,6 +204,9 @@ class MeshSpec:
                 _check_positive_finite("MeshSpec", attr, getattr(self, attr))
         if self.flops_efficiency > 1:
             raise ValueError(f"MeshSpec.flops_efficiency must be <= 1, got {self.flops_efficiency}")
+        ir = self.idle_reuse
+        if isinstance(ir, bool) or not isinstance(ir, numbers.Real) or not 0 <= ir < 1:
+            raise ValueError(f"MeshSpec.idle_reuse must be in [0, 1), got {ir!r}")
         ov = self.overlap
         if isinstance(ov, bool) or not isinstance(ov, numbers.Real) or not 0 < ov <= 1:
             raise ValueError(f"MeshSpec.overlap must be in (0, 1], got {ov!r}")
@@ -352,6 +359,7 @@ class MeshSpec:
             "overlap": self.overlap,
             "fp32_peak_flops": self.fp32_peak_flops,
             "optimizer_bandwidth": self.optimizer_bandwidth,
+            "idle_reuse": self.idle_reuse,
         }
 
     @classmethod

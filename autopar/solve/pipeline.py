@@ -263,7 +263,9 @@ def step_lower_bound(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_l
     the layers' own time plus stage-3 gathers plus, per stage boundary, two messages each
     way of the smallest layer output (``total``); the slowest stage takes at least
     ``total / p``; the step's tail at least the average stage's ZeRO-1/2 gather and
-    optimizer update.  Recomputation, idle stages and the memory budget only add."""
+    optimizer update; the bubble is what is left of ``total`` less what
+    ``mesh.idle_reuse`` wins back.  Recomputation, idle stages and the memory budget only
+    add."""
     p, m = cfg.stages, cfg.micro_batches
     if p > len(stats):
         return math.inf
@@ -273,7 +275,10 @@ def step_lower_bound(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_l
         tail += z.gather_step + z.opt_step
     if p > 1:
         total += 4.0 * (p - 1) * pipe_link(min(st.out_bytes for st in stats))
-    return total + (m - 1) * total / p + tail / p
+    # the step grows with the slowest stage (m >= 1 >= 1 - idle_reuse), so slow = total / p
+    # bounds it from below
+    slow = total / p
+    return m * slow + (total - slow) * (1.0 - mesh.idle_reuse) + tail / p
 
 
 def price(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget: float,
@@ -355,7 +360,9 @@ def price(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget
         # report the smallest per-device memory any split could reach
         return Priced(cfg, [], math.inf, _min_split_memory(stats, cfg, stage, min_mem))
     split = [stage(i, j, s, sync=True) for s, (i, j) in enumerate(ranges)]
-    step = total + (cfg.micro_batches - 1) * slow + max(sp.extra for sp in split)
+    # the bubble (the other stages' fill and drain) less what ranks sharing cores win back
+    bubble = (total - slow) * (1.0 - mesh.idle_reuse)
+    step = slow + bubble + (cfg.micro_batches - 1) * slow + max(sp.extra for sp in split)
     return Priced(cfg, split, step, max(sp.total_memory for sp in split))
 
 

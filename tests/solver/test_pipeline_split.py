@@ -82,3 +82,29 @@ def test_split_search_equals_every_range_priced(seed: int) -> None:
                 assert max(st.seconds for st in got.stages) == pytest.approx(slow, rel=1e-12)
     # budgets that bind: some configs fit, and the tightest leaves some out
     assert fits > 5 and none > 0
+
+
+def test_idle_reuse_shrinks_only_the_bubble_and_stays_above_the_bound() -> None:
+    """Ranks that share cores win back ``idle_reuse`` of a pipeline's fill and drain
+    (measured 0.5 for 4 gloo ranks on 2 cores): the same split, the step less exactly that
+    share of the bubble, one stage unchanged, and step_lower_bound still below it."""
+    import dataclasses
+
+    from autopar.solve.pipeline import step_lower_bound
+
+    stats = _stats(random.Random(3), 8)
+    link = lambda b: 1e-5 + b / 25e9  # noqa: E731 - a point-to-point message
+    shared = dataclasses.replace(MESH, idle_reuse=0.5)
+    for stages, micro in ((1, 4), (2, 4), (4, 8)):
+        cfg = Config(stages, micro, Schedule.ONE_F_ONE_B.value)
+        a = price(stats, cfg, MESH, link, 1e6 * GIB, "adamw")
+        b = price(stats, cfg, shared, link, 1e6 * GIB, "adamw")
+        assert [st.layers for st in a.stages] == [st.layers for st in b.stages]
+        bubble = a.breakdown()["bubble_seconds"]
+        assert (bubble > 0) == (stages > 1)
+        assert b.step_seconds == pytest.approx(a.step_seconds - 0.5 * bubble, rel=1e-12)
+        assert b.breakdown()["bubble_seconds"] == pytest.approx(0.5 * bubble, rel=1e-9)
+        for mesh, got in ((MESH, a), (shared, b)):
+            assert step_lower_bound(stats, cfg, mesh, link, "adamw") <= got.step_seconds * (1 + 1e-12)
+    with pytest.raises(ValueError, match="idle_reuse"):
+        dataclasses.replace(MESH, idle_reuse=1.0)
