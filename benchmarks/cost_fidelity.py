@@ -123,6 +123,7 @@ def _case(model_name: str, case: str, opts: dict, world: int, steps: int, mesh_s
     times = [_timed(step) for _ in range(steps)]
     d = pm.plan.decisions
     return {"model": model_name, "case": case, "predicted_ms": d.step_seconds * 1e3,
+            "breakdown_ms": {k: round(v * 1e3, 1) for k, v in d.breakdown.items()},
             "measured_ms": statistics.median(times) * 1e3,
             "spread": (max(times) - min(times)) / statistics.median(times)}
 
@@ -132,14 +133,23 @@ def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
 
     from autopar import MeshSpec
     join(rank, world, port)
-    from autopar.cost_models.calibrate import calibrate
+    from autopar.cost_models import measure_cluster
+    record = measure_cluster()
+    if rank == 0:
+        print(record.table(), flush=True)
     meshes = {"cpu-gloo preset": MeshSpec.preset("cpu-gloo", shape=(world,)),
-              "calibrated": calibrate()}
+              "calibrated": record.spec}
     rows = []
     for preset, spec in meshes.items():
+        if args["presets"] and preset not in args["presets"]:
+            continue
         for model_name, case, opts in CASES:
+            if args["cases"] and f"{model_name}:{case}" not in args["cases"]:
+                continue
             r = _case(model_name, case, opts, world, args["steps"], spec)
             rows.append({**r, "preset": preset})
+            if rank == 0 and args["verbose"]:
+                print(json.dumps(rows[-1]), flush=True)
     finish(rank, rows, out)
 
 
@@ -209,6 +219,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--cases", default="", help="comma-separated model:case names (default all)")
+    ap.add_argument("--presets", default="", help="'cpu-gloo preset' and/or 'calibrated' (comma-separated)")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print each row as it is measured")
     a = ap.parse_args(argv)
     from plan_time import write_section
 
@@ -216,7 +229,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "rows.json")
         load0 = os.getloadavg()[0]
-        mp.spawn(_worker, args=(a.world, free_port(), {"steps": a.steps}, out),
+        mp.spawn(_worker, args=(a.world, free_port(), {"steps": a.steps, "cases": [c for c in a.cases.split(",") if c],
+                                                  "presets": [p for p in a.presets.split(",") if p],
+                                                  "verbose": a.verbose}, out),
                  nprocs=a.world, join=True)
         rows = json.loads(Path(out).read_text())
     text = section(rows, a.world, a.steps, (load0, os.getloadavg()[0]))
