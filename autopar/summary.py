@@ -326,8 +326,9 @@ def _drop_biases(names: list[str]) -> list[str]:
     return [x for x in names if not (x.endswith(".bias") and x[:-5] in names)]
 
 
-def _layer_rows(plan: Plan) -> list[tuple[str, str, float, float, float]]:
-    """(layer key, weights in words, seconds, activation bytes, param bytes) per layer."""
+def _layer_rows(plan: Plan) -> list[tuple[str, str, float, float, float, float]]:
+    """(layer key, weights in words, compute seconds, communication seconds, activation
+    bytes, param bytes) per layer."""
     roles = axis_roles(plan)
     users: dict[str, list[str]] = {}
     for n in plan.nodes.values():
@@ -336,19 +337,22 @@ def _layer_rows(plan: Plan) -> list[tuple[str, str, float, float, float]]:
     rows: dict[str, list] = {}
     for n in plan.nodes.values():
         key = n.layer or "post"
-        row = rows.setdefault(key, [key, {}, 0.0, 0.0, 0.0])
+        row = rows.setdefault(key, [key, {}, 0.0, 0.0, 0.0, 0.0])
         if n.kind == "param":
             words = _param_words(n, roles, users)
             row[1].setdefault(words, [])
             short = _short(n.param or n.name, key)
             if short not in row[1][words]:
                 row[1][words].append(short)
-            row[4] += n.memory
+            row[5] += n.memory
         elif n.kind == "op":
-            row[2] += n.compute + n.comm
-            row[3] += n.memory
+            # an op's own exchanges (context-parallel attention, expert dispatch) are
+            # inside its compute price; shown as communication, as a profiler shows them
+            row[2] += n.compute - n.own_comm
+            row[3] += n.comm + n.own_comm
+            row[4] += n.memory
     out = []
-    for key, groups, sec, act, par in rows.values():
+    for key, groups, comp, comm, act, par in rows.values():
         if len(groups) == 1 and "rep" in groups and len(_drop_biases(groups["rep"])) > 6:
             text = "all replicated"
         else:
@@ -356,46 +360,57 @@ def _layer_rows(plan: Plan) -> list[tuple[str, str, float, float, float]]:
             order = sorted(groups.items(), key=lambda kv: kv[0] == "rep")
             text = "; ".join(f"{'/'.join(_drop_biases(names))} {w}" for w, names in order) \
                 or "no weights"
-        out.append((key, text, sec, act, par))
+        out.append((key, text, comp, comm, act, par))
     return out
 
 
-def _fold(rows: list[tuple[str, str, float, float, float]]) -> list[tuple[str, str, float, float, float]]:
-    """Fold runs of consecutive layers ``prefix.i`` with the same weights' placements."""
+def _fold(rows: list[tuple]) -> list[tuple]:
+    """Fold runs of consecutive layers ``prefix.i`` with the same weights' placements
+    (rows are ``(key, text, *numbers)``; a folded row keeps its first layer's numbers)."""
     out: list[list] = []
-    for key, text, sec, act, par in rows:
+    for key, text, *nums in rows:
         prefix, _, idx = key.rpartition(".")
         last = out[-1] if out else None
-        if last and idx.isdigit() and last[5] == prefix and last[1] == text \
-                and int(idx) == last[7] + 1:
-            last[7] = int(idx)
-            last[6] += 1
+        if last and idx.isdigit() and last[3] == prefix and last[1] == text \
+                and int(idx) == last[5] + 1:
+            last[5] = int(idx)
+            last[4] += 1
             continue
-        out.append([key, text, sec, act, par, prefix if idx.isdigit() else None, 1,
+        out.append([key, text, nums, prefix if idx.isdigit() else None, 1,
                     int(idx) if idx.isdigit() else -1, idx])
     folded = []
-    for key, text, sec, act, par, prefix, count, end, start in out:
+    for key, text, nums, prefix, count, end, start in out:
         name = f"{prefix}.{start}-{end} x{count}" if count > 1 else key
-        folded.append((name, text, sec, act, par))
+        folded.append((name, text, *nums))
     return folded
 
 
 def layer_view(plan: Plan, width: int | None = None) -> str:
     """Per-layer table with repeated layers folded: the weights' placements in words
     (col/row: tensor-parallel column/row split, FSDP: split over a data-parallel axis
-    and gathered per use, rep: replicated), time per micro-batch, activations kept
-    for backward, and the layer's parameter state per device (params, grads, optimizer),
-    each per layer (a folded row gives one layer's numbers)."""
+    and gathered per use, rep: replicated), predicted compute (forward and backward)
+    and communication (the layer's collectives and redistributions, on the critical
+    path) per micro-batch, activations kept for backward, and the layer's parameter state
+    per device (params, grads, optimizer), each per layer (a folded row gives one layer's
+    numbers).  A line under it gives the step's gradient sync, hidden and exposed, which
+    runs in buckets across layers."""
     from rich.table import Table
 
     t = Table(title="layers (repeated layers folded; numbers are per layer, per micro-batch)",
               title_justify="left")
-    for col, just in (("layer", "left"), ("weights", "left"), ("time", "right"),
-                      ("activations", "right"), ("param state", "right")):
+    for col, just in (("layer", "left"), ("weights", "left"), ("compute", "right"),
+                      ("comm", "right"), ("activations", "right"), ("param state", "right")):
         t.add_column(col, justify=just, overflow="fold")
-    for name, text, sec, act, par in _fold(_layer_rows(plan)):
-        t.add_row(name, text, _ms(sec), format_bytes(act), format_bytes(par))
-    return render(t, width)
+    for name, text, comp, comm, act, par in _fold(_layer_rows(plan)):
+        t.add_row(name, text, _ms(comp), _ms(comm), format_bytes(act), format_bytes(par))
+    text = render(t, width)
+    b = plan.decisions.breakdown
+    hidden = b.get("hidden_comm_seconds", 0.0)
+    if b and hidden > 0:
+        text += (f"\ngradient sync (buckets across layers): {_ms(hidden)} hidden under backward; "
+                 f"the step's exposed communication is {_ms(b.get('exposed_comm_seconds', 0.0))} "
+                 f"of {_ms(plan.decisions.step_seconds)}")
+    return text
 
 
 def render(renderable, width: int | None = None) -> str:

@@ -238,3 +238,29 @@ def test_cli_formats_and_verbosity(capsys):
     code, out, err = run(capsys, "plan", f"{GPT}:build", "--mesh", "2", "-vv", *SMALL)
     assert code == 0 and "INFO autopar: solving the placement ILP" in err
     assert math.isfinite(float(re.search(r"planned in ([0-9.]+) s", out).group(1)))
+
+
+def test_layer_view_splits_compute_and_communication_per_layer():
+    """Issue 12: the layer table says what a profiler would show per layer, predicted
+    compute and communication apart.  Megatron pins put the blocks' all-reduces in their
+    comm column and the columns add up to the plan's node prices; with data parallel the
+    blocks communicate nothing themselves and the gradient sync line says what hides."""
+    from autopar.summary import _fold, _layer_rows
+
+    model, ex = gpt.build(layers=2, dim=64)
+    mesh = MeshSpec.preset("cpu-gloo", shape=(2,))
+    tp = autopar.plan(model, ex, mesh, pins=MEGATRON_GPT)
+    rows = {r[0]: r for r in _layer_rows(tp)}
+    ops = [n for n in tp.nodes.values() if n.kind == "op"]
+    assert sum(r[2] for r in rows.values()) == pytest.approx(sum(n.compute - n.own_comm for n in ops))
+    assert sum(r[3] for r in rows.values()) == pytest.approx(sum(n.comm + n.own_comm for n in ops))
+    assert rows["blocks.0"][3] > 0 and rows["blocks.0"][2] > 0
+    folded = _fold(list(rows.values()))
+    assert [r[0] for r in folded] == ["pre", "blocks.0-1 x2", "post"]
+    text = tp.table()
+    assert "compute" in text.splitlines()[2] and "comm" in text.splitlines()[2]
+    dp = autopar.plan(model, ex, mesh, pins={"*": "R", "input:0": "S(0)", "input:1": "S(0)"})
+    assert {r[0]: r for r in _layer_rows(dp)}["blocks.0"][3] == 0
+    # the preset's link keeps 0.35 of its speed beside compute: part of the sync hides
+    assert dp.decisions.breakdown["hidden_comm_seconds"] > 0
+    assert "hidden under backward" in dp.table()
