@@ -15,9 +15,10 @@ mesh over its own groups.
 
 from __future__ import annotations
 
-import os
+import math
 
 from autopar.cli import CLIError, parse_bytes
+from autopar.cli_check import leave, require_torchrun
 
 __all__ = ["add_parser", "cmd_calibrate"]
 
@@ -29,17 +30,14 @@ def cmd_calibrate(args) -> int:
     from autopar.cost_models import MeshSpec, measure_cluster
     from autopar.verify import join
 
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise CLIError("autopar calibrate measures the job it runs in: run it under torchrun, "
-                       "one process per device, e.g. torchrun --nproc-per-node 4 --no-python "
-                       "autopar calibrate --out mesh.json")
-    world = int(os.environ["WORLD_SIZE"])
+    world = require_torchrun("autopar calibrate measures the job it runs in",
+                             "torchrun --nproc-per-node 4 --no-python autopar calibrate --out mesh.json")
     try:
         shape = MeshSpec.parse_shape(args.shape) if args.shape else None
     except ValueError as e:
         raise CLIError(f"--shape: {e}") from None
-    if shape is not None and _prod(shape) != world:
-        raise CLIError(f"--shape {args.shape} has {_prod(shape)} ranks but torchrun started {world}")
+    if shape is not None and math.prod(shape) != world:
+        raise CLIError(f"--shape {args.shape} has {math.prod(shape)} ranks but torchrun started {world}")
     if args.repeats < 1:
         raise CLIError(f"--repeats must be >= 1, got {args.repeats}")
     sizes = None
@@ -62,19 +60,8 @@ def cmd_calibrate(args) -> int:
                 raise CLIError(f"cannot write {args.out}: {e.strerror or e}") from None
             print(f"mesh written to {args.out} (use it with --mesh-json {args.out})")
     finally:
-        if dist.is_initialized():
-            try:
-                dist.barrier()  # rank 0 may still be writing
-            finally:
-                dist.destroy_process_group()
+        leave()  # rank 0 may still be writing: every rank waits for it
     return 0
-
-
-def _prod(shape: tuple[int, ...]) -> int:
-    out = 1
-    for d in shape:
-        out *= d
-    return out
 
 
 def add_parser(sub) -> None:

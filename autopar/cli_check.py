@@ -39,11 +39,8 @@ def cmd_check(args) -> int:
 
     from autopar.verify import PICKS, verify
 
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise CLIError("autopar check measures candidate plans on the live job: run it under "
-                       "torchrun, one process per device, e.g. torchrun --nproc-per-node 2 "
-                       "--no-python autopar check FILE.py ...")
-    world = int(os.environ["WORLD_SIZE"])
+    world = require_torchrun("autopar check measures candidate plans on the live job",
+                             "torchrun --nproc-per-node 2 --no-python autopar check FILE.py ...")
     for flag, value, least in (("--k", args.k, 1), ("--steps", args.steps, 1),
                                ("--warmup", args.warmup, 0)):
         if value < least:
@@ -81,7 +78,7 @@ def cmd_check(args) -> int:
                 print(f"report written to {args.json}")
         sys.stdout.flush()
     finally:
-        _leave()
+        leave()
     return 0
 
 
@@ -100,7 +97,15 @@ def _read_plans(paths: list[str]) -> list:
     return out
 
 
-def _leave() -> None:
+def require_torchrun(why: str, example: str) -> int:
+    """The world size torchrun set; a :class:`CLIError` saying ``why`` and showing
+    ``example`` when the command was not started by torchrun."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise CLIError(f"{why}: run it under torchrun, one process per device, e.g. {example}")
+    return int(os.environ["WORLD_SIZE"])
+
+
+def leave() -> None:
     """End the process group verify joined, with every rank there (rank 0 may still be
     writing), so no gloo thread outlives the interpreter."""
     import torch.distributed as dist
