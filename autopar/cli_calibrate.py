@@ -48,10 +48,16 @@ def cmd_calibrate(args) -> int:
             raise CLIError(f"--sizes: {e}") from None
         if any(s < 4 for s in sizes):
             raise CLIError(f"--sizes must be at least 4 bytes each, got {args.sizes}")
-    base = MeshSpec.preset(args.preset) if args.preset else None
+    try:
+        base = MeshSpec.preset(args.preset) if args.preset else None
+    except ValueError as e:  # names the known presets
+        raise CLIError(f"--preset: {e}") from None
     join()
     try:
-        record = measure_cluster(sizes=sizes, repeats=args.repeats, base=base, shape=shape)
+        try:
+            record = measure_cluster(sizes=sizes, repeats=args.repeats, base=base, shape=shape)
+        except ValueError as e:  # raised alike on every rank, before any collective
+            raise CLIError(str(e)) from None
         if dist.get_rank() == 0:
             print(record.table())
             try:

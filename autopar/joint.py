@@ -300,14 +300,17 @@ class JointSearch(JointCaptures):
         a deep model) when even its compute cannot beat the best plan priced so far: the
         model's compute floor (:attr:`LayerStat.floor`, the same for every split: FLOPs
         are linear in the batch) spread over every device, times the pipeline's
-        ``(stages + micro - 1) / micro`` (the slowest stage runs ``micro`` micro-batches
-        and the others fill and drain).  The split is recorded with its bound."""
+        ``(micro + (stages - 1)(1 - idle_reuse)) / micro`` (the slowest stage runs ``micro``
+        micro-batches and the others fill and drain).  The split is recorded with its bound."""
         best = self._best()
         known = next((c for c, _ in self.priced if c.stats), None)
         if best is None or known is None:
             return False
         work = sum(st.floor for st in known.stats) * known.micro_batches
-        lb = work / math.prod(self.mesh.shape) * (stages + micro - 1) / micro
+        # the fill and drain less what ranks sharing cores win back (MeshSpec.idle_reuse),
+        # as pipeline.price charges it
+        fill = (stages - 1) * (1.0 - self.mesh.idle_reuse)
+        lb = work / math.prod(self.mesh.shape) * (micro + fill) / micro
         if lb <= best[1].step_seconds * (1.0 + 1e-9):
             return False
         cand = _Candidate(stages, micro, None, None, [], self.mesh, estimate)  # type: ignore[arg-type]

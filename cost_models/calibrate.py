@@ -257,14 +257,17 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
         raise ValueError(f"calibrate(): shape {dims} has {math.prod(dims)} ranks, the group {world}")
     groups = _axis_groups(group, dims, device.type)
 
-    fallback = (base or MeshSpec.preset("cpu-gloo")).links[0]
+    known = (base or MeshSpec.preset("cpu-gloo")).links
     curves: dict[str, list[dict[str, float]]] = {}
     links = []
     for i, (g, p) in enumerate(zip(groups, dims)):
         if p < 2:
-            links.append(fallback)
+            # an axis of one rank talks to nobody: keep base's numbers for it, flat (a
+            # hierarchical link's group cannot divide one rank)
+            f = known[min(i, len(known) - 1)]
+            links.append(LinkSpec(alpha=f.alpha, beta=f.beta, kinds=f.kinds))
             continue
-        samples = {k: collective_samples(k, g, sizes, repeats, device, sync) for k in kinds}
+        samples = {k: collective_samples(k, g, sizes, repeats, device, sync, job=group) for k in kinds}
         links.append(_link(samples, p, curves, f"axis{i}"))
     rates = compute_rates(group, device, dtype, mm_sizes, copy_bytes, min_s, sync,
                           tokens=4096 if cuda else 512)
@@ -273,8 +276,10 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
     # three times the repetitions: the fraction is a difference of times a few ms long, and
     # at 5 it came out anywhere in 0.02-0.39 on the 2-core host (0.02-0.05 at 15, every run)
     ov = overlap_fraction(groups[widest], max(sizes), device, dtype, mm_sizes[len(mm_sizes) // 2],
-                          3 * repeats, sync) if dims[widest] > 1 else {"overlap": 1.0}
-    reuse = idle_reuse(group, device, dtype, mm_sizes[len(mm_sizes) // 2], min_s, sync)
+                          3 * repeats, sync, job=group) if dims[widest] > 1 else {"overlap": 1.0}
+    # a GPU per rank: an idle stage's device is lost, whatever noise the rates show
+    reuse = {"idle_reuse": 0.0} if cuda else \
+        idle_reuse(group, device, dtype, mm_sizes[len(mm_sizes) // 2], min_s, sync)
     if base is not None:
         capacity = base.mem_capacity
     elif cuda:

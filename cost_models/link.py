@@ -129,5 +129,17 @@ class LinkSpec:
             beta=d["beta"],
             inter=None if inter is None else cls.from_dict(inter),
             group=d.get("group", 1),
-            kinds=tuple((k, *ab) for k, ab in dict(d.get("kinds", {})).items()),
+            kinds=_kinds_from(d.get("kinds")),
         )
+
+
+def _kinds_from(value: Any) -> tuple:
+    """``LinkSpec.kinds`` from its JSON form ``{kind: [alpha, beta]}`` (None: none)."""
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping):
+        raise ValueError(f"LinkSpec kinds must be a mapping of kind to [alpha, beta], got {value!r}")
+    try:
+        return tuple((k, *ab) for k, ab in value.items())
+    except TypeError:
+        raise ValueError(f"LinkSpec kinds must map a kind to [alpha, beta], got {value!r}") from None

@@ -83,10 +83,11 @@ def timed_samples(fn: Callable[[], Any], repeats: int, sync: Sync,
     return out
 
 
-def _collective(kind: str, group: Any, nbytes: int, device: Any) -> Callable[[], None]:
-    """A closure issuing one ``kind`` collective of ``nbytes`` (the module table's meaning:
-    full bytes for all-gather / reduce-scatter, per-rank bytes for all-to-all, the message
-    for send/recv, which is a ring: each rank sends to the next and receives from the last)."""
+def _collective(kind: str, group: Any, nbytes: int, device: Any) -> tuple[Callable[[], None], int]:
+    """A closure issuing one ``kind`` collective of about ``nbytes`` (the module table's
+    meaning: full bytes for all-gather / reduce-scatter, per-rank bytes for all-to-all, the
+    message for send/recv, which is a ring: each rank sends to the next and receives from
+    the last), and the bytes it really moves (fp32 elements, divisible by the ranks)."""
     import torch
     import torch.distributed as dist
 
@@ -94,6 +95,14 @@ def _collective(kind: str, group: Any, nbytes: int, device: Any) -> Callable[[],
     p = dist.get_world_size(group)
     n = max(p, nbytes // 4 // p * p)  # fp32 elements, divisible by the ranks
     f32 = torch.float32
+    return _issue(kind, group, p, n, f32, device), 4 * n
+
+
+def _issue(kind: str, group: Any, p: int, n: int, f32: Any, device: Any) -> Callable[[], None]:
+    """The closure of :func:`_collective` on ``n`` elements."""
+    import torch
+    import torch.distributed as dist
+
     if kind == "all_reduce":
         buf = torch.ones(n, dtype=f32, device=device)
         return lambda: dist.all_reduce(buf, group=group)
@@ -116,28 +125,33 @@ def _collective(kind: str, group: Any, nbytes: int, device: Any) -> Callable[[],
         src, dst = torch.ones(n, dtype=f32, device=device), torch.empty(n, dtype=f32, device=device)
 
         def ring() -> None:
-            works = [dist.isend(src, nxt, group=group), dist.irecv(dst, prv, group=group)]
-            for w in works:
+            # batched: NCCL would block a plain isend before the irecv to the same peer
+            ops = [dist.P2POp(dist.isend, src, nxt, group), dist.P2POp(dist.irecv, dst, prv, group)]
+            for w in dist.batch_isend_irecv(ops):
                 w.wait()
         return ring
     raise ValueError(f"cannot measure collective kind {kind!r}")
 
 
 def collective_samples(kind: str, group: Any, sizes: Sequence[int], repeats: int,
-                       device: Any, sync: Sync) -> list[Sample]:
-    """``kind`` timed at each of ``sizes`` bytes: median and spread over ``repeats``."""
+                       device: Any, sync: Sync, job: Any = None) -> list[Sample]:
+    """``kind`` over ``group`` timed at each of ``sizes`` bytes: median and spread over
+    ``repeats``, the MAX taken over ``job`` (default: the world), which holds every group
+    of a mesh axis: each rank times its own axis group, and every rank must still derive
+    the same numbers."""
     import torch.distributed as dist
 
-    meds, spreads = [], []
+    meds, spreads, moved = [], [], []
     for nb in sizes:
-        ts = timed_samples(_collective(kind, group, nb, device), repeats, sync,
-                           barrier=lambda: dist.barrier(group=group))
+        fn, real = _collective(kind, group, nb, device)
+        moved.append(real)
+        ts = timed_samples(fn, repeats, sync, barrier=lambda: dist.barrier(group=group))
         m = median(ts)
         meds.append(m)
         spreads.append(iqr(ts) / m if m > 0 else 0.0)
-    shared = max_over_ranks([*meds, *spreads], group, device)
+    shared = max_over_ranks([*meds, *spreads], job, device)
     k = len(sizes)
-    return [Sample(int(nb), max(shared[i], 1e-9), shared[k + i]) for i, nb in enumerate(sizes)]
+    return [Sample(moved[i], max(shared[i], 1e-9), shared[k + i]) for i in range(k)]
 
 
 def _rate(fn: Callable[[], Any], work: float, min_seconds: float, sync: Sync) -> float:
@@ -178,7 +192,13 @@ def compute_rates(group: Any, device: Any, dtype: Any, sizes: Sequence[int], cop
     copy = _rate(lambda: dst.copy_(src), 2.0 * copy_bytes, min_seconds, sync)  # read + write
     tiny = torch.ones(256, dtype=torch.float32, device=device)
     dist.barrier(group=group)
-    per_op = 1.0 / _rate(lambda: torch.add(tiny, tiny), 1.0, min_seconds / 2, sync)
+    # 100 adds between synchronisations: on a GPU one add and a sync would time the
+    # launch and the sync, not the kernel
+
+    def adds() -> None:
+        for _ in range(100):
+            torch.add(tiny, tiny)
+    per_op = 1.0 / _rate(adds, 100.0, min_seconds / 2, sync)
     blocks = [_block_rate(group, device, dtype, d, tokens, min_seconds, sync) for d in sizes]
     mean = mean_over_ranks([*rates, copy, per_op, *blocks], group, device)
     k = len(rates)
@@ -239,7 +259,7 @@ def optimizer_bandwidth(group: Any, device: Any, elements: int, min_seconds: flo
 
 
 def overlap_fraction(group: Any, nbytes: int, device: Any, dtype: Any, mm_n: int,
-                     repeats: int, sync: Sync) -> dict[str, float]:
+                     repeats: int, sync: Sync, job: Any = None) -> dict[str, float]:
     """``MeshSpec.overlap`` fitted to a measurement in the terms the bucket model uses.
 
     ``A``: an ``nbytes`` all-reduce alone; ``C``: matmuls alone, about ``A / 2`` of them;
@@ -275,7 +295,9 @@ def overlap_fraction(group: Any, nbytes: int, device: Any, dtype: Any, mm_n: int
 
     c = median(timed_samples(compute, repeats, sync, bar))
     t = median(timed_samples(both, repeats, sync, bar))
-    a_s, c_s, t_s = max_over_ranks([alone, c, t], group, device)
+    # over the whole job (``job``, default the world): ``group`` may be one of a mesh
+    # axis' groups, and every rank must derive the same overlap
+    a_s, c_s, t_s = max_over_ranks([alone, c, t], job, device)
     fraction = (c_s + a_s - t_s) / c_s if c_s > 0 else 1.0
     # (0, 1]: beside compute a collective is never faster, and a measurement slower than
     # both in series still leaves it a sliver (MeshSpec.overlap must be > 0)

@@ -62,8 +62,9 @@ def test_calibrate_two_ranks_agree(tmp_path: Path) -> None:
     # bytes/s are measured
     assert based[0].mem_capacity == MeshSpec.preset("cpu-gloo").mem_capacity
     assert 0 < m.kernel_floor < 1e-2 and 0 < m.optimizer_bandwidth < math.inf
-    # 2 ranks on 2 cores: half of them computing win back little or nothing of a bubble
-    assert 0 <= m.idle_reuse <= 0.95
+    # idle reuse is 1 - (mean rate, every rank busy) / (mean rate, half of them busy),
+    # clamped to [0, 0.95], from the rates the record keeps
+
     # every measured kind but the all-reduce (the link's own numbers) has its own fit
     assert [k for k, _, _ in link.kinds] == ["all_gather", "all_to_all", "reduce_scatter", "send_recv"]
     assert all(0 < a < math.inf and 0 < b < math.inf for _, a, b in link.kinds)
@@ -79,6 +80,12 @@ def test_calibrate_two_ranks_agree(tmp_path: Path) -> None:
         assert [s["nbytes"] for s in samples] == [2**10, 2**16]
         assert all(s["seconds"] > 0 and s["spread"] >= 0 and s["fitted"] > 0 for s in samples)
     assert "axis0/reduce_scatter" in (tmp_path / "table0.txt").read_text()
+    # idle reuse is 1 - (mean rate, every rank busy) / (mean rate, half of them busy),
+    # clamped to [0, 0.95], from the rates the record keeps
+    r = cal["compute"]["idle_reuse"]
+    assert r["all"] > 0 and r["half"] > 0
+    assert r["idle_reuse"] == pytest.approx(min(0.95, max(0.0, 1 - r["all"] / r["half"])))
+    assert spec.idle_reuse == r["idle_reuse"]
 
 
 def test_calibrate_needs_process_group() -> None:
