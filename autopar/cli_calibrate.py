@@ -11,6 +11,11 @@ every rank busy (:func:`autopar.cost_models.measure_cluster`); rank 0 prints wha
 measured and writes the JSON (the MeshSpec plus a ``"calibration"`` record: when, on
 which host, every sample and its spread).  ``--shape 2x2`` measures each axis of that
 mesh over its own groups.
+
+Once ``autopar check --mesh-json mesh.json --store m.jsonl`` has measured a few plans
+priced with it, ``autopar calibrate --refine mesh.json --measurements m.jsonl --out
+mesh2.json`` (no torchrun) rescales compute and communication to what those steps took
+(:mod:`autopar.cost_models.refine`).
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ def cmd_calibrate(args) -> int:
     from autopar.cost_models import MeshSpec, measure_cluster
     from autopar.verify import join
 
+    if args.refine:
+        return _refine(args)
     world = require_torchrun("autopar calibrate measures the job it runs in",
                              "torchrun --nproc-per-node 4 --no-python autopar calibrate --out mesh.json")
     try:
@@ -70,6 +77,32 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def _refine(args) -> int:
+    """``--refine MESH.json --measurements M.jsonl``: no torchrun, no measuring; rescale
+    the mesh to the steps ``autopar check --store`` measured with it."""
+    from autopar.cost_models import MeshSpec
+    from autopar.cost_models.refine import read_rows, refine
+
+    if not args.measurements:
+        raise CLIError("--refine needs --measurements M.jsonl (written by autopar check --store)")
+    try:
+        spec = MeshSpec.from_json(args.refine)
+        r = refine(spec, read_rows(args.measurements))
+    except OSError as e:
+        raise CLIError(f"cannot read {e.filename}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    print(f"refined {args.refine} from {r.rows} measured plans: compute x{r.compute_scale:.2f}, "
+          f"communication x{r.comm_scale:.2f}; median error {100 * r.error_before:.0f}% -> "
+          f"{100 * r.error_after:.0f}% on those plans")
+    try:
+        r.spec.to_json(args.out)
+    except OSError as e:
+        raise CLIError(f"cannot write {args.out}: {e.strerror or e}") from None
+    print(f"mesh written to {args.out}")
+    return 0
+
+
 def add_parser(sub) -> None:
     """Register ``calibrate`` on the CLI's subparsers."""
     p = sub.add_parser(
@@ -86,4 +119,8 @@ def add_parser(sub) -> None:
     p.add_argument("--sizes", metavar="B,B,...",
                    help="message sizes, e.g. 4KiB,1MiB,4MiB (default 4KiB-4MiB on CPU, 64KiB-64MiB on GPU)")
     p.add_argument("--preset", help="preset supplying what is not measured (memory capacity)")
+    p.add_argument("--refine", metavar="MESH.json",
+                   help="no measuring: rescale this mesh's compute and communication to the steps "
+                        "--measurements holds (autopar check --store with this mesh); no torchrun")
+    p.add_argument("--measurements", metavar="M.jsonl", help="measured plans for --refine")
     p.set_defaults(func=cmd_calibrate)

@@ -25,6 +25,7 @@ from .memory import (
     peak_live_bytes,
 )
 from .mesh import PRESET_NAMES, LinkSpec, MeshSpec
+from .refine import Refinement, refine
 
 __all__ = [
     "PRESET_NAMES",
@@ -34,6 +35,7 @@ __all__ = [
     "MemoryBreakdown",
     "MeshSpec",
     "OptimizerKind",
+    "Refinement",
     "all_gather_time",
     "all_reduce_time",
     "all_to_all_time",
@@ -50,5 +52,6 @@ __all__ = [
     "optimizer_state_bytes",
     "peak_live_bytes",
     "reduce_scatter_time",
+    "refine",
     "send_recv_time",
 ]
