@@ -16,6 +16,7 @@ from autopar.placement import is_replicate, parse_placements
 from autopar.plan import Plan
 from autopar.runtime import rng
 from autopar.runtime.inputs import BatchMode, InputBinder, data_parallel_axes
+from autopar.runtime.mesh import activate
 from autopar.sharding import gather_tensor, shard_tensor
 
 # attribute names of ParallelModule itself: a model's top-level submodule or parameter
@@ -304,6 +305,8 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         if self._mesh_rt is None:
             raise RuntimeError("this ParallelModule is planning-only (no process group); "
                                "launch under torchrun to run it, or export() it")
+        # this module's groups, whatever module ran last (runtime.mesh.activate)
+        activate(self._mesh_rt)
         flat = self.binder.flatten(args, kwargs, self._mesh_rt.device)
         rng.use(self.rng)
         if self._dparams is not None:

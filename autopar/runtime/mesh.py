@@ -175,6 +175,18 @@ def current() -> RuntimeMesh:
     return _CURRENT
 
 
+def activate(m: RuntimeMesh) -> None:
+    """Make ``m`` the mesh the runtime's collectives use (:func:`current`).
+
+    Every :class:`~autopar.parallel_module.ParallelModule` activates its own mesh when
+    it runs: a process may hold modules planned for different meshes (``autopar.verify``'s
+    candidates, a model and its pipelined copy), and a module run with another's mesh
+    would scatter its inputs and reduce its gradients over the wrong groups.  The
+    backward that follows a forward uses the mesh that forward activated."""
+    global _CURRENT
+    _CURRENT = m
+
+
 def reset() -> None:
     """Forget the current mesh (tests re-create it between process groups)."""
     global _CURRENT

@@ -360,6 +360,33 @@ def dp_backward_collectives(c: dict) -> dict:
             "loss_err": abs(float(loss) - float(r)), "planned": planned, "run_buckets": run_buckets}
 
 
+def two_meshes(c: dict) -> dict:
+    """Two modules of one model planned for different meshes of the same ranks ((2,) data
+    parallel and (1, 2) data parallel on its second axis), trained in turn: each step's
+    loss and gradients equal the single process.  Before each module activated its own
+    mesh, the first one ran with the mesh built last (its inputs were not split: a shape
+    error, or reductions over the wrong group)."""
+    x, y = _batch()
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    F.mse_loss(ref.fc2(F.relu(ref.fc1(x))) * ref.scale + ref.table, y).backward()
+    want = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    a = auto_parallel(copy.deepcopy(model), example_inputs=(x, y), mesh=_mesh([2]),
+                      pins={"*": "R", "input:0": "S(0)", "input:1": "S(0)"})
+    b = auto_parallel(copy.deepcopy(model), example_inputs=(x, y),
+                      mesh=MeshSpec.preset("cpu-gloo", shape=(1, 2)),  # no reset: both live
+                      pins={"*": "RR", "input:0": "RS(0)", "input:1": "RS(0)"})
+    errs = []
+    for pm in (a, b, a):
+        pm.zero_grad()
+        pm.train_step(x, y)
+        got = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+               for n, p in pm.named_parameters() if p.grad is not None}
+        errs.append(max((got[n] - g).abs().max().item() for n, g in want.items()))
+    return {"grad_err": errs, "ranks": _all(errs)}
+
+
 def _gloo_threads() -> list[str]:
     names = (Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task"))
     return sorted(n for n in names if "gloo" in n)
@@ -379,7 +406,7 @@ def shutdown_joins_threads(c: dict) -> dict:
     return {"before": before, "after": _gloo_threads()}
 
 
-CASES = {"shutdown_joins_threads": shutdown_joins_threads, "dp_backward_collectives": dp_backward_collectives, "zero3_collectives": zero3_collectives, "trace": trace, "export_load": export_load, "clip_norm": clip_norm, "names_modes_frozen": names_modes_frozen,
+CASES = {"two_meshes": two_meshes, "shutdown_joins_threads": shutdown_joins_threads, "dp_backward_collectives": dp_backward_collectives, "zero3_collectives": zero3_collectives, "trace": trace, "export_load": export_load, "clip_norm": clip_norm, "names_modes_frozen": names_modes_frozen,
          "seeds_and_shapes": seeds_and_shapes, "local_batch": local_batch, "local_outputs": local_outputs, "dcp_reshard": dcp_reshard}
 
 
