@@ -1,11 +1,13 @@
 """How well the predicted step time ranks and matches measured steps, preset vs calibrated.
 
-    python benchmarks/cost_fidelity.py [--steps 5] [--world 4] [--no-write]
+    python benchmarks/cost_fidelity.py [--steps 3] [--rounds 3] [--world 4] [--no-write]
 
 On ``--world`` gloo ranks of this machine (one thread each), each case plans and builds
-an autopar module (``auto_parallel``) for one model under one set of decisions, trains
-it with AdamW (foreach) and times ``--steps`` steps (zero_grad, forward, backward,
-optimizer step; slowest rank; median). ``plan.decisions.step_seconds`` is the
+an autopar module (``auto_parallel``) for one model under one set of decisions and
+trains it with AdamW (foreach); then ``--rounds`` rounds each time ``--steps`` steps of
+every case in turn (zero_grad, forward, backward, optimizer step; slowest rank; the
+median over all of a case's steps, spread = interquartile range / median), so load
+that comes and goes touches every case alike. ``plan.decisions.step_seconds`` is the
 prediction. Every case runs twice: planned on the shipped ``cpu-gloo`` preset and on
 the link measured on the running group (``cost_models.calibrate``, the MeshSpec
 ``autopar calibrate`` writes). Models: ``examples/gpt.py`` (4 layers, dim 192) and a
@@ -86,18 +88,18 @@ def _timed(step) -> float:
     return float(t)
 
 
-def _case(model_name: str, case: str, opts: dict, world: int, steps: int, mesh_spec) -> dict:
+def _build(model_name: str, case: str, opts: dict, world: int, mesh_spec) -> dict:
+    """Plan and build one case; a dict with its ``step`` (AdamW step of the whole batch)
+    and plan, or its ``error`` (raised alike on every rank: a table entry)."""
     import dataclasses
 
     import autopar
-    from autopar.runtime.mesh import reset
 
     model, inputs, kw = _model(model_name, world)
     opts = dict(opts)
     shape = opts.pop("mesh", (world,))
     mesh = dataclasses.replace(mesh_spec, shape=tuple(shape), axis_names=(),
                                links=mesh_spec.links[:1] * len(shape))
-    reset()
     try:
         if kw:
             pm = autopar.auto_parallel(model, example_inputs=(), example_kwargs=inputs,
@@ -120,12 +122,30 @@ def _case(model_name: str, case: str, opts: dict, world: int, steps: int, mesh_s
 
     for _ in range(2):  # warm-up
         step()
-    times = [_timed(step) for _ in range(steps)]
-    d = pm.plan.decisions
-    return {"model": model_name, "case": case, "predicted_ms": d.step_seconds * 1e3,
-            "breakdown_ms": {k: round(v * 1e3, 1) for k, v in d.breakdown.items()},
-            "measured_ms": statistics.median(times) * 1e3,
-            "spread": (max(times) - min(times)) / statistics.median(times)}
+    return {"model": model_name, "case": case, "step": step, "plan": pm.plan, "module": pm,
+            "times": []}
+
+
+def _measure(built: list[dict], rounds: int, steps: int) -> list[dict]:
+    """``rounds`` rounds over every case, ``steps`` timed steps of each per round: the
+    cases interleaved, so load that comes and goes touches all of them alike (each module
+    runs on its own mesh, runtime.mesh.activate).  Median and spread over all its steps."""
+    for _ in range(rounds):
+        for b in built:
+            if "step" in b:
+                b["times"] += [_timed(b["step"]) for _ in range(steps)]
+    rows = []
+    for b in built:
+        if "step" not in b:
+            rows.append(b)
+            continue
+        d, times = b["plan"].decisions, b["times"]
+        med = statistics.median(times)
+        q = np.percentile(times, [25, 75])
+        rows.append({"model": b["model"], "case": b["case"], "predicted_ms": d.step_seconds * 1e3,
+                     "breakdown_ms": {k: round(v * 1e3, 1) for k, v in d.breakdown.items()},
+                     "measured_ms": med * 1e3, "spread": float(q[1] - q[0]) / med})
+    return rows
 
 
 def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
@@ -140,17 +160,18 @@ def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
         Path(out + ".calibration").write_text(record.table())
     meshes = {"cpu-gloo preset": MeshSpec.preset("cpu-gloo", shape=(world,)),
               "calibrated": record.spec}
-    rows = []
+    built = []
     for preset, spec in meshes.items():
         if args["presets"] and preset not in args["presets"]:
             continue
         for model_name, case, opts in CASES:
             if args["cases"] and f"{model_name}:{case}" not in args["cases"]:
                 continue
-            r = _case(model_name, case, opts, world, args["steps"], spec)
-            rows.append({**r, "preset": preset})
-            if rank == 0 and args["verbose"]:
-                print(json.dumps(rows[-1]), flush=True)
+            built.append({**_build(model_name, case, opts, world, spec), "preset": preset})
+    rows = [{**r, "preset": b["preset"]} for b, r in zip(built, _measure(built, args["rounds"], args["steps"]))]
+    if rank == 0 and args["verbose"]:
+        for r in rows:
+            print(json.dumps(r), flush=True)
     finish(rank, rows, out)
 
 
@@ -198,7 +219,8 @@ def section(rows: list[dict], world: int, steps: int, load: tuple[float, float],
 
     lines = [SECTION, "",
              f"Predicted (`plan.decisions.step_seconds`) against measured step time (median of "
-             f"{steps} AdamW steps, slowest of {world} gloo ranks, one thread each) for "
+             f"{steps} AdamW steps taken in rounds over every case, slowest of {world} gloo ranks, "
+             "one thread each; spread = interquartile range / median) for "
              f"`examples/gpt.py` (4 layers, dim 192) and a tiny HF Llama (2 layers, hidden 128, "
              "GQA), each case planned on the shipped `cpu-gloo` preset and on the link "
              "`autopar calibrate` (`cost_models.measure_cluster`) measured on the running "
@@ -239,7 +261,8 @@ def section(rows: list[dict], world: int, steps: int, load: tuple[float, float],
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per case per round")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds over every case (interleaved)")
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--cases", default="", help="comma-separated model:case names (default all)")
@@ -252,13 +275,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "rows.json")
         load0 = os.getloadavg()[0]
-        mp.spawn(_worker, args=(a.world, free_port(), {"steps": a.steps, "cases": [c for c in a.cases.split(",") if c],
+        mp.spawn(_worker, args=(a.world, free_port(), {"steps": a.steps, "rounds": a.rounds, "cases": [c for c in a.cases.split(",") if c],
                                                   "presets": [p for p in a.presets.split(",") if p],
                                                   "verbose": a.verbose}, out),
                  nprocs=a.world, join=True)
         rows = json.loads(Path(out).read_text())
         calibration = Path(out + ".calibration").read_text()
-    text = section(rows, a.world, a.steps, (load0, os.getloadavg()[0]), calibration)
+    text = section(rows, a.world, a.steps * a.rounds, (load0, os.getloadavg()[0]), calibration)
     print(text)
     if not a.no_write:
         write_section(text)
