@@ -15,7 +15,7 @@ from autopar.module_state import StateMixin, TensorInfo
 from autopar.placement import is_replicate, parse_placements
 from autopar.plan import Plan
 from autopar.runtime import rng
-from autopar.runtime.inputs import BatchMode, InputBinder, data_parallel_axes
+from autopar.runtime.inputs import BatchMode, InputBinder, data_parallel_axes, passthrough_inputs
 from autopar.runtime.mesh import activate
 from autopar.sharding import gather_tensor, shard_tensor
 
@@ -52,6 +52,13 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         self.binder = binder or InputBinder(in_spec)
         self.binder.mode = BatchMode(batch)
         self.binder.dp_axes = data_parallel_axes(plan)
+        # the flat inputs the lowered graph takes as this rank's rows (passes/lower.py
+        # skips their slice; placeholders keep their names through export and load)
+        keep = passthrough_inputs(plan)
+        graph = getattr(inner, "graph", None)
+        self.binder.passthrough = frozenset(
+            i for i, n in enumerate(x for x in graph.nodes if x.op == "placeholder")
+            if n.name in keep) if graph is not None else frozenset()
         self.state_keys = state_keys
         self._target_of = {n: t for t, names in aliases.items() for n in names}
         self._extra: dict[str, torch.Tensor] = {}

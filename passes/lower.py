@@ -34,6 +34,7 @@ from autopar.placement import Placements, R, Shard, graph_batch, parse_placement
 from autopar.plan import Plan
 from autopar.redistribute import StepKind, plan_redistribution
 from autopar.runtime import collectives as C
+from autopar.runtime.inputs import passthrough_inputs
 
 _EMIT = {
     StepKind.ALL_REDUCE: lambda x, s: (C.all_reduce, (x, s.axis)),
@@ -89,9 +90,13 @@ def lower(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     rows = graph_batch(gm) if d.batch == "local" and d.local_axes is not None else None
     # value[u]: the graph node that holds u in its planned placement
     value: dict[fx.Node, fx.Node] = {}
-    # 1. inputs arrive whole: slice each placeholder to its planned placement
+    # 1. inputs arrive whole: slice each placeholder to its planned placement, except
+    # those a batch="local" call passes as this rank's rows (runtime.inputs)
+    keep = passthrough_inputs(plan)
     for node in list(g.nodes):
-        if node.op == "placeholder" and node.name in plan.nodes:
+        if node.op == "placeholder" and node.name in keep:
+            value[node] = node
+        elif node.op == "placeholder" and node.name in plan.nodes:
             dst = out_placement(plan, node)
             last = node
             for step in plan_redistribution(replicated, dst):

@@ -7,9 +7,11 @@ the plan cannot run exactly: another call structure, or another shape (a smaller
 batch, a shorter sequence) - never truncating silently.
 
 With ``batch="local"`` each data-parallel rank passes only its part of the global
-batch (as a ``DistributedSampler`` gives it); the binder all-gathers batch tensors over
-the data-parallel axes so the graph sees the global batch it was planned for.  The
-gather costs one collective of the input's bytes (token ids: a few KiB) per step.
+batch (as a ``DistributedSampler`` gives it).  An input the plan splits over exactly
+the data-parallel axes goes to the graph as it is (:func:`passthrough_inputs`: plain
+data parallel issues no collective for its inputs, as DDP); any other batch tensor is
+all-gathered over the data-parallel axes so the graph sees the global batch it was
+planned for (one collective of the input's bytes per step).
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ class InputBinder:
     names: list[str] = field(default_factory=list)
     mode: BatchMode = BatchMode.GLOBAL
     dp_axes: tuple[int, ...] = ()
+    passthrough: frozenset[int] = frozenset()
+    """Flat inputs taken as this rank's rows without a gather (:func:`passthrough_inputs`;
+    the lowered graph does not slice them)."""
 
     @classmethod
     def from_example(cls, args: Sequence, kwargs: dict | None, spec, mode: BatchMode | str = "global",
@@ -96,20 +101,46 @@ class InputBinder:
             flat = [x.to(device) if isinstance(x, torch.Tensor) else x for x in flat]
         if self.mode is BatchMode.LOCAL:
             flat = self._gather_local(flat)
+        elif self.passthrough:
+            # a plan made for local batches called with the global one (a loaded export):
+            # the graph takes this rank's rows of these inputs, so cut them here
+            self.check_shapes(flat, local=False)
+            flat = self._own_rows(flat)
         self.check_shapes(flat)
         return flat
 
-    def check_shapes(self, flat: list) -> None:
+    def _own_rows(self, flat: list) -> list:
+        from autopar.placement import Shard
+        from autopar.runtime.mesh import current
+        from autopar.sharding import shard_tensor
+
+        m = current()
+        pl = tuple(Shard(0) if a in self.dp_axes else None for a in range(len(m.shape)))
+        return [shard_tensor(x, pl, m.shape, m.coord) if i in self.passthrough else x
+                for i, x in enumerate(flat)]
+
+    def _dp_size(self) -> int:
+        from autopar.runtime.mesh import current
+
+        return math.prod(current().shape[a] for a in self.dp_axes) if self.dp_axes else 1
+
+    def check_shapes(self, flat: list, local: bool = True) -> None:
         """Refuse tensors whose shape is not the planned one (the graph's shapes are
-        static: another batch or sequence length would be cut or mis-sharded)."""
+        static: another batch or sequence length would be cut or mis-sharded); with
+        ``local``, :attr:`passthrough` inputs are this rank's rows."""
+        dp = self._dp_size() if self.passthrough else 1
         for i, x in enumerate(flat):
             want = self.shapes[i] if i < len(self.shapes) else None
+            if want is not None and local and i in self.passthrough:
+                want = (want[0] // dp, *want[1:])  # this rank's rows, as passed
             if want is not None and isinstance(x, torch.Tensor) and tuple(x.shape) != want:
                 name = self.names[i] if i < len(self.names) else f"input {i}"
-                local = " (as the global batch gathered from every data-parallel rank)" \
-                    if self.mode is BatchMode.LOCAL else ""
+                note = "" if self.mode is BatchMode.GLOBAL and not local else \
+                    " (this rank's rows)" if local and i in self.passthrough else \
+                    "" if self.mode is BatchMode.GLOBAL else \
+                    " (as the global batch gathered from every data-parallel rank)"
                 raise InputMismatchError(
-                    f"{name} has shape {tuple(x.shape)}{local} but the plan was made for "
+                    f"{name} has shape {tuple(x.shape)}{note} but the plan was made for "
                     f"{want}: autopar runs the shapes it planned. Use batches of the planned "
                     "size (DataLoader(drop_last=True), or pad the last batch and mask its "
                     "loss), or plan again for this shape with auto_parallel")
@@ -127,6 +158,9 @@ class InputBinder:
         out = []
         for i, x in enumerate(flat):
             want = self.shapes[i] if i < len(self.shapes) else None
+            if i in self.passthrough:  # the graph takes this rank's rows as they are
+                out.append(x)
+                continue
             if isinstance(x, torch.Tensor) and want and x.dim() > 0 and x.shape[0] * dp == want[0]:
                 x = gather_tensor(x, pl, m.group)
             out.append(x)
@@ -152,6 +186,26 @@ def data_parallel_axes(plan) -> tuple[int, ...]:
     return ()
 
 
+def passthrough_inputs(plan) -> frozenset[str]:
+    """Inputs a ``batch="local"`` call hands to the graph as they are: those planned
+    split on dim 0 over exactly the data-parallel axes (replicated on the others).  The
+    binder would all-gather such an input and the graph slice it straight back to this
+    rank's rows: the gather's collective (a latency per input per step, which DDP does not
+    pay) buys nothing.  Only without pipeline stages and micro-batches, whose splits
+    of the global batch are not this rank's rows."""
+    from autopar.placement import Replicate, Shard, parse_placements
+
+    d = plan.decisions
+    if d.batch != BatchMode.LOCAL.value or d.pipeline_stages > 1 or d.micro_batches > 1:
+        return frozenset()
+    axes = data_parallel_axes(plan)
+    if not axes:
+        return frozenset()
+    split = tuple(Shard(0) if a in axes else Replicate() for a in range(len(plan.mesh.shape)))
+    return frozenset(n.name for n in plan.nodes.values() if n.kind == "input" and n.shape
+                     and n.shape[0] and tuple(parse_placements(n.out_placements[0])) == split)
+
+
 def data_parallel_coords(axes: tuple[int, ...], mesh_shape: Sequence[int],
                          coord: Sequence[int]) -> tuple[int, int]:
     """(data-parallel rank, data-parallel size) for ``DistributedSampler``: outer mesh
@@ -164,4 +218,4 @@ def data_parallel_coords(axes: tuple[int, ...], mesh_shape: Sequence[int],
 
 
 __all__ = ["BatchMode", "InputBinder", "InputMismatchError", "data_parallel_axes",
-           "data_parallel_coords"]
+           "data_parallel_coords", "passthrough_inputs"]

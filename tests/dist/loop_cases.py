@@ -157,7 +157,23 @@ def local_batch(c: dict) -> dict:
         b = 8 // pm.data_parallel_size
         glob = [i for r in range(pm.data_parallel_size) for i in per_rank[r][s * b:(s + 1) * b]]
         refs.append(ref(x[glob], y[glob]).item())
-    return {"dp": _all((pm.data_parallel_rank, pm.data_parallel_size)), "losses": _all(losses), "refs": refs}
+    # the last step again with its backward: gradients equal the single process's, and
+    # the collectives issued (an input split over exactly the data-parallel axes goes to
+    # the graph as it is: no all-gather, as DDP)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        pm(xb, yb).backward()
+    ref.zero_grad()
+    ref(x[glob], y[glob]).backward()
+    grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+             for n, p in pm.named_parameters() if p.grad is not None}
+    # gradients compare whole where the plan keeps them as DTensors of the parameters'
+    # shape (ZeRO's flat shards, which a 2x2 plan may choose, do not)
+    same = all(grads[n].shape == p.grad.shape for n, p in ref.named_parameters() if p.grad is not None)
+    err = max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters()
+              if p.grad is not None) if same else None
+    gathers = sum(e.name == "gloo:all_gather" for e in prof.events())
+    return {"dp": _all((pm.data_parallel_rank, pm.data_parallel_size)), "losses": _all(losses),
+            "refs": refs, "grad_err": err, "gathers": gathers}
 
 
 def local_outputs(c: dict) -> dict:
@@ -269,6 +285,18 @@ def export_load(c: dict) -> dict:
            "frozen": not pm2.get_parameter("fc2.bias").requires_grad,
            "loss": abs(pm2(x, y).item() - ref(x, y).item())}
     res["small_batch"] = _refusal(pm2, 9)
+    # a data-parallel plan for local batches (its inputs go to the graph as this rank's
+    # rows, unsliced), exported, then loaded both ways: each rank's rows, or the global
+    # batch (then the module cuts this rank's rows itself)
+    local = auto_parallel(copy.deepcopy(ref), example_inputs=(x, y), mesh=_mesh(c["mesh"]),
+                          pins={"*": "R", "input:0": "S(0)", "input:1": "S(0)"}, batch="local")
+    local.export(c["dir"] + "-local")
+    rank, n = dist.get_rank(), 8 // dist.get_world_size()
+    reset()
+    res["local_loss"] = abs(autopar.load(c["dir"] + "-local", batch="local")(
+        x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]).item() - ref(x, y).item())
+    reset()
+    res["global_loss"] = abs(autopar.load(c["dir"] + "-local")(x, y).item() - ref(x, y).item())
     return res
 
 

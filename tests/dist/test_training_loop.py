@@ -19,7 +19,7 @@ TWO = [
     {"id": "clip-tp", "fn": "clip_norm", "mesh": [2], "pins": TP_MLP},
     {"id": "names", "fn": "names_modes_frozen", "mesh": [2]},
     {"id": "seeds", "fn": "seeds_and_shapes", "mesh": [2]},
-    {"id": "local-dp", "fn": "local_batch", "mesh": [2], "pins": {"*": "R", "input:0": "S(0)"}},
+    {"id": "local-dp", "fn": "local_batch", "mesh": [2], "pins": {"*": "R", "input:0": "S(0)", "input:1": "S(0)"}},
     {"id": "local-tp", "fn": "local_batch", "mesh": [2], "pins": TP_MLP | {"input:0": "R"}},
     {"id": "local-logits", "fn": "local_outputs", "mesh": [2], "pins": {"*": "R", "input:0": "S(0)"}},
 ]
@@ -103,6 +103,8 @@ def test_loaded_export_keeps_the_habits(two):
     r = _ok(two["export"])
     assert r["keys"] and r["unused"] and r["frozen"] and r["loss"] < 1e-6
     assert r["small_batch"].startswith("InputMismatchError") and "(9, 16)" in r["small_batch"]
+    # a local-batch export: rows passed as they are, or the global batch cut by the module
+    assert r["local_loss"] < 1e-6 and r["global_loss"] < 1e-6, r
 
 
 @pytest.mark.parametrize("case,dp", [("local-dp", 2), ("local-tp", 1)])
@@ -113,6 +115,12 @@ def test_local_batch(two, case, dp):
     assert sorted(k for k, _ in r["dp"]) == ([0, 1] if dp == 2 else [0, 0])
     for losses in r["losses"]:
         assert losses == pytest.approx(r["refs"], rel=1e-5)
+    # fp32 sums in another order than the single process
+    assert r["grad_err"] < 1e-5, r["grad_err"]
+    # data parallel passes each rank's rows to the graph as they are (before: one
+    # all-gather per batch input, which DDP does not issue; the TP case has one
+    # data-parallel rank, nothing to gather)
+    assert r["gathers"] == 0, r["gathers"]
 
 
 def _local_outputs(r: dict, rows: int) -> None:
