@@ -100,6 +100,12 @@ class JointSearch(JointCaptures):
         if o.pipeline_stages is not None and o.pipeline_stages > 1 and self.mesh.shape[0] % o.pipeline_stages:
             raise PlanError(f"{o.pipeline_stages} pipeline stages do not divide mesh axis 0 of size "
                             f"{self.mesh.shape[0]} (stages are carved out of the outermost axis)")
+        stage_size = self.mesh.size // (o.pipeline_stages or 1)
+        if o.zero_stage and (self.mesh.size == 1 or stage_size == 1):
+            where = f"the mesh {self.mesh.shape}" if self.mesh.size == 1 else \
+                f"each of the {o.pipeline_stages} pipeline stages (one device each)"
+            raise PlanError(f"zero_stage={o.zero_stage} shards over the data-parallel devices, but "
+                            f"{where} has a single device: use zero_stage=0, or more devices")
 
     # ------------------------------------------------------------ candidates
     def _tied_across_layers(self) -> list[str]:
@@ -116,6 +122,20 @@ class JointSearch(JointCaptures):
                     out.append(info(n).param)
         return out
 
+    def _enough_layers(self, stages: int) -> None:
+        """Forced stages need a computing layer each (a stage that computes nothing is
+        never planned): say so, rather than that no plan fits memory."""
+        known = next((c for c, _ in self.priced if c.stats), None)
+        if known is None or stages <= 1:
+            return
+        layers = [st.key for st in known.stats if st.compute > 0]
+        if len(layers) < stages:
+            raise PlanError(f"pipeline_stages={stages} needs at least {stages} layers that compute, "
+                            f"one per stage, but the model has {len(layers)} "
+                            f"({', '.join(layers) or 'none'}): stages are cut between layers "
+                            "(repeated blocks such as model.layers.N, with what comes before and "
+                            "after them)")
+
     def _stage_options(self) -> list[int]:
         tied = self._tied_across_layers()
         if self.opts.pipeline_stages is not None:
@@ -123,6 +143,7 @@ class JointSearch(JointCaptures):
                 raise PlanError(f"pipeline_stages={self.opts.pipeline_stages} is impossible: "
                                 f"{', '.join(tied)} is used by several layers (tied weights), "
                                 "which would have to live on two stages")
+            self._enough_layers(self.opts.pipeline_stages)
             return [self.opts.pipeline_stages]
         if tied:
             self._say(f"no pipelining: tied weights {', '.join(tied)} span several layers")

@@ -145,6 +145,24 @@ def test_forced_decisions_that_cannot_hold_are_errors(kw, msg):
         plan(model, ex, MESH, **kw)
 
 
+def test_forced_decisions_a_mesh_or_model_cannot_hold_say_why():
+    """ZeRO on one device, or per stage of one device, said "no plan within the time
+    limit"; more stages than layers that compute said "no plan fits memory" (at 421 KiB
+    of 8 GiB): both now name the cause."""
+    import mlp
+
+    model, ex = _gpt()
+    with pytest.raises(PlanError, match=r"zero_stage=3 shards .* the mesh \(1,\) has a single device"):
+        plan(model, ex, (1,), zero_stage=3)
+    with pytest.raises(PlanError, match="each of the 2 pipeline stages .* single device"):
+        plan(model, ex, (2,), zero_stage=1, pipeline_stages=2)
+    with pytest.raises(PlanError, match=r"pipeline_stages=8 needs at least 8 layers .* has 6 \(pre, "):
+        plan(model, ex, (8,), pipeline_stages=8)
+    m2, ex2 = mlp.build()
+    with pytest.raises(PlanError, match=r"needs at least 2 layers that compute.* has 1 \(post\)"):
+        plan(m2, ex2, (2,), pipeline_stages=2)
+
+
 def test_forced_zero_gets_an_axis_to_shard_over():
     model, ex = _gpt()
     d = plan(model, ex, MESH, zero_stage=2).decisions
