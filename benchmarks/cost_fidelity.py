@@ -22,13 +22,13 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import math
 import os
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.multiprocessing as mp
 
@@ -76,18 +76,6 @@ def _model(name: str, world: int):
     return model, batch, True
 
 
-def _timed(step) -> float:
-    import time
-
-    import torch.distributed as dist
-    dist.barrier()
-    t0 = time.perf_counter()
-    step()
-    t = torch.tensor([time.perf_counter() - t0])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
 def _build(model_name: str, case: str, opts: dict, world: int, mesh_spec) -> dict:
     """Plan and build one case; a dict with its ``step`` (AdamW step of the whole batch)
     and plan, or its ``error`` (raised alike on every rank: a table entry)."""
@@ -130,10 +118,12 @@ def _measure(built: list[dict], rounds: int, steps: int) -> list[dict]:
     """``rounds`` rounds over every case, ``steps`` timed steps of each per round: the
     cases interleaved, so load that comes and goes touches all of them alike (each module
     runs on its own mesh, runtime.mesh.activate).  Median and spread over all its steps."""
+    from _ranks import timed
+    from autopar.cost_models.measure import iqr
     for _ in range(rounds):
         for b in built:
             if "step" in b:
-                b["times"] += [_timed(b["step"]) for _ in range(steps)]
+                b["times"] += [timed(b["step"]) for _ in range(steps)]
     rows = []
     for b in built:
         if "step" not in b:
@@ -141,10 +131,9 @@ def _measure(built: list[dict], rounds: int, steps: int) -> list[dict]:
             continue
         d, times = b["plan"].decisions, b["times"]
         med = statistics.median(times)
-        q = np.percentile(times, [25, 75])
         rows.append({"model": b["model"], "case": b["case"], "predicted_ms": d.step_seconds * 1e3,
                      "breakdown_ms": {k: round(v * 1e3, 1) for k, v in d.breakdown.items()},
-                     "measured_ms": med * 1e3, "spread": float(q[1] - q[0]) / med})
+                     "measured_ms": med * 1e3, "spread": iqr(times) / med})
     return rows
 
 
@@ -175,28 +164,16 @@ def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
     finish(rank, rows, out)
 
 
-def spearman(a: list[float], b: list[float]) -> float:
-    """Spearman rank correlation (average ranks for ties)."""
-    def ranks(x):
-        x = np.asarray(x, float)
-        order = x.argsort()
-        r = np.empty(len(x))
-        r[order] = np.arange(len(x), dtype=float)
-        for v in np.unique(x):  # ties share their mean rank
-            r[x == v] = r[x == v].mean()
-        return r
-    ra, rb = ranks(a), ranks(b)
-    return float(np.corrcoef(ra, rb)[0, 1])
-
-
 def summary(rows: list[dict]) -> dict[str, dict]:
     """Per preset: Spearman and median relative error over the cases that ran."""
+    from autopar.verify import spearman
     out = {}
     for preset in dict.fromkeys(r["preset"] for r in rows):
         ok = [r for r in rows if r["preset"] == preset and "error" not in r]
         p = [r["predicted_ms"] for r in ok]
         m = [r["measured_ms"] for r in ok]
-        out[preset] = {"cases": len(ok), "spearman": spearman(p, m),
+        rho = spearman(p, m)  # autopar.verify's: None when undefined (one side constant)
+        out[preset] = {"cases": len(ok), "spearman": math.nan if rho is None else rho,
                        "median_error": statistics.median(abs(x - y) / y for x, y in zip(p, m))}
     return out
 
