@@ -110,35 +110,39 @@ class InputBinder:
         return flat
 
     def _own_rows(self, flat: list) -> list:
-        from autopar.placement import Shard
-        from autopar.runtime.mesh import current
         from autopar.sharding import shard_tensor
 
-        m = current()
-        pl = tuple(Shard(0) if a in self.dp_axes else None for a in range(len(m.shape)))
+        m, pl, _ = self._split()
         return [shard_tensor(x, pl, m.shape, m.coord) if i in self.passthrough else x
                 for i, x in enumerate(flat)]
 
-    def _dp_size(self) -> int:
+    def _split(self):
+        """(this rank's mesh, the batch's placements: dim 0 split over the data-parallel
+        axes, the number of data-parallel ranks)."""
+        from autopar.placement import Shard
         from autopar.runtime.mesh import current
 
-        return math.prod(current().shape[a] for a in self.dp_axes) if self.dp_axes else 1
+        m = current()
+        pl = tuple(Shard(0) if a in self.dp_axes else None for a in range(len(m.shape)))
+        return m, pl, math.prod(m.shape[a] for a in self.dp_axes)
 
     def check_shapes(self, flat: list, local: bool = True) -> None:
         """Refuse tensors whose shape is not the planned one (the graph's shapes are
         static: another batch or sequence length would be cut or mis-sharded); with
         ``local``, :attr:`passthrough` inputs are this rank's rows."""
-        dp = self._dp_size() if self.passthrough else 1
+        dp = self._split()[2] if self.passthrough else 1
         for i, x in enumerate(flat):
             want = self.shapes[i] if i < len(self.shapes) else None
             if want is not None and local and i in self.passthrough:
                 want = (want[0] // dp, *want[1:])  # this rank's rows, as passed
             if want is not None and isinstance(x, torch.Tensor) and tuple(x.shape) != want:
                 name = self.names[i] if i < len(self.names) else f"input {i}"
-                note = "" if self.mode is BatchMode.GLOBAL and not local else \
-                    " (this rank's rows)" if local and i in self.passthrough else \
-                    "" if self.mode is BatchMode.GLOBAL else \
-                    " (as the global batch gathered from every data-parallel rank)"
+                if local and i in self.passthrough:
+                    note = " (this rank's rows)"
+                elif self.mode is BatchMode.LOCAL:
+                    note = " (as the global batch gathered from every data-parallel rank)"
+                else:
+                    note = ""
                 raise InputMismatchError(
                     f"{name} has shape {tuple(x.shape)}{note} but the plan was made for "
                     f"{want}: autopar runs the shapes it planned. Use batches of the planned "
@@ -146,15 +150,11 @@ class InputBinder:
                     "loss), or plan again for this shape with auto_parallel")
 
     def _gather_local(self, flat: list) -> list:
-        from autopar.placement import Shard
-        from autopar.runtime.mesh import current
         from autopar.sharding import gather_tensor
 
         if not self.dp_axes:
             return flat
-        m = current()
-        pl = tuple(Shard(0) if a in self.dp_axes else None for a in range(len(m.shape)))
-        dp = math.prod(m.shape[a] for a in self.dp_axes)
+        m, pl, dp = self._split()
         out = []
         for i, x in enumerate(flat):
             want = self.shapes[i] if i < len(self.shapes) else None
