@@ -88,21 +88,20 @@ def _collective(kind: str, group: Any, nbytes: int, device: Any) -> tuple[Callab
     meaning: full bytes for all-gather / reduce-scatter, per-rank bytes for all-to-all, the
     message for send/recv, which is a ring: each rank sends to the next and receives from
     the last), and the bytes it really moves (fp32 elements, divisible by the ranks)."""
-    import torch
     import torch.distributed as dist
 
     group = group if group is not None else dist.group.WORLD
     p = dist.get_world_size(group)
     n = max(p, nbytes // 4 // p * p)  # fp32 elements, divisible by the ranks
-    f32 = torch.float32
-    return _issue(kind, group, p, n, f32, device), 4 * n
+    return _issue(kind, group, p, n, device), 4 * n
 
 
-def _issue(kind: str, group: Any, p: int, n: int, f32: Any, device: Any) -> Callable[[], None]:
-    """The closure of :func:`_collective` on ``n`` elements."""
+def _issue(kind: str, group: Any, p: int, n: int, device: Any) -> Callable[[], None]:
+    """The closure of :func:`_collective` on ``n`` fp32 elements."""
     import torch
     import torch.distributed as dist
 
+    f32 = torch.float32
     if kind == "all_reduce":
         buf = torch.ones(n, dtype=f32, device=device)
         return lambda: dist.all_reduce(buf, group=group)
@@ -326,8 +325,7 @@ def idle_reuse(group: Any, device: Any, dtype: Any, n: int, min_seconds: float,
     # the second half waits in the barrier below (blocked, as an idle stage waits in recv)
     half = _rate(lambda: torch.mm(a, b), 2.0 * n**3, min_seconds, sync) if me < p // 2 else 0.0
     dist.barrier(group=group)
-    vec = torch.tensor([every, half], dtype=torch.float64, device=device)
-    dist.all_reduce(vec, group=group)  # SUM
-    mean_all, mean_half = float(vec[0]) / p, float(vec[1]) / (p // 2)
+    mean_all, half_share = mean_over_ranks([every, half], group, device)
+    mean_half = half_share * p / (p // 2)  # the waiting ranks counted 0
     reuse = 1.0 - mean_all / mean_half if mean_half > 0 else 0.0
     return {"idle_reuse": min(0.95, max(0.0, reuse)), "all": mean_all, "half": mean_half}
