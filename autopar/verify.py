@@ -370,11 +370,11 @@ def _measure(c: Candidate, model: nn.Module, example_inputs: tuple, example_kwar
     """Build ``c``'s module on a deep copy of ``model`` and time ``steps`` training
     steps (zero_grad, forward and backward of the whole batch, optimizer step)."""
     from autopar.api import auto_parallel
-    from autopar.runtime.mesh import reset
 
-    reset()  # candidates run on different meshes (pipelines carve a stage axis)
-    # copies: training must not touch the caller's model, and building writes the
-    # rank's own lowering time into the plan (the report's plans stay equal on all ranks)
+    # candidates on different meshes (pipelines carve a stage axis) each get theirs from
+    # init_mesh, and every module runs on its own (runtime.mesh.activate).  Copies:
+    # training must not touch the caller's model, and building writes the rank's own
+    # lowering time into the plan (the report's plans stay equal on all ranks)
     pm = auto_parallel(copy.deepcopy(model), example_inputs=example_inputs,
                        example_kwargs=example_kwargs, plan=copy.deepcopy(c.plan), timeout=timeout)
     opt = _OPTIMIZERS[optimizer](pm.parameters())
@@ -455,19 +455,13 @@ def verify(model: nn.Module, example_inputs: tuple = (), mesh: MeshSpec | str | 
             raise ConfigError(f"candidate {c.label} ({c.origin}) is for {c.plan.world_size} ranks "
                               f"and batch={c.plan.decisions.batch!r}; this job has {world} "
                               "ranks and verify times the global batch")
-    from autopar.runtime import mesh as mesh_rt
-
-    before = mesh_rt._CURRENT  # a module built earlier looks its mesh up there: give it back
     rows = []
-    try:
-        with torch.random.fork_rng(devices=[]):  # the caller's random stream is untouched
-            for c in sl.candidates:
-                times = _measure(c, model, example_inputs, example_kwargs, steps, warmup,
-                                 optimizer, timeout)
-                rows.append(Row(c.label, c.origin, c.plan.decisions.step_seconds,
-                                statistics.median(times), times, c.plan))
-    finally:
-        mesh_rt._CURRENT = before
+    with torch.random.fork_rng(devices=[]):  # the caller's random stream is untouched
+        for c in sl.candidates:
+            times = _measure(c, model, example_inputs, example_kwargs, steps, warmup,
+                             optimizer, timeout)
+            rows.append(Row(c.label, c.origin, c.plan.decisions.step_seconds,
+                            statistics.median(times), times, c.plan))
     report = VerifyReport(rows, 0, pick, steps, warmup, world, sl.skipped)
     # rows are in predicted order: row 0 is the predicted best; the measured times are
     # every rank's maximum, so the measured choice is the same on every rank too

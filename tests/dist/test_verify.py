@@ -70,9 +70,15 @@ def run_case(case: dict) -> dict:
         report = autopar.verify(model, ex, k=2, steps=3, warmup=1, candidates=[fast, slow],
                                 store=store)
     elif case["id"] == "plan-verify":
+        import copy
+
+        # a module built before verify (whose candidates build their own meshes) still
+        # runs on its own mesh afterwards: the single process's loss
+        earlier = autopar.auto_parallel(copy.deepcopy(model), example_inputs=ex, mesh=mesh, pins=DP)
         p = autopar.plan(model, ex, mesh)
         report = p.verify(model, ex, k=3, steps=1, warmup=1, pick="predicted", store=store)
         mine["verified_in_rows"] = any(r.origin == "verified plan" for r in report.rows)
+        mine["earlier_loss_err"] = abs(earlier(*ex).item() - model(*ex).item())
     else:  # "rank0-error": 32 samples do not split into 3 micro-batches
         try:
             autopar.verify(model, ex, mesh, k=2, micro_batches=3)
@@ -142,6 +148,8 @@ def test_plan_verify_measures_the_plan_and_its_variants(results):
     assert r0["report"]["chosen"] == 0  # pick="predicted": the predicted best
     assert r0["report"] == r1["report"] and r0["chosen_plan"] == r1["chosen_plan"]
     assert r0["unchanged"] and r1["unchanged"]
+    # fp32 sums in another order than the single process's
+    assert r0["earlier_loss_err"] < 1e-5 and r1["earlier_loss_err"] < 1e-5
     assert len(res["store"]) == len(rows)
 
 
