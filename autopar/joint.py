@@ -122,10 +122,15 @@ class JointSearch(JointCaptures):
                     out.append(info(n).param)
         return out
 
+    def _with_stats(self) -> _Candidate | None:
+        """The first priced candidate with layer statistics (any: what they share is the
+        model's layers and their compute)."""
+        return next((c for c, _ in self.priced if c.stats), None)
+
     def _enough_layers(self, stages: int) -> None:
         """Forced stages need a computing layer each (a stage that computes nothing is
         never planned): say so, rather than that no plan fits memory."""
-        known = next((c for c, _ in self.priced if c.stats), None)
+        known = self._with_stats()
         if known is None or stages <= 1:
             return
         layers = [st.key for st in known.stats if st.compute > 0]
@@ -324,7 +329,7 @@ class JointSearch(JointCaptures):
         ``(micro + (stages - 1)(1 - idle_reuse)) / micro`` (the slowest stage runs ``micro``
         micro-batches and the others fill and drain).  The split is recorded with its bound."""
         best = self._best()
-        known = next((c for c, _ in self.priced if c.stats), None)
+        known = self._with_stats()
         if best is None or known is None:
             return False
         work = sum(st.floor for st in known.stats) * known.micro_batches
