@@ -24,6 +24,14 @@ def _check_positive_finite(owner: str, name: str, value: float) -> None:
         raise ValueError(f"{owner}.{name} must be finite and > 0, got {value!r}")
 
 
+def _check_latency(owner: str, name: str, value: float) -> None:
+    """Raise ValueError unless ``value`` is a finite number >= 0 (a latency may be 0)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{owner}.{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{owner}.{name} must be finite and >= 0, got {value!r}")
+
+
 def _check_int(owner: str, name: str, value: object, minimum: int) -> None:
     """Raise ValueError unless ``value`` is an int (not bool) >= ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -55,10 +63,7 @@ class LinkSpec:
 
     def __post_init__(self) -> None:
         """Validate: alpha >= 0 finite, beta > 0 finite, group >= 1 and only with ``inter``."""
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, numbers.Real):
-            raise ValueError(f"LinkSpec.alpha must be a number, got {self.alpha!r}")
-        if not math.isfinite(self.alpha) or self.alpha < 0:
-            raise ValueError(f"LinkSpec.alpha must be finite and >= 0, got {self.alpha!r}")
+        _check_latency("LinkSpec", "alpha", self.alpha)
         _check_positive_finite("LinkSpec", "beta", self.beta)
         _check_int("LinkSpec", "group", self.group, 1)
         if self.inter is not None and not isinstance(self.inter, LinkSpec):
@@ -77,8 +82,7 @@ class LinkSpec:
         if len(set(names)) != len(names) or not set(names) <= set(KIND_NAMES):
             raise ValueError(f"LinkSpec.kinds must name distinct kinds among {KIND_NAMES}, got {names}")
         for k, a, b in kinds:
-            if isinstance(a, bool) or not isinstance(a, numbers.Real) or not 0 <= a < math.inf:
-                raise ValueError(f"LinkSpec.kinds[{k!r}] alpha must be finite and >= 0, got {a!r}")
+            _check_latency("LinkSpec", f"kinds[{k!r}] alpha", a)
             _check_positive_finite("LinkSpec", f"kinds[{k!r}] beta", b)
 
     def for_kind(self, kind: str) -> tuple[float, float]:
