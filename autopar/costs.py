@@ -85,7 +85,9 @@ class CostModel(EdgePrices):
     def output_redistribution(self, src: Placements, dst: Placements, t: TensorInfo) -> float:
         """Seconds per step to make a model output ``dst``: forward and backward dual,
         except for a scalar (the loss), whose backward needs no communication (every
-        rank seeds the same gradient, passes/lower.py ``_scalar_outputs``)."""
+        rank seeds the same gradient, :mod:`autopar.runtime.pending`).  Its forward sum
+        is left in flight and waited for only when the value is read, so this prices
+        it as if waited for at once: an upper bound by one small collective."""
         both = self.redistribution(src, dst, t)
         return both / 2.0 if not t.shape else both
 

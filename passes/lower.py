@@ -18,7 +18,7 @@ After: the same graph where
 
 Parameters are not touched here: the module holding the graph stores local shards.
 Example (MLP, batch-sharded on a 1-D mesh): ``linear(local_slice(x, 0, 0), w, b)``;
-the loss ends in ``all_reduce(mse_loss(...), 0)``.
+the loss ends in ``pending_sum(scale_grad(mse_loss(...), 1/n), (0,))``.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from autopar.plan import Plan
 from autopar.redistribute import StepKind, plan_redistribution
 from autopar.runtime import collectives as C
 from autopar.runtime.inputs import passthrough_inputs
+from autopar.runtime.pending import pending_sum
 
 _EMIT = {
     StepKind.ALL_REDUCE: lambda x, s: (C.all_reduce, (x, s.axis)),
@@ -65,14 +66,19 @@ def _same_global(node: fx.Node, ann) -> None:
         node.meta[META_KEY] = ann
 
 
-def _scalar_outputs(y: fx.Node, start: fx.Node) -> None:
-    """The all-reduces from ``start`` to the output ``y`` of a scalar become
-    :func:`~autopar.runtime.collectives.all_reduce_scalar_out` (same forward, backward
-    without communication)."""
-    while y is not start and y.op == "call_function":
-        if y.target is C.all_reduce:
-            y.target = C.all_reduce_scalar_out
-        y = y.args[0]
+def _scalar_output(g: fx.Graph, x: fx.Node, src: Placements, dst: Placements,
+                   seed_scale: float) -> fx.Node | None:
+    """A scalar output (the loss) that is only summed over some axes: scale its seed,
+    then start the sum and leave it in flight (:func:`~autopar.runtime.pending.pending_sum`:
+    no wait in the forward, no communication in the backward).  None when reaching
+    ``dst`` takes more than all-reduces."""
+    steps = plan_redistribution(src, dst)
+    if not steps or any(s.kind is not StepKind.ALL_REDUCE for s in steps):
+        return None
+    y = g.call_function(C.scale_grad, (x, seed_scale))
+    y = g.call_function(pending_sum, (y, tuple(s.axis for s in steps)))
+    _same_global(y, x.meta.get(META_KEY))
+    return y
 
 
 def out_placement(plan: Plan, node: fx.Node) -> Placements:
@@ -140,11 +146,14 @@ def lower(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             if rows is not None and len(outs) == 1 and outs[0].shape and outs[0].shape[0] == rows:
                 # every batch-shaped output on the same axes: the rows the caller passed
                 dst = tuple(Shard(0) if i in d.local_axes else R for i in range(len(replicated)))
+            src = out_placement(plan, planned)
             with g.inserting_before(out):
-                y = emit_redistribution(g, a, out_placement(plan, planned), dst)
-                if len(outs) == 1 and not outs[0].shape:  # a scalar (the loss): no mirror all-reduce
-                    _scalar_outputs(y, a)
-                y = g.call_function(C.scale_grad, (y, 1.0 / plan.mesh.size))
+                y = None
+                if len(outs) == 1 and not outs[0].shape:  # a scalar (the loss)
+                    y = _scalar_output(g, a, src, dst, 1.0 / plan.mesh.size)
+                if y is None:
+                    y = emit_redistribution(g, a, src, dst)
+                    y = g.call_function(C.scale_grad, (y, 1.0 / plan.mesh.size))
             new_args.append(y)
         else:
             new_args.append(a)

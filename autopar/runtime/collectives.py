@@ -85,19 +85,6 @@ class _AllReduceFn(Function):
         return _all_reduce(g, ctx.axis), None
 
 
-class _AllReduceScalarOutFn(Function):
-    @staticmethod
-    def forward(ctx, x, axis):  # noqa: D102
-        ctx.n = current().shape[axis]
-        return _all_reduce(x, axis)
-
-    @staticmethod
-    def backward(ctx, g):  # noqa: D102
-        # every rank seeds the same gradient into a replicated scalar output, so the
-        # mirror all-reduce would sum n equal values: compute it without communicating
-        return g * ctx.n, None
-
-
 class _AllGatherFn(Function):
     @staticmethod
     def forward(ctx, x, dim, axis):  # noqa: D102
@@ -146,16 +133,6 @@ class _ScaleGradFn(Function):
 def all_reduce(x: torch.Tensor, axis: int) -> torch.Tensor:
     """P -> R on ``axis``: sum over the axis' ranks."""
     return _AllReduceFn.apply(x, axis)
-
-
-def all_reduce_scalar_out(x: torch.Tensor, axis: int) -> torch.Tensor:
-    """P -> R on ``axis`` for a scalar the module returns (the loss): the forward sums
-    as :func:`all_reduce` does; the backward multiplies by the axis size instead of
-    all-reducing, which is exact because every rank seeds the same gradient into the
-    same replicated scalar (``loss.backward()``, ``(loss / k).backward()``: what data
-    parallel training does on every rank; DDP relies on the same symmetry).  One
-    latency-bound collective per step less on the hot path (issue 11)."""
-    return _AllReduceScalarOutFn.apply(x, axis)
 
 
 def all_gather(x: torch.Tensor, dim: int, axis: int) -> torch.Tensor:

@@ -4,6 +4,7 @@ test_training_loop.py; every rank runs each case, rank 0's dict goes back)."""
 from __future__ import annotations
 
 import copy
+import io
 import os
 from pathlib import Path
 
@@ -362,7 +363,9 @@ def zero3_collectives(c: dict) -> dict:
 
 def dp_backward_collectives(c: dict) -> dict:
     """Data parallel's backward issues only the gradient buckets' all-reduces: the
-    loss's mirror all-reduce (a replicated scalar, same seed on every rank) is gone."""
+    loss's mirror all-reduce (a replicated scalar, same seed on every rank) is gone; the
+    loss's own all-reduce is still in flight after the backward, and the value is the
+    single process's wherever it is read."""
     import collections
     import sys
 
@@ -374,10 +377,21 @@ def dp_backward_collectives(c: dict) -> dict:
     pm = auto_parallel(model, example_inputs=(x, y), mesh=_mesh(c["mesh"]),
                        pins={"*": "R", "input:0": "S(0)", "input:1": "S(0)"})
     loss = pm(x, y)
+    logged = loss.detach()  # what a loop keeps for logging
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         loss.backward()
+    # the loss's all-reduce was started in the forward and nothing waited for it since:
+    # not the forward, not detach(), not backward()
+    in_flight = [type(t).__name__ for t in (loss, logged) if getattr(t, "_sum", None) is not None
+                 and t._sum.work is not None]
     r = ref(x, y)
     r.backward()
+    buf = io.BytesIO()
+    torch.save(logged, buf)  # a logged loss saves as a plain tensor
+    buf.seek(0)
+    uses = {"item": abs(logged.item() - float(r)), "times2": abs(float(loss * 2) - 2 * float(r)),
+            "saved": abs(float(torch.load(buf)) - float(r)),
+            "repr": f"{float(r):.4f}" in repr(loss), "plain": type(loss * 2) is torch.Tensor}
     grads = pm.full_grads()
     err = max((grads[k] - p.grad).abs().max().item() for k, p in ref.named_parameters())
     names = collections.Counter(e.name for e in prof.events() if e.name.startswith("gloo:"))
@@ -385,6 +399,7 @@ def dp_backward_collectives(c: dict) -> dict:
     run_buckets = [[n for p in b.params for n, q in pm.inner.named_parameters() if q is p]
                    for b in pm.grad_sync.buckets]
     return {"backward": dict(names), "buckets": len(pm.grad_sync.buckets), "grad_err": err,
+            "in_flight": in_flight, "uses": uses,
             "loss_err": abs(float(loss) - float(r)), "planned": planned, "run_buckets": run_buckets}
 
 

@@ -216,6 +216,19 @@ def test_data_parallel_backward_issues_only_gradient_buckets(two):
     assert r["grad_err"] < 1e-6 and r["loss_err"] < 1e-5
 
 
+def test_data_parallel_loss_is_reduced_only_when_read(two):
+    """Issue 11: DP's forward waited for the loss's all-reduce (a latency-bound
+    collective DDP does not issue). Now it is started and left in flight: after
+    forward, ``detach()`` and ``backward()`` nothing has waited (before: the loss was a
+    plain tensor, reduced in the forward), and reading it anywhere gives the
+    single-process loss (fp32 sums in another order: 1e-5)."""
+    r = two["dp-bwd"]
+    assert r["in_flight"] == ["PendingSum", "PendingSum"], r
+    u = r["uses"]
+    assert u["item"] < 1e-5 and u["times2"] < 2e-5 and u["saved"] < 1e-5, u
+    assert u["repr"] and u["plain"], u
+
+
 def test_shutdown_joins_gloo_threads(two):
     # before: 3 gloo threads (one tcp loop, two workers) outlived shutdown(); at exit they
     # could drop a finished work after finalization began and abort the process
