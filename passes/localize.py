@@ -91,6 +91,8 @@ def localize(gm: fx.GraphModule, plan: Plan) -> None:
                 node.target = O.cross_entropy
                 node.args = (node.args[0], node.args[1], ignore, reduction, rows, classes)
                 node.kwargs = {}
+                if rows and reduction == 1 and plan.decisions.pipeline_stages <= 1:
+                    node.args = (*node.args, _hoist_count(g, node.args[1], ignore, rows))
         elif t is aten.dropout.default:
             # the global mask, sliced: independent per batch shard, equal across
             # tensor-parallel peers, the single process's mask (autopar/runtime/rng.py)
@@ -109,6 +111,29 @@ def localize(gm: fx.GraphModule, plan: Plan) -> None:
             _localize_attention(node, ins, mesh)
         elif t is MOE_EXPERTS:  # routed experts: expert parallel / Partial local forms
             localize_experts(node, ins, mesh)
+
+
+# ops that move or reshape a tensor's elements without dropping or changing any: the
+# count of non-ignored targets is the same before and after them
+_SAME_COUNT = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+               aten.flatten.using_ints, aten.clone.default, aten.alias.default,
+               aten.detach.default, aten.permute.default, aten.transpose.int, aten.t.default,
+               aten.squeeze.dim, aten.unsqueeze.default, aten.contiguous.default}
+HOISTED = "autopar_hoisted"  # meta key: a node moved up to the inputs (layer "pre")
+
+
+def _hoist_count(g: fx.Graph, target: fx.Node, ignore: int, rows: tuple[int, ...]) -> fx.Node:
+    """Start the all-reduce of the global count of non-ignored targets right where the
+    targets' elements first exist on this rank (the local slice of the labels, at the
+    top of the graph), not at the loss: a collective in the forward waits for the
+    slowest rank to reach it, and the labels are there long before the logits."""
+    root = target
+    while root.op == "call_function" and root.target in _SAME_COUNT:
+        root = root.args[0]
+    with g.inserting_after(root):
+        start = g.call_function(O.start_count, (root, ignore, rows))
+    start.meta[HOISTED] = True
+    return start
 
 
 def _localize_attention(node: fx.Node, ins: list[Placements], mesh: tuple[int, ...]) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import operator
 
-from autopar.passes.localize import SCALED_FROM, localize
+from autopar.passes.localize import HOISTED, SCALED_FROM, localize
 from torch import fx
 
 from autopar.ir import META_KEY, info, tensor_inputs
@@ -181,3 +181,6 @@ def tag_layers(gm: fx.GraphModule, plan: Plan) -> None:
         else:
             users = [u for u in n.users if "autopar_layer" in u.meta]
             n.meta["autopar_layer"] = users[0].meta["autopar_layer"] if users else POST
+    for n in gm.graph.nodes:
+        if n.meta.get(HOISTED):  # emitted next to its input, far from its user
+            n.meta["autopar_layer"] = n.args[0].meta["autopar_layer"]

@@ -30,19 +30,30 @@ def vocab_embedding(weight: torch.Tensor, idx: torch.Tensor, axes: tuple[int, ..
     return F.embedding(local, weight) * mine.unsqueeze(-1).to(weight.dtype)
 
 
+def start_count(target: torch.Tensor, ignore_index: int, row_axes: tuple[int, ...]):
+    """Start summing the count of targets that are not ``ignore_index`` over
+    ``row_axes``; returns the function that waits for it (what :func:`cross_entropy`
+    takes as ``count``)."""
+    return all_reduce_nograd_async((target != ignore_index).sum(), row_axes)
+
+
 def cross_entropy(x: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: int,
-                  row_axes: tuple[int, ...], class_axes: tuple[int, ...]) -> torch.Tensor:
+                  row_axes: tuple[int, ...], class_axes: tuple[int, ...],
+                  count=None) -> torch.Tensor:
     """Cross-entropy with rows sharded over ``row_axes`` and/or classes over ``class_axes``.
 
     Rows: the mean divides the local sum by the global count of non-ignored targets
     (output Partial over ``row_axes``).  Classes (``x`` is 2-D ``[rows, classes]``):
     max, sum of exponentials and the target logit are all-reduced over ``class_axes``
     (output replicated there).  ``reduction`` uses aten's enum (0 none, 1 mean, 2 sum).
+    ``count``: the wait of a :func:`start_count` issued earlier in the forward (the
+    lowering starts it where the labels appear); else it starts here.
     """
     valid = target != ignore_index
     # the global count of targets is known before any of the work below: start its
-    # all-reduce now and wait at the division (mean only)
-    count_wait = all_reduce_nograd_async(valid.sum(), row_axes) if reduction == 1 else None
+    # all-reduce now (if not already) and wait at the division (mean only)
+    if count is None and reduction == 1:
+        count = start_count(target, ignore_index, row_axes)
     if class_axes:
         cl = x.shape[1]
         off = shard_offset(class_axes, cl)
@@ -67,5 +78,4 @@ def cross_entropy(x: torch.Tensor, target: torch.Tensor, ignore_index: int, redu
     total = per_row.sum()
     if reduction == 2:
         return total
-    count = count_wait()
-    return total / count.to(total.dtype)
+    return total / count().to(total.dtype)

@@ -398,8 +398,12 @@ def dp_backward_collectives(c: dict) -> dict:
     planned = [[n for n in b] for b in pm.plan.decisions.grad_buckets]
     run_buckets = [[n for p in b.params for n, q in pm.inner.named_parameters() if q is p]
                    for b in pm.grad_sync.buckets]
+    from autopar.runtime.ops import start_count
+    order = [n.target for n in pm.inner.graph.nodes if n.op == "call_function"]
+    first_op = next(i for i, t in enumerate(order) if t is torch.ops.aten.embedding.default)
     return {"backward": dict(names), "buckets": len(pm.grad_sync.buckets), "grad_err": err,
             "in_flight": in_flight, "uses": uses,
+            "count_at": [i for i, t in enumerate(order) if t is start_count], "first_op": first_op,
             "loss_err": abs(float(loss) - float(r)), "planned": planned, "run_buckets": run_buckets}
 
 

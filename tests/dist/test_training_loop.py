@@ -229,6 +229,16 @@ def test_data_parallel_loss_is_reduced_only_when_read(two):
     assert u["repr"] and u["plain"], u
 
 
+def test_data_parallel_token_count_starts_before_the_model(two):
+    """Issue 11: the cross-entropy's token-count all-reduce started at the loss and was
+    waited for a few ops later, a synchronisation point with every rank in the forward.
+    Now it starts where the labels are sliced, before the first op of the model (the
+    embedding), and is waited for at the loss; its value is checked by the loss above
+    and, with ignored targets, by test_losses.py's ce-ignore."""
+    r = two["dp-bwd"]
+    assert len(r["count_at"]) == 1 and r["count_at"][0] < r["first_op"], r
+
+
 def test_shutdown_joins_gloo_threads(two):
     # before: 3 gloo threads (one tcp loop, two workers) outlived shutdown(); at exit they
     # could drop a finished work after finalization began and abort the process
