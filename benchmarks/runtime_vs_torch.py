@@ -6,9 +6,12 @@ On ``--world`` gloo ranks of this machine (one thread each), examples/gpt.py (4 
 dim 192, fp32) trains with AdamW; each case builds the hand-written module and
 autopar's from the same weights and runs their steps interleaved (A B A B ...), each
 step timed as the slowest rank's (barrier before, MAX all-reduce of the time after).
-Both sides use ``AdamW(foreach=True)`` (``--no-foreach``: the CPU default loop, where
-DTensor parameters pay a dispatch per op per parameter), except ``tp``, whose
-hand-written side mixes DTensor and plain parameters, which foreach refuses. Cases:
+Both sides use the same AdamW: ``--optimizer foreach`` (default), ``fused`` or ``loop``
+(the CPU default, where DTensor parameters pay a dispatch per op per parameter), except
+the tensor-parallel cases, whose hand-written side mixes DTensor and plain parameters
+(or DTensors on two meshes), which foreach and fused refuse: those keep the loop on
+both sides. ``--calibrate`` plans on the link ``calibrate()`` measures on the running
+group instead of the cpu-gloo preset. Cases:
 
 * ``dp``: data parallel pinned (``{"*": "R", "input:0": "S(0)", "input:1": "S(0)"}``,
   ``batch="local"``) vs ``DistributedDataParallel``;
@@ -18,12 +21,16 @@ hand-written side mixes DTensor and plain parameters, which foreach refuses. Cas
   the root;
 * ``tp``: Megatron pins (q/k/v, fc1 column; out_proj, fc2 row) vs ``parallelize_module``
   with ``ColwiseParallel`` / ``RowwiseParallel`` on the same layers (whole batch on
-  every rank for both).
+  every rank for both);
+* ``zero3tp2``: on a 2x2 mesh, the batch split over the first axis, the Megatron pins
+  on the second and ``zero_stage=3`` vs ``parallelize_module`` on the second axis and
+  FSDP2 on the first (each data-parallel pair passes its rows).
 
 For one extra step per side, ``torch.profiler`` counts the collectives issued
-(events of the process-group backend), and for one more the bytes this rank sends are
-read from ``/proc/self/io`` and set beside the analytic minimum of the case. Prints one markdown row per case: medians, the
-ratio, the collective counts and the load average.
+(events of the process-group backend); for one more the bytes this rank sends are
+read from ``/proc/self/io`` and set beside the analytic minimum of the case; for one
+more the peak resident memory. Prints one markdown row per case: medians, the ratio,
+the collective counts, bytes, peak RSS and the load average.
 """
 
 from __future__ import annotations
@@ -83,6 +90,17 @@ def _sent(step) -> float:
     return float(_wchar() - before)
 
 
+def _peak_rss(step) -> float:
+    """Peak resident MB of this rank during one step (VmHWM after resetting it through
+    /proc/self/clear_refs): both sides' modules and optimizer states stay resident, so
+    the difference between the sides is what one step of each allocates on top."""
+    dist.barrier()
+    Path("/proc/self/clear_refs").write_text("5")
+    step()
+    status = Path("/proc/self/status").read_text()
+    return int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("VmHWM:"))) / 1024
+
+
 def _wchar() -> int:
     with open("/proc/self/io") as f:
         return int(next(line for line in f if line.startswith("wchar:")).split()[1])
@@ -114,7 +132,7 @@ def _hand_zero3(model, world):
     return fully_shard(model, mesh=mesh)
 
 
-def _hand_tp(model, world):
+def _hand_tp(model, world, mesh=None):
     import types
 
     import torch.nn.functional as F
@@ -133,7 +151,7 @@ def _hand_tp(model, world):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out_proj(y.transpose(1, 2).reshape(b, t, -1))
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = mesh if mesh is not None else init_device_mesh("cpu", (world,))
     for b in model.blocks:
         b.attn.forward = types.MethodType(local_attention, b.attn)
         parallelize_module(b, mesh, {"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
@@ -142,21 +160,41 @@ def _hand_tp(model, world):
     return model
 
 
+def _hand_zero3_tp(model, world):
+    """FSDP2 over the first axis of a (world/2, 2) mesh, Megatron TP over the second."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    _hand_tp(model, world, mesh["tp"])
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh["dp"])
+    return fully_shard(model, mesh=mesh["dp"])
+
+
 DP2X2 = {"*": "RR", "input:0": "S(0)S(0)", "input:1": "S(0)S(0)"}
-CASES = {"dp": (_hand_dp, dict(pins=DP, batch="local"), True),
-         "dp2x2": (_hand_dp, dict(pins=DP2X2, batch="local", mesh=(2, 2)), True),
-         "zero3": (_hand_zero3, dict(pins=DP, batch="local", zero_stage=3), True),
-         "tp": (_hand_tp, dict(pins=MEGATRON), False)}
+# the batch over the first axis, Megatron pins on the second, ZeRO-3 left to the planner's
+# axis choice (it picks the first: the second holds tensor parallelism)
+ZERO3_TP = {"*": "RR", "input:0": "S(0)R", "input:1": "S(0)R",
+            **{k: "R" + v for k, v in MEGATRON.items() if not k.startswith("input")}}
+# case: (hand-written builder, auto_parallel options, ways the batch is split: each rank
+# passes the rows of its coordinate on the first ``ways`` ranks' axis, 1 = whole batch)
+CASES = {"dp": (_hand_dp, dict(pins=DP, batch="local"), "world"),
+         "dp2x2": (_hand_dp, dict(pins=DP2X2, batch="local", mesh=(2, 2)), "world"),
+         "zero3": (_hand_zero3, dict(pins=DP, batch="local", zero_stage=3), "world"),
+         "tp": (_hand_tp, dict(pins=MEGATRON), "none"),
+         "zero3tp2": (_hand_zero3_tp, dict(pins=ZERO3_TP, batch="local", zero_stage=3, mesh=(2, 2)),
+                      "first axis")}
 
 
-def _case(name: str, rank: int, world: int, steps: int, foreach: bool, measured=None) -> dict:
+def _case(name: str, rank: int, world: int, steps: int, optim: str, measured=None) -> dict:
     """Build both modules for one case, run them interleaved and measure."""
     import gpt
 
     import autopar
     from autopar.runtime.mesh import reset
 
-    make_hand, opts, local = CASES[name]
+    make_hand, opts, split = CASES[name]
     model, (x, y) = gpt.build(layers=4, dim=192, heads=4, vocab=256, seq=64, batch=8 * world)
     ref = copy.deepcopy(model)
     gbytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -169,16 +207,20 @@ def _case(name: str, rank: int, world: int, steps: int, foreach: bool, measured=
                                    links=measured.links * len(mesh))
     pm = autopar.auto_parallel(model, example_inputs=(x, y), mesh=mesh, **opts)
     hand = make_hand(ref, world)
-    n = x.shape[0] // world
-    xs, ys = (x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]) if local else (x, y)
+    # the rows this rank passes: its share of the batch over the data-parallel ranks
+    ways, part = {"world": (world, rank), "first axis": (world // 2, rank // 2), "none": (1, 0)}[split]
+    n = x.shape[0] // ways
+    xs, ys = x[part * n:(part + 1) * n], y[part * n:(part + 1) * n]
+    local = ways > 1
     # foreach: on CPU torch's optimizers default to a per-parameter loop, which costs
     # ~1 ms per DTensor parameter per step under gloo (CUDA defaults to foreach); both
     # sides use the same implementation
     # (hand-written TP leaves embeddings and norms plain tensors beside DTensors, which
     # foreach refuses to mix: that case keeps the loop on both sides)
-    foreach = foreach and name != "tp"
-    oa = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=foreach)
-    ob = torch.optim.AdamW(hand.parameters(), lr=1e-3, foreach=foreach)
+    optim = "loop" if name in ("tp", "zero3tp2") else optim
+    kw = {"foreach": {"foreach": True}, "fused": {"fused": True}, "loop": {"foreach": False}}[optim]
+    oa = torch.optim.AdamW(pm.parameters(), lr=1e-3, **kw)
+    ob = torch.optim.AdamW(hand.parameters(), lr=1e-3, **kw)
     losses: dict[str, list[float]] = {"autopar": [], "hand": []}
 
     def step_a():
@@ -208,9 +250,13 @@ def _case(name: str, rank: int, world: int, steps: int, foreach: bool, measured=
         tb.append(_timed(step_b))
     ca, cb = _collectives(step_a), _collectives(step_b)
     sa, sb = _sent(step_a), _sent(step_b)
+    pa, pb = _peak_rss(step_a), _peak_rss(step_b)
     return {"case": name, "autopar_ms": statistics.median(ta) * 1e3,
             "sent_autopar": sa, "sent_hand": sb, "sent_min": _minimum(name, gbytes, world),
             "hand_ms": statistics.median(tb) * 1e3, "coll_autopar": ca, "coll_hand": cb,
+            "rss_autopar": pa, "rss_hand": pb, "optim": optim,
+            "layout": next((ln.split(None, 1)[1] for ln in pm.plan.summary().splitlines()
+                            if ln.strip().startswith("layout")), "?"),
             "loss_diff": max(abs(a - b) for a, b in zip(losses["autopar"], losses["hand"]))}
 
 
@@ -221,7 +267,7 @@ def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
     if args["calibrate"]:  # plan on this group's measured link (cost_models/calibrate.py)
         from autopar.cost_models.calibrate import calibrate
         link = calibrate()
-    rows = [_case(name, rank, world, args["steps"], args["foreach"], link) for name in args["cases"]]
+    rows = [_case(name, rank, world, args["steps"], args["optim"], link) for name in args["cases"]]
     finish(rank, rows, out)
 
 
@@ -231,8 +277,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--cases", default="dp,zero3,tp")
-    ap.add_argument("--no-foreach", dest="foreach", action="store_false",
-                    help="the optimizers' default per-parameter loop on CPU")
+    ap.add_argument("--optimizer", dest="optim", choices=("foreach", "fused", "loop"), default="foreach",
+                    help="AdamW's implementation on both sides (loop: the CPU default)")
+    ap.add_argument("--no-foreach", dest="optim", action="store_const", const="loop",
+                    help="same as --optimizer loop")
     ap.add_argument("--calibrate", action="store_true",
                     help="plan on the link measured on the running group, not the cpu-gloo preset")
     a = ap.parse_args(argv)
@@ -243,21 +291,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
         out = os.path.join(d, "rows.json")
         load0 = os.getloadavg()[0]
         mp.spawn(_worker, args=(a.world, free_port(), {"steps": a.steps, "cases": cases,
-                                                  "foreach": a.foreach, "calibrate": a.calibrate}, out),
+                                                  "optim": a.optim, "calibrate": a.calibrate}, out),
                  nprocs=a.world, join=True)
         rows = json.loads(Path(out).read_text())
     print(f"| case | hand-written ms | autopar ms | autopar / hand | collectives per step, hand / "
           f"autopar | MB sent per rank per step, hand / autopar / analytic minimum | "
-          f"max loss difference |  (world {a.world}, {a.steps} interleaved steps, "
-          f"AdamW foreach={a.foreach}, {'calibrated link' if a.calibrate else 'cpu-gloo preset'}, "
+          f"peak RSS MB per rank, hand / autopar | max loss difference |  (world {a.world}, "
+          f"{a.steps} interleaved steps, AdamW {a.optim} (tp cases: loop), "
+          f"{'calibrated link' if a.calibrate else 'cpu-gloo preset'}, "
           f"load {load0:.2f} before)")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    layouts = "; ".join(f"{r['case']}: {r['layout']}" for r in rows)
     for r in rows:
         low = f"{r['sent_min'] / 1e6:.2f}" if r["sent_min"] else "-"
         print(f"| {r['case']} | {r['hand_ms']:.1f} | {r['autopar_ms']:.1f} | "
               f"{r['autopar_ms'] / r['hand_ms']:.2f} | {r['coll_hand']} / {r['coll_autopar']} | "
               f"{r['sent_hand'] / 1e6:.2f} / {r['sent_autopar'] / 1e6:.2f} / {low} | "
+              f"{r['rss_hand']:.0f} / {r['rss_autopar']:.0f} | "
               f"{r['loss_diff']:.2e} |")
+    print(f"\nautopar's layouts: {layouts}")
     return rows
 
 
