@@ -33,6 +33,7 @@ from autopar.placement import (
     local_shape,
     returned_placement,
 )
+from autopar.redistribute import StepKind, plan_redistribution
 from autopar.rules import OpStrategy
 from autopar.rules.attention import SDPA, CPImpl, context_layout, sdpa_args, sdpa_placements
 from autopar.runtime.experts import MOE_EXPERTS
@@ -84,12 +85,13 @@ class CostModel(EdgePrices):
     # ------------------------------------------------------------ edges
     def output_redistribution(self, src: Placements, dst: Placements, t: TensorInfo) -> float:
         """Seconds per step to make a model output ``dst``: forward and backward dual,
-        except for a scalar (the loss), whose backward needs no communication (every
-        rank seeds the same gradient, :mod:`autopar.runtime.pending`).  Its forward sum
-        is left in flight and waited for only when the value is read, so this prices
-        it as if waited for at once: an upper bound by one small collective."""
-        both = self.redistribution(src, dst, t)
-        return both / 2.0 if not t.shape else both
+        except for a scalar (the loss) that only needs all-reduces: its backward needs
+        no communication (every rank seeds the same gradient) and its forward sum is
+        left in flight, waited for only when the value is read, after the step's work
+        (:mod:`autopar.runtime.pending`), so nothing of it is on the step's path."""
+        if not t.shape and all(st.kind is StepKind.ALL_REDUCE for st in plan_redistribution(src, dst)):
+            return 0.0
+        return self.redistribution(src, dst, t)
 
     def output_cost(self, node: fx.Node, s: OpStrategy) -> float:
         """Seconds per step to return ``node``'s output (a model output) where the caller
@@ -124,14 +126,16 @@ class CostModel(EdgePrices):
         t = compute_time(self.mesh, ni.flops / div, local_bytes, op_dtype(node))
         if node.target is SDPA:
             t *= self.attention_compute_factor(node, s)
-        return t * (1.0 + self.backward_factor), self.own_comm(node, s, t)
+        return t * (1.0 + self.backward_factor), self.own_comm(node, s)
 
-    def own_comm(self, node: fx.Node, s: OpStrategy, forward: float = 0.0) -> float:
+    def own_comm(self, node: fx.Node, s: OpStrategy) -> float:
         """Collectives an op issues inside its lowering (vocab-parallel cross-entropy,
         context-parallel attention).  A batch-sharded cross-entropy's token count is
-        all-reduced asynchronously while the op's ``forward`` seconds compute
-        (runtime/ops.py), at ``mesh.overlap`` of its speed: only what is left after
-        them is exposed."""
+        all-reduced asynchronously from the top of the forward, where the labels are
+        sliced, and waited for at the loss (passes/localize.py ``_hoist_count``): an
+        8-byte collective behind the whole forward, priced as hidden.  (Under pipeline
+        stages it starts at the loss instead, one per micro-batch: under-priced by a
+        latency there.)"""
         if node.target is SDPA:
             return self.attention_comm(node, s)
         if node.target is MOE_EXPERTS:
@@ -144,8 +148,6 @@ class CostModel(EdgePrices):
         for a, p in enumerate(s.inputs[0]):
             if isinstance(p, Shard) and p.dim == 1:
                 total += 3 * all_reduce_time(self.mesh, a, rows * 4.0)
-            elif isinstance(p, Shard) and p.dim == 0:
-                total += max(0.0, all_reduce_time(self.mesh, a, 8.0) - forward * self.mesh.overlap)
         return total
 
     def _local_bytes(self, x: fx.Node, p: Placements) -> float:

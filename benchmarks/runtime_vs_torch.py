@@ -28,8 +28,9 @@ group instead of the cpu-gloo preset. Cases:
 
 For one extra step per side, ``torch.profiler`` counts the collectives issued
 (events of the process-group backend); for one more the bytes this rank sends are
-read from ``/proc/self/io`` and set beside the analytic minimum of the case; for one
-more the peak resident memory. Prints one markdown row per case: medians, the ratio,
+read from ``/proc/self/io`` and set beside the analytic minimum of the case. Peak
+resident memory is rank 0's ``ru_maxrss`` in fresh processes per side that build both
+modules and run three steps of that side only. Prints one markdown row per case: medians, the ratio,
 the collective counts, bytes, peak RSS and the load average.
 """
 
@@ -90,15 +91,11 @@ def _sent(step) -> float:
     return float(_wchar() - before)
 
 
-def _peak_rss(step) -> float:
-    """Peak resident MB of this rank during one step (VmHWM after resetting it through
-    /proc/self/clear_refs): both sides' modules and optimizer states stay resident, so
-    the difference between the sides is what one step of each allocates on top."""
-    dist.barrier()
-    Path("/proc/self/clear_refs").write_text("5")
-    step()
-    status = Path("/proc/self/status").read_text()
-    return int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("VmHWM:"))) / 1024
+def _peak_rss() -> float:
+    """This process's peak resident MB so far (``ru_maxrss``, KiB on Linux)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _wchar() -> int:
@@ -181,13 +178,16 @@ ZERO3_TP = {"*": "RR", "input:0": "S(0)R", "input:1": "S(0)R",
 # passes the rows of its coordinate on the first ``ways`` ranks' axis, 1 = whole batch)
 CASES = {"dp": (_hand_dp, dict(pins=DP, batch="local"), "world"),
          "dp2x2": (_hand_dp, dict(pins=DP2X2, batch="local", mesh=(2, 2)), "world"),
-         "zero3": (_hand_zero3, dict(pins=DP, batch="local", zero_stage=3), "world"),
+         # no pipeline, as FSDP2 (on a measured link the planner adds 2 stages)
+         "zero3": (_hand_zero3, dict(pins=DP, batch="local", zero_stage=3, pipeline_stages=1), "world"),
          "tp": (_hand_tp, dict(pins=MEGATRON), "none"),
-         "zero3tp2": (_hand_zero3_tp, dict(pins=ZERO3_TP, batch="local", zero_stage=3, mesh=(2, 2)),
+         "zero3tp2": (_hand_zero3_tp, dict(pins=ZERO3_TP, batch="local", zero_stage=3, mesh=(2, 2),
+                                                      pipeline_stages=1),
                       "first axis")}
 
 
-def _case(name: str, rank: int, world: int, steps: int, optim: str, measured=None) -> dict:
+def _case(name: str, rank: int, world: int, steps: int, optim: str, measured=None,
+          only: str | None = None) -> dict:
     """Build both modules for one case, run them interleaved and measure."""
     import gpt
 
@@ -241,6 +241,12 @@ def _case(name: str, rank: int, world: int, steps: int, optim: str, measured=Non
             lv /= world
         losses["hand"].append(float(lv))
 
+    if only is not None:
+        # a process of its own per side (ru_maxrss never goes down): both modules are
+        # built, only this side's steps run
+        for _ in range(3):
+            (step_a if only == "autopar" else step_b)()
+        return {"case": name, "side": only, "rss": _peak_rss()}
     for _ in range(2):  # warm-up
         step_a()
         step_b()
@@ -250,11 +256,10 @@ def _case(name: str, rank: int, world: int, steps: int, optim: str, measured=Non
         tb.append(_timed(step_b))
     ca, cb = _collectives(step_a), _collectives(step_b)
     sa, sb = _sent(step_a), _sent(step_b)
-    pa, pb = _peak_rss(step_a), _peak_rss(step_b)
     return {"case": name, "autopar_ms": statistics.median(ta) * 1e3,
             "sent_autopar": sa, "sent_hand": sb, "sent_min": _minimum(name, gbytes, world),
             "hand_ms": statistics.median(tb) * 1e3, "coll_autopar": ca, "coll_hand": cb,
-            "rss_autopar": pa, "rss_hand": pb, "optim": optim,
+            "optim": optim, "link": measured.to_dict() if measured is not None else None,
             "layout": next((ln.split(None, 1)[1] for ln in pm.plan.summary().splitlines()
                             if ln.strip().startswith("layout")), "?"),
             "loss_diff": max(abs(a - b) for a, b in zip(losses["autopar"], losses["hand"]))}
@@ -264,10 +269,14 @@ def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
     from _ranks import finish, join
     join(rank, world, port)
     link = None
-    if args["calibrate"]:  # plan on this group's measured link (cost_models/calibrate.py)
+    if args.get("link"):  # the link the timed run measured (peak RSS runs plan the same)
+        from autopar import MeshSpec
+        link = MeshSpec.from_dict(args["link"])
+    elif args["calibrate"]:  # plan on this group's measured link (cost_models/calibrate.py)
         from autopar.cost_models.calibrate import calibrate
         link = calibrate()
-    rows = [_case(name, rank, world, args["steps"], args["optim"], link) for name in args["cases"]]
+    rows = [_case(name, rank, world, args["steps"], args["optim"], link, args.get("only"))
+            for name in args["cases"]]
     finish(rank, rows, out)
 
 
@@ -290,10 +299,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "rows.json")
         load0 = os.getloadavg()[0]
-        mp.spawn(_worker, args=(a.world, free_port(), {"steps": a.steps, "cases": cases,
-                                                  "optim": a.optim, "calibrate": a.calibrate}, out),
-                 nprocs=a.world, join=True)
+        run = {"steps": a.steps, "cases": cases, "optim": a.optim, "calibrate": a.calibrate}
+        mp.spawn(_worker, args=(a.world, free_port(), run, out), nprocs=a.world, join=True)
         rows = json.loads(Path(out).read_text())
+        for r in rows:  # peak RSS: one run per side, each in fresh processes
+            for side in ("autopar", "hand"):
+                mp.spawn(_worker, args=(a.world, free_port(), run | {"cases": [r["case"]], "only": side,
+                                                                    "link": r["link"]}, out),
+                         nprocs=a.world, join=True)
+                r[f"rss_{side}"] = json.loads(Path(out).read_text())[0]["rss"]
     print(f"| case | hand-written ms | autopar ms | autopar / hand | collectives per step, hand / "
           f"autopar | MB sent per rank per step, hand / autopar / analytic minimum | "
           f"peak RSS MB per rank, hand / autopar | max loss difference |  (world {a.world}, "

@@ -93,6 +93,7 @@ def local_form(node: fx.Node, strategy: OpStrategy, mesh: Sequence[int]) -> fx.G
     gm, name = single_op(node)
     plan = SimpleNamespace(
         mesh=SimpleNamespace(shape=tuple(mesh)),
+        decisions=SimpleNamespace(pipeline_stages=1),
         nodes={name: SimpleNamespace(
             in_placements=[fmt_placements(p) for p in strategy.inputs],
             out_placements=[fmt_placements(p) for p in strategy.outputs],

@@ -242,8 +242,10 @@ def test_forced_zero_on_data_parallel_mesh(capsys):
                          "--pipeline-stages", "1", "--micro-batches", "1", "--recompute", "none",
                          "--pin", "*=R", "--pin", "input:0=S(0)", "--max-rows", "1", *GPT_TWO)
     assert code == 0, err
-    # "*=R" pins every op replicated (the batch is gathered): the summary says so
-    assert "layout         rep2 (one host), ZeRO-2" in out
+    # "*=R" pins the parameters replicated and the batch is split: data parallel with
+    # ZeRO-2 (the batch was gathered and every op replicated while the loss's
+    # all-reduces were priced on the step's path; they are off it now)
+    assert "layout         DP2 (one host), ZeRO-2" in out
     assert "ZeRO-2 over mesh axis 0" in out and "no pipeline" in out
     assert "no layer is recomputed" in out
 
