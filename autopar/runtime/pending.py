@@ -6,7 +6,8 @@ collective on the hot path that DDP does not have (DDP returns each rank's own l
 Nothing in the step needs the value: the backward of a sum is the identity, computed
 locally.  So the forward *starts* the all-reduce and returns a :class:`PendingSum`, a
 tensor that waits for it the first time its value is used (``loss.item()``,
-``float(loss)``, ``print(loss)``, ``loss + x``), and never otherwise.
+``float(loss)``, ``print(loss)``, ``f"{loss:.3f}"``, ``loss.numpy()``, ``loss + x``),
+and never otherwise.
 ``loss.backward()`` and ``loss.detach()`` do not wait: the first only needs the shape
 to seed the gradient, the second returns another pending view of the same sum, so a
 training loop that logs every N steps pays the wait only when it logs.  Every rank
@@ -60,12 +61,30 @@ class PendingSum(torch.Tensor):
         r._sum = s
         return r
 
+    # What reads the value outside torch's dispatcher (Python protocols, numpy): each
+    # waits and answers as the plain tensor would, so logging code sees a tensor.
     def __repr__(self, *, tensor_contents=None) -> str:  # noqa: D105
-        return f"PendingSum({self._sum.value()!r})"
+        return repr(self._sum.value())
+
+    def __format__(self, spec: str) -> str:  # noqa: D105
+        return self._sum.value().__format__(spec)
 
     def __reduce_ex__(self, proto):  # noqa: D105
-        # pickling (torch.save of a logged loss, deepcopy) stores the plain value
+        # pickling (torch.save of a logged loss) stores the plain value
         return self._sum.value().clone().__reduce_ex__(proto)
+
+    def __deepcopy__(self, memo) -> torch.Tensor:  # noqa: D105
+        return self._sum.value().clone()
+
+    def __array__(self, dtype=None, copy=None):  # noqa: D105
+        a = self._sum.value().numpy()
+        return a.astype(dtype) if dtype is not None else a
+
+    def numpy(self, *, force: bool = False):  # noqa: D102
+        return self._sum.value().numpy(force=force)
+
+    def tolist(self):  # noqa: D102
+        return self._sum.value().tolist()
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: D105
