@@ -144,8 +144,14 @@ def test_local_batch_returns_this_ranks_rows_of_the_logits(two):
 @pytest.mark.slow  # a 4-rank process group
 def test_local_batch_returns_rows_under_dp_x_tp(four):
     r = _ok(four[0]["local-logits-2x2"])
-    assert r["local_axes"] == [0] and sorted(r["dp"]) == [[0, 2], [0, 2], [1, 2], [1, 2]]
-    _local_outputs(r, 4)
+    # the data-parallel axes follow the first batch-shaped output (search.local_axes):
+    # since the loss's reductions are off the step (runtime/pending.py) the planner
+    # computes the head and loss with the rows split over both axes, so every rank is a
+    # data-parallel rank of its own and gets its quarter of the logits (before: [0], TP
+    # peers sharing a half). The input pinned S(0)R is then gathered from the 4 ranks
+    # and re-sliced by the binder (8 x 16 token ids per step)
+    assert r["local_axes"] == [0, 1] and sorted(r["dp"]) == [[0, 4], [1, 4], [2, 4], [3, 4]]
+    _local_outputs(r, 2)
 
 
 @pytest.mark.slow  # a 4-rank process group
