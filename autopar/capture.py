@@ -20,7 +20,7 @@ from torch import fx, nn
 from autopar.capture_checks import custom_function_guard
 from autopar.capture_experts import experts_as_op
 from autopar.errors import AutoparWarning, CaptureError, user_stacklevel
-from autopar.passes.grad_regions import inline_grad_regions
+from autopar.passes.grad_regions import inline_grad_regions, mark_tables
 from autopar.passes.mixed_precision import Precision, apply_mixed_precision
 from autopar.passes.side_views import duplicate_side_views
 
@@ -214,6 +214,7 @@ def finish(gm: fx.GraphModule, precision: Precision | str) -> None:
     calling convention (``gm._in_spec``/``_out_spec`` keep the pytree specs)."""
     # no_grad regions (HF rotary embeddings) as plain ops: plannable and exportable
     inline_grad_regions(gm, recompile=False)
+    mark_tables(gm)
     _strip_guards(gm)
     apply_mixed_precision(gm, precision, recompile=False)
     # a layer's view of a shared input (rotary tables) copied per user: the layer stays a

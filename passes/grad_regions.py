@@ -84,3 +84,35 @@ def inline_grad_regions(gm: fx.GraphModule, recompile: bool = True) -> int:
         if recompile:
             gm.recompile()
     return len(regions)
+
+
+def mark_tables(gm: fx.GraphModule) -> int:
+    """Mark :data:`KEEP_REPLICATED` every computed tensor that reads no model input and no
+    parameter, only buffers, constants and shapes, and is not batch-shaped: rotary cos/sin
+    tables, position ids (a causal mask of the batch's shape keeps its layouts: split
+    with the batch it costs a rank its share only).  transformers 5.24 computes the rotary tables outside the ``no_grad``
+    region (only the cast to the activations' dtype moved out, but that is what the
+    layers read), so :func:`inline_grad_regions` no longer marks them; with 16 layouts
+    each, the tables made the repeated-layer solver's side inputs 6,400 layouts and
+    clustering gave up.  Replicated, a consumer that wants one sharded slices it
+    locally, for free.  Returns how many nodes were marked."""
+    from autopar.placement import graph_batch
+
+    params = {name for name, _ in gm.named_parameters()}
+    batch = graph_batch(gm)
+    reads_input: set[fx.Node] = set()
+    marked = 0
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" or (n.op == "get_attr" and n.target in params):
+            reads_input.add(n)
+        elif n.op == "call_function":
+            if any(a in reads_input for a in n.all_input_nodes):
+                reads_input.add(n)
+            elif _table(n.meta.get("val"), batch) and not n.meta.get(KEEP_REPLICATED):
+                n.meta[KEEP_REPLICATED] = True
+                marked += 1
+    return marked
+
+
+def _table(v: object, batch: int | None) -> bool:
+    return isinstance(v, torch.Tensor) and not (v.dim() and batch is not None and v.shape[0] == batch)

@@ -68,3 +68,38 @@ def test_hf_llama_rotary_planned_and_exported():
         pm.export(d)  # raised AttributeError on the region's sub-module before
         src = (Path(d) / "module.py").read_text()
     assert "submod" not in src and "rotary" in src
+
+
+class _Tables(nn.Module):
+    """Rotary-like tables computed from a buffer and positions outside any no_grad
+    region (transformers 5.24's Llama), a batch-shaped mask, and activations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+        self.register_buffer("inv_freq", torch.rand(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(x.shape[1], dtype=torch.float32)
+        ang = torch.cat([pos[:, None] * self.inv_freq[None, :]] * 2, dim=-1)  # [seq, 8]
+        cos = ang.cos().to(x.dtype)
+        mask = torch.ones(x.shape[0], x.shape[1], 1)  # batch-shaped: keeps its layouts
+        return ((x @ self.w) * cos * mask).sum()
+
+
+def test_tables_from_buffers_alone_are_kept_replicated():
+    """transformers 5.24 moved the rotary tables' cast out of the no_grad region, so they
+    had every layout and the repeated-layer solver stopped clustering HF Llama
+    (tests/solver/test_cluster.py failed on a fresh install). Every tensor computed from
+    buffers and shapes alone is now a table; what reads the input or a parameter is not,
+    nor is a batch-shaped one."""
+    from autopar.passes.grad_regions import KEEP_REPLICATED
+
+    cap = capture(_Tables(), (torch.randn(2, 6, 8),))
+    marked = {n.name: bool(n.meta.get(KEEP_REPLICATED)) for n in cap.gm.graph.nodes
+              if n.op == "call_function"}
+    by_target = {str(n.target): marked[n.name] for n in cap.gm.graph.nodes if n.op == "call_function"}
+    assert by_target["aten.cos.default"] and by_target["aten.cat.default"], marked
+    assert not by_target["aten.ones.default"], marked  # batch-shaped
+    assert not by_target["aten.mm.default" if "aten.mm.default" in by_target else "aten.matmul.default"], marked
+    assert not by_target["aten.sum.default"], marked
