@@ -96,10 +96,11 @@ def mark_tables(gm: fx.GraphModule) -> int:
     each, the tables made the repeated-layer solver's side inputs 6,400 layouts and
     clustering gave up.  Replicated, a consumer that wants one sharded slices it
     locally, for free.  Returns how many nodes were marked."""
-    from autopar.placement import graph_batch
-
     params = {name for name, _ in gm.named_parameters()}
-    batch = graph_batch(gm)
+    # the batch as the first input's dim 0, read without int(): under a symbolic-batch
+    # capture that would specialise the batch to the traced size
+    batch = next((v.shape[0] for n in gm.graph.nodes if n.op == "placeholder"
+                  for v in [n.meta.get("val")] if isinstance(v, torch.Tensor) and v.dim()), None)
     reads_input: set[fx.Node] = set()
     marked = 0
     for n in gm.graph.nodes:
@@ -114,5 +115,14 @@ def mark_tables(gm: fx.GraphModule) -> int:
     return marked
 
 
-def _table(v: object, batch: int | None) -> bool:
-    return isinstance(v, torch.Tensor) and not (v.dim() and batch is not None and v.shape[0] == batch)
+def _table(v: object, batch: object) -> bool:
+    """A tensor that is not batch-shaped: dim 0 neither symbolic (a symbolic-batch
+    capture's batch) nor the concrete batch."""
+    if not isinstance(v, torch.Tensor):
+        return False
+    if not v.dim():
+        return True
+    d0 = v.shape[0]
+    if not isinstance(d0, int):
+        return False
+    return not (isinstance(batch, int) and d0 == batch)
