@@ -33,7 +33,7 @@ from autopar.placement import (
     local_shape,
     returned_placement,
 )
-from autopar.redistribute import StepKind, plan_redistribution
+from autopar.redistribute import sum_axes
 from autopar.rules import OpStrategy
 from autopar.rules.attention import SDPA, CPImpl, context_layout, sdpa_args, sdpa_placements
 from autopar.runtime.experts import MOE_EXPERTS
@@ -89,7 +89,7 @@ class CostModel(EdgePrices):
         no communication (every rank seeds the same gradient) and its forward sum is
         left in flight, waited for only when the value is read, after the step's work
         (:mod:`autopar.runtime.pending`), so nothing of it is on the step's path."""
-        if not t.shape and all(st.kind is StepKind.ALL_REDUCE for st in plan_redistribution(src, dst)):
+        if not t.shape and sum_axes(src, dst) is not None:
             return 0.0
         return self.redistribution(src, dst, t)
 

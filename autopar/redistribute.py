@@ -180,5 +180,16 @@ def step_shapes(steps: Sequence[Step], local: Sequence[int], mesh_shape: Sequenc
     return shapes
 
 
+def sum_axes(src: Placements, dst: Placements) -> tuple[int, ...] | None:
+    """The axes ``src -> dst`` all-reduces over when that is all it does (``()`` when it
+    does nothing), None when it takes any other step.  A scalar output reached this way
+    is left in flight by the lowering (``passes/lower.py``, ``runtime/pending.py``) and
+    priced off the step by the cost model: both ask here, so they agree."""
+    steps = plan_redistribution(src, dst)
+    if any(s.kind is not StepKind.ALL_REDUCE for s in steps):
+        return None
+    return tuple(s.axis for s in steps)
+
+
 __all__ = ["RedistributionError", "Shard", "Step", "StepKind", "placement_codes", "plan_codes",
-           "plan_redistribution", "step_shapes"]
+           "plan_redistribution", "step_shapes", "sum_axes"]

@@ -119,11 +119,11 @@ def _hand_dp(model, world):
     return DDP(model)
 
 
-def _hand_zero3(model, world):
+def _hand_zero3(model, world, mesh=None):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = mesh if mesh is not None else init_device_mesh("cpu", (world,))
     for b in model.blocks:
         fully_shard(b, mesh=mesh)
     return fully_shard(model, mesh=mesh)
@@ -160,13 +160,10 @@ def _hand_tp(model, world, mesh=None):
 def _hand_zero3_tp(model, world):
     """FSDP2 over the first axis of a (world/2, 2) mesh, Megatron TP over the second."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
     _hand_tp(model, world, mesh["tp"])
-    for b in model.blocks:
-        fully_shard(b, mesh=mesh["dp"])
-    return fully_shard(model, mesh=mesh["dp"])
+    return _hand_zero3(model, world, mesh["dp"])
 
 
 DP2X2 = {"*": "RR", "input:0": "S(0)S(0)", "input:1": "S(0)S(0)"}

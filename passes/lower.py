@@ -32,7 +32,7 @@ from autopar.ir import META_KEY, info, tensor_inputs
 from autopar.layers import POST, PRE
 from autopar.placement import Placements, R, Shard, graph_batch, parse_placements
 from autopar.plan import Plan
-from autopar.redistribute import StepKind, plan_redistribution
+from autopar.redistribute import StepKind, plan_redistribution, sum_axes
 from autopar.runtime import collectives as C
 from autopar.runtime.inputs import passthrough_inputs
 from autopar.runtime.pending import pending_sum
@@ -72,11 +72,11 @@ def _scalar_output(g: fx.Graph, x: fx.Node, src: Placements, dst: Placements,
     then start the sum and leave it in flight (:func:`~autopar.runtime.pending.pending_sum`:
     no wait in the forward, no communication in the backward).  None when reaching
     ``dst`` takes more than all-reduces."""
-    steps = plan_redistribution(src, dst)
-    if not steps or any(s.kind is not StepKind.ALL_REDUCE for s in steps):
+    axes = sum_axes(src, dst)
+    if not axes:
         return None
     y = g.call_function(C.scale_grad, (x, seed_scale))
-    y = g.call_function(pending_sum, (y, tuple(s.axis for s in steps)))
+    y = g.call_function(pending_sum, (y, axes))
     _same_global(y, x.meta.get(META_KEY))
     return y
 

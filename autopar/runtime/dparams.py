@@ -122,15 +122,15 @@ class DParams:
             if g is None:
                 e.param.grad = None
             elif not isinstance(e.param.grad, DTensor) or e.param.grad._local_tensor is not g:
-                e.param.grad = _grad_view(e.param, g, self.mesh, e)
+                e.param.grad = _grad_view(e, g, self.mesh)
 
 
-def _grad_view(param: nn.Parameter, g: torch.Tensor, mesh: DeviceMesh, e: Entry) -> DTensor:
+def _grad_view(e: Entry, g: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     """``as_dtensor(g)`` with the parameter's own spec (same mesh, placements, global
     shape and contiguous stride) when the dtypes agree: it skips ``from_local``'s
     autograd function and spec construction, which cost ~30 us per parameter per step
     (2.2 ms for a 69-parameter GPT, about 1% of its data-parallel step here)."""
-    spec = getattr(param, "_spec", None)
+    spec = getattr(e.param, "_spec", None)
     if spec is not None and spec.tensor_meta is not None and spec.tensor_meta.dtype == g.dtype:
         return DTensor(g, spec, requires_grad=False)
     return as_dtensor(g, mesh, e.placements, e.shape)
