@@ -87,15 +87,15 @@ def inline_grad_regions(gm: fx.GraphModule, recompile: bool = True) -> int:
 
 
 def mark_tables(gm: fx.GraphModule) -> int:
-    """Mark :data:`KEEP_REPLICATED` every computed tensor that reads no model input and no
-    parameter, only buffers, constants and shapes, and is not batch-shaped: rotary cos/sin
-    tables, position ids (a causal mask of the batch's shape keeps its layouts: split
-    with the batch it costs a rank its share only).  transformers 5.24 computes the rotary tables outside the ``no_grad``
-    region (only the cast to the activations' dtype moved out, but that is what the
-    layers read), so :func:`inline_grad_regions` no longer marks them; with 16 layouts
-    each, the tables made the repeated-layer solver's side inputs 6,400 layouts and
-    clustering gave up.  Replicated, a consumer that wants one sharded slices it
-    locally, for free.  Returns how many nodes were marked."""
+    """Mark :data:`KEEP_REPLICATED` every computed tensor that reads no model input and
+    no parameter, only buffers, constants and shapes, and is not batch-shaped: rotary
+    cos/sin tables, position ids (a causal mask of the batch's shape keeps its layouts:
+    split with the batch it costs a rank its share only).  transformers 5.24's Llama
+    computes its rotary tables without a ``no_grad`` region, so
+    :func:`inline_grad_regions` no longer marks them; with 16 layouts each, the tables
+    made the repeated-layer solver's side inputs 6,400 layouts and clustering gave up.
+    Replicated, a consumer that wants one sharded slices it locally, for free.  Returns
+    how many nodes were marked."""
     params = {name for name, _ in gm.named_parameters()}
     # the batch as the first input's dim 0, read without int(): under a symbolic-batch
     # capture that would specialise the batch to the traced size

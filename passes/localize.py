@@ -119,7 +119,7 @@ _SAME_COUNT = {aten.view.default, aten._unsafe_view.default, aten.reshape.defaul
                aten.flatten.using_ints, aten.clone.default, aten.alias.default,
                aten.detach.default, aten.permute.default, aten.transpose.int, aten.t.default,
                aten.squeeze.dim, aten.unsqueeze.default, aten.contiguous.default}
-HOISTED = "autopar_hoisted"  # meta key: a node moved up to the inputs (layer "pre")
+HOISTED = "autopar_hoisted"  # meta key: emitted next to its input (takes the input's layer)
 
 
 def _hoist_count(g: fx.Graph, target: fx.Node, ignore: int, rows: tuple[int, ...]) -> fx.Node:
