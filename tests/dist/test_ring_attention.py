@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 import queue
 import threading
-from collections import defaultdict
 
 import pytest
 import torch
@@ -140,11 +139,27 @@ def test_compute_factor_counts_blocks(causal, balance):
             assert len(set(work)) == 1  # zigzag: every rank does the same work
 
 
+class _Boxes:
+    """Queues keyed by (source, destination, tag), created on first use under a lock: a
+    ``defaultdict(queue.Queue)`` shared by threads can create one key's queue twice when
+    two threads miss it at once (the factory is Python code, the GIL may switch inside
+    it); the second replaces the first and a receiver then waits on a queue no one fills."""
+
+    def __init__(self) -> None:
+        self.lock, self.queues = threading.Lock(), {}
+
+    def __getitem__(self, key: tuple[int, int, int]) -> queue.Queue:
+        with self.lock:
+            if key not in self.queues:
+                self.queues[key] = queue.Queue()
+            return self.queues[key]
+
+
 class _SimRing:
     """A ring of threads in one process: messages go through queues keyed by
     (source, destination, tag); counts the bytes each rank sends."""
 
-    def __init__(self, boxes: dict, n: int, pos: int) -> None:
+    def __init__(self, boxes: _Boxes, n: int, pos: int) -> None:
         self.boxes, self.size, self.pos, self.sent = boxes, n, pos, 0
 
     def exchange(self, sends, recvs) -> None:
@@ -160,7 +175,7 @@ def test_simulated_ring_exact_and_transfer_factor(monkeypatch, n):
     c = _case("sim", mesh=(n,), local=4)
     t = _globals(c, n)
     lock = threading.Lock()
-    boxes: dict = defaultdict(queue.Queue)
+    boxes = _Boxes()
     rings = {}
     monkeypatch.setattr(ra, "ring_of", lambda axes: rings[threading.get_ident()])
     res: dict[int, tuple] = {}
