@@ -47,7 +47,9 @@ from autopar.strategies import apply_pins, enumerate_strategies
 class PlanOptions:
     """Knobs of the search.
 
-    ``memory_budget`` is bytes per device (default: the mesh's device capacity);
+    ``memory_budget`` is bytes per device the plan may fill (default: the mesh's
+    :attr:`~autopar.cost_models.mesh.MeshSpec.usable_memory`, its capacity less the
+    preset's reserve; a budget given here is used as it is);
     ``optimizer`` sizes optimizer state; ``time_limit`` bounds the search in seconds,
     capture not counted (the best feasible plan is returned when it runs out, and the plan
     says so; a joint search splits it between exploring and planning the chosen split at
@@ -341,7 +343,7 @@ def make_plan_drec(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts: Plan
 
     t0 = time.perf_counter()
     cm = cost_model(gm, mesh, opts)
-    budget = opts.memory_budget if opts.memory_budget is not None else mesh.mem_capacity
+    budget = opts.memory_budget if opts.memory_budget is not None else mesh.usable_memory
     pins = resolve_pins(gm, opts.pins, tuple(mesh.shape), aliases)
     report(f"D-Rec search over {len(gm.graph.nodes)} graph nodes, one mesh axis at a time")
     res = drec_search(gm, mesh, cm, DRecOptions(), pins, budget)
@@ -417,7 +419,7 @@ def make_weighted_plans(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts:
     except ValueError as e:
         raise PlanError(str(e)) from None
     cm = cost_model(gm, mesh, opts)
-    budget = opts.memory_budget if opts.memory_budget is not None else mesh.mem_capacity
+    budget = opts.memory_budget if opts.memory_budget is not None else mesh.usable_memory
     lays = layers(gm)  # one grouping for shared pricing and clustering: not free at depth
     pb = build_problem(gm, mesh, strategies, cm, budget, shared_pricing(gm, strategies, lays))
     t1 = time.perf_counter()

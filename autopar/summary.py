@@ -190,7 +190,7 @@ def summary_numbers(plan: Plan) -> dict:
         "peak_flops_per_device": plan.mesh.peak_flops,
         "mfu": flops / (step * world * plan.mesh.peak_flops) if step > 0 else 0.0,
         "memory_bytes": {k: float(v) for k, v in plan.memory.items()},
-        "memory_budget_bytes": r.memory_budget_bytes or plan.mesh.mem_capacity,
+        "memory_budget_bytes": r.memory_budget_bytes or plan.mesh.usable_memory,
         "unsupported_ops": unsupported_ops(plan),
     }
     return out
@@ -255,9 +255,13 @@ def summary(plan: Plan) -> str:
     kinds = ", ".join(f"{k} {format_bytes(mem[k])}" for k in
                       ("params", "grads", "optimizer", "activations", "buffers", "transient")
                       if mem.get(k))
-    budget = n["memory_budget_bytes"]
+    budget, m = n["memory_budget_bytes"], plan.mesh
+    # the default budget is the device less its reserve: say both, so 74.5 GiB on an
+    # 80 GiB device is not read as a mistake
+    held = (f" ({format_bytes(m.mem_capacity)} less a {format_bytes(m.mem_capacity - budget)} "
+            "reserve)") if budget == m.usable_memory and budget < m.mem_capacity else ""
     lines.append(f"  memory         {format_bytes(mem.get('total', 0.0))} of "
-                 f"{format_bytes(budget)} per device on the fullest stage "
+                 f"{format_bytes(budget)}{held} per device on the fullest stage "
                  f"({mem.get('total', 0.0) / budget:.0%}): {kinds or 'nothing'}")
     if d.pipeline_stages > 1:
         lines.append("  stages         " + "; ".join(

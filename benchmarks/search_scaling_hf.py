@@ -108,7 +108,7 @@ def measure(name: str, devices: int, time_limit: float, flat: bool) -> dict:
         if flat:
             t0 = time.perf_counter()
             st = enumerate_strategies(cap.gm, shape)
-            pb = build_problem(cap.gm, mesh, st, cost_model(cap.gm, mesh, opts), mesh.mem_capacity)
+            pb = build_problem(cap.gm, mesh, st, cost_model(cap.gm, mesh, opts), mesh.usable_memory)
             try:
                 sol = _solve(pb.problem, time_limit)
                 rec["flat"] = {"seconds": time.perf_counter() - t0, "status": str(sol.status),

@@ -181,6 +181,14 @@ def _host_memory_bytes() -> float:
     return float(total) / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
+def _reserve(base: MeshSpec | None, cuda: bool) -> dict[str, float]:
+    """The memory reserve of a calibrated mesh: ``base``'s, else that of the presets for
+    this kind of device (GPU or CPU host): calibration measures capacity, not what the
+    runtime spends outside the plan's tensors."""
+    ref = base if base is not None else MeshSpec.preset("8xH100-nvlink" if cuda else "cpu-gloo")
+    return {"reserve_bytes": ref.reserve_bytes, "reserve_fraction": ref.reserve_fraction}
+
+
 def _axis_groups(group: Any, shape: tuple[int, ...] | None, device_type: str) -> list[Any]:
     """One process group per mesh axis containing this rank (``group`` for a 1-D mesh)."""
     if shape is None or len(shape) == 1:
@@ -292,7 +300,9 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
                     peak_flops=rates["peak_flops"], mem_bandwidth=rates["mem_bandwidth"],
                     mem_capacity=capacity, flops_efficiency=1.0, name="calibrated",
                     kernel_floor=rates["kernel_floor"], overlap=ov["overlap"],
-                    optimizer_bandwidth=opt_bw, idle_reuse=reuse["idle_reuse"])
+                    optimizer_bandwidth=opt_bw, idle_reuse=reuse["idle_reuse"],
+                    # the base preset's reserve, else the preset kind's for this device
+                    **_reserve(base, cuda))
     elapsed = max_over_ranks([time.perf_counter() - t_start], group, device)[0]
     return Calibration(
         spec=spec, curves=curves, compute={**rates, "idle_reuse": reuse}, overlap=ov,

@@ -48,9 +48,17 @@ class _NodePreset:
     hint: str = ""
     overlap: float = 1.0
     fp32_peak_flops: float | None = None
+    reserve_bytes: float = 0.0
+    reserve_fraction: float = 0.0
 
 
 _GIB = 2**30
+# What a GPU spends outside the plan's tensors (MeshSpec.reserve_bytes/reserve_fraction):
+# the CUDA context and cuBLAS/cuDNN workspaces (0.5-1 GiB per process with torch), NCCL's
+# buffers (a few hundred MiB per communicator, several communicators per mesh), and the
+# caching allocator's fragmentation, which grows with the memory in use (a few percent of
+# it in long training runs): 1.5 GiB plus 5% of the device.
+_GPU_RESERVE = {"reserve_bytes": 1.5 * _GIB, "reserve_fraction": 0.05}
 # NVLink numbers are effective per-direction bandwidth per GPU (A100 NVLink3 600 GB/s
 # bidirectional -> ~300e9; H100 NVLink4 900 GB/s -> ~450e9). InfiniBand is one HDR (200 Gb/s,
 # 25e9 B/s) or NDR (400 Gb/s, 50e9 B/s) NIC per GPU. GPU peak_flops is the dense bf16
@@ -63,9 +71,9 @@ _NVLINK_H100 = LinkSpec(alpha=5e-6, beta=450e9)
 _IB_HDR = LinkSpec(alpha=1e-5, beta=25e9)
 _IB_NDR = LinkSpec(alpha=1e-5, beta=50e9)
 _A100 = {"peak_flops": 312e12, "fp32_peak_flops": 19.5e12, "mem_bandwidth": 2.039e12,
-         "mem_capacity": 80.0 * _GIB}
+         "mem_capacity": 80.0 * _GIB, **_GPU_RESERVE}
 _H100 = {"peak_flops": 989e12, "fp32_peak_flops": 67e12, "mem_bandwidth": 3.35e12,
-         "mem_capacity": 80.0 * _GIB}
+         "mem_capacity": 80.0 * _GIB, **_GPU_RESERVE}
 
 _PRESETS: dict[str, _NodePreset] = {
     "8xA100-nvlink": _NodePreset(8, _NVLINK_A100, None, default_shape=(8,),
@@ -84,10 +92,11 @@ _PRESETS: dict[str, _NodePreset] = {
     # gloo's reduce-scatter is an all-reduce followed by a local slice (it sends 2(p-1)/p of
     # the bytes, not (p-1)/p, and pays 2(p-1) latencies): measured here it costs 1-2x an
     # all-reduce of the same input, so its own (alpha, beta) price it exactly as one.
+    # Reserve: a rank's interpreter, torch and gloo take 0.3-0.5 GiB before any tensor.
     "cpu-gloo": _NodePreset(None, LinkSpec(alpha=5e-5, beta=2e9,
                                            kinds=(("reduce_scatter", 1e-4, 1e9),)), None, peak_flops=5e10,
                             mem_bandwidth=1e10, mem_capacity=8.0 * _GIB, default_shape=(2,),
-                            kernel_floor=1e-5, overlap=0.35),
+                            kernel_floor=1e-5, overlap=0.35, reserve_bytes=0.5 * _GIB),
 }
 
 PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
@@ -155,6 +164,9 @@ class MeshSpec:
     others, which then compute faster); calibration measures it. ``gpus_per_node``, ``intra`` and
     ``inter`` keep the node description of a preset so :meth:`with_shape` can re-derive links;
     ``gpus_per_node=None`` with ``intra`` set means one host without node boundaries.
+    ``reserve_bytes`` and ``reserve_fraction`` (of ``mem_capacity``) are what a device
+    spends outside the plan's tensors (runtime context, communication buffers, allocator
+    fragmentation): the default memory budget is :attr:`usable_memory`.
 
     An empty ``axis_names`` tuple is replaced by the default names ``("a0", "a1", ...)``;
     lists are accepted for sequence fields and stored as tuples.
@@ -176,6 +188,8 @@ class MeshSpec:
     fp32_peak_flops: float | None = None
     optimizer_bandwidth: float | None = None
     idle_reuse: float = 0.0
+    reserve_bytes: float = 0.0
+    reserve_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         """Normalise sequences to tuples and validate every field (ValueError on bad input)."""
@@ -204,6 +218,14 @@ class MeshSpec:
                 _check_positive_finite("MeshSpec", attr, getattr(self, attr))
         if self.flops_efficiency > 1:
             raise ValueError(f"MeshSpec.flops_efficiency must be <= 1, got {self.flops_efficiency}")
+        rb, rf = self.reserve_bytes, self.reserve_fraction
+        if isinstance(rb, bool) or not isinstance(rb, numbers.Real) or not 0 <= rb < math.inf:
+            raise ValueError(f"MeshSpec.reserve_bytes must be finite and >= 0, got {rb!r}")
+        if isinstance(rf, bool) or not isinstance(rf, numbers.Real) or not 0 <= rf < 1:
+            raise ValueError(f"MeshSpec.reserve_fraction must be in [0, 1), got {rf!r}")
+        if self.usable_memory <= 0:
+            raise ValueError(f"MeshSpec reserve ({rb:g} bytes + {rf:g} of the device) leaves no "
+                             f"memory of mem_capacity={self.mem_capacity:g}")
         ir = self.idle_reuse
         if isinstance(ir, bool) or not isinstance(ir, numbers.Real) or not 0 <= ir < 1:
             raise ValueError(f"MeshSpec.idle_reuse must be in [0, 1), got {ir!r}")
@@ -230,6 +252,12 @@ class MeshSpec:
         if self.fp32_peak_flops is not None and dtype in (torch.float32, torch.float64):
             return self.fp32_peak_flops
         return self.peak_flops
+
+    @property
+    def usable_memory(self) -> float:
+        """Bytes per device a plan may fill: ``mem_capacity`` less the reserve; the
+        default memory budget of every search."""
+        return self.mem_capacity * (1.0 - self.reserve_fraction) - self.reserve_bytes
 
     @property
     def size(self) -> int:
@@ -313,6 +341,8 @@ class MeshSpec:
             inter=p.inter,
             overlap=p.overlap,
             fp32_peak_flops=p.fp32_peak_flops,
+            reserve_bytes=p.reserve_bytes,
+            reserve_fraction=p.reserve_fraction,
         )
 
     def with_shape(
@@ -360,6 +390,8 @@ class MeshSpec:
             "fp32_peak_flops": self.fp32_peak_flops,
             "optimizer_bandwidth": self.optimizer_bandwidth,
             "idle_reuse": self.idle_reuse,
+            "reserve_bytes": self.reserve_bytes,
+            "reserve_fraction": self.reserve_fraction,
         }
 
     @classmethod

@@ -66,7 +66,8 @@ def test_llama_summary_golden_structure(llama_plan):
     n = summary_numbers(llama_plan)
     assert re.search(r"[0-9.]+[kMG]? tokens/s \(2048 per step\)", text)
     assert f"MFU {n['mfu'] * 100:.3g}% of 989 TFLOP/s" in text
-    assert "of 80.0 GiB per device" in text
+    # the default budget: the device less the preset's reserve (1.5 GiB + 5% of 80 GiB)
+    assert "of 74.5 GiB (80.0 GiB less a 5.5 GiB reserve) per device" in text
     # the gradient buckets: how many, chosen how, and what the two extremes would expose
     assert re.search(r"grad buckets +[0-9]+ gradient buckets? of .*MG-WFBP.*one bucket per "
                      r"gradient would expose [0-9.]+ ms, one bucket for all [0-9.]+ ms", text)
@@ -91,7 +92,8 @@ def test_summary_numbers_are_consistent(llama_plan):
     # at least the matmuls: 6 * params * tokens (embedding excluded) is a lower bound
     assert flops > 0.5 * 6 * (2 * (4 * 256 * 256) + 2 * 3 * 256 * 704) * 2048
     assert n["mfu"] == pytest.approx(flops / (step * 16 * 989e12))
-    assert n["memory_budget_bytes"] == 80 * 2**30
+    # the preset's reserve: 1.5 GiB for the runtime plus 5% of 80 GiB for fragmentation
+    assert n["memory_budget_bytes"] == 80 * 2**30 * 0.95 - 1.5 * 2**30
 
 
 def test_json_carries_the_summary_and_reads_back(llama_plan, tmp_path):
