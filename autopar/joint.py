@@ -157,11 +157,12 @@ class JointSearch(JointCaptures):
         return [1] + [p for p in range(2, a0 + 1) if a0 % p == 0]
 
     def _micro_options(self, stages: int) -> list[int]:
+        """Micro-batch counts for ``stages``: every count that divides the batch (a deep
+        pipeline needs many, 64-1,024 in published runs, to shrink its bubble; before,
+        only 1-32 in powers of two were tried), at least one per stage."""
         if self.opts.micro_batches is not None:
             return [self.opts.micro_batches]
-        b = batch_size(self._call)
-        opts = [m for m in (1, 2, 4, 8, 16, 32) if b % m == 0]
-        return [m for m in opts if m >= stages] or opts[-1:]
+        return micro_counts(batch_size(self._call), stages)
 
     def _intra(self, stages: int, micro: int, budget: float | None,
                estimate: bool = False, weights: tuple[float, ...] | None = None) -> list[_Candidate]:
@@ -487,6 +488,13 @@ class JointSearch(JointCaptures):
         plan.memory = dict(worst.memory)
         plan.memory["total"] = worst.total_memory
         return plan
+
+def micro_counts(batch: int, stages: int) -> list[int]:
+    """The counts of micro-batches that divide ``batch``, ascending, those below
+    ``stages`` left out (a pipeline needs a micro-batch per stage) unless none is left."""
+    opts = [m for m in range(1, batch + 1) if batch % m == 0]
+    return [m for m in opts if m >= stages] or opts[-1:]
+
 
 def joint_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOptions,
                example_kwargs: dict | None = None) -> tuple[Captured, Plan]:

@@ -1,0 +1,79 @@
+"""The plan space of a real cluster (issue 10): the default memory budget is the device
+less its reserve, and the joint search tries every micro-batch count that divides the
+batch.  Planning only (no process group)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from autopar import MeshSpec, plan
+from autopar.joint import micro_counts
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+import gpt  # noqa: E402
+
+MESH = MeshSpec.preset("8xA100-nvlink", shape=(4,))
+GIB = 2.0**30
+
+
+def test_micro_counts_divide_the_batch() -> None:
+    assert micro_counts(12, 1) == [1, 2, 3, 4, 6, 12]
+    # a pipeline needs a micro-batch per stage: 3 stages on a batch of 6 get 3 or 6
+    assert micro_counts(6, 3) == [3, 6]
+    # published deep pipelines run 64-1,024 micro-batches (Alpa's GPT-39B: 1,024)
+    assert micro_counts(1024, 16) == [16, 32, 64, 128, 256, 512, 1024]
+    # fewer samples than stages: the most there can be
+    assert micro_counts(5, 8) == [5]
+
+
+def test_three_stages_get_a_micro_batch_each() -> None:
+    # before, counts came from {1, 2, 4, 8, 16, 32}: a batch of 6 allowed only 1 and 2,
+    # and a 3-stage pipeline ran 2 micro-batches (one stage always idle)
+    model, ex = gpt.build(layers=4, dim=64, heads=4, vocab=256, seq=16, batch=6)
+    d = plan(model, ex, MeshSpec.preset("8xA100-nvlink", shape=(3,)), pipeline_stages=3).decisions
+    assert d.pipeline_stages == 3 and d.micro_batches in (3, 6)
+
+
+def test_presets_reserve_memory_for_the_runtime() -> None:
+    for name in ("8xA100-nvlink", "multinode-h100-ib"):
+        m = MeshSpec.preset(name)
+        # 1.5 GiB (CUDA context, NCCL buffers) plus 5% (allocator fragmentation)
+        assert m.usable_memory == pytest.approx(80 * GIB * 0.95 - 1.5 * GIB)
+    cpu = MeshSpec.preset("cpu-gloo")
+    assert cpu.usable_memory == pytest.approx(cpu.mem_capacity - 0.5 * GIB)
+    # the reserve survives the JSON a calibration writes and --mesh-json reads
+    again = MeshSpec.from_json(MESH.to_json())
+    assert (again.reserve_bytes, again.reserve_fraction) == (MESH.reserve_bytes, MESH.reserve_fraction)
+    assert "reserve_bytes" in json.loads(MESH.to_json())
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"reserve_bytes": -1.0}, "reserve_bytes"),
+    ({"reserve_fraction": 1.0}, "reserve_fraction"),
+    ({"reserve_bytes": 100 * GIB}, "leaves no memory"),
+])
+def test_bad_reserve_is_an_error(kw, msg) -> None:
+    with pytest.raises(ValueError, match=msg):
+        dataclasses.replace(MESH, **kw)
+
+
+def test_default_budget_leaves_the_reserve_free() -> None:
+    model, ex = gpt.build(layers=4, dim=64, heads=4, vocab=256, seq=32, batch=16)
+    plain = plan(model, ex, MESH)
+    need = plain.memory["total"]
+    roomy = dataclasses.replace(MESH, mem_capacity=need * 1.2, reserve_bytes=0.0, reserve_fraction=0.0)
+    d = plan(model, ex, roomy).decisions
+    assert (d.zero_stage, d.recompute, d.pipeline_stages, d.micro_batches) == (0, [], 1, 1)
+    # the same device with half of it reserved: the plan must fit the other half
+    tight = dataclasses.replace(roomy, reserve_fraction=0.5)
+    p = plan(model, ex, tight)
+    assert p.memory["total"] <= tight.usable_memory < need
+    d = p.decisions
+    assert d.zero_stage or d.recompute or d.pipeline_stages > 1 or d.micro_batches > 1
+    # a budget given explicitly is what the plan may fill: no reserve taken from it
+    assert plan(model, ex, tight, memory_budget=need * 1.2).decisions.zero_stage == 0
