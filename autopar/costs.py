@@ -50,6 +50,24 @@ def op_dtype(node: fx.Node):
     return ni.outputs[0].dtype if ni.outputs else None
 
 
+def feeds_only_casts(node: fx.Node) -> bool:
+    """Whether every use of ``node``'s output (through views) is a cast
+    (``aten._to_copy``, as autocast's casts are written into a bf16-mixed graph): then
+    autograd keeps nothing of it for backward, since a cast saves nothing and its
+    consumers keep the cast copy.  A norm's fp32 output cast to bf16 for the next matmul
+    is kept once, in bf16, not twice."""
+    uses, stack = 0, list(node.users)
+    while stack:
+        u = stack.pop()
+        if u.op == "call_function" and u.target in VIEW_OPS:
+            stack.extend(u.users)
+        elif u.op == "call_function" and u.target is aten._to_copy.default:
+            uses += 1
+        else:
+            return False
+    return uses > 0
+
+
 def compute_floor(node: fx.Node, mesh: MeshSpec, backward_factor: float = 2.0) -> float:
     """Device-seconds below which no placement prices ``node``'s forward + backward
     compute: its FLOPs at the roofline's compute bound (the dtype's peak times
@@ -256,7 +274,8 @@ class CostModel(EdgePrices):
 
     def node_memory(self, node: fx.Node, s: OpStrategy) -> float:
         """Bytes a strategy keeps per device: parameter + gradient + optimizer state
-        for parameters; the output kept for backward for compute ops."""
+        for parameters; the output kept for backward for compute ops (none when only
+        casts use it, :func:`feeds_only_casts`)."""
         ni = info(node)
         if node.op == "get_attr":
             if ni.param is None:
@@ -266,6 +285,8 @@ class CostModel(EdgePrices):
             return 2.0 * b + optimizer_state_bytes(b, self.optimizer)
         if node.op != "call_function" or node.target in VIEW_OPS or node.target is operator.getitem:
             return 0.0
+        if not ni.tuple_output and feeds_only_casts(node):
+            return 0.0  # its casts' outputs are what backward keeps: counted there
         total = 0.0
         for t, p in zip(ni.outputs, s.outputs):
             total += math.prod(local_shape(t.shape, p, self.mesh.shape)) * (t.nbytes / max(t.numel, 1))
