@@ -75,6 +75,23 @@ _A100 = {"peak_flops": 312e12, "fp32_peak_flops": 19.5e12, "mem_bandwidth": 2.03
 _H100 = {"peak_flops": 989e12, "fp32_peak_flops": 67e12, "mem_bandwidth": 3.35e12,
          "mem_capacity": 80.0 * _GIB, **_GPU_RESERVE}
 
+# AWS p3.16xlarge (Alpa's OSDI'22 testbed): 8 V100-SXM2 16 GB on NVLink2 in a hybrid cube
+# mesh (6 links of 25 GB/s per GPU, not all-to-all: NCCL rings reach ~130 GB/s bus
+# bandwidth), one 25 Gb/s Ethernet NIC per node, i.e. 25e9/8/8 B/s per GPU when the
+# node's 8 GPUs all cross it (what a data-parallel or pipeline axis over nodes does).
+# V100 has no bf16: its tensor-core peak (125 TFLOP/s) is fp16's, which a
+# "bf16-mixed" plan stands for here (the same bytes per element).
+_NVLINK_V100 = LinkSpec(alpha=5e-6, beta=130e9)
+_ETH_25G_PER_GPU = LinkSpec(alpha=5e-5, beta=25e9 / 8 / 8)
+_V100_16G = {"peak_flops": 125e12, "fp32_peak_flops": 15.7e12, "mem_bandwidth": 900e9,
+             "mem_capacity": 16.0 * _GIB, **_GPU_RESERVE}
+# A100-SXM4 40 GB nodes as in Mist's EuroSys'25 runs: NVLink3 inside a node; between nodes
+# Mist's own profile (github Dazz993/Mist, tools/results-final/bandwidth-*-a100-sxm4-40gb)
+# measured ~10.7 GB/s all-gather with 8 GPUs per node on 2 and 4 nodes: 10.7e9/8 B/s
+# per GPU (the paper's NIC is not in any text this project could read).
+_XNODE_A100_40G = LinkSpec(alpha=1e-5, beta=10.7e9 / 8)
+_A100_40G = {**_A100, "mem_capacity": 40.0 * _GIB}
+
 _PRESETS: dict[str, _NodePreset] = {
     "8xA100-nvlink": _NodePreset(8, _NVLINK_A100, None, default_shape=(8,),
                                  hint="use 'multinode-a100-ib' for more than one node", **_A100),
@@ -82,6 +99,9 @@ _PRESETS: dict[str, _NodePreset] = {
                                  hint="use 'multinode-h100-ib' for more than one node", **_H100),
     "multinode-a100-ib": _NodePreset(8, _NVLINK_A100, _IB_HDR, default_shape=(4, 8), **_A100),
     "multinode-h100-ib": _NodePreset(8, _NVLINK_H100, _IB_NDR, default_shape=(4, 8), **_H100),
+    "p3.16xlarge": _NodePreset(8, _NVLINK_V100, _ETH_25G_PER_GPU, default_shape=(8, 8), **_V100_16G),
+    "multinode-a100-40gb": _NodePreset(8, _NVLINK_A100, _XNODE_A100_40G, default_shape=(4, 8),
+                                       **_A100_40G),
     # One CPU host running gloo over loopback: every rank is on the same host, so there is no
     # node boundary. Numbers are deliberately modest (a few cores per rank, fp32). The link
     # is optimistic for this project's 2-core machine (measured: about 0.5 ms per ring hop
