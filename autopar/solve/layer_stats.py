@@ -132,8 +132,14 @@ class ZeroPrice:
     opt_step: float = 0.0  # the optimizer's update of the parameters this device owns
 
 
-def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | None, optimizer: str) -> ZeroPrice:
-    """Price ``stat``'s parameters under ZeRO ``stage`` over sub-mesh ``axis``."""
+def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | None, optimizer: str,
+               micro_batches: int = 1) -> ZeroPrice:
+    """Price ``stat``'s parameters under ZeRO ``stage`` over sub-mesh ``axis`` for a step
+    of ``micro_batches``, as the runtime runs them (:mod:`autopar.runtime.zero`): stages
+    1-2 reduce once, after the last micro-batch's backward, so under accumulation stage 2
+    keeps whole gradients until then like stage 1; stage 3 reduce-scatters in every
+    micro-batch's backward (the gather's backward, :mod:`autopar.runtime.zero3`), so the
+    first ``micro_batches - 1`` of them are per micro-batch work (``gather_mb``)."""
     sync = gstep = gmb = pb = gb = ob = tr = bk = zsync = step = 0.0
     for p in stat.params:
         opt = optimizer_state_bytes(p.bytes, optimizer)
@@ -158,7 +164,10 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | None, op
         else:
             pb += p.bytes / d
             tr += p.bytes  # the layer's whole parameters, gathered together below
-        gb += p.bytes / d if stage >= 2 else p.bytes
+        # stage 2 shards gradients only when its buckets reduce in the only backward
+        sharded = stage == 3 or (stage == 2 and micro_batches == 1)
+        gb += p.bytes / d if sharded else p.bytes
+        # and a bucket's flat copy of whole gradients while it reduces, in either case
         bk += p.bytes if stage == 2 else 0.0
         ob += opt / d
         step += optimizer_step_time(mesh, p.bytes / d, opt / d)  # each rank updates its shard
@@ -173,6 +182,10 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | None, op
         # stage 3 gathers a layer's parameters in one collective (runtime/zero3.py), in
         # the forward and again in the backward: the latency is paid once per layer
         gmb = 2.0 * all_gather_time(mesh, (axis,), tr)
+        # and reduce-scatters their gradients in every micro-batch's backward: the last
+        # is the step's gradient sync (``sync``, overlapped like a bucket); the others
+        # are spread over the micro-batches here (the step prices ``gather_mb`` M times)
+        gmb += zsync * (micro_batches - 1) / micro_batches
     return ZeroPrice(sync, gstep, gmb, pb, gb, ob, tr, bk, zsync, step)
 
 

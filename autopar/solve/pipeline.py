@@ -144,7 +144,8 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     else:
         inflight = min(cfg.stages - index, cfg.micro_batches)
     if zp is None:
-        zp = [zero_price(st, mesh, cfg.zero_stage, cfg.zero_axis, optimizer) for st in layers]
+        zp = [zero_price(st, mesh, cfg.zero_stage, cfg.zero_axis, optimizer, cfg.micro_batches)
+              for st in layers]
     static = sum(z.params + z.grads + z.optimizer for z in zp) + sum(st.buffers for st in layers)
     # stage 3: a layer's whole parameters live while it runs, and the next layer's
     # prefetched gather lands meanwhile (runtime/zero3.py): two neighbours at once
@@ -252,7 +253,8 @@ def _zero_prices(stats: list[LayerStat], cls: list[int], cfg: Config, mesh: Mesh
     per_class: dict[int, object] = {}
     for c, st in zip(cls, stats):
         if c not in per_class:
-            per_class[c] = zero_price(st, mesh, cfg.zero_stage, cfg.zero_axis, optimizer)
+            per_class[c] = zero_price(st, mesh, cfg.zero_stage, cfg.zero_axis, optimizer,
+                                      cfg.micro_batches)
     return [per_class[c] for c in cls]
 
 

@@ -456,3 +456,22 @@ def test_optimizer_step_is_memory_bound_and_sharded_by_zero():
     # ZeRO-1 over the 4-way axis: each rank updates a quarter (every stage alike)
     for stage in (1, 2, 3):
         assert zero_price(layer, mesh, stage, 0, "adamw").opt_step == pytest.approx(plain / 4)
+
+
+def test_zero_priced_per_micro_batch_as_the_runtime_runs_it():
+    """runtime/zero.py reduces stages 1-2 once, after the last micro-batch's backward
+    (stage 2 then holds whole gradients, like stage 1), and stage 3 reduce-scatters in
+    every micro-batch's backward (runtime/zero3.py): before, both were priced as if
+    there were one micro-batch."""
+    from autopar.solve.layer_stats import LayerStat, ParamStat, zero_price
+
+    mesh = MeshSpec.preset("8xA100-nvlink", shape=(4,))
+    layer = LayerStat("blocks.0", params=[ParamStat(4e8, (0,)), ParamStat(1e8, (0,))])
+    one, four = (zero_price(layer, mesh, 2, 0, "adamw", m) for m in (1, 4))
+    assert one.grads == pytest.approx(5e8 / 4) and four.grads == pytest.approx(5e8)
+    assert four.bucket == one.bucket == pytest.approx(5e8)  # a bucket's flat copy either way
+    one, four = (zero_price(layer, mesh, 3, 0, "adamw", m) for m in (1, 4))
+    assert four.grads == one.grads == pytest.approx(5e8 / 4)
+    # 3 of the 4 reduce-scatters are per micro-batch work: 3/4 of one per micro-batch
+    assert four.gather_mb - one.gather_mb == pytest.approx(0.75 * one.zero_sync)
+    assert one.zero_sync > 0 and four.sync == pytest.approx(one.sync)
