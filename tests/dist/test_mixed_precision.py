@@ -1,4 +1,5 @@
-"""``precision="bf16-mixed"`` on real gloo ranks: an HF Llama (GQA), and an HF Mixtral under
+"""``precision="bf16-mixed"`` on real gloo ranks (2, and 4 for TP x DP on a 2x2 mesh,
+ZeRO-3 over 4 and 2 pipeline stages x DP 2): an HF Llama (GQA), and an HF Mixtral under
 expert parallelism (each routed row computed in bf16 on its expert's rank, as the
 eager experts loop does under autocast), passed as they are, in the
 loop of tests/dist/hf_case.py (``pm(**batch)``, ``clip_grad_norm_``, two AdamW steps),
@@ -43,6 +44,9 @@ SLOW = _cases(["tp", "zero3", "zero1", "pp2"], (2,)) + [
     # the experts op in bf16 with its rows sent in bf16 (autopar/runtime/experts.py)
     {"id": "mixtral-bf16-ep-2", "model": "mixtral", "mode": "ep", "mesh": [2],
      "precision": "bf16-mixed"}]
+# 4 ranks: Megatron TP x data parallel on a 2x2 mesh, ZeRO-3 over 4, and a 2-stage
+# pipeline whose stages are data parallel over 2
+FOUR = _cases(["tp"], (2, 2)) + _cases(["zero3", "pp2"], (4,))
 
 
 def check(r: dict) -> None:
@@ -73,3 +77,20 @@ def check(r: dict) -> None:
 @pytest.mark.parametrize("case", [c["id"] for c in SLOW])
 def test_bf16_mixed_two_ranks_more(case):
     check(run_fn_cases(2, FN, [c for c in SLOW if c["id"] == case])[case])
+
+
+@pytest.fixture(scope="module")
+def four_rank_results():
+    return run_fn_cases(4, FN, FOUR)  # one 4-rank group for every case
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c["id"] for c in FOUR])
+def test_bf16_mixed_four_ranks(four_rank_results, case):
+    r = four_rank_results[case]
+    check(r)
+    # the plan is the kind the case names
+    assert r["decisions"] == (3 if "-zero3-" in case else 0)
+    assert r["stages"] == (2 if "-pp2-" in case else 1)
+    if "-tp-" in case:
+        assert any("S(" in pl for pl in r["params"].values()), r["params"]
