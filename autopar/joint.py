@@ -22,6 +22,7 @@ import time
 import warnings
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from autopar.budget import Phase, TimeBudget
@@ -496,6 +497,30 @@ def micro_counts(batch: int, stages: int) -> list[int]:
     return [m for m in opts if m >= stages] or opts[-1:]
 
 
+def precision_warning(gm, mesh: MeshSpec, precision: str) -> str | None:
+    """A warning when the model runs most of its FLOPs in fp32 (``precision="native"``
+    on an fp32 model) on a mesh whose peak is for another dtype (GPU presets: bf16
+    tensor cores): the plan is priced at the fp32 rate, right for what will run, but
+    likely not what the user meant."""
+    from autopar.costs import op_dtype
+    from autopar.ir import META_KEY, info
+
+    if precision != "native" or mesh.fp32_peak_flops is None:
+        return None
+    flops: dict = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and META_KEY in n.meta and info(n).flops:
+            flops[op_dtype(n)] = flops.get(op_dtype(n), 0.0) + info(n).flops
+    fp32 = flops.get(torch.float32, 0.0) + flops.get(torch.float64, 0.0)
+    total = sum(flops.values())
+    if not total or fp32 <= 0.5 * total:
+        return None
+    return (f"the model computes {fp32 / total:.0%} of its FLOPs in float32: the plan prices "
+            f"them at mesh {mesh.name!r}'s fp32 rate ({mesh.fp32_peak_flops / 1e12:.4g} TFLOP/s "
+            f"per device), not its {mesh.peak_flops / 1e12:.4g} TFLOP/s tensor-core peak; "
+            "precision='bf16-mixed' plans bf16 matmuls with fp32 master weights")
+
+
 def joint_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOptions,
                example_kwargs: dict | None = None) -> tuple[Captured, Plan]:
     """Run :class:`JointSearch`; warnings raised while planning are kept on the plan."""
@@ -505,6 +530,9 @@ def joint_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: Pl
     for w in caught:
         if str(w.message) not in p.warnings:
             p.warnings.append(str(w.message))
+    slow = precision_warning(cap.gm, mesh, opts.precision)
+    if slow:
+        p.warnings.append(slow)
     for msg in p.warnings:  # shown with every plan, not once per process
         warnings.warn(msg, AutoparWarning, stacklevel=user_stacklevel())
     return cap, p

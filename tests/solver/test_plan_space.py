@@ -109,3 +109,14 @@ def test_bf16_mixed_plans_differently_where_memory_decides() -> None:
     assert (d16.zero_stage, d16.recompute, d16.pipeline_stages, d16.micro_batches) == (0, [], 1, 1)
     assert d32.zero_stage or d32.recompute or d32.pipeline_stages > 1 or d32.micro_batches > 1
     assert max(d32.stage_memory) <= budget and max(d16.stage_memory) <= budget
+
+
+def test_an_fp32_model_on_a_bf16_preset_is_warned_about() -> None:
+    model, ex = gpt.build(layers=2, dim=64, heads=4, vocab=256, seq=16, batch=8)
+    with pytest.warns(UserWarning, match="computes 100% of its FLOPs in float32.*19.5 TFLOP/s"):
+        p = plan(model, ex, MESH)
+    assert any("precision='bf16-mixed'" in w for w in p.warnings)
+    # bf16-mixed, or a mesh with one rate for every dtype (cpu-gloo): nothing to say
+    for kw in ({"precision": "bf16-mixed"}, {"mesh": MeshSpec.preset("cpu-gloo", shape=(4,))}):
+        q = plan(model, ex, kw.pop("mesh", MESH), **kw)
+        assert not any("float32" in w for w in q.warnings)
