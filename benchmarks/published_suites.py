@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reference_plans import GIB, MEGATRON_TP, PRECISION, Outcome, axis_roles  # noqa: E402
+from reference_plans import GIB, PRECISION, Outcome, plan_outcome, tp_pins  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## Published plans of Alpa and Mist (benchmarks/published_suites.py)"
@@ -103,16 +103,7 @@ class Run:
     def pins(self) -> dict[str, str]:
         """Pins forcing the published layout on a stage's sub-mesh: TP on its last axis
         (Megatron's column/row layout), the batch on the others, weights replicated."""
-        sub = self.shape[1:] if self.pp > 1 else self.shape
-        n = len(sub)
-        pins = {"*": "R" * n}
-        if self.tp > 1:
-            pins.update({k: "R" * (n - 1) + v for k, v in MEGATRON_TP.items()})
-            batch = "S(0)" * (n - 1) + "R"
-        else:
-            batch = "S(0)" * n
-        pins["input:0"] = pins["input:1"] = batch
-        return pins
+        return tp_pins(self.tp, len(self.shape) - (1 if self.pp > 1 else 0))
 
 
 _ALPA = dict(suite="Alpa", gpus=0, batch=1024, seq=1024, vocab=51200, preset="p3.16xlarge")
@@ -157,12 +148,9 @@ def build_model(run: Run, batch: int, blocks: int = 2):
 
 def run_job(key: str, kind: str, shape: tuple[int, ...], time_limit: float) -> Outcome:
     """Plan one run's ``kind`` ("published" or "ours") on ``shape`` (in a worker)."""
-    import warnings
-
     import torch
 
     from autopar import MeshSpec
-    from autopar.api import plan
 
     torch.set_num_threads(1)
     run = BY_KEY[key]
@@ -174,24 +162,7 @@ def run_job(key: str, kind: str, shape: tuple[int, ...], time_limit: float) -> O
                   schedule="1f1b" if run.pp > 1 else None)
     else:
         kw = dict(explore=True)
-    t0 = time.perf_counter()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            p = plan(model, ex, mesh, search="ilp", blocks=run.layers, time_limit=time_limit,
-                     precision=PRECISION, **kw)
-    except Exception as e:  # reported in the table: a crash is a finding, not a skip
-        out.error = f"{type(e).__name__}: {e}"[:300]
-        out.seconds = time.perf_counter() - t0
-        return out
-    out.seconds = time.perf_counter() - t0
-    d = p.decisions
-    out.step_seconds, out.memory_gib = d.step_seconds, max(d.stage_memory) / GIB
-    out.stages, out.micro_batches, out.schedule = d.pipeline_stages, d.micro_batches, d.schedule
-    out.zero_stage, out.zero_axis, out.recompute = d.zero_stage, d.zero_axis, len(d.recompute)
-    out.roles, out.tp, out.dp, out.other = axis_roles(p)
-    out.stopped = any("time limit" in w for w in p.warnings)
-    return out
+    return plan_outcome(out, model, ex, mesh, run.layers, time_limit, kw)
 
 
 def jobs_for(run: Run) -> list[tuple[str, str, tuple[int, ...]]]:

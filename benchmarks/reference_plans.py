@@ -143,11 +143,17 @@ BY_NAME = {r.name: r for r in REFERENCES}
 
 
 def megatron_pins(ref: Reference, ndim: int) -> dict[str, str]:
+    """Pins forcing Megatron's layout on a stage sub-mesh of ``ndim`` axes
+    (:func:`tp_pins` with ``ref``'s TP size)."""
+    return tp_pins(ref.tp, ndim)
+
+
+def tp_pins(tp: int, ndim: int) -> dict[str, str]:
     """Pins forcing Megatron's layout on a stage sub-mesh of ``ndim`` axes: TP on the
-    last axis (when TP > 1), every other parameter replicated, the batch sharded on the
-    data-parallel axes.  Pattern pins apply in order, so ``"*"`` comes first."""
+    last axis (when ``tp`` > 1), every other parameter replicated, the batch sharded on
+    the data-parallel axes.  Pattern pins apply in order, so ``"*"`` comes first."""
     pins = {"*": "R" * ndim}
-    if ref.tp > 1:
+    if tp > 1:
         pins.update({k: "R" * (ndim - 1) + v for k, v in MEGATRON_TP.items()})
         batch = "S(0)" * (ndim - 1) + "R"
     else:
@@ -247,12 +253,10 @@ def axis_roles(plan) -> tuple[list[str], int, int, str]:
 def run_job(ref_name: str, kind: str, shape: tuple[int, ...], micro: int | None,
             time_limit: float) -> Outcome:
     """Plan one configuration (in a worker process) and summarise it."""
-    import warnings
 
     import torch
 
     from autopar import MeshSpec
-    from autopar.api import plan
 
     torch.set_num_threads(1)
     ref = BY_NAME[ref_name]
@@ -265,11 +269,22 @@ def run_job(ref_name: str, kind: str, shape: tuple[int, ...], micro: int | None,
                   zero_stage=0, schedule="1f1b" if ref.pp > 1 else None)
     else:
         kw = dict(explore=True)
+    return plan_outcome(out, model, ex, mesh, ref.layers, time_limit, kw)
+
+
+def plan_outcome(out: Outcome, model, ex: tuple, mesh, layers: int, time_limit: float,
+                 kw: dict) -> Outcome:
+    """Plan ``model`` (``layers`` deep, two captured) on ``mesh`` with options ``kw`` in
+    bf16-mixed and fill ``out`` with the plan's summary, or with the error it raised."""
+    import warnings
+
+    from autopar.api import plan
+
     t0 = time.perf_counter()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            p = plan(model, ex, mesh, search="ilp", blocks=ref.layers, time_limit=time_limit,
+            p = plan(model, ex, mesh, search="ilp", blocks=layers, time_limit=time_limit,
                      precision=PRECISION, **kw)
     except Exception as e:  # reported in the table: a crash is a finding, not a skip
         out.error = f"{type(e).__name__}: {e}"[:300]
