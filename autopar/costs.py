@@ -50,12 +50,23 @@ def op_dtype(node: fx.Node):
     return ni.outputs[0].dtype if ni.outputs else None
 
 
+# ops whose backward reads their own result: it is kept whatever reads it next
+SAVES_OUTPUT = frozenset({
+    aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int,
+    aten._safe_softmax.default, aten.exp.default, aten.sigmoid.default, aten.tanh.default,
+    aten.rsqrt.default, aten.sqrt.default, aten.reciprocal.default, aten.relu.default,
+})
+
+
 def feeds_only_casts(node: fx.Node) -> bool:
     """Whether every use of ``node``'s output (through views) is a cast
     (``aten._to_copy``, as autocast's casts are written into a bf16-mixed graph): then
     autograd keeps nothing of it for backward, since a cast saves nothing and its
     consumers keep the cast copy.  A norm's fp32 output cast to bf16 for the next matmul
-    is kept once, in bf16, not twice."""
+    is kept once, in bf16, not twice.  Not for ops that keep their own result
+    (:data:`SAVES_OUTPUT`: an fp32 softmax cast to bf16 keeps both)."""
+    if node.target in SAVES_OUTPUT:
+        return False
     uses, stack = 0, list(node.users)
     while stack:
         u = stack.pop()

@@ -140,7 +140,7 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | None, op
     keeps whole gradients until then like stage 1; stage 3 reduce-scatters in every
     micro-batch's backward (the gather's backward, :mod:`autopar.runtime.zero3`), so the
     first ``micro_batches - 1`` of them are per micro-batch work (``gather_mb``)."""
-    sync = gstep = gmb = pb = gb = ob = tr = bk = zsync = step = 0.0
+    sync = gstep = gmb = pb = gb = ob = tr = bk = zsync = step = rs = 0.0
     for p in stat.params:
         opt = optimizer_state_bytes(p.bytes, optimizer)
         on_z = stage > 0 and axis is not None and axis in p.replicated
@@ -155,6 +155,7 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | None, op
         others = tuple(a for a in p.replicated if a != axis)
         before = sync
         sync += reduce_scatter_time(mesh, (axis,), p.bytes) - reduce_scatter_time(mesh, (axis,), d)
+        rs += sync - before  # the ZeRO axis's own reduce-scatter (what zero3's backward runs)
         if others:
             sync += all_reduce_time(mesh, others, p.bytes / d) - all_reduce_time(mesh, others, 1.0)
         zsync += sync - before
@@ -178,14 +179,17 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | None, op
         lat = reduce_scatter_time(mesh, (axis,), mesh.shape[axis])
         zsync += lat
         sync += lat
+        rs += lat
     if tr:
         # stage 3 gathers a layer's parameters in one collective (runtime/zero3.py), in
         # the forward and again in the backward: the latency is paid once per layer
         gmb = 2.0 * all_gather_time(mesh, (axis,), tr)
-        # and reduce-scatters their gradients in every micro-batch's backward: the last
-        # is the step's gradient sync (``sync``, overlapped like a bucket); the others
-        # are spread over the micro-batches here (the step prices ``gather_mb`` M times)
-        gmb += zsync * (micro_batches - 1) / micro_batches
+        # and reduce-scatters their gradients over the ZeRO axis in every micro-batch's
+        # backward: the last is the step's gradient sync (``sync``, overlapped like a
+        # bucket); the others are spread over the micro-batches here (the step prices
+        # ``gather_mb`` M times).  The all-reduce over other replicated axes runs once,
+        # after the last backward (GradSync is off before it): it stays in ``sync`` only
+        gmb += rs * (micro_batches - 1) / micro_batches
     return ZeroPrice(sync, gstep, gmb, pb, gb, ob, tr, bk, zsync, step)
 
 

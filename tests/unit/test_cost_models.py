@@ -475,3 +475,41 @@ def test_zero_priced_per_micro_batch_as_the_runtime_runs_it():
     # 3 of the 4 reduce-scatters are per micro-batch work: 3/4 of one per micro-batch
     assert four.gather_mb - one.gather_mb == pytest.approx(0.75 * one.zero_sync)
     assert one.zero_sync > 0 and four.sync == pytest.approx(one.sync)
+
+
+def test_zero3_per_micro_batch_charge_is_its_own_reduce_scatter_only():
+    """A parameter replicated on a second axis is also all-reduced there, but only once,
+    after the last backward (GradSync is off before it): the per-micro-batch charge is
+    the ZeRO axis's reduce-scatter alone."""
+    from autopar.cost_models import reduce_scatter_time
+
+    from autopar.solve.layer_stats import LayerStat, ParamStat, zero_price
+
+    mesh = MeshSpec.preset("8xA100-nvlink", shape=(2, 4))
+    layer = LayerStat("blocks.0", params=[ParamStat(4e8, (0, 1))])
+    one, four = (zero_price(layer, mesh, 3, 1, "adamw", m) for m in (1, 4))
+    rs = reduce_scatter_time(mesh, (1,), 4e8)
+    assert one.zero_sync > rs * 1.01  # it holds the all-reduce over axis 0 too
+    assert four.gather_mb - one.gather_mb == pytest.approx(0.75 * rs, rel=1e-6)
+
+
+def test_an_output_only_casts_read_is_not_kept_unless_its_op_keeps_it():
+    import torch
+    from torch import fx
+
+    from autopar.costs import feeds_only_casts
+
+    aten = torch.ops.aten
+    g = fx.Graph()
+    x = g.placeholder("x")
+    norm = g.call_function(aten.native_layer_norm.default, (x, [8], None, None, 1e-5))
+    out = g.call_function(aten.gelu.default, (x,))
+    cast = g.call_function(aten._to_copy.default, (out,), {"dtype": torch.bfloat16})
+    view = g.call_function(aten.view.default, (cast, [-1]))
+    sm = g.call_function(aten._softmax.default, (x, -1, False))
+    sm16 = g.call_function(aten._to_copy.default, (sm,), {"dtype": torch.bfloat16})
+    g.output((norm, view, sm16))
+    assert feeds_only_casts(out)  # gelu's fp32 output: only its bf16 copy is kept
+    assert not feeds_only_casts(sm)  # softmax's backward reads its own (fp32) result
+    assert not feeds_only_casts(cast)  # the copy is read by a view the graph returns
+    assert not feeds_only_casts(norm)  # returned: no cast at all
