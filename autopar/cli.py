@@ -372,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fix a parameter/input/node placement, e.g. fc1.weight=S(0)R "
                         "(repeatable)")
     p.add_argument("--memory-budget", metavar="SIZE",
-                   help="bytes per device, e.g. 40GiB (default: the device's capacity)")
+                   help="bytes per device, e.g. 40GiB (default: the device's capacity less the preset's reserve)")
     p.add_argument("--search", choices=("auto", "ilp", "drec"), default="auto",
                    help="searcher: ilp (exact), drec (fast, one mesh axis per round) or auto "
                         "(the ILP when its problem fits the time limit; default)")

@@ -139,7 +139,7 @@ def add_parser(sub) -> None:
     p.add_argument("--pin", action="append", default=[], metavar="NAME=PLACEMENTS",
                    help="fix a placement in every candidate, e.g. fc1.weight=S(0) (repeatable)")
     p.add_argument("--memory-budget", metavar="SIZE",
-                   help="bytes per device, e.g. 40GiB (default: the device's capacity)")
+                   help="bytes per device, e.g. 40GiB (default: the device's capacity less the preset's reserve)")
     p.add_argument("--time-limit", type=float, default=30.0, metavar="SECONDS",
                    help="search time limit per candidate plan (default 30)")
     p.add_argument("--candidates", nargs="+", metavar="PLAN",

@@ -165,6 +165,21 @@ class JointSearch(JointCaptures):
             return [self.opts.micro_batches]
         return micro_counts(batch_size(self._call), stages)
 
+    def _micro_order(self, stages: int) -> list[int]:
+        """:meth:`_micro_options` most promising first.  Without a pipeline the fewest
+        (more only trade speed for memory).  With one, the most micro-batches whose
+        micro-batch still has a sample per device of a stage (more shrink the bubble),
+        then the fewer, then those with smaller micro-batches, the larger first: every
+        count dividing the batch goes down to one sample, which on a wide stage leaves
+        the data-parallel devices nothing to split, and a time limit should not be
+        spent on those first."""
+        opts = self._micro_options(stages)
+        if stages <= 1:
+            return opts
+        b, per_stage = batch_size(self._call), math.prod(self.mesh.shape) // stages
+        spans = [m for m in opts if b // m >= per_stage]
+        return sorted(spans, reverse=True) + [m for m in opts if b // m < per_stage]
+
     def _intra(self, stages: int, micro: int, budget: float | None,
                estimate: bool = False, weights: tuple[float, ...] | None = None) -> list[_Candidate]:
         """The intra-op plans of one (stages, micro-batches) split: the ILP's, and those it
@@ -377,7 +392,7 @@ class JointSearch(JointCaptures):
             # more micro-batches shrink the bubble: the most first; without one they only
             # trade speed for memory: the fewest first
             splits = [(i, p, m) for p in self._stage_options()
-                      for i, m in enumerate(sorted(self._micro_options(p), reverse=p > 1))]
+                      for i, m in enumerate(self._micro_order(p))]
             for _, p, m in sorted(splits):
                 if (p, m) != first:
                     self._try(p, m, math.inf, estimate=est)
@@ -505,7 +520,7 @@ def precision_warning(gm, mesh: MeshSpec, precision: str) -> str | None:
     from autopar.costs import op_dtype
     from autopar.ir import META_KEY, info
 
-    if precision != "native" or mesh.fp32_peak_flops is None:
+    if precision != "native" or mesh.fp32_peak_flops is None or mesh.fp32_peak_flops >= mesh.peak_flops:
         return None
     flops: dict = {}
     for n in gm.graph.nodes:
@@ -518,7 +533,7 @@ def precision_warning(gm, mesh: MeshSpec, precision: str) -> str | None:
     return (f"the model computes {fp32 / total:.0%} of its FLOPs in float32: the plan prices "
             f"them at mesh {mesh.name!r}'s fp32 rate ({mesh.fp32_peak_flops / 1e12:.4g} TFLOP/s "
             f"per device), not its {mesh.peak_flops / 1e12:.4g} TFLOP/s tensor-core peak; "
-            "precision='bf16-mixed' plans bf16 matmuls with fp32 master weights")
+            "precision='bf16-mixed' plans 16-bit matmuls with fp32 master weights")
 
 
 def joint_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOptions,

@@ -103,7 +103,7 @@ def measure_model(layers: int, devices: list[int], time_limit: float, budget: fl
                 continue
             t0 = time.perf_counter()
             try:
-                # budget None means "off" here, which make_plan spells inf (None = capacity)
+                # budget None means "off" here, which make_plan spells inf (None = the device less its reserve)
                 opts = PlanOptions(memory_budget=math.inf if budget is None else budget,
                                    time_limit=time_limit, search=searcher)
                 p = make_plan(cap.gm, mesh, cap.aliases, opts)

@@ -243,7 +243,7 @@ def section(recs: list[dict], time_limit: float, load: tuple[float, float] | Non
         "Mixtral-8x7B config (8 experts, top-2, 32 layers), built on the meta device, with one "
         f"{SEQ}-token sequence per device (batch = devices), `precision=\"{PRECISION}\"`, "
         f"`batch=\"{BATCH}\"` (each rank gets its own rows of the logits, as with DDP); preset "
-        "`multinode-h100-ib` (80 GiB per device as the memory budget), meshes (8,), (8, 8), "
+        "`multinode-h100-ib` (80 GiB per device less the preset's reserve as the memory budget), meshes (8,), (8, 8), "
         "(32, 8), (128, 8). Each cell runs in its own process: it captures the model once, "
         "times the intra-op ILP on that graph (`make_plan`: enumerate, price, clustered solve, "
         "assemble) and the flat ILP (no clustering or shared pricing) on the same problem "

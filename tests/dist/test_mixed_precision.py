@@ -1,5 +1,5 @@
-"""``precision="bf16-mixed"`` on real gloo ranks (2, and 4 for TP x DP on a 2x2 mesh,
-ZeRO-3 over 4 and 2 pipeline stages x DP 2): an HF Llama (GQA), and an HF Mixtral under
+"""``precision="bf16-mixed"`` on real gloo ranks (2, and 4: TP pins on one axis of a 2x2
+mesh, ZeRO-3 over 4, 2 pipeline stages of 2 ranks): an HF Llama (GQA), and an HF Mixtral under
 expert parallelism (each routed row computed in bf16 on its expert's rank, as the
 eager experts loop does under autocast), passed as they are, in the
 loop of tests/dist/hf_case.py (``pm(**batch)``, ``clip_grad_norm_``, two AdamW steps),
@@ -44,8 +44,8 @@ SLOW = _cases(["tp", "zero3", "zero1", "pp2"], (2,)) + [
     # the experts op in bf16 with its rows sent in bf16 (autopar/runtime/experts.py)
     {"id": "mixtral-bf16-ep-2", "model": "mixtral", "mode": "ep", "mesh": [2],
      "precision": "bf16-mixed"}]
-# 4 ranks: Megatron TP x data parallel on a 2x2 mesh, ZeRO-3 over 4, and a 2-stage
-# pipeline whose stages are data parallel over 2
+# 4 ranks: Megatron TP pins on the second axis of a 2x2 mesh (the first is the planner's),
+# ZeRO-3 over 4, and a 2-stage pipeline whose stages have 2 ranks each
 FOUR = _cases(["tp"], (2, 2)) + _cases(["zero3", "pp2"], (4,))
 
 

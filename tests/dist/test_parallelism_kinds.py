@@ -117,8 +117,8 @@ def test_measured_memory_matches_the_model(two_rank_results, four_rank_results):
 
 def test_zero2_under_accumulation_keeps_whole_gradients(two_rank_results):
     """ZeRO-2 with 4 micro-batches holds whole gradients until the last backward, as
-    ZeRO-1 does: measured, and the model says so (within the 20% of the test above and
-    no lower than the measured whole gradients)."""
+    ZeRO-1 does, and the model says so (its measured peak is held to the model's by the
+    20% test above: 1.30 with sharded gradients priced, 1.16 now)."""
     acc = two_rank_results["zero2-accumulate4-dp2"]
     one = two_rank_results["zero2-dp2"]
     grads = lambda r: r["decisions"]["memory"]["grads"]  # noqa: E731

@@ -120,3 +120,16 @@ def test_an_fp32_model_on_a_bf16_preset_is_warned_about() -> None:
     for kw in ({"precision": "bf16-mixed"}, {"mesh": MeshSpec.preset("cpu-gloo", shape=(4,))}):
         q = plan(model, ex, kw.pop("mesh", MESH), **kw)
         assert not any("float32" in w for w in q.warnings)
+
+
+def test_pipelines_try_micro_batches_that_span_a_stage_first() -> None:
+    from autopar.joint import JointSearch
+    from autopar.search import PlanOptions
+
+    model, ex = gpt.build(layers=4, dim=64, heads=4, vocab=256, seq=16, batch=16)
+    js = JointSearch(model, ex, MESH, PlanOptions())
+    assert js._micro_order(1) == [1, 2, 4, 8, 16]  # no pipeline: the fewest first
+    # 2 stages of 2 devices: the most micro-batches of at least 2 samples, then the rest
+    # (every count down to one sample: a time limit must not be spent on those first)
+    assert js._micro_order(2) == [8, 4, 2, 16]
+    assert js._micro_order(4) == [16, 8, 4]  # 1 device per stage: one sample spans it
