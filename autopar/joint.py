@@ -69,7 +69,7 @@ class JointSearch(JointCaptures):
         self.kwargs = example_kwargs
         # the whole call as one pytree: models called as model(**batch) have no positional input
         self._call = (self.inputs, dict(example_kwargs or {}))
-        self.budget = opts.memory_budget if opts.memory_budget is not None else mesh.usable_memory
+        self.budget = opts.budget_for(mesh)
         self.captures: dict[tuple[int, bool], Captured] = {}
         self._generic: AnyBatch | bool | None = None  # the shallow copy's any-batch capture
         self.priced: list[tuple[_Candidate, Priced]] = []

@@ -88,6 +88,11 @@ class PlanOptions:
     # searcher depends on the problem's size, never on how busy the machine is
     choose_limit: float | None = None
 
+    def budget_for(self, mesh: MeshSpec) -> float:
+        """Bytes per device the plan may fill on ``mesh``: ``memory_budget`` as given,
+        else the device less its reserve (:attr:`MeshSpec.usable_memory`)."""
+        return self.memory_budget if self.memory_budget is not None else mesh.usable_memory
+
 
 @dataclass
 class Problem:
@@ -343,7 +348,7 @@ def make_plan_drec(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts: Plan
 
     t0 = time.perf_counter()
     cm = cost_model(gm, mesh, opts)
-    budget = opts.memory_budget if opts.memory_budget is not None else mesh.usable_memory
+    budget = opts.budget_for(mesh)
     pins = resolve_pins(gm, opts.pins, tuple(mesh.shape), aliases)
     report(f"D-Rec search over {len(gm.graph.nodes)} graph nodes, one mesh axis at a time")
     res = drec_search(gm, mesh, cm, DRecOptions(), pins, budget)
@@ -419,7 +424,7 @@ def make_weighted_plans(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts:
     except ValueError as e:
         raise PlanError(str(e)) from None
     cm = cost_model(gm, mesh, opts)
-    budget = opts.memory_budget if opts.memory_budget is not None else mesh.usable_memory
+    budget = opts.budget_for(mesh)
     lays = layers(gm)  # one grouping for shared pricing and clustering: not free at depth
     pb = build_problem(gm, mesh, strategies, cm, budget, shared_pricing(gm, strategies, lays))
     t1 = time.perf_counter()
