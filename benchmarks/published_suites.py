@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reference_plans import GIB, PRECISION, Outcome, plan_outcome, tp_pins  # noqa: E402
+from reference_plans import GIB, PRECISION, Outcome, best, plan_outcome, run_jobs, tp_pins  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## Published plans of Alpa and Mist (benchmarks/published_suites.py)"
@@ -173,8 +173,6 @@ def jobs_for(run: Run) -> list[tuple[str, str, tuple[int, ...]]]:
 
 def summarise(results: list[Outcome], runs: list[Run] | None = None) -> list[dict]:
     """One row per run: the published plan against our fastest mesh."""
-    from reference_plans import best
-
     from autopar import MeshSpec
 
     rows = []
@@ -282,30 +280,22 @@ def section(rows: list[dict], wall: float, workers: int, machine: str) -> str:
     return "\n".join(lines)
 
 
+def _progress(o: Outcome) -> None:
+    print(f"  {o.model:>28} {o.kind:>9} {_shape(o.shape):>8}: "
+          f"{o.error or f'{o.step_seconds:.3f} s/step, {o.memory_gib:.1f} GiB'} "
+          f"({o.seconds:.1f} s)", file=sys.stderr, flush=True)
+
+
 def main_suites(suites: list[str], workers: int, time_limit: float, write: bool = True) -> list[str]:
     """Plan Alpa's and/or Mist's runs (:mod:`published_suites`), print and write their
     section; the runs where ours is worse, failed or does not fit."""
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-
     from plan_time import machine, write_section
 
     runs = [r for r in RUNS if r.suite.lower() in suites]
     jobs = [j for r in runs for j in jobs_for(r)]
     jobs.sort(key=lambda j: (j[1] != "ours", -math.prod(j[2])))  # the long ones first
     t0 = time.perf_counter()
-    results = []
-    if workers <= 1:
-        results = [run_job(*j, time_limit) for j in jobs]
-    else:
-        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-            futs = [pool.submit(run_job, *j, time_limit) for j in jobs]
-            for f in as_completed(futs):
-                results.append(f.result())
-                o = results[-1]
-                print(f"  {o.model:>28} {o.kind:>9} {_shape(o.shape):>8}: "
-                      f"{o.error or f'{o.step_seconds:.3f} s/step, {o.memory_gib:.1f} GiB'} "
-                      f"({o.seconds:.1f} s)", file=sys.stderr, flush=True)
+    results = run_jobs(run_job, jobs, workers, time_limit, _progress)
     wall = time.perf_counter() - t0
     rows = summarise(results, runs)
     for r in rows:

@@ -316,19 +316,25 @@ def run_all(refs: list[Reference], all_meshes: bool, workers: int, time_limit: f
     jobs = [j for r in refs for j in jobs_for(r, all_meshes)]
     # 3-axis meshes and free searches take longest: start them first
     jobs.sort(key=lambda j: (j[1] != "ours", -len(j[2]), -math.prod(j[2])))
+    return run_jobs(run_job, jobs, workers, time_limit, lambda o: log(_progress(o)))
+
+
+def run_jobs(fn, jobs: list[tuple], workers: int, time_limit: float, done) -> list[Outcome]:
+    """``fn(*job, time_limit)`` for every job, ``workers`` at a time in spawned worker
+    processes (in this one when ``workers <= 1``); ``done(outcome)`` as each finishes."""
     results: list[Outcome] = []
     if workers <= 1:
         for j in jobs:
-            results.append(run_job(*j, time_limit))
-            log(_progress(results[-1]))
+            results.append(fn(*j, time_limit))
+            done(results[-1])
         return results
     import multiprocessing as mp
 
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-        futs = [pool.submit(run_job, *j, time_limit) for j in jobs]
+        futs = [pool.submit(fn, *j, time_limit) for j in jobs]
         for f in as_completed(futs):
             results.append(f.result())
-            log(_progress(results[-1]))
+            done(results[-1])
     return results
 
 
