@@ -12,6 +12,7 @@ import math
 import operator
 from dataclasses import dataclass, field
 
+import torch
 from torch import fx
 
 from autopar.annotate import VIEW_OPS
@@ -24,7 +25,7 @@ from autopar.cost_models import (
     send_recv_time,
 )
 from autopar.edge_prices import EdgePrices, MeshTables, mesh_tables
-from autopar.ir import TensorInfo, info, tensor_inputs
+from autopar.ir import META_KEY, TensorInfo, info, tensor_inputs
 from autopar.placement import (
     Placements,
     Shard,
@@ -38,7 +39,7 @@ from autopar.rules import OpStrategy
 from autopar.rules.attention import SDPA, CPImpl, context_layout, sdpa_args, sdpa_placements
 from autopar.runtime.experts import MOE_EXPERTS
 
-aten = __import__("torch").ops.aten
+aten = torch.ops.aten
 
 
 def op_dtype(node: fx.Node):
@@ -91,6 +92,27 @@ def compute_floor(node: fx.Node, mesh: MeshSpec, backward_factor: float = 2.0) -
     if not flops:
         return 0.0
     return flops / (mesh.peak_for(op_dtype(node)) * mesh.flops_efficiency) * (1.0 + backward_factor)
+
+
+def precision_warning(gm, mesh: MeshSpec, precision: str) -> str | None:
+    """A warning when the model runs most of its FLOPs in fp32 (``precision="native"``
+    on an fp32 model) on a mesh whose peak is for another dtype (GPU presets: bf16
+    tensor cores): the plan is priced at the fp32 rate, right for what will run, but
+    likely not what the user meant."""
+    if precision != "native" or mesh.fp32_peak_flops is None or mesh.fp32_peak_flops >= mesh.peak_flops:
+        return None
+    flops: dict = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and META_KEY in n.meta and info(n).flops:
+            flops[op_dtype(n)] = flops.get(op_dtype(n), 0.0) + info(n).flops
+    fp32 = flops.get(torch.float32, 0.0) + flops.get(torch.float64, 0.0)
+    total = sum(flops.values())
+    if not total or fp32 <= 0.5 * total:
+        return None
+    return (f"the model computes {fp32 / total:.0%} of its FLOPs in float32: the plan prices "
+            f"them at mesh {mesh.name!r}'s fp32 rate ({mesh.fp32_peak_flops / 1e12:.4g} TFLOP/s "
+            f"per device), not its {mesh.peak_flops / 1e12:.4g} TFLOP/s tensor-core peak; "
+            "precision='bf16-mixed' plans 16-bit matmuls with fp32 master weights")
 
 
 @dataclass
@@ -316,4 +338,4 @@ def param_state_split(node: fx.Node, p: Placements, mesh: MeshSpec, optimizer: s
     return b, b, optimizer_state_bytes(b, optimizer)
 
 
-__all__ = ["CostModel", "is_partial", "param_state_split"]
+__all__ = ["CostModel", "feeds_only_casts", "is_partial", "param_state_split", "precision_warning"]

@@ -22,13 +22,13 @@ import time
 import warnings
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from autopar.budget import Phase, TimeBudget
 from autopar.capture import Captured
 from autopar.capture_batch import AnyBatch
 from autopar.cost_models import MeshSpec, format_bytes, send_recv_time
+from autopar.costs import precision_warning
 from autopar.errors import AutoparWarning, PlanError, user_stacklevel
 from autopar.ir import info
 from autopar.joint_capture import JointCaptures
@@ -45,7 +45,7 @@ from autopar.shallow import (
 )
 from autopar.solve.layer_stats import LayerStat, layer_stats
 from autopar.solve.pipeline import Config, Priced, price, step_lower_bound
-from autopar.splits import batch_size, micro_inputs, request, split_mesh
+from autopar.splits import batch_size, micro_counts, micro_inputs, request, split_mesh
 
 
 @dataclass
@@ -504,37 +504,6 @@ class JointSearch(JointCaptures):
         plan.memory = dict(worst.memory)
         plan.memory["total"] = worst.total_memory
         return plan
-
-def micro_counts(batch: int, stages: int) -> list[int]:
-    """The counts of micro-batches that divide ``batch``, ascending, those below
-    ``stages`` left out (a pipeline needs a micro-batch per stage) unless none is left."""
-    opts = [m for m in range(1, batch + 1) if batch % m == 0]
-    return [m for m in opts if m >= stages] or opts[-1:]
-
-
-def precision_warning(gm, mesh: MeshSpec, precision: str) -> str | None:
-    """A warning when the model runs most of its FLOPs in fp32 (``precision="native"``
-    on an fp32 model) on a mesh whose peak is for another dtype (GPU presets: bf16
-    tensor cores): the plan is priced at the fp32 rate, right for what will run, but
-    likely not what the user meant."""
-    from autopar.costs import op_dtype
-    from autopar.ir import META_KEY, info
-
-    if precision != "native" or mesh.fp32_peak_flops is None or mesh.fp32_peak_flops >= mesh.peak_flops:
-        return None
-    flops: dict = {}
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and META_KEY in n.meta and info(n).flops:
-            flops[op_dtype(n)] = flops.get(op_dtype(n), 0.0) + info(n).flops
-    fp32 = flops.get(torch.float32, 0.0) + flops.get(torch.float64, 0.0)
-    total = sum(flops.values())
-    if not total or fp32 <= 0.5 * total:
-        return None
-    return (f"the model computes {fp32 / total:.0%} of its FLOPs in float32: the plan prices "
-            f"them at mesh {mesh.name!r}'s fp32 rate ({mesh.fp32_peak_flops / 1e12:.4g} TFLOP/s "
-            f"per device), not its {mesh.peak_flops / 1e12:.4g} TFLOP/s tensor-core peak; "
-            "precision='bf16-mixed' plans 16-bit matmuls with fp32 master weights")
-
 
 def joint_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOptions,
                example_kwargs: dict | None = None) -> tuple[Captured, Plan]:

@@ -76,4 +76,11 @@ def request(gm: fx.GraphModule, micro_batches: int, mesh_shape: list[int],
                    model_flops_per_step=3.0 * flops * micro_batches)
 
 
-__all__ = ["batch_size", "micro_inputs", "request", "split_mesh"]
+def micro_counts(batch: int, stages: int) -> list[int]:
+    """The counts of micro-batches that divide ``batch``, ascending, those below
+    ``stages`` left out (a pipeline needs a micro-batch per stage) unless none is left."""
+    opts = [m for m in range(1, batch + 1) if batch % m == 0]
+    return [m for m in opts if m >= stages] or opts[-1:]
+
+
+__all__ = ["batch_size", "micro_counts", "micro_inputs", "request", "split_mesh"]

@@ -127,7 +127,7 @@ class Reference:
     def megatron_micro_batches(self) -> list[int]:
         """The joint search's own micro-batch counts (every count dividing the batch, at
         least one per stage) whose micro-batch splits over the DP ranks."""
-        from autopar.joint import micro_counts
+        from autopar.splits import micro_counts
 
         return [m for m in micro_counts(self.batch, self.pp) if (self.batch // m) % self.dp == 0]
 
