@@ -46,8 +46,9 @@ def _capture_and_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec,
     return joint_plan(model, example_inputs, mesh, opts, example_kwargs)
 
 
-_DECISION_KEYS = ("zero_stage", "pipeline_stages", "micro_batches", "schedule", "recompute", "explore",
-                  "blocks", "progress", "bucket_bytes", "precision", "context_parallel")
+_DECISION_KEYS = ("zero_stage", "pipeline_stages", "micro_batches", "schedule", "virtual_stages",
+                  "recompute", "explore", "blocks", "progress", "bucket_bytes", "precision",
+                  "context_parallel")
 
 
 def _options(memory_budget, optimizer, time_limit, pins, decisions: Mapping,
@@ -87,7 +88,8 @@ def plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec | str | tuple |
     the chosen one at full depth (``plan.timings`` says how each phase spent its share).
 
     ``decisions`` force plan-level choices, e.g. ``zero_stage=2``, ``pipeline_stages=2,
-    micro_batches=4, schedule="1f1b"``, ``recompute=["blocks.1"]``, ``bucket_bytes=25 << 20``
+    micro_batches=4, schedule="1f1b"`` (or ``schedule="interleaved-1f1b", virtual_stages=2``:
+    two model chunks per rank), ``recompute=["blocks.1"]``, ``bucket_bytes=25 << 20``
     (fixed-size gradient buckets instead of the cost model's choice),
     ``context_parallel="exchange"`` (attention on sequence chunks of q, k and v: Ulysses or
     ring attention), ``"gather-kv"`` (query rows, keys and values gathered) or ``"off"``;

@@ -9,7 +9,7 @@ keyword arguments (values are Python literals, else strings)::
         --factory-args layers=12 dim=256 --json plan.json --explain linear_3
 
 Plan-level decisions are searched unless forced: ``--zero-stage``, ``--pipeline-stages``,
-``--micro-batches``, ``--schedule``, ``--recompute blocks.0,blocks.1`` (or ``none``);
+``--micro-batches``, ``--schedule``, ``--virtual-stages``, ``--recompute blocks.0,blocks.1`` (or ``none``);
 ``--explore`` also tries pipelines and micro-batches when the plain plan fits.  The
 decisions are printed under the table; ``--explain`` alone prints why each was taken,
 ``--explain pipeline`` (or ``zero``, ``micro_batches``, ``recompute``, a layer key such as
@@ -122,14 +122,15 @@ def decision_options(args: argparse.Namespace) -> dict[str, Any]:
     """The plan-level decisions forced on the command line, as keyword arguments of
     :func:`autopar.plan` (unset ones are left out, so the search chooses them)."""
     for flag, value in (("--pipeline-stages", args.pipeline_stages),
-                        ("--micro-batches", args.micro_batches)):
+                        ("--micro-batches", args.micro_batches),
+                        ("--virtual-stages", args.virtual_stages)):
         if value is not None and value < 1:
             raise CLIError(f"{flag} must be >= 1, got {value}")
     if args.schedule is not None and args.pipeline_stages == 1:
         raise CLIError(f"--schedule {args.schedule} needs a pipeline: give --pipeline-stages "
                        f"2 or more (or leave it out to let the search choose)")
     out: dict[str, Any] = {}
-    for key in ("zero_stage", "pipeline_stages", "micro_batches", "schedule"):
+    for key in ("zero_stage", "pipeline_stages", "micro_batches", "schedule", "virtual_stages"):
         if getattr(args, key) is not None:
             out[key] = getattr(args, key)
     recompute = parse_recompute(args.recompute)
@@ -394,8 +395,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--micro-batches", type=int, default=None, metavar="N",
                    help="micro-batches per step (gradient accumulation without a pipeline; "
                         "N must divide the batch)")
-    d.add_argument("--schedule", choices=("gpipe", "1f1b"), default=None,
+    d.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved-1f1b"), default=None,
                    help="pipeline schedule")
+    d.add_argument("--virtual-stages", type=int, default=None, metavar="V",
+                   help="model chunks per pipeline rank under --schedule interleaved-1f1b")
     d.add_argument("--recompute", action="append", default=None, metavar="LAYER[,LAYER...]",
                    help="layers whose activations are recomputed in backward, e.g. "
                         "blocks.0,blocks.1, or none (repeatable)")

@@ -339,8 +339,9 @@ def _decisions_note(plan: Plan) -> str:
     if d.recompute:
         parts.append(f"recomputation of {', '.join(d.recompute)}")
     if d.pipeline_stages > 1:
-        parts.append(f"{d.pipeline_stages} pipeline stages {d.stages}, {d.micro_batches} "
-                     f"micro-batches, schedule {d.schedule}")
+        chunks = f" ({d.virtual_stages} virtual stages each)" if d.virtual_stages > 1 else ""
+        parts.append(f"{d.pipeline_stages} pipeline stages{chunks} {d.stages}, "
+                     f"{d.micro_batches} micro-batches, schedule {d.schedule}")
     elif d.micro_batches > 1:
         parts.append(f"gradient accumulation over {d.micro_batches} micro-batches")
     if not parts:

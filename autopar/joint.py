@@ -93,11 +93,23 @@ class JointSearch(JointCaptures):
             v = getattr(o, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise PlanError(f"{name} must be an int >= 1, got {v!r}")
+        piped = (Schedule.GPIPE.value, Schedule.ONE_F_ONE_B.value, Schedule.INTERLEAVED.value)
         if o.schedule is not None:
-            if o.schedule not in (Schedule.GPIPE.value, Schedule.ONE_F_ONE_B.value):
-                raise PlanError(f"schedule must be 'gpipe' or '1f1b', got {o.schedule!r}")
+            if o.schedule not in piped:
+                raise PlanError(f"schedule must be one of {list(piped)}, got {o.schedule!r}")
             if o.pipeline_stages == 1:
                 raise PlanError(f"schedule={o.schedule!r} needs pipeline_stages > 1")
+        if o.virtual_stages is not None:
+            if not isinstance(o.virtual_stages, int) or o.virtual_stages < 1:
+                raise PlanError(f"virtual_stages must be an int >= 1, got {o.virtual_stages!r}")
+            if o.virtual_stages > 1 and o.schedule not in (None, Schedule.INTERLEAVED.value):
+                raise PlanError(f"virtual_stages={o.virtual_stages} needs schedule="
+                                f"{Schedule.INTERLEAVED.value!r}, not {o.schedule!r}")
+        if o.schedule == Schedule.INTERLEAVED.value and o.pipeline_stages and o.micro_batches \
+                and o.micro_batches % o.pipeline_stages:
+            raise PlanError(f"the interleaved schedule runs micro-batches in groups of the "
+                            f"pipeline stages: micro_batches={o.micro_batches} is not a multiple "
+                            f"of pipeline_stages={o.pipeline_stages}")
         if o.pipeline_stages is not None and o.pipeline_stages > 1 and self.mesh.shape[0] % o.pipeline_stages:
             raise PlanError(f"{o.pipeline_stages} pipeline stages do not divide mesh axis 0 of size "
                             f"{self.mesh.shape[0]} (stages are carved out of the outermost axis)")
@@ -235,8 +247,8 @@ class JointSearch(JointCaptures):
             zs = [0, 1, 2, 3]
         axes = [a for a, n in enumerate(sub.shape) if n > 1]
         if cand.stages > 1:
-            scheds = [self.opts.schedule] if self.opts.schedule else [Schedule.ONE_F_ONE_B.value,
-                                                                       Schedule.GPIPE.value]
+            scheds = [self.opts.schedule] if self.opts.schedule else [
+                Schedule.ONE_F_ONE_B.value, Schedule.GPIPE.value, Schedule.INTERLEAVED.value]
         else:
             scheds = [Schedule.NONE.value]
         if self.opts.recompute:
@@ -250,9 +262,24 @@ class JointSearch(JointCaptures):
             # ZeRO needs a sub-mesh axis to shard over: no config when there is none
             for a in (axes if z else [None]):
                 for s in scheds:
-                    out.append(Config(cand.stages, cand.micro_batches, s, z, a, self.opts.recompute,
-                                      self.opts.bucket_bytes))
+                    for v in (self._virtual(cand) if s == Schedule.INTERLEAVED.value else [1]):
+                        out.append(Config(cand.stages, cand.micro_batches, s, z, a,
+                                          self.opts.recompute, self.opts.bucket_bytes, v))
         return out
+
+    def _virtual(self, cand: _Candidate) -> list[int]:
+        """Model chunks per rank the interleaved schedule tries on ``cand``: the forced
+        count, else 2 and 4 where each virtual stage still gets a layer; none when the
+        micro-batches are not a multiple of the stages (the schedule's groups)."""
+        p = cand.stages
+        if cand.micro_batches % p:
+            if self.opts.schedule == Schedule.INTERLEAVED.value:
+                raise PlanError(f"the interleaved schedule runs micro-batches in groups of the "
+                                f"{p} pipeline stages; {cand.micro_batches} micro-batches is "
+                                "not a multiple")
+            return []
+        want = [self.opts.virtual_stages] if self.opts.virtual_stages else [2, 4]
+        return [v for v in want if v > 1 and p * v <= len(cand.stats)]
 
     def _price(self, cand: _Candidate) -> None:
         link = (lambda b: send_recv_time(cand.full, (0,), b)) if cand.stages > 1 else (lambda b: 0.0)
@@ -485,7 +512,8 @@ class JointSearch(JointCaptures):
         recompute = sorted({k for sp in pr.stages for k in sp.recompute})
         d = Decisions(
             pipeline_stages=cfg.stages, schedule=cfg.schedule, micro_batches=cfg.micro_batches,
-            stages=[sp.layers for sp in pr.stages] if cfg.stages > 1 else [],
+            virtual_stages=cfg.virtual,
+            stages=(pr.virtual or [sp.layers for sp in pr.stages]) if cfg.stages > 1 else [],
             zero_stage=cfg.zero_stage, zero_axis=cfg.zero_axis, recompute=recompute,
             precision=self.opts.precision, batch=self.opts.batch,
             # a micro-batched or pipelined step returns the loss alone: no rows to return

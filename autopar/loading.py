@@ -128,7 +128,7 @@ def _build_inner(parts: _Parts, directory: Path) -> tuple[fx.GraphModule, Any, A
     state.pop(EXTRA_KEY, None)
     d = plan.decisions
     if d.pipeline_stages > 1:
-        owner = {n.param: d.stage_of(n.layer) for n in plan.nodes.values()
+        owner = {n.param: d.rank_of(n.layer) for n in plan.nodes.values()
                  if n.kind in ("param", "buffer") and n.param}
         state = state | _stand_ins(plan, state, owner, set(plan.params()))
     try:

@@ -71,7 +71,7 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         self._param_nodes = {n.param: n for n in plan.nodes.values() if n.param}
         d = plan.decisions
         # graph target -> pipeline stage owning it (everything on stage 0 without a pipeline)
-        self._owner = {n.param: d.stage_of(n.layer) if d.pipeline_stages > 1 else 0
+        self._owner = {n.param: d.rank_of(n.layer) if d.pipeline_stages > 1 else 0
                        for n in plan.nodes.values() if n.kind in ("param", "buffer") and n.param}
         if runtime:
             from autopar.runtime.mesh import init_mesh
@@ -143,7 +143,9 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         from autopar.passes.split_stages import split_stages
         from autopar.runtime.pipeline import PipelineRunner
         self._keep_loss_only()
-        mine = split_stages(self.inner, self.plan)[self._mesh_rt.stage]
+        # this rank's graph; under the interleaved schedule its chunks s, s + p, ..
+        graphs = split_stages(self.inner, self.plan)
+        mine = graphs[self._mesh_rt.stage::max(1, d.pipeline_stages)]
         for t in list(self.aliases):
             if not self._mine(t):
                 owner, leaf = self._owner_of(t)

@@ -120,6 +120,11 @@ class Schedule(StrEnum):
     ONE_F_ONE_B = "1f1b"
     """Warm-up forwards, then one forward / one backward: stage ``s`` of ``p`` holds at
     most ``p - s`` micro-batches' activations."""
+    INTERLEAVED = "interleaved-1f1b"
+    """1F1B over ``v`` model chunks per rank (Megatron's virtual stages): rank ``s`` runs
+    virtual stages ``s, s + p, .., s + (v - 1) p``, which divides the fill and drain by
+    ``v`` at the price of ``v`` times the point-to-point messages and more micro-batches
+    in flight (:mod:`autopar.schedules`)."""
 
 
 @dataclass
@@ -144,7 +149,11 @@ class Decisions:
 
     ``pipeline_stages > 1`` adds a leading pipeline axis to the device mesh: the plan's
     ``mesh`` is then each stage's sub-mesh and ``stages[s]`` lists the layer keys
-    (:mod:`autopar.layers`) of stage ``s``.  ``micro_batches`` splits the global batch
+    (:mod:`autopar.layers`) of stage ``s``.  Under the interleaved schedule,
+    ``stages`` lists ``pipeline_stages * virtual_stages`` virtual stages in model order
+    and virtual stage ``k`` runs on pipeline rank ``k % pipeline_stages``;
+    ``stage_seconds``, ``stage_memory`` and ``stage_parts`` are per rank (its chunks
+    summed).  ``micro_batches`` splits the global batch
     (the graph was captured at the micro-batch size); without a pipeline it is the
     number of gradient accumulation steps.  ``zero_stage`` 1/2/3 shards optimizer state
     / gradients / parameters of replicated parameters over sub-mesh axis ``zero_axis``.
@@ -154,6 +163,8 @@ class Decisions:
 
     pipeline_stages: int = 1
     schedule: str = Schedule.NONE.value
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (> 1 only under ``Schedule.INTERLEAVED``)."""
     micro_batches: int = 1
     stages: list[list[str]] = field(default_factory=list)
     zero_stage: int = 0
@@ -193,8 +204,14 @@ class Decisions:
     exactly these.  Empty in plans made before buckets were planned: the runtime then
     falls back to 4 MiB buckets."""
 
+    def rank_of(self, layer: str) -> int:
+        """Pipeline rank (stage of the mesh's pipeline axis) running ``layer``: its
+        virtual stage modulo the pipeline stages."""
+        return self.stage_of(layer) % max(1, self.pipeline_stages)
+
     def stage_of(self, layer: str) -> int:
-        """Pipeline stage holding ``layer`` (0 without a pipeline)."""
+        """Pipeline stage holding ``layer`` (0 without a pipeline); under the interleaved
+        schedule, its virtual stage."""
         for s, keys in enumerate(self.stages):
             if layer in keys:
                 return s
@@ -291,8 +308,10 @@ class Plan:
             return d.why[key]
         layers = {n.layer for n in self.nodes.values()}
         if name in layers:
-            where = f"stage {d.stage_of(name)} of {d.pipeline_stages}" if d.pipeline_stages > 1 \
+            where = f"stage {d.rank_of(name)} of {d.pipeline_stages}" if d.pipeline_stages > 1 \
                 else "the only stage"
+            if d.virtual_stages > 1:
+                where += f" (virtual stage {d.stage_of(name)} of {len(d.stages)})"
             if f"layer:{name}" in d.why:
                 return d.why[f"layer:{name}"] + f"; it runs on {where}"
             return f"{name} runs on {where} and is not recomputed: " + d.why.get(
@@ -338,8 +357,8 @@ class Plan:
                  f"memory     A {format_bytes(self.memory.get('total', 0))}, "
                  f"B {format_bytes(other.memory.get('total', 0))} per device"]
         da, db = asdict(self.decisions), asdict(other.decisions)
-        for k in ("pipeline_stages", "schedule", "micro_batches", "stages", "zero_stage",
-                  "zero_axis", "recompute"):
+        for k in ("pipeline_stages", "schedule", "virtual_stages", "micro_batches", "stages",
+                  "zero_stage", "zero_axis", "recompute"):
             if da[k] != db[k]:
                 lines.append(f"{k:<10} A {da[k]}, B {db[k]}")
         nodes = []

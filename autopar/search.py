@@ -67,6 +67,8 @@ class PlanOptions:
     pipeline_stages: int | None = None
     micro_batches: int | None = None
     schedule: str | None = None
+    # model chunks per pipeline rank under schedule="interleaved-1f1b"; None = searched
+    virtual_stages: int | None = None
     recompute: tuple[str, ...] | None = None
     explore: bool = False  # also try pipelines/micro-batches when the plain plan fits
     bucket_bytes: int | None = None  # fixed gradient bucket size; None = chosen (MG-WFBP)

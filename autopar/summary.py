@@ -151,7 +151,9 @@ def layout(plan: Plan) -> str:
         if r.size == 1:
             continue
         if r.kind == "PP":
-            parts.append(f"PP{r.size} ({r.link}; {d.schedule}, {d.micro_batches} micro-batches)")
+            chunks = f" x {d.virtual_stages} chunks per stage" if d.virtual_stages > 1 else ""
+            parts.append(f"PP{r.size} ({r.link}; {d.schedule}{chunks}, {d.micro_batches} "
+                         "micro-batches)")
         else:
             parts.append(r.short())
     return " x ".join(parts) or "one device (nothing to split)"
@@ -264,8 +266,10 @@ def summary(plan: Plan) -> str:
                  f"{format_bytes(budget)}{held} per device on the fullest stage "
                  f"({mem.get('total', 0.0) / budget:.0%}): {kinds or 'nothing'}")
     if d.pipeline_stages > 1:
+        # interleaved: virtual stage k runs on pipeline stage k % p, shown as "k@stage"
+        where = (lambda k: f"{k}@{k % d.pipeline_stages}") if d.virtual_stages > 1 else str
         lines.append("  stages         " + "; ".join(
-            f"{i}: {', '.join(fold_keys(keys))}" for i, keys in enumerate(d.stages)))
+            f"{where(i)}: {', '.join(fold_keys(keys))}" for i, keys in enumerate(d.stages)))
     why = _decision_lines(plan)
     if why:
         lines.append("  decisions")

@@ -5,10 +5,11 @@ group: the ranks of one stage's sub-mesh) from the plan's own prices
 (``plan.decisions.stage_seconds`` and ``stage_parts``):
 
 * each micro-batch's forward and backward on the stage's *compute* lane, in the
-  schedule's order (no pipeline: back to back, i.e. gradient accumulation; GPipe: all
-  forwards then all backwards; 1F1B: ``p - s - 1`` warm-up forwards, then one forward /
-  one backward), started when the stage is free and its inputs have arrived (the
-  previous stage's forward, the next stage's backward);
+  schedule's order (:mod:`autopar.schedules`: no pipeline: back to back, i.e. gradient
+  accumulation; GPipe: all forwards then all backwards; 1F1B: ``p - s - 1`` warm-up
+  forwards, then one forward / one backward; interleaved: ``v`` chunks per stage, each
+  a ``v``-th of its time), started when the stage is free and its inputs have arrived
+  (the previous stage's forward, the next stage's backward);
 * the communication inside them (the ops' collectives, ZeRO-3 gathers, pipeline
   sends: the cost model runs them in line with compute, so they are drawn as the end
   of each box, on the *comm* lane);
@@ -38,6 +39,9 @@ from dataclasses import asdict, dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from autopar.plan import Schedule
+from autopar.schedules import Action, list_schedule
 
 if TYPE_CHECKING:
     from autopar.plan import Plan
@@ -82,24 +86,6 @@ class Event:
         return self.start + self.duration
 
 
-def _order(schedule: str, stages: int, stage: int, micro: int) -> list[tuple[str, int]]:
-    """The (F|B, micro-batch) sequence stage ``stage`` runs."""
-    if schedule != "1f1b" or stages == 1:
-        if stages == 1:  # gradient accumulation: each micro-batch's backward right after it
-            return [x for i in range(micro) for x in (("F", i), ("B", i))]
-        return [("F", i) for i in range(micro)] + [("B", i) for i in range(micro)]
-    warm = min(stages - stage - 1, micro)
-    seq = [("F", i) for i in range(warm)]
-    f, b = warm, 0
-    while b < micro:
-        if f < micro:
-            seq.append(("F", f))
-            f += 1
-        seq.append(("B", b))
-        b += 1
-    return seq
-
-
 def _stage_times(plan: Plan) -> list[tuple[float, float, float, float, dict]]:
     """Per stage: forward, backward, forward comm, backward comm (seconds per
     micro-batch) and its parts."""
@@ -121,39 +107,27 @@ def predicted_events(plan: Plan) -> list[Event]:
     d = plan.decisions
     times = _stage_times(plan)
     p, m = len(times), max(1, d.micro_batches)
-    order = [_order(d.schedule, p, s, m) for s in range(p)]
-    done: dict[tuple[str, int, int], float] = {}
-    free = [0.0] * p
-    pos = [0] * p
+    v = max(1, d.virtual_stages)
     events: list[Event] = []
-    # list scheduling: repeatedly run any stage whose next op's inputs are ready
-    while any(pos[s] < len(order[s]) for s in range(p)):
-        progressed = False
-        for s in range(p):
-            if pos[s] >= len(order[s]):
-                continue
-            op, i = order[s][pos[s]]
-            if op == "F":  # the previous stage's forward of this micro-batch has arrived
-                ready = 0.0 if s == 0 else done.get(("F", s - 1, i))
-            else:  # this stage's forward and the next stage's backward are done
-                own = done.get(("F", s, i))
-                nxt = own if s == p - 1 else done.get(("B", s + 1, i))
-                ready = None if own is None or nxt is None else max(own, nxt)
-            if ready is None:
-                continue
-            fwd, bwd, cf, cb, _ = times[s]
-            dur, comm = (fwd, cf) if op == "F" else (bwd, cb)
-            start = max(free[s], ready)
-            kind = Kind.FORWARD if op == "F" else Kind.BACKWARD
-            events.append(Event(s, Lane.COMPUTE, kind, start, dur - comm, i, f"{op}{i}"))
-            if comm > 0:
-                events.append(Event(s, Lane.COMM, Kind.COMM, start + dur - comm, comm, i,
-                                    f"{op}{i} comm"))
-            done[(op, s, i)] = free[s] = start + dur
-            pos[s] += 1
-            progressed = True
-        if not progressed:  # cannot happen for the schedules above; guards a bad plan file
-            raise ValueError(f"schedule {d.schedule!r} deadlocks with {p} stages, {m} micro-batches")
+
+    def duration(s: int, a: Action) -> float:
+        # a rank's v chunks share its per-micro-batch time equally
+        fwd, bwd, _, _, _ = times[s]
+        return (fwd if a.op == "F" else bwd) / v
+
+    schedule = d.schedule if p > 1 else Schedule.NONE.value
+    free = [0.0] * p
+    for t in list_schedule(schedule, p, m, v, duration):
+        a, s = t.action, t.stage
+        _, _, cf, cb, _ = times[s]
+        comm = (cf if a.op == "F" else cb) / v
+        kind = Kind.FORWARD if a.op == "F" else Kind.BACKWARD
+        label = f"{a.op}{a.micro}" + (f".{a.chunk}" if v > 1 else "")
+        events.append(Event(s, Lane.COMPUTE, kind, t.start, t.end - t.start - comm, a.micro, label))
+        if comm > 0:
+            events.append(Event(s, Lane.COMM, Kind.COMM, t.end - comm, comm, a.micro,
+                                f"{label} comm"))
+        free[s] = t.end
     for s, (_, bwd, _, cb, parts) in enumerate(times):
         end = free[s]
         hidden = max(0.0, parts.get("sync", 0.0) - parts.get("sync_exposed", 0.0))

@@ -15,7 +15,7 @@ from autopar.cost_models.mesh import PRESET_NAMES
 from autopar.errors import ConfigError
 
 SEARCHES = ("auto", "ilp", "drec")
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 _PLACEMENT = re.compile(r"(R|P|S\(-?\d+\))")
 
 
@@ -108,7 +108,7 @@ def options(memory_budget, optimizer, time_limit, search, decisions: Mapping) ->
     z = decisions.get("zero_stage")
     if z is not None and (isinstance(z, bool) or z not in (0, 1, 2, 3)):
         raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {z!r}")
-    for key in ("pipeline_stages", "micro_batches", "blocks", "bucket_bytes"):
+    for key in ("pipeline_stages", "micro_batches", "virtual_stages", "blocks", "bucket_bytes"):
         v = decisions.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ConfigError(f"{key} must be a positive integer, got {v!r}")

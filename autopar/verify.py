@@ -98,7 +98,8 @@ def label(plan: Plan) -> str:
             if a["role"] != "PP" and a["size"] > 1]
     parts = []
     if d.pipeline_stages > 1:
-        parts.append(f"pp{d.pipeline_stages} x {d.schedule} x {d.micro_batches} mb")
+        chunks = f"({d.virtual_stages})" if d.virtual_stages > 1 else ""
+        parts.append(f"pp{d.pipeline_stages} x {d.schedule}{chunks} x {d.micro_batches} mb")
     if axes:
         parts.append(" x ".join(axes))
     if d.zero_stage:
@@ -115,7 +116,8 @@ def candidate_key(plan: Plan) -> tuple:
     parameter's placement (two searches that agree on these lower to the same code up
     to activation layouts, which follow from them)."""
     d = plan.decisions
-    return (tuple(plan.mesh.shape), d.pipeline_stages, d.schedule, d.micro_batches, d.zero_stage,
+    return (tuple(plan.mesh.shape), d.pipeline_stages, d.schedule, d.virtual_stages,
+            d.micro_batches, d.zero_stage,
             tuple(d.recompute), d.precision, d.batch, tuple(sorted(plan.params().items())))
 
 
@@ -404,6 +406,7 @@ def _write(store: str | Path, report: VerifyReport, model: nn.Module) -> None:
                     "model": type(model).__name__, "label": r.label, "origin": r.origin,
                     "chosen": i == report.chosen, "world_size": report.world_size,
                     "decisions": {"pipeline_stages": d.pipeline_stages, "schedule": d.schedule,
+                                  "virtual_stages": d.virtual_stages,
                                   "micro_batches": d.micro_batches, "zero_stage": d.zero_stage,
                                   "recompute": d.recompute, "precision": d.precision,
                                   "layout": s["layout"]},

@@ -129,10 +129,10 @@ def _input_only(nodes: list[fx.Node]) -> set[fx.Node]:
 def _assign(gm: fx.GraphModule, plan: Plan, copied: set[fx.Node]) -> dict[fx.Node, int]:
     """Stage of every computing node (not placeholders, get_attr, input-only nodes)."""
     d = plan.decisions
-    num = max(1, d.pipeline_stages)
+    num = _num_stages(plan)
     if num > 1 and len(d.stages) != num:
-        raise PlanError(f"the plan has {num} pipeline stages but decisions.stages lists "
-                        f"{len(d.stages)} layer groups")
+        raise PlanError(f"the plan has {num} (virtual) pipeline stages but decisions.stages "
+                        f"lists {len(d.stages)} layer groups")
     stage: dict[fx.Node, int] = {}
     last: fx.Node | None = None
     for n in gm.graph.nodes:
@@ -163,6 +163,12 @@ def _assign(gm: fx.GraphModule, plan: Plan, copied: set[fx.Node]) -> dict[fx.Nod
     return stage
 
 
+def _num_stages(plan: Plan) -> int:
+    """Stage graphs the plan cuts: its pipeline stages times its virtual stages."""
+    d = plan.decisions
+    return max(1, d.pipeline_stages) * max(1, d.virtual_stages)
+
+
 def _needed_copies(users_of_stage: list[fx.Node], copied: set[fx.Node]) -> set[fx.Node]:
     """Input-only nodes a stage must compute: those its nodes read, transitively."""
     need: set[fx.Node] = set()
@@ -177,7 +183,9 @@ def _needed_copies(users_of_stage: list[fx.Node], copied: set[fx.Node]) -> set[f
 
 
 def split_stages(gm: fx.GraphModule, plan: Plan) -> list[StageGraph]:
-    """Cut ``gm`` (lowered with ``plan``) into one :class:`StageGraph` per pipeline stage.
+    """Cut ``gm`` (lowered with ``plan``) into one :class:`StageGraph` per pipeline stage
+    (per virtual stage under the interleaved schedule: rank ``s`` of ``p`` runs graphs
+    ``s, s + p, ..``; a parameter two of them use is then shared, and summed by autograd).
 
     See the module docstring for the contract.  Without a pipeline
     (``pipeline_stages <= 1``) the result is one stage holding the whole graph (the
@@ -186,7 +194,8 @@ def split_stages(gm: fx.GraphModule, plan: Plan) -> list[StageGraph]:
     stages.
     """
     nodes = list(gm.graph.nodes)
-    num = max(1, plan.decisions.pipeline_stages)
+    num = _num_stages(plan)
+    ranks = max(1, plan.decisions.pipeline_stages)
     copied = _input_only(nodes)
     stage = _assign(gm, plan, copied)
     out_node = next(n for n in nodes if n.op == "output")
@@ -226,11 +235,12 @@ def split_stages(gm: fx.GraphModule, plan: Plan) -> list[StageGraph]:
         for s in sorted(using):
             for t, p in params.items():
                 prev = owner.setdefault(id(p), (s, t, n.name))
-                if prev[0] != s:
+                # virtual stages of one rank share the Parameter: autograd sums its gradient
+                if prev[0] % ranks != s % ranks:
                     also = f" (as {prev[1]!r})" if prev[1] != t else ""
                     raise PlanError(
-                        f"parameter {t!r} is used by pipeline stages {prev[0]}{also} "
-                        f"and {s} (tied weights): its gradient would have to be summed across "
+                        f"parameter {t!r} is used by pipeline stages {prev[0] % ranks}{also} "
+                        f"and {s % ranks} (tied weights): its gradient would have to be summed across "
                         "stages; put all its users in one stage or untie the weights")
                 stage_params[s][t] = p
             stage_buffers[s].extend(b for b in buffers if b not in stage_buffers[s])

@@ -1,58 +1,60 @@
 """Pipeline-parallel training step for one rank (and gradient accumulation, its
 one-stage case).
 
-:class:`PipelineRunner` runs this rank's :class:`~autopar.passes.split_stages.StageGraph`
-over ``M`` micro-batches of the global batch under a schedule:
+:class:`PipelineRunner` runs this rank's
+:class:`~autopar.passes.split_stages.StageGraph` (one, or ``v`` model chunks under the
+interleaved schedule) over ``M`` micro-batches of the global batch in the order
+:func:`autopar.schedules.actions` gives: GPipe, 1F1B or interleaved 1F1B (see there).
 
-* **GPipe**: ``F0 F1 .. F(M-1) B0 B1 .. B(M-1)`` on every stage;
-* **1F1B**: stage ``s`` of ``S`` runs ``w = min(S - s - 1, M)`` warm-up forwards, then
-  alternates one forward and one backward, then the ``w`` remaining backwards, so it
-  holds at most ``w + 1`` micro-batches of activations.
+A forward ``F(k, i)`` of virtual stage ``k`` receives the boundary activations of
+micro-batch ``i`` from virtual stage ``k-1``, runs the stage graph and sends its boundary
+values to ``k+1``; a backward ``B(k, i)`` receives their gradients from ``k+1``, runs
+autograd and sends the gradients of the received activations to ``k-1``.  Virtual stage
+``k`` runs on pipeline rank ``k % p``; peers are ``current().stage_rank(...)``, the rank
+with the same sub-mesh coordinate in that stage, on the default process group
+(``isend``/``irecv``, gloo or nccl).
 
-A forward ``F(i)`` receives the boundary activations of micro-batch ``i`` from stage
-``s-1``, runs the stage graph and sends its boundary values to ``s+1``; a backward
-``B(i)`` receives their gradients from ``s+1``, runs autograd and sends the gradients
-of the received activations to ``s-1``.  Peers are ``current().stage_rank(s ± 1)``: the
-rank with the same sub-mesh coordinate in the neighbouring stage, on the default
-process group (``isend``/``irecv``, gloo or nccl).
+**Why it cannot deadlock, and how messages match.** Sends are non-blocking (``isend``,
+waited at the end of the step), so a rank only ever blocks on a receive.  Every
+schedule is a topological order of the dependencies (:mod:`autopar.schedules`, checked
+by ``list_schedule`` in the tests), so every awaited message is eventually sent.
+Matching is by order on each directed rank pair, which both backends guarantee for
+one (src, dst, tag): the receiver computes the sender's own action order (every rank
+knows every rank's schedule) and posts its receives in exactly the order the sender
+sends, lazily: when an action needs a message, the receives of that link up to it are
+posted, then it waits.  Under 1F1B two neighbours' messages arrive in the order they
+are needed; under the interleaved schedule a rank pair carries activations and
+gradients of several chunks, and a message may be posted before one needed earlier.
+Collectives inside a stage (tensor parallelism, gradient sync) use the stage's sub-mesh
+groups, whose ranks all run the same schedule, so they are issued in the same order.
 
-**Why it cannot deadlock.** Sends are non-blocking (``isend``, waited at the end of the
-step), so a rank only ever blocks on a receive.  Each schedule is a topological order
-of the dependency graph ``F(s-1,i) -> F(s,i)``, ``B(s+1,i) -> B(s,i)``,
-``F(S-1,i) -> B(S-1,i)`` that also keeps every stage's forwards and backwards in
-increasing micro-batch order; the union of those per-rank program orders with the
-cross-stage edges is acyclic (the standard GPipe/1F1B argument), so every awaited
-message is eventually sent.  Matching is by order: on each directed link (``s -> s+1``
-carries activations only, ``s+1 -> s`` gradients only) messages are posted and
-received in the same order (micro-batch, then ``StageGraph.send`` order), which point
-to point FIFO semantics on one (src, dst, tag) pair make unambiguous.  Collectives
-inside a stage (tensor parallelism, gradient sync) use the stage's sub-mesh groups,
-whose ranks all run the same schedule, so they are issued in the same order too.
+**Boundary shapes** are exchanged once: the first activation message into each virtual
+stage is preceded by a small int64 header per value (dtype, requires-grad, shape); both
+sides cache it.  Micro-batches all have the same shape, so later steps skip it.  This
+stays right for values inserted by lowering (collective outputs), whose local shapes
+are in no graph metadata.
 
-**Boundary shapes** are exchanged once: the first activation message on each link is
-preceded by a small int64 header per value (dtype, requires-grad, shape); both sides
-cache it.  Micro-batches all have the same shape, so later steps skip it.  This stays
-right for values inserted by lowering (collective outputs), whose local shapes are in
-no graph metadata.
-
-**Loss.** The stage graph's output must be one scalar per micro-batch: the model's loss,
-a *mean* over the micro-batch (already scaled for the sub-mesh by ``scale_grad``).  Each
-micro-batch's backward is seeded with ``1/M``, so the accumulated gradients are those
-of the mean of the micro-batch losses, which equals the global-batch mean whenever
-every micro-batch averages over the same number of elements (true for equal splits of
-a mean loss without ignored targets; with ``ignore_index`` tokens unevenly spread it
-is the usual gradient-accumulation approximation).  The step returns the mean of the
-micro-batch losses, broadcast from the last stage over the pipeline axis.
+**Loss.** The last virtual stage's graph output must be one scalar per micro-batch: the
+model's loss, a *mean* over the micro-batch (already scaled for the sub-mesh by
+``scale_grad``).  Each micro-batch's backward is seeded with ``1/M``, so the accumulated
+gradients are those of the mean of the micro-batch losses, which equals the
+global-batch mean whenever every micro-batch averages over the same number of elements
+(true for equal splits of a mean loss without ignored targets; with ``ignore_index``
+tokens unevenly spread it is the usual gradient-accumulation approximation).  The step
+returns the mean of the micro-batch losses, broadcast from the last stage over the
+pipeline axis.
 
 **Gradient sync.** An optional ``grad_sync`` (anything with a boolean ``enabled``, e.g.
 :class:`~autopar.runtime.grad_sync.GradSync`) is disabled for every backward except
-this stage's last micro-batch backward, so data-parallel all-reduces run once per step
-on the fully accumulated gradients (they would otherwise add every partial gradient
-again on each backward).  Its previous ``enabled`` value is restored after the step.
+this rank's last one, so data-parallel all-reduces run once per step on the fully
+accumulated gradients (they would otherwise add every partial gradient again on each
+backward); every chunk's gradients are complete by then.  Its previous ``enabled``
+value is restored after the step.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -64,6 +66,7 @@ from autopar.passes.split_stages import StageGraph
 from autopar.plan import Schedule
 from autopar.runtime.mesh import current
 from autopar.runtime.tls import issue
+from autopar.schedules import actions, virtual_stage
 
 # dtypes a boundary value may have, by header code
 _DTYPES: tuple[torch.dtype, ...] = (
@@ -78,28 +81,6 @@ class Toggle(Protocol):
     """What the runner needs of a gradient synchroniser: an on/off switch."""
 
     enabled: bool
-
-
-def schedule_actions(schedule: Schedule | str, stage: int, stages: int,
-                     micro_batches: int) -> list[tuple[str, int]]:
-    """The ordered forward/backward actions of ``stage`` (see the module docstring).
-
-    ``Schedule.NONE`` (no pipeline) runs each micro-batch's forward and backward in
-    turn, which keeps one micro-batch of activations alive (gradient accumulation).
-    """
-    m = micro_batches
-    sched = Schedule(schedule)
-    if sched is Schedule.GPIPE:
-        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    if sched is Schedule.ONE_F_ONE_B or stages == 1:
-        warm = min(stages - stage - 1, m) if sched is Schedule.ONE_F_ONE_B else 0
-        acts = [("F", i) for i in range(warm)]
-        for i in range(m - warm):
-            acts += [("F", warm + i), ("B", i)]
-        acts += [("B", i) for i in range(m - warm, m)]
-        return acts
-    raise ValueError(f"schedule {sched.value!r} needs one stage; a {stages}-stage pipeline "
-                     "needs 'gpipe' or '1f1b'")
 
 
 @dataclass
@@ -147,39 +128,54 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
 
 
 class PipelineRunner:
-    """Runs training steps of one rank's pipeline stage.
+    """Runs training steps of one rank's pipeline stage (or interleaved chunks).
 
-    ``stage``: this rank's stage graph (``split_stages(gm, plan)[current().stage]``);
-    ``schedule``: ``"gpipe"``, ``"1f1b"`` or ``"none"`` (one stage only);
-    ``micro_batches``: ``M``, the global batch is split into ``M`` equal parts along dim 0;
-    ``grad_sync``: optional switch kept off except during the last backward.
+    ``stage``: this rank's stage graph (``split_stages(gm, plan)[current().stage]``), or
+    under the interleaved schedule its ``v`` chunks in chunk order (virtual stages
+    ``s, s + p, ..``); ``schedule``: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"`` or
+    ``"none"`` (one stage only); ``micro_batches``: ``M``, the global batch is split
+    into ``M`` equal parts along dim 0; ``grad_sync``: optional switch kept off except
+    during the last backward.
 
     Call :meth:`step` with the model's flat inputs for the *global* batch on every rank;
     it leaves the step's gradients (summed over micro-batches, weight ``1/M``) in the
     stage's parameters' ``.grad`` and returns the loss on every rank.
     """
 
-    def __init__(self, stage: StageGraph, schedule: Schedule | str, micro_batches: int,
-                 grad_sync: Toggle | None = None) -> None:
+    def __init__(self, stage: StageGraph | Sequence[StageGraph], schedule: Schedule | str,
+                 micro_batches: int, grad_sync: Toggle | None = None) -> None:
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+        chunks = [stage] if isinstance(stage, StageGraph) else list(stage)
         mesh = current()
-        if mesh.stages != stage.num_stages or mesh.stage != stage.stage:
-            raise ValueError(f"this rank runs stage {mesh.stage} of {mesh.stages} but was given "
-                             f"stage {stage.stage} of {stage.num_stages}")
-        self.stage = stage
+        p, v = mesh.stages, len(chunks)
+        for c, ch in enumerate(chunks):
+            want = virtual_stage(mesh.stage, c, p)
+            if ch.num_stages != p * v or ch.stage != want:
+                raise ValueError(f"this rank runs stage {mesh.stage} of {p} with {v} chunk(s): "
+                                 f"chunk {c} must be virtual stage {want} of {p * v}, but was "
+                                 f"given stage {ch.stage} of {ch.num_stages}")
+        self.chunks = chunks
+        self.stage = chunks[0]
+        self.stages, self.virtual = p, v
         self.micro_batches = micro_batches
-        self.actions = schedule_actions(schedule, stage.stage, stage.num_stages, micro_batches)
+        self.schedule = Schedule(schedule)
+        self.actions = actions(schedule, mesh.stage, p, micro_batches, v)
         self.grad_sync = grad_sync
-        self._prev = mesh.stage_rank(stage.stage - 1) if not stage.is_first else None
-        self._next = mesh.stage_rank(stage.stage + 1) if not stage.is_last else None
-        self._recv_meta: list[_Meta] | None = None if stage.recv else []
-        self._send_meta: list[_Meta] | None = None if stage.send else []
+        nvirt = p * v
+        # boundary metas by virtual stage: what it receives, what it sends
+        self._recv_meta: dict[int, list[_Meta] | None] = {
+            ch.stage: (None if ch.recv else []) for ch in chunks}
+        self._send_meta: dict[int, list[_Meta] | None] = {
+            ch.stage: (None if ch.send else []) for ch in chunks}
+        self._rank_of = [mesh.stage_rank(k % p) for k in range(nvirt)]
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self._posted: dict[tuple, list] = {}
+        self._expect: dict[int, deque] = {}
 
     # ------------------------------------------------------------ inputs
-    def split_inputs(self, inputs: Sequence) -> list[list]:
-        """Per micro-batch, the inputs this stage reads.
+    def split_inputs(self, inputs: Sequence, chunk: int = 0) -> list[list]:
+        """Per micro-batch, the inputs model chunk ``chunk`` reads.
 
         A tensor input whose dim 0 is ``M`` times its captured (micro-batch) size is
         split into ``M`` equal chunks; one with its captured shape is passed whole to
@@ -187,8 +183,9 @@ class PipelineRunner:
         micro-batches of the captured size).
         """
         m = self.micro_batches
+        graph = self.chunks[chunk]
         per: list[list] = [[] for _ in range(m)]
-        for i, want in zip(self.stage.inputs, self.stage.input_shapes):
+        for i, want in zip(graph.inputs, graph.input_shapes):
             x = inputs[i]
             if not isinstance(x, torch.Tensor) or want is None:
                 for p in per:
@@ -214,122 +211,170 @@ class PipelineRunner:
         w = _wire(t)
         self._pending.append((issue(dist.isend, w, dst=dst), w))
 
-    def _recv(self, metas: list[_Meta], src: int, grads: bool) -> list[torch.Tensor]:
-        bufs = []
-        for m in metas:
-            dtype = torch.uint8 if m.dtype == torch.bool else m.dtype
-            bufs.append(torch.empty(m.shape, dtype=dtype, device=current().device))
-        works = [issue(dist.irecv, b, src=src) for b in bufs]
-        for w in works:
-            w.wait()
+    def _sent_by(self, src_stage: int) -> deque:
+        """The messages pipeline rank ``src_stage`` sends this rank in one step, in its
+        send order: ``("H", k)`` the header of virtual stage ``k``'s activations (first
+        step only), ``("A", k, i)`` activations into ``k``, ``("G", k, i)`` gradients
+        into ``k``, for micro-batch ``i``."""
+        p, v = self.stages, self.virtual
+        mine = {ch.stage for ch in self.chunks}
+        out: deque = deque()
+        for a in actions(self.schedule, src_stage, p, self.micro_batches, v):
+            k = virtual_stage(src_stage, a.chunk, p)
+            if a.op == "F" and k + 1 in mine:
+                if self._recv_meta[k + 1] is None and ("H", k + 1) not in out:
+                    out.append(("H", k + 1))
+                if self.chunks[(k + 1) // p].recv:
+                    out.append(("A", k + 1, a.micro))
+            elif a.op == "B" and k - 1 in mine and self._carries_grad(k - 1):
+                out.append(("G", k - 1, a.micro))
+        return out
+
+    def _carries_grad(self, k: int) -> bool:
+        return bool(self.chunks[k // self.stages].send)
+
+    def _post(self, key: tuple) -> None:
+        """Post this rank's receives from ``key``'s sender in its send order, up to
+        ``key`` (the headers among them are received at once: later buffers need them)."""
+        src = (key[1] - 1 if key[0] != "G" else key[1] + 1) % self.stages
+        q = self._expect.setdefault(src, self._sent_by(src))
+        while key not in self._posted:
+            if not q:
+                raise RuntimeError(f"pipeline message {key} is not in stage {src}'s schedule")
+            e = q.popleft()
+            peer = self._rank_of[src]
+            if e[0] == "H":
+                n = len(self.chunks[e[1] // self.stages].recv)
+                h = torch.empty(n * _HEADER, dtype=torch.int64, device=current().device)
+                issue(dist.recv, h, src=peer)
+                self._recv_meta[e[1]] = _decode(h, n)
+                continue
+            if e[0] == "A":
+                metas = self._recv_meta[e[1]]
+            else:
+                sent = self._send_meta[e[1]]
+                if sent is None:
+                    raise RuntimeError(f"gradients for virtual stage {e[1]} before its forward")
+                metas = [m for m in sent if m.requires_grad]
+            bufs = [torch.empty(m.shape, dtype=torch.uint8 if m.dtype == torch.bool else m.dtype,
+                                device=current().device) for m in metas]
+            self._posted[e] = [(issue(dist.irecv, b, src=peer), b, m) for b, m in zip(bufs, metas)]
+
+    def _take(self, key: tuple) -> list[torch.Tensor]:
+        self._post(key)
         out = []
-        for b, m in zip(bufs, metas):
+        for w, b, m in self._posted.pop(key):
+            w.wait()
             t = b.to(torch.bool) if m.dtype == torch.bool else b
-            if not grads and m.requires_grad:
+            if key[0] == "A" and m.requires_grad:
                 t.requires_grad_(True)
             out.append(t)
         return out
 
-    def _recv_activations(self) -> list[torch.Tensor]:
-        if self._recv_meta is None:
-            h = torch.empty(len(self.stage.recv) * _HEADER, dtype=torch.int64, device=current().device)
-            issue(dist.recv, h, src=self._prev)
-            self._recv_meta = _decode(h, len(self.stage.recv))
-        return self._recv(self._recv_meta, self._prev, grads=False)
-
-    def _send_activations(self, values: list[torch.Tensor]) -> None:
-        for name, v in zip(self.stage.send, values):
+    def _send_activations(self, k: int, values: list[torch.Tensor]) -> None:
+        graph = self.chunks[k // self.stages]
+        for name, v in zip(graph.send, values):
             if not isinstance(v, torch.Tensor):
                 raise TypeError(f"boundary value {name} is a {type(v).__name__}, not a tensor")
         metas = [_Meta(tuple(v.shape), v.dtype, v.requires_grad) for v in values]
-        if self._send_meta is None:
-            self._send_meta = metas
-            self._isend(_encode(metas), self._next)
-        elif metas != self._send_meta:
+        dst = self._rank_of[k + 1]
+        if self._send_meta[k] is None:
+            self._send_meta[k] = metas
+            self._isend(_encode(metas), dst)
+        elif metas != self._send_meta[k]:
             raise RuntimeError(f"boundary values changed shape between micro-batches: "
-                               f"{metas} vs {self._send_meta}")
+                               f"{metas} vs {self._send_meta[k]}")
         for v in values:
-            self._isend(v, self._next)
+            self._isend(v, dst)
 
     # ------------------------------------------------------------ actions
-    def _forward(self, inputs: list) -> _MicroBatch:
+    def _forward(self, graph: StageGraph, inputs: list, micro: int) -> _MicroBatch:
         mb = _MicroBatch()
-        if not self.stage.is_first:
-            mb.received = self._recv_activations()
-        outs = self.stage.module(*inputs, *mb.received)
-        ns = len(self.stage.send)
+        k = graph.stage
+        if not graph.is_first and graph.recv:
+            mb.received = self._take(("A", k, micro))
+        outs = graph.module(*inputs, *mb.received)
+        ns = len(graph.send)
         mb.sent = list(outs[:ns])
-        if self.stage.is_last:
-            if self.stage.num_outputs != 1:
+        if graph.is_last:
+            if graph.num_outputs != 1:
                 raise ValueError(f"the pipelined graph must return exactly one value (the "
-                                 f"loss), got {self.stage.num_outputs}")
+                                 f"loss), got {graph.num_outputs}")
             loss = outs[ns]
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise ValueError("the pipelined model must return a scalar loss (a mean over "
                                  f"the batch); got {getattr(loss, 'shape', type(loss))}")
             mb.loss = loss
-        else:
-            self._send_activations(mb.sent)
+        elif graph.send:
+            self._send_activations(k, mb.sent)
         return mb
 
-    def _backward(self, mb: _MicroBatch) -> None:
-        if self.stage.is_last:
+    def _backward(self, graph: StageGraph, mb: _MicroBatch, micro: int) -> None:
+        k = graph.stage
+        if graph.is_last:
             tensors = [mb.loss]
             seeds = [torch.full_like(mb.loss, 1.0 / self.micro_batches)]
+        elif graph.send:
+            sent = self._send_meta[k]
+            assert sent is not None
+            seeds = self._take(("G", k, micro))
+            tensors = [v for v, m in zip(mb.sent, sent) if m.requires_grad]
         else:
-            assert self._send_meta is not None
-            carry = [m for m in self._send_meta if m.requires_grad]
-            got = self._recv(carry, self._next, grads=True)
-            tensors = [v for v, m in zip(mb.sent, self._send_meta) if m.requires_grad]
-            seeds = got
+            tensors, seeds = [], []
         live = [(t, g) for t, g in zip(tensors, seeds) if t.requires_grad]
         if live:
             torch.autograd.backward([t for t, _ in live], [g for _, g in live])
-        if not self.stage.is_first:
+        if not graph.is_first:
             for t in mb.received:
                 if t.requires_grad:
                     g = t.grad if t.grad is not None else torch.zeros_like(t)
-                    self._isend(g, self._prev)
+                    self._isend(g, self._rank_of[k - 1])
 
     # ------------------------------------------------------------ the step
     def step(self, inputs: Sequence) -> torch.Tensor:
         """One training step on the global batch ``inputs`` (flat, as the captured
         model takes them); returns the mean micro-batch loss on every rank."""
-        per = self.split_inputs(inputs)
-        kept: dict[int, _MicroBatch] = {}
+        per = [self.split_inputs(inputs, c) for c in range(self.virtual)]
+        kept: dict[tuple[int, int], _MicroBatch] = {}
         losses: list[torch.Tensor] = []
         sync_was = self.grad_sync.enabled if self.grad_sync is not None else None
-        last_b = max(i for a, i in self.actions if a == "B")
+        last_b = max(j for j, a in enumerate(self.actions) if a.op == "B")
+        self._expect.clear()
         try:
             if self.grad_sync is not None:
                 self.grad_sync.enabled = False
-            for act, i in self.actions:
-                if act == "F":
-                    kept[i] = self._forward(per[i])
-                    if kept[i].loss is not None:
-                        losses.append(kept[i].loss.detach())
+            for j, a in enumerate(self.actions):
+                graph = self.chunks[a.chunk]
+                if a.op == "F":
+                    mb = kept[(a.chunk, a.micro)] = self._forward(graph, per[a.chunk][a.micro],
+                                                                   a.micro)
+                    if mb.loss is not None:
+                        losses.append(mb.loss.detach())
                 else:
                     if self.grad_sync is not None:
-                        self.grad_sync.enabled = i == last_b
-                    self._backward(kept.pop(i))  # frees micro-batch i's activations
+                        self.grad_sync.enabled = j == last_b
+                    # frees micro-batch i's activations of this chunk
+                    self._backward(graph, kept.pop((a.chunk, a.micro)), a.micro)
             for w, _ in self._pending:
                 w.wait()
         finally:
             self._pending.clear()
             if self.grad_sync is not None:
                 self.grad_sync.enabled = bool(sync_was)
+        if self._posted or any(self._expect.values()):
+            raise RuntimeError(f"pipeline messages left unreceived: {sorted(self._posted)}")
         return self._loss(losses)
 
     def _loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         mesh = current()
         loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float32,
                                                                       device=mesh.device)
-        if self.stage.num_stages > 1:
+        if self.stages > 1:
             # the last stage's dtype is unknown to the others: compute in float32
             loss = loss.to(torch.float32).reshape(())
-            issue(dist.broadcast, loss, src=mesh.stage_rank(self.stage.num_stages - 1),
-                           group=mesh.device_mesh.get_group(0))
+            issue(dist.broadcast, loss, src=mesh.stage_rank(self.stages - 1),
+                  group=mesh.device_mesh.get_group(0))
         return loss
 
 
-__all__ = ["PipelineRunner", "Toggle", "schedule_actions"]
+__all__ = ["PipelineRunner", "Toggle"]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from autopar import schedules as sched
 from autopar.cost_models import MeshSpec
 from autopar.plan import Schedule
 from autopar.solve import buckets as bk
@@ -45,6 +46,7 @@ class Config:
     zero_axis: int | None = None
     recompute: tuple[str, ...] | None = None  # forced recomputed layer keys; None = searched
     bucket_bytes: float | None = None  # fixed gradient bucket size; None = chosen (MG-WFBP)
+    virtual: int = 1  # model chunks per pipeline rank (the interleaved schedule)
 
 
 @dataclass
@@ -81,6 +83,9 @@ class Priced:
     bound: float | None = None
     """Set when the config was not priced because this lower bound on its step time
     (:func:`step_lower_bound`) already exceeded a plan found before it."""
+    virtual: list[list[str]] = field(default_factory=list)
+    """Under the interleaved schedule, the layer keys of each virtual stage in model
+    order (``stages`` are then the ranks, each the sum of its chunks)."""
 
     @property
     def feasible(self) -> bool:
@@ -129,6 +134,22 @@ def _sync(layers: list[LayerStat], zp: list, rc: set[str], cfg: Config,
     return bp, bp.names(items), extremes
 
 
+def in_flight(cfg: Config, index: int) -> int:
+    """Micro-batches whose activations stage ``index`` keeps at once: 1 without a
+    pipeline, ``M`` under GPipe, ``min(p - s, M)`` under 1F1B; under the interleaved
+    schedule ``index`` is a virtual stage and the count is its chunk's
+    (:func:`autopar.schedules.in_flight`)."""
+    if cfg.stages == 1:
+        return 1
+    if cfg.schedule == Schedule.GPIPE.value:
+        return cfg.micro_batches
+    if cfg.virtual > 1:
+        ranks = cfg.stages // cfg.virtual
+        table = sched.in_flight(cfg.schedule, ranks, cfg.micro_batches, cfg.virtual)
+        return table[index % ranks][index // ranks]
+    return min(cfg.stages - index, cfg.micro_batches)
+
+
 def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec, pipe_link,
                 budget: float, optimizer: str, zp: list | None = None,
                 sync: bool = True) -> StagePrice:
@@ -136,13 +157,9 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     ``pipe_link(bytes)`` is the time of one point-to-point message between stages;
     ``zp`` the layers' :func:`zero_price` when already computed; ``sync=False`` leaves
     the gradient buckets out (the split search needs only ``seconds`` and memory).
+    Under the interleaved schedule ``cfg`` counts virtual stages (:func:`price`).
     The returned memory may exceed ``budget`` when nothing fits."""
-    if cfg.stages == 1:
-        inflight = 1
-    elif cfg.schedule == Schedule.GPIPE.value:
-        inflight = cfg.micro_batches
-    else:
-        inflight = min(cfg.stages - index, cfg.micro_batches)
+    inflight = in_flight(cfg, index)
     if zp is None:
         zp = [zero_price(st, mesh, cfg.zero_stage, cfg.zero_axis, optimizer, cfg.micro_batches)
               for st in layers]
@@ -260,7 +277,8 @@ def _zero_prices(stats: list[LayerStat], cls: list[int], cfg: Config, mesh: Mesh
 
 def step_lower_bound(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link,
                      optimizer: str) -> float:
-    """A lower bound on :func:`price`'s step time for ``cfg``, in O(layers) instead of
+    """A lower bound on :func:`price`'s step time for ``cfg`` (interleaved: ``v`` times
+    the stage boundaries, the bubble divided by ``v``), in O(layers) instead of
     the split search's O(stages x layers^2): every split's stage times sum to at least
     the layers' own time plus stage-3 gathers plus, per stage boundary, two messages each
     way of the smallest layer output (``total``); the slowest stage takes at least
@@ -268,27 +286,88 @@ def step_lower_bound(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_l
     optimizer update; the bubble is what is left of ``total`` less what
     ``mesh.idle_reuse`` wins back.  Recomputation, idle stages and the memory budget only
     add."""
-    p, m = cfg.stages, cfg.micro_batches
-    if p > len(stats):
+    p, m, v = cfg.stages, cfg.micro_batches, cfg.virtual
+    if p * v > len(stats):
         return math.inf
     total = tail = 0.0
     for st, z in zip(stats, _zero_prices(stats, layer_classes(stats), cfg, mesh, optimizer)):
         total += st.seconds + z.gather_mb
         tail += z.gather_step + z.opt_step
     if p > 1:
-        total += 4.0 * (p - 1) * pipe_link(min(st.out_bytes for st in stats))
-    # the step grows with the slowest stage (m >= 1 >= 1 - idle_reuse), so slow = total / p
-    # bounds it from below
+        total += 4.0 * (p * v - 1) * pipe_link(min(st.out_bytes for st in stats))
+    # the step grows with the slowest stage (m >= 1 >= (1 - idle_reuse) / v), so
+    # slow = total / p bounds it from below; interleaving divides the fill and drain by v
     slow = total / p
-    return m * slow + (total - slow) * (1.0 - mesh.idle_reuse) + tail / p
+    return m * slow + (total - slow) * (1.0 - mesh.idle_reuse) / v + tail / p
 
 
 def price(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget: float,
           optimizer: str) -> Priced:
     """Best stage split for ``cfg`` and its step time."""
+    if cfg.virtual > 1:
+        return _price_interleaved(stats, cfg, mesh, pipe_link, budget, optimizer)
+    split, min_mem = _split(stats, cfg, mesh, pipe_link, budget, optimizer)
+    if split is None:
+        return Priced(cfg, [], math.inf, min_mem)
+    slow = max(sp.seconds for sp in split)
+    total = sum(sp.seconds for sp in split)
+    # the bubble (the other stages' fill and drain) less what ranks sharing cores win back
+    bubble = (total - slow) * (1.0 - mesh.idle_reuse)
+    step = slow + bubble + (cfg.micro_batches - 1) * slow + max(sp.extra for sp in split)
+    return Priced(cfg, split, step, max(sp.total_memory for sp in split))
+
+
+def _price_interleaved(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link,
+                       budget: float, optimizer: str) -> Priced:
+    """Interleaved 1F1B: ``p v`` virtual stages split by the same search, each within
+    ``budget / v`` (so a rank's ``v`` chunks fit the budget together: sufficient, not
+    necessary); rank ``r`` runs virtual stages ``r, r + p, ..`` and costs their sum per
+    micro-batch.  The step is ``M`` times the slowest rank plus the other ranks' fill
+    and drain divided by ``v`` (each micro-batch passes a rank in ``v`` shorter
+    pieces; :func:`autopar.schedules.list_schedule` gives the same for equal chunks)."""
+    p, v = cfg.stages, cfg.virtual
+    vcfg = Config(p * v, cfg.micro_batches, cfg.schedule, cfg.zero_stage, cfg.zero_axis,
+                  cfg.recompute, cfg.bucket_bytes, v)
+    split, min_mem = _split(stats, vcfg, mesh, pipe_link, budget / v, optimizer)
+    if split is None:
+        return Priced(cfg, [], math.inf, min_mem * v)
+    ranks = [_merge(split[r::p]) for r in range(p)]
+    slow = max(sp.seconds for sp in ranks)
+    total = sum(sp.seconds for sp in ranks)
+    bubble = (total - slow) / v * (1.0 - mesh.idle_reuse)
+    step = cfg.micro_batches * slow + bubble + max(sp.extra for sp in ranks)
+    return Priced(cfg, ranks, step, max(sp.total_memory for sp in ranks),
+                  virtual=[sp.layers for sp in split])
+
+
+def _merge(chunks: list[StagePrice]) -> StagePrice:
+    """One rank's chunks as one stage: times, memory and parts summed (each chunk's
+    activation peak counted whole: an upper bound on the rank's), layers in model order."""
+    def add(dicts: list[dict[str, float]]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for d in dicts:
+            for k, x in d.items():
+                out[k] = out.get(k, 0.0) + x
+        return out
+
+    parts = add([c.parts for c in chunks])
+    for k in ("bucket_bytes_min", "bucket_bytes_max"):
+        if k in parts:
+            parts[k] = (min if k.endswith("min") else max)(c.parts.get(k, 0.0) for c in chunks)
+    return StagePrice([k for c in chunks for k in c.layers], sum(c.seconds for c in chunks),
+                      sum(c.extra for c in chunks), add([c.memory for c in chunks]),
+                      sorted(k for c in chunks for k in c.recompute), parts,
+                      [b for c in chunks for b in c.buckets])
+
+
+def _split(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget: float,
+           optimizer: str) -> tuple[list[StagePrice] | None, float]:
+    """The stage split (priced with its buckets) that minimises the slowest stage, then
+    the sum, every stage within ``budget``; or None and the least memory a split
+    reaches."""
     n, p = len(stats), cfg.stages
     if p > n:
-        return Priced(cfg, [], math.inf, math.inf)
+        return None, math.inf
     cache: dict[tuple, StagePrice] = {}
     cls = layer_classes(stats)
     zps = _zero_prices(stats, cls, cfg, mesh, optimizer)
@@ -307,8 +386,7 @@ def price(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget
         # split search reads only time and memory, which ranges of equal layers share (80
         # identical Llama layers: ~330 stage prices per config instead of ~3,400); the
         # chosen split is priced by position, with its layers' names and buckets (sync)
-        inflight = (1 if cfg.stages == 1 else cfg.micro_batches if cfg.schedule == Schedule.GPIPE.value
-                    else min(cfg.stages - s, cfg.micro_batches))
+        inflight = in_flight(cfg, s)
         where = (i, j) if sync else shape_of(i, j)
         key = (where, inflight, s == 0, s == cfg.stages - 1, sync)
         if key not in cache:
@@ -360,12 +438,8 @@ def price(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget
     min_mem = min((sp.total_memory for sp in cache.values()), default=math.inf)
     if not math.isfinite(slow):
         # report the smallest per-device memory any split could reach
-        return Priced(cfg, [], math.inf, _min_split_memory(stats, cfg, stage, min_mem))
-    split = [stage(i, j, s, sync=True) for s, (i, j) in enumerate(ranges)]
-    # the bubble (the other stages' fill and drain) less what ranks sharing cores win back
-    bubble = (total - slow) * (1.0 - mesh.idle_reuse)
-    step = slow + bubble + (cfg.micro_batches - 1) * slow + max(sp.extra for sp in split)
-    return Priced(cfg, split, step, max(sp.total_memory for sp in split))
+        return None, _min_split_memory(stats, cfg, stage, min_mem)
+    return [stage(i, j, s, sync=True) for s, (i, j) in enumerate(ranges)], min_mem
 
 
 def _min_split_memory(stats, cfg: Config, stage, fallback: float) -> float:

@@ -9,6 +9,8 @@ AdamW steps (``train_step`` then ``optimizer.step()``):
   ``blocks.0`` recomputed;
 * ``zero3-recompute-dp2``: the same with ZeRO-3 (parameters exist only as shards;
   every use gathers);
+* ``pp2-interleaved2-m4``: two pipeline ranks of two model chunks each (interleaved
+  1F1B): a rank's file holds both of its chunks' tensors;
 * ``pp2-1f1b-m4-recompute``: two pipeline stages of one rank each, 4 micro-batches
   under 1F1B, ``blocks.1`` recomputed; loaded both from the live module's export and
   from an export written without a process group (planning only, in the test
@@ -44,6 +46,10 @@ CASES = [
     {"id": "pp2-1f1b-m4-recompute", "pins": {},
      "options": {"pipeline_stages": 2, "micro_batches": 4, "schedule": "1f1b",
                  "recompute": ["blocks.1"], "zero_stage": 0}},
+    # rank 0 holds virtual stages 0 and 2 (pre, blocks.1): its file holds both chunks
+    {"id": "pp2-interleaved2-m4", "pins": {},
+     "options": {"pipeline_stages": 2, "micro_batches": 4, "schedule": "interleaved-1f1b",
+                 "virtual_stages": 2, "recompute": ["blocks.0"], "zero_stage": 0}},
 ]
 
 

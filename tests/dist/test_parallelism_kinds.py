@@ -28,6 +28,7 @@ DP = {"*": "R", "input:0": "S(0)"}
 TP = MEGATRON["gpt"]
 PP2_M4 = {"pipeline_stages": 2, "micro_batches": 4}
 SINGLE = {"pipeline_stages": 1, "micro_batches": 1}
+INTERLEAVED2 = {**PP2_M4, "schedule": "interleaved-1f1b", "virtual_stages": 2}
 
 TWO = [
     Case("zero1-dp2", "gpt", (2,), DP, GPT2, options={"zero_stage": 1, **SINGLE}, measure_memory=True),
@@ -35,6 +36,8 @@ TWO = [
     Case("zero3-dp2", "gpt", (2,), DP, GPT2, options={"zero_stage": 3, **SINGLE}, measure_memory=True),
     Case("pp2-gpipe", "gpt", (2,), {}, GPT2, options={**PP2_M4, "schedule": "gpipe"}, measure_memory=True),
     Case("pp2-1f1b", "gpt", (2,), {}, GPT2, options={**PP2_M4, "schedule": "1f1b"}, measure_memory=True),
+    # interleaved 1F1B: each rank runs two model chunks (pre + blocks.1 on rank 0)
+    Case("pp2-interleaved2", "gpt", (2,), {}, GPT2, options=INTERLEAVED2, measure_memory=True),
     Case("recompute-tp2", "gpt", (2,), TP, GPT2, options={"recompute": ["blocks.0"], **SINGLE},
          measure_memory=True),
     Case("accumulate4-dp2", "gpt", (2,), DP, GPT2,
@@ -53,6 +56,13 @@ FOUR = [
          GPT2, options={"zero_stage": 3, **SINGLE}, measure_memory=True),
     # two stages, each a data-parallel pair
     Case("pp2-x-dp2", "gpt", (4,), DP, GPT2, options={**PP2_M4, "schedule": "1f1b"}, measure_memory=True),
+    # two stages of two chunks each, every stage a data-parallel pair
+    Case("pp2-interleaved2-x-dp2", "gpt", (4,), DP, GPT2, options=INTERLEAVED2,
+         measure_memory=True),
+    # four stages of two chunks each (8 virtual stages: pre, 6 blocks, post)
+    Case("pp4-interleaved2", "gpt", (4,), {}, {"layers": 6},
+         options={"pipeline_stages": 4, "micro_batches": 8, "schedule": "interleaved-1f1b",
+                  "virtual_stages": 2}),
     # two stages, each a tensor-parallel pair
     Case("tp2-x-pp2", "gpt", (4,), TP, GPT2, options={**PP2_M4, "schedule": "1f1b"}, measure_memory=True),
 ]
@@ -76,6 +86,7 @@ def check_decisions(res: dict, case: Case) -> None:
     assert d["stages"] == o.get("pipeline_stages", d["stages"])
     assert d["micro_batches"] == o.get("micro_batches", d["micro_batches"])
     assert d["schedule"] == o.get("schedule", d["schedule"])
+    assert d["virtual_stages"] == o.get("virtual_stages", 1)
     assert d["recompute"] == sorted(o.get("recompute", d["recompute"]))
 
 

@@ -133,3 +133,22 @@ def test_pipelines_try_micro_batches_that_span_a_stage_first() -> None:
     # (every count down to one sample: a time limit must not be spent on those first)
     assert js._micro_order(2) == [8, 4, 2, 16]
     assert js._micro_order(4) == [16, 8, 4]  # 1 device per stage: one sample spans it
+
+
+def test_interleaved_1f1b_is_chosen_where_its_smaller_bubble_pays() -> None:
+    """Four forced stages and four micro-batches of a 10-layer GPT: on NVLink the
+    interleaved schedule (two chunks per rank) halves the bubble for a few more
+    point-to-point messages and wins; on a 1 GB/s link those messages cost more than
+    the bubble saves, and plain 1F1B wins."""
+    model, ex = gpt.build(layers=8, dim=512, heads=8, vocab=1024, seq=256, batch=16)
+    kw = {"pipeline_stages": 4, "micro_batches": 4, "precision": "bf16-mixed"}
+    fast = plan(model, ex, MESH, **kw).decisions
+    assert (fast.schedule, fast.virtual_stages) == ("interleaved-1f1b", 2)
+    # 8 virtual stages in model order; rank r runs r and r + 4
+    assert len(fast.stages) == 8 and [d for s in fast.stages for d in s][0] == "pre"
+    one = plan(model, ex, MESH, schedule="1f1b", **kw).decisions
+    assert fast.step_seconds < one.step_seconds
+    assert fast.breakdown["bubble_seconds"] < 0.6 * one.breakdown["bubble_seconds"]
+    link = dataclasses.replace(MESH.links[0], beta=1e9)
+    slow = dataclasses.replace(MESH, links=(link,), intra=link)
+    assert plan(model, ex, slow, **kw).decisions.schedule == "1f1b"

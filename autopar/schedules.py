@@ -1,0 +1,162 @@
+"""Pipeline schedules as the ordered actions each pipeline rank runs.
+
+One place decides the order of forwards and backwards, so the runtime
+(:mod:`autopar.runtime.pipeline`), the predicted timeline (:mod:`autopar.timeline`)
+and the memory price (:mod:`autopar.solve.pipeline`) agree on it.  An :class:`Action`
+is a forward ``F`` or backward ``B`` of one micro-batch on one model chunk of the rank;
+the chunk is 0 except under the interleaved schedule, where rank ``s`` of ``p`` holds
+chunks ``c = 0 .. v-1``, virtual stage ``c * p + s`` (Megatron's layout).
+
+* **none** (one stage): each micro-batch's forward then its backward (gradient
+  accumulation, one micro-batch of activations alive);
+* **GPipe**: all forwards, then all backwards;
+* **1F1B**: ``p - s - 1`` warm-up forwards, then one forward / one backward;
+* **interleaved 1F1B** (``M`` a multiple of ``p``): forwards go through the chunks in
+  groups of ``p`` micro-batches (chunk 0 of micro-batches ``0..p-1``, chunk 1 of the
+  same, .., then the next group), backwards the same with the chunks reversed;
+  ``2 (p - s - 1) + (v - 1) p`` warm-up forwards (at most ``M v``), then one forward /
+  one backward.  Each micro-batch passes every rank ``v`` times, so the fill and drain
+  are ``v`` times shorter while the point-to-point messages are ``v`` times more.
+
+Dependencies: ``F(k, i)`` needs ``F(k-1, i)``; ``B(k, i)`` needs ``F(k, i)`` and
+``B(k+1, i)`` (``k`` the virtual stage).  :func:`list_schedule` runs the ranks' orders
+against them and raises on a deadlock; the tests run it on every schedule shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from autopar.plan import Schedule
+
+
+@dataclass(frozen=True)
+class Action:
+    """One forward (``op == "F"``) or backward (``"B"``) of micro-batch ``micro`` on this
+    rank's model chunk ``chunk``."""
+
+    op: str
+    chunk: int
+    micro: int
+
+
+def virtual_stage(stage: int, chunk: int, stages: int) -> int:
+    """The virtual stage of ``chunk`` on pipeline rank ``stage`` (``chunk * stages +
+    stage``; the stage itself without interleaving)."""
+    return chunk * stages + stage
+
+
+def check(schedule: Schedule | str, stages: int, micro_batches: int, virtual: int = 1) -> None:
+    """Raise ValueError when the schedule cannot run this shape (the message says why)."""
+    sched = Schedule(schedule)
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+    if sched is Schedule.INTERLEAVED:
+        if stages < 2 or virtual < 2:
+            raise ValueError(f"the interleaved schedule needs >= 2 pipeline stages and >= 2 "
+                             f"virtual stages per rank, got {stages} and {virtual}")
+        if micro_batches % stages:
+            raise ValueError(f"the interleaved schedule runs micro-batches in groups of the "
+                             f"{stages} pipeline stages: {micro_batches} micro-batches is not "
+                             "a multiple")
+    elif virtual != 1:
+        raise ValueError(f"{virtual} virtual stages per rank need schedule "
+                         f"{Schedule.INTERLEAVED.value!r}, not {sched.value!r}")
+    elif sched is Schedule.NONE and stages > 1:
+        raise ValueError(f"schedule 'none' needs one stage; a {stages}-stage pipeline needs "
+                         "'gpipe', '1f1b' or 'interleaved-1f1b'")
+
+
+def actions(schedule: Schedule | str, stage: int, stages: int, micro_batches: int,
+            virtual: int = 1) -> list[Action]:
+    """The ordered actions of pipeline rank ``stage`` (see the module docstring)."""
+    check(schedule, stages, micro_batches, virtual)
+    sched, m = Schedule(schedule), micro_batches
+    if sched is Schedule.INTERLEAVED:
+        return _interleaved(stage, stages, m, virtual)
+    if sched is Schedule.GPIPE:
+        return [Action("F", 0, i) for i in range(m)] + [Action("B", 0, i) for i in range(m)]
+    warm = min(stages - stage - 1, m) if sched is Schedule.ONE_F_ONE_B else 0
+    out = [Action("F", 0, i) for i in range(warm)]
+    for i in range(m - warm):
+        out += [Action("F", 0, warm + i), Action("B", 0, i)]
+    return out + [Action("B", 0, i) for i in range(m - warm, m)]
+
+
+def _interleaved(stage: int, stages: int, m: int, v: int) -> list[Action]:
+    total = m * v
+
+    def unit(k: int, op: str) -> Action:
+        group, chunk = divmod(k // stages, v)
+        micro = group * stages + k % stages
+        return Action(op, chunk if op == "F" else v - 1 - chunk, micro)
+
+    warm = min(2 * (stages - stage - 1) + (v - 1) * stages, total)
+    out = [unit(k, "F") for k in range(warm)]
+    for k in range(total - warm):
+        out += [unit(warm + k, "F"), unit(k, "B")]
+    return out + [unit(k, "B") for k in range(total - warm, total)]
+
+
+def in_flight(schedule: Schedule | str, stages: int, micro_batches: int,
+              virtual: int = 1) -> list[list[int]]:
+    """Per rank and chunk, the most micro-batches whose forward has run and backward
+    has not, at any point of the rank's order (the activations a chunk keeps)."""
+    out = []
+    for s in range(stages):
+        alive, peak = [0] * virtual, [0] * virtual
+        for a in actions(schedule, s, stages, micro_batches, virtual):
+            alive[a.chunk] += 1 if a.op == "F" else -1
+            peak[a.chunk] = max(peak[a.chunk], alive[a.chunk])
+        out.append(peak)
+    return out
+
+
+@dataclass(frozen=True)
+class Timed:
+    """An action of pipeline rank ``stage`` placed in time by :func:`list_schedule`."""
+
+    stage: int
+    action: Action
+    start: float
+    end: float
+
+
+def list_schedule(schedule: Schedule | str, stages: int, micro_batches: int, virtual: int,
+                  duration: Callable[[int, Action], float]) -> list[Timed]:
+    """Run every rank's order against the dependencies (module docstring), each action
+    as soon as its rank is free and its inputs exist; ``duration(stage, action)`` its
+    seconds.  Raises ValueError if the orders deadlock."""
+    orders = [actions(schedule, s, stages, micro_batches, virtual) for s in range(stages)]
+    last = stages * virtual - 1
+    done: dict[tuple[str, int, int], float] = {}
+    free, pos = [0.0] * stages, [0] * stages
+    out: list[Timed] = []
+    while any(pos[s] < len(orders[s]) for s in range(stages)):
+        progressed = False
+        for s in range(stages):
+            if pos[s] >= len(orders[s]):
+                continue
+            a = orders[s][pos[s]]
+            k = virtual_stage(s, a.chunk, stages)
+            if a.op == "F":
+                ready = 0.0 if k == 0 else done.get(("F", k - 1, a.micro))
+            else:
+                own = done.get(("F", k, a.micro))
+                nxt = own if k == last else done.get(("B", k + 1, a.micro))
+                ready = None if own is None or nxt is None else max(own, nxt)
+            if ready is None:
+                continue
+            start = max(free[s], ready)
+            done[(a.op, k, a.micro)] = free[s] = start + duration(s, a)
+            out.append(Timed(s, a, start, free[s]))
+            pos[s] += 1
+            progressed = True
+        if not progressed:
+            raise ValueError(f"schedule {Schedule(schedule).value!r} deadlocks with {stages} "
+                             f"stages, {micro_batches} micro-batches, {virtual} virtual stages")
+    return out
+
+
+__all__ = ["Action", "Timed", "actions", "check", "in_flight", "list_schedule", "virtual_stage"]
