@@ -395,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--micro-batches", type=int, default=None, metavar="N",
                    help="micro-batches per step (gradient accumulation without a pipeline; "
                         "N must divide the batch)")
-    d.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved-1f1b"), default=None,
+    d.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"), default=None,
                    help="pipeline schedule")
     d.add_argument("--virtual-stages", type=int, default=None, metavar="V",
                    help="model chunks per pipeline rank under --schedule interleaved-1f1b")

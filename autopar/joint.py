@@ -30,6 +30,7 @@ from autopar.capture_batch import AnyBatch
 from autopar.cost_models import MeshSpec, format_bytes, send_recv_time
 from autopar.costs import precision_warning
 from autopar.errors import AutoparWarning, PlanError, user_stacklevel
+from autopar.forced import check_forced
 from autopar.ir import info
 from autopar.joint_capture import JointCaptures
 from autopar.joint_why import Context, decisions_why
@@ -86,39 +87,7 @@ class JointSearch(JointCaptures):
 
     def _validate(self) -> None:
         """Forced decisions that cannot mean anything are errors, never ignored."""
-        o = self.opts
-        if o.zero_stage is not None and o.zero_stage not in (0, 1, 2, 3):
-            raise PlanError(f"zero_stage must be 0, 1, 2 or 3, got {o.zero_stage!r}")
-        for name in ("pipeline_stages", "micro_batches", "blocks"):
-            v = getattr(o, name)
-            if v is not None and (not isinstance(v, int) or v < 1):
-                raise PlanError(f"{name} must be an int >= 1, got {v!r}")
-        piped = (Schedule.GPIPE.value, Schedule.ONE_F_ONE_B.value, Schedule.INTERLEAVED.value)
-        if o.schedule is not None:
-            if o.schedule not in piped:
-                raise PlanError(f"schedule must be one of {list(piped)}, got {o.schedule!r}")
-            if o.pipeline_stages == 1:
-                raise PlanError(f"schedule={o.schedule!r} needs pipeline_stages > 1")
-        if o.virtual_stages is not None:
-            if not isinstance(o.virtual_stages, int) or o.virtual_stages < 1:
-                raise PlanError(f"virtual_stages must be an int >= 1, got {o.virtual_stages!r}")
-            if o.virtual_stages > 1 and o.schedule not in (None, Schedule.INTERLEAVED.value):
-                raise PlanError(f"virtual_stages={o.virtual_stages} needs schedule="
-                                f"{Schedule.INTERLEAVED.value!r}, not {o.schedule!r}")
-        if o.schedule == Schedule.INTERLEAVED.value and o.pipeline_stages and o.micro_batches \
-                and o.micro_batches % o.pipeline_stages:
-            raise PlanError(f"the interleaved schedule runs micro-batches in groups of the "
-                            f"pipeline stages: micro_batches={o.micro_batches} is not a multiple "
-                            f"of pipeline_stages={o.pipeline_stages}")
-        if o.pipeline_stages is not None and o.pipeline_stages > 1 and self.mesh.shape[0] % o.pipeline_stages:
-            raise PlanError(f"{o.pipeline_stages} pipeline stages do not divide mesh axis 0 of size "
-                            f"{self.mesh.shape[0]} (stages are carved out of the outermost axis)")
-        stage_size = self.mesh.size // (o.pipeline_stages or 1)
-        if o.zero_stage and (self.mesh.size == 1 or stage_size == 1):
-            where = f"the mesh {self.mesh.shape}" if self.mesh.size == 1 else \
-                f"each of the {o.pipeline_stages} pipeline stages (one device each)"
-            raise PlanError(f"zero_stage={o.zero_stage} shards over the data-parallel devices, but "
-                            f"{where} has a single device: use zero_stage=0, or more devices")
+        check_forced(self.opts, self.mesh)
 
     # ------------------------------------------------------------ candidates
     def _tied_across_layers(self) -> list[str]:
@@ -248,7 +217,8 @@ class JointSearch(JointCaptures):
         axes = [a for a, n in enumerate(sub.shape) if n > 1]
         if cand.stages > 1:
             scheds = [self.opts.schedule] if self.opts.schedule else [
-                Schedule.ONE_F_ONE_B.value, Schedule.GPIPE.value, Schedule.INTERLEAVED.value]
+                Schedule.ONE_F_ONE_B.value, Schedule.GPIPE.value, Schedule.INTERLEAVED.value,
+                Schedule.ZERO_BUBBLE.value]
         else:
             scheds = [Schedule.NONE.value]
         if self.opts.recompute:
@@ -262,6 +232,8 @@ class JointSearch(JointCaptures):
             # ZeRO needs a sub-mesh axis to shard over: no config when there is none
             for a in (axes if z else [None]):
                 for s in scheds:
+                    if s == Schedule.ZERO_BUBBLE.value and (z == 3 or self.opts.recompute):
+                        continue  # not supported (see _validate)
                     for v in (self._virtual(cand) if s == Schedule.INTERLEAVED.value else [1]):
                         out.append(Config(cand.stages, cand.micro_batches, s, z, a,
                                           self.opts.recompute, self.opts.bucket_bytes, v))

@@ -70,11 +70,19 @@ def decisions_why(ctx: Context, pr: Priced) -> dict[str, str]:
                        (cfg.stages, cfg.micro_batches)) if cfg.zero_stage else
                        _alt(ctx, lambda c: c.zero_stage > 0),
                        "without ZeRO" if cfg.zero_stage else "with ZeRO")
-    why["pipeline"] = (f"{cfg.stages} pipeline stages ({cfg.schedule}); " if cfg.stages > 1
+    chunks = f" x {cfg.virtual} chunks per stage" if cfg.virtual > 1 else ""
+    why["pipeline"] = (f"{cfg.stages} pipeline stages ({cfg.schedule}{chunks}); " if cfg.stages > 1
                        else "no pipeline; ") + here + "; " + _versus(ctx, _alt(
                            ctx, lambda c: c.stages == 1) if cfg.stages > 1 else
                            _alt(ctx, lambda c: c.stages > 1),
                            "one stage" if cfg.stages > 1 else "pipelining")
+    if cfg.stages > 1:
+        # the schedule against the best other one on the same stages and micro-batches
+        other = _alt(ctx, lambda c: (c.stages, c.micro_batches) == (cfg.stages, cfg.micro_batches)
+                     and (c.schedule, c.virtual) != (cfg.schedule, cfg.virtual))
+        name = "another schedule" if other is None else other.config.schedule + (
+            f" x {other.config.virtual} chunks" if other.config.virtual > 1 else "")
+        why["pipeline"] += "; " + _versus(ctx, other, name)
     why["micro_batches"] = f"{cfg.micro_batches} micro-batch{'es' if cfg.micro_batches > 1 else ''} of " \
         f"{ctx.global_batch // cfg.micro_batches}; " + _versus(
             ctx, _alt(ctx, lambda c: c.micro_batches != cfg.micro_batches),

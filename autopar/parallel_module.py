@@ -135,6 +135,11 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
     def _start_schedule(self) -> None:
         """Recompute the planned layers; split pipeline stages; drop other stages' weights."""
         d = self.plan.decisions
+        if d.schedule == "zero-bubble" and (d.recompute or d.zero_stage == 3):
+            from autopar.errors import PlanError
+            raise PlanError("this plan runs the zero-bubble schedule with "
+                            + ("recomputation" if d.recompute else "ZeRO-3")
+                            + ", which its split backward does not support; plan it again")
         if d.recompute:
             from autopar.passes.recompute import recompute
             recompute(self.inner, set(d.recompute))
@@ -480,6 +485,15 @@ class _Switches:
         self._pm.grad_sync.enabled = on
         if self._pm.zero is not None:
             self._pm.zero.enabled = on
+
+    def flush(self) -> None:
+        """Reduce every gradient now (plain buckets, then ZeRO's), then point the
+        DTensor parameters' ``.grad`` at the results (what the hooks would have done)."""
+        self._pm.grad_sync.flush()
+        if self._pm.zero is not None:
+            self._pm.zero.flush()
+        if self._pm._dparams is not None:
+            self._pm._dparams.bridge()
 
 
 __all__ = ["ParallelModule"]

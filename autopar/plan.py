@@ -120,6 +120,11 @@ class Schedule(StrEnum):
     ONE_F_ONE_B = "1f1b"
     """Warm-up forwards, then one forward / one backward: stage ``s`` of ``p`` holds at
     most ``p - s`` micro-batches' activations."""
+    ZERO_BUBBLE = "zero-bubble"
+    """1F1B with each backward split into ``B`` (input gradients, sent on at once) and
+    ``W`` (weight gradients, deferred into what would be bubbles; ZB-H1 of Qi et al.,
+    2023): a third of 1F1B's bubble, at up to ``2p - 1`` micro-batches in flight on the
+    first stage (a micro-batch's activations live until its ``W``)."""
     INTERLEAVED = "interleaved-1f1b"
     """1F1B over ``v`` model chunks per rank (Megatron's virtual stages): rank ``s`` runs
     virtual stages ``s, s + p, .., s + (v - 1) p``, which divides the fill and drain by

@@ -11,6 +11,10 @@ chunks ``c = 0 .. v-1``, virtual stage ``c * p + s`` (Megatron's layout).
   accumulation, one micro-batch of activations alive);
 * **GPipe**: all forwards, then all backwards;
 * **1F1B**: ``p - s - 1`` warm-up forwards, then one forward / one backward;
+* **zero-bubble** (ZB-H1's bubble): each backward split into ``B`` (input gradients,
+  on the critical path) and ``W`` (weight gradients, deferred into the gaps of the
+  drain); the order comes from one unit-time simulation every rank runs alike
+  (:func:`_zero_bubble`);
 * **interleaved 1F1B** (``M`` a multiple of ``p``): forwards go through the chunks in
   groups of ``p`` micro-batches (chunk 0 of micro-batches ``0..p-1``, chunk 1 of the
   same, .., then the next group), backwards the same with the chunks reversed;
@@ -25,6 +29,8 @@ against them and raises on a deadlock; the tests run it on every schedule shape.
 
 from __future__ import annotations
 
+import functools
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,8 +39,9 @@ from autopar.plan import Schedule
 
 @dataclass(frozen=True)
 class Action:
-    """One forward (``op == "F"``) or backward (``"B"``) of micro-batch ``micro`` on this
-    rank's model chunk ``chunk``."""
+    """One forward (``op == "F"``) or backward (``"B"``; under the zero-bubble schedule
+    ``B`` computes the input gradients and ``W`` the weight gradients) of micro-batch
+    ``micro`` on this rank's model chunk ``chunk``."""
 
     op: str
     chunk: int
@@ -65,7 +72,7 @@ def check(schedule: Schedule | str, stages: int, micro_batches: int, virtual: in
                          f"{Schedule.INTERLEAVED.value!r}, not {sched.value!r}")
     elif sched is Schedule.NONE and stages > 1:
         raise ValueError(f"schedule 'none' needs one stage; a {stages}-stage pipeline needs "
-                         "'gpipe', '1f1b' or 'interleaved-1f1b'")
+                         "'gpipe', '1f1b', 'zero-bubble' or 'interleaved-1f1b'")
 
 
 def actions(schedule: Schedule | str, stage: int, stages: int, micro_batches: int,
@@ -75,6 +82,8 @@ def actions(schedule: Schedule | str, stage: int, stages: int, micro_batches: in
     sched, m = Schedule(schedule), micro_batches
     if sched is Schedule.INTERLEAVED:
         return _interleaved(stage, stages, m, virtual)
+    if sched is Schedule.ZERO_BUBBLE:
+        return list(_zero_bubble(stages, m)[stage])
     if sched is Schedule.GPIPE:
         return [Action("F", 0, i) for i in range(m)] + [Action("B", 0, i) for i in range(m)]
     warm = min(stages - stage - 1, m) if sched is Schedule.ONE_F_ONE_B else 0
@@ -99,16 +108,77 @@ def _interleaved(stage: int, stages: int, m: int, v: int) -> list[Action]:
     return out + [unit(k, "B") for k in range(total - warm, total)]
 
 
+@functools.lru_cache(maxsize=64)
+def _zero_bubble(stages: int, m: int) -> tuple[tuple[Action, ...], ...]:
+    """Every rank's order under the zero-bubble schedule, from one simulation in unit
+    time steps (``F``, ``B`` and ``W`` one step each, the ZB paper's assumption) that
+    every rank runs identically: a free rank runs its next ``B`` if its gradient has
+    arrived, else its next ``F`` if its input has arrived and fewer than ``p - s``
+    micro-batches wait for their ``B``, else its oldest pending ``W``; a rank with ``p``
+    pending ``W`` runs one first (that bounds memory: ``2p - 1`` in flight at most)."""
+    busy, n_f, n_b, n_w = [0] * stages, [0] * stages, [0] * stages, [0] * stages
+    pending: list[deque[int]] = [deque() for _ in range(stages)]
+    done_f: dict[tuple[int, int], int] = {}
+    done_b: dict[tuple[int, int], int] = {}
+    orders: list[list[Action]] = [[] for _ in range(stages)]
+    never = 1 << 62
+    t = 0
+    while any(n < m for n in n_w):
+        for s in range(stages):
+            if busy[s] > t:
+                continue
+            i, j = n_b[s], n_f[s]
+            if pending[s] and len(pending[s]) >= stages:
+                a = Action("W", 0, pending[s].popleft())
+                n_w[s] += 1
+            elif i < j and (done_f[(s, i)] if s == stages - 1 else done_b.get((s + 1, i), never)) <= t:
+                a = Action("B", 0, i)
+                done_b[(s, i)] = t + 1
+                n_b[s] += 1
+                pending[s].append(i)
+            elif j < m and j - i < stages - s and (s == 0 or done_f.get((s - 1, j), never) <= t):
+                a = Action("F", 0, j)
+                done_f[(s, j)] = t + 1
+                n_f[s] += 1
+            elif pending[s]:
+                a = Action("W", 0, pending[s].popleft())
+                n_w[s] += 1
+            else:
+                continue
+            orders[s].append(a)
+            busy[s] = t + 1
+        t += 1
+    return tuple(tuple(o) for o in orders)
+
+
 def in_flight(schedule: Schedule | str, stages: int, micro_batches: int,
               virtual: int = 1) -> list[list[int]]:
     """Per rank and chunk, the most micro-batches whose forward has run and backward
-    has not, at any point of the rank's order (the activations a chunk keeps)."""
+    has not (under the zero-bubble schedule: whose ``W`` has not), at any point of the
+    rank's order (the activations a chunk keeps)."""
+    frees = "W" if Schedule(schedule) is Schedule.ZERO_BUBBLE else "B"
     out = []
     for s in range(stages):
         alive, peak = [0] * virtual, [0] * virtual
         for a in actions(schedule, s, stages, micro_batches, virtual):
-            alive[a.chunk] += 1 if a.op == "F" else -1
+            if a.op == "F":
+                alive[a.chunk] += 1
+            elif a.op == frees:
+                alive[a.chunk] -= 1
             peak[a.chunk] = max(peak[a.chunk], alive[a.chunk])
+        out.append(peak)
+    return out
+
+
+def waiting_w(stages: int, micro_batches: int) -> list[int]:
+    """Zero-bubble: per rank, the most micro-batches whose ``B`` has run and ``W`` has
+    not (each keeps the gradients ``W`` starts from)."""
+    out = []
+    for order in _zero_bubble(stages, micro_batches):
+        n = peak = 0
+        for a in order:
+            n += 1 if a.op == "B" else -1 if a.op == "W" else 0
+            peak = max(peak, n)
         out.append(peak)
     return out
 
@@ -142,6 +212,8 @@ def list_schedule(schedule: Schedule | str, stages: int, micro_batches: int, vir
             k = virtual_stage(s, a.chunk, stages)
             if a.op == "F":
                 ready = 0.0 if k == 0 else done.get(("F", k - 1, a.micro))
+            elif a.op == "W":  # after its own B, which the rank's order already ran
+                ready = 0.0
             else:
                 own = done.get(("F", k, a.micro))
                 nxt = own if k == last else done.get(("B", k + 1, a.micro))
@@ -159,4 +231,5 @@ def list_schedule(schedule: Schedule | str, stages: int, micro_batches: int, vir
     return out
 
 
-__all__ = ["Action", "Timed", "actions", "check", "in_flight", "list_schedule", "virtual_stage"]
+__all__ = ["Action", "Timed", "actions", "check", "in_flight", "list_schedule", "virtual_stage",
+           "waiting_w"]

@@ -110,17 +110,20 @@ def predicted_events(plan: Plan) -> list[Event]:
     v = max(1, d.virtual_stages)
     events: list[Event] = []
 
+    # zero-bubble splits each backward into B and W, half each (solve/pipeline.py)
+    halves = 2.0 if d.schedule == Schedule.ZERO_BUBBLE.value else 1.0
+
     def duration(s: int, a: Action) -> float:
         # a rank's v chunks share its per-micro-batch time equally
         fwd, bwd, _, _, _ = times[s]
-        return (fwd if a.op == "F" else bwd) / v
+        return (fwd if a.op == "F" else bwd / halves) / v
 
     schedule = d.schedule if p > 1 else Schedule.NONE.value
     free = [0.0] * p
     for t in list_schedule(schedule, p, m, v, duration):
         a, s = t.action, t.stage
         _, _, cf, cb, _ = times[s]
-        comm = (cf if a.op == "F" else cb) / v
+        comm = (cf if a.op == "F" else cb / halves) / v
         kind = Kind.FORWARD if a.op == "F" else Kind.BACKWARD
         label = f"{a.op}{a.micro}" + (f".{a.chunk}" if v > 1 else "")
         events.append(Event(s, Lane.COMPUTE, kind, t.start, t.end - t.start - comm, a.micro, label))

@@ -15,7 +15,7 @@ from autopar.cost_models.mesh import PRESET_NAMES
 from autopar.errors import ConfigError
 
 SEARCHES = ("auto", "ilp", "drec")
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 _PLACEMENT = re.compile(r"(R|P|S\(-?\d+\))")
 
 

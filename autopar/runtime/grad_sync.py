@@ -68,6 +68,12 @@ class OrderedBuckets:
         self._next = 0
         self._armed = False
 
+    def flush(self) -> None:
+        """Reduce every bucket now, from the gradients as they are (a backward that
+        ran with the hooks off: the zero-bubble schedule's ``W`` writes ``.grad``
+        without hooks)."""
+        self._finish()
+
     def _launch(self, bucket) -> None:
         raise NotImplementedError
 

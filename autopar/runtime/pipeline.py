@@ -65,6 +65,13 @@ import torch.distributed as dist
 from autopar.passes.split_stages import StageGraph
 from autopar.plan import Schedule
 from autopar.runtime.mesh import current
+from autopar.runtime.split_backward import (
+    Pending,
+    backward_input,
+    backward_weight,
+    leaves,
+    splits_cleanly,
+)
 from autopar.runtime.tls import issue
 from autopar.schedules import actions, virtual_stage
 
@@ -78,9 +85,14 @@ _HEADER = 3 + _MAX_DIMS  # dtype code, requires_grad, ndim, dims
 
 
 class Toggle(Protocol):
-    """What the runner needs of a gradient synchroniser: an on/off switch."""
+    """What the runner needs of a gradient synchroniser: an on/off switch, and a
+    ``flush`` that reduces every gradient now (after the zero-bubble schedule's last
+    ``W``, which writes gradients without running hooks)."""
 
     enabled: bool
+
+    def flush(self) -> None:
+        """Reduce every gradient now."""
 
 
 @dataclass
@@ -99,6 +111,7 @@ class _MicroBatch:
     received: list[torch.Tensor] = field(default_factory=list)
     sent: list[torch.Tensor] = field(default_factory=list)
     loss: torch.Tensor | None = None
+    pending: Pending | None = None  # zero-bubble: what W needs after B
 
 
 def _encode(metas: list[_Meta]) -> torch.Tensor:
@@ -172,6 +185,9 @@ class PipelineRunner:
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
         self._posted: dict[tuple, list] = {}
         self._expect: dict[int, deque] = {}
+        # zero-bubble: per virtual stage, whether torch's B/W split covers its weights
+        self._split: dict[int, bool] = {}
+        self._leaves: dict[int, list[torch.Tensor]] = {}
 
     # ------------------------------------------------------------ inputs
     def split_inputs(self, inputs: Sequence, chunk: int = 0) -> list[list]:
@@ -310,6 +326,8 @@ class PipelineRunner:
         return mb
 
     def _backward(self, graph: StageGraph, mb: _MicroBatch, micro: int) -> None:
+        """``B``: the micro-batch's backward (under the zero-bubble schedule only its
+        inputs' gradients; :meth:`_weights` does the rest at ``W``)."""
         k = graph.stage
         if graph.is_last:
             tensors = [mb.loss]
@@ -322,13 +340,30 @@ class PipelineRunner:
         else:
             tensors, seeds = [], []
         live = [(t, g) for t, g in zip(tensors, seeds) if t.requires_grad]
-        if live:
+        if self.schedule is Schedule.ZERO_BUBBLE:
+            outs, gs = [t for t, _ in live], [g for _, g in live]
+            ins = [t for t in mb.received if t.requires_grad]
+            if k not in self._split and outs:
+                # the same leaves every micro-batch: found (and the split checked) once
+                self._leaves[k] = leaves(outs, ins)
+                self._split[k] = splits_cleanly(outs, ins, self._leaves[k])
+            weights = self._leaves.get(k, [])
+            mb.pending = backward_input(outs, gs, ins, weights, self._split.get(k, False)) \
+                if outs else None
+        elif live:
             torch.autograd.backward([t for t, _ in live], [g for _, g in live])
         if not graph.is_first:
             for t in mb.received:
                 if t.requires_grad:
                     g = t.grad if t.grad is not None else torch.zeros_like(t)
                     self._isend(g, self._rank_of[k - 1])
+
+    @staticmethod
+    def _weights(mb: _MicroBatch) -> None:
+        """``W`` (zero-bubble): the micro-batch's weight gradients; frees its graph."""
+        if mb.pending is not None:
+            backward_weight(mb.pending)
+            mb.pending = None
 
     # ------------------------------------------------------------ the step
     def step(self, inputs: Sequence) -> torch.Tensor:
@@ -338,7 +373,10 @@ class PipelineRunner:
         kept: dict[tuple[int, int], _MicroBatch] = {}
         losses: list[torch.Tensor] = []
         sync_was = self.grad_sync.enabled if self.grad_sync is not None else None
-        last_b = max(j for j, a in enumerate(self.actions) if a.op == "B")
+        zb = self.schedule is Schedule.ZERO_BUBBLE
+        # gradients are reduced during the last backward (its hooks); under the
+        # zero-bubble schedule W bypasses hooks, so after the last W (flush)
+        last_b = -1 if zb else max(j for j, a in enumerate(self.actions) if a.op == "B")
         self._expect.clear()
         try:
             if self.grad_sync is not None:
@@ -350,11 +388,16 @@ class PipelineRunner:
                                                                    a.micro)
                     if mb.loss is not None:
                         losses.append(mb.loss.detach())
-                else:
+                elif a.op == "B":
                     if self.grad_sync is not None:
                         self.grad_sync.enabled = j == last_b
-                    # frees micro-batch i's activations of this chunk
-                    self._backward(graph, kept.pop((a.chunk, a.micro)), a.micro)
+                    # frees micro-batch i's activations of this chunk (zero-bubble: at W)
+                    mb = kept[(a.chunk, a.micro)] if zb else kept.pop((a.chunk, a.micro))
+                    self._backward(graph, mb, a.micro)
+                else:
+                    self._weights(kept.pop((a.chunk, a.micro)))
+            if zb and self.grad_sync is not None:
+                self.grad_sync.flush()
             for w, _ in self._pending:
                 w.wait()
         finally:

@@ -61,6 +61,9 @@ class LayerStat:
     floor: float = 0.0
     """Device-seconds of forward + backward compute no placement goes below
     (:func:`autopar.costs.compute_floor` summed over the layer's ops)."""
+    weight_grad_inputs: float = 0.0
+    """Bytes of the outputs of ops that read a weight (through views and casts): the
+    gradients a split backward keeps from ``B`` to ``W`` (the zero-bubble schedule)."""
 
     @property
     def param_bytes(self) -> float:
@@ -103,6 +106,16 @@ def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) ->
             st.forward += np_.compute / (1.0 + backward_factor) + np_.comm / 2.0
             st.activations += np_.memory
             st.floor += compute_floor(n, mesh, backward_factor)
+    # ops reading a weight, through single-input views and casts of it
+    from_weight: set[fx.Node] = set()
+    for n in layer_of:
+        np_ = plan.nodes[n.name]
+        ins = n.all_input_nodes
+        if np_.kind == "param" or (np_.kind == "op" and len(ins) == 1 and ins[0] in from_weight):
+            from_weight.add(n)
+        elif np_.kind == "op" and any(a in from_weight for a in ins) and info(n).outputs \
+                and not info(n).tuple_output:
+            stats[layer_of[n]].weight_grad_inputs += _local_bytes(n, np_.out_placements[0], mesh)
     # bytes leaving each layer: values used by a later layer (each value once)
     for n, key in layer_of.items():
         if n.op in ("placeholder", "get_attr") or n.target is operator.getitem:

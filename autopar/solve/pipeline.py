@@ -143,11 +143,21 @@ def in_flight(cfg: Config, index: int) -> int:
         return 1
     if cfg.schedule == Schedule.GPIPE.value:
         return cfg.micro_batches
-    if cfg.virtual > 1:
+    if cfg.virtual > 1 or cfg.schedule == Schedule.ZERO_BUBBLE.value:
         ranks = cfg.stages // cfg.virtual
         table = sched.in_flight(cfg.schedule, ranks, cfg.micro_batches, cfg.virtual)
         return table[index % ranks][index // ranks]
     return min(cfg.stages - index, cfg.micro_batches)
+
+
+def waiting_w(cfg: Config, index: int) -> int:
+    """Zero-bubble: the most micro-batches stage ``index`` holds between their ``B`` and
+    ``W`` (:func:`autopar.schedules.waiting_w`); 0 for the other schedules."""
+    if cfg.schedule != Schedule.ZERO_BUBBLE.value or index == 0:
+        # the first stage has no input gradients to split at: its B does nothing and
+        # its W runs the whole backward (runtime/split_backward.py), holding no more
+        return 0
+    return sched.waiting_w(cfg.stages, cfg.micro_batches)[index]
 
 
 def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec, pipe_link,
@@ -160,6 +170,8 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     Under the interleaved schedule ``cfg`` counts virtual stages (:func:`price`).
     The returned memory may exceed ``budget`` when nothing fits."""
     inflight = in_flight(cfg, index)
+    # zero-bubble: gradients at the weights' consumers wait from each B to its W
+    held_w = waiting_w(cfg, index) * sum(st.weight_grad_inputs for st in layers)
     if zp is None:
         zp = [zero_price(st, mesh, cfg.zero_stage, cfg.zero_axis, optimizer, cfg.micro_batches)
               for st in layers]
@@ -174,6 +186,8 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     # recompute candidates: layers whose recomputation saves memory, best ratio first
     cands = sorted((st for st in layers if st.activations > st.out_bytes and st.forward > 0),
                    key=lambda st: -(st.activations - st.out_bytes) / st.forward)
+    if cfg.schedule == Schedule.ZERO_BUBBLE.value:
+        cands = []  # torch.utils.checkpoint cannot recompute inside a split backward
     chosen: list[LayerStat] = []
 
     def mem(rc: list[LayerStat]) -> float:
@@ -188,7 +202,7 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
             if st.key in keys:
                 peak = max(peak, before + st.activations)
             before += k
-        return static + (inflight - 1) * sum(kept) + peak
+        return static + (inflight - 1) * sum(kept) + peak + held_w
 
     if cfg.recompute is not None:
         chosen = [st for st in layers if st.key in cfg.recompute]
@@ -246,6 +260,7 @@ def layer_classes(stats: list[LayerStat]) -> list[int]:
     out = []
     for st in stats:
         k = (st.seconds, st.forward, st.compute, st.activations, st.out_bytes, st.buffers,
+             st.weight_grad_inputs,
              tuple((q.bytes, q.replicated) for q in st.params))
         out.append(ids.setdefault(k, len(ids)))
     return out
@@ -295,10 +310,11 @@ def step_lower_bound(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_l
         tail += z.gather_step + z.opt_step
     if p > 1:
         total += 4.0 * (p * v - 1) * pipe_link(min(st.out_bytes for st in stats))
-    # the step grows with the slowest stage (m >= 1 >= (1 - idle_reuse) / v), so
-    # slow = total / p bounds it from below; interleaving divides the fill and drain by v
+    # the step grows with the slowest stage (m >= 1 >= (1 - idle_reuse) x share), so
+    # slow = total / p bounds it from below; interleaving divides the fill and drain by
+    # v, zero-bubble leaves a third of it
     slow = total / p
-    return m * slow + (total - slow) * (1.0 - mesh.idle_reuse) / v + tail / p
+    return m * slow + (total - slow) * (1.0 - mesh.idle_reuse) * bubble_share(cfg) + tail / p
 
 
 def price(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget: float,
@@ -311,10 +327,24 @@ def price(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget
         return Priced(cfg, [], math.inf, min_mem)
     slow = max(sp.seconds for sp in split)
     total = sum(sp.seconds for sp in split)
-    # the bubble (the other stages' fill and drain) less what ranks sharing cores win back
-    bubble = (total - slow) * (1.0 - mesh.idle_reuse)
+    # the bubble (the other stages' fill and drain) less what ranks sharing cores win back;
+    # zero-bubble fills the drain with deferred weight gradients: with a backward of
+    # twice the forward, half of it for weights (matmul layers), a third is left
+    bubble = (total - slow) * (1.0 - mesh.idle_reuse) * bubble_share(cfg)
     step = slow + bubble + (cfg.micro_batches - 1) * slow + max(sp.extra for sp in split)
     return Priced(cfg, split, step, max(sp.total_memory for sp in split))
+
+
+ZERO_BUBBLE_SHARE = 1.0 / 3.0
+"""The zero-bubble schedule's bubble over 1F1B's: ``(F + B - W) / (F + B + W)`` with
+``B = W = F`` (:func:`autopar.schedules.list_schedule` gives it for equal stages)."""
+
+
+def bubble_share(cfg: Config) -> float:
+    """The part of 1F1B's fill-and-drain the schedule leaves idle."""
+    if cfg.schedule == Schedule.ZERO_BUBBLE.value:
+        return ZERO_BUBBLE_SHARE
+    return 1.0 / cfg.virtual
 
 
 def _price_interleaved(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link,
@@ -334,7 +364,7 @@ def _price_interleaved(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe
     ranks = [_merge(split[r::p]) for r in range(p)]
     slow = max(sp.seconds for sp in ranks)
     total = sum(sp.seconds for sp in ranks)
-    bubble = (total - slow) / v * (1.0 - mesh.idle_reuse)
+    bubble = (total - slow) * bubble_share(cfg) * (1.0 - mesh.idle_reuse)
     step = cfg.micro_batches * slow + bubble + max(sp.extra for sp in ranks)
     return Priced(cfg, ranks, step, max(sp.total_memory for sp in ranks),
                   virtual=[sp.layers for sp in split])

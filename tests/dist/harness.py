@@ -205,6 +205,8 @@ def _worker(rank: int, world: int, port: int, cases: list[dict], out: str,
                 results[case.id] = run_case(case)
         except Exception:  # noqa: BLE001 - reported to the test, which fails on it
             results[c["id"]] = {"error": traceback.format_exc()}
+            if os.environ.get("AUTOPAR_DEBUG_RANKS"):
+                print(f"rank {rank}:", results[c["id"]]["error"], file=sys.stderr)
             break  # ranks may now disagree on collectives: stop rather than hang
         if isinstance(results[c["id"]], dict) and seen:
             results[c["id"]]["thread_state_leaks"] = sorted(set(seen))

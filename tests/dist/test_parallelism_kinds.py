@@ -38,6 +38,9 @@ TWO = [
     Case("pp2-1f1b", "gpt", (2,), {}, GPT2, options={**PP2_M4, "schedule": "1f1b"}, measure_memory=True),
     # interleaved 1F1B: each rank runs two model chunks (pre + blocks.1 on rank 0)
     Case("pp2-interleaved2", "gpt", (2,), {}, GPT2, options=INTERLEAVED2, measure_memory=True),
+    # zero-bubble: backward split into input (B) and weight (W) gradients, W deferred
+    Case("pp2-zero-bubble", "gpt", (2,), {}, GPT2, options={**PP2_M4, "schedule": "zero-bubble"},
+         measure_memory=True),
     Case("recompute-tp2", "gpt", (2,), TP, GPT2, options={"recompute": ["blocks.0"], **SINGLE},
          measure_memory=True),
     Case("accumulate4-dp2", "gpt", (2,), DP, GPT2,
@@ -63,6 +66,13 @@ FOUR = [
     Case("pp4-interleaved2", "gpt", (4,), {}, {"layers": 6},
          options={"pipeline_stages": 4, "micro_batches": 8, "schedule": "interleaved-1f1b",
                   "virtual_stages": 2}),
+    # zero-bubble with data-parallel pairs (gradients reduced after the last W) and
+    # ZeRO-2 over them
+    Case("pp2-zero-bubble-x-dp2-zero2", "gpt", (4,), DP, GPT2,
+         options={**PP2_M4, "schedule": "zero-bubble", "zero_stage": 2}, measure_memory=True),
+    # zero-bubble with tensor-parallel pairs (collectives inside B and W)
+    Case("tp2-x-pp2-zero-bubble", "gpt", (4,), TP, GPT2,
+         options={**PP2_M4, "schedule": "zero-bubble"}, measure_memory=True),
     # two stages, each a tensor-parallel pair
     Case("tp2-x-pp2", "gpt", (4,), TP, GPT2, options={**PP2_M4, "schedule": "1f1b"}, measure_memory=True),
 ]

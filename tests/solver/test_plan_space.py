@@ -135,20 +135,43 @@ def test_pipelines_try_micro_batches_that_span_a_stage_first() -> None:
     assert js._micro_order(4) == [16, 8, 4]  # 1 device per stage: one sample spans it
 
 
-def test_interleaved_1f1b_is_chosen_where_its_smaller_bubble_pays() -> None:
-    """Four forced stages and four micro-batches of a 10-layer GPT: on NVLink the
-    interleaved schedule (two chunks per rank) halves the bubble for a few more
-    point-to-point messages and wins; on a 1 GB/s link those messages cost more than
-    the bubble saves, and plain 1F1B wins."""
+def test_each_pipeline_schedule_is_chosen_where_it_pays() -> None:
+    """Four forced stages and four micro-batches of a 10-layer GPT, bf16-mixed:
+
+    * NVLink, memory to spare: zero-bubble (a third of 1F1B's bubble, no extra sends;
+      it keeps up to 2p - 1 micro-batches until their weight gradients run);
+    * NVLink, a budget 10% over 1F1B's need: zero-bubble does not fit (and cannot
+      recompute), interleaved 1F1B (two chunks per rank, half the bubble) does, and wins;
+    * a 1 GB/s link with that budget: interleaving's extra sends cost more than its
+      bubble saves, and plain 1F1B wins."""
     model, ex = gpt.build(layers=8, dim=512, heads=8, vocab=1024, seq=256, batch=16)
     kw = {"pipeline_stages": 4, "micro_batches": 4, "precision": "bf16-mixed"}
-    fast = plan(model, ex, MESH, **kw).decisions
-    assert (fast.schedule, fast.virtual_stages) == ("interleaved-1f1b", 2)
-    # 8 virtual stages in model order; rank r runs r and r + 4
-    assert len(fast.stages) == 8 and [d for s in fast.stages for d in s][0] == "pre"
-    one = plan(model, ex, MESH, schedule="1f1b", **kw).decisions
-    assert fast.step_seconds < one.step_seconds
-    assert fast.breakdown["bubble_seconds"] < 0.6 * one.breakdown["bubble_seconds"]
+    one = plan(model, ex, MESH, schedule="1f1b", **kw)
+    free = plan(model, ex, MESH, **kw).decisions
+    assert free.schedule == "zero-bubble"
+    assert free.breakdown["bubble_seconds"] < 0.4 * one.decisions.breakdown["bubble_seconds"]
+    budget = 1.1 * one.memory["total"]
+    tight = plan(model, ex, MESH, memory_budget=budget, **kw)
+    d = tight.decisions
+    assert (d.schedule, d.virtual_stages) == ("interleaved-1f1b", 2)
+    assert tight.memory["total"] <= budget and not d.recompute
+    # 8 virtual stages covering the 10 layers in model order (rank r runs r and r + 4)
+    assert len(d.stages) == 8 and d.stages[0][0] == "pre" and d.stages[-1][-1] == "post"
+    assert [k for ks in d.stages for k in ks] == ["pre", *(f"blocks.{i}" for i in range(8)), "post"]
+    assert d.step_seconds < one.decisions.step_seconds
+    assert d.breakdown["bubble_seconds"] < 0.6 * one.decisions.breakdown["bubble_seconds"]
+    with pytest.raises(Exception, match="needs|fits|budget"):
+        plan(model, ex, MESH, memory_budget=budget, schedule="zero-bubble", **kw)
     link = dataclasses.replace(MESH.links[0], beta=1e9)
     slow = dataclasses.replace(MESH, links=(link,), intra=link)
-    assert plan(model, ex, slow, **kw).decisions.schedule == "1f1b"
+    assert plan(model, ex, slow, memory_budget=budget, **kw).decisions.schedule == "1f1b"
+
+
+@pytest.mark.parametrize("extra,msg", [({"recompute": ["blocks.0"]}, "recompute"),
+                                       ({"zero_stage": 3}, "zero_stage=3")])
+def test_zero_bubble_refuses_what_its_split_backward_cannot_run(extra, msg) -> None:
+    from autopar.errors import PlanError
+
+    model, ex = gpt.build(layers=2, dim=64, heads=4, vocab=256, seq=16, batch=8)
+    with pytest.raises(PlanError, match=msg):
+        plan(model, ex, MESH, pipeline_stages=2, micro_batches=4, schedule="zero-bubble", **extra)

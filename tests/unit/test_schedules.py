@@ -14,7 +14,8 @@ from autopar.solve.pipeline import in_flight as priced_in_flight
 SHAPES = [("gpipe", s, m, 1) for s in (2, 3, 5) for m in (1, 2, 7)] + \
     [("1f1b", s, m, 1) for s in (2, 3, 5) for m in (1, 2, 7)] + \
     [("none", 1, m, 1) for m in (1, 3)] + \
-    [("interleaved-1f1b", s, k * s, v) for s in (2, 3, 4) for k in (1, 2, 3) for v in (2, 3, 4)]
+    [("interleaved-1f1b", s, k * s, v) for s in (2, 3, 4) for k in (1, 2, 3) for v in (2, 3, 4)] + \
+    [("zero-bubble", s, m, 1) for s in (2, 3, 4, 8) for m in (1, 2, 5, 8, 16)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=["-".join(map(str, s)) for s in SHAPES])
@@ -22,19 +23,22 @@ def test_every_schedule_runs_each_action_once(shape) -> None:
     sched, stages, micro, virtual = shape
     for s in range(stages):
         acts = actions(sched, s, stages, micro, virtual)
-        want = {(op, c, i) for op in "FB" for c in range(virtual) for i in range(micro)}
+        ops = "FBW" if sched == "zero-bubble" else "FB"
+        want = {(op, c, i) for op in ops for c in range(virtual) for i in range(micro)}
         assert sorted((a.op, a.chunk, a.micro) for a in acts) == sorted(want)
         # a chunk's forwards and backwards each run in micro-batch order (the runner
         # matches messages by order), and a backward follows its forward
         for c in range(virtual):
-            for op in "FB":
+            for op in ops:
                 seen = [a.micro for a in acts if a.op == op and a.chunk == c]
                 assert seen == sorted(seen)
             pos = {(a.op, a.micro): j for j, a in enumerate(acts) if a.chunk == c}
             assert all(pos[("F", i)] < pos[("B", i)] for i in range(micro))
+            if sched == "zero-bubble":  # a micro-batch's weight gradients after its B
+                assert all(pos[("B", i)] < pos[("W", i)] for i in range(micro))
     # and the ranks' orders together never deadlock
     timed = list_schedule(sched, stages, micro, virtual, lambda s, a: 1.0)
-    assert len(timed) == 2 * stages * micro * virtual
+    assert len(timed) == len(ops) * stages * micro * virtual
 
 
 @pytest.mark.parametrize("stages,micro,virtual", [(4, 8, 2), (4, 8, 3), (4, 4, 4), (2, 6, 2)])
@@ -103,3 +107,22 @@ def test_pricing_matches_the_schedule_for_equal_chunks() -> None:
             # each rank holds chunks r and r + 4: layers {r, r + 4}
             assert pr.virtual == [[f"blocks.{i}"] for i in range(8)]
             assert pr.stages[1].layers == ["blocks.1", "blocks.5"]
+
+
+@pytest.mark.parametrize("stages,micro", [(2, 4), (4, 8), (4, 16), (8, 32)])
+def test_zero_bubble_leaves_a_third_of_the_bubble(stages, micro) -> None:
+    """With F = B = W (the backward twice the forward, half of it for weights), the
+    schedule's step is 3M + (p - 1): a third of 1F1B's 3 (p - 1) bubble, which is what
+    solve/pipeline.py prices (ZERO_BUBBLE_SHARE); its memory is priced from the order."""
+    from autopar.schedules import waiting_w
+    from autopar.solve.pipeline import ZERO_BUBBLE_SHARE
+
+    zb = max(t.end for t in list_schedule("zero-bubble", stages, micro, 1, lambda s, a: 1.0))
+    assert zb - 3.0 * micro == pytest.approx(3.0 * (stages - 1) * ZERO_BUBBLE_SHARE)
+    # a micro-batch's activations live until its W: at most 2p - 1 on the first stage,
+    # and at most p waiting between B and W
+    table = in_flight("zero-bubble", stages, micro)
+    assert max(r[0] for r in table) <= min(2 * stages - 1, micro)
+    assert max(waiting_w(stages, micro)) <= stages
+    cfg = Config(stages=stages, micro_batches=micro, schedule="zero-bubble")
+    assert [priced_in_flight(cfg, s) for s in range(stages)] == [r[0] for r in table]

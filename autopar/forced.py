@@ -1,0 +1,60 @@
+"""Plan-level decisions forced by the user (:class:`~autopar.search.PlanOptions`)
+that cannot mean anything are errors before any search, never ignored."""
+
+from __future__ import annotations
+
+from autopar.cost_models import MeshSpec
+from autopar.errors import PlanError
+from autopar.plan import Schedule
+from autopar.search import PlanOptions
+
+
+def check_forced(opts: PlanOptions, mesh: MeshSpec) -> None:
+    """Raise :class:`PlanError` naming the first forced decision ``opts`` cannot run on
+    ``mesh`` (a schedule without stages, stages that do not divide the mesh, ...)."""
+    o = opts
+    if o.zero_stage is not None and o.zero_stage not in (0, 1, 2, 3):
+        raise PlanError(f"zero_stage must be 0, 1, 2 or 3, got {o.zero_stage!r}")
+    for name in ("pipeline_stages", "micro_batches", "blocks"):
+        v = getattr(o, name)
+        if v is not None and (not isinstance(v, int) or v < 1):
+            raise PlanError(f"{name} must be an int >= 1, got {v!r}")
+    piped = (Schedule.GPIPE.value, Schedule.ONE_F_ONE_B.value, Schedule.INTERLEAVED.value,
+             Schedule.ZERO_BUBBLE.value)
+    if o.schedule is not None:
+        if o.schedule not in piped:
+            raise PlanError(f"schedule must be one of {list(piped)}, got {o.schedule!r}")
+        if o.pipeline_stages == 1:
+            raise PlanError(f"schedule={o.schedule!r} needs pipeline_stages > 1")
+        if o.schedule == Schedule.ZERO_BUBBLE.value and o.recompute:
+            raise PlanError("schedule='zero-bubble' with recompute is not supported: "
+                            "torch.utils.checkpoint cannot recompute inside the schedule's "
+                            "split backward; use another schedule or no recomputation")
+        if o.schedule == Schedule.ZERO_BUBBLE.value and o.zero_stage == 3:
+            raise PlanError("schedule='zero-bubble' with zero_stage=3 is not supported: ZeRO-3 "
+                            "gathers weights inside backward, which the schedule splits in "
+                            "two; use zero_stage 0-2 or another schedule")
+    if o.virtual_stages is not None:
+        if not isinstance(o.virtual_stages, int) or o.virtual_stages < 1:
+            raise PlanError(f"virtual_stages must be an int >= 1, got {o.virtual_stages!r}")
+        if o.virtual_stages > 1 and o.schedule not in (None, Schedule.INTERLEAVED.value):
+            raise PlanError(f"virtual_stages={o.virtual_stages} needs schedule="
+                            f"{Schedule.INTERLEAVED.value!r}, not {o.schedule!r}")
+    if o.schedule == Schedule.INTERLEAVED.value and o.pipeline_stages and o.micro_batches \
+            and o.micro_batches % o.pipeline_stages:
+        raise PlanError(f"the interleaved schedule runs micro-batches in groups of the "
+                        f"pipeline stages: micro_batches={o.micro_batches} is not a multiple "
+                        f"of pipeline_stages={o.pipeline_stages}")
+    if o.pipeline_stages is not None and o.pipeline_stages > 1 and mesh.shape[0] % o.pipeline_stages:
+        raise PlanError(f"{o.pipeline_stages} pipeline stages do not divide mesh axis 0 of size "
+                        f"{mesh.shape[0]} (stages are carved out of the outermost axis)")
+    stage_size = mesh.size // (o.pipeline_stages or 1)
+    if o.zero_stage and (mesh.size == 1 or stage_size == 1):
+        where = f"the mesh {mesh.shape}" if mesh.size == 1 else \
+            f"each of the {o.pipeline_stages} pipeline stages (one device each)"
+        raise PlanError(f"zero_stage={o.zero_stage} shards over the data-parallel devices, but "
+                        f"{where} has a single device: use zero_stage=0, or more devices")
+
+
+
+__all__ = ["check_forced"]
