@@ -156,6 +156,14 @@ def in_flight(schedule: Schedule | str, stages: int, micro_batches: int,
     """Per rank and chunk, the most micro-batches whose forward has run and backward
     has not (under the zero-bubble schedule: whose ``W`` has not), at any point of the
     rank's order (the activations a chunk keeps)."""
+    return [list(r) for r in in_flight_table(Schedule(schedule).value, stages, micro_batches,
+                                             virtual)]
+
+
+@functools.lru_cache(maxsize=4096)
+def in_flight_table(schedule: str, stages: int, micro_batches: int,
+                    virtual: int = 1) -> tuple[tuple[int, ...], ...]:
+    """:func:`in_flight`, cached (the split search asks once per stage it prices)."""
     frees = "W" if Schedule(schedule) is Schedule.ZERO_BUBBLE else "B"
     out = []
     for s in range(stages):
@@ -166,11 +174,12 @@ def in_flight(schedule: Schedule | str, stages: int, micro_batches: int,
             elif a.op == frees:
                 alive[a.chunk] -= 1
             peak[a.chunk] = max(peak[a.chunk], alive[a.chunk])
-        out.append(peak)
-    return out
+        out.append(tuple(peak))
+    return tuple(out)
 
 
-def waiting_w(stages: int, micro_batches: int) -> list[int]:
+@functools.lru_cache(maxsize=4096)
+def waiting_w(stages: int, micro_batches: int) -> tuple[int, ...]:
     """Zero-bubble: per rank, the most micro-batches whose ``B`` has run and ``W`` has
     not (each keeps the gradients ``W`` starts from)."""
     out = []
@@ -180,7 +189,7 @@ def waiting_w(stages: int, micro_batches: int) -> list[int]:
             n += 1 if a.op == "B" else -1 if a.op == "W" else 0
             peak = max(peak, n)
         out.append(peak)
-    return out
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -231,5 +240,5 @@ def list_schedule(schedule: Schedule | str, stages: int, micro_batches: int, vir
     return out
 
 
-__all__ = ["Action", "Timed", "actions", "check", "in_flight", "list_schedule", "virtual_stage",
-           "waiting_w"]
+__all__ = ["Action", "Timed", "actions", "check", "in_flight", "in_flight_table", "list_schedule",
+           "virtual_stage", "waiting_w"]

@@ -145,7 +145,7 @@ def in_flight(cfg: Config, index: int) -> int:
         return cfg.micro_batches
     if cfg.virtual > 1 or cfg.schedule == Schedule.ZERO_BUBBLE.value:
         ranks = cfg.stages // cfg.virtual
-        table = sched.in_flight(cfg.schedule, ranks, cfg.micro_batches, cfg.virtual)
+        table = sched.in_flight_table(cfg.schedule, ranks, cfg.micro_batches, cfg.virtual)
         return table[index % ranks][index // ranks]
     return min(cfg.stages - index, cfg.micro_batches)
 
