@@ -524,8 +524,9 @@ def section(rows: list[dict], wall: float, workers: int) -> str:
            "memory budget, before recomputation and ZeRO are chosen."),
         "",
         "Caveats: both columns are predictions of our cost model, not measurements, and are "
-        "not compared here with the throughput the paper measured; the interleaved 1F1B "
-        "schedule, fused kernels and communication overlap inside tensor parallelism are not "
+        "not compared here with the throughput the paper measured; Megatron's plan is priced "
+        "with 1F1B as published (ours may choose interleaved 1F1B or zero-bubble); fused "
+        "kernels and communication overlap inside tensor parallelism are not "
         "modelled; Megatron keeps bf16 weights with fp32 masters only in the optimizer, we keep "
         "fp32 weights and cast them per use as autocast does (4 bytes per replicated parameter "
         "more than Megatron's 2); our model keeps untied embedding and head weights "
