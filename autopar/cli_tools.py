@@ -44,7 +44,7 @@ def presets_table() -> str:
 
     t = Table(title="hardware presets (--preset NAME; numbers per device)", title_justify="left")
     for col in ("preset", "default mesh", "GPUs/node", "peak TFLOP/s", "memory", "reserve", "HBM GB/s",
-                "intra-node link", "inter-node link"):
+                "intra-node link", "inter-node link", "flat rings"):
         t.add_column(col, no_wrap=col == "preset", overflow="fold")
 
     def link(lk) -> str:
@@ -55,7 +55,8 @@ def presets_table() -> str:
         t.add_row(name, "x".join(map(str, m.shape)), str(m.gpus_per_node or "one host"),
                   f"{m.peak_flops / 1e12:g}", format_bytes(m.mem_capacity),
                   format_bytes(m.mem_capacity - m.usable_memory),
-                  f"{m.mem_bandwidth / 1e9:g}", link(m.intra or m.links[0]), link(m.inter))
+                  f"{m.mem_bandwidth / 1e9:g}", link(m.intra or m.links[0]), link(m.inter),
+                  ", ".join(k.replace("_", "-") for k in m.flat_ring) or "-")
     return render(t)
 
 

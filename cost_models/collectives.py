@@ -24,6 +24,13 @@ covered (all-reduce = reduce-scatter down the levels, all-gather back up)::
 
 All-to-all keeps ``S`` at every level (two-phase exchange), broadcast adds the levels, and
 send/recv pays the slowest level it crosses. Any group of one rank, or ``nbytes == 0``, costs 0.
+
+A kind listed in ``mesh.flat_ring`` (NCCL's all-gather and reduce-scatter on the GPU
+presets) is instead one ring over all ``P`` ranks of a multi-level group, as the backend
+runs it: ``P - 1`` steps on the slowest link, whose bandwidth every rank of the faster
+levels shares one ring each of (a node's NICs carry a ring each)::
+
+    all-gather over (intra g, inter m), flat = (P-1)a_o + (P-1)/P S/(g B_o),  P = g m
 """
 
 from __future__ import annotations
@@ -98,6 +105,18 @@ def _flat_time(kind: CollectiveKind, link: LinkSpec, p: int, nbytes: float) -> f
     raise ValueError(f"unknown collective kind {kind!r}")  # pragma: no cover
 
 
+def _flat_ring(levels: list[tuple[LinkSpec, int]]) -> tuple[LinkSpec, int]:
+    """The one ring over every rank of ``levels`` (module docstring): the slowest link
+    (the last level: levels are sorted fastest first), its bandwidth times the ranks of
+    the strictly faster levels (each runs a ring through its own slow-link port; levels
+    on the same link are one ring), per kind as well; and the total rank count."""
+    slow = levels[-1][0]
+    faster = math.prod(p for link, p in levels if link.beta > slow.beta)
+    kinds = tuple((k, a, b * faster) for k, a, b in slow.kinds)
+    return LinkSpec(alpha=slow.alpha, beta=slow.beta * faster, kinds=kinds), \
+        math.prod(p for _, p in levels)
+
+
 def collective_time(kind: CollectiveKind | str, mesh: MeshSpec, axes: Axes, nbytes: float) -> float:
     """Seconds for collective ``kind`` over mesh ``axes`` (index, name, or several) of ``mesh``.
 
@@ -119,6 +138,9 @@ def collective_time(kind: CollectiveKind | str, mesh: MeshSpec, axes: Axes, nbyt
         # A point-to-point message is not split across levels; a pipeline is paced by its
         # slowest hop, so price the slowest link the axes cross.
         return max(_flat_time(kind, link, p, nbytes) for link, p in levels)
+    if len(levels) > 1 and kind.value in mesh.flat_ring:
+        link, p = _flat_ring(levels)
+        return _flat_time(kind, link, p, nbytes)
     total = 0.0
     size = float(nbytes)
     for link, p in levels:
@@ -142,6 +164,8 @@ def collective_times(kind: CollectiveKind | str, mesh: MeshSpec, axes: Axes, nby
     total = nbytes * 0.0
     if not levels:
         return total
+    if len(levels) > 1 and kind.value in mesh.flat_ring:
+        levels = [_flat_ring(levels)]
     size = nbytes.astype(float)
     for link, p in levels:
         total = total + _flat_time(kind, link, p, size)

@@ -50,9 +50,16 @@ class _NodePreset:
     fp32_peak_flops: float | None = None
     reserve_bytes: float = 0.0
     reserve_fraction: float = 0.0
+    flat_ring: tuple[str, ...] = ()
 
 
 _GIB = 2**30
+# NCCL runs all-gather and reduce-scatter only as rings over every rank of the group (no
+# tree, no hierarchical split), one ring per channel so each node's NICs each carry one:
+# a group spanning nodes is paced by the inter-node link at the node's bandwidth, for
+# every rank's share, not by an ideal two-level composition (MeshSpec.flat_ring).
+# All-reduce stays hierarchical: NCCL's tree and ring all-reduce keep about that cost.
+_NCCL_FLAT = ("all_gather", "reduce_scatter")
 # What a GPU spends outside the plan's tensors (MeshSpec.reserve_bytes/reserve_fraction):
 # the CUDA context and cuBLAS/cuDNN workspaces (0.5-1 GiB per process with torch), NCCL's
 # buffers (a few hundred MiB per communicator, several communicators per mesh), and the
@@ -71,9 +78,9 @@ _NVLINK_H100 = LinkSpec(alpha=5e-6, beta=450e9)
 _IB_HDR = LinkSpec(alpha=1e-5, beta=25e9)
 _IB_NDR = LinkSpec(alpha=1e-5, beta=50e9)
 _A100 = {"peak_flops": 312e12, "fp32_peak_flops": 19.5e12, "mem_bandwidth": 2.039e12,
-         "mem_capacity": 80.0 * _GIB, **_GPU_RESERVE}
+         "mem_capacity": 80.0 * _GIB, "flat_ring": _NCCL_FLAT, **_GPU_RESERVE}
 _H100 = {"peak_flops": 989e12, "fp32_peak_flops": 67e12, "mem_bandwidth": 3.35e12,
-         "mem_capacity": 80.0 * _GIB, **_GPU_RESERVE}
+         "mem_capacity": 80.0 * _GIB, "flat_ring": _NCCL_FLAT, **_GPU_RESERVE}
 
 # AWS p3.16xlarge (Alpa's OSDI'22 testbed): 8 V100-SXM2 16 GB on NVLink2 in a hybrid cube
 # mesh (6 links of 25 GB/s per GPU, not all-to-all: NCCL rings reach ~130 GB/s bus
@@ -84,7 +91,7 @@ _H100 = {"peak_flops": 989e12, "fp32_peak_flops": 67e12, "mem_bandwidth": 3.35e1
 _NVLINK_V100 = LinkSpec(alpha=5e-6, beta=130e9)
 _ETH_25G_PER_GPU = LinkSpec(alpha=5e-5, beta=25e9 / 8 / 8)
 _V100_16G = {"peak_flops": 125e12, "fp32_peak_flops": 15.7e12, "mem_bandwidth": 900e9,
-             "mem_capacity": 16.0 * _GIB, **_GPU_RESERVE}
+             "mem_capacity": 16.0 * _GIB, "flat_ring": _NCCL_FLAT, **_GPU_RESERVE}
 # A100-SXM4 40 GB nodes as in Mist's EuroSys'25 runs: NVLink3 inside a node; between nodes
 # Mist's own profile (github Dazz993/Mist, tools/results-final/bandwidth-*-a100-sxm4-40gb)
 # measured ~10.7 GB/s all-gather with 8 GPUs per node on 2 and 4 nodes: 10.7e9/8 B/s
@@ -210,6 +217,12 @@ class MeshSpec:
     idle_reuse: float = 0.0
     reserve_bytes: float = 0.0
     reserve_fraction: float = 0.0
+    flat_ring: tuple[str, ...] = ()
+    """Collective kinds the backend runs as one flat ring over every rank of a group that
+    spans several link levels (NCCL: ``("all_gather", "reduce_scatter")``, the GPU
+    presets' default): priced on the slowest level's link at its bandwidth times the
+    ranks of the faster levels, instead of the ideal hierarchical composition
+    (:func:`autopar.cost_models.collectives.collective_time`)."""
 
     def __post_init__(self) -> None:
         """Normalise sequences to tuples and validate every field (ValueError on bad input)."""
@@ -246,6 +259,11 @@ class MeshSpec:
         if self.usable_memory <= 0:
             raise ValueError(f"MeshSpec reserve ({rb:g} bytes + {rf:g} of the device) leaves no "
                              f"memory of mem_capacity={self.mem_capacity:g}")
+        object.__setattr__(self, "flat_ring", tuple(self.flat_ring))
+        bad_kinds = set(self.flat_ring) - {"all_gather", "reduce_scatter", "all_reduce"}
+        if bad_kinds:
+            raise ValueError(f"MeshSpec.flat_ring lists {sorted(bad_kinds)}; it may list "
+                             "all_gather, reduce_scatter and all_reduce")
         ir = self.idle_reuse
         if isinstance(ir, bool) or not isinstance(ir, numbers.Real) or not 0 <= ir < 1:
             raise ValueError(f"MeshSpec.idle_reuse must be in [0, 1), got {ir!r}")
@@ -363,6 +381,7 @@ class MeshSpec:
             fp32_peak_flops=p.fp32_peak_flops,
             reserve_bytes=p.reserve_bytes,
             reserve_fraction=p.reserve_fraction,
+            flat_ring=p.flat_ring,
         )
 
     def with_shape(
@@ -412,6 +431,7 @@ class MeshSpec:
             "idle_reuse": self.idle_reuse,
             "reserve_bytes": self.reserve_bytes,
             "reserve_fraction": self.reserve_fraction,
+            "flat_ring": list(self.flat_ring),
         }
 
     @classmethod
@@ -428,6 +448,7 @@ class MeshSpec:
         kw["shape"] = tuple(kw.get("shape", ()))
         kw["axis_names"] = tuple(kw.get("axis_names", ()))
         kw["links"] = tuple(LinkSpec.from_dict(x) for x in kw.get("links", ()))
+        kw["flat_ring"] = tuple(kw.get("flat_ring", ()))
         for attr in ("intra", "inter"):
             if kw.get(attr) is not None:
                 kw[attr] = LinkSpec.from_dict(kw[attr])

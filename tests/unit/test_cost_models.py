@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 
+import numpy as np
 import pytest
 from autopar.cost_models import (
     PRESET_NAMES,
@@ -20,6 +21,7 @@ from autopar.cost_models import (
     all_to_all_time,
     broadcast_time,
     collective_time,
+    collective_times,
     compute_time,
     fit_alpha_beta,
     format_bytes,
@@ -275,7 +277,9 @@ def test_hierarchical_all_reduce_matches_design_formula() -> None:
 
 
 def test_hierarchical_other_collectives() -> None:
-    m = MeshSpec.preset("multinode-a100-ib", shape=(16,))
+    # the ideal two-level composition (flat_ring off; the GPU presets price NCCL's rings,
+    # see test_nccl_all_gather_is_one_flat_ring)
+    m = dataclasses.replace(MeshSpec.preset("multinode-a100-ib", shape=(16,)), flat_ring=())
     # all-gather: intra 7*5e-6 + 7/8*8e8/3e11 = 3.5e-5 + 2.3333..e-3
     #             inter on S/8 = 1e8: 1e-5 + 1/2*1e8/25e9 = 1e-5 + 2e-3
     ag = 3.5e-5 + 7 / 8 * 8e8 / 3e11 + 1e-5 + 2e-3  # = 4.37833..e-3
@@ -289,6 +293,34 @@ def test_hierarchical_other_collectives() -> None:
     # broadcast: intra p=8 pipelined 7*5e-6 + 2.6666..e-3 (tree 3*(...) is slower);
     #            inter p=2: tree = pipelined = 1e-5 + 0.032
     assert broadcast_time(m, 0, 8e8) == approx(3.5e-5 + 8e8 / 3e11 + 0.03201, rel=1e-12)
+
+
+def test_nccl_all_gather_is_one_flat_ring() -> None:
+    """NCCL runs all-gather and reduce-scatter as rings over every rank: on (16,) with 8
+    GPUs a node, P = 16 ranks, paced by IB (alpha 1e-5) at 8 x 25e9 (a ring per NIC):
+    15 x 1e-5 + 15/16 x 8e8 / 2e11 = 1.5e-4 + 3.75e-3.  Beside the ideal composition
+    above (4.378e-3) it pays more latency and more bytes over IB but overlaps the
+    NVLink hops; with one slow NIC per node (Mist's measured 10.7 GB/s a node) it is
+    the slower of the two, as the measured all-gathers were."""
+    m = MeshSpec.preset("multinode-a100-ib", shape=(16,))
+    assert m.flat_ring == ("all_gather", "reduce_scatter")
+    ring = 15 * 1e-5 + 15 / 16 * 8e8 / (8 * 25e9)
+    assert all_gather_time(m, 0, 8e8) == approx(ring, rel=1e-12)
+    assert reduce_scatter_time(m, 0, 8e8) == approx(ring, rel=1e-12)
+    # all-reduce keeps the composition (NCCL's tree and ring all-reduce cost about that)
+    assert all_reduce_time(m, 0, 8e8) == approx(8.756666666666667e-3, rel=1e-12)
+    # one level only (an axis of nodes): a ring either way
+    n = MeshSpec.preset("multinode-a100-ib", shape=(4, 8))
+    assert all_gather_time(n, 0, 8e8) == approx(3 * 1e-5 + 3 / 4 * 8e8 / 25e9, rel=1e-12)
+    # the numpy path prices the same
+    assert float(collective_times("all_gather", m, 0, np.array([8e8]))[0]) == approx(ring, rel=1e-12)
+    slow = MeshSpec.preset("multinode-a100-40gb", shape=(16,))
+    hier = dataclasses.replace(slow, flat_ring=())
+    assert all_gather_time(slow, 0, 8e8) > all_gather_time(hier, 0, 8e8)
+    # and the field survives JSON; a kind it cannot hold is an error
+    assert MeshSpec.from_json(m.to_json()).flat_ring == m.flat_ring
+    with pytest.raises(ValueError, match="flat_ring"):
+        dataclasses.replace(m, flat_ring=("send_recv",))
 
 
 def test_two_axis_composition_4x8() -> None:
