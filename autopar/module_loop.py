@@ -69,8 +69,9 @@ class LoopMixin:
         super().train(mode)
         from autopar.passes.train_mode import set_train_mode
         graphs = [m for m in self.inner.modules() if isinstance(m, torch.fx.GraphModule)]
-        if self.runner is not None:
-            graphs += [m for m in self.runner.stage.module.modules() if isinstance(m, torch.fx.GraphModule)]
+        if self.runner is not None:  # every chunk's stage graph (interleaved: several)
+            graphs += [m for ch in self.runner.chunks for m in ch.module.modules()
+                       if isinstance(m, torch.fx.GraphModule)]
         set_train_mode(graphs, mode)
         return self
 

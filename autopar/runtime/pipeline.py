@@ -169,7 +169,6 @@ class PipelineRunner:
                                  f"chunk {c} must be virtual stage {want} of {p * v}, but was "
                                  f"given stage {ch.stage} of {ch.num_stages}")
         self.chunks = chunks
-        self.stage = chunks[0]
         self.stages, self.virtual = p, v
         self.micro_batches = micro_batches
         self.schedule = Schedule(schedule)

@@ -27,6 +27,10 @@ TWO = [
      "options": {"recompute": ["blocks.0"], "pipeline_stages": 1, "micro_batches": 1}},
     {"id": "dp-accumulate", "mesh": [2], "pins": DP, "options": {"pipeline_stages": 1, "micro_batches": 2}},
     {"id": "gpt2-auto", "mesh": [2], "model": "gpt2"},
+    # eval() reaches every chunk of an interleaved rank (it reached the first only)
+    {"id": "pp2-interleaved-eval", "mesh": [2], "eval_only": True,
+     "options": {"pipeline_stages": 2, "micro_batches": 2, "schedule": "interleaved-1f1b",
+                 "virtual_stages": 2}},
 ]
 FOUR = [{"id": "dp-x-tp", "mesh": [2, 2],
          "pins": {k: "R" + v for k, v in TP.items()} | {"input:0": "S(0)R", "input:1": "S(0)R"}}]
