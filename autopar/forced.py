@@ -6,6 +6,7 @@ from __future__ import annotations
 from autopar.cost_models import MeshSpec
 from autopar.errors import PlanError
 from autopar.plan import Schedule
+from autopar.schedules import conflict
 from autopar.search import PlanOptions
 
 
@@ -26,14 +27,10 @@ def check_forced(opts: PlanOptions, mesh: MeshSpec) -> None:
             raise PlanError(f"schedule must be one of {list(piped)}, got {o.schedule!r}")
         if o.pipeline_stages == 1:
             raise PlanError(f"schedule={o.schedule!r} needs pipeline_stages > 1")
-        if o.schedule == Schedule.ZERO_BUBBLE.value and o.recompute:
-            raise PlanError("schedule='zero-bubble' with recompute is not supported: "
-                            "torch.utils.checkpoint cannot recompute inside the schedule's "
-                            "split backward; use another schedule or no recomputation")
-        if o.schedule == Schedule.ZERO_BUBBLE.value and o.zero_stage == 3:
-            raise PlanError("schedule='zero-bubble' with zero_stage=3 is not supported: ZeRO-3 "
-                            "gathers weights inside backward, which the schedule splits in "
-                            "two; use zero_stage 0-2 or another schedule")
+        why = conflict(o.schedule, bool(o.recompute), o.zero_stage)
+        if why:
+            raise PlanError(f"schedule={o.schedule!r} with {why}; use another schedule, or "
+                            "drop that decision")
     if o.virtual_stages is not None:
         if not isinstance(o.virtual_stages, int) or o.virtual_stages < 1:
             raise PlanError(f"virtual_stages must be an int >= 1, got {o.virtual_stages!r}")

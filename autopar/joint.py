@@ -37,6 +37,7 @@ from autopar.joint_why import Context, decisions_why
 from autopar.layers import layer_keys
 from autopar.plan import Decisions, Plan, Schedule
 from autopar.progress import report, show
+from autopar.schedules import conflict
 from autopar.search import PlanOptions, local_axes, make_weighted_plans
 from autopar.shallow import (
     KEEP,
@@ -232,8 +233,8 @@ class JointSearch(JointCaptures):
             # ZeRO needs a sub-mesh axis to shard over: no config when there is none
             for a in (axes if z else [None]):
                 for s in scheds:
-                    if s == Schedule.ZERO_BUBBLE.value and (z == 3 or self.opts.recompute):
-                        continue  # not supported (see _validate)
+                    if conflict(s, bool(self.opts.recompute), z):
+                        continue  # a schedule that cannot run with these decisions
                     for v in (self._virtual(cand) if s == Schedule.INTERLEAVED.value else [1]):
                         out.append(Config(cand.stages, cand.micro_batches, s, z, a,
                                           self.opts.recompute, self.opts.bucket_bytes, v))

@@ -135,11 +135,11 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
     def _start_schedule(self) -> None:
         """Recompute the planned layers; split pipeline stages; drop other stages' weights."""
         d = self.plan.decisions
-        if d.schedule == "zero-bubble" and (d.recompute or d.zero_stage == 3):
+        from autopar.schedules import conflict
+        why = conflict(d.schedule, bool(d.recompute), d.zero_stage)
+        if why:  # a plan file edited or made elsewhere: the search never makes one
             from autopar.errors import PlanError
-            raise PlanError("this plan runs the zero-bubble schedule with "
-                            + ("recomputation" if d.recompute else "ZeRO-3")
-                            + ", which its split backward does not support; plan it again")
+            raise PlanError(f"this plan runs schedule {d.schedule!r} with {why}; plan it again")
         if d.recompute:
             from autopar.passes.recompute import recompute
             recompute(self.inner, set(d.recompute))

@@ -75,6 +75,23 @@ def check(schedule: Schedule | str, stages: int, micro_batches: int, virtual: in
                          "'gpipe', '1f1b', 'zero-bubble' or 'interleaved-1f1b'")
 
 
+def conflict(schedule: Schedule | str | None, recompute: bool, zero_stage: int | None) -> str | None:
+    """What keeps ``schedule`` from running with these decisions, or None.  The
+    zero-bubble schedule's split backward runs neither recomputation
+    (``torch.utils.checkpoint`` cannot re-run inside it) nor ZeRO-3 (its gathers live
+    inside backward).  The search skips such configs; forced ones and loaded plans
+    are errors that quote this."""
+    if schedule is None or Schedule(schedule) is not Schedule.ZERO_BUBBLE:
+        return None
+    if recompute:
+        return ("recompute: torch.utils.checkpoint cannot recompute inside the schedule's "
+                "split backward")
+    if zero_stage == 3:
+        return ("zero_stage=3: ZeRO-3 gathers weights inside backward, which the schedule "
+                "splits in two")
+    return None
+
+
 def actions(schedule: Schedule | str, stage: int, stages: int, micro_batches: int,
             virtual: int = 1) -> list[Action]:
     """The ordered actions of pipeline rank ``stage`` (see the module docstring)."""
@@ -240,5 +257,5 @@ def list_schedule(schedule: Schedule | str, stages: int, micro_batches: int, vir
     return out
 
 
-__all__ = ["Action", "Timed", "actions", "check", "in_flight", "in_flight_table", "list_schedule",
+__all__ = ["Action", "Timed", "actions", "check", "conflict", "in_flight", "in_flight_table", "list_schedule",
            "virtual_stage", "waiting_w"]

@@ -4,7 +4,8 @@ one-stage case).
 :class:`PipelineRunner` runs this rank's
 :class:`~autopar.passes.split_stages.StageGraph` (one, or ``v`` model chunks under the
 interleaved schedule) over ``M`` micro-batches of the global batch in the order
-:func:`autopar.schedules.actions` gives: GPipe, 1F1B or interleaved 1F1B (see there).
+:func:`autopar.schedules.actions` gives: GPipe, 1F1B, interleaved 1F1B or zero-bubble
+(see there; zero-bubble's backward is split by :mod:`autopar.runtime.split_backward`).
 
 A forward ``F(k, i)`` of virtual stage ``k`` receives the boundary activations of
 micro-batch ``i`` from virtual stage ``k-1``, runs the stage graph and sends its boundary
@@ -44,9 +45,9 @@ tokens unevenly spread it is the usual gradient-accumulation approximation).  Th
 returns the mean of the micro-batch losses, broadcast from the last stage over the
 pipeline axis.
 
-**Gradient sync.** An optional ``grad_sync`` (anything with a boolean ``enabled``, e.g.
+**Gradient sync.** An optional ``grad_sync`` (a :class:`Toggle`, e.g.
 :class:`~autopar.runtime.grad_sync.GradSync`) is disabled for every backward except
-this rank's last one, so data-parallel all-reduces run once per step on the fully
+this rank's last one (zero-bubble: for every one, then flushed after the last ``W``), so data-parallel all-reduces run once per step on the fully
 accumulated gradients (they would otherwise add every partial gradient again on each
 backward); every chunk's gradients are complete by then.  Its previous ``enabled``
 value is restored after the step.
@@ -145,8 +146,8 @@ class PipelineRunner:
 
     ``stage``: this rank's stage graph (``split_stages(gm, plan)[current().stage]``), or
     under the interleaved schedule its ``v`` chunks in chunk order (virtual stages
-    ``s, s + p, ..``); ``schedule``: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"`` or
-    ``"none"`` (one stage only); ``micro_batches``: ``M``, the global batch is split
+    ``s, s + p, ..``); ``schedule``: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``,
+    ``"zero-bubble"`` or ``"none"`` (one stage only); ``micro_batches``: ``M``, the global batch is split
     into ``M`` equal parts along dim 0; ``grad_sync``: optional switch kept off except
     during the last backward.
 

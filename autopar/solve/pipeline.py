@@ -23,6 +23,7 @@ ZeRO stage and axis) is priced as
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -136,9 +137,9 @@ def _sync(layers: list[LayerStat], zp: list, rc: set[str], cfg: Config,
 
 def in_flight(cfg: Config, index: int) -> int:
     """Micro-batches whose activations stage ``index`` keeps at once: 1 without a
-    pipeline, ``M`` under GPipe, ``min(p - s, M)`` under 1F1B; under the interleaved
-    schedule ``index`` is a virtual stage and the count is its chunk's
-    (:func:`autopar.schedules.in_flight`)."""
+    pipeline, ``M`` under GPipe, ``min(p - s, M)`` under 1F1B; under zero-bubble and
+    interleaved 1F1B (where ``index`` is a virtual stage, its chunk's) the count the
+    schedule's own order gives (:func:`autopar.schedules.in_flight`)."""
     if cfg.stages == 1:
         return 1
     if cfg.schedule == Schedule.GPIPE.value:
@@ -186,8 +187,8 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     # recompute candidates: layers whose recomputation saves memory, best ratio first
     cands = sorted((st for st in layers if st.activations > st.out_bytes and st.forward > 0),
                    key=lambda st: -(st.activations - st.out_bytes) / st.forward)
-    if cfg.schedule == Schedule.ZERO_BUBBLE.value:
-        cands = []  # torch.utils.checkpoint cannot recompute inside a split backward
+    if sched.conflict(cfg.schedule, True, None):
+        cands = []  # a schedule that cannot recompute (zero-bubble)
     chosen: list[LayerStat] = []
 
     def mem(rc: list[LayerStat]) -> float:
@@ -325,14 +326,17 @@ def price(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget
     split, min_mem = _split(stats, cfg, mesh, pipe_link, budget, optimizer)
     if split is None:
         return Priced(cfg, [], math.inf, min_mem)
-    slow = max(sp.seconds for sp in split)
-    total = sum(sp.seconds for sp in split)
-    # the bubble (the other stages' fill and drain) less what ranks sharing cores win back;
-    # zero-bubble fills the drain with deferred weight gradients: with a backward of
-    # twice the forward, half of it for weights (matmul layers), a third is left
+    return Priced(cfg, split, _step(split, cfg, mesh), max(sp.total_memory for sp in split))
+
+
+def _step(ranks: list[StagePrice], cfg: Config, mesh: MeshSpec) -> float:
+    """The step of pipeline ranks ``ranks``: ``M`` times the slowest, plus the other
+    ranks' fill and drain (less what ranks sharing cores win back, and the schedule's
+    :func:`bubble_share` of it), plus the slowest tail (exposed sync, gathers, update)."""
+    slow = max(sp.seconds for sp in ranks)
+    total = sum(sp.seconds for sp in ranks)
     bubble = (total - slow) * (1.0 - mesh.idle_reuse) * bubble_share(cfg)
-    step = slow + bubble + (cfg.micro_batches - 1) * slow + max(sp.extra for sp in split)
-    return Priced(cfg, split, step, max(sp.total_memory for sp in split))
+    return cfg.micro_batches * slow + bubble + max(sp.extra for sp in ranks)
 
 
 ZERO_BUBBLE_SHARE = 1.0 / 3.0
@@ -341,7 +345,9 @@ ZERO_BUBBLE_SHARE = 1.0 / 3.0
 
 
 def bubble_share(cfg: Config) -> float:
-    """The part of 1F1B's fill-and-drain the schedule leaves idle."""
+    """The part of 1F1B's fill-and-drain the schedule leaves idle: zero-bubble fills
+    the drain with deferred weight gradients (a backward of twice the forward, half of
+    it for weights in matmul layers, leaves a third); interleaving divides it by ``v``."""
     if cfg.schedule == Schedule.ZERO_BUBBLE.value:
         return ZERO_BUBBLE_SHARE
     return 1.0 / cfg.virtual
@@ -356,17 +362,12 @@ def _price_interleaved(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe
     and drain divided by ``v`` (each micro-batch passes a rank in ``v`` shorter
     pieces; :func:`autopar.schedules.list_schedule` gives the same for equal chunks)."""
     p, v = cfg.stages, cfg.virtual
-    vcfg = Config(p * v, cfg.micro_batches, cfg.schedule, cfg.zero_stage, cfg.zero_axis,
-                  cfg.recompute, cfg.bucket_bytes, v)
-    split, min_mem = _split(stats, vcfg, mesh, pipe_link, budget / v, optimizer)
+    split, min_mem = _split(stats, dataclasses.replace(cfg, stages=p * v), mesh, pipe_link,
+                            budget / v, optimizer)
     if split is None:
         return Priced(cfg, [], math.inf, min_mem * v)
     ranks = [_merge(split[r::p]) for r in range(p)]
-    slow = max(sp.seconds for sp in ranks)
-    total = sum(sp.seconds for sp in ranks)
-    bubble = (total - slow) * bubble_share(cfg) * (1.0 - mesh.idle_reuse)
-    step = cfg.micro_batches * slow + bubble + max(sp.extra for sp in ranks)
-    return Priced(cfg, ranks, step, max(sp.total_memory for sp in ranks),
+    return Priced(cfg, ranks, _step(ranks, cfg, mesh), max(sp.total_memory for sp in ranks),
                   virtual=[sp.layers for sp in split])
 
 
