@@ -243,13 +243,10 @@ class JointSearch(JointCaptures):
     def _virtual(self, cand: _Candidate) -> list[int]:
         """Model chunks per rank the interleaved schedule tries on ``cand``: the forced
         count, else 2 and 4 where each virtual stage still gets a layer; none when the
-        micro-batches are not a multiple of the stages (the schedule's groups)."""
+        micro-batches are not a multiple of the stages (the schedule's groups: other
+        counts may be, and a forced count that is not fails in ``check_forced``)."""
         p = cand.stages
         if cand.micro_batches % p:
-            if self.opts.schedule == Schedule.INTERLEAVED.value:
-                raise PlanError(f"the interleaved schedule runs micro-batches in groups of the "
-                                f"{p} pipeline stages; {cand.micro_batches} micro-batches is "
-                                "not a multiple")
             return []
         want = [self.opts.virtual_stages] if self.opts.virtual_stages else [2, 4]
         return [v for v in want if v > 1 and p * v <= len(cand.stats)]
@@ -414,6 +411,12 @@ class JointSearch(JointCaptures):
             self._shallow, self._exact = None, True
             return self._run()
         if best is None:
+            if not self.priced and self.opts.schedule == Schedule.INTERLEAVED.value:
+                counts = {p: self._micro_options(p) for p in self._stage_options() if p > 1}
+                raise PlanError(
+                    "schedule='interleaved-1f1b' has no split it can run: it needs a number of "
+                    "micro-batches that is a multiple of the pipeline stages and a layer per "
+                    f"virtual stage; micro-batch counts by stages: {counts}")
             if not self.priced:
                 raise PlanError("the search found no plan within its time limit of "
                                 f"{self.opts.time_limit} s; raise time_limit")

@@ -175,3 +175,20 @@ def test_zero_bubble_refuses_what_its_split_backward_cannot_run(extra, msg) -> N
     model, ex = gpt.build(layers=2, dim=64, heads=4, vocab=256, seq=16, batch=8)
     with pytest.raises(PlanError, match=msg):
         plan(model, ex, MESH, pipeline_stages=2, micro_batches=4, schedule="zero-bubble", **extra)
+
+
+def test_forced_interleaved_skips_micro_batch_counts_it_cannot_run() -> None:
+    """Before, a forced interleaved schedule aborted the whole search at the first
+    micro-batch count that is not a multiple of the stages (3 of a batch of 6 on 2
+    stages, tried under explore=True) instead of planning the counts it can run."""
+    from autopar.errors import PlanError
+
+    mesh = MeshSpec.preset("8xA100-nvlink", shape=(2,))
+    kw = {"pipeline_stages": 2, "schedule": "interleaved-1f1b", "explore": True}
+    model, ex = gpt.build(layers=4, dim=64, heads=4, vocab=256, seq=16, batch=6)
+    d = plan(model, ex, mesh, **kw).decisions
+    assert d.schedule == "interleaved-1f1b" and d.micro_batches % 2 == 0
+    # a batch of 3 has no count it can run: said so, not "no plan within the time limit"
+    model, ex = gpt.build(layers=4, dim=64, heads=4, vocab=256, seq=16, batch=3)
+    with pytest.raises(PlanError, match="multiple of the pipeline stages"):
+        plan(model, ex, mesh, **kw)
