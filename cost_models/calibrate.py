@@ -181,14 +181,17 @@ def _host_memory_bytes() -> float:
     return float(total) / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
-def _reserve(base: MeshSpec | None, cuda: bool, capacity: float) -> dict[str, float]:
-    """The memory reserve of a calibrated mesh: ``base``'s, else that of the presets for
-    this kind of device (GPU or CPU host): calibration measures capacity, not what the
-    runtime spends outside the plan's tensors.  At most half of ``capacity`` (a small
-    host shared by many ranks must still leave the plan something)."""
+def _unmeasured(base: MeshSpec | None, cuda: bool, capacity: float) -> dict[str, Any]:
+    """What calibration does not measure, from ``base``, else from the presets for this
+    kind of device (GPU or CPU host): the memory reserve (calibration measures capacity,
+    not what the runtime spends outside the plan's tensors; at most half of
+    ``capacity``, since a small host shared by many ranks must still leave the plan
+    something) and the collectives the backend runs as flat rings (NCCL's all-gather and
+    reduce-scatter over several measured axes)."""
     ref = base if base is not None else MeshSpec.preset("8xH100-nvlink" if cuda else "cpu-gloo")
     fixed = min(ref.reserve_bytes, 0.5 * capacity * (1.0 - ref.reserve_fraction))
-    return {"reserve_bytes": fixed, "reserve_fraction": ref.reserve_fraction}
+    return {"reserve_bytes": fixed, "reserve_fraction": ref.reserve_fraction,
+            "flat_ring": ref.flat_ring}
 
 
 def _axis_groups(group: Any, shape: tuple[int, ...] | None, device_type: str) -> list[Any]:
@@ -303,8 +306,8 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
                     mem_capacity=capacity, flops_efficiency=1.0, name="calibrated",
                     kernel_floor=rates["kernel_floor"], overlap=ov["overlap"],
                     optimizer_bandwidth=opt_bw, idle_reuse=reuse["idle_reuse"],
-                    # the base preset's reserve, else the preset kind's for this device
-                    **_reserve(base, cuda, capacity))
+                    # the base preset's reserve and flat rings, else the preset kind's
+                    **_unmeasured(base, cuda, capacity))
     elapsed = max_over_ranks([time.perf_counter() - t_start], group, device)[0]
     return Calibration(
         spec=spec, curves=curves, compute={**rates, "idle_reuse": reuse}, overlap=ov,
