@@ -220,6 +220,9 @@ class JointSearch(JointCaptures):
             scheds = [self.opts.schedule] if self.opts.schedule else [
                 Schedule.ONE_F_ONE_B.value, Schedule.GPIPE.value, Schedule.INTERLEAVED.value,
                 Schedule.ZERO_BUBBLE.value]
+            v = self.opts.virtual_stages
+            if v is not None:  # forced chunks decide whether the schedule interleaves
+                scheds = [s for s in scheds if (s == Schedule.INTERLEAVED.value) == (v > 1)]
         else:
             scheds = [Schedule.NONE.value]
         if self.opts.recompute:

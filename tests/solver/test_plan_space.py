@@ -192,3 +192,15 @@ def test_forced_interleaved_skips_micro_batch_counts_it_cannot_run() -> None:
     model, ex = gpt.build(layers=4, dim=64, heads=4, vocab=256, seq=16, batch=3)
     with pytest.raises(PlanError, match="multiple of the pipeline stages"):
         plan(model, ex, mesh, **kw)
+
+
+def test_forced_virtual_stages_are_the_plans() -> None:
+    """virtual_stages=2 without a schedule means interleaved 1F1B with two chunks, and
+    virtual_stages=1 means no interleaving: before, both were priced beside the other
+    schedules and the forced count was dropped when another won (zero-bubble here)."""
+    model, ex = gpt.build(layers=8, dim=512, heads=8, vocab=1024, seq=256, batch=16)
+    kw = {"pipeline_stages": 4, "micro_batches": 4, "precision": "bf16-mixed"}
+    d = plan(model, ex, MESH, virtual_stages=2, **kw).decisions
+    assert (d.schedule, d.virtual_stages) == ("interleaved-1f1b", 2)
+    d = plan(model, ex, MESH, virtual_stages=1, memory_budget=2**40, **kw).decisions
+    assert d.schedule != "interleaved-1f1b" and d.virtual_stages == 1
