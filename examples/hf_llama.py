@@ -21,11 +21,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# optimizer state saved per parameter name: a pipelined plan's stages hold different
+# parameters, whose param_groups a nested state dict would merge (docs/training.md)
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def build(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, vocab: int = 128,
@@ -73,10 +76,11 @@ def main(argv: list[str] | None = None) -> list[float]:
     step = 0
     ckpt = Path(args.ckpt)
     if (ckpt / ".metadata").exists():  # resume: every rank loads its own shards
-        msd, osd = get_state_dict(pm, opt)
+        msd, osd = get_state_dict(pm, opt, options=FLAT)
         state = {"model": msd, "optim": osd, "sched": sched.state_dict(), "step": 0}
         dcp.load(state, checkpoint_id=ckpt)
-        set_state_dict(pm, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(pm, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=FLAT)
         sched.load_state_dict(state["sched"])
         step = int(state["step"])
 
@@ -109,7 +113,7 @@ def main(argv: list[str] | None = None) -> list[float]:
                 print(f"step {step}: loss {loss.item():.4f}  grad-norm {float(norm):.3f}  "
                       f"lr {sched.get_last_lr()[0]:.2e}", flush=True)
             if step % args.every == 0:
-                msd, osd = get_state_dict(pm, opt)
+                msd, osd = get_state_dict(pm, opt, options=FLAT)
                 dcp.save({"model": msd, "optim": osd, "sched": sched.state_dict(), "step": step},
                          checkpoint_id=ckpt)
     pm.eval()

@@ -60,7 +60,11 @@ def run_hf_case(c: dict) -> dict:
     if c["mode"] == "ep":  # experts and tokens split on axis 0: the dispatch all-to-alls
         from tests.dist.mixtral_ep_case import ep_pins
         pins = ep_pins(mesh, 0)
-    opts = {"zero3": {"zero_stage": 3}, "zero2": {"zero_stage": 2}, "zero1": {"zero_stage": 1}, "pp2": {"pipeline_stages": 2, "micro_batches": 2}}.get(c["mode"], {})
+    pp2 = {"pipeline_stages": 2, "micro_batches": 2}
+    opts = {"zero3": {"zero_stage": 3}, "zero2": {"zero_stage": 2}, "zero1": {"zero_stage": 1},
+            "pp2": pp2,
+            "pp2-interleaved": {**pp2, "schedule": "interleaved-1f1b", "virtual_stages": 2},
+            "pp2-zero-bubble": {**pp2, "schedule": "zero-bubble"}}.get(c["mode"], {})
     reset()
     precision = c.get("precision", "native")
     pm = auto_parallel(model, example_kwargs=batch, mesh=MeshSpec.preset("cpu-gloo", shape=mesh),
@@ -108,6 +112,8 @@ def run_hf_case(c: dict) -> dict:
     res["update_rel"] = (diff / moved) ** 0.5
     res["keys_match"] = sorted(full) == sorted(ref.state_dict())
     res["id"], res["stages"] = c["id"], pm.plan.decisions.pipeline_stages
+    res["mode"], res["schedule"] = c["mode"], pm.plan.decisions.schedule
+    res["virtual_stages"] = pm.plan.decisions.virtual_stages
     res["param_dtypes"] = sorted({str(p.dtype) for p in pm.parameters()})
     res["grad_dtypes"] = sorted({str(p.grad.dtype) for p in pm.parameters() if p.grad is not None})
     res["code_casts"] = pm.code.count("_to_copy") if hasattr(pm, "code") else -1

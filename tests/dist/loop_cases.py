@@ -453,7 +453,56 @@ def shutdown_joins_threads(c: dict) -> dict:
     return {"before": before, "after": _gloo_threads()}
 
 
-CASES = {"two_meshes": two_meshes, "shutdown_joins_threads": shutdown_joins_threads, "dp_backward_collectives": dp_backward_collectives, "zero3_collectives": zero3_collectives, "trace": trace, "export_load": export_load, "clip_norm": clip_norm, "names_modes_frozen": names_modes_frozen,
+def dcp_pipeline(c: dict) -> dict:
+    """DCP save and load under interleaved 1F1B (each rank holds two model chunks'
+    weights and AdamW state): a module with other weights loads every parameter and
+    moment bit-exactly, then trains on exactly like the saved one."""
+    import gpt
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    # pipeline ranks hold different parameters, so their optimizers' param_groups differ:
+    # flattened, each parameter's hyperparameters are saved under its own name (as
+    # torchtitan does under pipelining); nested, DCP keeps one rank's groups
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    model, ex = gpt.build(layers=2)
+    opts = c.get("options") or {"pipeline_stages": 2, "micro_batches": 4,
+                                "schedule": "interleaved-1f1b", "virtual_stages": 2}
+
+    def trained(m: nn.Module):
+        pm = auto_parallel(m, example_inputs=ex, mesh=_mesh((2,)), **opts)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+        pm.train_step(*ex)
+        opt.step()
+        return pm, opt
+
+    pm, opt = trained(copy.deepcopy(model))
+    msd, osd = get_state_dict(pm, opt, options=flat)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=c["dir"])
+    with torch.no_grad():
+        for p in model.parameters():  # other weights: loading must replace every one
+            p.add_(1.0)
+    pm2, opt2 = trained(model)
+    msd2, osd2 = get_state_dict(pm2, opt2, options=flat)
+    state = {"model": msd2, "optim": osd2}
+    dcp.load(state, checkpoint_id=c["dir"])
+    set_state_dict(pm2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=flat)
+    a, b = pm.full_state_dict(), pm2.full_state_dict()
+    (_, o1), (_, o2) = get_state_dict(pm, opt), get_state_dict(pm2, opt2)
+    moments = all(torch.equal(o1["state"][k][m].full_tensor(), o2["state"][k][m].full_tensor())
+                  for k in o1["state"] for m in ("exp_avg", "exp_avg_sq"))
+    losses = []
+    for m, o in ((pm, opt), (pm2, opt2)):
+        o.zero_grad()
+        losses.append(float(m.train_step(*ex)))
+        o.step()
+    return {"params": sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a),
+            "moments": moments and len(o1["state"]) > 0, "losses": _all(losses),
+            "chunks": len(pm.runner.chunks)}
+
+
+CASES = {"dcp_pipeline": dcp_pipeline, "two_meshes": two_meshes, "shutdown_joins_threads": shutdown_joins_threads, "dp_backward_collectives": dp_backward_collectives, "zero3_collectives": zero3_collectives, "trace": trace, "export_load": export_load, "clip_norm": clip_norm, "names_modes_frozen": names_modes_frozen,
          "seeds_and_shapes": seeds_and_shapes, "local_batch": local_batch, "local_outputs": local_outputs, "dcp_reshard": dcp_reshard}
 
 
