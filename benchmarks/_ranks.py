@@ -4,12 +4,15 @@ back to the parent."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -79,3 +82,27 @@ def run_section(worker: Callable, world: int, a, ratios: Callable[[list[dict]], 
     if not a.no_write:
         write_section(text)
     return rows
+
+
+@contextlib.contextmanager
+def throttled_loopback(rate: str | None) -> Iterator[None]:
+    """Limit the loopback interface to ``rate`` (a ``tc`` rate such as ``"1gbit"``) while
+    the block runs, then restore it; ``None`` leaves it alone.
+
+    Why: the ranks here talk over loopback, where a collective is a memory copy that
+    competes with the backward for the same two cores, so nothing can overlap.  Behind
+    a token bucket the bytes wait for the wire instead of a core, as on a real network,
+    so a reduction started during the backward does hide behind it.  Needs root and the
+    kernel's ``tbf`` queueing discipline; the burst is above loopback's 64 KiB packets
+    (``tbf`` drops a packet larger than its burst)."""
+    if rate is None:
+        yield
+        return
+    if shutil.which("tc") is None or os.geteuid() != 0:
+        raise SystemExit("--link-rate needs root and tc (iproute2) to shape the loopback link")
+    subprocess.run(["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate,
+                    "burst", "2mb", "latency", "500ms"], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], check=True)

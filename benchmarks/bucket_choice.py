@@ -1,6 +1,7 @@
 """Gradient buckets chosen by the cost model (MG-WFBP) against the two extremes.
 
     python benchmarks/bucket_choice.py [--steps 12] [--world 4] [--alpha 1e-3]
+        [--calibrate] [--link-rate 1gbit]
 
 On ``--world`` gloo ranks of this machine, examples/gpt.py (8 layers, dim 128, fp32)
 trains data parallel (every parameter replicated, the batch split, ``batch="local"``)
@@ -19,6 +20,10 @@ after its last gradient, finishing the buckets (the runtime's ``_finish``: launc
 what is left and waiting), on the rank that ends its backward last (the others also
 wait for it: imbalance, reported beside), and compared with the plan's predicted
 ``sync_exposed``.
+``--link-rate`` shapes the loopback link to that rate while the ranks run (root and
+``tc``; see ``_ranks.throttled_loopback``): unshaped, a collective here is a memory copy
+on the same two cores as the backward and cannot overlap it; shaped, its bytes wait for
+the link, as on a network, and the bucket choice matters.
 Prints one markdown row per variant: bucket count, median step, median exposed
 reduction, predicted exposed reduction, the load average.
 """
@@ -137,21 +142,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--alpha", type=float, default=1e-3, help="per-collective latency planned with (s)")
     ap.add_argument("--calibrate", action="store_true",
                     help="plan on a mesh measured on the running group instead (alpha ignored)")
+    ap.add_argument("--link-rate", default=None,
+                    help="shape the loopback link to this tc rate (e.g. 1gbit) while the ranks run")
     a = ap.parse_args(argv)
     if a.calibrate:
         a.alpha = None
+    from _ranks import throttled_loopback
+
     from tests.dist.harness import free_port
 
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "rows.json")
         load0 = os.getloadavg()[0]
-        mp.spawn(_worker, args=(a.world, free_port(), {"steps": a.steps, "alpha": a.alpha}, out),
-                 nprocs=a.world, join=True)
+        with throttled_loopback(a.link_rate):
+            mp.spawn(_worker, args=(a.world, free_port(), {"steps": a.steps, "alpha": a.alpha}, out),
+                     nprocs=a.world, join=True)
         rows = json.loads(Path(out).read_text())
     print(f"| buckets | count | step ms (median) | exposed reduction ms, measured (min over ranks) | "
           f"with imbalance (max) | predicted |  "
           f"(world {a.world}, {a.steps} interleaved steps, "
-          + ("calibrated mesh, " if a.alpha is None else f"alpha {a.alpha * 1e3:g} ms, ") +
+          + ("calibrated mesh, " if a.alpha is None else f"alpha {a.alpha * 1e3:g} ms, ")
+          + (f"loopback shaped to {a.link_rate}, " if a.link_rate else "") +
           f"load {load0:.2f} before, {os.getloadavg()[0]:.2f} after)")
     print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
