@@ -48,6 +48,7 @@ from autopar.shallow import (
 from autopar.solve.layer_stats import LayerStat, layer_stats
 from autopar.solve.pipeline import Config, Priced, price, step_lower_bound
 from autopar.splits import batch_size, micro_counts, micro_inputs, request, split_mesh
+from autopar.step_collectives import list_collectives
 
 
 @dataclass
@@ -506,6 +507,7 @@ class JointSearch(JointCaptures):
         d.why = decisions_why(Context(self.priced, {id(p) for c, p in self.priced if c.estimate},
                                       self.budget, batch_size(self._call), self.opts.optimizer), pr)
         plan.decisions = d
+        d.collectives = [c.to_dict() for c in list_collectives(cand.cap.gm, plan)]
         plan.request = request(cand.cap.gm, cfg.micro_batches, list(self.mesh.shape), self.budget)
         worst = max(pr.stages, key=lambda sp: sp.total_memory)
         plan.memory = dict(worst.memory)

@@ -19,10 +19,13 @@ import warnings
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autopar.cost_models import MeshSpec, format_bytes
 from autopar.errors import LoadError, user_stacklevel
+
+if TYPE_CHECKING:
+    from autopar.step_collectives import Collective
 
 SCHEMA_VERSION = 1
 """Version of the plan JSON layout; bumped whenever a field changes meaning or goes away."""
@@ -208,6 +211,9 @@ class Decisions:
     :mod:`autopar.solve.buckets` (or ``bucket_bytes=`` each); the runtime reduces
     exactly these.  Empty in plans made before buckets were planned: the runtime then
     falls back to 4 MiB buckets."""
+    collectives: list[dict[str, Any]] = field(default_factory=list)
+    """What :meth:`Plan.collectives` lists (:class:`autopar.step_collectives.Collective`
+    in JSON form), computed from the captured graph when the plan is made."""
 
     def rank_of(self, layer: str) -> int:
         """Pipeline rank (stage of the mesh's pipeline axis) running ``layer``: its
@@ -257,12 +263,30 @@ class Plan:
         """Parameter FQN -> placement."""
         return {n.param: n.out_placements[0] for n in self.nodes.values() if n.kind == "param"}
 
-    def collectives(self) -> list[tuple[str, str]]:
-        """(node, step) for every redistribution collective on the plan's edges, in
-        graph order (forward; each runs its dual in backward).  Not listed: the ops' own
-        collectives (a vocabulary-parallel cross-entropy's), the loss reduction, the
-        gradient buckets (:attr:`Decisions.grad_buckets`) and ZeRO's gathers and
-        reduce-scatters; a profiler trace (``pm.trace``) shows everything that runs."""
+    def collectives(self) -> list[Collective]:
+        """Every collective one training step issues on a rank, forward, backward and
+        after the optimizer, with the bytes it puts in and how often it runs
+        (:class:`~autopar.step_collectives.Collective`): the edges' redistributions and
+        their backward duals, the loss's sum, the distributed cross-entropy's, the
+        gradient buckets and ZeRO's gathers and reductions, as the runtime issues them
+        (compare with :func:`autopar.runtime.trace.collective_log`).  Not listed yet:
+        ring attention's shifts and the uneven expert dispatch of ``moe_experts``; a
+        pipelined plan raises :class:`~autopar.errors.PlanError` (its ranks run
+        different collectives and point-to-point messages, not listed yet).  Empty for a
+        plan made without a joint search (``make_plan``)."""
+        from autopar.errors import PlanError
+        from autopar.step_collectives import Collective as C
+
+        if self.decisions.pipeline_stages > 1:
+            raise PlanError("plan.collectives() does not list the collectives of a pipelined "
+                            f"plan yet ({self.decisions.pipeline_stages} stages): each stage's "
+                            "ranks run their own, plus point-to-point messages; a profiler "
+                            "trace (pm.trace) shows what runs")
+        return [C.from_dict(c) for c in self.decisions.collectives]
+
+    def redistributions(self) -> list[tuple[str, str]]:
+        """(node, step) for every redistribution step on the plan's edges that
+        communicates, in graph order (forward; each runs its dual in backward)."""
         out = []
         for n in self.nodes.values():
             for r in n.redistributions:

@@ -251,7 +251,7 @@ def section(rows: list[dict], a: argparse.Namespace, load: tuple[float, float]) 
              "\"collectives the code calls\" counts the `autopar.runtime.collectives` calls in "
              "the generated forward (gradient buckets are not among them); \"collectives per "
              "step\" and the all-to-alls are gloo events of one profiled step on rank 0; "
-             "\"planned\" all-to-alls are twice those `plan.collectives()` lists (each runs its "
+             "\"planned\" all-to-alls are twice those `plan.redistributions()` lists (each runs its "
              "dual in backward). MiB sent: rank 0's `/proc/self/io` `wchar` over one step; "
              "analytic: (p-1)/p of the rank's shard per all-to-all, plus 2(p-1)/p of the "
              "gradients of the weights replicated on the mesh (other collectives not counted).",

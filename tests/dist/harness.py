@@ -70,7 +70,7 @@ def run_case(case: Case) -> dict:
     pm = auto_parallel(model, example_inputs=ex, mesh=mesh, pins=case.pins, search=case.search,
                        **case.options)
     d = pm.plan.decisions
-    res: dict = {"plan_params": pm.plan.params(), "collectives": len(pm.plan.collectives()),
+    res: dict = {"plan_params": pm.plan.params(), "collectives": len(pm.plan.redistributions()),
                  # what the generated forward calls (collectives, local op forms)
                  "calls": sorted({getattr(n.target, "__name__", str(n.target))
                                   for n in pm.inner.graph.nodes if n.op == "call_function"}),

@@ -39,7 +39,7 @@ def test_small_model_on_slow_links_gets_data_parallel() -> None:
     assert all(v == "R" for v in p.params().values()), p.params()
     assert p.nodes["linear"].in_placements[0] == "S(0)"  # the batch is sharded (x is sliced for free)
     # no tensor-parallel traffic between layers (the loss's all-reduce sits on the output)
-    assert not [s for _, s in p.collectives() if "all_reduce" not in s], p.collectives()
+    assert not [s for _, s in p.redistributions() if "all_reduce" not in s], p.redistributions()
     assert p.grad_sync_seconds > 0
 
 

@@ -82,7 +82,7 @@ def test_pinned_ep_lowers_to_all_to_all(shape: tuple[int, ...], axis: int, layer
     assert len(_einsums(g, DISPATCH)) == layers
     assert "autopar_runtime_collectives_all_to_all(einsum, 1, 0, " in pm.code
     # the plan lists the same swaps (and the dense part's choices are the planner's)
-    assert {s for _, s in pm.plan.collectives() if s.startswith("all_to_all")} == {
+    assert {s for _, s in pm.plan.redistributions() if s.startswith("all_to_all")} == {
         f"all_to_all(axis={axis}, dim=1->0)", f"all_to_all(axis={axis}, dim=0->1)"}
 
 
@@ -111,7 +111,7 @@ def test_planner_picks_ep_when_experts_dominate(big, shape: tuple[int, ...], ep:
     experts = {v for k, v in p.params().items() if k.endswith(("w_in", "w_out"))}
     assert experts == {ep}
     ax = len(shape) - 1
-    swaps = {(n, s) for n, s in p.collectives() if s.startswith("all_to_all")}
+    swaps = {(n, s) for n, s in p.redistributions() if s.startswith("all_to_all")}
     for k in range(BIG["layers"]):
         assert (f"einsum_{4 * k + 1}", f"all_to_all(axis={ax}, dim=1->0)") in swaps
         assert (f"einsum_{4 * k + 3}", f"all_to_all(axis={ax}, dim=0->1)") in swaps

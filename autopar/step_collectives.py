@@ -1,0 +1,355 @@
+"""Every collective one training step issues on a rank, as the plan predicts it.
+
+:func:`list_collectives` reads the captured graph and the plan and follows the same
+rules the lowering and the runtime follow, in the same order of concerns:
+
+* **edges**: each redistribution the lowering emits (one per producer and target
+  placement, ``passes/lower.py``'s cache), and in backward its dual: an all-gather's
+  is a reduce-scatter of the gathered tensor, a reduce-scatter's an all-gather, an
+  all-reduce's an all-reduce, an all-to-all's the reverse all-to-all; only values that
+  carry a gradient (they depend on a trainable parameter) have one;
+* **outputs**: a scalar loss summed over some axes is one all-reduce left in flight
+  (no backward), another output is redistributed to what the caller gets;
+* **the ops' own exchanges**: the distributed cross-entropy's count of targets and,
+  with classes sharded, its max, sum of exponentials and target logit
+  (``runtime/ops.py``);
+* **gradient sync**: the plan's buckets (``decisions.grad_buckets``), one all-reduce
+  each over one group spanning the parameter's replicated axes (``runtime/grad_sync.py``);
+* **ZeRO**: stages 1-2 reduce in 4 MiB buckets of padded shards back to front and
+  all-gather the updated shards at the next forward (``phase="step"``); stage 3
+  gathers each layer's shards once in forward, once more in backward and
+  reduce-scatters the layer's gradients (``runtime/zero.py``, ``runtime/zero3.py``).
+
+* **context-parallel attention**: Ulysses' all-to-alls of q, k, v and the output.
+
+Forward and backward collectives repeat per micro-batch (``count``).  Not listed yet:
+pipelined plans (each stage's ranks run their own collectives, and point-to-point
+messages), ring attention's shifts and the uneven expert
+dispatch of ``moe_experts`` (token counts depend on the routing); ``tests/dist/test_step_collectives.py`` compares the list with
+:func:`autopar.runtime.trace.collective_log` on every kind it covers.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import fx
+
+from autopar.ir import info
+from autopar.placement import R, Shard, graph_batch, local_shape, parse_placements
+from autopar.redistribute import StepKind, plan_redistribution, step_shapes, sum_axes
+
+ZERO_BUCKET_BYTES = 4 << 20
+"""Size at which ``runtime/zero.py`` closes a ZeRO-1/2 bucket (padded shard bytes)."""
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of a step on one rank (see the module docstring)."""
+
+    phase: str
+    """``"forward"``, ``"backward"`` or ``"step"`` (after the optimizer: issued at the
+    next forward, ZeRO-1/2's parameter all-gather)."""
+    kind: str
+    """``all_reduce``, ``all_gather``, ``reduce_scatter`` or ``all_to_all``."""
+    axes: tuple[int, ...]
+    """Mesh axes the group spans (one group over all of them)."""
+    group: int
+    """Ranks in the group."""
+    bytes: int
+    """What this rank puts in: the all-reduced tensor, the shard gathered, the whole
+    tensor reduce-scattered."""
+    what: str
+    """The edge (``"node <- input"``), bucket or layer it serves."""
+    count: int = 1
+    """Times per step (micro-batches for forward and backward collectives)."""
+
+    def to_dict(self) -> dict:
+        """JSON form (tuples as lists)."""
+        d = asdict(self)
+        d["axes"] = list(self.axes)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Collective:
+        """Inverse of :meth:`to_dict`."""
+        return cls(**{**d, "axes": tuple(d["axes"])})
+
+
+_DUAL = {StepKind.ALL_REDUCE: "all_reduce", StepKind.ALL_GATHER: "reduce_scatter",
+         StepKind.REDUCE_SCATTER: "all_gather", StepKind.ALL_TO_ALL: "all_to_all"}
+_FORWARD = {StepKind.ALL_REDUCE: "all_reduce", StepKind.ALL_GATHER: "all_gather",
+            StepKind.REDUCE_SCATTER: "reduce_scatter", StepKind.ALL_TO_ALL: "all_to_all"}
+
+
+class _Lister:
+    def __init__(self, gm: fx.GraphModule, plan) -> None:
+        self.gm, self.plan, self.mesh = gm, plan, tuple(plan.mesh.shape)
+        self.d = plan.decisions
+        self.out: list[Collective] = []
+        self.grad = self._needs_grad()
+        self._by_name = {n.name: n for n in gm.graph.nodes}
+
+    # ------------------------------------------------------------ helpers
+    def _param(self, target: str) -> torch.nn.Parameter | None:
+        try:
+            return self.gm.get_parameter(target)
+        except AttributeError:
+            return None
+
+    def _needs_grad(self) -> dict[str, bool]:
+        """Node name -> whether its value carries a gradient: it is floating point and
+        depends on a trainable parameter."""
+        grad: dict[str, bool] = {}
+        for n in self.gm.graph.nodes:
+            outs = info(n).outputs
+            floating = bool(outs) and all(o.dtype.is_floating_point for o in outs)
+            if n.op == "get_attr":
+                p = self._param(n.target)
+                grad[n.name] = p is not None and p.requires_grad
+            elif n.op == "placeholder":
+                grad[n.name] = False
+            else:
+                grad[n.name] = floating and any(grad.get(u.name, False) for u in n.all_input_nodes)
+        return grad
+
+    def _itemsize(self, name: str) -> int:
+        outs = info(self._by_name[name]).outputs
+        return outs[0].dtype.itemsize if outs else 4
+
+    def add(self, phase: str, kind: str, axes: Iterable[int], nbytes: int, what: str,
+            count: int = 1) -> None:
+        axes = tuple(axes)
+        self.out.append(Collective(phase, kind, axes, math.prod(self.mesh[a] for a in axes),
+                                   int(nbytes), what, count))
+
+    def _redistribute(self, name: str, src: str, dst: str, what: str, grad: bool) -> None:
+        s, t = parse_placements(src), parse_placements(dst)
+        steps = plan_redistribution(s, t)
+        shape = self.plan.nodes[name].shape[0]
+        shapes = step_shapes(steps, local_shape(shape, s, self.mesh), self.mesh)
+        item = self._itemsize(name)
+        m = self.d.micro_batches
+        back = []
+        for k, st in enumerate(steps):
+            if st.kind not in _FORWARD:
+                continue
+            self.add("forward", _FORWARD[st.kind], (st.axis,), math.prod(shapes[k]) * item, what, m)
+            if grad:
+                back.append(Collective("backward", _DUAL[st.kind], (st.axis,), self.mesh[st.axis],
+                                       math.prod(shapes[k + 1]) * item, what, m))
+        self.out.extend(reversed(back))
+
+    # ------------------------------------------------------------ the step
+    def run(self) -> list[Collective]:
+        self._edges()
+        self._outputs()
+        self._cross_entropy()
+        self._ulysses()
+        self._grad_sync()
+        return self.out
+
+    def _edges(self) -> None:
+        seen: set[tuple[str, str]] = set()
+        for n in self.gm.graph.nodes:
+            if n.op != "call_function" or n.name not in self.plan.nodes or n.target is operator.getitem:
+                continue
+            for r in self.plan.nodes[n.name].redistributions:
+                if (r.input, r.dst) in seen or r.src == r.dst:
+                    continue
+                seen.add((r.input, r.dst))
+                self._redistribute(r.input, r.src, r.dst, f"{n.name} <- {r.input}",
+                                   self.grad.get(r.input, False))
+
+    def _outputs(self) -> None:
+        out = next(n for n in self.gm.graph.nodes if n.op == "output")
+        flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+        rows = graph_batch(self.gm) if self.d.batch == "local" and self.d.local_axes is not None \
+            else None
+        rep = (R,) * len(self.mesh)
+        for a in flat:
+            if not isinstance(a, fx.Node) or a.name not in self.plan.nodes or not info(a).outputs:
+                continue
+            outs = info(a).outputs
+            dst = rep
+            if rows is not None and len(outs) == 1 and outs[0].shape and outs[0].shape[0] == rows:
+                dst = tuple(Shard(0) if i in self.d.local_axes else R for i in range(len(rep)))
+            src = parse_placements(self.plan.nodes[a.name].out_placements[0])
+            if len(outs) == 1 and not outs[0].shape and sum_axes(src, dst):
+                axes = sum_axes(src, dst)
+                self.add("forward", "all_reduce", axes, self._itemsize(a.name), f"output {a.name}",
+                         self.d.micro_batches)
+                continue
+            self._redistribute(a.name, self.plan.nodes[a.name].out_placements[0],
+                               "".join(str(p) for p in dst), f"output {a.name}",
+                               self.grad.get(a.name, False))
+
+    def _cross_entropy(self) -> None:
+        aten = torch.ops.aten
+        m = self.d.micro_batches
+        for n in self.gm.graph.nodes:
+            if n.op != "call_function" or n.target is not aten.cross_entropy_loss.default \
+                    or n.name not in self.plan.nodes:
+                continue
+            np_ = self.plan.nodes[n.name]
+            pl = parse_placements(np_.in_placements[0])
+            shape = self.plan.nodes[np_.inputs[0]].shape[0]
+            rows = tuple(a for a, p in enumerate(pl) if self.mesh[a] > 1 and isinstance(p, Shard)
+                         and p.dim == 0)
+            classes = tuple(a for a, p in enumerate(pl) if self.mesh[a] > 1 and isinstance(p, Shard)
+                            and p.dim == 1 and len(shape) == 2)
+            reduction = n.args[2] if len(n.args) > 2 else n.kwargs.get("reduction", 1)
+            if reduction == 1:  # the count of targets, summed over the row axes
+                for a in rows:
+                    self.add("forward", "all_reduce", (a,), 8, f"{n.name} target count", m)
+            if classes:
+                nrows = local_shape(shape, pl, self.mesh)[0]
+                item = self._itemsize(np_.inputs[0])
+                grad = self.grad.get(np_.inputs[0], False)
+                for a in classes:
+                    self.add("forward", "all_reduce", (a,), nrows * item, f"{n.name} max", m)
+                for a in classes:
+                    for what in ("sum of exponentials", "target logit"):
+                        self.add("forward", "all_reduce", (a,), nrows * item, f"{n.name} {what}", m)
+                        if grad:
+                            self.add("backward", "all_reduce", (a,), nrows * item,
+                                     f"{n.name} {what}", m)
+
+    def _ulysses(self) -> None:
+        """``runtime/context.py``: per context-parallel axis one all-to-all each of q,
+        k, v and the output (the same again in backward); the all-to-all keeps a
+        tensor's size, so each moves the rank's whole local tensor."""
+        from autopar.rules.attention import SDPA, CPImpl, context_layout
+
+        for n in self.gm.graph.nodes:
+            if n.op != "call_function" or n.target is not SDPA or n.name not in self.plan.nodes:
+                continue
+            np_ = self.plan.nodes[n.name]
+            ins = tuple(parse_placements(p) for p in np_.in_placements)
+            layout = context_layout(n, ins, self.mesh)
+            if layout is None or layout.impl is not CPImpl.ULYSSES:
+                continue
+            sizes = [math.prod(local_shape(self.plan.nodes[u].shape[0], pl, self.mesh))
+                     * self._itemsize(u) for u, pl in zip(np_.inputs[:3], ins[:3])]
+            v_dim, q_dim = self.plan.nodes[np_.inputs[2]].shape[0][-1], self.plan.nodes[np_.inputs[0]].shape[0][-1]
+            sizes.append(sizes[0] // q_dim * v_dim)  # the output: q's rows of v's width
+            grads = [self.grad.get(u, False) for u in np_.inputs[:3]]
+            for a in layout.cp_axes:
+                for what, b in zip(("q", "k", "v", "output"), sizes):
+                    self.add("forward", "all_to_all", (a,), b, f"{n.name} Ulysses {what}",
+                             self.d.micro_batches)
+                    if any(grads):
+                        self.add("backward", "all_to_all", (a,), b, f"{n.name} Ulysses {what}",
+                                 self.d.micro_batches)
+
+    # ------------------------------------------------------------ gradients
+    def _params(self) -> list[tuple[str, int, int, tuple[int, ...]]]:
+        """(target, elements of this rank's part, bytes per element, replicated axes of
+        size > 1) of every trainable parameter, in graph order, once each."""
+        out, seen = [], set()
+        for n in self.gm.graph.nodes:
+            if n.op != "get_attr" or n.target in seen or n.name not in self.plan.nodes:
+                continue
+            p = self._param(n.target)
+            if p is None or not p.requires_grad:
+                continue
+            seen.add(n.target)
+            pl = parse_placements(self.plan.nodes[n.name].out_placements[0])
+            axes = tuple(a for a, x in enumerate(pl) if x == R and self.mesh[a] > 1)
+            out.append((n.target, math.prod(local_shape(p.shape, pl, self.mesh)), p.element_size(),
+                        axes))
+        return out
+
+    def _grad_sync(self) -> None:
+        params = self._params()
+        z, stage = self.d.zero_axis, self.d.zero_stage
+        zero = [(t, n, item, axes) for t, n, item, axes in params
+                if stage and z is not None and self.mesh[z] > 1 and z in axes]
+        zt = {t for t, _, _, _ in zero}
+        d = self.mesh[z] if zero else 1
+        synced = [(t, n * item, axes) for t, n, item, axes in params if t not in zt]
+        if stage == 3:
+            synced += [(t, -(-n // d) * item, tuple(a for a in axes if a != z))
+                       for t, n, item, axes in zero]
+        self._buckets([s for s in synced if s[2]])
+        if zero:
+            self._zero(zero, z, d)
+
+    def _buckets(self, params: list[tuple[str, int, tuple[int, ...]]]) -> None:
+        """``runtime/grad_sync.py``: the planned buckets split by axes, then what no
+        bucket names in 4 MiB buckets back to front."""
+        by = {t: (b, axes) for t, b, axes in params}
+        placed: set[str] = set()
+        for i, names in enumerate(self.d.grad_buckets):
+            runs: dict[tuple[int, ...], int] = {}
+            for t in names:
+                if t in by and t not in placed:
+                    placed.add(t)
+                    runs[by[t][1]] = runs.get(by[t][1], 0) + by[t][0]
+            for axes, nbytes in runs.items():
+                self.add("backward", "all_reduce", axes, nbytes, f"gradient bucket {i}")
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for t, b, axes in reversed(params):
+            if t not in placed:
+                groups.setdefault(axes, []).append(b)
+        for axes, sizes in groups.items():
+            cur = 0
+            for b in sizes:
+                cur += b
+                if cur >= 4 << 20:
+                    self.add("backward", "all_reduce", axes, cur, "gradient bucket (4 MiB)")
+                    cur = 0
+            if cur:
+                self.add("backward", "all_reduce", axes, cur, "gradient bucket (4 MiB)")
+
+    def _zero(self, zero: list, z: int, d: int) -> None:
+        stage = self.d.zero_stage
+        shards = [(t, -(-n // d), item, tuple(a for a in axes if a != z))
+                  for t, n, item, axes in zero]
+        if stage == 3:
+            layers = {n.param: n.layer for n in self.plan.nodes.values() if n.param and n.layer}
+            groups: dict[str, int] = {}
+            for t, c, item, _ in shards:
+                key = layers.get(t, t)
+                groups[key] = groups.get(key, 0) + c * item
+            m = self.d.micro_batches
+            for key, nbytes in groups.items():
+                self.add("forward", "all_gather", (z,), nbytes, f"ZeRO-3 {key}", m)
+                self.add("backward", "all_gather", (z,), nbytes, f"ZeRO-3 {key} (re-gather)", m)
+                self.add("backward", "reduce_scatter", (z,), nbytes * d, f"ZeRO-3 {key}", m)
+            return
+        buckets, cur, size = [], [], 0
+        for s in reversed(shards):  # runtime/zero.py: back to front, 4 MiB of padded bytes
+            cur.append(s)
+            size += s[1] * s[2] * d
+            if size >= ZERO_BUCKET_BYTES:
+                buckets.append(cur)
+                cur, size = [], 0
+        if cur:
+            buckets.append(cur)
+        for i, b in enumerate(buckets):
+            padded = sum(c * item for _, c, item, _ in b) * d
+            self.add("backward", "all_reduce" if stage == 1 else "reduce_scatter", (z,), padded,
+                     f"ZeRO-{stage} bucket {i}")
+            for t, c, item, other in b:
+                for a in other:
+                    self.add("backward", "all_reduce", (a,), c * item, f"ZeRO-{stage} {t}")
+        for i, b in enumerate(buckets):
+            self.add("step", "all_gather", (z,), sum(c * item for _, c, item, _ in b),
+                     f"ZeRO-{stage} bucket {i}")
+
+
+def list_collectives(gm: fx.GraphModule, plan) -> list[Collective]:
+    """The collectives one training step of ``plan`` issues on a rank (see the module
+    docstring); ``gm`` is the captured graph the plan was made for.  Empty for a
+    pipelined plan (not listed yet)."""
+    if plan.decisions.pipeline_stages > 1:
+        return []
+    return _Lister(gm, plan).run()
+
+
+__all__ = ["Collective", "ZERO_BUCKET_BYTES", "list_collectives"]

@@ -1,0 +1,77 @@
+"""``plan.collectives()`` without ranks: what it lists follows from the plan's
+placements and sizes (the comparison with what really runs is
+tests/dist/test_step_collectives.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+import autopar
+from autopar import MeshSpec
+from autopar.errors import PlanError
+from autopar.plan import Plan
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+import gpt  # noqa: E402
+
+DP = {"*": "R", "input:0": "S(0)", "input:1": "S(0)"}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return gpt.build(layers=2, dim=64, heads=4, vocab=128, seq=16, batch=8)
+
+
+def _plan(model, **kw) -> Plan:
+    m, ex = model
+    return autopar.plan(m, ex, mesh=MeshSpec.preset("cpu-gloo", shape=(4,)), pipeline_stages=1, **kw)
+
+
+def test_data_parallel_reduces_every_gradient_once(model) -> None:
+    p = _plan(model, pins=DP)
+    grads = sum(q.numel() * q.element_size() for q in model[0].parameters())
+    buckets = [c for c in p.collectives() if c.what.startswith("gradient bucket")]
+    assert buckets and all(c.kind == "all_reduce" and c.phase == "backward" and c.group == 4
+                           for c in buckets)
+    assert sum(c.bytes for c in buckets) == grads
+    # nothing but the loss's sum and the token count in the forward
+    assert {c.what for c in p.collectives() if c.phase == "forward"} == {
+        "output cross_entropy_loss", "cross_entropy_loss target count"}
+
+
+def test_zero3_gathers_a_layer_twice_and_reduce_scatters_it(model) -> None:
+    p = _plan(model, pins=DP, zero_stage=3)
+    zero = [c for c in p.collectives() if c.what.startswith("ZeRO-3")]
+    layers = {c.what.split()[1] for c in zero}
+    assert layers >= {"blocks.0", "blocks.1"}
+    for key in layers:
+        mine = sorted((c.phase, c.kind) for c in zero if c.what.split()[1] == key)
+        assert mine == [("backward", "all_gather"), ("backward", "reduce_scatter"),
+                        ("forward", "all_gather")]
+    # no gradient bucket: every gradient is reduce-scattered with its layer
+    assert not [c for c in p.collectives() if c.what.startswith("gradient bucket")]
+
+
+def test_micro_batches_repeat_forward_and_backward_collectives(model) -> None:
+    one, two = _plan(model, pins=DP), _plan(model, pins=DP, micro_batches=2)
+    fwd = {c.what: c.count for c in two.collectives() if c.phase == "forward"}
+    assert fwd and set(fwd.values()) == {2}
+    assert {c.count for c in one.collectives()} == {1}
+
+
+def test_round_trips_through_json(model) -> None:
+    p = _plan(model, pins=DP, zero_stage=2)
+    assert Plan.from_json(p.to_json()).collectives() == p.collectives()
+    assert any(c.phase == "step" and c.kind == "all_gather" for c in p.collectives())
+
+
+def test_pipelined_plan_says_it_is_not_listed(model) -> None:
+    m, ex = model
+    p = autopar.plan(m, ex, mesh=MeshSpec.preset("cpu-gloo", shape=(2,)), pipeline_stages=2,
+                     micro_batches=2)
+    with pytest.raises(PlanError, match="pipelined"):
+        p.collectives()
+    assert p.redistributions() is not None
