@@ -263,26 +263,21 @@ class Plan:
         """Parameter FQN -> placement."""
         return {n.param: n.out_placements[0] for n in self.nodes.values() if n.kind == "param"}
 
-    def collectives(self) -> list[Collective]:
+    def collectives(self, stage: int | None = None) -> list[Collective]:
         """Every collective one training step issues on a rank, forward, backward and
-        after the optimizer, with the bytes it puts in and how often it runs
+        once per step, with the bytes it puts in and how often it runs
         (:class:`~autopar.step_collectives.Collective`): the edges' redistributions and
-        their backward duals, the loss's sum, the distributed cross-entropy's, the
-        gradient buckets and ZeRO's gathers and reductions, as the runtime issues them
-        (compare with :func:`autopar.runtime.trace.collective_log`).  Not listed yet:
-        ring attention's shifts and the uneven expert dispatch of ``moe_experts``; a
-        pipelined plan raises :class:`~autopar.errors.PlanError` (its ranks run
-        different collectives and point-to-point messages, not listed yet).  Empty for a
-        plan made without a joint search (``make_plan``)."""
-        from autopar.errors import PlanError
+        their backward duals, the loss's sum, the distributed cross-entropy's, Ulysses'
+        all-to-alls, the gradient buckets, ZeRO's gathers and reductions and a
+        pipeline's messages, as the runtime issues them (compare with
+        :func:`autopar.runtime.trace.collective_log`).  ``stage``: only those of that
+        pipeline rank (they differ per stage).  Not listed yet: ring attention's shifts
+        and the uneven expert dispatch of ``moe_experts``.  Empty for a plan made
+        without a joint search (``make_plan``)."""
         from autopar.step_collectives import Collective as C
 
-        if self.decisions.pipeline_stages > 1:
-            raise PlanError("plan.collectives() does not list the collectives of a pipelined "
-                            f"plan yet ({self.decisions.pipeline_stages} stages): each stage's "
-                            "ranks run their own, plus point-to-point messages; a profiler "
-                            "trace (pm.trace) shows what runs")
-        return [C.from_dict(c) for c in self.decisions.collectives]
+        out = [C.from_dict(c) for c in self.decisions.collectives]
+        return out if stage is None else [c for c in out if c.stage == stage]
 
     def redistributions(self) -> list[tuple[str, str]]:
         """(node, step) for every redistribution step on the plan's edges that

@@ -22,9 +22,11 @@ rules the lowering and the runtime follow, in the same order of concerns:
 
 * **context-parallel attention**: Ulysses' all-to-alls of q, k, v and the output.
 
-Forward and backward collectives repeat per micro-batch (``count``).  Not listed yet:
-pipelined plans (each stage's ranks run their own collectives, and point-to-point
-messages), ring attention's shifts and the uneven expert
+* **pipelines**: every item above on the pipeline rank whose stage issues it
+  (``Collective.stage``), and the point-to-point messages between stages
+  (:mod:`autopar.step_messages`).
+
+Forward and backward collectives repeat per micro-batch (``count``).  Not listed yet: ring attention's shifts and the uneven expert
 dispatch of ``moe_experts`` (token counts depend on the routing); ``tests/dist/test_step_collectives.py`` compares the list with
 :func:`autopar.runtime.trace.collective_log` on every kind it covers.
 """
@@ -52,10 +54,12 @@ class Collective:
     """One collective of a step on one rank (see the module docstring)."""
 
     phase: str
-    """``"forward"``, ``"backward"`` or ``"step"`` (after the optimizer: issued at the
-    next forward, ZeRO-1/2's parameter all-gather)."""
+    """``"forward"``, ``"backward"`` or ``"step"`` (once per step outside them:
+    ZeRO-1/2's all-gather of the updated shards, issued at the next forward, and a
+    pipeline's loss broadcast)."""
     kind: str
-    """``all_reduce``, ``all_gather``, ``reduce_scatter`` or ``all_to_all``."""
+    """``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``, or for a
+    pipeline ``send``, ``recv`` (group 2: the two ranks) and ``broadcast``."""
     axes: tuple[int, ...]
     """Mesh axes the group spans (one group over all of them)."""
     group: int
@@ -67,6 +71,9 @@ class Collective:
     """The edge (``"node <- input"``), bucket or layer it serves."""
     count: int = 1
     """Times per step (micro-batches for forward and backward collectives)."""
+    stage: int = 0
+    """Pipeline rank (stage of the pipeline axis) whose ranks issue it; 0 without a
+    pipeline."""
 
     def to_dict(self) -> dict:
         """JSON form (tuples as lists)."""
@@ -93,6 +100,8 @@ class _Lister:
         self.out: list[Collective] = []
         self.grad = self._needs_grad()
         self._by_name = {n.name: n for n in gm.graph.nodes}
+        self.ranks = max(1, self.d.pipeline_stages)
+        self.at = 0  # the pipeline rank the collectives being listed run on
 
     # ------------------------------------------------------------ helpers
     def _param(self, target: str) -> torch.nn.Parameter | None:
@@ -121,11 +130,24 @@ class _Lister:
         outs = info(self._by_name[name]).outputs
         return outs[0].dtype.itemsize if outs else 4
 
+    def rank(self, name: str) -> int:
+        """Pipeline rank running planned node ``name`` (its layer's virtual stage mod
+        the pipeline stages)."""
+        if self.ranks == 1:
+            return 0
+        node = self.plan.nodes[name]
+        if not node.layer and self._by_name[name].op == "call_function" \
+                and self._by_name[name].target is operator.getitem:
+            return self.rank(self._by_name[name].args[0].name)
+        return self.d.stage_of(node.layer) % self.ranks if node.layer else 0
+
     def add(self, phase: str, kind: str, axes: Iterable[int], nbytes: int, what: str,
-            count: int = 1) -> None:
+            count: int = 1, group: int | None = None) -> None:
+        """List one collective on the current pipeline rank (``group``: its size when
+        it is not the mesh axes', e.g. point-to-point)."""
         axes = tuple(axes)
-        self.out.append(Collective(phase, kind, axes, math.prod(self.mesh[a] for a in axes),
-                                   int(nbytes), what, count))
+        size = math.prod(self.mesh[a] for a in axes) if group is None else group
+        self.out.append(Collective(phase, kind, axes, size, int(nbytes), what, count, self.at))
 
     def _redistribute(self, name: str, src: str, dst: str, what: str, grad: bool) -> None:
         s, t = parse_placements(src), parse_placements(dst)
@@ -141,7 +163,7 @@ class _Lister:
             self.add("forward", _FORWARD[st.kind], (st.axis,), math.prod(shapes[k]) * item, what, m)
             if grad:
                 back.append(Collective("backward", _DUAL[st.kind], (st.axis,), self.mesh[st.axis],
-                                       math.prod(shapes[k + 1]) * item, what, m))
+                                       math.prod(shapes[k + 1]) * item, what, m, self.at))
         self.out.extend(reversed(back))
 
     # ------------------------------------------------------------ the step
@@ -151,6 +173,9 @@ class _Lister:
         self._cross_entropy()
         self._ulysses()
         self._grad_sync()
+        if self.ranks > 1:
+            from autopar.step_messages import pipeline_messages
+            pipeline_messages(self)
         return self.out
 
     def _edges(self) -> None:
@@ -162,6 +187,7 @@ class _Lister:
                 if (r.input, r.dst) in seen or r.src == r.dst:
                     continue
                 seen.add((r.input, r.dst))
+                self.at = self.rank(n.name)  # emitted before its first consumer, in its stage
                 self._redistribute(r.input, r.src, r.dst, f"{n.name} <- {r.input}",
                                    self.grad.get(r.input, False))
 
@@ -171,6 +197,10 @@ class _Lister:
         rows = graph_batch(self.gm) if self.d.batch == "local" and self.d.local_axes is not None \
             else None
         rep = (R,) * len(self.mesh)
+        self.at = (len(self.d.stages) - 1) % self.ranks if self.ranks > 1 else 0
+        if self.ranks > 1 or self.d.micro_batches > 1:  # the runner returns the loss alone
+            flat = [a for a in flat if isinstance(a, fx.Node) and info(a).outputs
+                    and len(info(a).outputs) == 1 and not info(a).outputs[0].shape][:1]
         for a in flat:
             if not isinstance(a, fx.Node) or a.name not in self.plan.nodes or not info(a).outputs:
                 continue
@@ -196,6 +226,7 @@ class _Lister:
                     or n.name not in self.plan.nodes:
                 continue
             np_ = self.plan.nodes[n.name]
+            self.at = self.rank(n.name)
             pl = parse_placements(np_.in_placements[0])
             shape = self.plan.nodes[np_.inputs[0]].shape[0]
             rows = tuple(a for a, p in enumerate(pl) if self.mesh[a] > 1 and isinstance(p, Shard)
@@ -233,6 +264,7 @@ class _Lister:
             layout = context_layout(n, ins, self.mesh)
             if layout is None or layout.impl is not CPImpl.ULYSSES:
                 continue
+            self.at = self.rank(n.name)
             sizes = [math.prod(local_shape(self.plan.nodes[u].shape[0], pl, self.mesh))
                      * self._itemsize(u) for u, pl in zip(np_.inputs[:3], ins[:3])]
             v_dim, q_dim = self.plan.nodes[np_.inputs[2]].shape[0][-1], self.plan.nodes[np_.inputs[0]].shape[0][-1]
@@ -247,15 +279,17 @@ class _Lister:
                                  self.d.micro_batches)
 
     # ------------------------------------------------------------ gradients
-    def _params(self) -> list[tuple[str, int, int, tuple[int, ...]]]:
+    def _params(self, rank: int) -> list[tuple[str, int, int, tuple[int, ...]]]:
         """(target, elements of this rank's part, bytes per element, replicated axes of
-        size > 1) of every trainable parameter, in graph order, once each."""
+        size > 1) of every trainable parameter pipeline rank ``rank`` holds, in graph
+        order, once each."""
         out, seen = [], set()
         for n in self.gm.graph.nodes:
             if n.op != "get_attr" or n.target in seen or n.name not in self.plan.nodes:
                 continue
             p = self._param(n.target)
-            if p is None or not p.requires_grad:
+            users = [u.name for u in n.users if u.name in self.plan.nodes]
+            if p is None or not p.requires_grad or (users and self.rank(users[0]) != rank):
                 continue
             seen.add(n.target)
             pl = parse_placements(self.plan.nodes[n.name].out_placements[0])
@@ -265,7 +299,11 @@ class _Lister:
         return out
 
     def _grad_sync(self) -> None:
-        params = self._params()
+        for rank in range(self.ranks):
+            self.at = rank
+            self._rank_sync(self._params(rank))
+
+    def _rank_sync(self, params: list[tuple[str, int, int, tuple[int, ...]]]) -> None:
         z, stage = self.d.zero_axis, self.d.zero_stage
         zero = [(t, n, item, axes) for t, n, item, axes in params
                 if stage and z is not None and self.mesh[z] > 1 and z in axes]
@@ -345,10 +383,7 @@ class _Lister:
 
 def list_collectives(gm: fx.GraphModule, plan) -> list[Collective]:
     """The collectives one training step of ``plan`` issues on a rank (see the module
-    docstring); ``gm`` is the captured graph the plan was made for.  Empty for a
-    pipelined plan (not listed yet)."""
-    if plan.decisions.pipeline_stages > 1:
-        return []
+    docstring); ``gm`` is the captured graph the plan was made for."""
     return _Lister(gm, plan).run()
 
 

@@ -21,6 +21,7 @@ from tests.dist.test_equivalence import MEGATRON
 DP = {"*": "R", "input:0": "S(0)", "input:1": "S(0)"}
 DP2X2 = {"*": "RR", "input:0": "S(0)S(0)", "input:1": "S(0)S(0)"}
 TP = MEGATRON["gpt"]
+DP_TP = {**{k: "R" + v for k, v in TP.items()}, "input:0": "S(0)R", "input:1": "S(0)R"}
 SEQ = {"*": "R", "input:0": "S(1)", "input:1": "S(1)"}
 SEQ2 = {"*": "RR", "input:0": "S(0)S(1)", "input:1": "S(0)S(1)"}
 ONE = {"pipeline_stages": 1}
@@ -29,7 +30,9 @@ CASES = [
     {"id": "dp4", "mesh": (4,), "pins": DP, "options": {**ONE, "batch": "local"}},
     {"id": "dp4-global", "mesh": (4,), "pins": DP, "options": ONE},
     {"id": "tp4", "mesh": (4,), "pins": TP, "options": ONE},
-    {"id": "dp2-x-tp2", "mesh": (2, 2), "pins": {}, "options": ONE},
+    {"id": "planner-2x2", "mesh": (2, 2), "pins": {}, "options": ONE},
+    {"id": "dp2-x-tp2", "mesh": (2, 2), "pins": DP_TP, "options": {**ONE, "zero_stage": 0}},
+    {"id": "zero3-dp2-x-tp2", "mesh": (2, 2), "pins": DP_TP, "options": {**ONE, "zero_stage": 3}},
     {"id": "zero1-dp4", "mesh": (4,), "pins": DP, "options": {**ONE, "zero_stage": 1}},
     {"id": "zero2-dp4", "mesh": (4,), "pins": DP, "options": {**ONE, "zero_stage": 2}},
     {"id": "zero3-dp4", "mesh": (4,), "pins": DP, "options": {**ONE, "zero_stage": 3}},
@@ -43,6 +46,21 @@ CASES = [
     # left out of the comparison, the rest of the step is compared)
     {"id": "ring-2x2", "mesh": (2, 2), "pins": SEQ2, "build": {"heads": 3, "dim": 48},
      "options": {**ONE, "context_parallel": "exchange"}, "unlisted": ["send", "recv"]},
+    {"id": "zero2-accumulate2-dp4", "mesh": (4,), "pins": DP,
+     "options": {**ONE, "zero_stage": 2, "micro_batches": 2}},
+    # pipelines: each rank compares with its own stage's list
+    {"id": "pp2-1f1b-x-dp2", "mesh": (4,), "pins": {},
+     "options": {"pipeline_stages": 2, "micro_batches": 2, "schedule": "1f1b"}},
+    {"id": "pp4-gpipe", "mesh": (4,), "pins": {}, "build": {"layers": 4},
+     "options": {"pipeline_stages": 4, "micro_batches": 4, "schedule": "gpipe"}},
+    {"id": "pp2-x-tp2", "mesh": (4,), "pins": TP,
+     "options": {"pipeline_stages": 2, "micro_batches": 2, "schedule": "1f1b"}},
+    {"id": "pp2-interleaved2-x-dp2", "mesh": (4,), "pins": {}, "build": {"layers": 4},
+     "options": {"pipeline_stages": 2, "micro_batches": 4, "schedule": "interleaved-1f1b",
+                 "virtual_stages": 2}},
+    {"id": "pp2-zero-bubble-x-zero1", "mesh": (4,), "pins": {},
+     "options": {"pipeline_stages": 2, "micro_batches": 2, "schedule": "zero-bubble",
+                 "zero_stage": 1}},
     # experts: groups split, expert weights split on the inner axis (all-to-all dispatch)
     {"id": "ep-2x2", "mesh": (2, 2), "model": "moe", "pins": "ep", "options": ONE},
 ]
@@ -55,7 +73,7 @@ def step_case(c: dict) -> dict:
     import torch
 
     from autopar import MeshSpec, auto_parallel
-    from autopar.runtime.mesh import reset
+    from autopar.runtime.mesh import current, reset
     from autopar.runtime.trace import collective_log
 
     torch.manual_seed(0)
@@ -84,14 +102,19 @@ def step_case(c: dict) -> dict:
     with collective_log() as log:
         step()
     ran = Counter((i.kind, i.group, i.bytes) for i in log if i.kind not in c.get("unlisted", ()))
+    mine = pm.plan.collectives(stage=current().stage)
     planned = Counter()
-    for col in pm.plan.collectives():
+    for col in mine:
         planned[(col.kind, col.group, col.bytes)] += col.count
-    return {"ran": sorted([*k, v] for k, v in ran.items()),
-            "planned": sorted([*k, v] for k, v in planned.items()),
-            "listed": [f"{col.phase} {col.kind} {col.group} {col.bytes} {col.what} x{col.count}"
-                       for col in pm.plan.collectives()],
-            "layout": pm.plan.decisions.zero_stage}
+    # every rank's comparison comes back (pipeline ranks differ)
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, {
+        "rank": torch.distributed.get_rank(), "ran": sorted([*k, v] for k, v in ran.items()),
+        "planned": sorted([*k, v] for k, v in planned.items()),
+        "listed": [f"{col.phase} {col.kind} {col.group} {col.bytes} {col.what} x{col.count}"
+                   for col in mine]})
+    return {"ranks": out, "layout": pm.plan.summary().splitlines()[1] if hasattr(pm.plan, "summary")
+            else ""}
 
 
 @pytest.fixture(scope="module")
@@ -103,5 +126,6 @@ def results() -> dict[str, dict]:
 def test_plan_lists_what_runs(results: dict, case: str) -> None:
     r = results[case]
     assert "error" not in r, r.get("error")
-    assert r["ran"], "the step issued no collective: nothing was compared"
-    assert r["planned"] == r["ran"], "\n".join(r["listed"])
+    for rank in r["ranks"]:
+        assert rank["ran"], f"rank {rank['rank']} issued no collective: nothing was compared"
+        assert rank["planned"] == rank["ran"], f"rank {rank['rank']}:\n" + "\n".join(rank["listed"])

@@ -11,7 +11,6 @@ import pytest
 
 import autopar
 from autopar import MeshSpec
-from autopar.errors import PlanError
 from autopar.plan import Plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -68,10 +67,18 @@ def test_round_trips_through_json(model) -> None:
     assert any(c.phase == "step" and c.kind == "all_gather" for c in p.collectives())
 
 
-def test_pipelined_plan_says_it_is_not_listed(model) -> None:
+def test_pipeline_stages_list_their_own_and_messages(model) -> None:
     m, ex = model
     p = autopar.plan(m, ex, mesh=MeshSpec.preset("cpu-gloo", shape=(2,)), pipeline_stages=2,
-                     micro_batches=2)
-    with pytest.raises(PlanError, match="pipelined"):
-        p.collectives()
-    assert p.redistributions() is not None
+                     micro_batches=2, schedule="1f1b")
+    first, last = p.collectives(stage=0), p.collectives(stage=1)
+    assert {c.stage for c in p.collectives()} == {0, 1}
+    # the residual stream crosses once per micro-batch each way; sends match receives
+    sends = sorted((c.bytes, c.count, c.phase) for c in first if c.kind == "send")
+    recvs = sorted((c.bytes, c.count, c.phase) for c in last if c.kind == "recv")
+    assert sends and sends == [(b, n, "forward") for b, n, _ in sends]
+    assert sorted(b for b, _, _ in sends) == sorted(b for b, _, ph in recvs if ph == "forward")
+    assert all(n == 2 for _, n, _ in sends)
+    # the loss's sum happens where the loss is: the last stage
+    assert not [c for c in first if c.what.startswith("output")]
+    assert {c.kind for c in first if c.phase == "step"} == {"broadcast"}
