@@ -402,9 +402,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--recompute", action="append", default=None, metavar="LAYER[,LAYER...]",
                    help="layers whose activations are recomputed in backward, e.g. "
                         "blocks.0,blocks.1, or none (repeatable)")
-    d.add_argument("--precision", choices=("native", "bf16-mixed"), default="native",
-                   help="bf16-mixed: compute as torch.autocast(bfloat16) would, fp32 master "
-                        "weights (default: the model's own dtypes)")
+    d.add_argument("--precision", choices=("native", "bf16-mixed", "fp16-mixed"), default="native",
+                   help="bf16-mixed / fp16-mixed: compute as torch.autocast(bfloat16 / "
+                        "float16) would, fp32 master weights; fp16 needs loss scaling "
+                        "(pm.grad_scaler()) (default: the model's own dtypes)")
     d.add_argument("--batch", choices=("global", "local"), default="global",
                    help="local: each data-parallel rank passes its part of the batch and gets "
                         "its rows of batch-shaped outputs back, as with DDP")

@@ -87,6 +87,29 @@ class LoopMixin:
         ``rank``); tensor-parallel peers and pipeline stages share it."""
         return data_parallel_coords(self.binder.dp_axes, self.plan.mesh.shape, self._coord())[0]
 
+    def grad_scaler(self, **kwargs):
+        """A :class:`autopar.runtime.scaler.GradScaler` for this module (``torch.amp.
+        GradScaler``'s arguments: ``init_scale``, ``growth_interval``, ...), on its
+        device, whose ranks agree on every skipped step; :meth:`train_step` then seeds
+        each backward with its scale.  For ``precision="fp16-mixed"``: ::
+
+            scaler = pm.grad_scaler()
+            loss = pm.train_step(x, y)       # or scaler.scale(pm(x, y)).backward()
+            scaler.unscale_(opt)             # before clipping
+            pm.clip_grad_norm_(1.0)
+            scaler.step(opt)                 # skipped on every rank if any gradient is inf
+            scaler.update()
+        """
+        from autopar.runtime.scaler import GradScaler
+
+        device = self._mesh_rt.device.type if self._mesh_rt is not None else "cpu"
+        self._scaler = GradScaler(device, **kwargs)
+        return self._scaler
+
+    def _loss_scale(self) -> float:
+        scaler = getattr(self, "_scaler", None)
+        return scaler.scale_factor() if scaler is not None else 1.0
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients by their global norm over every rank and pipeline stage and
         return that norm (a plain tensor, equal on every rank).  Without a pipeline this

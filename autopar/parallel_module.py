@@ -351,12 +351,16 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         """Forward and backward of one global batch (all micro-batches, every pipeline
         stage); gradients are left in ``.grad`` (summed into any already there).
         Returns the loss (detached), the same on every rank; for a model whose output
-        is not a tensor (e.g. a Hugging Face ``ModelOutput``), its ``loss``."""
+        is not a tensor (e.g. a Hugging Face ``ModelOutput``), its ``loss``.  With a
+        :meth:`grad_scaler`, every backward is seeded with its scale (the loss returned
+        is not scaled)."""
+        scale = self._loss_scale()  # fp16-mixed: grad_scaler()'s current scale
         if self.runner is None:
             out = self(*args, **kwargs)
             loss = out if isinstance(out, torch.Tensor) else out["loss"]
-            loss.backward()
+            (loss * scale if scale != 1.0 else loss).backward()
             return loss.detach()
+        self.runner.loss_scale = scale
         flat = self._bind(args, kwargs)
         if self.zero is not None and self.zero.stage == 3:
             from autopar.runtime.zero import free_gathered_params

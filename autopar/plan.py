@@ -179,7 +179,7 @@ class Decisions:
     zero_axis: int | None = None
     recompute: list[str] = field(default_factory=list)
     precision: str = "native"
-    """``"native"`` (the model's own dtypes) or ``"bf16-mixed"``: the graph was captured
+    """``"native"`` (the model's own dtypes), ``"bf16-mixed"`` or ``"fp16-mixed"``: the graph was captured
     with :mod:`autopar.passes.mixed_precision`'s casts, which every rank re-applies."""
     batch: str = "global"
     """``"global"``: every rank passes the whole batch and gets outputs replicated;

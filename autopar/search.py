@@ -75,7 +75,7 @@ class PlanOptions:
     # the sequence split attention may use (autopar.rules.attention.ContextParallel:
     # "off", "gather-kv", "exchange"); None = searched
     context_parallel: str | None = None
-    # "native" (the model's dtypes) or "bf16-mixed" (passes/mixed_precision.py): never
+    # "native" (the model's dtypes), "bf16-mixed" or "fp16-mixed" (passes/mixed_precision.py): never
     # searched, since it changes the numbers the model computes
     precision: str = "native"
     # "global": outputs returned replicated; "local": each data-parallel rank passes its

@@ -99,7 +99,7 @@ class _Lister:
         self.d = plan.decisions
         self.out: list[Collective] = []
         self.grad = self._needs_grad()
-        self._by_name = {n.name: n for n in gm.graph.nodes}
+        self.by_name = {n.name: n for n in gm.graph.nodes}
         self.ranks = max(1, self.d.pipeline_stages)
         self.at = 0  # the pipeline rank the collectives being listed run on
 
@@ -127,7 +127,7 @@ class _Lister:
         return grad
 
     def _itemsize(self, name: str) -> int:
-        outs = info(self._by_name[name]).outputs
+        outs = info(self.by_name[name]).outputs
         return outs[0].dtype.itemsize if outs else 4
 
     def rank(self, name: str) -> int:
@@ -136,9 +136,9 @@ class _Lister:
         if self.ranks == 1:
             return 0
         node = self.plan.nodes[name]
-        if not node.layer and self._by_name[name].op == "call_function" \
-                and self._by_name[name].target is operator.getitem:
-            return self.rank(self._by_name[name].args[0].name)
+        if not node.layer and self.by_name[name].op == "call_function" \
+                and self.by_name[name].target is operator.getitem:
+            return self.rank(self.by_name[name].args[0].name)
         return self.d.stage_of(node.layer) % self.ranks if node.layer else 0
 
     def add(self, phase: str, kind: str, axes: Iterable[int], nbytes: int, what: str,

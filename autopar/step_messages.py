@@ -49,7 +49,7 @@ def pipeline_messages(lister) -> None:
     def stage(name: str) -> int:
         node = plan.nodes[name]
         if not node.layer:
-            g = lister._by_name[name]
+            g = lister.by_name[name]
             if g.op == "call_function" and g.target is operator.getitem:
                 return stage(g.args[0].name)
             return 0
@@ -63,7 +63,7 @@ def pipeline_messages(lister) -> None:
         np_ = plan.nodes[n.name]
         t = stage(n.name)
         for i, u in enumerate(np_.inputs):
-            if u in copied or lister._by_name[u].op != "call_function":
+            if u in copied or lister.by_name[u].op != "call_function":
                 continue
             own = plan.nodes[u].out_placements[0]
             want = np_.in_placements[i]
@@ -81,7 +81,7 @@ def pipeline_messages(lister) -> None:
     for (u, placement), (first, last) in sorted(spans.items()):
         if last <= first:
             continue
-        outs = info(lister._by_name[u]).outputs
+        outs = info(lister.by_name[u]).outputs
         nbytes = math.prod(local_shape(plan.nodes[u].shape[0], parse_placements(placement),
                                        lister.mesh)) * (outs[0].dtype.itemsize if outs else 4)
         grad = lister.grad.get(u, False)

@@ -1,4 +1,5 @@
-"""Mixed precision as explicit casts in the captured graph (``precision="bf16-mixed"``).
+"""Mixed precision as explicit casts in the captured graph (``precision="bf16-mixed"``
+or ``"fp16-mixed"``: the same policy with float16 as the low dtype).
 
 ``torch.export`` ignores an enclosing ``torch.autocast``: the captured graph runs in the
 model's own dtype. This pass writes autocast's policy into the graph instead, as
@@ -47,10 +48,17 @@ aten = torch.ops.aten
 
 
 class Precision(str, enum.Enum):
-    """How the planned module computes: the model's own dtypes, or bf16 mixed precision."""
+    """How the planned module computes: the model's own dtypes, or bf16 / fp16 mixed
+    precision (fp16 needs loss scaling: ``ParallelModule.grad_scaler()``)."""
 
     NATIVE = "native"
     BF16_MIXED = "bf16-mixed"
+    FP16_MIXED = "fp16-mixed"
+
+    @property
+    def low(self) -> torch.dtype | None:
+        """The dtype low-precision ops compute in (None for :attr:`NATIVE`)."""
+        return {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(self.value)
 
     @classmethod
     def parse(cls, value: str | Precision | None) -> Precision:
@@ -112,12 +120,15 @@ def _is_experts(node: fx.Node) -> bool:
 
 
 def apply_mixed_precision(gm: fx.GraphModule, precision: Precision | str,
-                          low: torch.dtype = torch.bfloat16, recompile: bool = True) -> int:
+                          low: torch.dtype | None = None, recompile: bool = True) -> int:
     """Insert the casts of ``precision`` into ``gm`` (see the module docstring) and
     re-propagate every node's ``meta["val"]``; returns how many casts were inserted.
+    ``low``: the low dtype (default: the precision's, bf16 or fp16).
     ``recompile=False`` leaves regenerating ``gm``'s code to the caller."""
-    if Precision.parse(precision) is Precision.NATIVE:
+    precision = Precision.parse(precision)
+    if precision is Precision.NATIVE:
         return 0
+    low = low or precision.low
     vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     # in the capture's own fake mode, a node whose inputs kept their dtypes keeps its
     # ``meta["val"]`` as it is, without running it again (_CastingProp.run_node)

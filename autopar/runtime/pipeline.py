@@ -172,6 +172,7 @@ class PipelineRunner:
         self.chunks = chunks
         self.stages, self.virtual = p, v
         self.micro_batches = micro_batches
+        self.loss_scale = 1.0  # fp16 loss scaling: multiplies every backward seed
         self.schedule = Schedule(schedule)
         self.actions = actions(schedule, mesh.stage, p, micro_batches, v)
         self.grad_sync = grad_sync
@@ -331,7 +332,7 @@ class PipelineRunner:
         k = graph.stage
         if graph.is_last:
             tensors = [mb.loss]
-            seeds = [torch.full_like(mb.loss, 1.0 / self.micro_batches)]
+            seeds = [torch.full_like(mb.loss, self.loss_scale / self.micro_batches)]
         elif graph.send:
             sent = self._send_meta[k]
             assert sent is not None

@@ -186,3 +186,19 @@ def test_compute_is_priced_at_the_dtypes_peak():
     assert MeshSpec.from_dict(h100.to_dict()) == h100
     with pytest.raises(ValueError, match="fp32_peak_flops"):
         MeshSpec.from_dict({**h100.to_dict(), "fp32_peak_flops": -1.0})
+
+
+def test_fp16_mixed_plans_like_bf16_mixed_with_float16_casts():
+    """fp16 has bf16's size and (on the GPU presets) its tensor-core peak: the same plan,
+    priced the same, with float16 where bf16-mixed has bfloat16."""
+    p16, pbf = _gpt_plan("fp16-mixed"), _gpt_plan("bf16-mixed")
+    assert p16.decisions.precision == "fp16-mixed"
+    assert p16.params() == pbf.params()
+    assert p16.decisions.step_seconds == pytest.approx(pbf.decisions.step_seconds)
+    assert p16.memory["total"] == pytest.approx(pbf.memory["total"])
+    model, ex = gpt.build(layers=1)
+    gm = capture(model, ex, precision="fp16-mixed").gm
+    low = {d for d in _dtypes(gm).values() if d in (torch.float16, torch.bfloat16)}
+    assert low == {torch.float16}
+    assert Precision.parse("fp16-mixed").low is torch.float16
+    assert Plan.from_json(p16.to_json()).decisions.precision == "fp16-mixed"
