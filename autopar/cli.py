@@ -311,6 +311,10 @@ def cmd_plan(args) -> int:
         print(p.summary())
         print()
         print(p.table(max_rows=args.max_rows, show_views=args.show_views, nodes=args.nodes))
+        if args.collectives:
+            from autopar.step_collectives import format_collectives
+            print()
+            print(format_collectives(p.collectives()))
         if not args.quiet:
             print(format_timings(p, total))
     for out, what in ((args.timeline, "timeline"), (args.trace, "trace")):
@@ -423,6 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--trace", metavar="OUT.json",
                    help="write the predicted step as a Chrome/Perfetto trace (pm.trace records "
                         "the real one in the same format)")
+    o.add_argument("--collectives", action="store_true",
+                   help="list every collective one step issues per rank, with its bytes")
     o.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="live search progress on stderr (default: on when stderr is a terminal)")
     o.add_argument("-q", "--quiet", action="store_true",

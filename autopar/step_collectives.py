@@ -381,10 +381,27 @@ class _Lister:
                      f"ZeRO-{stage} bucket {i}")
 
 
+def format_collectives(cols: list[Collective]) -> str:
+    """``cols`` as a text table, one row per collective (what ``autopar plan
+    --collectives`` prints), with per-step totals per pipeline rank."""
+    from autopar.cost_models import format_bytes
+
+    rows = [("stage", "phase", "kind", "group", "bytes", "x/step", "what")]
+    rows += [(str(c.stage), c.phase, c.kind, str(c.group), format_bytes(c.bytes), str(c.count),
+              c.what) for c in cols]
+    widths = [max(len(r[i]) for r in rows) for i in range(6)]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(r[:6], widths)) + "  " + r[6] for r in rows]
+    for stage in sorted({c.stage for c in cols}):
+        mine = [c for c in cols if c.stage == stage]
+        lines.append(f"stage {stage}: {sum(c.count for c in mine)} collectives and messages per "
+                     f"step, {format_bytes(sum(c.bytes * c.count for c in mine))} put in by each rank")
+    return "\n".join(lines)
+
+
 def list_collectives(gm: fx.GraphModule, plan) -> list[Collective]:
     """The collectives one training step of ``plan`` issues on a rank (see the module
     docstring); ``gm`` is the captured graph the plan was made for."""
     return _Lister(gm, plan).run()
 
 
-__all__ = ["Collective", "ZERO_BUCKET_BYTES", "list_collectives"]
+__all__ = ["Collective", "ZERO_BUCKET_BYTES", "format_collectives", "list_collectives"]

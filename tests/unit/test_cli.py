@@ -71,6 +71,16 @@ def test_mlp_1d_mesh_with_pin(capsys, tmp_path):
     assert p.placement("fc1.weight") == "S(0)"
 
 
+def test_collectives_listed_per_step(capsys):
+    code, out, err = run(capsys, "plan", f"{MLP}:build", "--mesh", "2", "--pin", "*=R",
+                         "--pin", "input:0=S(0)", "--pipeline-stages", "1", "--collectives")
+    assert code == 0, err
+    rows = [ln.split() for ln in out.splitlines() if ln.startswith("0 ")]
+    # data parallel: the gradients are all-reduced in backward, over both ranks
+    assert any(r[1:4] == ["backward", "all_reduce", "2"] and "gradient" in r for r in rows), out
+    assert "stage 0:" in out
+
+
 def test_mesh_json_reshaped(capsys, tmp_path):
     from autopar import MeshSpec
 
