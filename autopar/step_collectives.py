@@ -234,9 +234,8 @@ class _Lister:
             classes = tuple(a for a, p in enumerate(pl) if self.mesh[a] > 1 and isinstance(p, Shard)
                             and p.dim == 1 and len(shape) == 2)
             reduction = n.args[2] if len(n.args) > 2 else n.kwargs.get("reduction", 1)
-            if reduction == 1:  # the count of targets, summed over the row axes
-                for a in rows:
-                    self.add("forward", "all_reduce", (a,), 8, f"{n.name} target count", m)
+            if reduction == 1 and rows:  # the count of targets: one sum over the row axes
+                self.add("forward", "all_reduce", rows, 8, f"{n.name} target count", m)
             if classes:
                 nrows = local_shape(shape, pl, self.mesh)[0]
                 item = self._itemsize(np_.inputs[0])
