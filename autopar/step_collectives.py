@@ -75,6 +75,19 @@ class Collective:
     """Pipeline rank (stage of the pipeline axis) whose ranks issue it; 0 without a
     pipeline."""
 
+    def wire_bytes(self, reduce_scatter_as_all_reduce: bool = False) -> float:
+        """Bytes this rank sends for one run of it with ring algorithms: an all-reduce
+        ``2(g-1)/g`` of the tensor, an all-gather ``g-1`` shards, a reduce-scatter
+        ``(g-1)/g`` of its input (gloo runs it as an all-reduce of the input:
+        ``reduce_scatter_as_all_reduce``), an all-to-all ``(g-1)/g``, a send the tensor,
+        a receive nothing; a broadcast is counted once (its root's share)."""
+        g, b = self.group, self.bytes
+        f = (g - 1) / g if g > 1 else 0.0
+        if self.kind == "reduce_scatter" and reduce_scatter_as_all_reduce:
+            return 2 * f * b
+        return {"all_reduce": 2 * f * b, "all_gather": (g - 1) * b, "reduce_scatter": f * b,
+                "all_to_all": f * b, "send": b, "broadcast": b / g if g else 0.0}.get(self.kind, 0.0)
+
     def to_dict(self) -> dict:
         """JSON form (tuples as lists)."""
         d = asdict(self)

@@ -28,7 +28,9 @@ group instead of the cpu-gloo preset. Cases:
 
 For one extra step per side, ``torch.profiler`` counts the collectives issued
 (events of the process-group backend); for one more the bytes this rank sends are
-read from ``/proc/self/io`` and set beside the analytic minimum of the case. Peak
+read from ``/proc/self/io`` and set beside the analytic minimum of the case and beside
+what ``plan.collectives()`` says autopar's rank sends (ring algorithms, gloo's
+reduce-scatter as an all-reduce: ``Collective.wire_bytes``). Peak
 resident memory is rank 0's ``ru_maxrss`` in fresh processes per side that build both
 modules and run three steps of that side only. Prints one markdown row per case: medians, the ratio,
 the collective counts, bytes, peak RSS and the load average.
@@ -189,7 +191,7 @@ def _case(name: str, rank: int, world: int, steps: int, optim: str, measured=Non
     import gpt
 
     import autopar
-    from autopar.runtime.mesh import reset
+    from autopar.runtime.mesh import current, reset
 
     make_hand, opts, split = CASES[name]
     model, (x, y) = gpt.build(layers=4, dim=192, heads=4, vocab=256, seq=64, batch=8 * world)
@@ -255,6 +257,10 @@ def _case(name: str, rank: int, world: int, steps: int, optim: str, measured=Non
     sa, sb = _sent(step_a), _sent(step_b)
     return {"case": name, "autopar_ms": statistics.median(ta) * 1e3,
             "sent_autopar": sa, "sent_hand": sb, "sent_min": _minimum(name, gbytes, world),
+            # what plan.collectives() says this rank puts on the wire (gloo's reduce-scatter
+            # is an all-reduce of its input)
+            "sent_planned": sum(c.count * c.wire_bytes(reduce_scatter_as_all_reduce=True)
+                                for c in pm.plan.collectives(stage=current().stage)),
             "hand_ms": statistics.median(tb) * 1e3, "coll_autopar": ca, "coll_hand": cb,
             "optim": optim, "link": measured.to_dict() if measured is not None else None,
             "layout": next((ln.split(None, 1)[1] for ln in pm.plan.summary().splitlines()
@@ -307,17 +313,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 r[f"rss_{side}"] = json.loads(Path(out).read_text())[0]["rss"]
     print(f"| case | hand-written ms | autopar ms | autopar / hand | collectives per step, hand / "
           f"autopar | MB sent per rank per step, hand / autopar / analytic minimum | "
+          f"autopar MB planned (plan.collectives()) | "
           f"peak RSS MB per rank, hand / autopar | max loss difference |  (world {a.world}, "
           f"{a.steps} interleaved steps, AdamW {a.optim} (tp cases: loop), "
           f"{'calibrated link' if a.calibrate else 'cpu-gloo preset'}, "
           f"load {load0:.2f} before)")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     layouts = "; ".join(f"{r['case']}: {r['layout']}" for r in rows)
     for r in rows:
         low = f"{r['sent_min'] / 1e6:.2f}" if r["sent_min"] else "-"
         print(f"| {r['case']} | {r['hand_ms']:.1f} | {r['autopar_ms']:.1f} | "
               f"{r['autopar_ms'] / r['hand_ms']:.2f} | {r['coll_hand']} / {r['coll_autopar']} | "
               f"{r['sent_hand'] / 1e6:.2f} / {r['sent_autopar'] / 1e6:.2f} / {low} | "
+              f"{r['sent_planned'] / 1e6:.2f} | "
               f"{r['rss_hand']:.0f} / {r['rss_autopar']:.0f} | "
               f"{r['loss_diff']:.2e} |")
     print(f"\nautopar's layouts: {layouts}")

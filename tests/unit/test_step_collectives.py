@@ -36,6 +36,8 @@ def test_data_parallel_reduces_every_gradient_once(model) -> None:
     assert buckets and all(c.kind == "all_reduce" and c.phase == "backward" and c.group == 4
                            for c in buckets)
     assert sum(c.bytes for c in buckets) == grads
+    # a ring all-reduce sends 2(p-1)/p of the tensor: the data-parallel minimum
+    assert sum(c.wire_bytes() for c in buckets) == pytest.approx(2 * 3 / 4 * grads)
     # nothing but the loss's sum and the token count in the forward
     assert {c.what for c in p.collectives() if c.phase == "forward"} == {
         "output cross_entropy_loss", "cross_entropy_loss target count"}
@@ -50,6 +52,9 @@ def test_zero3_gathers_a_layer_twice_and_reduce_scatters_it(model) -> None:
         mine = sorted((c.phase, c.kind) for c in zero if c.what.split()[1] == key)
         assert mine == [("backward", "all_gather"), ("backward", "reduce_scatter"),
                         ("forward", "all_gather")]
+    # gloo's reduce-scatter is an all-reduce of its input: twice a ring reduce-scatter
+    rs = next(c for c in zero if c.kind == "reduce_scatter")
+    assert rs.wire_bytes(True) == pytest.approx(2 * rs.wire_bytes())
     # no gradient bucket: every gradient is reduce-scattered with its layer
     assert not [c for c in p.collectives() if c.what.startswith("gradient bucket")]
 
