@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import queue
 import threading
 from collections.abc import Sequence
@@ -178,13 +179,22 @@ def assemble(leaves: dict[Coord, torch.Tensor], placements: Placements, mesh: Se
 
 # ---------------------------------------------------------------- simulated world
 class _Group:
-    """The ranks that differ only along one mesh axis."""
+    """The ranks that differ only along some mesh axes (one, or several for
+    ``group_of``); a rank's place in it is row-major over those axes."""
 
-    def __init__(self, axis: int, n: int) -> None:
-        self.axis, self.n = axis, n
-        self.barrier = threading.Barrier(n, timeout=BARRIER_TIMEOUT_S)
-        self.slots: list[torch.Tensor | None] = [None] * n
-        self.ops: list[object] = [None] * n
+    def __init__(self, axes: tuple[int, ...], mesh: tuple[int, ...]) -> None:
+        self.axes, self.mesh = axes, mesh
+        self.n = math.prod(mesh[a] for a in axes)
+        self.barrier = threading.Barrier(self.n, timeout=BARRIER_TIMEOUT_S)
+        self.slots: list[torch.Tensor | None] = [None] * self.n
+        self.ops: list[object] = [None] * self.n
+
+    def rank(self, coord: Coord) -> int:
+        """The place of the rank at ``coord`` in this group."""
+        r = 0
+        for a in self.axes:
+            r = r * self.mesh[a] + coord[a]
+        return r
 
 
 class _SimMesh:
@@ -194,7 +204,11 @@ class _SimMesh:
         self.shape, self.coord, self._groups = shape, coord, groups
 
     def group(self, axis: int) -> _Group:
-        return self._groups[(axis, self.coord[:axis] + self.coord[axis + 1:])]
+        return self.group_of((axis,))
+
+    def group_of(self, axes: tuple[int, ...]) -> _Group:
+        axes = tuple(sorted(axes))
+        return self._groups[(axes, tuple(c for a, c in enumerate(self.coord) if a not in axes))]
 
 
 _TLS = threading.local()
@@ -213,7 +227,7 @@ def _all_reduce(tensor: torch.Tensor, op: object = dist.ReduceOp.SUM, group: obj
     async call completes before it returns (the ranks are threads meeting at a
     barrier) and hands back a work handle whose wait is a no-op."""
     assert isinstance(group, _Group), f"all_reduce needs a mesh-axis group, got {group!r}"
-    r = _current().coord[group.axis]
+    r = group.rank(_current().coord)
     group.slots[r] = tensor.detach().clone()
     group.ops[r] = op
     group.barrier.wait()
@@ -241,7 +255,7 @@ def _all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_s
     sizes must match what the senders send."""
     assert isinstance(group, _Group), f"all_to_all_single needs a mesh-axis group, got {group!r}"
     assert (output_split_sizes is None) == (input_split_sizes is None), "one-sided split sizes"
-    r = _current().coord[group.axis]
+    r = group.rank(_current().coord)
     group.slots[r] = input.detach().clone()
     group.ops[r] = None if input_split_sizes is None else list(input_split_sizes)
     group.barrier.wait()
@@ -301,8 +315,11 @@ def run_ranks(gm: fx.GraphModule, local_inputs: dict[Coord, list[torch.Tensor]],
     """Run ``gm`` on every simulated rank, one thread each, communicating in memory."""
     mesh = tuple(mesh)
     coords = mesh_coords(mesh)
-    groups = {(a, c[:a] + c[a + 1:]): None for a in range(len(mesh)) for c in coords}
-    groups = {k: _Group(k[0], mesh[k[0]]) for k in groups}
+    # a group per set of axes (and coordinate on the others): group_of spans several
+    subsets = [tuple(a for a in range(len(mesh)) if m >> a & 1) for m in range(1, 2 ** len(mesh))]
+    groups = {(ax, tuple(x for a, x in enumerate(c) if a not in ax)): None
+              for ax in subsets for c in coords}
+    groups = {k: _Group(k[0], mesh) for k in groups}
     results: dict[Coord, list[torch.Tensor]] = {}
     errors: list[BaseException] = []
 
