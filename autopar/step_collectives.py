@@ -44,9 +44,7 @@ from torch import fx
 from autopar.ir import info
 from autopar.placement import R, Shard, graph_batch, local_shape, parse_placements
 from autopar.redistribute import StepKind, plan_redistribution, step_shapes, sum_axes
-
-ZERO_BUCKET_BYTES = 4 << 20
-"""Size at which ``runtime/zero.py`` closes a ZeRO-1/2 bucket (padded shard bytes)."""
+from autopar.runtime.grad_sync import fill_buckets
 
 
 @dataclass(frozen=True)
@@ -143,16 +141,20 @@ class _Lister:
         outs = info(self.by_name[name]).outputs
         return outs[0].dtype.itemsize if outs else 4
 
-    def rank(self, name: str) -> int:
-        """Pipeline rank running planned node ``name`` (its layer's virtual stage mod
-        the pipeline stages)."""
+    def vstage(self, name: str) -> int:
+        """(Virtual) pipeline stage of planned node ``name``: its layer's, a getitem's
+        its tuple's (``passes/split_stages.py``); 0 without a pipeline."""
         if self.ranks == 1:
             return 0
-        node = self.plan.nodes[name]
-        if not node.layer and self.by_name[name].op == "call_function" \
-                and self.by_name[name].target is operator.getitem:
-            return self.rank(self.by_name[name].args[0].name)
-        return self.d.stage_of(node.layer) % self.ranks if node.layer else 0
+        node, g = self.plan.nodes[name], self.by_name[name]
+        if not node.layer and g.op == "call_function" and g.target is operator.getitem:
+            return self.vstage(g.args[0].name)
+        return self.d.stage_of(node.layer) if node.layer else 0
+
+    def rank(self, name: str) -> int:
+        """Pipeline rank running planned node ``name``: its virtual stage mod the
+        pipeline stages."""
+        return self.vstage(name) % self.ranks
 
     def add(self, phase: str, kind: str, axes: Iterable[int], nbytes: int, what: str,
             count: int = 1, group: int | None = None) -> None:
@@ -347,14 +349,8 @@ class _Lister:
             if t not in placed:
                 groups.setdefault(axes, []).append(b)
         for axes, sizes in groups.items():
-            cur = 0
-            for b in sizes:
-                cur += b
-                if cur >= 4 << 20:
-                    self.add("backward", "all_reduce", axes, cur, "gradient bucket (4 MiB)")
-                    cur = 0
-            if cur:
-                self.add("backward", "all_reduce", axes, cur, "gradient bucket (4 MiB)")
+            for bucket in fill_buckets(sizes, int):
+                self.add("backward", "all_reduce", axes, sum(bucket), "gradient bucket (4 MiB)")
 
     def _zero(self, zero: list, z: int, d: int) -> None:
         stage = self.d.zero_stage
@@ -372,15 +368,8 @@ class _Lister:
                 self.add("backward", "all_gather", (z,), nbytes, f"ZeRO-3 {key} (re-gather)", m)
                 self.add("backward", "reduce_scatter", (z,), nbytes * d, f"ZeRO-3 {key}", m)
             return
-        buckets, cur, size = [], [], 0
-        for s in reversed(shards):  # runtime/zero.py: back to front, 4 MiB of padded bytes
-            cur.append(s)
-            size += s[1] * s[2] * d
-            if size >= ZERO_BUCKET_BYTES:
-                buckets.append(cur)
-                cur, size = [], 0
-        if cur:
-            buckets.append(cur)
+        # runtime/zero.py: back to front, by padded whole-gradient bytes
+        buckets = fill_buckets(reversed(shards), lambda s: s[1] * s[2] * d)
         for i, b in enumerate(buckets):
             padded = sum(c * item for _, c, item, _ in b) * d
             self.add("backward", "all_reduce" if stage == 1 else "reduce_scatter", (z,), padded,
@@ -416,4 +405,4 @@ def list_collectives(gm: fx.GraphModule, plan) -> list[Collective]:
     return _Lister(gm, plan).run()
 
 
-__all__ = ["Collective", "ZERO_BUCKET_BYTES", "format_collectives", "list_collectives"]
+__all__ = ["Collective", "format_collectives", "list_collectives"]

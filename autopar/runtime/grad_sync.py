@@ -10,7 +10,9 @@ collectives in the same order and the reduction overlaps the rest of backward.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -18,6 +20,30 @@ from torch import nn
 
 from autopar.runtime.mesh import current
 from autopar.runtime.tls import issue
+
+T = TypeVar("T")
+
+BUCKET_BYTES = 4 << 20
+"""Bucket size where no plan chose the buckets (gradients without a planned bucket,
+ZeRO-1/2's reduction)."""
+
+
+def fill_buckets(items: Iterable[T], nbytes: Callable[[T], int], cap: int = BUCKET_BYTES) -> list[list[T]]:
+    """``items`` (in launch order: back to front) cut into consecutive buckets, each
+    closed as soon as its bytes reach ``cap``; the rule :class:`GradSync`,
+    ``runtime/zero.py`` and ``plan.collectives()`` share."""
+    out: list[list[T]] = []
+    cur: list[T] = []
+    size = 0
+    for it in items:
+        cur.append(it)
+        size += nbytes(it)
+        if size >= cap:
+            out.append(cur)
+            cur, size = [], 0
+    if cur:
+        out.append(cur)
+    return out
 
 
 @dataclass
@@ -85,7 +111,7 @@ class GradSync(OrderedBuckets):
     """Hooks that all-reduce replicated parameters' gradients after backward."""
 
     def __init__(self, params: list[tuple[str, nn.Parameter, tuple[int, ...]]],
-                 planned: list[list[str]] | None = None, bucket_bytes: int = 4 << 20) -> None:
+                 planned: list[list[str]] | None = None, bucket_bytes: int = BUCKET_BYTES) -> None:
         """``params``: (name, parameter, axes it is replicated on), in forward order.
         ``planned``: the plan's buckets (parameter names in launch order,
         :attr:`autopar.plan.Decisions.grad_buckets`); names not on this rank are
@@ -110,16 +136,8 @@ class GradSync(OrderedBuckets):
             if axes and n not in placed:
                 groups.setdefault(axes, []).append(p)
         for axes, ps in groups.items():
-            cur: list[nn.Parameter] = []
-            size = 0
-            for p in ps:
-                cur.append(p)
-                size += p.numel() * p.element_size()
-                if size >= bucket_bytes:
-                    self.buckets.append(Bucket(cur, axes))
-                    cur, size = [], 0
-            if cur:
-                self.buckets.append(Bucket(cur, axes))
+            self.buckets.extend(Bucket(b, axes) for b in
+                                fill_buckets(ps, lambda p: p.numel() * p.element_size(), bucket_bytes))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._start_order(self.buckets)
         self._handles = [p.register_post_accumulate_grad_hook(self._hook)

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from autopar.runtime.grad_sync import OrderedBuckets
+from autopar.runtime.grad_sync import BUCKET_BYTES, OrderedBuckets, fill_buckets
 from autopar.runtime.mesh import current
 from autopar.runtime.tls import issue
 
@@ -124,7 +124,7 @@ class Zero(OrderedBuckets):
     stage: int
     axis: int
     params: list[ZeroParam] = field(default_factory=list)
-    bucket_bytes: int = 4 << 20
+    bucket_bytes: int = BUCKET_BYTES
     enabled: bool = True
 
     def __post_init__(self) -> None:
@@ -212,17 +212,12 @@ class Zero(OrderedBuckets):
         gm.recompile()
 
     def _make_buckets(self) -> None:
-        cur: list[ZeroParam] = []
-        size = 0
-        # reverse forward order: gradients become ready roughly back to front
-        for zp in reversed(self.params):
-            cur.append(zp)
-            size += zp.shard.numel() * zp.shard.element_size() * current().shape[self.axis]
-            if size >= self.bucket_bytes:
-                self._buckets.append(_Bucket(cur))
-                cur, size = [], 0
-        if cur:
-            self._buckets.append(_Bucket(cur))
+        d = current().shape[self.axis]
+        # reverse forward order: gradients become ready roughly back to front; a
+        # bucket's bytes are its padded whole gradients (what the reduction moves)
+        self._buckets.extend(_Bucket(b) for b in fill_buckets(
+            reversed(self.params), lambda zp: zp.shard.numel() * zp.shard.element_size() * d,
+            self.bucket_bytes))
         self._bucket_of = {id(zp.full): b for b in self._buckets for zp in b.params}
         for b in self._buckets:
             for zp in b.params:

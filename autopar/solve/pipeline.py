@@ -30,10 +30,9 @@ from dataclasses import dataclass, field
 from autopar import schedules as sched
 from autopar.cost_models import MeshSpec
 from autopar.plan import Schedule
+from autopar.runtime.grad_sync import BUCKET_BYTES  # ZeRO-1/2's bucket (runtime/zero.py)
 from autopar.solve import buckets as bk
 from autopar.solve.layer_stats import LayerStat, zero_price
-
-ZERO_BUCKET_BYTES = 4 << 20  # runtime/zero.py Zero.bucket_bytes
 
 
 @dataclass(frozen=True)
@@ -183,7 +182,7 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     static += max((a + b for a, b in zip(tr, tr[1:])), default=max(tr, default=0.0))
     # stage 2 reduce-scatters a bucket once all its gradients exist: up to one bucket of
     # whole gradients is alive at a time (runtime/zero.py, 4 MiB buckets)
-    static += min(ZERO_BUCKET_BYTES, sum(z.bucket for z in zp))
+    static += min(BUCKET_BYTES, sum(z.bucket for z in zp))
     # recompute candidates: layers whose recomputation saves memory, best ratio first
     cands = sorted((st for st in layers if st.activations > st.out_bytes and st.forward > 0),
                    key=lambda st: -(st.activations - st.out_bytes) / st.forward)
