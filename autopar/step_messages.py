@@ -20,23 +20,10 @@ sends before the first micro-batch of the first step is not part of a steady ste
 from __future__ import annotations
 
 import math
-import operator
-
-from torch import fx
 
 from autopar.ir import info
+from autopar.passes.split_stages import input_only
 from autopar.placement import local_shape, parse_placements
-
-
-def _input_only(gm: fx.GraphModule) -> set[str]:
-    """Names of computing nodes that depend on the model's inputs alone."""
-    out: set[str] = set()
-    for n in gm.graph.nodes:
-        if n.op != "call_function":
-            continue
-        if all(a.op == "placeholder" or a.name in out for a in n.all_input_nodes):
-            out.add(n.name)
-    return out
 
 
 def pipeline_messages(lister) -> None:
@@ -44,16 +31,9 @@ def pipeline_messages(lister) -> None:
     ``lister`` (a :class:`autopar.step_collectives._Lister`)."""
     plan, d, gm = lister.plan, lister.d, lister.gm
     num, p, m = len(d.stages), lister.ranks, d.micro_batches
-    copied = _input_only(gm)
-
-    def stage(name: str) -> int:
-        node = plan.nodes[name]
-        if not node.layer:
-            g = lister.by_name[name]
-            if g.op == "call_function" and g.target is operator.getitem:
-                return stage(g.args[0].name)
-            return 0
-        return d.stage_of(node.layer)
+    # recomputed by each stage that reads them, as split_stages does
+    copied = {n.name for n in input_only(list(gm.graph.nodes))}
+    stage = lister.vstage
 
     # (value, placement) -> (stage it is made in, last stage that reads it)
     spans: dict[tuple[str, str], list[int]] = {}

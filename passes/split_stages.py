@@ -114,7 +114,7 @@ def _is_random(node: fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded in tags
 
 
-def _input_only(nodes: list[fx.Node]) -> set[fx.Node]:
+def input_only(nodes: list[fx.Node]) -> set[fx.Node]:
     """Computing nodes whose inputs are model inputs or other such nodes (no
     parameters, no activations): copied into every stage that needs them."""
     out: set[fx.Node] = set()
@@ -196,7 +196,7 @@ def split_stages(gm: fx.GraphModule, plan: Plan) -> list[StageGraph]:
     nodes = list(gm.graph.nodes)
     num = _num_stages(plan)
     ranks = max(1, plan.decisions.pipeline_stages)
-    copied = _input_only(nodes)
+    copied = input_only(nodes)
     stage = _assign(gm, plan, copied)
     out_node = next(n for n in nodes if n.op == "output")
     placeholders = [n for n in nodes if n.op == "placeholder"]
@@ -293,4 +293,4 @@ def _shape(node: fx.Node) -> tuple[int, ...] | None:
     return tuple(int(x) for x in val.shape) if isinstance(val, torch.Tensor) else None
 
 
-__all__ = ["LAYER_KEY", "StageGraph", "split_stages"]
+__all__ = ["LAYER_KEY", "StageGraph", "input_only", "split_stages"]

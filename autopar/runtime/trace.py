@@ -81,9 +81,10 @@ def collective_log() -> Iterator[list[Issued]]:
     """Record every ``torch.distributed`` collective and point-to-point message this
     process issues inside the block (what :meth:`autopar.plan.Plan.collectives`
     predicts for a step); yields the list it appends to.  It wraps the module-level
-    functions, through which the generated code and the runtime issue every one
-    (DTensor's functional collectives, e.g. in ``clip_grad_norm_``, are not recorded) (``batch_isend_irecv`` calls the ``isend``/``irecv`` its
-    ``P2POp`` s were built with, so each message counts once)."""
+    functions, through which the generated code and the runtime issue every one;
+    DTensor's functional collectives (e.g. in ``clip_grad_norm_``) are not recorded.
+    ``batch_isend_irecv`` calls the ``isend``/``irecv`` its ``P2POp`` s were built
+    with, so each of its messages counts once."""
     log: list[Issued] = []
     real = {name: getattr(dist, name) for name in _RECORDED if hasattr(dist, name)}
 

@@ -113,8 +113,7 @@ def step_case(c: dict) -> dict:
         "planned": sorted([*k, v] for k, v in planned.items()),
         "listed": [f"{col.phase} {col.kind} {col.group} {col.bytes} {col.what} x{col.count}"
                    for col in mine]})
-    return {"ranks": out, "layout": pm.plan.summary().splitlines()[1] if hasattr(pm.plan, "summary")
-            else ""}
+    return {"ranks": out, "layout": pm.plan.summary().splitlines()[1]}
 
 
 @pytest.fixture(scope="module")
