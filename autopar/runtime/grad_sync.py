@@ -6,12 +6,17 @@ axes.  Gradients are fused into buckets (seed idea: tensor fusion) of parameters
 share the same axes; a bucket is launched asynchronously as soon as all its gradients
 are ready, but buckets launch strictly in bucket order, so every rank issues the same
 collectives in the same order and the reduction overlaps the rest of backward.
+
+As DDP's ``gradient_as_bucket_view``, a gradient is copied into its bucket's flat buffer
+as soon as it is ready and ``.grad`` becomes a view of it: the reduction runs in place,
+nothing is copied back, and the step holds one copy of the gradients (copying them into
+a bucket at launch and back after the reduction held two until the end of backward).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
@@ -46,6 +51,13 @@ def fill_buckets(items: Iterable[T], nbytes: Callable[[T], int], cap: int = BUCK
     return out
 
 
+def _promoted(dtypes: list[torch.dtype]) -> torch.dtype:
+    out = dtypes[0]
+    for d in dtypes[1:]:
+        out = torch.promote_types(out, d)
+    return out
+
+
 @dataclass
 class Bucket:
     """Parameters whose gradients are reduced together over ``axes``."""
@@ -56,6 +68,23 @@ class Bucket:
     flat: torch.Tensor | None = None
     work: object = None
     launched: bool = False
+    offsets: list[int] = field(default_factory=list)
+    """Start of each parameter's gradient in ``flat``."""
+    dtype: torch.dtype | None = None
+    """``flat``'s type: the one its gradients promote to."""
+
+    def __post_init__(self) -> None:
+        """Lay the gradients out back to back, in ``params`` order."""
+        off = 0
+        for p in self.params:
+            self.offsets.append(off)
+            off += p.numel()
+        self.dtype = _promoted([p.dtype for p in self.params])
+
+    def view(self, i: int) -> torch.Tensor:
+        """Parameter ``i``'s gradient slot in ``flat``, shaped like the parameter."""
+        p = self.params[i]
+        return self.flat[self.offsets[i]:self.offsets[i] + p.numel()].view(p.shape)
 
 
 class OrderedBuckets:
@@ -139,16 +168,35 @@ class GradSync(OrderedBuckets):
             self.buckets.extend(Bucket(b, axes) for b in
                                 fill_buckets(ps, lambda p: p.numel() * p.element_size(), bucket_bytes))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._index = {id(p): i for b in self.buckets for i, p in enumerate(b.params)}
         self._start_order(self.buckets)
         self._handles = [p.register_post_accumulate_grad_hook(self._hook)
                          for b in self.buckets for p in b.params]
 
     def _hook(self, p: nn.Parameter) -> None:
-        self._ready(self._bucket_of[id(p)])
+        b = self._bucket_of[id(p)]
+        # also while disabled (accumulation, pipeline micro-batches): the gradient then
+        # accumulates in place in its bucket, and the last backward copies nothing
+        self._fill(b, p)
+        self._ready(b)
+
+    def _fill(self, b: Bucket, p: nn.Parameter) -> None:
+        """Put ``p``'s gradient in ``b.flat`` (zeros when it has none) and make ``.grad``
+        a view of it when the layouts agree (the reduction then lands in it)."""
+        if b.flat is None:
+            b.flat = torch.empty(b.offsets[-1] + b.params[-1].numel(), dtype=b.dtype, device=p.device)
+        view = b.view(self._index[id(p)])
+        g = p.grad
+        if g is None:
+            view.zero_()
+        elif g.data_ptr() != view.data_ptr() or g.dtype != view.dtype:
+            view.copy_(g)
+            if g.dtype == view.dtype and g.layout == torch.strided and p.is_contiguous():
+                p.grad = view
 
     def _launch(self, b: Bucket) -> None:
-        b.flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                            for p in b.params])
+        for p in b.params:
+            self._fill(b, p)  # gradients that were not ready (or a backward without hooks)
         m = current()
         # every replicated axis at once, asynchronously (one group spanning them)
         b.work = issue(dist.all_reduce, b.flat, group=m.group_of(b.axes), async_op=True)
@@ -157,10 +205,13 @@ class GradSync(OrderedBuckets):
     def _complete(self) -> None:
         for b in self.buckets:
             b.work.wait()
-            off = 0
-            for p in b.params:
-                n = p.numel()
-                if p.grad is not None:
-                    p.grad.copy_(b.flat[off:off + n].view_as(p))
-                off += n
+            for i, p in enumerate(b.params):
+                g = p.grad
+                if g is None:
+                    continue
+                view = b.view(i)
+                if g.data_ptr() != view.data_ptr() or g.dtype != view.dtype:
+                    g.copy_(view)  # a gradient kept in its own tensor (another layout)
+            # the views keep the buffer alive; dropping it here frees it with them at
+            # the next zero_grad(set_to_none=True)
             b.ready, b.flat, b.work, b.launched = 0, None, None, False

@@ -131,6 +131,7 @@ class Zero(OrderedBuckets):
         self._buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
         self._start_order(self._buckets)
+        self._done = 0  # buckets of this backward already finished (_launch)
         self._versions: list[int] = []
         self._steps = _STEPS[0]
         self._by_target = {zp.target: zp for zp in self.params}
@@ -229,16 +230,40 @@ class Zero(OrderedBuckets):
 
     def _rank_major(self, b: _Bucket) -> torch.Tensor:
         """Gradients of a bucket laid out so rank ``r``'s part is contiguous: for each
-        rank, the ``r``-th chunk of every parameter in the bucket."""
+        rank, the ``r``-th chunk of every parameter in the bucket, zero-padded.  Each
+        gradient is copied once, straight into the buffer (padding each one and
+        concatenating held two copies of the bucket)."""
         d = current().shape[self.axis]
-        per = []
+        cols = sum(zp.shard.numel() for zp in b.params)
+        first = b.params[0].full
+        flat = torch.empty(d, cols, dtype=first.dtype, device=first.device)
+        off = 0
         for zp in b.params:
-            g = zp.full.grad if zp.full.grad is not None else torch.zeros_like(zp.full)
             c = zp.shard.numel()
-            per.append(torch.nn.functional.pad(g.reshape(-1), (0, c * d - zp.numel)).view(d, c))
-        return torch.cat(per, dim=1).reshape(-1)
+            block = flat[:, off:off + c]
+            g = zp.full.grad
+            if g is None:
+                block.zero_()
+            else:
+                whole, rest = divmod(zp.numel, c)  # full rows, elements of the next one
+                src = g.reshape(-1)
+                block[:whole].copy_(src[:whole * c].view(whole, c))
+                if whole < d:
+                    block[whole, :rest].copy_(src[whole * c:])
+                    block[whole, rest:].zero_()
+                    block[whole + 1:].zero_()
+            off += c
+        return flat.reshape(-1)
 
     def _launch(self, b: _Bucket) -> None:
+        # at most two buckets in flight: finishing the one before the previous here
+        # bounds the flat copies of whole gradients alive at once (all of them stayed
+        # until the end of backward).  Every rank finishes the same bucket at the same
+        # launch, so the other axes' all-reduces keep one order across ranks.
+        i = self._buckets.index(b)
+        for done in self._buckets[self._done:max(self._done, i - 1)]:
+            self._complete_one(done)
+        self._done = max(self._done, i - 1)
         b.flat = self._rank_major(b)
         for zp in b.params:
             zp.full.grad = None  # the bucket holds it now; stage 2 frees it here
@@ -252,23 +277,29 @@ class Zero(OrderedBuckets):
             b.work = issue(fn, out, b.flat, group=g, async_op=True)
             b.flat = out
 
-    def _complete(self) -> None:
+    def _complete_one(self, b: _Bucket) -> None:
+        """Wait for ``b``'s reduction and add this rank's part to the shards' gradients
+        (reduced over the parameters' other replicated axes first)."""
         m = current()
-        for b in self._buckets:
-            b.work.wait()
-            mine = b.flat
-            if self.stage == 1:
-                part = mine.numel() // m.shape[self.axis]
-                mine = mine[m.coord[self.axis] * part:(m.coord[self.axis] + 1) * part]
-            off = 0
-            for zp in b.params:
-                c = zp.shard.numel()
-                g = mine[off:off + c].clone()
-                for a in zp.other_axes:
-                    issue(dist.all_reduce, g, group=m.group(a))
-                zp.shard.grad = g if zp.shard.grad is None else zp.shard.grad + g
-                off += c
-            b.ready, b.flat, b.work = 0, None, None
+        b.work.wait()
+        mine = b.flat
+        if self.stage == 1:
+            part = mine.numel() // m.shape[self.axis]
+            mine = mine[m.coord[self.axis] * part:(m.coord[self.axis] + 1) * part]
+        off = 0
+        for zp in b.params:
+            c = zp.shard.numel()
+            g = mine[off:off + c].clone()
+            for a in zp.other_axes:
+                issue(dist.all_reduce, g, group=m.group(a))
+            zp.shard.grad = g if zp.shard.grad is None else zp.shard.grad + g
+            off += c
+        b.ready, b.flat, b.work = 0, None, None
+
+    def _complete(self) -> None:
+        for b in self._buckets[self._done:]:
+            self._complete_one(b)
+        self._done = 0
 
     # ------------------------------------------------------------ stages 1-2: parameters
     def refresh(self) -> None:
