@@ -140,7 +140,6 @@ class ZeroPrice:
     grads: float
     optimizer: float
     transient: float     # whole parameters alive while the layer runs (stage 3)
-    bucket: float = 0.0  # stage 2: whole gradients waiting in a reduce bucket
     zero_sync: float = 0.0  # the part of ``sync`` that ZeRO's own reduce-scatters do
     opt_step: float = 0.0  # the optimizer's update of the parameters this device owns
 
@@ -153,7 +152,7 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | None, op
     keeps whole gradients until then like stage 1; stage 3 reduce-scatters in every
     micro-batch's backward (the gather's backward, :mod:`autopar.runtime.zero3`), so the
     first ``micro_batches - 1`` of them are per micro-batch work (``gather_mb``)."""
-    sync = gstep = gmb = pb = gb = ob = tr = bk = zsync = step = rs = 0.0
+    sync = gstep = gmb = pb = gb = ob = tr = zsync = step = rs = 0.0
     for p in stat.params:
         opt = optimizer_state_bytes(p.bytes, optimizer)
         on_z = stage > 0 and axis is not None and axis in p.replicated
@@ -174,15 +173,16 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | None, op
         zsync += sync - before
         if stage < 3:
             gstep += all_gather_time(mesh, (axis,), p.bytes)
-            pb += p.bytes
+            # the whole parameter the graph reads and the shard the optimizer steps
+            pb += p.bytes + p.bytes / d
         else:
             pb += p.bytes / d
             tr += p.bytes  # the layer's whole parameters, gathered together below
-        # stage 2 shards gradients only when its buckets reduce in the only backward
-        sharded = stage == 3 or (stage == 2 and micro_batches == 1)
+        # stages 1-2 free a whole gradient once its bucket launches and keep this
+        # rank's reduced part (runtime/zero.py), so gradients end sharded, unless
+        # accumulation keeps them whole until the last backward
+        sharded = stage == 3 or micro_batches == 1
         gb += p.bytes / d if sharded else p.bytes
-        # and a bucket's flat copy of whole gradients while it reduces, in either case
-        bk += p.bytes if stage == 2 else 0.0
         ob += opt / d
         step += optimizer_step_time(mesh, p.bytes / d, opt / d)  # each rank updates its shard
     if zsync and axis is not None:
@@ -203,7 +203,7 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | None, op
         # ``gather_mb`` M times).  The all-reduce over other replicated axes runs once,
         # after the last backward (GradSync is off before it): it stays in ``sync`` only
         gmb += rs * (micro_batches - 1) / micro_batches
-    return ZeroPrice(sync, gstep, gmb, pb, gb, ob, tr, bk, zsync, step)
+    return ZeroPrice(sync, gstep, gmb, pb, gb, ob, tr, zsync, step)
 
 
 __all__ = ["LayerStat", "ParamStat", "ZeroPrice", "layer_stats", "zero_price"]

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from autopar import schedules as sched
 from autopar.cost_models import MeshSpec
 from autopar.plan import Schedule
-from autopar.runtime.grad_sync import BUCKET_BYTES  # ZeRO-1/2's bucket (runtime/zero.py)
+from autopar.runtime.grad_sync import fill_buckets  # ZeRO-1/2's buckets (runtime/zero.py)
 from autopar.solve import buckets as bk
 from autopar.solve.layer_stats import LayerStat, zero_price
 
@@ -175,14 +175,19 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     if zp is None:
         zp = [zero_price(st, mesh, cfg.zero_stage, cfg.zero_axis, optimizer, cfg.micro_batches)
               for st in layers]
-    static = sum(z.params + z.grads + z.optimizer for z in zp) + sum(st.buffers for st in layers)
+    held = sum(z.params + z.optimizer for z in zp) + sum(st.buffers for st in layers)
+    grads = [z.grads for z in zp]  # per layer, as they are once the step's reduction ends
     # stage 3: a layer's whole parameters live while it runs, and the next layer's
     # prefetched gather lands meanwhile (runtime/zero3.py): two neighbours at once
     tr = [z.transient for z in zp]
-    static += max((a + b for a, b in zip(tr, tr[1:])), default=max(tr, default=0.0))
-    # stage 2 reduce-scatters a bucket once all its gradients exist: up to one bucket of
-    # whole gradients is alive at a time (runtime/zero.py, 4 MiB buckets)
-    static += min(BUCKET_BYTES, sum(z.bucket for z in zp))
+    gathered = max((a + b for a, b in zip(tr, tr[1:])), default=max(tr, default=0.0))
+    # the gradients of earlier micro-batches are alive at the activation peak when the
+    # stage holds fewer micro-batches than there are: the peak count then recurs after
+    # a backward (accumulation, 1F1B's steady state); not when every forward the stage
+    # holds at once runs before its first backward (GPipe, 1F1B's first stage at M <= p).
+    # Under interleaving a rank's other chunk runs backwards between this one's forwards.
+    present = cfg.micro_batches > inflight or (cfg.virtual > 1 and cfg.micro_batches > 1)
+    flats = _zero_flats(layers, cfg)
     # recompute candidates: layers whose recomputation saves memory, best ratio first
     cands = sorted((st for st in layers if st.activations > st.out_bytes and st.forward > 0),
                    key=lambda st: -(st.activations - st.out_bytes) / st.forward)
@@ -190,19 +195,32 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
         cands = []  # a schedule that cannot recompute (zero-bubble)
     chosen: list[LayerStat] = []
 
-    def mem(rc: list[LayerStat]) -> float:
-        # a recomputed layer keeps only what leaves it; in backward it is re-materialised
-        # when the layers after it have already freed theirs, so the peak is the larger
-        # of the end of the forward and, per recomputed layer, what is kept before it
-        # plus its own activations
+    def peak(rc: list[LayerStat]) -> dict[str, float]:
+        # The step's peak is the larger of two moments (autopar.runtime.memstats
+        # measures both): during backward, activations and the gradients made so far;
+        # at the end of backward, every gradient and ZeRO-1/2's flat buckets.
+        # Backward frees a layer's activations as it makes its gradients, so that
+        # moment is swept back to front: the layers before ``k`` keep theirs, layer
+        # ``k``'s are whole (re-materialised when recomputed), and the gradients of
+        # the layers after ``k`` exist; the end of the forward is the sweep's start.
         keys = {st.key for st in rc}
         kept = [st.out_bytes if st.key in keys else st.activations for st in layers]
-        peak, before = sum(kept), 0.0
-        for st, k in zip(layers, kept):
-            if st.key in keys:
-                peak = max(peak, before + st.activations)
-            before += k
-        return static + (inflight - 1) * sum(kept) + peak + held_w
+        before, made = sum(kept), 0.0
+        act, act_grads = before, sum(grads) if present else 0.0
+        for st, k, g in zip(reversed(layers), reversed(kept), reversed(grads)):
+            before -= k
+            live = before + (st.activations if st.key in keys else k)
+            if live + made > act + act_grads:
+                act, act_grads = live, made
+            # layer k's gradients appear as its backward ends, freeing its activations
+            made = act_grads if present else made + g
+        act += (inflight - 1) * sum(kept) + held_w
+        during = {"activations": act, "grads": act_grads, "transient": gathered}
+        end = {"activations": 0.0, "grads": sum(grads), "transient": gathered + flats}
+        return max((during, end), key=lambda m: sum(m.values()))
+
+    def mem(rc: list[LayerStat]) -> float:
+        return held + sum(peak(rc).values())
 
     if cfg.recompute is not None:
         chosen = [st for st in layers if st.key in cfg.recompute]
@@ -240,11 +258,26 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     parts = {"compute": compute, "recompute": recompute, "comm": seconds - compute - recompute,
              "sync": bp.busy if bp is not None else 0.0, "sync_exposed": exposed,
              "gather_step": gather_step, "optimizer_step": opt_step, **extremes}
-    memory = {"params": sum(z.params for z in zp), "grads": sum(z.grads for z in zp),
-              "optimizer": sum(z.optimizer for z in zp),
-              "activations": mem(chosen) - static, "buffers": sum(st.buffers for st in layers)}
-    memory["transient"] = static - sum(memory[k] for k in ("params", "grads", "optimizer", "buffers"))
+    # what is alive at the peak: gradients only as far as backward has made them
+    memory = {"params": sum(z.params for z in zp), "optimizer": sum(z.optimizer for z in zp),
+              "buffers": sum(st.buffers for st in layers), **peak(chosen)}
     return StagePrice([st.key for st in layers], seconds, extra, memory, sorted(rc), parts, names)
+
+
+def _zero_flats(layers: list[LayerStat], cfg: Config) -> float:
+    """ZeRO-1/2: the most bytes of flat reduce buckets alive at once at the end of
+    backward.  The runtime (runtime/zero.py) cuts the ZeRO axis's gradients, back to
+    front, into buckets of BUCKET_BYTES and keeps two in flight: bucket ``i``'s flat
+    copy exists beside bucket ``i - 1``'s, and with one micro-batch the whole gradients
+    of bucket ``i`` too, until it launches (gradients are counted sharded then; under
+    accumulation they are whole until the last backward and counted so)."""
+    if cfg.zero_stage not in (1, 2) or cfg.zero_axis is None:
+        return 0.0
+    sizes = [q.bytes for st in reversed(layers) for q in reversed(st.params)
+             if cfg.zero_axis in q.replicated]
+    flat = [sum(b) for b in fill_buckets(sizes, float)]
+    whole = 2.0 if cfg.micro_batches == 1 else 1.0
+    return max((prev + whole * cur for prev, cur in zip([0.0, *flat], flat)), default=0.0)
 
 
 def _in_bytes(layers: list[LayerStat]) -> float:

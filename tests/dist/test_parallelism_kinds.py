@@ -51,6 +51,17 @@ TWO = [
          options={"zero_stage": 2, "pipeline_stages": 1, "micro_batches": 4}, measure_memory=True),
     Case("zero2-mlp-dp2", "mlp", (2,), DP, options={"zero_stage": 2, **SINGLE}),
 ]
+# bf16-mixed (bf16 compute, fp32 parameters, gradients and optimizer state), for the
+# memory model only: its equivalence, against the model under autocast, is
+# tests/dist/test_mixed_precision.py's
+BF16 = {"precision": "bf16-mixed"}
+TWO_BF16 = [
+    Case("bf16-dp2", "gpt", (2,), DP, GPT2, options={**BF16, **SINGLE}, measure_memory=True),
+    Case("bf16-zero3-dp2", "gpt", (2,), DP, GPT2, options={**BF16, "zero_stage": 3, **SINGLE},
+         measure_memory=True),
+    Case("bf16-pp2-1f1b", "gpt", (2,), {}, GPT2, options={**BF16, **PP2_M4, "schedule": "1f1b"},
+         measure_memory=True),
+]
 FOUR = [
     Case("zero1-dp4", "gpt", (4,), DP, GPT2, options={"zero_stage": 1, **SINGLE}),
     Case("zero3-dp4", "gpt", (4,), DP, GPT2, options={"zero_stage": 3, **SINGLE}),
@@ -80,7 +91,7 @@ FOUR = [
 
 @pytest.fixture(scope="module")
 def two_rank_results():
-    return run_cases(2, TWO)
+    return run_cases(2, TWO + TWO_BF16)
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +129,16 @@ def test_four_ranks(four_rank_results, case):
     check_decisions(res, case)
 
 
+@pytest.mark.parametrize("case", TWO_BF16, ids=[c.id for c in TWO_BF16])
+def test_bf16_cases_train(two_rank_results, case):
+    """The bf16-mixed cases ran their steps; their loss is the fp32 model's to bf16
+    rounding (8-bit mantissa: 2e-3 per op, a few on the way to an O(1) loss: 1e-2)."""
+    res = _res(two_rank_results, case)
+    assert "error" not in res, res.get("error")
+    assert res["loss"] == pytest.approx(res["ref_loss"], rel=1e-2)
+    check_decisions(res, case)
+
+
 def test_zero_shards_parameters(two_rank_results):
     """ZeRO-3 holds about half the parameter bytes of ZeRO-1 per rank on 2 ranks."""
     z1 = two_rank_results["zero1-dp2"]["memory"][0]
@@ -127,21 +148,21 @@ def test_zero_shards_parameters(two_rank_results):
 
 
 def test_measured_memory_matches_the_model(two_rank_results, four_rank_results):
-    """Every rank's measured peak is within 20% of the memory model's prediction."""
+    """Every rank's measured peak is within 10% of the memory model's prediction
+    (issue 10; 0.93-1.08 measured)."""
     rows = [(cid, m) for r in (two_rank_results, four_rank_results) for cid, res in r.items()
             for m in res.get("memory", [])]
     assert rows
     bad = [(cid, m["rank"], round(m["measured"] / m["predicted"], 3)) for cid, m in rows
-           if not 0.8 <= m["measured"] / m["predicted"] <= 1.2]
-    assert not bad, f"measured / predicted outside [0.8, 1.2]: {bad}"
+           if not 0.9 <= m["measured"] / m["predicted"] <= 1.1]
+    assert not bad, f"measured / predicted outside [0.9, 1.1]: {bad}"
 
 
 def test_zero2_under_accumulation_keeps_whole_gradients(two_rank_results):
-    """ZeRO-2 with 4 micro-batches holds whole gradients until the last backward, as
-    ZeRO-1 does, and the model says so (its measured peak is held to the model's by the
-    20% test above: 1.30 with sharded gradients priced, 1.16 now)."""
-    acc = two_rank_results["zero2-accumulate4-dp2"]
-    one = two_rank_results["zero2-dp2"]
-    grads = lambda r: r["decisions"]["memory"]["grads"]  # noqa: E731
-    # the planned gradient bytes double: whole, not half over 2 ranks
-    assert grads(acc) == pytest.approx(2 * grads(one))
+    """ZeRO-2 with 4 micro-batches holds whole gradients until the last backward, and
+    the model says so: at its peak (a later micro-batch's backward) the gradients priced
+    are whole, not this rank's half (the measured peak is held to the model's by the
+    10% test above)."""
+    mem = two_rank_results["zero2-accumulate4-dp2"]["decisions"]["memory"]
+    # params are the whole parameters plus this rank's half shard: 1.5x the gradients
+    assert mem["grads"] == pytest.approx(mem["params"] / 1.5)

@@ -140,8 +140,11 @@ def test_each_pipeline_schedule_is_chosen_where_it_pays() -> None:
 
     * NVLink, memory to spare: zero-bubble (a third of 1F1B's bubble, no extra sends;
       it keeps up to 2p - 1 micro-batches until their weight gradients run);
-    * NVLink, a budget 10% over 1F1B's need: zero-bubble does not fit (and cannot
-      recompute), interleaved 1F1B (two chunks per rank, half the bubble) does, and wins;
+    * NVLink, a budget 20% over 1F1B's need: zero-bubble does not fit (and cannot
+      recompute), interleaved 1F1B (two chunks per rank, half the bubble) does, and wins
+      (each chunk within half the budget; 1F1B's first stage holds its 4 micro-batches
+      before any gradient exists, the interleaved chunks meet earlier gradients, so at
+      10% the first chunk recomputes a block);
     * a 1 GB/s link with that budget: interleaving's extra sends cost more than its
       bubble saves, and plain 1F1B wins."""
     model, ex = gpt.build(layers=8, dim=512, heads=8, vocab=1024, seq=256, batch=16)
@@ -150,7 +153,7 @@ def test_each_pipeline_schedule_is_chosen_where_it_pays() -> None:
     free = plan(model, ex, MESH, **kw).decisions
     assert free.schedule == "zero-bubble"
     assert free.breakdown["bubble_seconds"] < 0.4 * one.decisions.breakdown["bubble_seconds"]
-    budget = 1.1 * one.memory["total"]
+    budget = 1.2 * one.memory["total"]
     tight = plan(model, ex, MESH, memory_budget=budget, **kw)
     d = tight.decisions
     assert (d.schedule, d.virtual_stages) == ("interleaved-1f1b", 2)
