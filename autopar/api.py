@@ -46,7 +46,7 @@ def _capture_and_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec,
     return joint_plan(model, example_inputs, mesh, opts, example_kwargs)
 
 
-_DECISION_KEYS = ("zero_stage", "pipeline_stages", "micro_batches", "schedule", "virtual_stages",
+_DECISION_KEYS = ("zero_stage", "zero_axes", "pipeline_stages", "micro_batches", "schedule", "virtual_stages",
                   "recompute", "explore", "blocks", "progress", "bucket_bytes", "precision",
                   "context_parallel")
 
@@ -67,6 +67,9 @@ def _options(memory_budget, optimizer, time_limit, pins, decisions: Mapping,
     d = dict(decisions)
     if d.get("recompute") is not None:
         d["recompute"] = tuple(d["recompute"])
+    if d.get("zero_axes") is not None:
+        z = d["zero_axes"]
+        d["zero_axes"] = (z,) if isinstance(z, int) else tuple(sorted(z))
     if "precision" in d:
         from autopar.passes.mixed_precision import Precision
         d["precision"] = Precision.parse(d["precision"]).value
@@ -89,7 +92,8 @@ def plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec | str | tuple |
 
     ``decisions`` force plan-level choices, e.g. ``zero_stage=2``, ``pipeline_stages=2,
     micro_batches=4, schedule="1f1b"`` (or ``schedule="interleaved-1f1b", virtual_stages=2``:
-    two model chunks per rank), ``recompute=["blocks.1"]``, ``bucket_bytes=25 << 20``
+    two model chunks per rank), ``zero_axes=(0, 1)`` (ZeRO over both axes of a 2-D mesh,
+    one group spanning them; one axis with the others replicated is HSDP), ``recompute=["blocks.1"]``, ``bucket_bytes=25 << 20``
     (fixed-size gradient buckets instead of the cost model's choice),
     ``context_parallel="exchange"`` (attention on sequence chunks of q, k and v: Ulysses or
     ring attention), ``"gather-kv"`` (query rows, keys and values gathered) or ``"off"``;

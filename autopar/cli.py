@@ -8,7 +8,7 @@ keyword arguments (values are Python literals, else strings)::
     autopar plan examples/gpt.py:build --mesh 2x4 --preset 8xA100-nvlink \\
         --factory-args layers=12 dim=256 --json plan.json --explain linear_3
 
-Plan-level decisions are searched unless forced: ``--zero-stage``, ``--pipeline-stages``,
+Plan-level decisions are searched unless forced: ``--zero-stage``, ``--zero-axes``, ``--pipeline-stages``,
 ``--micro-batches``, ``--schedule``, ``--virtual-stages``, ``--recompute blocks.0,blocks.1`` (or ``none``);
 ``--explore`` also tries pipelines and micro-batches when the plain plan fits.  The
 decisions are printed under the table; ``--explain`` alone prints why each was taken,
@@ -130,7 +130,7 @@ def decision_options(args: argparse.Namespace) -> dict[str, Any]:
         raise CLIError(f"--schedule {args.schedule} needs a pipeline: give --pipeline-stages "
                        f"2 or more (or leave it out to let the search choose)")
     out: dict[str, Any] = {}
-    for key in ("zero_stage", "pipeline_stages", "micro_batches", "schedule", "virtual_stages"):
+    for key in ("zero_stage", "zero_axes", "pipeline_stages", "micro_batches", "schedule", "virtual_stages"):
         if getattr(args, key) is not None:
             out[key] = getattr(args, key)
     recompute = parse_recompute(args.recompute)
@@ -394,6 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
                    help="ZeRO stage over the data-parallel axis: 0 off, 1 optimizer state, "
                         "2 + gradients, 3 + parameters")
+    d.add_argument("--zero-axes", type=int, nargs="+", default=None, metavar="AXIS",
+                   help="the (stage) mesh axes ZeRO shards over: one (HSDP: the others "
+                        "replicated) or several (one group spanning them)")
     d.add_argument("--pipeline-stages", type=int, default=None, metavar="N",
                    help="pipeline stages (each on a sub-mesh; N must divide the mesh)")
     d.add_argument("--micro-batches", type=int, default=None, metavar="N",

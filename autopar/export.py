@@ -49,7 +49,7 @@ from torch.utils import _pytree as pytree
 
 from autopar import export_io
 from autopar.errors import AutoparError, ExportError
-from autopar.plan import Plan
+from autopar.plan import Plan, zero_words
 
 if TYPE_CHECKING:
     from autopar.parallel_module import ParallelModule
@@ -334,8 +334,8 @@ def _decisions_note(plan: Plan) -> str:
     """What autopar.load applies on top of module.py, for its docstring and README."""
     d = plan.decisions
     parts = []
-    if d.zero_stage and d.zero_axis is not None and plan.mesh.shape[d.zero_axis] > 1:
-        parts.append(f"ZeRO stage {d.zero_stage} over mesh axis {d.zero_axis}")
+    if any(plan.mesh.shape[a] > 1 for a in d.zero_axes):
+        parts.append(f"ZeRO stage {d.zero_stage} over {zero_words(d.zero_axis)}")
     if d.recompute:
         parts.append(f"recomputation of {', '.join(d.recompute)}")
     if d.pipeline_stages > 1:

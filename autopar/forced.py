@@ -3,6 +3,8 @@ that cannot mean anything are errors before any search, never ignored."""
 
 from __future__ import annotations
 
+import itertools
+
 from autopar.cost_models import MeshSpec
 from autopar.errors import PlanError
 from autopar.plan import Schedule
@@ -45,6 +47,9 @@ def check_forced(opts: PlanOptions, mesh: MeshSpec) -> None:
     if o.pipeline_stages is not None and o.pipeline_stages > 1 and mesh.shape[0] % o.pipeline_stages:
         raise PlanError(f"{o.pipeline_stages} pipeline stages do not divide mesh axis 0 of size "
                         f"{mesh.shape[0]} (stages are carved out of the outermost axis)")
+    if o.zero_axes is not None and o.zero_stage == 0:
+        raise PlanError(f"zero_axes={list(o.zero_axes)} names the axes ZeRO shards over, but "
+                        "zero_stage=0 turns ZeRO off: give zero_stage=1, 2 or 3, or leave it out")
     stage_size = mesh.size // (o.pipeline_stages or 1)
     if o.zero_stage and (mesh.size == 1 or stage_size == 1):
         where = f"the mesh {mesh.shape}" if mesh.size == 1 else \
@@ -54,4 +59,20 @@ def check_forced(opts: PlanOptions, mesh: MeshSpec) -> None:
 
 
 
-__all__ = ["check_forced"]
+def zero_groups(shape: tuple[int, ...], forced: tuple[int, ...] | None) -> list[int | tuple[int, ...]]:
+    """The axis sets ZeRO may shard over on a (stage) sub-mesh of ``shape``: each axis
+    of more than one device alone, then every set of two or more of them (one group
+    spanning them: ZeRO over a whole 2-D data-parallel mesh; HSDP is one axis, the
+    others replicated); only ``forced`` when the caller named the axes."""
+    axes = [a for a, n in enumerate(shape) if n > 1]
+    if forced is not None:
+        bad = [a for a in forced if a >= len(shape) or shape[a] == 1]
+        if bad:
+            raise PlanError(f"zero_axes={list(forced)} names axis {bad[0]}, which has a single "
+                            f"device (or none) in the mesh {tuple(shape)} ZeRO shards over (a "
+                            "pipeline stage's, under a pipeline): name axes of more than one device")
+        return [forced[0] if len(forced) == 1 else tuple(sorted(forced))]
+    return [*axes, *(c for k in range(2, len(axes) + 1) for c in itertools.combinations(axes, k))]
+
+
+__all__ = ["check_forced", "zero_groups"]

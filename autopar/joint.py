@@ -30,12 +30,12 @@ from autopar.capture_batch import AnyBatch
 from autopar.cost_models import MeshSpec, format_bytes, send_recv_time
 from autopar.costs import precision_warning
 from autopar.errors import AutoparWarning, PlanError, user_stacklevel
-from autopar.forced import check_forced
+from autopar.forced import check_forced, zero_groups
 from autopar.ir import info
 from autopar.joint_capture import JointCaptures
 from autopar.joint_why import Context, decisions_why
 from autopar.layers import layer_keys
-from autopar.plan import Decisions, Plan, Schedule
+from autopar.plan import Decisions, Plan, Schedule, zero_words
 from autopar.progress import report, show
 from autopar.schedules import conflict
 from autopar.search import PlanOptions, local_axes, make_weighted_plans
@@ -216,7 +216,7 @@ class JointSearch(JointCaptures):
             zs = [self.opts.zero_stage]
         else:
             zs = [0, 1, 2, 3]
-        axes = [a for a, n in enumerate(sub.shape) if n > 1]
+        axes = zero_groups(tuple(sub.shape), self.opts.zero_axes) if any(zs) else []
         if cand.stages > 1:
             scheds = [self.opts.schedule] if self.opts.schedule else [
                 Schedule.ONE_F_ONE_B.value, Schedule.GPIPE.value, Schedule.INTERLEAVED.value,
@@ -448,7 +448,7 @@ class JointSearch(JointCaptures):
             plan.solver.message = (plan.solver.message + "; " if plan.solver.message else "") + msg
         c = pr.config
         self._say(f"chose {c.stages} stage(s) ({c.schedule}), {c.micro_batches} micro-batch(es), "
-                  + (f"ZeRO-{c.zero_stage} over axis {c.zero_axis}" if c.zero_stage else "no ZeRO")
+                  + (f"ZeRO-{c.zero_stage} over {zero_words(c.zero_axis)}" if c.zero_stage else "no ZeRO")
                   + f": {pr.step_seconds * 1e3:.3f} ms per step")
         return cand.cap, plan
 
@@ -494,7 +494,9 @@ class JointSearch(JointCaptures):
             pipeline_stages=cfg.stages, schedule=cfg.schedule, micro_batches=cfg.micro_batches,
             virtual_stages=cfg.virtual,
             stages=(pr.virtual or [sp.layers for sp in pr.stages]) if cfg.stages > 1 else [],
-            zero_stage=cfg.zero_stage, zero_axis=cfg.zero_axis, recompute=recompute,
+            zero_stage=cfg.zero_stage, recompute=recompute,
+            # one axis as an int (as plans always said), several as a list
+            zero_axis=list(cfg.zero_axis) if isinstance(cfg.zero_axis, tuple) else cfg.zero_axis,
             precision=self.opts.precision, batch=self.opts.batch,
             # a micro-batched or pipelined step returns the loss alone: no rows to return
             local_axes=local_axes(cand.cap.gm, plan)

@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from autopar.cost_models import format_bytes, send_recv_time
+from autopar.plan import zero_words
 from autopar.solve.pipeline import Config, Priced, price
 
 ESTIMATED = " (estimated at full depth from a shallow copy of the model)"
@@ -64,7 +65,7 @@ def decisions_why(ctx: Context, pr: Priced) -> dict[str, str]:
     mem = max(sp.total_memory for sp in pr.stages)
     why: dict[str, str] = {}
     here = f"this plan: {ms:.3f} ms per step, {format_bytes(mem)} per device"
-    why["zero"] = (f"ZeRO-{cfg.zero_stage} over mesh axis {cfg.zero_axis}; " if cfg.zero_stage
+    why["zero"] = (f"ZeRO-{cfg.zero_stage} over {zero_words(cfg.zero_axis)}; " if cfg.zero_stage
                    else "no ZeRO; ") + here + "; " + _versus(ctx, _alt(
                        ctx, lambda c: c.zero_stage == 0 and (c.stages, c.micro_batches) ==
                        (cfg.stages, cfg.micro_batches)) if cfg.zero_stage else

@@ -114,16 +114,18 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         """Put replicated parameters under ZeRO when the plan says so."""
         from autopar.runtime.zero import Zero
         d = self.plan.decisions
-        z = d.zero_axis
-        if not d.zero_stage or z is None or self.plan.mesh.shape[z] == 1:
+        z = tuple(a for a in d.zero_axes if self.plan.mesh.shape[a] > 1)
+        if not z:
             return
         params = []
         for t, p in self._targets():
             if not self._mine(t):
                 continue
+            # a parameter replicated on every ZeRO axis (one sharded on some of them by
+            # the plan keeps its placement and its gradient sync)
             if t in self._placements and isinstance(p, nn.Parameter) and p.requires_grad \
-                    and z in self._replicated_axes(t):
-                params.append((t, tuple(a for a in self._replicated_axes(t) if a != z)))
+                    and set(z) <= set(self._replicated_axes(t)):
+                params.append((t, tuple(a for a in self._replicated_axes(t) if a not in z)))
         layers = {n.param: n.layer for n in self.plan.nodes.values() if n.param and n.layer}
         self.zero = Zero.install(self.inner, params, d.zero_stage, z, layers)
 
@@ -220,7 +222,7 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
             names = self.aliases[t]
             if t in zt:
                 zp = self.zero._by_target[t]
-                pl, shape = flat_layout(self._placements[t], self.zero.axis, zp.shard.numel(),
+                pl, shape = flat_layout(self._placements[t], self.zero.axes, zp.shard.numel(),
                                         self.plan.mesh.shape)
                 e = DParams.make(t, zp.shard, mesh, pl, shape, True,
                                  hook_on=zp.full if zp.full is not None else zp.shard)

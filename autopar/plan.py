@@ -150,6 +150,23 @@ class Request:
     model_flops_per_step: float = 0.0
 
 
+def zero_axes(axis: int | list[int] | tuple[int, ...] | None) -> tuple[int, ...]:
+    """A ZeRO axis field (None, one axis, or several) as a sorted tuple of axes."""
+    if axis is None:
+        return ()
+    if isinstance(axis, int):
+        return (axis,)
+    return tuple(sorted(int(a) for a in axis))
+
+
+def zero_words(axis: int | list[int] | tuple[int, ...] | None) -> str:
+    """``"mesh axis 1"`` or ``"mesh axes 0 and 1"``, for messages."""
+    axes = zero_axes(axis)
+    if len(axes) == 1:
+        return f"mesh axis {axes[0]}"
+    return "mesh axes " + ", ".join(map(str, axes[:-1])) + f" and {axes[-1]}"
+
+
 @dataclass
 class Decisions:
     """Plan-level decisions beside the per-node placements (issue: ZeRO, pipeline,
@@ -164,7 +181,8 @@ class Decisions:
     summed).  ``micro_batches`` splits the global batch
     (the graph was captured at the micro-batch size); without a pipeline it is the
     number of gradient accumulation steps.  ``zero_stage`` 1/2/3 shards optimizer state
-    / gradients / parameters of replicated parameters over sub-mesh axis ``zero_axis``.
+    / gradients / parameters of replicated parameters over sub-mesh axis ``zero_axis``
+    (or over several axes at once).
     ``recompute`` lists layer keys whose activations are recomputed in backward.
     ``why`` maps each decision to a sentence with its memory and time effect.
     """
@@ -176,7 +194,9 @@ class Decisions:
     micro_batches: int = 1
     stages: list[list[str]] = field(default_factory=list)
     zero_stage: int = 0
-    zero_axis: int | None = None
+    zero_axis: int | list[int] | None = None
+    """The sub-mesh axis ZeRO shards over, or several (a list: one group spanning them,
+    ranks in row-major order); :attr:`zero_axes` reads either form."""
     recompute: list[str] = field(default_factory=list)
     precision: str = "native"
     """``"native"`` (the model's own dtypes), ``"bf16-mixed"`` or ``"fp16-mixed"``: the graph was captured
@@ -214,6 +234,11 @@ class Decisions:
     collectives: list[dict[str, Any]] = field(default_factory=list)
     """What :meth:`Plan.collectives` lists (:class:`autopar.step_collectives.Collective`
     in JSON form), computed from the captured graph when the plan is made."""
+
+    @property
+    def zero_axes(self) -> tuple[int, ...]:
+        """The ZeRO axes as a sorted tuple (empty without ZeRO)."""
+        return zero_axes(self.zero_axis) if self.zero_stage else ()
 
     def rank_of(self, layer: str) -> int:
         """Pipeline rank (stage of the mesh's pipeline axis) running ``layer``: its

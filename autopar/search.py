@@ -64,6 +64,7 @@ class PlanOptions:
     pins: dict = field(default_factory=dict)
     # plan-level decisions (autopar/joint.py): None = searched, a value = forced
     zero_stage: int | None = None
+    zero_axes: tuple[int, ...] | None = None  # the sub-mesh axes ZeRO shards over; None = searched
     pipeline_stages: int | None = None
     micro_batches: int | None = None
     schedule: str | None = None

@@ -318,14 +318,15 @@ class _Lister:
             self._rank_sync(self._params(rank))
 
     def _rank_sync(self, params: list[tuple[str, int, int, tuple[int, ...]]]) -> None:
-        z, stage = self.d.zero_axis, self.d.zero_stage
+        # the ZeRO axes of more than one device, as ParallelModule._start_zero keeps them
+        z, stage = tuple(a for a in self.d.zero_axes if self.mesh[a] > 1), self.d.zero_stage
         zero = [(t, n, item, axes) for t, n, item, axes in params
-                if stage and z is not None and self.mesh[z] > 1 and z in axes]
+                if z and set(z) <= set(axes)]
         zt = {t for t, _, _, _ in zero}
-        d = self.mesh[z] if zero else 1
+        d = math.prod(self.mesh[a] for a in z) if zero else 1
         synced = [(t, n * item, axes) for t, n, item, axes in params if t not in zt]
         if stage == 3:
-            synced += [(t, -(-n // d) * item, tuple(a for a in axes if a != z))
+            synced += [(t, -(-n // d) * item, tuple(a for a in axes if a not in z))
                        for t, n, item, axes in zero]
         self._buckets([s for s in synced if s[2]])
         if zero:
@@ -352,9 +353,9 @@ class _Lister:
             for bucket in fill_buckets(sizes, int):
                 self.add("backward", "all_reduce", axes, sum(bucket), "gradient bucket (4 MiB)")
 
-    def _zero(self, zero: list, z: int, d: int) -> None:
+    def _zero(self, zero: list, z: tuple[int, ...], d: int) -> None:
         stage = self.d.zero_stage
-        shards = [(t, -(-n // d), item, tuple(a for a in axes if a != z))
+        shards = [(t, -(-n // d), item, tuple(a for a in axes if a not in z))
                   for t, n, item, axes in zero]
         if stage == 3:
             layers = {n.param: n.layer for n in self.plan.nodes.values() if n.param and n.layer}
@@ -364,21 +365,21 @@ class _Lister:
                 groups[key] = groups.get(key, 0) + c * item
             m = self.d.micro_batches
             for key, nbytes in groups.items():
-                self.add("forward", "all_gather", (z,), nbytes, f"ZeRO-3 {key}", m)
-                self.add("backward", "all_gather", (z,), nbytes, f"ZeRO-3 {key} (re-gather)", m)
-                self.add("backward", "reduce_scatter", (z,), nbytes * d, f"ZeRO-3 {key}", m)
+                self.add("forward", "all_gather", z, nbytes, f"ZeRO-3 {key}", m)
+                self.add("backward", "all_gather", z, nbytes, f"ZeRO-3 {key} (re-gather)", m)
+                self.add("backward", "reduce_scatter", z, nbytes * d, f"ZeRO-3 {key}", m)
             return
         # runtime/zero.py: back to front, by padded whole-gradient bytes
         buckets = fill_buckets(reversed(shards), lambda s: s[1] * s[2] * d)
         for i, b in enumerate(buckets):
             padded = sum(c * item for _, c, item, _ in b) * d
-            self.add("backward", "all_reduce" if stage == 1 else "reduce_scatter", (z,), padded,
+            self.add("backward", "all_reduce" if stage == 1 else "reduce_scatter", z, padded,
                      f"ZeRO-{stage} bucket {i}")
             for t, c, item, other in b:
                 for a in other:
                     self.add("backward", "all_reduce", (a,), c * item, f"ZeRO-{stage} {t}")
         for i, b in enumerate(buckets):
-            self.add("step", "all_gather", (z,), sum(c * item for _, c, item, _ in b),
+            self.add("step", "all_gather", z, sum(c * item for _, c, item, _ in b),
                      f"ZeRO-{stage} bucket {i}")
 
 

@@ -22,6 +22,7 @@ weights split too (gathered per use).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import shutil
@@ -137,7 +138,7 @@ def axis_roles(plan: Plan) -> list[AxisRole]:
         for flag, tag in ((ep, "EP"), (etp and "TP" not in kind, "TP"), (cp, "CP")):
             if flag:
                 kind = tag if kind in ("SP", "R") else f"{kind}+{tag}"
-        zero = d.zero_stage if d.zero_stage and d.zero_axis == a and size > 1 else 0
+        zero = d.zero_stage if a in d.zero_axes and size > 1 else 0
         roles.append(AxisRole(name, size, kind, _link_words(mesh, a), zero))
     return roles
 
@@ -147,7 +148,10 @@ def layout(plan: Plan) -> str:
     (inter-node), ZeRO-1"``; axes of size 1 are left out."""
     parts = []
     d = plan.decisions
-    for r in axis_roles(plan):
+    roles = axis_roles(plan)
+    # ZeRO over several axes is one group: said once, after them
+    spanning = [r.name for r in roles if r.zero and r.size > 1]
+    for r in roles:
         if r.size == 1:
             continue
         if r.kind == "PP":
@@ -155,8 +159,11 @@ def layout(plan: Plan) -> str:
             parts.append(f"PP{r.size} ({r.link}; {d.schedule}{chunks}, {d.micro_batches} "
                          "micro-batches)")
         else:
-            parts.append(r.short())
-    return " x ".join(parts) or "one device (nothing to split)"
+            parts.append(dataclasses.replace(r, zero=0).short() if len(spanning) > 1 else r.short())
+    text = " x ".join(parts) or "one device (nothing to split)"
+    if len(spanning) > 1:
+        text += f", ZeRO-{d.zero_stage} over {' and '.join(spanning)} as one group"
+    return text
 
 
 def unsupported_ops(plan: Plan) -> list[str]:

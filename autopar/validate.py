@@ -108,6 +108,15 @@ def options(memory_budget, optimizer, time_limit, search, decisions: Mapping) ->
     z = decisions.get("zero_stage")
     if z is not None and (isinstance(z, bool) or z not in (0, 1, 2, 3)):
         raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {z!r}")
+    za = decisions.get("zero_axes")
+    if za is not None:
+        items = [za] if isinstance(za, int) and not isinstance(za, bool) else za
+        ok = isinstance(items, (list, tuple)) and items and all(
+            isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in items) \
+            and len(set(items)) == len(items)
+        if not ok:
+            raise ConfigError(f"zero_axes must be a mesh axis or a list of distinct mesh axes "
+                              f"(integers >= 0), got {za!r}")
     for key in ("pipeline_stages", "micro_batches", "virtual_stages", "blocks", "bucket_bytes"):
         v = decisions.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):

@@ -48,13 +48,13 @@ def as_dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence,
                               stride=stride)
 
 
-def flat_layout(placements: Sequence, zero_axis: int, shard_numel: int,
+def flat_layout(placements: Sequence, zero_axes: tuple[int, ...], shard_numel: int,
                 mesh_shape: Sequence[int]) -> tuple[tuple, tuple[int]]:
-    """(placements, global shape) of a ZeRO flat shard: different on the ZeRO axis and
+    """(placements, global shape) of a ZeRO flat shard: different on the ZeRO axes and
     on every axis the parameter is sharded on, identical on the other axes."""
     pl, n = [], shard_numel
     for a, p in enumerate(placements):
-        if a == zero_axis or isinstance(p, Shard):
+        if a in zero_axes or isinstance(p, Shard):
             pl.append(Shard(0))
             n *= mesh_shape[a]
         else:

@@ -53,6 +53,18 @@ class RuntimeMesh:
             return self.group(axes[0])
         return self.flat[tuple(sorted(axes))]
 
+    def size_of(self, axes: tuple[int, ...]) -> int:
+        """Ranks in :meth:`group_of` ``(axes)``."""
+        return math.prod(self.shape[a] for a in axes)
+
+    def coord_of(self, axes: tuple[int, ...]) -> int:
+        """This rank's index in :meth:`group_of` ``(axes)``: row-major over the sorted
+        axes, the order the group's ranks are listed in (:func:`_flat_groups`)."""
+        i = 0
+        for a in sorted(axes):
+            i = i * self.shape[a] + self.coord[a]
+        return i
+
     def stage_rank(self, stage: int) -> int:
         """Global rank of the rank with this rank's sub-mesh coordinate in ``stage``."""
         if self.stages == 1:

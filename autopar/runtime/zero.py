@@ -1,6 +1,7 @@
-"""Optimizer (ZeRO) parallelism over one mesh axis, with the user's own ``torch.optim``.
+"""Optimizer (ZeRO) parallelism over mesh axes, with the user's own ``torch.optim``.
 
-A parameter replicated on the ZeRO axis ``z`` (size ``d``) gets a *shard*: an
+A parameter replicated on the ZeRO axes ``z`` (one or several: ``d`` ranks in all,
+one group spanning them) gets a *shard*: an
 ``nn.Parameter`` holding this rank's ``1/d`` of its flattened (zero-padded) local
 tensor.  The shards are what ``ParallelModule.parameters()`` yields, so any
 element-wise optimizer (AdamW, SGD with momentum, ...) keeps state for its shard only.
@@ -46,23 +47,23 @@ from autopar.runtime.mesh import current
 from autopar.runtime.tls import issue
 
 # stage 3 lives in autopar.runtime.zero3 (one gather per layer, prefetched)
-from autopar.runtime.zero3 import Group, free_gathered_params, register, zero_gather
+from autopar.runtime.zero3 import Group, free_gathered_params, rank_major, register, zero_gather
 
 
-def _all_gather_flat(shard: torch.Tensor, axis: int) -> torch.Tensor:
-    """Concatenate every rank's ``shard`` along the ZeRO axis, rank order."""
+def _all_gather_flat(shard: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
+    """Concatenate every rank's ``shard`` over the ZeRO axes, rank order."""
     m = current()
-    out = torch.empty(shard.numel() * m.shape[axis], dtype=shard.dtype, device=shard.device)
+    out = torch.empty(shard.numel() * m.size_of(axes), dtype=shard.dtype, device=shard.device)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    issue(fn, out, shard.contiguous(), group=m.group(axis))
+    issue(fn, out, shard.contiguous(), group=m.group_of(axes))
     return out
 
 
-def _reduce_scatter_flat(flat: torch.Tensor, axis: int) -> torch.Tensor:
+def _reduce_scatter_flat(flat: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
     m = current()
-    out = torch.empty(flat.numel() // m.shape[axis], dtype=flat.dtype, device=flat.device)
+    out = torch.empty(flat.numel() // m.size_of(axes), dtype=flat.dtype, device=flat.device)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    issue(fn, out, flat.contiguous(), group=m.group(axis))
+    issue(fn, out, flat.contiguous(), group=m.group_of(axes))
     return out
 
 
@@ -122,7 +123,7 @@ class Zero(OrderedBuckets):
     """ZeRO state of one ParallelModule (see the module docstring)."""
 
     stage: int
-    axis: int
+    axes: tuple[int, ...]
     params: list[ZeroParam] = field(default_factory=list)
     bucket_bytes: int = BUCKET_BYTES
     enabled: bool = True
@@ -139,15 +140,15 @@ class Zero(OrderedBuckets):
     # ------------------------------------------------------------ set-up
     @classmethod
     def install(cls, gm: fx.GraphModule, params: list[tuple[str, tuple[int, ...]]], stage: int,
-                axis: int, layers: dict[str, str] | None = None) -> Zero:
+                axes: tuple[int, ...], layers: dict[str, str] | None = None) -> Zero:
         """Move ``params`` (graph target, other replicated axes), in forward order, under
         ZeRO on ``gm``: register shards, demote (stages 1-2) or remove (stage 3) the
         whole parameters and, for stage 3, gather each layer's parameters (``layers``:
         target -> layer key; a target without one is its own group) before their first
         use."""
         m = current()
-        d, r = m.shape[axis], m.coord[axis]
-        z = cls(stage, axis)
+        d, r = m.size_of(axes), m.coord_of(axes)
+        z = cls(stage, axes)
         for target, other in params:
             owner, leaf = _owner(gm, target)
             whole = getattr(owner, leaf).detach()
@@ -194,7 +195,7 @@ class Zero(OrderedBuckets):
         keys = [f"zero3.{uid}.{i}" for i in range(len(chain))]
         for i, (key, targets) in enumerate(zip(keys, chain)):
             zps = [self._by_target[t] for t in targets]
-            register(Group(key, [zp.shard for zp in zps], [zp.shape for zp in zps], self.axis,
+            register(Group(key, [zp.shard for zp in zps], [zp.shape for zp in zps], self.axes,
                            next=keys[i + 1] if i + 1 < len(keys) else None,
                            prev=keys[i - 1] if i else None))
             meta = reads[targets[0]][0].meta
@@ -213,7 +214,7 @@ class Zero(OrderedBuckets):
         gm.recompile()
 
     def _make_buckets(self) -> None:
-        d = current().shape[self.axis]
+        d = current().size_of(self.axes)
         # reverse forward order: gradients become ready roughly back to front; a
         # bucket's bytes are its padded whole gradients (what the reduction moves)
         self._buckets.extend(_Bucket(b) for b in fill_buckets(
@@ -230,30 +231,9 @@ class Zero(OrderedBuckets):
 
     def _rank_major(self, b: _Bucket) -> torch.Tensor:
         """Gradients of a bucket laid out so rank ``r``'s part is contiguous: for each
-        rank, the ``r``-th chunk of every parameter in the bucket, zero-padded.  Each
-        gradient is copied once, straight into the buffer (padding each one and
-        concatenating held two copies of the bucket)."""
-        d = current().shape[self.axis]
-        cols = sum(zp.shard.numel() for zp in b.params)
-        first = b.params[0].full
-        flat = torch.empty(d, cols, dtype=first.dtype, device=first.device)
-        off = 0
-        for zp in b.params:
-            c = zp.shard.numel()
-            block = flat[:, off:off + c]
-            g = zp.full.grad
-            if g is None:
-                block.zero_()
-            else:
-                whole, rest = divmod(zp.numel, c)  # full rows, elements of the next one
-                src = g.reshape(-1)
-                block[:whole].copy_(src[:whole * c].view(whole, c))
-                if whole < d:
-                    block[whole, :rest].copy_(src[whole * c:])
-                    block[whole, rest:].zero_()
-                    block[whole + 1:].zero_()
-            off += c
-        return flat.reshape(-1)
+        rank, the ``r``-th chunk of every parameter in the bucket (zero-padded)."""
+        return rank_major([zp.full.grad for zp in b.params], [zp.shard.numel() for zp in b.params],
+                          [zp.numel for zp in b.params], current().size_of(self.axes), b.params[0].full)
 
     def _launch(self, b: _Bucket) -> None:
         # at most two buckets in flight: finishing the one before the previous here
@@ -267,11 +247,11 @@ class Zero(OrderedBuckets):
         b.flat = self._rank_major(b)
         for zp in b.params:
             zp.full.grad = None  # the bucket holds it now; stage 2 frees it here
-        g = current().group(self.axis)
+        g = current().group_of(self.axes)
         if self.stage == 1:
             b.work = issue(dist.all_reduce, b.flat, group=g, async_op=True)
         else:
-            out = torch.empty(b.flat.numel() // current().shape[self.axis], dtype=b.flat.dtype,
+            out = torch.empty(b.flat.numel() // current().size_of(self.axes), dtype=b.flat.dtype,
                               device=b.flat.device)
             fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
             b.work = issue(fn, out, b.flat, group=g, async_op=True)
@@ -284,8 +264,8 @@ class Zero(OrderedBuckets):
         b.work.wait()
         mine = b.flat
         if self.stage == 1:
-            part = mine.numel() // m.shape[self.axis]
-            mine = mine[m.coord[self.axis] * part:(m.coord[self.axis] + 1) * part]
+            part, r = mine.numel() // m.size_of(self.axes), m.coord_of(self.axes)
+            mine = mine[r * part:(r + 1) * part]
         off = 0
         for zp in b.params:
             c = zp.shard.numel()
@@ -310,11 +290,11 @@ class Zero(OrderedBuckets):
         versions = [zp.shard._version for zp in self.params]
         if versions == self._versions and _STEPS[0] == self._steps:
             return
-        d = current().shape[self.axis]
+        d = current().size_of(self.axes)
         with torch.no_grad():
             for b in self._buckets:
                 flat = torch.cat([zp.shard.detach().reshape(-1) for zp in b.params])
-                full = _all_gather_flat(flat, self.axis).view(d, -1)
+                full = _all_gather_flat(flat, self.axes).view(d, -1)
                 off = 0
                 for zp in b.params:
                     c = zp.shard.numel()
@@ -330,17 +310,17 @@ class Zero(OrderedBuckets):
 
     def local_whole(self, target: str, grad: bool = False) -> torch.Tensor | None:
         """This rank's whole (TP-local) parameter or gradient for ``target``
-        (collective over the ZeRO axis: every rank must call it)."""
+        (collective over the ZeRO axes: every rank must call it)."""
         zp = self._by_target[target]
         src = zp.shard.grad if grad else zp.shard.detach()
         if src is None:
             return None
-        return _all_gather_flat(src.detach(), self.axis)[: zp.numel].view(zp.shape).clone()
+        return _all_gather_flat(src.detach(), self.axes)[: zp.numel].view(zp.shape).clone()
 
     def load_whole(self, target: str, whole: torch.Tensor) -> None:
         """Set ``target`` from this rank's whole (TP-local) tensor."""
         zp = self._by_target[target]
-        d, r = current().shape[self.axis], current().coord[self.axis]
+        d, r = current().size_of(self.axes), current().coord_of(self.axes)
         c = zp.shard.numel()
         flat = torch.nn.functional.pad(whole.reshape(-1), (0, c * d - zp.numel))
         with torch.no_grad():

@@ -41,7 +41,7 @@ class Group:
     key: str
     shards: list[torch.Tensor]
     shapes: list[torch.Size]
-    axis: int
+    axes: tuple[int, ...]  # the ZeRO axes (one group spanning them)
     next: str | None = None  # the group whose forward use comes next
     prev: str | None = None  # the one before: needed next in backward
     sizes: list[int] = field(default_factory=list)
@@ -66,17 +66,17 @@ def register(group: Group) -> None:
 
 def _launch(g: Group, async_op: bool):
     m = current()
-    d = m.shape[g.axis]
+    d = m.size_of(g.axes)
     send = torch.cat([s.detach().reshape(-1) for s in g.shards])
     out = torch.empty(send.numel() * d, dtype=send.dtype, device=send.device)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    work = issue(fn, out, send, group=m.group(g.axis), async_op=async_op)
+    work = issue(fn, out, send, group=m.group_of(g.axes), async_op=async_op)
     return work, out
 
 
 def _split(g: Group, out: torch.Tensor) -> list[torch.Tensor]:
     """Whole parameters from the gathered buffer (rank-major: rank r's shards first)."""
-    d = current().shape[g.axis]
+    d = current().size_of(g.axes)
     rows = out.view(d, -1)
     fulls, off = [], 0
     for c, shape in zip(g.sizes, g.shapes):
@@ -129,17 +129,37 @@ class _GatherGroup(Function):
         if stale is not None:
             stale[0].wait()
         m = current()
-        d = m.shape[g.axis]
-        per = []
-        for grad, c, shape, shard in zip(grads, g.sizes, g.shapes, g.shards):
-            n = math.prod(shape)
-            flat = grad.reshape(-1) if grad is not None else shard.new_zeros(n)
-            per.append(torch.nn.functional.pad(flat, (0, c * d - n)).view(d, c))
-        send = torch.cat(per, dim=1).reshape(-1)
+        d = m.size_of(g.axes)
+        send = rank_major(list(grads), g.sizes, [math.prod(s) for s in g.shapes], d, g.shards[0])
         out = torch.empty(send.numel() // d, dtype=send.dtype, device=send.device)
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        issue(fn, out, send, group=m.group(g.axis))
+        issue(fn, out, send, group=m.group_of(g.axes))
         return (None, *out.split(g.sizes))
+
+
+def rank_major(grads: list[torch.Tensor | None], sizes: list[int], numels: list[int], d: int,
+               like: torch.Tensor) -> torch.Tensor:
+    """Whole gradients laid out for a reduce-scatter over ``d`` ranks: rank ``r``'s part
+    is the ``r``-th chunk (``sizes[i]`` elements, zero-padded) of every gradient, in
+    order.  Each gradient is copied once, straight into the buffer (padding each and
+    concatenating held two copies); a missing one is zeros; ``like`` gives the type."""
+    cols = sum(sizes)
+    flat = torch.empty(d, cols, dtype=like.dtype, device=like.device)
+    off = 0
+    for g, c, n in zip(grads, sizes, numels):
+        block = flat[:, off:off + c]
+        off += c
+        if g is None:
+            block.zero_()
+            continue
+        whole, rest = divmod(n, c)  # full rows, elements of the next one
+        src = g.reshape(-1)
+        block[:whole].copy_(src[:whole * c].view(whole, c))
+        if whole < d:
+            block[whole, :rest].copy_(src[whole * c:])
+            block[whole, rest:].zero_()
+            block[whole + 1:].zero_()
+    return flat.reshape(-1)
 
 
 @torch.fx.wrap
@@ -196,4 +216,4 @@ def free_gathered_params():
             work.wait()
 
 
-__all__ = ["Group", "free_gathered_params", "register", "zero_gather"]
+__all__ = ["Group", "free_gathered_params", "rank_major", "register", "zero_gather"]

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.cost_models import MeshSpec, all_reduce_time
-from autopar.solve.layer_stats import LayerStat, ZeroPrice
+from autopar.solve.layer_stats import LayerStat, ZeroPrice, on_zero
 
 
 @dataclass(frozen=True)
@@ -244,7 +244,7 @@ def one_bucket(items: list[GradItem]) -> list[tuple[int, int]]:
 
 
 def stage_items(layers: list[LayerStat], zp: list[ZeroPrice], recompute: set[str],
-                zero_stage: int, zero_axis: int | None) -> tuple[list[GradItem], float]:
+                zero_stage: int, zero_axis: int | tuple[int, ...] | None) -> tuple[list[GradItem], float]:
     """The gradients of one pipeline stage in the order its last backward makes them,
     and when that backward ends.  Layers run backward last to first, each taking its
     backward time (plus its forward again when recomputed); inside a layer the
@@ -254,8 +254,7 @@ def stage_items(layers: list[LayerStat], zp: list[ZeroPrice], recompute: set[str
     t = 0.0
     for st, z in zip(reversed(layers), reversed(zp)):
         bwd = st.seconds - st.forward + (st.forward if st.key in recompute else 0.0)
-        mine = [p for p in st.params if p.replicated
-                and not (zero_stage > 0 and zero_axis is not None and zero_axis in p.replicated)]
+        mine = [p for p in st.params if p.replicated and not on_zero(p.replicated, zero_stage, zero_axis)]
         for k, p in enumerate(reversed(mine)):
             items.append(GradItem(p.name, p.bytes, p.replicated, t + bwd * (k + 1) / len(mine)))
         t += bwd

@@ -34,7 +34,7 @@ from autopar.cost_models import (
 from autopar.costs import compute_floor
 from autopar.ir import info
 from autopar.placement import is_replicate, local_shape, parse_placements
-from autopar.plan import Plan
+from autopar.plan import Plan, zero_axes
 
 
 @dataclass
@@ -144,8 +144,15 @@ class ZeroPrice:
     opt_step: float = 0.0  # the optimizer's update of the parameters this device owns
 
 
-def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | None, optimizer: str,
-               micro_batches: int = 1) -> ZeroPrice:
+def on_zero(replicated: tuple[int, ...], stage: int, axis: int | tuple[int, ...] | None) -> bool:
+    """True when a parameter replicated on ``replicated`` is under ZeRO ``stage`` over
+    ``axis`` (one axis or several): it must be replicated on every one of them."""
+    axes = zero_axes(axis)
+    return stage > 0 and bool(axes) and set(axes) <= set(replicated)
+
+
+def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | tuple[int, ...] | None,
+               optimizer: str, micro_batches: int = 1) -> ZeroPrice:
     """Price ``stat``'s parameters under ZeRO ``stage`` over sub-mesh ``axis`` for a step
     of ``micro_batches``, as the runtime runs them (:mod:`autopar.runtime.zero`): stages
     1-2 reduce once, after the last micro-batch's backward, so under accumulation stage 2
@@ -153,26 +160,26 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | None, op
     micro-batch's backward (the gather's backward, :mod:`autopar.runtime.zero3`), so the
     first ``micro_batches - 1`` of them are per micro-batch work (``gather_mb``)."""
     sync = gstep = gmb = pb = gb = ob = tr = zsync = step = rs = 0.0
+    zax = zero_axes(axis)
     for p in stat.params:
         opt = optimizer_state_bytes(p.bytes, optimizer)
-        on_z = stage > 0 and axis is not None and axis in p.replicated
-        if not on_z:
+        if not on_zero(p.replicated, stage, zax):
             if p.replicated:
                 # bandwidth only: bucketing pays the latency once per bucket
                 sync += all_reduce_time(mesh, p.replicated, p.bytes) - all_reduce_time(mesh, p.replicated, 1.0)
             pb, gb, ob = pb + p.bytes, gb + p.bytes, ob + opt
             step += optimizer_step_time(mesh, p.bytes, opt)
             continue
-        d = mesh.shape[axis]
-        others = tuple(a for a in p.replicated if a != axis)
+        d = math.prod(mesh.shape[a] for a in zax)
+        others = tuple(a for a in p.replicated if a not in zax)
         before = sync
-        sync += reduce_scatter_time(mesh, (axis,), p.bytes) - reduce_scatter_time(mesh, (axis,), d)
+        sync += reduce_scatter_time(mesh, zax, p.bytes) - reduce_scatter_time(mesh, zax, d)
         rs += sync - before  # the ZeRO axis's own reduce-scatter (what zero3's backward runs)
         if others:
             sync += all_reduce_time(mesh, others, p.bytes / d) - all_reduce_time(mesh, others, 1.0)
         zsync += sync - before
         if stage < 3:
-            gstep += all_gather_time(mesh, (axis,), p.bytes)
+            gstep += all_gather_time(mesh, zax, p.bytes)
             # the whole parameter the graph reads and the shard the optimizer steps
             pb += p.bytes + p.bytes / d
         else:
@@ -185,18 +192,18 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | None, op
         gb += p.bytes / d if sharded else p.bytes
         ob += opt / d
         step += optimizer_step_time(mesh, p.bytes / d, opt / d)  # each rank updates its shard
-    if zsync and axis is not None:
+    if zsync and zax:
         # the layer's gradients leave in one reduce-scatter (stage 3, runtime/zero3.py)
         # or a few fused buckets (stages 1-2): one latency per layer, as the data-parallel
         # buckets pay theirs (autopar/solve/buckets.py)
-        lat = reduce_scatter_time(mesh, (axis,), mesh.shape[axis])
+        lat = reduce_scatter_time(mesh, zax, math.prod(mesh.shape[a] for a in zax))
         zsync += lat
         sync += lat
         rs += lat
     if tr:
         # stage 3 gathers a layer's parameters in one collective (runtime/zero3.py), in
         # the forward and again in the backward: the latency is paid once per layer
-        gmb = 2.0 * all_gather_time(mesh, (axis,), tr)
+        gmb = 2.0 * all_gather_time(mesh, zax, tr)
         # and reduce-scatters their gradients over the ZeRO axis in every micro-batch's
         # backward: the last is the step's gradient sync (``sync``, overlapped like a
         # bucket); the others are spread over the micro-batches here (the step prices
@@ -206,4 +213,4 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | None, op
     return ZeroPrice(sync, gstep, gmb, pb, gb, ob, tr, zsync, step)
 
 
-__all__ = ["LayerStat", "ParamStat", "ZeroPrice", "layer_stats", "zero_price"]
+__all__ = ["LayerStat", "ParamStat", "ZeroPrice", "layer_stats", "on_zero", "zero_price"]

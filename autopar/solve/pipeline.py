@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 
 from autopar import schedules as sched
 from autopar.cost_models import MeshSpec
-from autopar.plan import Schedule
+from autopar.plan import Schedule, zero_axes
 from autopar.runtime.grad_sync import fill_buckets  # ZeRO-1/2's buckets (runtime/zero.py)
 from autopar.solve import buckets as bk
-from autopar.solve.layer_stats import LayerStat, zero_price
+from autopar.solve.layer_stats import LayerStat, on_zero, zero_price
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class Config:
     micro_batches: int = 1
     schedule: str = Schedule.NONE.value
     zero_stage: int = 0
-    zero_axis: int | None = None
+    zero_axis: int | tuple[int, ...] | None = None  # one axis, or several at once
     recompute: tuple[str, ...] | None = None  # forced recomputed layer keys; None = searched
     bucket_bytes: float | None = None  # fixed gradient bucket size; None = chosen (MG-WFBP)
     virtual: int = 1  # model chunks per pipeline rank (the interleaved schedule)
@@ -177,6 +177,10 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
               for st in layers]
     held = sum(z.params + z.optimizer for z in zp) + sum(st.buffers for st in layers)
     grads = [z.grads for z in zp]  # per layer, as they are once the step's reduction ends
+    # gradient memory as backward allocates it: a data-parallel bucket's buffer whole at
+    # its first gradient (runtime/grad_sync.py makes .grad views of it)
+    first = _sync(layers, zp, set(), cfg, mesh) if sync else None
+    arrive = _arrivals(layers, zp, cfg, mesh, first[1] if first else [])
     # stage 3: a layer's whole parameters live while it runs, and the next layer's
     # prefetched gather lands meanwhile (runtime/zero3.py): two neighbours at once
     tr = [z.transient for z in zp]
@@ -207,7 +211,7 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
         kept = [st.out_bytes if st.key in keys else st.activations for st in layers]
         before, made = sum(kept), 0.0
         act, act_grads = before, sum(grads) if present else 0.0
-        for st, k, g in zip(reversed(layers), reversed(kept), reversed(grads)):
+        for st, k, g in zip(reversed(layers), reversed(kept), reversed(arrive)):
             before -= k
             live = before + (st.activations if st.key in keys else k)
             if live + made > act + act_grads:
@@ -246,7 +250,8 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
             seconds += 2.0 * pipe_link(_in_bytes(layers))
         if index < cfg.stages - 1:
             seconds += 2.0 * pipe_link(layers[-1].out_bytes)
-    bp, names, extremes = _sync(layers, zp, rc, cfg, mesh) if sync else (None, [], {})
+    bp, names, extremes = (first if not rc else _sync(layers, zp, rc, cfg, mesh)) if sync \
+        else (None, [], {})
     exposed = bp.exposed if bp is not None else 0.0
     gather_step = sum(z.gather_step for z in zp)
     # the optimizer updates the stage's parameters once per step, after the gradients
@@ -264,6 +269,37 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     return StagePrice([st.key for st in layers], seconds, extra, memory, sorted(rc), parts, names)
 
 
+def _arrivals(layers: list[LayerStat], zp: list, cfg: Config, mesh: MeshSpec,
+              buckets: list[list[str]]) -> list[float]:
+    """Per layer, the gradient bytes that exist once its backward has run and not
+    before: its own gradients (``zp``'s), except that a data-parallel bucket
+    (``buckets``, the plan's; ZeRO-3 shards reduced over other axes go in BUCKET_BYTES
+    ones, back to front) is allocated whole at its first gradient, in the last layer
+    holding one (runtime/grad_sync.py makes ``.grad`` views of the bucket)."""
+    out = [z.grads for z in zp]
+    zax = zero_axes(cfg.zero_axis)
+    d = math.prod(mesh.shape[a] for a in zax)
+
+    def nbytes(q) -> float:  # as zero_price counts the gradient
+        if not on_zero(q.replicated, cfg.zero_stage, zax):
+            return q.bytes
+        return q.bytes / d if cfg.zero_stage == 3 or cfg.micro_batches == 1 else q.bytes
+
+    index = {q.name: (i, q) for i, st in enumerate(layers) for q in st.params}
+    groups = [[index[n] for n in names if n in index] for names in buckets]
+    named = {q.name for g in groups for _, q in g}
+    shards = [(i, q) for i in reversed(range(len(layers))) for q in reversed(layers[i].params)
+              if cfg.zero_stage == 3 and on_zero(q.replicated, 3, zax)
+              and set(q.replicated) - set(zax) and q.name not in named]
+    groups += fill_buckets(shards, lambda iq: nbytes(iq[1]))
+    for g in groups:
+        if g:
+            for i, q in g:
+                out[i] -= nbytes(q)
+            out[max(i for i, _ in g)] += sum(nbytes(q) for _, q in g)
+    return out
+
+
 def _zero_flats(layers: list[LayerStat], cfg: Config) -> float:
     """ZeRO-1/2: the most bytes of flat reduce buckets alive at once at the end of
     backward.  The runtime (runtime/zero.py) cuts the ZeRO axis's gradients, back to
@@ -271,10 +307,10 @@ def _zero_flats(layers: list[LayerStat], cfg: Config) -> float:
     copy exists beside bucket ``i - 1``'s, and with one micro-batch the whole gradients
     of bucket ``i`` too, until it launches (gradients are counted sharded then; under
     accumulation they are whole until the last backward and counted so)."""
-    if cfg.zero_stage not in (1, 2) or cfg.zero_axis is None:
+    if cfg.zero_stage not in (1, 2):
         return 0.0
     sizes = [q.bytes for st in reversed(layers) for q in reversed(st.params)
-             if cfg.zero_axis in q.replicated]
+             if on_zero(q.replicated, cfg.zero_stage, cfg.zero_axis)]
     flat = [sum(b) for b in fill_buckets(sizes, float)]
     whole = 2.0 if cfg.micro_batches == 1 else 1.0
     return max((prev + whole * cur for prev, cur in zip([0.0, *flat], flat)), default=0.0)

@@ -77,7 +77,7 @@ def run_case(case: Case) -> dict:
                  "searcher": pm.plan.solver.searcher,
                  "decisions": {"zero": d.zero_stage, "stages": d.pipeline_stages, "schedule": d.schedule,
                                "virtual_stages": d.virtual_stages, "micro_batches": d.micro_batches, "recompute": d.recompute,
-                               "precision": d.precision,
+                               "precision": d.precision, "zero_axes": list(d.zero_axes),
                                "memory": {k: float(v) for k, v in pm.plan.memory.items()}}}
     names = [n for n, _ in ref.named_parameters()]
     # 1. loss and every gradient

@@ -267,6 +267,46 @@ def dcp_reshard(c: dict) -> dict:
     return res
 
 
+def dcp_zero_axes(c: dict) -> dict:
+    """DCP under ZeRO over both axes of a 2x2 data-parallel mesh (its flat shards are
+    DTensors sharded on both axes): save the model and AdamW's state after a step, load
+    them into a fresh module with the same plan, and take one more step on both."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    path = Path(c["dir"]) / f"zero-axes-{c['stage']}"
+    torch.manual_seed(0)
+    x, y = _batch()
+    pins = {"*": "RR", "input:0": "S(0)S(0)"}
+    opts = {"zero_stage": c["stage"], "zero_axes": (0, 1), "pipeline_stages": 1, "micro_batches": 1}
+    pms, opts_ = [], []
+    for seed in (0, 1):  # the second starts from other weights: loading must replace them
+        torch.manual_seed(seed)
+        pm = auto_parallel(Net(), example_inputs=(x, y), mesh=_mesh((2, 2)), pins=pins, **opts)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+        pm(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        pms.append(pm)
+        opts_.append(opt)
+    msd, osd = get_state_dict(pms[0], opts_[0])
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    msd2, osd2 = get_state_dict(pms[1], opts_[1])
+    state = {"model": msd2, "optim": osd2}
+    dcp.load(state, checkpoint_id=path)
+    # strict=False: Net's never-used layer has no optimizer state (as in one process)
+    set_state_dict(pms[1], opts_[1], model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(strict=False))
+    same = lambda: all(torch.equal(a, b) for a, b in  # noqa: E731
+                       zip(pms[0].full_state_dict().values(), pms[1].full_state_dict().values()))
+    loaded = same()
+    for pm, opt in zip(pms, opts_):
+        pm(x, y).backward()
+        opt.step()
+    return {"loaded": loaded, "stepped": same(),
+            "zero_axes": list(pms[0].plan.decisions.zero_axes)}
+
+
 def export_load(c: dict) -> dict:
     """A loaded export keeps the habits: names, frozen and unused tensors, shapes."""
     import autopar
@@ -503,7 +543,8 @@ def dcp_pipeline(c: dict) -> dict:
 
 
 CASES = {"dcp_pipeline": dcp_pipeline, "two_meshes": two_meshes, "shutdown_joins_threads": shutdown_joins_threads, "dp_backward_collectives": dp_backward_collectives, "zero3_collectives": zero3_collectives, "trace": trace, "export_load": export_load, "clip_norm": clip_norm, "names_modes_frozen": names_modes_frozen,
-         "seeds_and_shapes": seeds_and_shapes, "local_batch": local_batch, "local_outputs": local_outputs, "dcp_reshard": dcp_reshard}
+         "seeds_and_shapes": seeds_and_shapes, "local_batch": local_batch, "local_outputs": local_outputs, "dcp_reshard": dcp_reshard,
+         "dcp_zero_axes": dcp_zero_axes}
 
 
 def run(c: dict) -> dict:

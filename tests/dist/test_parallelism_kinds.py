@@ -25,6 +25,7 @@ from tests.dist.test_equivalence import MEGATRON, check
 
 GPT2 = {"layers": 2}
 DP = {"*": "R", "input:0": "S(0)"}
+DP2X2 = {"*": "RR", "input:0": "S(0)S(0)"}
 TP = MEGATRON["gpt"]
 PP2_M4 = {"pipeline_stages": 2, "micro_batches": 4}
 SINGLE = {"pipeline_stages": 1, "micro_batches": 1}
@@ -68,6 +69,14 @@ FOUR = [
     # ZeRO-3 over the data-parallel axis 0 x Megatron tensor parallelism on axis 1
     Case("zero3-x-tp2", "gpt", (2, 2), {k: "R" + v for k, v in TP.items()} | {"input:0": "S(0)R"},
          GPT2, options={"zero_stage": 3, **SINGLE}, measure_memory=True),
+    # ZeRO over both axes of a 2-D data-parallel mesh (one group of 4 spanning them),
+    # and HSDP: ZeRO-3 over axis 1, replicated (all-reduced) over axis 0
+    Case("zero1-over-2x2", "gpt", (2, 2), DP2X2, GPT2,
+         options={"zero_stage": 1, "zero_axes": (0, 1), **SINGLE}, measure_memory=True),
+    Case("zero3-over-2x2", "gpt", (2, 2), DP2X2, GPT2,
+         options={"zero_stage": 3, "zero_axes": (0, 1), **SINGLE}, measure_memory=True),
+    Case("hsdp-zero3-2x2", "gpt", (2, 2), DP2X2, GPT2,
+         options={"zero_stage": 3, "zero_axes": (1,), **SINGLE}, measure_memory=True),
     # two stages, each a data-parallel pair
     Case("pp2-x-dp2", "gpt", (4,), DP, GPT2, options={**PP2_M4, "schedule": "1f1b"}, measure_memory=True),
     # two stages of two chunks each, every stage a data-parallel pair
@@ -104,6 +113,8 @@ def check_decisions(res: dict, case: Case) -> None:
     d = res["decisions"]
     o = case.options
     assert d["zero"] == o.get("zero_stage", d["zero"])
+    if "zero_axes" in o:
+        assert tuple(d["zero_axes"]) == tuple(o["zero_axes"])
     assert d["stages"] == o.get("pipeline_stages", d["stages"])
     assert d["micro_batches"] == o.get("micro_batches", d["micro_batches"])
     assert d["schedule"] == o.get("schedule", d["schedule"])

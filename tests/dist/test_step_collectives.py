@@ -37,6 +37,11 @@ CASES = [
     {"id": "zero2-dp4", "mesh": (4,), "pins": DP, "options": {**ONE, "zero_stage": 2}},
     {"id": "zero3-dp4", "mesh": (4,), "pins": DP, "options": {**ONE, "zero_stage": 3}},
     {"id": "zero3-dp2-x-dp2", "mesh": (2, 2), "pins": DP2X2, "options": {**ONE, "zero_stage": 3}},
+    # ZeRO over both axes of a 2-D data-parallel mesh: one group of 4 spanning them
+    {"id": "zero2-over-2x2", "mesh": (2, 2), "pins": DP2X2,
+     "options": {**ONE, "zero_stage": 2, "zero_axes": (0, 1)}},
+    {"id": "zero3-over-2x2", "mesh": (2, 2), "pins": DP2X2,
+     "options": {**ONE, "zero_stage": 3, "zero_axes": (0, 1)}},
     {"id": "accumulate2-dp4", "mesh": (4,), "pins": DP, "options": {**ONE, "micro_batches": 2}},
     {"id": "planner-4", "mesh": (4,), "pins": {}, "options": ONE},
     # sequence split over the mesh: Ulysses all-to-alls, and a ring when the heads do
