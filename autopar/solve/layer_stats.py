@@ -21,6 +21,7 @@ import math
 import operator
 from dataclasses import dataclass, field
 
+import torch
 from torch import fx
 
 from autopar.cost_models import (
@@ -64,6 +65,10 @@ class LayerStat:
     weight_grad_inputs: float = 0.0
     """Bytes of the outputs of ops that read a weight (through views and casts): the
     gradients a split backward keeps from ``B`` to ``W`` (the zero-bubble schedule)."""
+    cast_param_bytes: float = 0.0
+    """Local bytes of the parameters read only through dtype casts (mixed precision):
+    backward keeps their low-precision copy (an activation), so ZeRO-3 does not
+    re-gather them."""
 
     @property
     def param_bytes(self) -> float:
@@ -96,8 +101,11 @@ def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) ->
         if np_.kind == "param":
             pl = parse_placements(np_.out_placements[0])
             rep = tuple(a for a, p in enumerate(pl) if is_replicate(p) and mesh.shape[a] > 1)
-            st.params.append(ParamStat(_local_bytes(n, np_.out_placements[0], mesh), rep,
-                                       np_.param or n.name))
+            nbytes = _local_bytes(n, np_.out_placements[0], mesh)
+            st.params.append(ParamStat(nbytes, rep, np_.param or n.name))
+            if n.users and all(u.op == "call_function" and u.target is torch.ops.aten._to_copy.default
+                               for u in n.users):
+                st.cast_param_bytes += nbytes
         elif np_.kind == "buffer":
             st.buffers += np_.memory
         elif np_.kind == "op":

@@ -177,14 +177,18 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
               for st in layers]
     held = sum(z.params + z.optimizer for z in zp) + sum(st.buffers for st in layers)
     grads = [z.grads for z in zp]  # per layer, as they are once the step's reduction ends
-    # gradient memory as backward allocates it: a data-parallel bucket's buffer whole at
-    # its first gradient (runtime/grad_sync.py makes .grad views of it)
-    first = _sync(layers, zp, set(), cfg, mesh) if sync else None
-    arrive = _arrivals(layers, zp, cfg, mesh, first[1] if first else [])
+    # gradient memory as backward allocates it (the same whether or not the buckets
+    # are priced, so the split search and the chosen split agree)
+    arrive, spike = _arrivals(layers, zp, cfg, mesh)
     # stage 3: a layer's whole parameters live while it runs, and the next layer's
     # prefetched gather lands meanwhile (runtime/zero3.py): two neighbours at once
+    # ZeRO-3: a layer's whole parameters while it runs (runtime/zero3.py gathers it and
+    # prefetches the next); under mixed precision backward keeps a weight's
+    # low-precision copy when the weight is only cast, so only the other weights are
+    # re-gathered in backward
     tr = [z.transient for z in zp]
-    gathered = max((a + b for a, b in zip(tr, tr[1:])), default=max(tr, default=0.0))
+    trb = [z.transient * (1.0 - min(1.0, st.cast_param_bytes / st.param_bytes)) if st.param_bytes
+           else z.transient for z, st in zip(zp, layers)]
     # the gradients of earlier micro-batches are alive at the activation peak when the
     # stage holds fewer micro-batches than there are: the peak count then recurs after
     # a backward (accumulation, 1F1B's steady state); not when every forward the stage
@@ -200,28 +204,35 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     chosen: list[LayerStat] = []
 
     def peak(rc: list[LayerStat]) -> dict[str, float]:
-        # The step's peak is the larger of two moments (autopar.runtime.memstats
-        # measures both): during backward, activations and the gradients made so far;
-        # at the end of backward, every gradient and ZeRO-1/2's flat buckets.
-        # Backward frees a layer's activations as it makes its gradients, so that
-        # moment is swept back to front: the layers before ``k`` keep theirs, layer
-        # ``k``'s are whole (re-materialised when recomputed), and the gradients of
-        # the layers after ``k`` exist; the end of the forward is the sweep's start.
+        # The step's peak is the largest of three moments (autopar.runtime.memstats
+        # measures them): the forward, each layer's activations so far with ZeRO-3's
+        # gather of it and its prefetched successor; backward, swept back to front
+        # (it frees a layer's activations as it makes its gradients): the layers
+        # before ``k`` keep theirs, layer ``k``'s are whole (re-materialised when
+        # recomputed), the gradients of the layers after ``k`` exist, and ZeRO-3 has
+        # re-gathered ``k`` and prefetched ``k - 1``; the end of backward: every
+        # gradient, ZeRO-1/2's flat buckets and the largest gradient on its way into
+        # its data-parallel bucket.
         keys = {st.key for st in rc}
         kept = [st.out_bytes if st.key in keys else st.activations for st in layers]
-        before, made = sum(kept), 0.0
-        act, act_grads = before, sum(grads) if present else 0.0
-        for st, k, g in zip(reversed(layers), reversed(kept), reversed(arrive)):
-            before -= k
-            live = before + (st.activations if st.key in keys else k)
-            if live + made > act + act_grads:
-                act, act_grads = live, made
+        n = len(layers)
+        grads_then = sum(grads) if present else 0.0
+        fwd, cum = (0.0, 0.0), 0.0
+        for k in range(n):
+            cum += kept[k]
+            fwd = max(fwd, (cum, tr[k] + (tr[k + 1] if k + 1 < n else 0.0)), key=sum)
+        bwd, before, made = (sum(kept), grads_then, 0.0), sum(kept), grads_then
+        for k in reversed(range(n)):
+            before -= kept[k]
+            live = before + (layers[k].activations if layers[k].key in keys else kept[k])
+            bwd = max(bwd, (live, made, trb[k] + (trb[k - 1] if k else 0.0)), key=sum)
             # layer k's gradients appear as its backward ends, freeing its activations
-            made = act_grads if present else made + g
-        act += (inflight - 1) * sum(kept) + held_w
-        during = {"activations": act, "grads": act_grads, "transient": gathered}
-        end = {"activations": 0.0, "grads": sum(grads), "transient": gathered + flats}
-        return max((during, end), key=lambda m: sum(m.values()))
+            made = grads_then if present else made + arrive[k]
+        extra = (inflight - 1) * sum(kept) + held_w
+        forward = {"activations": fwd[0] + extra, "grads": grads_then, "transient": fwd[1]}
+        during = {"activations": bwd[0] + extra, "grads": bwd[1], "transient": bwd[2]}
+        end = {"activations": 0.0, "grads": sum(grads), "transient": (trb[0] if n else 0.0) + flats + spike}
+        return max((forward, during, end), key=lambda m: sum(m.values()))
 
     def mem(rc: list[LayerStat]) -> float:
         return held + sum(peak(rc).values())
@@ -250,8 +261,7 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
             seconds += 2.0 * pipe_link(_in_bytes(layers))
         if index < cfg.stages - 1:
             seconds += 2.0 * pipe_link(layers[-1].out_bytes)
-    bp, names, extremes = (first if not rc else _sync(layers, zp, rc, cfg, mesh)) if sync \
-        else (None, [], {})
+    bp, names, extremes = _sync(layers, zp, rc, cfg, mesh) if sync else (None, [], {})
     exposed = bp.exposed if bp is not None else 0.0
     gather_step = sum(z.gather_step for z in zp)
     # the optimizer updates the stage's parameters once per step, after the gradients
@@ -269,13 +279,15 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     return StagePrice([st.key for st in layers], seconds, extra, memory, sorted(rc), parts, names)
 
 
-def _arrivals(layers: list[LayerStat], zp: list, cfg: Config, mesh: MeshSpec,
-              buckets: list[list[str]]) -> list[float]:
+def _arrivals(layers: list[LayerStat], zp: list, cfg: Config, mesh: MeshSpec) -> tuple[list[float], float]:
     """Per layer, the gradient bytes that exist once its backward has run and not
-    before: its own gradients (``zp``'s), except that a data-parallel bucket
-    (``buckets``, the plan's; ZeRO-3 shards reduced over other axes go in BUCKET_BYTES
-    ones, back to front) is allocated whole at its first gradient, in the last layer
-    holding one (runtime/grad_sync.py makes ``.grad`` views of the bucket)."""
+    before: its own gradients (``zp``'s), except that ZeRO-3 shards reduced over other
+    axes go in BUCKET_BYTES buckets, back to front, each allocated whole at its first
+    gradient, in the last layer holding one (runtime/grad_sync.py makes ``.grad`` views
+    of a bucket).  The plan's own data-parallel buckets do the same, but they are
+    chosen after the split; they are counted per layer, under by at most the bucket
+    being filled.  Also the largest gradient going into a bucket: autograd makes it in
+    a tensor of its own, alive beside the bucket until it is copied in."""
     out = [z.grads for z in zp]
     zax = zero_axes(cfg.zero_axis)
     d = math.prod(mesh.shape[a] for a in zax)
@@ -285,19 +297,18 @@ def _arrivals(layers: list[LayerStat], zp: list, cfg: Config, mesh: MeshSpec,
             return q.bytes
         return q.bytes / d if cfg.zero_stage == 3 or cfg.micro_batches == 1 else q.bytes
 
-    index = {q.name: (i, q) for i, st in enumerate(layers) for q in st.params}
-    groups = [[index[n] for n in names if n in index] for names in buckets]
-    named = {q.name for g in groups for _, q in g}
-    shards = [(i, q) for i in reversed(range(len(layers))) for q in reversed(layers[i].params)
-              if cfg.zero_stage == 3 and on_zero(q.replicated, 3, zax)
-              and set(q.replicated) - set(zax) and q.name not in named]
-    groups += fill_buckets(shards, lambda iq: nbytes(iq[1]))
-    for g in groups:
-        if g:
-            for i, q in g:
-                out[i] -= nbytes(q)
-            out[max(i for i, _ in g)] += sum(nbytes(q) for _, q in g)
-    return out
+    params = [(i, q) for i in reversed(range(len(layers))) for q in reversed(layers[i].params)]
+    # what GradSync reduces: replicated parameters outside ZeRO, and ZeRO-3 shards
+    # replicated on other axes too (ZeRO-1/2 reduce those per parameter, runtime/zero.py)
+    plain = [(i, q) for i, q in params if q.replicated and not on_zero(q.replicated, cfg.zero_stage, zax)]
+    shards = [(i, q) for i, q in params if cfg.zero_stage == 3 and on_zero(q.replicated, 3, zax)
+              and set(q.replicated) - set(zax)]
+    synced = plain + shards
+    for g in fill_buckets(shards, lambda iq: nbytes(iq[1])):
+        for i, q in g:
+            out[i] -= nbytes(q)
+        out[max(i for i, _ in g)] += sum(nbytes(q) for _, q in g)
+    return out, max((nbytes(q) for _, q in synced), default=0.0)
 
 
 def _zero_flats(layers: list[LayerStat], cfg: Config) -> float:
