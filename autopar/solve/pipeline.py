@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 
 from autopar import schedules as sched
 from autopar.cost_models import MeshSpec
-from autopar.plan import Schedule, zero_axes
-from autopar.runtime.grad_sync import fill_buckets  # ZeRO-1/2's buckets (runtime/zero.py)
+from autopar.plan import Schedule
 from autopar.solve import buckets as bk
-from autopar.solve.layer_stats import LayerStat, on_zero, zero_price
+from autopar.solve.layer_stats import LayerStat, zero_price
+from autopar.solve.stage_memory import gradient_arrivals, zero_flat_bytes
 
 
 @dataclass(frozen=True)
@@ -179,7 +179,7 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     grads = [z.grads for z in zp]  # per layer, as they are once the step's reduction ends
     # gradient memory as backward allocates it (the same whether or not the buckets
     # are priced, so the split search and the chosen split agree)
-    arrive, spike = _arrivals(layers, zp, cfg, mesh)
+    arrive, spike = gradient_arrivals(layers, zp, cfg, mesh)
     # stage 3: a layer's whole parameters live while it runs, and the next layer's
     # prefetched gather lands meanwhile (runtime/zero3.py): two neighbours at once
     # ZeRO-3: a layer's whole parameters while it runs (runtime/zero3.py gathers it and
@@ -195,7 +195,7 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     # holds at once runs before its first backward (GPipe, 1F1B's first stage at M <= p).
     # Under interleaving a rank's other chunk runs backwards between this one's forwards.
     present = cfg.micro_batches > inflight or (cfg.virtual > 1 and cfg.micro_batches > 1)
-    flats = _zero_flats(layers, cfg)
+    flats = zero_flat_bytes(layers, cfg)
     # recompute candidates: layers whose recomputation saves memory, best ratio first
     cands = sorted((st for st in layers if st.activations > st.out_bytes and st.forward > 0),
                    key=lambda st: -(st.activations - st.out_bytes) / st.forward)
@@ -277,54 +277,6 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     memory = {"params": sum(z.params for z in zp), "optimizer": sum(z.optimizer for z in zp),
               "buffers": sum(st.buffers for st in layers), **peak(chosen)}
     return StagePrice([st.key for st in layers], seconds, extra, memory, sorted(rc), parts, names)
-
-
-def _arrivals(layers: list[LayerStat], zp: list, cfg: Config, mesh: MeshSpec) -> tuple[list[float], float]:
-    """Per layer, the gradient bytes that exist once its backward has run and not
-    before: its own gradients (``zp``'s), except that ZeRO-3 shards reduced over other
-    axes go in BUCKET_BYTES buckets, back to front, each allocated whole at its first
-    gradient, in the last layer holding one (runtime/grad_sync.py makes ``.grad`` views
-    of a bucket).  The plan's own data-parallel buckets do the same, but they are
-    chosen after the split; they are counted per layer, under by at most the bucket
-    being filled.  Also the largest gradient going into a bucket: autograd makes it in
-    a tensor of its own, alive beside the bucket until it is copied in."""
-    out = [z.grads for z in zp]
-    zax = zero_axes(cfg.zero_axis)
-    d = math.prod(mesh.shape[a] for a in zax)
-
-    def nbytes(q) -> float:  # as zero_price counts the gradient
-        if not on_zero(q.replicated, cfg.zero_stage, zax):
-            return q.bytes
-        return q.bytes / d if cfg.zero_stage == 3 or cfg.micro_batches == 1 else q.bytes
-
-    params = [(i, q) for i in reversed(range(len(layers))) for q in reversed(layers[i].params)]
-    # what GradSync reduces: replicated parameters outside ZeRO, and ZeRO-3 shards
-    # replicated on other axes too (ZeRO-1/2 reduce those per parameter, runtime/zero.py)
-    plain = [(i, q) for i, q in params if q.replicated and not on_zero(q.replicated, cfg.zero_stage, zax)]
-    shards = [(i, q) for i, q in params if cfg.zero_stage == 3 and on_zero(q.replicated, 3, zax)
-              and set(q.replicated) - set(zax)]
-    synced = plain + shards
-    for g in fill_buckets(shards, lambda iq: nbytes(iq[1])):
-        for i, q in g:
-            out[i] -= nbytes(q)
-        out[max(i for i, _ in g)] += sum(nbytes(q) for _, q in g)
-    return out, max((nbytes(q) for _, q in synced), default=0.0)
-
-
-def _zero_flats(layers: list[LayerStat], cfg: Config) -> float:
-    """ZeRO-1/2: the most bytes of flat reduce buckets alive at once at the end of
-    backward.  The runtime (runtime/zero.py) cuts the ZeRO axis's gradients, back to
-    front, into buckets of BUCKET_BYTES and keeps two in flight: bucket ``i``'s flat
-    copy exists beside bucket ``i - 1``'s, and with one micro-batch the whole gradients
-    of bucket ``i`` too, until it launches (gradients are counted sharded then; under
-    accumulation they are whole until the last backward and counted so)."""
-    if cfg.zero_stage not in (1, 2):
-        return 0.0
-    sizes = [q.bytes for st in reversed(layers) for q in reversed(st.params)
-             if on_zero(q.replicated, cfg.zero_stage, cfg.zero_axis)]
-    flat = [sum(b) for b in fill_buckets(sizes, float)]
-    whole = 2.0 if cfg.micro_batches == 1 else 1.0
-    return max((prev + whole * cur for prev, cur in zip([0.0, *flat], flat)), default=0.0)
 
 
 def _in_bytes(layers: list[LayerStat]) -> float:

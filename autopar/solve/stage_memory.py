@@ -1,0 +1,69 @@
+"""Where a stage's gradient memory comes from, for :func:`autopar.solve.pipeline.price_stage`'s
+peak: when backward allocates each layer's gradients (a bucket's buffer is whole at its
+first gradient, runtime/grad_sync.py), and ZeRO-1/2's flat reduce buckets at the end of
+backward (runtime/zero.py)."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from autopar.cost_models import MeshSpec
+from autopar.plan import zero_axes
+from autopar.runtime.grad_sync import fill_buckets
+from autopar.solve.layer_stats import LayerStat, on_zero
+
+if TYPE_CHECKING:
+    from autopar.solve.pipeline import Config
+
+
+def gradient_arrivals(layers: list[LayerStat], zp: list, cfg: Config,
+                      mesh: MeshSpec) -> tuple[list[float], float]:
+    """Per layer, the gradient bytes that exist once its backward has run and not
+    before: its own gradients (``zp``'s), except that ZeRO-3 shards reduced over other
+    axes go in BUCKET_BYTES buckets, back to front, each allocated whole at its first
+    gradient, in the last layer holding one (runtime/grad_sync.py makes ``.grad`` views
+    of a bucket).  The plan's own data-parallel buckets do the same, but they are
+    chosen after the split; they are counted per layer, under by at most the bucket
+    being filled.  Also the largest gradient going into a bucket: autograd makes it in
+    a tensor of its own, alive beside the bucket until it is copied in."""
+    out = [z.grads for z in zp]
+    zax = zero_axes(cfg.zero_axis)
+    d = math.prod(mesh.shape[a] for a in zax)
+
+    def nbytes(q) -> float:  # as zero_price counts the gradient
+        if not on_zero(q.replicated, cfg.zero_stage, zax):
+            return q.bytes
+        return q.bytes / d if cfg.zero_stage == 3 or cfg.micro_batches == 1 else q.bytes
+
+    params = [(i, q) for i in reversed(range(len(layers))) for q in reversed(layers[i].params)]
+    # what GradSync reduces: replicated parameters outside ZeRO, and ZeRO-3 shards
+    # replicated on other axes too (ZeRO-1/2 reduce those per parameter, runtime/zero.py)
+    plain = [(i, q) for i, q in params if q.replicated and not on_zero(q.replicated, cfg.zero_stage, zax)]
+    shards = [(i, q) for i, q in params if cfg.zero_stage == 3 and on_zero(q.replicated, 3, zax)
+              and set(q.replicated) - set(zax)]
+    synced = plain + shards
+    for g in fill_buckets(shards, lambda iq: nbytes(iq[1])):
+        for i, q in g:
+            out[i] -= nbytes(q)
+        out[max(i for i, _ in g)] += sum(nbytes(q) for _, q in g)
+    return out, max((nbytes(q) for _, q in synced), default=0.0)
+
+
+def zero_flat_bytes(layers: list[LayerStat], cfg: Config) -> float:
+    """ZeRO-1/2: the most bytes of flat reduce buckets alive at once at the end of
+    backward.  The runtime (runtime/zero.py) cuts the ZeRO axis's gradients, back to
+    front, into buckets of BUCKET_BYTES and keeps two in flight: bucket ``i``'s flat
+    copy exists beside bucket ``i - 1``'s, and with one micro-batch the whole gradients
+    of bucket ``i`` too, until it launches (gradients are counted sharded then; under
+    accumulation they are whole until the last backward and counted so)."""
+    if cfg.zero_stage not in (1, 2):
+        return 0.0
+    sizes = [q.bytes for st in reversed(layers) for q in reversed(st.params)
+             if on_zero(q.replicated, cfg.zero_stage, cfg.zero_axis)]
+    flat = [sum(b) for b in fill_buckets(sizes, float)]
+    whole = 2.0 if cfg.micro_batches == 1 else 1.0
+    return max((prev + whole * cur for prev, cur in zip([0.0, *flat], flat)), default=0.0)
+
+
+__all__ = ["gradient_arrivals", "zero_flat_bytes"]
