@@ -68,8 +68,8 @@ def _options(memory_budget, optimizer, time_limit, pins, decisions: Mapping,
     if d.get("recompute") is not None:
         d["recompute"] = tuple(d["recompute"])
     if d.get("zero_axes") is not None:
-        z = d["zero_axes"]
-        d["zero_axes"] = (z,) if isinstance(z, int) else tuple(sorted(z))
+        from autopar.plan import zero_axes
+        d["zero_axes"] = zero_axes(d["zero_axes"])
     if "precision" in d:
         from autopar.passes.mixed_precision import Precision
         d["precision"] = Precision.parse(d["precision"]).value

@@ -15,6 +15,7 @@ a bucket at launch and back after the reduction held two until the end of backwa
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -51,13 +52,6 @@ def fill_buckets(items: Iterable[T], nbytes: Callable[[T], int], cap: int = BUCK
     return out
 
 
-def _promoted(dtypes: list[torch.dtype]) -> torch.dtype:
-    out = dtypes[0]
-    for d in dtypes[1:]:
-        out = torch.promote_types(out, d)
-    return out
-
-
 @dataclass
 class Bucket:
     """Parameters whose gradients are reduced together over ``axes``."""
@@ -72,6 +66,9 @@ class Bucket:
     """Start of each parameter's gradient in ``flat``."""
     dtype: torch.dtype | None = None
     """``flat``'s type: the one its gradients promote to."""
+    own: set[int] = field(default_factory=set)
+    """Indices of the parameters whose ``.grad`` kept its own tensor (another layout or
+    type): the reduced values are copied back into those after the reduction."""
 
     def __post_init__(self) -> None:
         """Lay the gradients out back to back, in ``params`` order."""
@@ -79,7 +76,7 @@ class Bucket:
         for p in self.params:
             self.offsets.append(off)
             off += p.numel()
-        self.dtype = _promoted([p.dtype for p in self.params])
+        self.dtype = functools.reduce(torch.promote_types, (p.dtype for p in self.params))
 
     def view(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s gradient slot in ``flat``, shaped like the parameter."""
@@ -185,7 +182,8 @@ class GradSync(OrderedBuckets):
         a view of it when the layouts agree (the reduction then lands in it)."""
         if b.flat is None:
             b.flat = torch.empty(b.offsets[-1] + b.params[-1].numel(), dtype=b.dtype, device=p.device)
-        view = b.view(self._index[id(p)])
+        i = self._index[id(p)]
+        view = b.view(i)
         g = p.grad
         if g is None:
             view.zero_()
@@ -193,6 +191,9 @@ class GradSync(OrderedBuckets):
             view.copy_(g)
             if g.dtype == view.dtype and g.layout == torch.strided and p.is_contiguous():
                 p.grad = view
+                b.own.discard(i)
+            else:
+                b.own.add(i)
 
     def _launch(self, b: Bucket) -> None:
         for p in b.params:
@@ -205,13 +206,9 @@ class GradSync(OrderedBuckets):
     def _complete(self) -> None:
         for b in self.buckets:
             b.work.wait()
-            for i, p in enumerate(b.params):
-                g = p.grad
-                if g is None:
-                    continue
-                view = b.view(i)
-                if g.data_ptr() != view.data_ptr() or g.dtype != view.dtype:
-                    g.copy_(view)  # a gradient kept in its own tensor (another layout)
+            for i in b.own:  # the others are views: the reduction landed in them
+                if b.params[i].grad is not None:
+                    b.params[i].grad.copy_(b.view(i))
             # the views keep the buffer alive; dropping it here frees it with them at
             # the next zero_grad(set_to_none=True)
-            b.ready, b.flat, b.work, b.launched = 0, None, None, False
+            b.ready, b.flat, b.work, b.launched, b.own = 0, None, None, False, set()

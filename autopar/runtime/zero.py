@@ -240,7 +240,7 @@ class Zero(OrderedBuckets):
         # bounds the flat copies of whole gradients alive at once (all of them stayed
         # until the end of backward).  Every rank finishes the same bucket at the same
         # launch, so the other axes' all-reduces keep one order across ranks.
-        i = self._buckets.index(b)
+        i = self._next  # OrderedBuckets launches self._order[self._next]
         for done in self._buckets[self._done:max(self._done, i - 1)]:
             self._complete_one(done)
         self._done = max(self._done, i - 1)

@@ -159,6 +159,19 @@ def on_zero(replicated: tuple[int, ...], stage: int, axis: int | tuple[int, ...]
     return stage > 0 and bool(axes) and set(axes) <= set(replicated)
 
 
+def grad_bytes(p: ParamStat, mesh: MeshSpec, stage: int, axis: int | tuple[int, ...] | None,
+               micro_batches: int = 1) -> float:
+    """Bytes of ``p``'s gradient once the step's reduction has ended: whole outside ZeRO;
+    this rank's part under ZeRO-3, and under ZeRO-1/2 too (runtime/zero.py frees a
+    whole gradient once its bucket launches), unless accumulation keeps them whole
+    until the last backward."""
+    if not on_zero(p.replicated, stage, axis):
+        return p.bytes
+    if stage == 3 or micro_batches == 1:
+        return p.bytes / math.prod(mesh.shape[a] for a in zero_axes(axis))
+    return p.bytes
+
+
 def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | tuple[int, ...] | None,
                optimizer: str, micro_batches: int = 1) -> ZeroPrice:
     """Price ``stat``'s parameters under ZeRO ``stage`` over sub-mesh ``axis`` for a step
@@ -171,11 +184,12 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | tuple[in
     zax = zero_axes(axis)
     for p in stat.params:
         opt = optimizer_state_bytes(p.bytes, optimizer)
+        gb += grad_bytes(p, mesh, stage, zax, micro_batches)
         if not on_zero(p.replicated, stage, zax):
             if p.replicated:
                 # bandwidth only: bucketing pays the latency once per bucket
                 sync += all_reduce_time(mesh, p.replicated, p.bytes) - all_reduce_time(mesh, p.replicated, 1.0)
-            pb, gb, ob = pb + p.bytes, gb + p.bytes, ob + opt
+            pb, ob = pb + p.bytes, ob + opt
             step += optimizer_step_time(mesh, p.bytes, opt)
             continue
         d = math.prod(mesh.shape[a] for a in zax)
@@ -193,11 +207,6 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | tuple[in
         else:
             pb += p.bytes / d
             tr += p.bytes  # the layer's whole parameters, gathered together below
-        # stages 1-2 free a whole gradient once its bucket launches and keep this
-        # rank's reduced part (runtime/zero.py), so gradients end sharded, unless
-        # accumulation keeps them whole until the last backward
-        sharded = stage == 3 or micro_batches == 1
-        gb += p.bytes / d if sharded else p.bytes
         ob += opt / d
         step += optimizer_step_time(mesh, p.bytes / d, opt / d)  # each rank updates its shard
     if zsync and zax:
@@ -221,4 +230,4 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | tuple[in
     return ZeroPrice(sync, gstep, gmb, pb, gb, ob, tr, zsync, step)
 
 
-__all__ = ["LayerStat", "ParamStat", "ZeroPrice", "layer_stats", "on_zero", "zero_price"]
+__all__ = ["LayerStat", "ParamStat", "ZeroPrice", "grad_bytes", "layer_stats", "on_zero", "zero_price"]

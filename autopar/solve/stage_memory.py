@@ -5,13 +5,12 @@ backward (runtime/zero.py)."""
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 from autopar.cost_models import MeshSpec
 from autopar.plan import zero_axes
 from autopar.runtime.grad_sync import fill_buckets
-from autopar.solve.layer_stats import LayerStat, on_zero
+from autopar.solve.layer_stats import LayerStat, grad_bytes, on_zero
 
 if TYPE_CHECKING:
     from autopar.solve.pipeline import Config
@@ -29,12 +28,9 @@ def gradient_arrivals(layers: list[LayerStat], zp: list, cfg: Config,
     a tensor of its own, alive beside the bucket until it is copied in."""
     out = [z.grads for z in zp]
     zax = zero_axes(cfg.zero_axis)
-    d = math.prod(mesh.shape[a] for a in zax)
 
     def nbytes(q) -> float:  # as zero_price counts the gradient
-        if not on_zero(q.replicated, cfg.zero_stage, zax):
-            return q.bytes
-        return q.bytes / d if cfg.zero_stage == 3 or cfg.micro_batches == 1 else q.bytes
+        return grad_bytes(q, mesh, cfg.zero_stage, zax, cfg.micro_batches)
 
     params = [(i, q) for i in reversed(range(len(layers))) for q in reversed(layers[i].params)]
     # what GradSync reduces: replicated parameters outside ZeRO, and ZeRO-3 shards
