@@ -216,7 +216,8 @@ class JointSearch(JointCaptures):
             zs = [self.opts.zero_stage]
         else:
             zs = [0, 1, 2, 3]
-        axes = zero_groups(tuple(sub.shape), self.opts.zero_axes) if any(zs) else []
+        params = [(q.replicated, q.bytes) for st in cand.stats for q in st.params]
+        axes = zero_groups(tuple(sub.shape), self.opts.zero_axes, params) if any(zs) else []
         if cand.stages > 1:
             scheds = [self.opts.schedule] if self.opts.schedule else [
                 Schedule.ONE_F_ONE_B.value, Schedule.GPIPE.value, Schedule.INTERLEAVED.value,

@@ -28,6 +28,14 @@ def test_the_axis_sets_searched() -> None:
     assert zero_groups((2, 1, 4), None) == [0, 2, (0, 2)]
     assert zero_groups((2, 2), (1,)) == [1]
     assert zero_groups((2, 2), (0, 1)) == [(0, 1)]
+    # tensor parallelism splits the block weights on axis 1: ZeRO over both axes would
+    # shard only the norm, as axis 0 alone does, and is not priced
+    tp = [((0,), 100.0), ((0, 1), 1.0)]
+    assert zero_groups((2, 2), None, tp) == [0, 1]
+    # data parallel on both axes: the set is what shards the weights 4 ways
+    assert zero_groups((2, 2), None, [((0, 1), 100.0), ((0,), 1.0)]) == [0, 1, (0, 1)]
+    assert zero_groups((2, 2, 2), None, [((0, 1), 100.0), ((0, 1, 2), 1.0)]) == [0, 1, 2, (0, 1)]
+    assert zero_groups((2, 2), (0, 1), tp) == [(0, 1)]  # forced: whatever it shards
     with pytest.raises(PlanError, match="axis 1, which has a single device"):
         zero_groups((4, 1), (0, 1))
 
