@@ -46,7 +46,8 @@ def _capture_and_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec,
     return joint_plan(model, example_inputs, mesh, opts, example_kwargs)
 
 
-_DECISION_KEYS = ("zero_stage", "zero_axes", "pipeline_stages", "micro_batches", "schedule", "virtual_stages",
+_DECISION_KEYS = ("zero_stage", "zero_axes", "pipeline_stages", "pipeline_axis", "micro_batches", "schedule",
+                  "virtual_stages",
                   "recompute", "explore", "blocks", "progress", "bucket_bytes", "precision",
                   "context_parallel")
 
@@ -92,7 +93,8 @@ def plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec | str | tuple |
 
     ``decisions`` force plan-level choices, e.g. ``zero_stage=2``, ``pipeline_stages=2,
     micro_batches=4, schedule="1f1b"`` (or ``schedule="interleaved-1f1b", virtual_stages=2``:
-    two model chunks per rank), ``zero_axes=(0, 1)`` (ZeRO over both axes of a 2-D mesh,
+    two model chunks per rank; ``pipeline_axis=1``: the stages carved from mesh axis 1,
+    inside a node, rather than the searched axis), ``zero_axes=(0, 1)`` (ZeRO over both axes of a 2-D mesh,
     one group spanning them; one axis with the others replicated is HSDP), ``recompute=["blocks.1"]``, ``bucket_bytes=25 << 20``
     (fixed-size gradient buckets instead of the cost model's choice),
     ``context_parallel="exchange"`` (attention on sequence chunks of q, k and v: Ulysses or
@@ -156,9 +158,9 @@ def build_parallel_module(model: nn.Module, example_inputs: tuple, mesh: MeshSpe
         from autopar import validate
         validate.runnable_model(model)  # before joining: the same error on every rank
         # join the process group before planning so rank 0 can broadcast its plan
-        from autopar.runtime.mesh import init_mesh
+        from autopar.runtime.mesh import init_mesh, init_plan_mesh
         if plan is not None:
-            init_mesh(tuple(plan.mesh.shape), stages=plan.decisions.pipeline_stages, timeout=timeout)
+            init_plan_mesh(plan, timeout=timeout)
         else:
             init_mesh(tuple(mesh.shape), timeout=timeout)
     cap, p = _shared_plan(model, example_inputs, mesh, opts, example_kwargs, plan, timeout)

@@ -9,7 +9,7 @@ keyword arguments (values are Python literals, else strings)::
         --factory-args layers=12 dim=256 --json plan.json --explain linear_3
 
 Plan-level decisions are searched unless forced: ``--zero-stage``, ``--zero-axes``, ``--pipeline-stages``,
-``--micro-batches``, ``--schedule``, ``--virtual-stages``, ``--recompute blocks.0,blocks.1`` (or ``none``);
+``--pipeline-axis``, ``--micro-batches``, ``--schedule``, ``--virtual-stages``, ``--recompute blocks.0,blocks.1`` (or ``none``);
 ``--explore`` also tries pipelines and micro-batches when the plain plan fits.  The
 decisions are printed under the table; ``--explain`` alone prints why each was taken,
 ``--explain pipeline`` (or ``zero``, ``micro_batches``, ``recompute``, a layer key such as
@@ -130,7 +130,8 @@ def decision_options(args: argparse.Namespace) -> dict[str, Any]:
         raise CLIError(f"--schedule {args.schedule} needs a pipeline: give --pipeline-stages "
                        f"2 or more (or leave it out to let the search choose)")
     out: dict[str, Any] = {}
-    for key in ("zero_stage", "zero_axes", "pipeline_stages", "micro_batches", "schedule", "virtual_stages"):
+    for key in ("zero_stage", "zero_axes", "pipeline_stages", "pipeline_axis", "micro_batches", "schedule",
+                "virtual_stages"):
         if getattr(args, key) is not None:
             out[key] = getattr(args, key)
     recompute = parse_recompute(args.recompute)
@@ -398,7 +399,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the (stage) mesh axes ZeRO shards over: one (HSDP: the others "
                         "replicated) or several (one group spanning them)")
     d.add_argument("--pipeline-stages", type=int, default=None, metavar="N",
-                   help="pipeline stages (each on a sub-mesh; N must divide the mesh)")
+                   help="pipeline stages (each on a sub-mesh; N must divide a mesh axis)")
+    d.add_argument("--pipeline-axis", type=int, default=None, metavar="AXIS",
+                   help="the mesh axis the stages are carved from (0: the outermost, across "
+                        "nodes; a later one: inside a node)")
     d.add_argument("--micro-batches", type=int, default=None, metavar="N",
                    help="micro-batches per step (gradient accumulation without a pipeline; "
                         "N must divide the batch)")

@@ -302,13 +302,16 @@ def _local_states(pm: ParallelModule, graph: fx.Graph) -> dict[int, dict[str, tu
     # planning-only: the module kept the whole model's weights; write every rank's shards
     full = {t: next(pm._full_state[n] for n in pm.aliases[t] if n in pm._full_state).detach()
             for t, _ in pm._targets()}
-    stages, size = _stage_size(pm.plan)
+    from autopar.splits import plan_ranks
+
+    stages, _ = _stage_size(pm.plan)
     shape = pm.plan.mesh.shape
+    ranks = plan_ranks(pm.plan)  # stages carved from an inner axis interleave the ranks
     out = {}
     coords = list(itertools.product(*[range(n) for n in shape]))
     for stage in range(stages):
-        for i, coord in enumerate(coords):
-            out[stage * size + i] = {
+        for coord in coords:
+            out[int(ranks[(stage, *coord)])] = {
                 t: (shard_tensor(full[t], pm._placements[t], shape, coord) if t in params
                     else full[t].clone(), t in params)
                 for t in full if pm._owner.get(t, 0) == stage} | consts | _extras(pm)

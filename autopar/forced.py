@@ -45,9 +45,19 @@ def check_forced(opts: PlanOptions, mesh: MeshSpec) -> None:
         raise PlanError(f"the interleaved schedule runs micro-batches in groups of the "
                         f"pipeline stages: micro_batches={o.micro_batches} is not a multiple "
                         f"of pipeline_stages={o.pipeline_stages}")
-    if o.pipeline_stages is not None and o.pipeline_stages > 1 and mesh.shape[0] % o.pipeline_stages:
-        raise PlanError(f"{o.pipeline_stages} pipeline stages do not divide mesh axis 0 of size "
-                        f"{mesh.shape[0]} (stages are carved out of the outermost axis)")
+    if o.pipeline_axis is not None:
+        if not isinstance(o.pipeline_axis, int) or not 0 <= o.pipeline_axis < mesh.ndim:
+            raise PlanError(f"pipeline_axis must be an axis of the mesh {tuple(mesh.shape)} "
+                            f"(0 to {mesh.ndim - 1}), got {o.pipeline_axis!r}")
+        if o.pipeline_stages == 1:
+            raise PlanError(f"pipeline_axis={o.pipeline_axis} names the axis pipeline stages are "
+                            "carved from, but pipeline_stages=1 asks for none")
+    if o.pipeline_stages is not None and o.pipeline_stages > 1 and not stage_axes(
+            tuple(mesh.shape), o.pipeline_stages, o.pipeline_axis):
+        where = f"mesh axis {o.pipeline_axis} of size {mesh.shape[o.pipeline_axis]}" \
+            if o.pipeline_axis is not None else f"any axis of the mesh {tuple(mesh.shape)}"
+        raise PlanError(f"{o.pipeline_stages} pipeline stages do not divide {where} (stages are "
+                        "carved out of one mesh axis)")
     if o.zero_axes is not None and o.zero_stage == 0:
         raise PlanError(f"zero_axes={list(o.zero_axes)} names the axes ZeRO shards over, but "
                         "zero_stage=0 turns ZeRO off: give zero_stage=1, 2 or 3, or leave it out")
@@ -58,6 +68,13 @@ def check_forced(opts: PlanOptions, mesh: MeshSpec) -> None:
         raise PlanError(f"zero_stage={o.zero_stage} shards over the data-parallel devices, but "
                         f"{where} has a single device: use zero_stage=0, or more devices")
 
+
+
+def stage_axes(shape: tuple[int, ...], stages: int, forced: int | None = None) -> list[int]:
+    """The mesh axes ``stages`` pipeline stages can be carved from (those the count
+    divides), outermost first; only ``forced`` when the caller named the axis."""
+    axes = [a for a, n in enumerate(shape) if n % stages == 0]
+    return [a for a in axes if forced is None or a == forced]
 
 
 def zero_groups(shape: tuple[int, ...], forced: tuple[int, ...] | None,
@@ -92,4 +109,4 @@ def zero_groups(shape: tuple[int, ...], forced: tuple[int, ...] | None,
     return [*axes, *sets]
 
 
-__all__ = ["check_forced", "zero_groups"]
+__all__ = ["check_forced", "stage_axes", "zero_groups"]

@@ -2,8 +2,8 @@
 accumulation), ZeRO stage and recomputation chosen for one objective (step time)
 under one memory model.
 
-For each candidate (pipeline stages ``p``, micro-batches ``M``) the model is captured
-at the micro-batch size and the intra-op search (ILP or D-Rec, :mod:`autopar.search`)
+For each candidate (pipeline stages ``p`` carved from one mesh axis, micro-batches ``M``)
+the model is captured at the micro-batch size and the intra-op search (ILP or D-Rec, :mod:`autopar.search`)
 places every op on the stage sub-mesh; :mod:`autopar.solve.pipeline` then prices every
 schedule x ZeRO stage x ZeRO axis on that plan, choosing stage boundaries and the
 recomputed layers so each stage fits the budget.  The fastest feasible combination
@@ -20,7 +20,6 @@ import dataclasses
 import math
 import time
 import warnings
-from dataclasses import dataclass
 
 from torch import nn
 
@@ -30,14 +29,12 @@ from autopar.capture_batch import AnyBatch
 from autopar.cost_models import MeshSpec, format_bytes, send_recv_time
 from autopar.costs import precision_warning
 from autopar.errors import AutoparWarning, PlanError, user_stacklevel
-from autopar.forced import check_forced, zero_groups
-from autopar.ir import info
+from autopar.forced import check_forced
 from autopar.joint_capture import JointCaptures
+from autopar.joint_space import JointSpace, _Candidate
 from autopar.joint_why import Context, decisions_why
-from autopar.layers import layer_keys
 from autopar.plan import Decisions, Plan, Schedule, zero_words
 from autopar.progress import report, show
-from autopar.schedules import conflict
 from autopar.search import PlanOptions, local_axes, make_weighted_plans
 from autopar.shallow import (
     KEEP,
@@ -45,25 +42,19 @@ from autopar.shallow import (
     extrapolate_blocks,
     steady,
 )
-from autopar.solve.layer_stats import LayerStat, layer_stats
+from autopar.solve.layer_stats import layer_stats
 from autopar.solve.pipeline import Config, Priced, price, step_lower_bound
-from autopar.splits import batch_size, micro_counts, micro_inputs, request, split_mesh
+from autopar.splits import (
+    batch_size,
+    micro_inputs,
+    request,
+    split_mesh,
+    split_words,
+)
 from autopar.step_collectives import list_collectives
 
 
-@dataclass
-class _Candidate:
-    stages: int
-    micro_batches: int
-    cap: Captured
-    plan: Plan
-    stats: list[LayerStat]
-    full: MeshSpec
-    estimate: bool = False  # priced from the shallow copy (autopar/shallow.py)
-    weight: float = 1.0  # the gradient-sync weight its placements were solved with
-
-
-class JointSearch(JointCaptures):
+class JointSearch(JointCaptures, JointSpace):
     """One joint search (see the module docstring); ``run()`` returns (capture, plan)."""
 
     def __init__(self, model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOptions,
@@ -92,85 +83,16 @@ class JointSearch(JointCaptures):
         check_forced(self.opts, self.mesh)
 
     # ------------------------------------------------------------ candidates
-    def _tied_across_layers(self) -> list[str]:
-        """Parameters used by more than one layer (tied embedding and head): a pipeline
-        would need their gradients summed across stages, which the runtime refuses."""
-        cap = next(iter(self.captures.values()), None)
-        if cap is None:
-            return []
-        keys = layer_keys(cap.gm)
-        out = []
-        for n in cap.gm.graph.nodes:
-            if n.op == "get_attr" and info(n).param is not None:
-                if len({keys[u] for u in n.users if u in keys}) > 1:
-                    out.append(info(n).param)
-        return out
-
-    def _with_stats(self) -> _Candidate | None:
-        """The first priced candidate with layer statistics (any: what they share is the
-        model's layers and their compute)."""
-        return next((c for c, _ in self.priced if c.stats), None)
-
-    def _enough_layers(self, stages: int) -> None:
-        """Forced stages need a computing layer each (a stage that computes nothing is
-        never planned): say so, rather than that no plan fits memory."""
-        known = self._with_stats()
-        if known is None or stages <= 1:
-            return
-        layers = [st.key for st in known.stats if st.compute > 0]
-        if len(layers) < stages:
-            raise PlanError(f"pipeline_stages={stages} needs at least {stages} layers that compute, "
-                            f"one per stage, but the model has {len(layers)} "
-                            f"({', '.join(layers) or 'none'}): stages are cut between layers "
-                            "(repeated blocks such as model.layers.N, with what comes before and "
-                            "after them)")
-
-    def _stage_options(self) -> list[int]:
-        tied = self._tied_across_layers()
-        if self.opts.pipeline_stages is not None:
-            if self.opts.pipeline_stages > 1 and tied:
-                raise PlanError(f"pipeline_stages={self.opts.pipeline_stages} is impossible: "
-                                f"{', '.join(tied)} is used by several layers (tied weights), "
-                                "which would have to live on two stages")
-            self._enough_layers(self.opts.pipeline_stages)
-            return [self.opts.pipeline_stages]
-        if tied:
-            self._say(f"no pipelining: tied weights {', '.join(tied)} span several layers")
-            return [1]
-        a0 = self.mesh.shape[0]
-        return [1] + [p for p in range(2, a0 + 1) if a0 % p == 0]
-
-    def _micro_options(self, stages: int) -> list[int]:
-        """Micro-batch counts for ``stages``: every count that divides the batch (a deep
-        pipeline needs many, 64-1,024 in published runs, to shrink its bubble; before,
-        only 1-32 in powers of two were tried), at least one per stage."""
-        if self.opts.micro_batches is not None:
-            return [self.opts.micro_batches]
-        return micro_counts(batch_size(self._call), stages)
-
-    def _micro_order(self, stages: int) -> list[int]:
-        """:meth:`_micro_options` most promising first.  Without a pipeline the fewest
-        (more only trade speed for memory).  With one, the most micro-batches whose
-        micro-batch still has a sample per device of a stage (more shrink the bubble),
-        then the fewer, then those with smaller micro-batches, the larger first: every
-        count dividing the batch goes down to one sample, which on a wide stage leaves
-        the data-parallel devices nothing to split, and a time limit should not be
-        spent on those first."""
-        opts = self._micro_options(stages)
-        if stages <= 1:
-            return opts
-        b, per_stage = batch_size(self._call), math.prod(self.mesh.shape) // stages
-        spans = [m for m in opts if b // m >= per_stage]
-        return sorted(spans, reverse=True) + [m for m in opts if b // m < per_stage]
-
     def _intra(self, stages: int, micro: int, budget: float | None,
-               estimate: bool = False, weights: tuple[float, ...] | None = None) -> list[_Candidate]:
+               estimate: bool = False, weights: tuple[float, ...] | None = None,
+               axis: int = 0) -> list[_Candidate]:
         """The intra-op plans of one (stages, micro-batches) split: the ILP's, and those it
         finds with gradient sync charged at a fraction of its price where they differ
         (:func:`autopar.search.make_weighted_plans`); the step model picks among them.
         ``estimate``: on the shallow copy, its layers extrapolated to full depth;
-        ``weights``: only those sync weights' plans."""
-        full, sub = split_mesh(self.mesh, stages)
+        ``weights``: only those sync weights' plans; ``axis``: the mesh axis the stages
+        are carved from."""
+        full, sub = split_mesh(self.mesh, stages, axis)
         estimate = estimate and self._shallow is not None  # the copy may have been dropped
         if estimate:
             try:
@@ -185,7 +107,7 @@ class JointSearch(JointCaptures):
         # an estimate's plan is never returned: its solver gets what its phase has left;
         # an exact one's may be (nothing estimated): it gets what the whole budget has
         left = self._clock.left() if estimate else self._clock.left_total()
-        report(f"placing ops for {stages} stage(s) x {micro} micro-batch(es) on sub-mesh "
+        report(f"placing ops for {split_words(stages, axis)} x {micro} micro-batch(es) on sub-mesh "
                f"{'x'.join(map(str, sub.shape))}")
         intra_opts = dataclasses.replace(self.opts, memory_budget=budget, time_limit=max(1.0, left),
                                          choose_limit=self.opts.time_limit)
@@ -198,63 +120,17 @@ class JointSearch(JointCaptures):
             # extrapolate from, so this split is planned at full depth; the others keep
             # their estimates, each checked the same way (before, the first such split
             # sent every later one to full depth: a 15 s capture each for Llama-3 70B)
-            self._say(f"the {KEEP}-layer copy's layers differ for {stages} stage(s) x {micro} "
-                      "micro-batch(es): planning this split at full depth")
-            return self._intra(stages, micro, budget, False, weights)
+            self._say(f"the {KEEP}-layer copy's layers differ for {split_words(stages, axis)} x "
+                      f"{micro} micro-batch(es): planning this split at full depth")
+            return self._intra(stages, micro, budget, False, weights, axis)
         for w, p in plans:
             stats = layer_stats(cap.gm, p)
             if self.opts.blocks is not None:
                 stats = extrapolate_blocks(stats, self.opts.blocks)
             elif estimate:
                 stats = deepen(stats, self._shallow[2], self._shallow[1])
-            out.append(_Candidate(stages, micro, cap, p, stats, full, estimate, w))
+            out.append(_Candidate(stages, micro, cap, p, stats, full, estimate, w, axis))
         return out
-
-    def _configs(self, cand: _Candidate) -> list[Config]:
-        sub = cand.plan.mesh
-        if self.opts.zero_stage is not None:
-            zs = [self.opts.zero_stage]
-        else:
-            zs = [0, 1, 2, 3]
-        params = [(q.replicated, q.bytes) for st in cand.stats for q in st.params]
-        axes = zero_groups(tuple(sub.shape), self.opts.zero_axes, params) if any(zs) else []
-        if cand.stages > 1:
-            scheds = [self.opts.schedule] if self.opts.schedule else [
-                Schedule.ONE_F_ONE_B.value, Schedule.GPIPE.value, Schedule.INTERLEAVED.value,
-                Schedule.ZERO_BUBBLE.value]
-            v = self.opts.virtual_stages
-            if v is not None:  # forced chunks decide whether the schedule interleaves
-                scheds = [s for s in scheds if (s == Schedule.INTERLEAVED.value) == (v > 1)]
-        else:
-            scheds = [Schedule.NONE.value]
-        if self.opts.recompute:
-            known = {st.key for st in cand.stats}
-            bad = sorted(set(self.opts.recompute) - known)
-            if bad:
-                raise PlanError(f"recompute names unknown layer(s) {bad}; the model's layers are "
-                                f"{[st.key for st in cand.stats]}")
-        out = []
-        for z in zs:
-            # ZeRO needs a sub-mesh axis to shard over: no config when there is none
-            for a in (axes if z else [None]):
-                for s in scheds:
-                    if conflict(s, bool(self.opts.recompute), z):
-                        continue  # a schedule that cannot run with these decisions
-                    for v in (self._virtual(cand) if s == Schedule.INTERLEAVED.value else [1]):
-                        out.append(Config(cand.stages, cand.micro_batches, s, z, a,
-                                          self.opts.recompute, self.opts.bucket_bytes, v))
-        return out
-
-    def _virtual(self, cand: _Candidate) -> list[int]:
-        """Model chunks per rank the interleaved schedule tries on ``cand``: the forced
-        count, else 2 and 4 where each virtual stage still gets a layer; none when the
-        micro-batches are not a multiple of the stages (the schedule's groups: other
-        counts may be, and a forced count that is not fails in ``check_forced``)."""
-        p = cand.stages
-        if cand.micro_batches % p:
-            return []
-        want = [self.opts.virtual_stages] if self.opts.virtual_stages else [2, 4]
-        return [v for v in want if v > 1 and p * v <= len(cand.stats)]
 
     def _price(self, cand: _Candidate) -> None:
         link = (lambda b: send_recv_time(cand.full, (0,), b)) if cand.stages > 1 else (lambda b: 0.0)
@@ -281,7 +157,8 @@ class JointSearch(JointCaptures):
             return None
         # fastest; on ties the simpler plan (fewer stages, micro-batches, lower ZeRO)
         return min(ok, key=lambda cp: (round(cp[1].step_seconds, 12), cp[1].config.stages,
-                                       cp[1].config.micro_batches, cp[1].config.zero_stage))
+                                       cp[1].config.pipeline_axis, cp[1].config.micro_batches,
+                                       cp[1].config.zero_stage))
 
     # ------------------------------------------------------------ search
     def _say(self, msg: str) -> None:
@@ -306,25 +183,27 @@ class JointSearch(JointCaptures):
 
     def _try(self, stages: int, micro: int, budget: float | None, strict: bool = False,
              estimate: bool = False, force: bool = False,
-             weights: tuple[float, ...] | None = None) -> None:
+             weights: tuple[float, ...] | None = None, axis: int = 0) -> None:
         """Plan and price one candidate. ``strict``: the candidate the user asked for
         (or the plain one), whose errors (bad pins, ...) are the user's and propagate;
         a candidate the search picked is skipped when, e.g., a pin cannot hold at its
         micro-batch size.  ``estimate``: from the shallow copy (cheap; not a plan).
         ``force``: even when the time limit is spent; ``weights``: only those sync weights'
-        placements (:func:`autopar.search.make_weighted_plans`)."""
+        placements (:func:`autopar.search.make_weighted_plans`); ``axis``: the mesh axis
+        the stages are carved from."""
         if self._out_of_time() and not force:
             return
-        if not force and self._bounded(stages, micro, estimate):
+        if not force and self._bounded(stages, micro, estimate, axis):
             return
+        where = split_words(stages, axis, "stages")
         t0 = time.perf_counter()
         lean = budget is not None and math.isfinite(budget)
         try:
-            cands = self._intra(stages, micro, budget, estimate, weights)
+            cands = self._intra(stages, micro, budget, estimate, weights, axis)
         except PlanError as e:
             if strict:
                 raise
-            self._say(f"stages {stages}, micro-batches {micro}: skipped ({e})")
+            self._say(f"{where}, micro-batches {micro}: skipped ({e})")
             return
         n = len(self.priced)
         for cand in cands:
@@ -332,7 +211,7 @@ class JointSearch(JointCaptures):
         ok = [p for _, p in self.priced[n:] if p.feasible]
         bounded = sum(1 for _, p in self.priced[n:] if p.bound is not None)
         best = min((p.step_seconds for p in ok), default=math.inf)
-        self._say(f"stages {stages}, micro-batches {micro}"
+        self._say(f"{where}, micro-batches {micro}"
                   + (", memory-lean placements" if lean else "")
                   + (f", estimated from {KEEP} layers" if cands and cands[0].estimate else "")
                   + f": {len(self.priced) - n - bounded} configs priced"
@@ -340,7 +219,7 @@ class JointSearch(JointCaptures):
                   + f", {len(ok)} fit, best "
                   + (f"{best * 1e3:.3f} ms" if ok else "none") + f" ({time.perf_counter() - t0:.2f} s; {self._clock.status()})")
 
-    def _bounded(self, stages: int, micro: int, estimate: bool) -> bool:
+    def _bounded(self, stages: int, micro: int, estimate: bool, axis: int = 0) -> bool:
         """Skip a split before its intra-op search (a capture and an ILP: seconds each on
         a deep model) when even its compute cannot beat the best plan priced so far: the
         model's compute floor (:attr:`LayerStat.floor`, the same for every split: FLOPs
@@ -358,9 +237,10 @@ class JointSearch(JointCaptures):
         lb = work / math.prod(self.mesh.shape) * (micro + fill) / micro
         if lb <= best[1].step_seconds * (1.0 + 1e-9):
             return False
-        cand = _Candidate(stages, micro, None, None, [], self.mesh, estimate)  # type: ignore[arg-type]
-        self.priced.append((cand, Priced(Config(stages, micro), [], math.inf, math.inf, bound=lb)))
-        self._say(f"stages {stages}, micro-batches {micro}: not searched, its compute alone takes "
+        cand = _Candidate(stages, micro, None, None, [], self.mesh, estimate, axis=axis)  # type: ignore[arg-type]
+        self.priced.append((cand, Priced(Config(stages, micro, pipeline_axis=axis), [], math.inf,
+                                         math.inf, bound=lb)))
+        self._say(f"{split_words(stages, axis, 'stages')}, micro-batches {micro}: not searched, its compute alone takes "
                   f"at least {lb * 1e3:.3f} ms per step, over the best "
                   f"{best[1].step_seconds * 1e3:.3f} ms")
         return True
@@ -375,9 +255,9 @@ class JointSearch(JointCaptures):
         # a budget per pass (a second one follows estimates that proved wrong)
         self._clock = TimeBudget(self.opts.time_limit, self._uncharged)
         self._stopped = set()
-        stages = self.opts.pipeline_stages or 1
-        first = (stages, self._micro_options(stages)[0])
-        self._try(*first, math.inf, strict=True, estimate=self._start_early())
+        stages, axis = self._forced_splits()[0]
+        first = (stages, self._micro_options(stages)[0], axis)
+        self._try(stages, first[1], math.inf, strict=True, estimate=self._start_early(), axis=axis)
         if stages > 1:
             self._stage_options()  # forced stages: refuse tied weights across layers now
         forced = self.opts.pipeline_stages is not None or self.opts.micro_batches is not None
@@ -393,19 +273,19 @@ class JointSearch(JointCaptures):
             # 70B search ran out in 1-stage micro-batching before).  With a pipeline
             # more micro-batches shrink the bubble: the most first; without one they only
             # trade speed for memory: the fewest first
-            splits = [(i, p, m) for p in self._stage_options()
+            splits = [(i, p, a, m) for p, a in self._stage_options()
                       for i, m in enumerate(self._micro_order(p))]
-            for _, p, m in sorted(splits):
-                if (p, m) != first:
-                    self._try(p, m, math.inf, estimate=est)
+            for _, p, a, m in sorted(splits):
+                if (p, m, a) != first:
+                    self._try(p, m, math.inf, estimate=est, axis=a)
         self._clock.enter(Phase.CONFIRM)
         if self._best() is None:
             # no split fits with the fastest placements: let the budget shape them (in the
             # confirm phase, the first always: else a spent explore share would report
             # "no plan fits" without a memory-lean plan tried)
-            lean = sorted({(c.stages, c.micro_batches, c.estimate) for c, _ in self.priced})
-            for k, (p, m, e) in enumerate(lean):
-                self._try(p, m, self.budget, estimate=e, force=k == 0)
+            lean = sorted({(c.stages, c.micro_batches, c.estimate, c.axis) for c, _ in self.priced})
+            for k, (p, m, e, a) in enumerate(lean):
+                self._try(p, m, self.budget, estimate=e, force=k == 0, axis=a)
         self._confirm_estimates()
         best = self._best(exact=True)
         if self._mismatch and not self._exact:
@@ -417,7 +297,7 @@ class JointSearch(JointCaptures):
             return self._run()
         if best is None:
             if not self.priced and self.opts.schedule == Schedule.INTERLEAVED.value:
-                counts = {p: self._micro_options(p) for p in self._stage_options() if p > 1}
+                counts = {p: self._micro_options(p) for p, _ in self._stage_options() if p > 1}
                 raise PlanError(
                     "schedule='interleaved-1f1b' has no split it can run: it needs a number of "
                     "micro-batches that is a multiple of the pipeline stages and a layer per "
@@ -448,7 +328,7 @@ class JointSearch(JointCaptures):
             plan.warnings.append(msg)
             plan.solver.message = (plan.solver.message + "; " if plan.solver.message else "") + msg
         c = pr.config
-        self._say(f"chose {c.stages} stage(s) ({c.schedule}), {c.micro_batches} micro-batch(es), "
+        self._say(f"chose {split_words(c.stages, c.pipeline_axis)} ({c.schedule}), {c.micro_batches} micro-batch(es), "
                   + (f"ZeRO-{c.zero_stage} over {zero_words(c.zero_axis)}" if c.zero_stage else "no ZeRO")
                   + f": {pr.step_seconds * 1e3:.3f} ms per step")
         return cand.cap, plan
@@ -459,13 +339,13 @@ class JointSearch(JointCaptures):
         first one is planned even when the time limit is spent: it finishes the search
         rather than widening it (else an estimate the search found faster would only
         appear in the summary as the road not taken)."""
-        tried: set[tuple[int, int]] = set()
+        tried: set[tuple[int, int, int]] = set()
         while len(tried) < most and (not tried or not self._out_of_time()):
             best, exact = self._best(), self._best(exact=True)
             if best is None or not best[0].estimate or (
                     exact is not None and exact[1].step_seconds <= best[1].step_seconds):
                 return
-            split = (best[0].stages, best[0].micro_batches)
+            split = (best[0].stages, best[0].micro_batches, best[0].axis)
             if split in tried:
                 return
             # the variant the estimate won with: its placements, not all four, at full depth
@@ -474,9 +354,9 @@ class JointSearch(JointCaptures):
             estimated = best[1].step_seconds
             # this split's estimates have served: its exact configs replace them
             self.priced = [(c, p) for c, p in self.priced
-                           if not (c.estimate and (c.stages, c.micro_batches) == split)]
+                           if not (c.estimate and (c.stages, c.micro_batches, c.axis) == split)]
             n, first = len(self.priced), len(tried) == 1
-            self._try(*split, math.inf, force=first, weights=weights)
+            self._try(split[0], split[1], math.inf, force=first, weights=weights, axis=split[2])
             # the check that the estimates were exact: this split, planned at full depth
             exact = [p.step_seconds for _, p in self.priced[n:] if p.feasible]
             if not exact or not math.isclose(min(exact), estimated, rel_tol=1e-6):
@@ -484,7 +364,7 @@ class JointSearch(JointCaptures):
                 return
             if not any(p.feasible for _, p in self.priced[n:]):
                 # memory-lean placements, as for any split
-                self._try(*split, self.budget, force=first)
+                self._try(split[0], split[1], self.budget, force=first, axis=split[2])
 
     # ------------------------------------------------------------ the plan
     def _decorate(self, cand: _Candidate, pr: Priced) -> Plan:
@@ -492,7 +372,8 @@ class JointSearch(JointCaptures):
         plan = cand.plan
         recompute = sorted({k for sp in pr.stages for k in sp.recompute})
         d = Decisions(
-            pipeline_stages=cfg.stages, schedule=cfg.schedule, micro_batches=cfg.micro_batches,
+            pipeline_stages=cfg.stages, pipeline_axis=cand.axis if cfg.stages > 1 else 0,
+            schedule=cfg.schedule, micro_batches=cfg.micro_batches,
             virtual_stages=cfg.virtual,
             stages=(pr.virtual or [sp.layers for sp in pr.stages]) if cfg.stages > 1 else [],
             zero_stage=cfg.zero_stage, recompute=recompute,

@@ -152,7 +152,7 @@ def load_module(directory: str | Path, batch: str = "global", timeout: float = 6
     :func:`autopar.auto_parallel` (``"local"``: each data-parallel rank passes its part);
     ``timeout`` (seconds) is the collective timeout of a process group created here."""
     from autopar.parallel_module import ParallelModule
-    from autopar.runtime.mesh import init_mesh
+    from autopar.runtime.mesh import init_plan_mesh
 
     directory = Path(directory).absolute()
     if not dist.is_initialized() and "RANK" in os.environ:
@@ -171,7 +171,7 @@ def load_module(directory: str | Path, batch: str = "global", timeout: float = 6
         err = LoadError(f"loading {directory} failed: {type(e).__name__}: {e}")
     export_io.agree(err)
     plan, meta = parts.plan, parts.meta
-    init_mesh(tuple(plan.mesh.shape), stages=plan.decisions.pipeline_stages)
+    init_plan_mesh(plan)
     binder = InputBinder(in_spec, [tuple(s) if s is not None else None for s in meta["inputs"]["shapes"]],
                          list(meta["inputs"]["names"]))
     extra = parts.state.get(EXTRA_KEY, ({}, False))[0]

@@ -74,8 +74,8 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         self._owner = {n.param: d.rank_of(n.layer) if d.pipeline_stages > 1 else 0
                        for n in plan.nodes.values() if n.kind in ("param", "buffer") and n.param}
         if runtime:
-            from autopar.runtime.mesh import init_mesh
-            self._mesh_rt = init_mesh(tuple(plan.mesh.shape), stages=d.pipeline_stages)
+            from autopar.runtime.mesh import init_plan_mesh
+            self._mesh_rt = init_plan_mesh(plan)
             self.rank = dist.get_rank()
         # planning-only: keep the whole weights so export() can write every rank's shards
         self._full_state = dict(full_state) if (full_state is not None and not runtime) else None

@@ -138,7 +138,7 @@ class Schedule(StrEnum):
 @dataclass
 class Request:
     """What the plan was asked for and the work one training step does: the mesh as the
-    user gave it (before pipeline stages were carved out of its first axis), the memory
+    user gave it (before pipeline stages were carved out of one of its axes), the memory
     budget per device, and per step the tokens (0 when the model takes no token ids) and
     the model FLOPs (forward + backward of the whole global batch, backward counted as
     twice the forward as in the usual MFU convention).  The summary derives tokens/s,
@@ -188,6 +188,10 @@ class Decisions:
     """
 
     pipeline_stages: int = 1
+    pipeline_axis: int = 0
+    """The axis of the requested mesh (``Plan.request.mesh_shape``) the stages were
+    carved from: 0, the outermost (across nodes), or a later one (inside a node); each
+    stage is a contiguous block of that axis (:func:`autopar.splits.stage_ranks`)."""
     schedule: str = Schedule.NONE.value
     virtual_stages: int = 1
     """Model chunks per pipeline rank (> 1 only under ``Schedule.INTERLEAVED``)."""

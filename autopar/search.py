@@ -66,6 +66,8 @@ class PlanOptions:
     zero_stage: int | None = None
     zero_axes: tuple[int, ...] | None = None  # the sub-mesh axes ZeRO shards over; None = searched
     pipeline_stages: int | None = None
+    # the mesh axis the stages are carved from (0: across nodes); None = searched
+    pipeline_axis: int | None = None
     micro_batches: int | None = None
     schedule: str | None = None
     # model chunks per pipeline rank under schedule="interleaved-1f1b"; None = searched

@@ -91,8 +91,8 @@ def axis_roles(plan: Plan) -> list[AxisRole]:
     mesh = plan.mesh
     roles: list[AxisRole] = []
     if d.pipeline_stages > 1:
-        full = mesh.with_shape((d.pipeline_stages, *mesh.shape)) if mesh.size > 1 else \
-            mesh.with_shape((d.pipeline_stages,))
+        from autopar.splits import pipeline_mesh  # splits imports the plan module
+        full = pipeline_mesh(plan)
         roles.append(AxisRole("pp", d.pipeline_stages, "PP", _link_words(full, 0)))
     params = [n for n in plan.nodes.values() if n.kind == "param" and n.shape and len(n.shape[0]) >= 2]
     # the repeated layers decide (a large embedding and head must not outvote them); a

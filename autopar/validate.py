@@ -121,6 +121,9 @@ def options(memory_budget, optimizer, time_limit, search, decisions: Mapping) ->
         v = decisions.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ConfigError(f"{key} must be a positive integer, got {v!r}")
+    pa = decisions.get("pipeline_axis")
+    if pa is not None and (isinstance(pa, bool) or not isinstance(pa, int) or pa < 0):
+        raise ConfigError(f"pipeline_axis must be a mesh axis (an integer >= 0), got {pa!r}")
     s = decisions.get("schedule")
     if s is not None and str(s).lower() not in SCHEDULES:
         raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {s!r}")

@@ -116,7 +116,7 @@ def candidate_key(plan: Plan) -> tuple:
     parameter's placement (two searches that agree on these lower to the same code up
     to activation layouts, which follow from them)."""
     d = plan.decisions
-    return (tuple(plan.mesh.shape), d.pipeline_stages, d.schedule, d.virtual_stages,
+    return (tuple(plan.mesh.shape), d.pipeline_stages, d.pipeline_axis, d.schedule, d.virtual_stages,
             d.micro_batches, d.zero_stage,
             tuple(d.recompute), d.precision, d.batch, tuple(sorted(plan.params().items())))
 
@@ -136,7 +136,7 @@ def _variants(base: Plan, mesh: MeshSpec) -> list[tuple[str, MeshSpec | tuple[in
         out += [(f"zero_stage={z}", mesh, {"zero_stage": z}) for z in range(4)]
     out.append(("micro_batches=2", mesh, {"micro_batches": 2}))
     repeated = {n.layer for n in base.nodes.values()} - {"", "pre", "post"}
-    if len(repeated) >= 2 and mesh.shape[0] % 2 == 0:  # stages come out of axis 0
+    if len(repeated) >= 2 and any(s % 2 == 0 for s in mesh.shape):  # from an axis 2 divides
         out.append(("pipeline_stages=2", mesh,
                     {"pipeline_stages": 2, "micro_batches": 2, "schedule": "1f1b"}))
     n = mesh.size

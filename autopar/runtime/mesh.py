@@ -40,6 +40,8 @@ class RuntimeMesh:
     stage: int = 0
     device: torch.device = torch.device("cpu")
     flat: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
+    pipeline_axis: int = 0
+    """The axis of the requested mesh the stages were carved from (the rank layout)."""
 
     def group(self, axis: int) -> dist.ProcessGroup:
         """Process group of the ranks that differ only along (sub-mesh) ``axis``."""
@@ -93,12 +95,17 @@ _CURRENT: RuntimeMesh | None = None
 
 
 def init_mesh(shape: tuple[int, ...], backend: str | None = None, stages: int = 1,
-              timeout: float | None = None) -> RuntimeMesh:
+              timeout: float | None = None, pipeline_axis: int = 0,
+              mesh_shape: tuple[int, ...] | None = None) -> RuntimeMesh:
     """Initialise (or reuse) the default process group and build the mesh.
 
     ``timeout`` (seconds, default 600) is the collective timeout of a process group
     created here.  ``shape`` is the mesh of the plan's placements; with ``stages > 1`` it is each
-    pipeline stage's sub-mesh and the world is ``stages`` times its size.
+    pipeline stage's sub-mesh and the world is ``stages`` times its size.  The stages
+    are carved from ``pipeline_axis`` of ``mesh_shape`` (the requested mesh, ranks
+    row-major as torchrun numbers them): axis 0 makes each stage a block of consecutive
+    ranks; a later axis (stages inside a node) interleaves them
+    (:func:`autopar.splits.stage_ranks`).
 
     Raises :class:`MeshMismatchError` when the world size differs from the mesh size:
     running a plan on the wrong number of ranks would silently compute garbage.
@@ -128,20 +135,50 @@ def init_mesh(shape: tuple[int, ...], backend: str | None = None, stages: int = 
             f"the plan's mesh {full} has {size} devices but the world size is {world}; "
             f"re-plan for {world} devices or launch {size} ranks"
         )
-    if _CURRENT is not None and (_CURRENT.stages, _CURRENT.shape) == (stages, tuple(shape)):
+    axis = pipeline_axis if stages > 1 else 0
+    if _CURRENT is not None and (_CURRENT.stages, _CURRENT.shape, _CURRENT.pipeline_axis) == \
+            (stages, tuple(shape), axis):
         return _CURRENT
     dev = local_device(dist.get_backend())
     device = dev.type
     # named axes let a pipeline stage slice out its sub-mesh (``param_mesh``)
     names = (("pp",) if stages > 1 else ()) + tuple(f"a{i}" for i in range(len(shape)))
-    dm = init_device_mesh(device, full, mesh_dim_names=names)
+    if axis:
+        dm = DeviceMesh(device, _stage_layout(full, axis, mesh_shape), mesh_dim_names=names)
+    else:
+        dm = init_device_mesh(device, full, mesh_dim_names=names)
     coord = tuple(int(c) for c in dm.get_coordinate())
     if stages > 1:
-        _CURRENT = RuntimeMesh(tuple(shape), dm, coord[1:], stages, coord[0], dev)
+        _CURRENT = RuntimeMesh(tuple(shape), dm, coord[1:], stages, coord[0], dev, pipeline_axis=axis)
     else:
         _CURRENT = RuntimeMesh(tuple(shape), dm, coord, device=dev)
     _CURRENT.flat = _flat_groups(dm, stages > 1, timeout)
     return _CURRENT
+
+
+def init_plan_mesh(plan, timeout: float | None = None) -> RuntimeMesh:
+    """:func:`init_mesh` for ``plan`` (a :class:`~autopar.plan.Plan`): its stage
+    sub-mesh, stage count, and the axis of the requested mesh the stages come from."""
+    d = plan.decisions
+    return init_mesh(tuple(plan.mesh.shape), stages=d.pipeline_stages, timeout=timeout,
+                     pipeline_axis=d.pipeline_axis, mesh_shape=tuple(plan.request.mesh_shape) or None)
+
+
+def _stage_layout(full: tuple[int, ...], axis: int, mesh_shape: tuple[int, ...] | None) -> torch.Tensor:
+    """The global ranks of the device mesh ``full`` (pipeline axis first) for stages
+    carved from ``axis`` of ``mesh_shape``."""
+    from autopar.splits import stage_ranks  # the planner's layout, one definition
+
+    if not mesh_shape or math.prod(mesh_shape) != math.prod(full):
+        raise MeshMismatchError(
+            f"the plan's {full[0]} pipeline stages are carved from mesh axis {axis}, which needs "
+            f"the mesh they were carved from (the plan's request.mesh_shape), got {mesh_shape}")
+    ranks = stage_ranks(tuple(mesh_shape), full[0], axis)
+    if tuple(ranks.shape) != full:
+        raise MeshMismatchError(
+            f"{full[0]} stages carved from axis {axis} of the mesh {tuple(mesh_shape)} give stage "
+            f"sub-meshes {tuple(ranks.shape[1:])}, but the plan's sub-mesh is {full[1:]}")
+    return ranks
 
 
 def _flat_groups(dm: DeviceMesh, pipelined: bool,

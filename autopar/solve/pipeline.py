@@ -47,6 +47,7 @@ class Config:
     recompute: tuple[str, ...] | None = None  # forced recomputed layer keys; None = searched
     bucket_bytes: float | None = None  # fixed gradient bucket size; None = chosen (MG-WFBP)
     virtual: int = 1  # model chunks per pipeline rank (the interleaved schedule)
+    pipeline_axis: int = 0  # the mesh axis the stages are carved from
 
 
 @dataclass

@@ -75,7 +75,8 @@ def run_case(case: Case) -> dict:
                  "calls": sorted({getattr(n.target, "__name__", str(n.target))
                                   for n in pm.inner.graph.nodes if n.op == "call_function"}),
                  "searcher": pm.plan.solver.searcher,
-                 "decisions": {"zero": d.zero_stage, "stages": d.pipeline_stages, "schedule": d.schedule,
+                 "decisions": {"zero": d.zero_stage, "stages": d.pipeline_stages,
+                               "pipeline_axis": d.pipeline_axis, "schedule": d.schedule,
                                "virtual_stages": d.virtual_stages, "micro_batches": d.micro_batches, "recompute": d.recompute,
                                "precision": d.precision, "zero_axes": list(d.zero_axes),
                                "memory": {k: float(v) for k, v in pm.plan.memory.items()}}}

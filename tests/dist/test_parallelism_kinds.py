@@ -121,6 +121,7 @@ def check_decisions(res: dict, case: Case) -> None:
     if "zero_axes" in o:
         assert tuple(d["zero_axes"]) == tuple(o["zero_axes"])
     assert d["stages"] == o.get("pipeline_stages", d["stages"])
+    assert d["pipeline_axis"] == o.get("pipeline_axis", d["pipeline_axis"])
     assert d["micro_batches"] == o.get("micro_batches", d["micro_batches"])
     assert d["schedule"] == o.get("schedule", d["schedule"])
     assert d["virtual_stages"] == o.get("virtual_stages", 1)

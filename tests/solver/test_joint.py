@@ -136,7 +136,7 @@ def test_explain_answers_why(plain):
     ({"recompute": ["blocks.9"]}, "unknown layer"),
     ({"zero_stage": 5}, "zero_stage must be"),
     ({"schedule": "1f1b", "pipeline_stages": 1}, "needs pipeline_stages > 1"),
-    ({"pipeline_stages": 3}, "do not divide mesh axis 0"),
+    ({"pipeline_stages": 3}, r"do not divide any axis of the mesh \(4,\)"),
     ({"micro_batches": 3}, "does not split into 3 micro-batches"),
 ])
 def test_forced_decisions_that_cannot_hold_are_errors(kw, msg):

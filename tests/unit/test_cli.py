@@ -281,7 +281,8 @@ def test_decision_flag_choices_are_checked_by_argparse(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--recompute", "blocks.9"], "recompute names unknown layer(s) ['blocks.9']"),
-    (["--pipeline-stages", "3"], "3 pipeline stages do not divide mesh axis 0 of size 2"),
+    (["--pipeline-stages", "3"], "3 pipeline stages do not divide any axis of the mesh (2,)"),
+    (["--pipeline-stages", "2", "--pipeline-axis", "1"], "pipeline_axis must be an axis of the mesh (2,)"),
 ])
 def test_decision_errors_found_by_planning(capsys, argv, message):
     code, _, err = run(capsys, "plan", f"{GPT}:build", "--mesh", "2", *argv, *GPT_TWO)
