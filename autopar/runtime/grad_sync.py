@@ -69,6 +69,10 @@ class Bucket:
     own: set[int] = field(default_factory=set)
     """Indices of the parameters whose ``.grad`` kept its own tensor (another layout or
     type): the reduced values are copied back into those after the reduction."""
+    fresh: set[int] = field(default_factory=set)
+    """Indices whose gradient a hook already put in ``flat`` in this reducing backward:
+    the launch fills only the others (it filled every one again, a view and a pointer
+    check per parameter on the hot path)."""
 
     def __post_init__(self) -> None:
         """Lay the gradients out back to back, in ``params`` order."""
@@ -81,7 +85,7 @@ class Bucket:
     def view(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s gradient slot in ``flat``, shaped like the parameter."""
         p = self.params[i]
-        return self.flat[self.offsets[i]:self.offsets[i] + p.numel()].view(p.shape)
+        return self.flat.narrow(0, self.offsets[i], p.numel()).view(p.shape)
 
 
 class OrderedBuckets:
@@ -174,12 +178,15 @@ class GradSync(OrderedBuckets):
         b = self._bucket_of[id(p)]
         # also while disabled (accumulation, pipeline micro-batches): the gradient then
         # accumulates in place in its bucket, and the last backward copies nothing
-        self._fill(b, p)
+        i = self._fill(b, p)
+        if self.enabled:
+            b.fresh.add(i)
         self._ready(b)
 
-    def _fill(self, b: Bucket, p: nn.Parameter) -> None:
+    def _fill(self, b: Bucket, p: nn.Parameter) -> int:
         """Put ``p``'s gradient in ``b.flat`` (zeros when it has none) and make ``.grad``
-        a view of it when the layouts agree (the reduction then lands in it)."""
+        a view of it when the layouts agree (the reduction then lands in it); returns
+        ``p``'s index in ``b``."""
         if b.flat is None:
             b.flat = torch.empty(b.offsets[-1] + b.params[-1].numel(), dtype=b.dtype, device=p.device)
         i = self._index[id(p)]
@@ -194,10 +201,12 @@ class GradSync(OrderedBuckets):
                 b.own.discard(i)
             else:
                 b.own.add(i)
+        return i
 
     def _launch(self, b: Bucket) -> None:
-        for p in b.params:
-            self._fill(b, p)  # gradients that were not ready (or a backward without hooks)
+        for i, p in enumerate(b.params):
+            if i not in b.fresh:  # not ready (no gradient this backward, or no hooks ran)
+                self._fill(b, p)
         m = current()
         # every replicated axis at once, asynchronously (one group spanning them)
         b.work = issue(dist.all_reduce, b.flat, group=m.group_of(b.axes), async_op=True)
@@ -211,4 +220,4 @@ class GradSync(OrderedBuckets):
                     b.params[i].grad.copy_(b.view(i))
             # the views keep the buffer alive; dropping it here frees it with them at
             # the next zero_grad(set_to_none=True)
-            b.ready, b.flat, b.work, b.launched, b.own = 0, None, None, False, set()
+            b.ready, b.flat, b.work, b.launched, b.own, b.fresh = 0, None, None, False, set(), set()

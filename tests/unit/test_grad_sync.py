@@ -1,0 +1,90 @@
+"""GradSync's hot path on a one-rank gloo group (one process group for the module):
+each gradient lands in its bucket once per backward and ``.grad`` becomes a view of
+the bucket; accumulation with the hooks off and a flush after a backward without hooks
+still reduce every gradient.  The reductions of several ranks are tests/dist's."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopar.runtime import grad_sync
+from autopar.runtime.grad_sync import GradSync
+from autopar.runtime.mesh import init_mesh, release_groups, reset
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank(tmp_path_factory):
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    reset()
+    m = init_mesh((1,))
+    yield
+    dist.destroy_process_group()
+    release_groups(m)
+    reset()
+
+
+def _model() -> tuple[nn.Module, GradSync, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    params = [(n, p, (0,)) for n, p in model.named_parameters()]
+    # 64-byte buckets: the four parameters in three buckets (two launched in backward)
+    return model, GradSync(params, None, bucket_bytes=64 * 4), torch.randn(5, 8)
+
+
+def _reference(x: torch.Tensor, times: int = 1) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    for _ in range(times):
+        ref(x).square().sum().backward()
+    return {n: p.grad for n, p in ref.named_parameters()}
+
+
+def _in_bucket(sync: GradSync, p: nn.Parameter) -> bool:
+    """``p.grad`` lives in its bucket's buffer (shared with the bucket's other gradients)."""
+    b = next(b for b in sync.buckets if any(q is p for q in b.params))
+    size = (b.offsets[-1] + b.params[-1].numel()) * 4
+    ptrs = {q.grad.untyped_storage().data_ptr() for q in b.params}
+    return len(ptrs) == 1 and p.grad.untyped_storage().nbytes() == size
+
+
+def test_each_gradient_lands_in_its_bucket_once(monkeypatch) -> None:
+    model, sync, x = _model()
+    copies = []
+    real = grad_sync.Bucket.view
+    monkeypatch.setattr(grad_sync.Bucket, "view", lambda b, i: copies.append(i) or real(b, i))
+    model(x).square().sum().backward()
+    # one slot per parameter per backward (the launch visited every one again before)
+    assert len(copies) == 4
+    want = _reference(x)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, want[n]), n  # one rank: the sum is the gradient
+        assert _in_bucket(sync, p), n
+
+
+def test_accumulation_and_flush_reduce_every_gradient() -> None:
+    model, sync, x = _model()
+    sync.enabled = False  # accumulation: hooks fill the buckets, nothing is reduced
+    model(x).square().sum().backward()
+    sync.enabled = True
+    model(x).square().sum().backward()
+    want = _reference(x, times=2)
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, want[n], rtol=1e-6, atol=0), n
+    # a backward without hooks (the zero-bubble schedule's W writes .grad directly),
+    # then a flush: every gradient is put in its bucket and reduced
+    for p in model.parameters():
+        p.grad = None
+    sync.enabled = False
+    model(x).square().sum().backward()
+    sync.flush()
+    sync.enabled = True
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, _reference(x)[n]), n
+        assert _in_bucket(sync, p), n
