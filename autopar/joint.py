@@ -272,10 +272,12 @@ class JointSearch(JointCaptures, JointSpace):
             # a time limit then cuts depth, not whole stage counts (a 1,024-H100 Llama-3
             # 70B search ran out in 1-stage micro-batching before).  With a pipeline
             # more micro-batches shrink the bubble: the most first; without one they only
-            # trade speed for memory: the fewest first
-            splits = [(i, p, a, m) for p, a in self._stage_options()
+            # trade speed for memory: the fewest first.  Stages inside a node (a later
+            # axis) come after those across nodes at each depth: they rarely win (the
+            # slow link then carries the sub-mesh's traffic), so a time limit cuts them first
+            splits = [(i, a > 0, p, a, m) for p, a in self._stage_options()
                       for i, m in enumerate(self._micro_order(p))]
-            for _, p, a, m in sorted(splits):
+            for _, _, p, a, m in sorted(splits):
                 if (p, m, a) != first:
                     self._try(p, m, math.inf, estimate=est, axis=a)
         self._clock.enter(Phase.CONFIRM)
