@@ -512,6 +512,28 @@ def test_zero_priced_per_micro_batch_as_the_runtime_runs_it():
     assert one.zero_sync > 0 and four.sync == pytest.approx(one.sync)
 
 
+def test_zero12_gather_after_the_step_pays_one_latency_per_layer():
+    """runtime/zero.py gathers the updated shards of stages 1-2 in fused buckets: the
+    model charges each parameter's bytes and one latency per layer (it charged a latency
+    per parameter: 69 x 1.3 ms on a calibrated gloo link, the +67 ms by which ZeRO-1
+    was over-priced against data parallel, docs/benchmarks.md)."""
+    from autopar.cost_models import all_gather_time
+
+    from autopar.solve.layer_stats import LayerStat, ParamStat, zero_price
+
+    mesh = MeshSpec.preset("cpu-gloo", shape=(4,))
+    many = LayerStat("blocks.0", params=[ParamStat(1e4, (0,)) for _ in range(20)])
+    one = LayerStat("blocks.0", params=[ParamStat(2e5, (0,))])
+    for stage in (1, 2):
+        g_many = zero_price(many, mesh, stage, 0, "adamw").gather_step
+        g_one = zero_price(one, mesh, stage, 0, "adamw").gather_step
+        # (each parameter's bytes less the d bytes its latency term stood for: 1e-4 here)
+        assert g_many == pytest.approx(g_one, rel=1e-3)
+        assert g_one == pytest.approx(all_gather_time(mesh, (0,), 2e5), rel=1e-6)
+        assert g_many < 2 * all_gather_time(mesh, (0,), 1e4) * 10
+    assert zero_price(one, mesh, 3, 0, "adamw").gather_step == 0.0
+
+
 def test_zero3_per_micro_batch_charge_is_its_own_reduce_scatter_only():
     """A parameter replicated on a second axis is also all-reduced there, but only once,
     after the last backward (GradSync is off before it): the per-micro-batch charge is
