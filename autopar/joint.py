@@ -260,6 +260,8 @@ class JointSearch(JointCaptures, JointSpace):
         self._try(stages, first[1], math.inf, strict=True, estimate=self._start_early(), axis=axis)
         if stages > 1:
             self._stage_options()  # forced stages: refuse tied weights across layers now
+            for p, a in self._forced_splits()[1:]:  # the forced count from the other axes
+                self._try(p, first[1], math.inf, estimate=self._shallow is not None, axis=a)
         forced = self.opts.pipeline_stages is not None or self.opts.micro_batches is not None
         best = self._best()
         # memory pressure already costs time (ZeRO, recomputation, or nothing fits):

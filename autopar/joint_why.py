@@ -67,19 +67,21 @@ def decisions_why(ctx: Context, pr: Priced) -> dict[str, str]:
     here = f"this plan: {ms:.3f} ms per step, {format_bytes(mem)} per device"
     why["zero"] = (f"ZeRO-{cfg.zero_stage} over {zero_words(cfg.zero_axis)}; " if cfg.zero_stage
                    else "no ZeRO; ") + here + "; " + _versus(ctx, _alt(
-                       ctx, lambda c: c.zero_stage == 0 and (c.stages, c.micro_batches) ==
-                       (cfg.stages, cfg.micro_batches)) if cfg.zero_stage else
+                       ctx, lambda c: c.zero_stage == 0 and (c.stages, c.micro_batches, c.pipeline_axis) ==
+                       (cfg.stages, cfg.micro_batches, cfg.pipeline_axis)) if cfg.zero_stage else
                        _alt(ctx, lambda c: c.zero_stage > 0),
                        "without ZeRO" if cfg.zero_stage else "with ZeRO")
     chunks = f" x {cfg.virtual} chunks per stage" if cfg.virtual > 1 else ""
-    why["pipeline"] = (f"{cfg.stages} pipeline stages ({cfg.schedule}{chunks}); " if cfg.stages > 1
+    where = f" from mesh axis {cfg.pipeline_axis}" if cfg.pipeline_axis else ""
+    why["pipeline"] = (f"{cfg.stages} pipeline stages{where} ({cfg.schedule}{chunks}); " if cfg.stages > 1
                        else "no pipeline; ") + here + "; " + _versus(ctx, _alt(
                            ctx, lambda c: c.stages == 1) if cfg.stages > 1 else
                            _alt(ctx, lambda c: c.stages > 1),
                            "one stage" if cfg.stages > 1 else "pipelining")
     if cfg.stages > 1:
         # the schedule against the best other one on the same stages and micro-batches
-        other = _alt(ctx, lambda c: (c.stages, c.micro_batches) == (cfg.stages, cfg.micro_batches)
+        other = _alt(ctx, lambda c: (c.stages, c.micro_batches, c.pipeline_axis) ==
+                     (cfg.stages, cfg.micro_batches, cfg.pipeline_axis)
                      and (c.schedule, c.virtual) != (cfg.schedule, cfg.virtual))
         name = "another schedule" if other is None else other.config.schedule + (
             f" x {other.config.virtual} chunks" if other.config.virtual > 1 else "")

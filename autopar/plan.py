@@ -410,7 +410,7 @@ class Plan:
                  f"memory     A {format_bytes(self.memory.get('total', 0))}, "
                  f"B {format_bytes(other.memory.get('total', 0))} per device"]
         da, db = asdict(self.decisions), asdict(other.decisions)
-        for k in ("pipeline_stages", "schedule", "virtual_stages", "micro_batches", "stages",
+        for k in ("pipeline_stages", "pipeline_axis", "schedule", "virtual_stages", "micro_batches", "stages",
                   "zero_stage", "zero_axis", "recompute"):
             if da[k] != db[k]:
                 lines.append(f"{k:<10} A {da[k]}, B {db[k]}")

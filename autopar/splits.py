@@ -85,7 +85,10 @@ def split_mesh(mesh: MeshSpec, stages: int, axis: int = 0) -> tuple[MeshSpec, Me
         sub = dataclasses.replace(full, shape=shape[1:], links=full.links[1:],
                                   axis_names=full.axis_names[1:])
     else:
-        sub = dataclasses.replace(full, shape=(1,), links=full.links[:1], axis_names=("a0",))
+        # one device per stage: a placeholder axis that never communicates, on a plain
+        # link (the pipeline link may be a node-spanning one, invalid on one device)
+        one = dataclasses.replace(full.links[0], inter=None, group=1)
+        sub = dataclasses.replace(full, shape=(1,), links=(one,), axis_names=("a0",))
     return full, sub
 
 
@@ -98,7 +101,7 @@ def pipeline_mesh(plan: Plan) -> MeshSpec:
     if shape and math.prod(shape) == mesh.size * d.pipeline_stages:
         try:
             return split_mesh(mesh.with_shape(shape), d.pipeline_stages, d.pipeline_axis)[0]
-        except ValueError:  # a mesh without a node description: its links stay as given
+        except (ValueError, PlanError):  # links that cannot be re-derived: as given
             pass
     return mesh.with_shape((d.pipeline_stages, *mesh.shape) if mesh.size > 1 else (d.pipeline_stages,))
 

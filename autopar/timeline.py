@@ -168,8 +168,15 @@ def step_end(events: list[Event]) -> float:
 
 
 def _stage_label(plan: Plan, s: int) -> str:
-    n = plan.mesh.size
-    ranks = f"rank {s * n}" if n == 1 else f"ranks {s * n}-{(s + 1) * n - 1}"
+    from autopar.splits import plan_ranks  # splits imports the plan module
+
+    mine = sorted(int(r) for r in plan_ranks(plan)[s].flatten())
+    if len(mine) == 1:
+        ranks = f"rank {mine[0]}"
+    elif mine == list(range(mine[0], mine[-1] + 1)):
+        ranks = f"ranks {mine[0]}-{mine[-1]}"
+    else:  # stages carved inside a node: a stride through every node
+        ranks = "ranks " + ", ".join(map(str, mine))
     return f"stage {s} ({ranks})" if plan.decisions.pipeline_stages > 1 else ranks
 
 

@@ -99,7 +99,8 @@ def label(plan: Plan) -> str:
     parts = []
     if d.pipeline_stages > 1:
         chunks = f"({d.virtual_stages})" if d.virtual_stages > 1 else ""
-        parts.append(f"pp{d.pipeline_stages} x {d.schedule}{chunks} x {d.micro_batches} mb")
+        inner = f"@a{d.pipeline_axis}" if d.pipeline_axis else ""  # stages inside a node
+        parts.append(f"pp{d.pipeline_stages}{inner} x {d.schedule}{chunks} x {d.micro_batches} mb")
     if axes:
         parts.append(" x ".join(axes))
     if d.zero_stage:
@@ -405,7 +406,8 @@ def _write(store: str | Path, report: VerifyReport, model: nn.Module) -> None:
             line = {"source": "autopar.verify", "timestamp": now, "host": socket.gethostname(),
                     "model": type(model).__name__, "label": r.label, "origin": r.origin,
                     "chosen": i == report.chosen, "world_size": report.world_size,
-                    "decisions": {"pipeline_stages": d.pipeline_stages, "schedule": d.schedule,
+                    "decisions": {"pipeline_stages": d.pipeline_stages,
+                                  "pipeline_axis": d.pipeline_axis, "schedule": d.schedule,
                                   "virtual_stages": d.virtual_stages,
                                   "micro_batches": d.micro_batches, "zero_stage": d.zero_stage,
                                   "recompute": d.recompute, "precision": d.precision,

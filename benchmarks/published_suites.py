@@ -158,8 +158,9 @@ def run_job(key: str, kind: str, shape: tuple[int, ...], time_limit: float) -> O
     mesh = MeshSpec.preset(run.preset, shape=tuple(shape))
     model, ex = build_model(run, run.batch)
     if kind == "published":
+        # the published stages, carved out of the outermost axis as the pins assume
         kw = dict(pins=run.pins(), pipeline_stages=run.pp, micro_batches=run.micro,
-                  schedule="1f1b" if run.pp > 1 else None)
+                  schedule="1f1b" if run.pp > 1 else None, pipeline_axis=0 if run.pp > 1 else None)
     else:
         kw = dict(explore=True)
     return plan_outcome(out, model, ex, mesh, run.layers, time_limit, kw)

@@ -265,8 +265,10 @@ def run_job(ref_name: str, kind: str, shape: tuple[int, ...], micro: int | None,
     model, ex = build_model(ref, ref.batch)
     if kind == "megatron":
         sub_ndim = len(shape) - (1 if ref.pp == shape[0] else 0)
+        # Megatron carves its stages across nodes: the outermost axis
         kw = dict(pins=megatron_pins(ref, sub_ndim), pipeline_stages=ref.pp, micro_batches=micro,
-                  zero_stage=0, schedule="1f1b" if ref.pp > 1 else None)
+                  zero_stage=0, schedule="1f1b" if ref.pp > 1 else None,
+                  pipeline_axis=0 if ref.pp > 1 else None)
     else:
         kw = dict(explore=True)
     return plan_outcome(out, model, ex, mesh, ref.layers, time_limit, kw)

@@ -310,11 +310,13 @@ def idle_reuse(group: Any, device: Any, dtype: Any, n: int, min_seconds: float,
     wait (as idle stages wait in recv).  With ``r = half / all`` (the mean matmul rate per
     computing rank, half busy over every rank busy; the mean, not the slowest: the bubble
     is a matter of throughput, and the slowest of 4 ranks on 2 cores is unfair
-    scheduling's noise), the waiting half's cores are used ``r - 1`` of the time: the
-    computing half runs its own, counted, work that much faster, and at ``r = 2`` the
-    cores never idle, so the step is the work over the cores and the bubble costs
-    nothing.  In [0, 0.95]: 0 where every rank has a device of its own (``r = 1``), the
-    cap for 4 ranks on 2 cores (``r = 2``).  (It was ``1 - 1 / r``, 0.5 there: the
+    scheduling's noise), the reuse is ``2 (1 - 1 / r)``: the pipeline prices the bubble
+    as the other stages' work at the every-rank-busy rate times ``1 - reuse``, and where
+    only one of two stages runs at a time (one micro-batch) the step is the two stages'
+    work at the half-busy rate, ``2 / r`` of one stage's priced time, so ``1 + (1 -
+    reuse) = 2 / r``.  In [0, 0.95]: 0 where every rank has a device of its own
+    (``r = 1``), the cap for 4 ranks on 2 cores (``r = 2``: the cores never idle, the
+    bubble costs nothing).  (It was ``1 - 1 / r``, half of that: 0.5 there, and the
     calibrated 2-stage 1F1B of 4 ranks was priced 334 ms and measured 242 ms, faster than
     data parallel's 273 ms, docs/benchmarks.md.)"""
     import torch
@@ -334,5 +336,5 @@ def idle_reuse(group: Any, device: Any, dtype: Any, n: int, min_seconds: float,
     dist.barrier(group=group)
     mean_all, half_share = mean_over_ranks([every, half], group, device)
     mean_half = half_share * p / (p // 2)  # the waiting ranks counted 0
-    reuse = mean_half / mean_all - 1.0 if mean_all > 0 else 0.0
+    reuse = 2.0 * (1.0 - mean_all / mean_half) if mean_half > 0 else 0.0
     return {"idle_reuse": min(0.95, max(0.0, reuse)), "all": mean_all, "half": mean_half}

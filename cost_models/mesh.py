@@ -187,8 +187,9 @@ class MeshSpec:
     an optimizer step streams (:func:`~autopar.cost_models.compute.optimizer_step_time`;
     None: ``mem_bandwidth``).  ``idle_reuse`` is the share of a
     pipeline bubble the other ranks win back: 0 on GPUs (an idle GPU is lost), about
-    ``1 - K / R`` where ``R`` ranks share ``K`` cores (an idle rank gives its core to the
-    others, which then compute faster); calibration measures it. ``gpus_per_node``, ``intra`` and
+    ``min(1, 2 (1 - K / R))`` where ``R`` ranks share ``K`` cores (an idle rank gives its
+    core to the others, which then compute faster; from ``R = 2K`` on, the cores never
+    idle), below 1 (at most 0.95 measured); calibration measures it. ``gpus_per_node``, ``intra`` and
     ``inter`` keep the node description of a preset so :meth:`with_shape` can re-derive links;
     ``gpus_per_node=None`` with ``intra`` set means one host without node boundaries.
     ``reserve_bytes`` and ``reserve_fraction`` (of ``mem_capacity``) are what a device

@@ -201,9 +201,10 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | tuple[in
             sync += all_reduce_time(mesh, others, p.bytes / d) - all_reduce_time(mesh, others, 1.0)
         zsync += sync - before
         if stage < 3:
-            # bandwidth only: runtime/zero.py gathers the updated shards in fused buckets,
-            # whose latency is paid once per layer below (per parameter, the 69 tensors of
-            # a 4-layer GPT cost 90 ms of gloo latency the runtime never pays)
+            # bandwidth only: runtime/zero.py gathers the updated shards in fused 4 MiB
+            # buckets (they may span layers); one latency per layer below stands for them,
+            # as for the reduce-scatter (per parameter, the 69 tensors of a 4-layer GPT
+            # cost 90 ms of gloo latency the runtime never pays)
             gstep += all_gather_time(mesh, zax, p.bytes) - all_gather_time(mesh, zax, d)
             # the whole parameter the graph reads and the shard the optimizer steps
             pb += p.bytes + p.bytes / d

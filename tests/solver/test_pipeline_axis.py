@@ -18,6 +18,7 @@ from autopar.joint import JointSearch
 from autopar.search import PlanOptions
 from autopar.splits import pipeline_mesh, pipeline_splits, plan_ranks, split_mesh, stage_ranks
 from autopar.summary import axis_roles
+from autopar.timeline import chrome_trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import gpt  # noqa: E402
@@ -58,6 +59,14 @@ def test_stages_inside_a_node_keep_the_node_links() -> None:
         split_mesh(NODES, 3, axis=1)
 
 
+def test_one_device_per_stage_on_a_node_spanning_axis() -> None:
+    # before: ValueError "axis of 1 ranks is not a multiple of LinkSpec.group=8" (the
+    # one-device placeholder sub-mesh took the node-spanning pipeline link), which the
+    # joint search does not catch
+    full, sub = split_mesh(MeshSpec.preset("multinode-a100-ib", shape=(16,)), 16)
+    assert full.shape == (16,) and sub.shape == (1,) and not sub.links[0].hierarchical
+
+
 def test_stage_ranks_follow_torchrun_numbering() -> None:
     # axis 0: consecutive blocks, as the runtime always laid them out
     assert torch.equal(stage_ranks((2, 4), 2, 0).flatten(), torch.arange(8))
@@ -89,6 +98,9 @@ def test_stages_that_only_an_inner_axis_holds_are_planned(model) -> None:
     # rank 1 runs stage 0 (stages are 2-GPU blocks of every node), rank 2 stage 1
     ranks = plan_ranks(p)
     assert ranks.shape == (4, 2, 2) and int(ranks[0, 0, 1]) == 1 and int(ranks[1, 0, 0]) == 2
+    # the predicted trace names each stage's ranks (before: "ranks 0-3", stage-major)
+    names = [e["args"]["name"] for e in chrome_trace(p)["traceEvents"] if e.get("name") == "process_name"]
+    assert names[0] == "stage 0 (ranks 0, 1, 8, 9) (predicted)"
     # the axis survives the plan's JSON (autopar.load and export read it back)
     again = Plan.from_json(p.to_json())
     assert again.decisions.pipeline_axis == 1
@@ -97,10 +109,15 @@ def test_stages_that_only_an_inner_axis_holds_are_planned(model) -> None:
 
 def test_the_axis_can_be_forced(model) -> None:
     m, ex = model
-    d = plan(m, ex, NODES, pipeline_stages=2, pipeline_axis=1, micro_batches=2).decisions
-    assert (d.pipeline_stages, d.pipeline_axis) == (2, 1)
-    d0 = plan(m, ex, NODES, pipeline_stages=2, micro_batches=2).decisions
-    assert d0.pipeline_axis == 0  # both axes hold 2 stages: the outermost first
+    d1 = plan(m, ex, NODES, pipeline_stages=2, pipeline_axis=1, micro_batches=2).decisions
+    assert (d1.pipeline_stages, d1.pipeline_axis) == (2, 1)
+    d0 = plan(m, ex, NODES, pipeline_stages=2, pipeline_axis=0, micro_batches=2).decisions
+    assert (d0.pipeline_stages, d0.pipeline_axis) == (2, 0)
+    # the count alone: both axes hold 2 stages, and the faster carving is the plan
+    # (before, only the outermost axis was tried)
+    d = plan(m, ex, NODES, pipeline_stages=2, micro_batches=2).decisions
+    best = min((d0, d1), key=lambda x: (x.step_seconds, x.pipeline_axis))
+    assert (d.pipeline_axis, d.step_seconds) == (best.pipeline_axis, pytest.approx(best.step_seconds))
     with pytest.raises(PlanError, match="4 pipeline stages do not divide mesh axis 0 of size 2"):
         plan(m, ex, NODES, pipeline_stages=4, pipeline_axis=0)
     with pytest.raises(PlanError, match=r"pipeline_axis must be an axis of the mesh \(2, 8\)"):

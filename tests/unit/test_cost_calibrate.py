@@ -80,11 +80,11 @@ def test_calibrate_two_ranks_agree(tmp_path: Path) -> None:
         assert [s["nbytes"] for s in samples] == [2**10, 2**16]
         assert all(s["seconds"] > 0 and s["spread"] >= 0 and s["fitted"] > 0 for s in samples)
     assert "axis0/reduce_scatter" in (tmp_path / "table0.txt").read_text()
-    # idle reuse is (mean rate, half of the ranks busy) / (mean rate, every rank busy) - 1,
+    # idle reuse is 2 (1 - (mean rate, every rank busy) / (mean rate, half of them busy)),
     # clamped to [0, 0.95], from the rates the record keeps
     r = cal["compute"]["idle_reuse"]
     assert r["all"] > 0 and r["half"] > 0
-    assert r["idle_reuse"] == pytest.approx(min(0.95, max(0.0, r["half"] / r["all"] - 1)))
+    assert r["idle_reuse"] == pytest.approx(min(0.95, max(0.0, 2 * (1 - r["all"] / r["half"]))))
     assert spec.idle_reuse == r["idle_reuse"]
 
 
