@@ -113,7 +113,7 @@ RUNS: tuple[Run, ...] = (
         micro=128, shape=(2, 2)),
     Run(**{**_ALPA, "gpus": 8}, name="2.6B", heads=32, dim=2560, layers=32, pp=3, dp=2, tp=1,
         micro=128, shape=(8,),
-        unsupported="3 stages on 2, 2 and 4 GPUs: our stages are equal sub-meshes of axis 0"),
+        unsupported="3 stages on 2, 2 and 4 GPUs: our stages are equal sub-meshes of one axis"),
     Run(**{**_ALPA, "gpus": 16}, name="6.7B", heads=32, dim=4096, layers=32, pp=2, dp=2, tp=4,
         micro=64, shape=(2, 2, 4)),
     Run(**{**_ALPA, "gpus": 32}, name="15B", heads=40, dim=5120, layers=48, pp=4, dp=2, tp=4,
@@ -249,7 +249,7 @@ def section(rows: list[dict], wall: float, workers: int, machine: str) -> str:
         "`multinode-a100-40gb` (NVLink inside a node; between nodes ~10.7 GB/s per node, "
         "from Mist's own profile), sequence 4,096, vocabulary 50,304, FlashAttention "
         "(our GPT runs SDPA, priced as fused attention).", "",
-        "**Published** forces the published pipeline stages (carved out of mesh axis 0), "
+        "**Published** forces the published pipeline stages (carved out of mesh axis 0, forced), "
         "tensor parallelism on the last axis (Megatron's column/row pins standing in for the "
         "operator sharding Alpa's ILP chose), the batch on the data-parallel axes, the "
         "published micro-batch count and 1F1B. Our search still chooses the ZeRO stage and "

@@ -513,7 +513,7 @@ def section(rows: list[dict], wall: float, workers: int) -> str:
         "",
         "Plan columns: TP = product of the stage mesh axes whose block weights are sharded "
         "(most bytes) and the batch is not; DP = axes sharding the batch with replicated "
-        "weights; PP = pipeline stages (carved out of the inter-node axis); micro-batches are "
+        "weights; PP = pipeline stages (Megatron's carved out of the inter-node axis, ours out of any axis the search picks); micro-batches are "
         "per step (gradient accumulation without a pipeline); recompute = recomputed layers / "
         "layers (blocks + embedding + head); GiB = predicted peak per GPU of the fullest stage; "
         "speed-up = Megatron's predicted step time / ours. "
