@@ -94,6 +94,7 @@ def test_an_estimate_prices_what_the_full_depth_plan_prices(split: tuple[int, in
         assert est[cfg] == pytest.approx(s, rel=1e-9) or (math.isinf(s) and math.isinf(est[cfg]))
 
 
+@pytest.mark.slow  # ~7-15 s: a shallow and an exact search each (default step budget)
 def test_search_with_estimates_chooses_what_the_exact_search_chooses(monkeypatch) -> None:
     model, ex = _gpt()
     with warnings.catch_warnings():
@@ -173,6 +174,7 @@ def test_layers_that_differ_at_full_depth_send_the_search_back(monkeypatch) -> N
     assert p.decisions.step_seconds == pytest.approx(exact.decisions.step_seconds, rel=1e-9)
 
 
+@pytest.mark.slow  # ~7-15 s: a shallow and an exact search each (default step budget)
 def test_a_split_whose_copy_is_uneven_alone_goes_to_full_depth(monkeypatch) -> None:
     """When one split's copy places its middle layers differently, that split is planned
     at full depth and the later splits keep their estimates.  Before, the first such
@@ -216,6 +218,7 @@ def test_a_split_whose_copy_is_uneven_alone_goes_to_full_depth(monkeypatch) -> N
     assert p.decisions.step_seconds == pytest.approx(ref.decisions.step_seconds, rel=1e-9)
 
 
+@pytest.mark.slow  # ~7-15 s: a shallow and an exact search each (default step budget)
 def test_the_copy_is_exported_three_times_for_five_micro_batch_sizes(monkeypatch) -> None:
     # once as it is (a search that is not short of memory prices one size), once with a
     # symbolic batch for every further size (autopar/capture_batch.py), and at size 1,
