@@ -11,6 +11,7 @@ from autopar.errors import PlanError
 from autopar.plan import Schedule
 from autopar.schedules import conflict
 from autopar.search import PlanOptions
+from autopar.splits import pipeline_splits
 
 
 def check_forced(opts: PlanOptions, mesh: MeshSpec) -> None:
@@ -52,8 +53,9 @@ def check_forced(opts: PlanOptions, mesh: MeshSpec) -> None:
         if o.pipeline_stages == 1:
             raise PlanError(f"pipeline_axis={o.pipeline_axis} names the axis pipeline stages are "
                             "carved from, but pipeline_stages=1 asks for none")
-    if o.pipeline_stages is not None and o.pipeline_stages > 1 and not stage_axes(
-            tuple(mesh.shape), o.pipeline_stages, o.pipeline_axis):
+    if o.pipeline_stages is not None and o.pipeline_stages > 1 and not any(
+            p == o.pipeline_stages and o.pipeline_axis in (None, a)
+            for p, a in pipeline_splits(tuple(mesh.shape))):
         where = f"mesh axis {o.pipeline_axis} of size {mesh.shape[o.pipeline_axis]}" \
             if o.pipeline_axis is not None else f"any axis of the mesh {tuple(mesh.shape)}"
         raise PlanError(f"{o.pipeline_stages} pipeline stages do not divide {where} (stages are "
@@ -68,13 +70,6 @@ def check_forced(opts: PlanOptions, mesh: MeshSpec) -> None:
         raise PlanError(f"zero_stage={o.zero_stage} shards over the data-parallel devices, but "
                         f"{where} has a single device: use zero_stage=0, or more devices")
 
-
-
-def stage_axes(shape: tuple[int, ...], stages: int, forced: int | None = None) -> list[int]:
-    """The mesh axes ``stages`` pipeline stages can be carved from (those the count
-    divides), outermost first; only ``forced`` when the caller named the axis."""
-    axes = [a for a, n in enumerate(shape) if n % stages == 0]
-    return [a for a in axes if forced is None or a == forced]
 
 
 def zero_groups(shape: tuple[int, ...], forced: tuple[int, ...] | None,
@@ -109,4 +104,4 @@ def zero_groups(shape: tuple[int, ...], forced: tuple[int, ...] | None,
     return [*axes, *sets]
 
 
-__all__ = ["check_forced", "stage_axes", "zero_groups"]
+__all__ = ["check_forced", "zero_groups"]

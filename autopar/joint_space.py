@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from autopar.capture import Captured
 from autopar.cost_models import MeshSpec
 from autopar.errors import PlanError
-from autopar.forced import stage_axes, zero_groups
+from autopar.forced import zero_groups
 from autopar.ir import info
 from autopar.layers import layer_keys
 from autopar.plan import Plan, Schedule
@@ -100,16 +100,19 @@ class JointSpace:
         if tied:
             self._say(f"no pipelining: tied weights {', '.join(tied)} span several layers")
             return [(1, 0)]
-        return [(1, 0)] + [(q, a) for q, a in pipeline_splits(tuple(self.mesh.shape))
-                           if self.opts.pipeline_axis in (None, a)]
+        return [(1, 0)] + self._splits()
+
+    def _splits(self, stages: int | None = None) -> list[tuple[int, int]]:
+        """The pipeline splits of the mesh (of ``stages`` stages only, when given), on the
+        forced ``pipeline_axis`` alone when there is one."""
+        return [(q, a) for q, a in pipeline_splits(tuple(self.mesh.shape))
+                if stages in (None, q) and self.opts.pipeline_axis in (None, a)]
 
     def _forced_splits(self) -> list[tuple[int, int]]:
         """The splits of the forced ``pipeline_stages``: from each axis it divides (or
         the forced ``pipeline_axis``)."""
         p = self.opts.pipeline_stages or 1
-        if p == 1:
-            return [(1, 0)]
-        return [(p, a) for a in stage_axes(tuple(self.mesh.shape), p, self.opts.pipeline_axis)]
+        return [(1, 0)] if p == 1 else self._splits(p)
 
     def _micro_options(self, stages: int) -> list[int]:
         """Micro-batch counts for ``stages``: every count that divides the batch (a deep

@@ -182,6 +182,7 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | tuple[in
     first ``micro_batches - 1`` of them are per micro-batch work (``gather_mb``)."""
     sync = gstep = gmb = pb = gb = ob = tr = zsync = step = rs = 0.0
     zax = zero_axes(axis)
+    d = math.prod(mesh.shape[a] for a in zax)  # ranks in the ZeRO group (1 without one)
     for p in stat.params:
         opt = optimizer_state_bytes(p.bytes, optimizer)
         gb += grad_bytes(p, mesh, stage, zax, micro_batches)
@@ -192,7 +193,6 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | tuple[in
             pb, ob = pb + p.bytes, ob + opt
             step += optimizer_step_time(mesh, p.bytes, opt)
             continue
-        d = math.prod(mesh.shape[a] for a in zax)
         others = tuple(a for a in p.replicated if a not in zax)
         before = sync
         sync += reduce_scatter_time(mesh, zax, p.bytes) - reduce_scatter_time(mesh, zax, d)
@@ -217,12 +217,12 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | tuple[in
         # the layer's gradients leave in one reduce-scatter (stage 3, runtime/zero3.py)
         # or a few fused buckets (stages 1-2): one latency per layer, as the data-parallel
         # buckets pay theirs (autopar/solve/buckets.py)
-        lat = reduce_scatter_time(mesh, zax, math.prod(mesh.shape[a] for a in zax))
+        lat = reduce_scatter_time(mesh, zax, d)
         zsync += lat
         sync += lat
         rs += lat
     if gstep:
-        gstep += all_gather_time(mesh, zax, math.prod(mesh.shape[a] for a in zax))
+        gstep += all_gather_time(mesh, zax, d)
     if tr:
         # stage 3 gathers a layer's parameters in one collective (runtime/zero3.py), in
         # the forward and again in the backward: the latency is paid once per layer
