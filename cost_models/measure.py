@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["Sample", "collective_samples", "compute_rates", "idle_reuse", "iqr", "max_over_ranks",
-           "mean_over_ranks", "median",
+           "matmul_block", "mean_over_ranks", "median",
            "optimizer_bandwidth", "overlap_fraction", "timed_samples"]
 
 Sync = Callable[[], None]
@@ -207,23 +207,35 @@ def compute_rates(group: Any, device: Any, dtype: Any, sizes: Sequence[int], cop
             "mem_bandwidth": mean[k], "kernel_floor": mean[k + 1]}
 
 
+def matmul_block(d: int) -> Any:
+    """The module :func:`_block_rate` trains: a layer's two matmuls, Linear(d, 4d) and
+    Linear(4d, d), and nothing between them.  No norm and no activation: the cost model
+    prices those as nodes of their own (roofline on their bytes), so a rate that timed
+    them as matmul FLOPs counted them twice.  (The block had a LayerNorm and a GELU:
+    67 GFLOP/s on one rank here against 88-95 for the GPT's own Linear layers forward and
+    backward, so every matmul-heavy model was priced ~30% slow on its matmuls.)"""
+    import torch
+
+    return torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d))
+
+
 def _block_rate(group: Any, device: Any, dtype: Any, d: int, tokens: int, min_seconds: float,
                 sync: Sync) -> float:
-    """FLOP/s of a training layer's matmuls: forward and backward of LayerNorm, Linear(d,
-    4d), GELU, Linear(4d, d) on ``tokens`` rows, autograd included, counting the matmuls'
-    FLOPs only (3 x forward).  It is the rate the model's matmuls reach inside a real
-    backward, with its non-square shapes and the work between them: 32-43 GFLOP/s here
-    against 44-49 for square matmuls alone, and the plain GPT's measured forward and
-    backward agree with it within 10%."""
+    """FLOP/s of a training layer's matmuls: forward and backward of :func:`matmul_block`
+    on ``tokens`` rows, autograd included (3 x the forward's FLOPs).  It is the rate the
+    model's matmuls reach inside a real backward, with non-square shapes and weight
+    gradients, unlike square matmuls alone."""
     import torch
     import torch.distributed as dist
 
-    blk = torch.nn.Sequential(torch.nn.LayerNorm(d), torch.nn.Linear(d, 4 * d), torch.nn.GELU(),
-                              torch.nn.Linear(4 * d, d)).to(device=device, dtype=dtype)
+    blk = matmul_block(d).to(device=device, dtype=dtype)
     x = torch.randn(tokens, d, device=device, dtype=dtype, requires_grad=True)
+    seed = torch.ones(tokens, d, device=device, dtype=dtype)
 
     def step() -> None:
-        blk(x).float().sum().backward()
+        # a given output gradient: a sum's backward would add an expand the model's
+        # matmuls do not have
+        blk(x).backward(seed)
     dist.barrier(group=group)
     return _rate(step, 3 * 2 * 2 * tokens * d * 4 * d, min_seconds, sync)
 
