@@ -9,9 +9,11 @@ initialised ``torch.distributed`` group, on the job that will train:
   (:func:`fit_alpha_beta`): the link's own numbers are the all-reduce's, the others go to
   ``LinkSpec.kinds`` (so gloo's reduce-scatter, which costs an all-reduce, is priced as
   one);
-- matmul throughput over several sizes, alone and inside a training block's forward and
-  backward (the rate planned with), copy bandwidth and a tiny kernel's time, with every
-  rank computing at once (ranks that share cores get their share, as in training);
+- matmul throughput over several sizes, alone and as a training layer's two Linear layers
+  forward and backward (the rate planned with), the bandwidth a layer's norm and
+  activation reach forward and backward in the cost model's terms (``mem_bandwidth``),
+  copy bandwidth and a tiny kernel's time, with every rank computing at once (ranks
+  that share cores get their share, as in training);
 - the optimizer step's bytes/s (a foreach AdamW step), ``overlap`` fitted to a
   collective run beside compute (:func:`~autopar.cost_models.measure.overlap_fraction`)
   and ``idle_reuse``, how much of a pipeline bubble ranks sharing cores win back
@@ -161,7 +163,8 @@ class Calibration:
         s = self.spec
         lines = [f"calibrated {self.world} ranks ({self.backend}) on {self.host} at {self.when} "
                  f"in {self.seconds:.1f} s; median spread {100 * self.noise:.0f}%",
-                 f"  matmul {s.peak_flops / 1e9:.1f} GFLOP/s, copy {s.mem_bandwidth / 1e9:.1f} GB/s, "
+                 f"  matmul {s.peak_flops / 1e9:.1f} GFLOP/s, elementwise {s.mem_bandwidth / 1e9:.1f} GB/s "
+                 f"(copy {self.compute.get('copy_bandwidth', s.mem_bandwidth) / 1e9:.1f}), "
                  f"kernel {s.kernel_floor * 1e6:.1f} us, optimizer {self.optimizer_bandwidth / 1e9:.2f} GB/s, "
                  f"overlap {s.overlap:.2f}, idle reuse {s.idle_reuse:.2f}"]
         for name, samples in self.curves.items():
@@ -320,9 +323,12 @@ def calibrate(group: Any = None, sizes: Sequence[int] | None = None, repeats: in
               base: MeshSpec | None = None, shape: Sequence[int] | None = None) -> MeshSpec:
     """The MeshSpec :func:`measure_cluster` measures, named ``"calibrated"``.
 
-    ``peak_flops`` is the median rate over widths of a training block's matmuls (forward
-    and backward, autograd included) with every rank computing (fp32 on CPU, bf16 on CUDA)
-    and ``flops_efficiency = 1.0``, since it already is what real kernels reach; ``kernel_floor`` a tiny kernel's time; ``optimizer_bandwidth`` a real AdamW step's;
+    ``peak_flops`` is the median rate over widths of a training layer's two Linear layers
+    (forward and backward, autograd included) with every rank computing (fp32 on CPU, bf16
+    on CUDA) and ``flops_efficiency = 1.0``, since it already is what real kernels reach;
+    ``mem_bandwidth`` the median over widths of what the layer's LayerNorm and GELU reach
+    forward and backward, in the bytes the cost model prices them by; ``kernel_floor`` a
+    tiny kernel's time; ``optimizer_bandwidth`` a real AdamW step's;
     ``overlap`` fitted in the bucket model's terms.  A single-rank group measures no link and
     keeps ``base``'s link, or the cpu-gloo preset's."""
     return measure_cluster(group, sizes, repeats, base, shape).spec

@@ -1,0 +1,88 @@
+"""What calibration's compute rates time, in the cost model's own terms (issue 12): the
+matmul rate times matmuls only, and ``mem_bandwidth`` is what a training layer's
+elementwise ops reach forward and backward, counted in the bytes the cost model prices
+them by.  Timing is replaced by the work each measurement reports, so the tests check
+what is measured and how it is counted, not this host's speed."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopar.annotate import annotate
+from autopar.capture import capture
+from autopar.cost_models import measure
+
+aten = torch.ops.aten
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank(tmp_path_factory):
+    """A 1-rank gloo group: the measurements barrier and average over their group."""
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def work_as_rate(monkeypatch):
+    """Every ``_rate`` returns the work it was given (one second per run, nothing run)
+    and records it."""
+    seen: list[float] = []
+
+    def fake(fn, work, min_seconds, sync):
+        seen.append(work)
+        return work
+    monkeypatch.setattr(measure, "_rate", fake)
+    return seen
+
+
+def test_matmul_block_times_matmuls_only() -> None:
+    # the cost model prices norms and activations as nodes of their own: timed as
+    # matmul FLOPs they would be counted twice (the block had a LayerNorm and a GELU)
+    blk = measure.matmul_block(8)
+    assert [type(m) for m in blk] == [nn.Linear, nn.Linear]
+    assert (blk[0].in_features, blk[0].out_features, blk[1].out_features) == (8, 32, 8)
+
+
+class _NormAndActivation(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(x).sum() + nn.functional.gelu(h).sum()
+
+
+def test_elementwise_bandwidth_counts_the_cost_models_bytes(work_as_rate) -> None:
+    d, tokens = 8, 4
+    measure._activation_bandwidth(None, torch.device("cpu"), torch.float32, d, tokens, 0.0,
+                                  lambda: None)
+    (work,) = work_as_rate
+    cap = capture(_NormAndActivation(d), (torch.randn(tokens, d), torch.randn(tokens, 4 * d)))
+    annotate(cap.gm)
+    nodes = [n for n in cap.gm.graph.nodes
+             if n.op == "call_function" and n.target in (aten.layer_norm.default, aten.gelu.default)]
+    assert len(nodes) == 2
+    # forward + backward: the cost model's 1 + backward_factor (2) times the forward's bytes
+    assert work == pytest.approx(3.0 * sum(n.meta["autopar"].bytes_moved for n in nodes))
+
+
+def test_compute_rates_plan_elementwise_ops_at_the_measured_training_rate(work_as_rate) -> None:
+    sizes, tokens = (8, 16, 32), 4
+    rates = measure.compute_rates(None, torch.device("cpu"), torch.float32, sizes, 1024, 0.0,
+                                  lambda: None, tokens=tokens)
+    act = [3.0 * 4 * (2 * tokens * d + 2 * d + 8 * tokens * d) for d in sizes]
+    assert rates["activation_bandwidth"] == {d: pytest.approx(a) for d, a in zip(sizes, act)}
+    # not the copy's (read + write of 1024 bytes): a copy streams faster than a training
+    # layer's norms and activations run, which priced every elementwise op 2.5x fast
+    assert rates["copy_bandwidth"] == pytest.approx(2048.0)
+    assert rates["mem_bandwidth"] == pytest.approx(act[1])
+    blocks = [3 * 2 * 2 * tokens * d * 4 * d for d in sizes]
+    assert rates["peak_flops"] == pytest.approx(blocks[1])
