@@ -14,7 +14,8 @@ initialised ``torch.distributed`` group, on the job that will train:
   activation reach forward and backward in the cost model's terms (``mem_bandwidth``),
   copy bandwidth and a tiny kernel's time, with every rank computing at once (ranks
   that share cores get their share, as in training);
-- the optimizer step's bytes/s (a foreach AdamW step), ``overlap`` fitted to a
+- the optimizer step's bytes/s and its time per parameter tensor (foreach AdamW steps,
+  each after a training layer's forward and backward), ``overlap`` fitted to a
   collective run beside compute (:func:`~autopar.cost_models.measure.overlap_fraction`)
   and ``idle_reuse``, how much of a pipeline bubble ranks sharing cores win back
   (:func:`~autopar.cost_models.measure.idle_reuse`).
@@ -45,7 +46,7 @@ from .measure import (
     compute_rates,
     idle_reuse,
     max_over_ranks,
-    optimizer_bandwidth,
+    optimizer_rates,
     overlap_fraction,
 )
 from .mesh import LinkSpec, MeshSpec
@@ -165,7 +166,8 @@ class Calibration:
                  f"in {self.seconds:.1f} s; median spread {100 * self.noise:.0f}%",
                  f"  matmul {s.peak_flops / 1e9:.1f} GFLOP/s, elementwise {s.mem_bandwidth / 1e9:.1f} GB/s "
                  f"(copy {self.compute.get('copy_bandwidth', s.mem_bandwidth) / 1e9:.1f}), "
-                 f"kernel {s.kernel_floor * 1e6:.1f} us, optimizer {self.optimizer_bandwidth / 1e9:.2f} GB/s, "
+                 f"kernel {s.kernel_floor * 1e6:.1f} us, optimizer {self.optimizer_bandwidth / 1e9:.2f} GB/s "
+                 f"+ {s.optimizer_tensor_seconds * 1e6:.1f} us per tensor, "
                  f"overlap {s.overlap:.2f}, idle reuse {s.idle_reuse:.2f}"]
         for name, samples in self.curves.items():
             pts = ", ".join(f"{x['nbytes'] / 1024:g} KiB {x['seconds'] * 1e3:.2f} ms "
@@ -287,7 +289,9 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
         links.append(_link(samples, p, curves, f"axis{i}"))
     rates = compute_rates(group, device, dtype, mm_sizes, copy_bytes, min_s, sync,
                           tokens=4096 if cuda else 512)
-    opt_bw = optimizer_bandwidth(group, device, opt_elems, min_s, sync)
+    opt = optimizer_rates(group, device, opt_elems, min_s, sync, tokens=4096 if cuda else 512,
+                          dtype=dtype)
+    opt_bw = opt["bandwidth"]
     widest = max(range(len(dims)), key=lambda i: dims[i])
     # three times the repetitions: the fraction is a difference of times a few ms long, and
     # at 5 it came out anywhere in 0.02-0.39 on the 2-core host (0.02-0.05 at 15, every run)
@@ -308,12 +312,13 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
                     peak_flops=rates["peak_flops"], mem_bandwidth=rates["mem_bandwidth"],
                     mem_capacity=capacity, flops_efficiency=1.0, name="calibrated",
                     kernel_floor=rates["kernel_floor"], overlap=ov["overlap"],
-                    optimizer_bandwidth=opt_bw, idle_reuse=reuse["idle_reuse"],
+                    optimizer_bandwidth=opt_bw, optimizer_tensor_seconds=opt["tensor_seconds"],
+                    idle_reuse=reuse["idle_reuse"],
                     # the base preset's reserve and flat rings, else the preset kind's
                     **_unmeasured(base, cuda, capacity))
     elapsed = max_over_ranks([time.perf_counter() - t_start], group, device)[0]
     return Calibration(
-        spec=spec, curves=curves, compute={**rates, "idle_reuse": reuse}, overlap=ov,
+        spec=spec, curves=curves, compute={**rates, "idle_reuse": reuse, "optimizer": opt}, overlap=ov,
         optimizer_bandwidth=opt_bw, when=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         host=socket.gethostname(), backend=str(dist.get_backend(group)), world=world,
         repeats=repeats, seconds=elapsed)
@@ -328,7 +333,8 @@ def calibrate(group: Any = None, sizes: Sequence[int] | None = None, repeats: in
     on CUDA) and ``flops_efficiency = 1.0``, since it already is what real kernels reach;
     ``mem_bandwidth`` the median over widths of what the layer's LayerNorm and GELU reach
     forward and backward, in the bytes the cost model prices them by; ``kernel_floor`` a
-    tiny kernel's time; ``optimizer_bandwidth`` a real AdamW step's;
+    tiny kernel's time; ``optimizer_bandwidth`` and ``optimizer_tensor_seconds`` a real
+    AdamW step's after a training layer's backward;
     ``overlap`` fitted in the bucket model's terms.  A single-rank group measures no link and
     keeps ``base``'s link, or the cpu-gloo preset's."""
     return measure_cluster(group, sizes, repeats, base, shape).spec

@@ -52,16 +52,22 @@ def matmul_flops(m: int, k: int, n: int, batch: int = 1) -> float:
     return float(2 * batch * m * k * n)
 
 
-def optimizer_step_time(mesh: MeshSpec, param_bytes: float, state_bytes: float) -> float:
-    """Seconds one device of ``mesh`` spends updating ``param_bytes`` of parameters with
-    ``state_bytes`` of optimizer state (AdamW: two fp32 states per element).
+def optimizer_step_time(mesh: MeshSpec, param_bytes: float, state_bytes: float,
+                        tensors: int = 1) -> float:
+    """Seconds one device of ``mesh`` spends updating ``param_bytes`` of parameters in
+    ``tensors`` tensors with ``state_bytes`` of optimizer state (AdamW: two fp32 states
+    per element).
 
     An elementwise update is memory-bound: it reads the parameters, their gradients and
     the states and writes the parameters and the states back, ``3 * param_bytes + 2 *
     state_bytes`` at ``mesh.optimizer_bandwidth`` (what calibration measured for a real
-    step), else ``mesh.mem_bandwidth``. The fused (foreach) kernels launch a few
-    kernels per step, not per element, so no launch floor is charged per tensor.
+    step), else ``mesh.mem_bandwidth``.  Each tensor adds ``mesh.optimizer_tensor_seconds``:
+    on a GPU the fused (foreach) kernels launch a few kernels per step whatever the
+    tensors (0 on the presets), but a CPU's foreach kernels loop over the tensors, a
+    dozen small kernels each, which calibration measures.
     """
     _check_amount("param_bytes", param_bytes)
     _check_amount("state_bytes", state_bytes)
-    return (3.0 * param_bytes + 2.0 * state_bytes) / (mesh.optimizer_bandwidth or mesh.mem_bandwidth)
+    _check_amount("tensors", tensors)
+    stream = (3.0 * param_bytes + 2.0 * state_bytes) / (mesh.optimizer_bandwidth or mesh.mem_bandwidth)
+    return stream + tensors * mesh.optimizer_tensor_seconds

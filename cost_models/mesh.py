@@ -185,7 +185,9 @@ class MeshSpec:
     the kernels; below 1 where compute and communication share cores, as gloo does on a
     CPU host: 0.30-0.42 measured on this project's 2-core machine, 2 and 4 ranks, 1-8 MiB). ``optimizer_bandwidth`` is the bytes/s
     an optimizer step streams (:func:`~autopar.cost_models.compute.optimizer_step_time`;
-    None: ``mem_bandwidth``).  ``idle_reuse`` is the share of a
+    None: ``mem_bandwidth``) and ``optimizer_tensor_seconds`` what it spends per parameter
+    tensor beyond that (a CPU's foreach kernels loop over the tensors; 0 on the presets).
+    ``idle_reuse`` is the share of a
     pipeline bubble the other ranks win back: 0 on GPUs (an idle GPU is lost), about
     ``min(1, 2 (1 - K / R))`` where ``R`` ranks share ``K`` cores (an idle rank gives its
     core to the others, which then compute faster; from ``R = 2K`` on, the cores never
@@ -215,6 +217,7 @@ class MeshSpec:
     overlap: float = 1.0
     fp32_peak_flops: float | None = None
     optimizer_bandwidth: float | None = None
+    optimizer_tensor_seconds: float = 0.0
     idle_reuse: float = 0.0
     reserve_bytes: float = 0.0
     reserve_fraction: float = 0.0
@@ -271,9 +274,10 @@ class MeshSpec:
         ov = self.overlap
         if isinstance(ov, bool) or not isinstance(ov, numbers.Real) or not 0 < ov <= 1:
             raise ValueError(f"MeshSpec.overlap must be in (0, 1], got {ov!r}")
-        kf = self.kernel_floor
-        if isinstance(kf, bool) or not isinstance(kf, numbers.Real) or not 0 <= kf < math.inf:
-            raise ValueError(f"MeshSpec.kernel_floor must be finite and >= 0, got {kf!r}")
+        for attr in ("kernel_floor", "optimizer_tensor_seconds"):
+            v = getattr(self, attr)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 <= v < math.inf:
+                raise ValueError(f"MeshSpec.{attr} must be finite and >= 0, got {v!r}")
         if not isinstance(self.name, str):
             raise ValueError(f"MeshSpec.name must be a str, got {self.name!r}")
         if self.gpus_per_node is not None:
@@ -429,6 +433,7 @@ class MeshSpec:
             "overlap": self.overlap,
             "fp32_peak_flops": self.fp32_peak_flops,
             "optimizer_bandwidth": self.optimizer_bandwidth,
+            "optimizer_tensor_seconds": self.optimizer_tensor_seconds,
             "idle_reuse": self.idle_reuse,
             "reserve_bytes": self.reserve_bytes,
             "reserve_fraction": self.reserve_fraction,

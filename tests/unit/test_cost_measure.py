@@ -86,3 +86,45 @@ def test_compute_rates_plan_elementwise_ops_at_the_measured_training_rate(work_a
     assert rates["mem_bandwidth"] == pytest.approx(act[1])
     blocks = [3 * 2 * 2 * tokens * d * 4 * d for d in sizes]
     assert rates["peak_flops"] == pytest.approx(blocks[1])
+
+
+def test_optimizer_rates_split_bytes_from_tensors(monkeypatch) -> None:
+    # 8 large tensors give the bandwidth; many small ones what each tensor costs beyond
+    # its bytes (a CPU's foreach kernels loop over the tensors, a dozen kernels each)
+    bw, per_tensor, elements, small = 10e9, 20e-6, 2**16, 64
+    times = iter([28.0 * elements / bw, small * per_tensor + 28.0 * small * 1024 / bw])
+    monkeypatch.setattr(measure, "_step_seconds", lambda step, between, min_s, sync: next(times))
+    r = measure.optimizer_rates(None, torch.device("cpu"), elements, 0.0, lambda: None,
+                                width=8, tokens=4, small=small)
+    assert r["bandwidth"] == pytest.approx(bw)
+    assert r["tensor_seconds"] == pytest.approx(per_tensor)
+
+
+def test_optimizer_step_pays_per_tensor() -> None:
+    from autopar.cost_models import MeshSpec, optimizer_step_time
+
+    base = MeshSpec.preset("cpu-gloo", shape=(1,))
+    assert base.optimizer_tensor_seconds == 0.0
+    mesh = MeshSpec.from_dict({**base.to_dict(), "optimizer_tensor_seconds": 2e-5})
+    assert mesh.optimizer_tensor_seconds == 2e-5
+    stream = optimizer_step_time(base, 1e6, 2e6)
+    assert optimizer_step_time(mesh, 1e6, 2e6) == pytest.approx(stream + 2e-5)
+    assert optimizer_step_time(mesh, 1e6, 2e6, tensors=3) == pytest.approx(stream + 6e-5)
+    with pytest.raises(ValueError, match="optimizer_tensor_seconds"):
+        MeshSpec.from_dict({**base.to_dict(), "optimizer_tensor_seconds": -1.0})
+
+
+def test_plan_prices_the_optimizer_per_parameter_tensor() -> None:
+    import dataclasses
+
+    import autopar
+    from autopar.cost_models import MeshSpec
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(),
+                          nn.Linear(16, 4))  # 6 parameter tensors
+    x = torch.randn(8, 16)
+    base = MeshSpec.preset("cpu-gloo", shape=(1,))
+    slow = dataclasses.replace(base, optimizer_tensor_seconds=1e-3)
+    seconds = [autopar.plan(model, (x,), mesh=m).decisions.breakdown["optimizer_seconds"]
+               for m in (base, slow)]
+    assert seconds[1] - seconds[0] == pytest.approx(6e-3)
