@@ -16,7 +16,7 @@ from .collectives import (
     reduce_scatter_time,
     send_recv_time,
 )
-from .compute import compute_time, matmul_flops, optimizer_step_time
+from .compute import compute_time, kernel_rate, matmul_flops, optimizer_step_time
 from .memory import (
     MemoryBreakdown,
     OptimizerKind,
@@ -44,6 +44,7 @@ __all__ = [
     "collective_time",
     "collective_times",
     "compute_time",
+    "kernel_rate",
     "fit_alpha_beta",
     "format_bytes",
     "matmul_flops",

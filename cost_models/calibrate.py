@@ -162,9 +162,11 @@ class Calibration:
     def table(self) -> str:
         """The measurements in a few lines of text (one per curve)."""
         s = self.spec
+        # the curve's rates, smallest kernels first
+        mm = "/".join(f"{r / 1e9:.0f}" for _, r in s.matmul_curve) or f"{s.peak_flops / 1e9:.1f}"
         lines = [f"calibrated {self.world} ranks ({self.backend}) on {self.host} at {self.when} "
                  f"in {self.seconds:.1f} s; median spread {100 * self.noise:.0f}%",
-                 f"  matmul {s.peak_flops / 1e9:.1f} GFLOP/s, elementwise {s.mem_bandwidth / 1e9:.1f} GB/s "
+                 f"  matmul {mm} GFLOP/s, elementwise {s.mem_bandwidth / 1e9:.1f} GB/s "
                  f"(copy {self.compute.get('copy_bandwidth', s.mem_bandwidth) / 1e9:.1f}), "
                  f"kernel {s.kernel_floor * 1e6:.1f} us, optimizer {self.optimizer_bandwidth / 1e9:.2f} GB/s "
                  f"+ {s.optimizer_tensor_seconds * 1e6:.1f} us per tensor, "
@@ -310,6 +312,7 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
     capacity = -max_over_ranks([-capacity], group, device)[0]
     spec = MeshSpec(shape=dims, axis_names=(), links=tuple(links),
                     peak_flops=rates["peak_flops"], mem_bandwidth=rates["mem_bandwidth"],
+                    matmul_curve=tuple(rates["matmul_curve"]),
                     mem_capacity=capacity, flops_efficiency=1.0, name="calibrated",
                     kernel_floor=rates["kernel_floor"], overlap=ov["overlap"],
                     optimizer_bandwidth=opt_bw, optimizer_tensor_seconds=opt["tensor_seconds"],
@@ -328,9 +331,10 @@ def calibrate(group: Any = None, sizes: Sequence[int] | None = None, repeats: in
               base: MeshSpec | None = None, shape: Sequence[int] | None = None) -> MeshSpec:
     """The MeshSpec :func:`measure_cluster` measures, named ``"calibrated"``.
 
-    ``peak_flops`` is the median rate over widths of a training layer's two Linear layers
-    (forward and backward, autograd included) with every rank computing (fp32 on CPU, bf16
-    on CUDA) and ``flops_efficiency = 1.0``, since it already is what real kernels reach;
+    ``matmul_curve`` is the rate of a training layer's two Linear layers (forward and
+    backward, autograd included) per width, by FLOPs per kernel, with every rank
+    computing (fp32 on CPU, bf16 on CUDA), ``peak_flops`` its fastest and
+    ``flops_efficiency = 1.0``, since it already is what real kernels reach;
     ``mem_bandwidth`` the median over widths of what the layer's LayerNorm and GELU reach
     forward and backward, in the bytes the cost model prices them by; ``kernel_floor`` a
     tiny kernel's time; ``optimizer_bandwidth`` and ``optimizer_tensor_seconds`` a real

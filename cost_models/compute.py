@@ -13,7 +13,7 @@ import torch
 
 from .mesh import MeshSpec
 
-__all__ = ["compute_time", "matmul_flops", "optimizer_step_time"]
+__all__ = ["compute_time", "kernel_rate", "matmul_flops", "optimizer_step_time"]
 
 
 def _check_amount(name: str, value: float) -> None:
@@ -38,10 +38,35 @@ def compute_time(mesh: MeshSpec, flops: float, bytes_moved: float,
     if flops == 0 and bytes_moved == 0:
         return 0.0
     return max(
-        flops / (mesh.peak_for(dtype) * mesh.flops_efficiency),
+        flops / kernel_rate(mesh, flops, dtype),
         bytes_moved / mesh.mem_bandwidth,
         mesh.kernel_floor,
     )
+
+
+def kernel_rate(mesh: MeshSpec, flops: float, dtype: torch.dtype | None = None) -> float:
+    """FLOP/s a kernel doing ``flops`` in ``dtype`` reaches on ``mesh``: the dtype's peak
+    times ``flops_efficiency``, scaled by ``mesh.matmul_curve`` where calibration measured
+    one (its rate at this size over ``peak_flops``; log-linear between its points, the
+    end points' rates beyond them).  Small matmuls run well below a large one's rate (a
+    layer's Linear layers forward and backward on one CPU core: 68 GFLOP/s at 4 MFLOP a
+    kernel, 88 at 17, 94 at 150), so one rate prices a model of small matmuls fast and
+    one of large matmuls slow.  Never above the peak, so :func:`autopar.costs.compute_floor`
+    stays a lower bound."""
+    rate = mesh.peak_for(dtype) * mesh.flops_efficiency
+    curve = mesh.matmul_curve
+    if not curve or flops <= 0:
+        return rate
+    if flops <= curve[0][0]:
+        r = curve[0][1]
+    elif flops >= curve[-1][0]:
+        r = curve[-1][1]
+    else:
+        i = next(i for i in range(1, len(curve)) if curve[i][0] >= flops)
+        (f0, r0), (f1, r1) = curve[i - 1], curve[i]
+        w = math.log(flops / f0) / math.log(f1 / f0)
+        r = r0 + w * (r1 - r0)
+    return rate * r / mesh.peak_flops
 
 
 def matmul_flops(m: int, k: int, n: int, batch: int = 1) -> float:

@@ -170,8 +170,10 @@ def _rate(fn: Callable[[], Any], work: float, min_seconds: float, sync: Sync) ->
 
 def compute_rates(group: Any, device: Any, dtype: Any, sizes: Sequence[int], copy_bytes: int,
                   min_seconds: float, sync: Sync, tokens: int = 512) -> dict[str, Any]:
-    """Matmul FLOP/s per square size, a training block's per width (:func:`_block_rate`;
-    ``peak_flops`` is their median), the bandwidth the block's elementwise ops reach in
+    """Matmul FLOP/s per square size, a training block's per width (:func:`_block_rate`,
+    at ``sizes`` and at a quarter and half the smallest, as models' small Linear layers
+    run; ``matmul_curve`` pairs each block's FLOPs per kernel with its rate and
+    ``peak_flops`` is the fastest), the bandwidth the block's elementwise ops reach in
     training per width (:func:`_activation_bandwidth`; ``mem_bandwidth`` is their median),
     copy bandwidth and the time of a tiny elementwise kernel, each timed with every rank running it at once (barrier
     first) and averaged over the ranks: where ranks share cores, the slowest rank over a
@@ -199,13 +201,18 @@ def compute_rates(group: Any, device: Any, dtype: Any, sizes: Sequence[int], cop
         for _ in range(100):
             torch.add(tiny, tiny)
     per_op = 1.0 / _rate(adds, 100.0, min_seconds / 2, sync)
-    blocks = [_block_rate(group, device, dtype, d, tokens, min_seconds, sync) for d in sizes]
+    widths = sorted({max(1, min(sizes) // 4), max(1, min(sizes) // 2), *sizes})
+    blocks = [_block_rate(group, device, dtype, d, tokens, min_seconds, sync) for d in widths]
     acts = [_activation_bandwidth(group, device, dtype, d, tokens, min_seconds, sync) for d in sizes]
     mean = mean_over_ranks([*rates, copy, per_op, *blocks, *acts], group, device)
-    k = len(rates)
-    mm, blk, act = mean[:k], mean[k + 2:2 * k + 2], mean[2 * k + 2:]
+    k, b = len(rates), len(widths)
+    mm, blk, act = mean[:k], mean[k + 2:k + 2 + b], mean[k + 2 + b:]
+    # one kernel of the block: Linear(d, 4d) forward on ``tokens`` rows (the others are
+    # of its size); mean_over_ranks keeps every rank's curve identical
+    curve = [(2.0 * tokens * d * 4 * d, r) for d, r in zip(widths, blk)]
     return {"matmul_flops": dict(zip((int(n) for n in sizes), mm)),
-            "block_flops": dict(zip((int(n) for n in sizes), blk)), "peak_flops": median(blk),
+            "block_flops": dict(zip((int(n) for n in widths), blk)), "matmul_curve": curve,
+            "peak_flops": max(blk),
             "activation_bandwidth": dict(zip((int(n) for n in sizes), act)),
             "copy_bandwidth": mean[k], "mem_bandwidth": median(act), "kernel_floor": mean[k + 1]}
 

@@ -218,6 +218,10 @@ class MeshSpec:
     fp32_peak_flops: float | None = None
     optimizer_bandwidth: float | None = None
     optimizer_tensor_seconds: float = 0.0
+    matmul_curve: tuple[tuple[float, float], ...] = ()
+    """``(FLOPs of one kernel, FLOP/s it reaches)`` in increasing FLOPs, each rate at most
+    ``peak_flops``: what calibration measured (:func:`autopar.cost_models.compute.kernel_rate`
+    interpolates it); empty: every kernel at ``peak_flops x flops_efficiency``."""
     idle_reuse: float = 0.0
     reserve_bytes: float = 0.0
     reserve_fraction: float = 0.0
@@ -274,6 +278,12 @@ class MeshSpec:
         ov = self.overlap
         if isinstance(ov, bool) or not isinstance(ov, numbers.Real) or not 0 < ov <= 1:
             raise ValueError(f"MeshSpec.overlap must be in (0, 1], got {ov!r}")
+        curve = tuple((float(f), float(r)) for f, r in self.matmul_curve)
+        object.__setattr__(self, "matmul_curve", curve)
+        if any(not (0 < f < math.inf and 0 < r <= self.peak_flops) for f, r in curve) or \
+                any(a[0] >= b[0] for a, b in zip(curve, curve[1:])):
+            raise ValueError("MeshSpec.matmul_curve must be (flops, rate) pairs in increasing flops "
+                             f"with 0 < rate <= peak_flops, got {curve!r}")
         for attr in ("kernel_floor", "optimizer_tensor_seconds"):
             v = getattr(self, attr)
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 <= v < math.inf:
@@ -434,6 +444,7 @@ class MeshSpec:
             "fp32_peak_flops": self.fp32_peak_flops,
             "optimizer_bandwidth": self.optimizer_bandwidth,
             "optimizer_tensor_seconds": self.optimizer_tensor_seconds,
+            "matmul_curve": [list(x) for x in self.matmul_curve],
             "idle_reuse": self.idle_reuse,
             "reserve_bytes": self.reserve_bytes,
             "reserve_fraction": self.reserve_fraction,
@@ -455,6 +466,7 @@ class MeshSpec:
         kw["axis_names"] = tuple(kw.get("axis_names", ()))
         kw["links"] = tuple(LinkSpec.from_dict(x) for x in kw.get("links", ()))
         kw["flat_ring"] = tuple(kw.get("flat_ring", ()))
+        kw["matmul_curve"] = tuple(tuple(x) for x in kw.get("matmul_curve", ()))
         for attr in ("intra", "inter"):
             if kw.get(attr) is not None:
                 kw[attr] = LinkSpec.from_dict(kw[attr])

@@ -84,8 +84,11 @@ def test_compute_rates_plan_elementwise_ops_at_the_measured_training_rate(work_a
     # layer's norms and activations run, which priced every elementwise op 2.5x fast
     assert rates["copy_bandwidth"] == pytest.approx(2048.0)
     assert rates["mem_bandwidth"] == pytest.approx(act[1])
-    blocks = [3 * 2 * 2 * tokens * d * 4 * d for d in sizes]
-    assert rates["peak_flops"] == pytest.approx(blocks[1])
+    # the block at a quarter and half the smallest width too: small Linear layers run slower
+    widths = (2, 4, 8, 16, 32)
+    assert rates["matmul_curve"] == [(pytest.approx(2.0 * tokens * d * 4 * d),
+                                      pytest.approx(3 * 2 * 2 * tokens * d * 4 * d)) for d in widths]
+    assert rates["peak_flops"] == pytest.approx(3 * 2 * 2 * tokens * 32 * 4 * 32)
 
 
 def test_optimizer_rates_split_bytes_from_tensors(monkeypatch) -> None:
@@ -128,3 +131,35 @@ def test_plan_prices_the_optimizer_per_parameter_tensor() -> None:
     seconds = [autopar.plan(model, (x,), mesh=m).decisions.breakdown["optimizer_seconds"]
                for m in (base, slow)]
     assert seconds[1] - seconds[0] == pytest.approx(6e-3)
+
+
+def _curved(curve):
+    from autopar.cost_models import MeshSpec
+
+    base = MeshSpec.preset("cpu-gloo", shape=(1,))
+    return MeshSpec.from_dict({**base.to_dict(), "peak_flops": 100e9, "flops_efficiency": 1.0,
+                               "matmul_curve": curve})
+
+
+def test_kernel_rate_follows_the_measured_curve() -> None:
+    from autopar.cost_models import MeshSpec, compute_time, kernel_rate
+
+    mesh = _curved([[4e6, 60e9], [16e6, 80e9], [256e6, 100e9]])
+    assert mesh.matmul_curve == ((4e6, 60e9), (16e6, 80e9), (256e6, 100e9))
+    assert MeshSpec.from_json(mesh.to_json()) == mesh
+    assert kernel_rate(mesh, 16e6) == pytest.approx(80e9)
+    assert kernel_rate(mesh, 8e6) == pytest.approx(70e9)  # halfway in log(FLOPs)
+    assert kernel_rate(mesh, 1e3) == pytest.approx(60e9)  # beyond the ends: their rates
+    assert kernel_rate(mesh, 1e12) == pytest.approx(100e9)
+    # a small matmul priced at its own size's rate, not the large ones'
+    assert compute_time(mesh, 4e6, 1.0) == pytest.approx(4e6 / 60e9)
+    # no curve (the presets): every kernel at peak x efficiency
+    plain = MeshSpec.preset("cpu-gloo", shape=(1,))
+    assert kernel_rate(plain, 4e6) == pytest.approx(plain.peak_flops * plain.flops_efficiency)
+
+
+@pytest.mark.parametrize("curve", [[[4e6, 120e9]], [[16e6, 80e9], [4e6, 60e9]], [[0.0, 1e9]]])
+def test_matmul_curve_is_validated(curve) -> None:
+    # above peak_flops compute_floor would no longer be a lower bound
+    with pytest.raises(ValueError, match="matmul_curve"):
+        _curved(curve)
