@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from autopar.annotate import VIEW_OPS
+from autopar.annotate import VIEW_OPS, is_noop_cast
 from autopar.cost_models import (
     MeshSpec,
     all_reduce_time,
@@ -162,7 +162,8 @@ class CostModel(EdgePrices):
         """(compute forward + backward, the op's own communication) of an op under
         strategy ``s``: the collectives its local form issues itself (context-parallel
         attention, expert dispatch, distributed cross-entropy), not those on its edges."""
-        if node.op != "call_function" or node.target in VIEW_OPS or node.target is operator.getitem:
+        if node.op != "call_function" or node.target in VIEW_OPS or node.target is operator.getitem \
+                or is_noop_cast(node):
             return 0.0, 0.0
         ni = info(node)
         div = 1
