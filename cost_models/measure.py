@@ -175,8 +175,8 @@ def compute_rates(group: Any, device: Any, dtype: Any, sizes: Sequence[int], cop
     run; ``matmul_curve`` pairs each block's FLOPs per kernel with its rate and
     ``peak_flops`` is the fastest), the bandwidth the block's elementwise ops reach in
     training per width (:func:`_activation_bandwidth`; ``mem_bandwidth`` is their median),
-    copy bandwidth and the time of a tiny elementwise kernel, each timed with every rank running it at once (barrier
-    first) and averaged over the ranks: where ranks share cores, the slowest rank over a
+    copy bandwidth and the time of a tiny elementwise kernel, each timed with every rank
+    running it at once (barrier first) and averaged over the ranks: where ranks share cores, the slowest rank over a
     fraction of a second is the scheduler's noise (21-46 GFLOP/s between runs here, 4
     ranks on 2 cores), while over a training step every rank gets its share."""
     import torch
