@@ -11,11 +11,11 @@ import datetime
 import pytest
 import torch
 import torch.distributed as dist
+from autopar.cost_models import measure
 from torch import nn
 
 from autopar.annotate import annotate
 from autopar.capture import capture
-from autopar.cost_models import measure
 
 aten = torch.ops.aten
 
@@ -120,8 +120,9 @@ def test_optimizer_step_pays_per_tensor() -> None:
 def test_plan_prices_the_optimizer_per_parameter_tensor() -> None:
     import dataclasses
 
-    import autopar
     from autopar.cost_models import MeshSpec
+
+    import autopar
 
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(),
                           nn.Linear(16, 4))  # 6 parameter tensors
