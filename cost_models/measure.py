@@ -396,15 +396,33 @@ def overlap_fraction(group: Any, nbytes: int, device: Any, dtype: Any, mm_n: int
         compute()
         work.wait()
 
-    c = median(timed_samples(compute, repeats, sync, bar))
-    t = median(timed_samples(both, repeats, sync, bar))
+    # A, C and T side by side in each round (A C T A C T ...), each round's fraction from
+    # its own three times, the median over rounds: load that comes and goes then touches
+    # the three alike.  Three medians taken one after the other moved the fraction from
+    # 0.02 to 0.17 between two calibrations of the same idle host, and with it every
+    # prediction that hides a reduction behind the backward (a GPT's step by 6%).
+    fns = (lambda: dist.all_reduce(buf, group=group), compute, both)
+    for fn in fns:  # warm-up
+        fn()
+    sync()
+    rounds = []
+    for _ in range(repeats):
+        for fn in fns:
+            bar()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            rounds.append(time.perf_counter() - t0)
     # over the whole job (``job``, default the world): ``group`` may be one of a mesh
-    # axis' groups, and every rank must derive the same overlap
-    a_s, c_s, t_s = max_over_ranks([alone, c, t], job, device)
-    fraction = (c_s + a_s - t_s) / c_s if c_s > 0 else 1.0
+    # axis' groups, and every rank must derive the same overlap; per round, the slowest
+    # rank's times (every rank waits for it)
+    worst = max_over_ranks(rounds, job, device)
+    fractions = [(c + a - t) / c if c > 0 else 1.0
+                 for a, c, t in zip(worst[0::3], worst[1::3], worst[2::3])]
     # (0, 1]: beside compute a collective is never faster, and a measurement slower than
     # both in series still leaves it a sliver (MeshSpec.overlap must be > 0)
-    return {"overlap": min(1.0, max(0.02, fraction)), "alone": a_s, "compute": c_s, "both": t_s}
+    return {"overlap": min(1.0, max(0.02, median(fractions))), "alone": median(worst[0::3]),
+            "compute": median(worst[1::3]), "both": median(worst[2::3])}
 
 
 def idle_reuse(group: Any, device: Any, dtype: Any, n: int, min_seconds: float,
