@@ -147,4 +147,6 @@ def annotate(gm: fx.GraphModule) -> fx.GraphModule:
                     for x in node.all_input_nodes if META_KEY in x.meta
                 )
                 ni.bytes_moved = float(in_bytes + sum(t.nbytes for t in outs))
+    from autopar.grad_flow import mark_gradients  # it reads the NodeInfos written above
+    mark_gradients(gm)
     return gm

@@ -15,6 +15,7 @@ from torch import fx
 
 from autopar.cost_models import MeshSpec
 from autopar.costs import CostModel, param_state_split
+from autopar.grad_flow import dual
 from autopar.ir import info, tensor_inputs
 from autopar.layers import layer_keys
 from autopar.lowering import describe
@@ -76,7 +77,9 @@ def assemble(gm: fx.GraphModule, mesh: MeshSpec, pb: Problem, choice: dict[fx.No
                     continue
                 src, dst = choice[u].outputs[0], s.inputs[i]
                 if src != dst:
-                    sec = cm.redistribution(src, dst, info(u).out)
+                    # forward and backward dual; the forward alone where no
+                    # gradient flows back (autopar/grad_flow.py), as the search priced it
+                    sec = cm.redistribution(src, dst, info(u).out) * (1.0 if dual(u, n) else 0.5)
                     edge_comm += sec
                     reds.append(Redistribution(u.name, fmt_placements(src), fmt_placements(dst),
                                                [str(st) for st in plan_redistribution(src, dst)], sec))

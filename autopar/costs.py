@@ -149,7 +149,10 @@ class CostModel(EdgePrices):
         gets it (:func:`autopar.placement.returned_placement`)."""
         t = info(node).out
         dst = returned_placement(s.outputs[0], t.shape, self.local_rows)
-        return self.output_redistribution(s.outputs[0], dst, t)
+        c = self.output_redistribution(s.outputs[0], dst, t)
+        # an output the step does not differentiate (a model's logits beside its loss)
+        # gets no gradient: the forward's collectives alone (autopar/grad_flow.py)
+        return c if info(node).returned_grad else 0.5 * c
 
     # ------------------------------------------------------------ nodes
     def node_cost(self, node: fx.Node, s: OpStrategy) -> float:

@@ -60,6 +60,11 @@ class NodeInfo:
     param: str | None = None  # get_attr target of a parameter
     buffer: str | None = None  # get_attr target of a buffer
     extra: dict = field(default_factory=dict)
+    backward: bool = True
+    """The value receives a gradient in the backward (:mod:`autopar.grad_flow`; True
+    where nothing marked it)."""
+    returned_grad: bool = True
+    """Returned to the caller as a differentiated output (the loss)."""
 
     @property
     def out(self) -> TensorInfo:

@@ -24,6 +24,7 @@ from autopar.assemble import assemble
 from autopar.cost_models import MeshSpec
 from autopar.costs import CostModel
 from autopar.errors import PlanError
+from autopar.grad_flow import dual
 from autopar.ir import info, tensor_inputs
 from autopar.layers import layers
 from autopar.placement import (
@@ -147,12 +148,15 @@ def build_problem(gm: fx.GraphModule, mesh: MeshSpec, strategies: dict[fx.Node, 
         for i, u in enumerate(tensor_inputs(v)):
             if u not in index:
                 continue
-            key = (share.get(u, u), share.get(v, v), i)
+            back = dual(u, v)
+            key = (share.get(u, u), share.get(v, v), i, back)
             m = matrices.get(key)
             if m is None:
-                m = matrices[key] = edge_matrix(
-                    [a.outputs[0] for a in strategies[u]], [b.inputs[i] for b in strategies[v]],
-                    info(u).out, cm, tables)
+                m = edge_matrix([a.outputs[0] for a in strategies[u]], [b.inputs[i] for b in strategies[v]],
+                                info(u).out, cm, tables)
+                # a price is the forward's and its backward dual's, equal: half of it
+                # where no gradient flows back through the edge (autopar/grad_flow.py)
+                matrices[key] = m = m if back else 0.5 * m
             edges.append((index[u], index[v], m))
             edge_src.append((u, v, i))
     prob = StrategyProblem(node_costs=costs, node_memory=mems, edges=edges,

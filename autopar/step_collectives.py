@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import fx
 
+from autopar.grad_flow import dual
 from autopar.ir import info
 from autopar.placement import R, Shard, graph_batch, local_shape, parse_placements
 from autopar.redistribute import StepKind, plan_redistribution, step_shapes, sum_axes
@@ -203,8 +204,9 @@ class _Lister:
                     continue
                 seen.add((r.input, r.dst))
                 self.at = self.rank(n.name)  # emitted before its first consumer, in its stage
+                # a backward dual only where a gradient flows back (autopar/grad_flow.py)
                 self._redistribute(r.input, r.src, r.dst, f"{n.name} <- {r.input}",
-                                   self.grad.get(r.input, False))
+                                   dual(self.by_name[r.input], n))
 
     def _outputs(self) -> None:
         out = next(n for n in self.gm.graph.nodes if n.op == "output")
@@ -231,7 +233,7 @@ class _Lister:
                 continue
             self._redistribute(a.name, self.plan.nodes[a.name].out_placements[0],
                                "".join(str(p) for p in dst), f"output {a.name}",
-                               self.grad.get(a.name, False))
+                               info(a).returned_grad)
 
     def _cross_entropy(self) -> None:
         aten = torch.ops.aten

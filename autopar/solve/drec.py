@@ -78,6 +78,7 @@ from autopar.annotate import VIEW_OPS
 from autopar.cost_models import MeshSpec
 from autopar.costs import CostModel
 from autopar.errors import PlanError
+from autopar.grad_flow import dual
 from autopar.ir import info, tensor_inputs
 from autopar.placement import (
     Placements,
@@ -461,7 +462,8 @@ class _Search:
         if self.opts.cost_mode is CostMode.MINDSPORE:
             return 0.0  # priced per op against its op neighbours: see _ms_redis
         src, dst = self.full(u).outputs[0], self.full(v).inputs[i]
-        return self.cm.redistribution(src, dst, info(u).out)
+        # no backward dual where no gradient flows back (autopar/grad_flow.py)
+        return self.cm.redistribution(src, dst, info(u).out) * (1.0 if dual(u, v) else 0.5)
 
     def _before(self, p: Placements) -> Placements:
         """``p`` with the current axis replicated: the cut of the earlier rounds only."""

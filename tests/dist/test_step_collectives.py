@@ -85,8 +85,7 @@ def step_case(c: dict) -> dict:
     import torch
 
     from autopar import MeshSpec, auto_parallel
-    from autopar.runtime.mesh import current, reset
-    from autopar.runtime.trace import collective_log
+    from autopar.runtime.mesh import reset
 
     torch.manual_seed(0)
     mod = importlib.import_module(c.get("model", "gpt"))
@@ -109,6 +108,40 @@ def step_case(c: dict) -> dict:
         pm.train_step(*ex)
         opt.step()
         opt.zero_grad()
+
+    return _compare(c, pm, step)
+
+
+def hf_step_case(c: dict) -> dict:
+    """:func:`step_case` for a Hugging Face Llama called as ``model(**batch)`` with
+    labels: it returns its loss and its logits, and only the loss is differentiated."""
+    import hf_llama
+    import torch
+
+    from autopar import MeshSpec, auto_parallel
+    from autopar.runtime.mesh import reset
+
+    torch.manual_seed(0)
+    model, _, batch = hf_llama.build(hidden=64, layers=1, heads=4, kv_heads=2, vocab=128, batch=8, seq=16)
+    reset()
+    pm = auto_parallel(model, example_inputs=(), example_kwargs=batch,
+                       mesh=MeshSpec.preset("cpu-gloo", shape=tuple(c["mesh"])), pins=c["pins"],
+                       **c["options"])
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+
+    def step() -> None:
+        pm.train_step(**batch)
+        opt.step()
+        opt.zero_grad()
+    return _compare(c, pm, step)
+
+
+def _compare(c: dict, pm, step) -> dict:
+    """A warm-up step, then one step logged, against ``pm.plan.collectives()``."""
+    import torch
+
+    from autopar.runtime.mesh import current
+    from autopar.runtime.trace import collective_log
 
     step()
     with collective_log() as log:
@@ -150,3 +183,15 @@ def test_pipeline_plans_list_what_runs() -> None:
     results = run_fn_cases(4, "tests.dist.test_step_collectives:step_case", PIPELINES)
     for c in PIPELINES:
         _same(results.get(c["id"], {"error": f"{c['id']}: not run (an earlier case failed)"}))
+
+
+@pytest.mark.slow
+def test_hf_outputs_list_what_runs() -> None:
+    """A Hugging Face Llama with labels, the global batch on every rank: the logits are
+    gathered for the caller and no gradient flows back through that gather (the plan
+    listed its reduce-scatter, which never ran)."""
+    case = {"id": "hf-llama-dp2", "mesh": (2,), "pins": DP, "options": ONE}
+    r = run_fn_cases(2, "tests.dist.test_step_collectives:hf_step_case", [case])["hf-llama-dp2"]
+    _same(r)
+    listed = r["ranks"][0]["listed"]
+    assert any(x.startswith("forward all_gather") and "output" in x for x in listed), listed

@@ -87,3 +87,55 @@ def test_pipeline_stages_list_their_own_and_messages(model) -> None:
     # the loss's sum happens where the loss is: the last stage
     assert not [c for c in first if c.what.startswith("output")]
     assert {c.kind for c in first if c.phase == "step"} == {"broadcast"}
+
+
+class _LossAndLogits(__import__("torch").nn.Module):
+    """A language model that returns ``{"loss", "logits"}``, as a Hugging Face
+    ``...ForCausalLM`` called with labels does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import torch
+        self.emb = torch.nn.Embedding(32, 16)
+        self.head = torch.nn.Linear(16, 32)
+
+    def forward(self, ids, labels):
+        import torch.nn.functional as F
+        logits = self.head(self.emb(ids))
+        return {"loss": F.cross_entropy(logits.view(-1, 32), labels.view(-1)), "logits": logits}
+
+
+def test_returned_logits_are_gathered_without_a_backward_dual() -> None:
+    import hf_llama
+
+    # a Hugging Face Llama called with labels, the global batch on every rank: the
+    # caller gets the whole logits beside the loss
+    m, _, batch = hf_llama.build(hidden=64, layers=1, heads=4, kv_heads=2, vocab=128, batch=8, seq=16)
+    p = autopar.plan(m, (), example_kwargs=batch, mesh=MeshSpec.preset("cpu-gloo", shape=(4,)),
+                     pins=DP, pipeline_stages=1)
+    out = [c for c in p.collectives() if c.what.startswith("output") and c.kind != "all_reduce"]
+    # the logits are gathered for the caller in the forward ...
+    assert [(c.phase, c.kind) for c in out] == [("forward", "all_gather")]
+    # ... and nothing flows back through that gather: the step differentiates the loss
+    # (the reduce-scatter listed here before never ran: tests/dist/test_step_collectives.py)
+    assert [c.what for c in p.collectives() if c.phase == "backward"
+            and not c.what.startswith("gradient")] == []
+
+
+def test_gradient_flow_marks_the_loss_path() -> None:
+    import torch
+
+    from autopar.annotate import annotate
+    from autopar.capture import capture
+    from autopar.grad_flow import differentiated
+    from autopar.ir import info
+
+    ids, labels = torch.randint(0, 32, (8, 4)), torch.randint(0, 32, (8, 4))
+    gm = annotate(capture(_LossAndLogits(), (ids, labels)).gm)
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    loss, logits = out
+    assert differentiated(gm) == {loss}
+    assert info(loss).returned_grad and not info(logits).returned_grad
+    # the logits feed the loss, so they receive a gradient; the integer labels do not
+    assert info(logits).backward
+    assert not any(info(n).backward for n in gm.graph.nodes if n.op == "placeholder")
