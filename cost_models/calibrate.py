@@ -296,7 +296,8 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
     opt_bw = opt["bandwidth"]
     widest = max(range(len(dims)), key=lambda i: dims[i])
     # three times the repetitions: the fraction is a difference of times a few ms long, and
-    # at 5 it came out anywhere in 0.02-0.39 on the 2-core host (0.02-0.05 at 15, every run)
+    # at 5 it came out anywhere in 0.02-0.39 on the 2-core host (at 15: 0.02-0.05 in most
+    # runs, 0.12 and 0.17 in two of nine on 2026-11-25)
     ov = overlap_fraction(groups[widest], max(sizes), device, dtype, mm_sizes[len(mm_sizes) // 2],
                           3 * repeats, sync, job=group) if dims[widest] > 1 else {"overlap": 1.0}
     # a GPU per rank: an idle stage's device is lost, whatever noise the rates show
