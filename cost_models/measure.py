@@ -19,7 +19,7 @@ from typing import Any
 
 __all__ = ["Sample", "collective_samples", "compute_rates", "idle_reuse", "iqr", "max_over_ranks",
            "matmul_block", "mean_over_ranks", "median",
-           "optimizer_rates", "overlap_fraction", "timed_samples"]
+           "optimizer_rates", "overlap_fraction", "timed_rounds", "timed_samples"]
 
 Sync = Callable[[], None]
 
@@ -70,16 +70,26 @@ def timed_samples(fn: Callable[[], Any], repeats: int, sync: Sync,
                   barrier: Callable[[], None] | None = None) -> list[float]:
     """Wall times of ``repeats`` runs of ``fn`` after one warm-up run; ``barrier`` before
     each run so no rank's timer includes waiting for a late peer."""
-    fn()
-    sync()
-    out = []
-    for _ in range(repeats):
-        if barrier is not None:
-            barrier()
-        t0 = time.perf_counter()
+    return timed_rounds([fn], repeats, sync, barrier)[0]
+
+
+def timed_rounds(fns: Sequence[Callable[[], Any]], repeats: int, sync: Sync,
+                 barrier: Callable[[], None] | None = None) -> list[list[float]]:
+    """:func:`timed_samples` of several functions side by side: ``repeats`` rounds, each
+    running every one of ``fns`` once in turn (one warm-up run of each first), so load
+    that comes and goes touches them alike; one list of times per function."""
+    for fn in fns:
         fn()
-        sync()
-        out.append(time.perf_counter() - t0)
+    sync()
+    out: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for times, fn in zip(out, fns):
+            if barrier is not None:
+                barrier()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t0)
     return out
 
 
@@ -400,29 +410,21 @@ def overlap_fraction(group: Any, nbytes: int, device: Any, dtype: Any, mm_n: int
     # its own three times, the median over rounds: load that comes and goes then touches
     # the three alike.  Three medians taken one after the other moved the fraction from
     # 0.02 to 0.17 between two calibrations of the same idle host, and with it every
-    # prediction that hides a reduction behind the backward (a GPT's step by 6%).
-    fns = (lambda: dist.all_reduce(buf, group=group), compute, both)
-    for fn in fns:  # warm-up
-        fn()
-    sync()
-    rounds = []
-    for _ in range(repeats):
-        for fn in fns:
-            bar()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            rounds.append(time.perf_counter() - t0)
+    # prediction that hides a reduction behind the backward (a GPT's step by 6%); side
+    # by side it still came out 0.12 once in five calibrations (benchmarks.md).
+    a_t, c_t, t_t = timed_rounds([lambda: dist.all_reduce(buf, group=group), compute, both],
+                                 repeats, sync, bar)
     # over the whole job (``job``, default the world): ``group`` may be one of a mesh
     # axis' groups, and every rank must derive the same overlap; per round, the slowest
     # rank's times (every rank waits for it)
-    worst = max_over_ranks(rounds, job, device)
-    fractions = [(c + a - t) / c if c > 0 else 1.0
-                 for a, c, t in zip(worst[0::3], worst[1::3], worst[2::3])]
+    worst = max_over_ranks([*a_t, *c_t, *t_t], job, device)
+    n = len(a_t)
+    a_t, c_t, t_t = worst[:n], worst[n:2 * n], worst[2 * n:]
+    fractions = [(c + a - t) / c if c > 0 else 1.0 for a, c, t in zip(a_t, c_t, t_t)]
     # (0, 1]: beside compute a collective is never faster, and a measurement slower than
     # both in series still leaves it a sliver (MeshSpec.overlap must be > 0)
-    return {"overlap": min(1.0, max(0.02, median(fractions))), "alone": median(worst[0::3]),
-            "compute": median(worst[1::3]), "both": median(worst[2::3])}
+    return {"overlap": min(1.0, max(0.02, median(fractions))), "alone": median(a_t),
+            "compute": median(c_t), "both": median(t_t)}
 
 
 def idle_reuse(group: Any, device: Any, dtype: Any, n: int, min_seconds: float,

@@ -164,3 +164,12 @@ def test_matmul_curve_is_validated(curve) -> None:
     # above peak_flops compute_floor would no longer be a lower bound
     with pytest.raises(ValueError, match="matmul_curve"):
         _curved(curve)
+
+
+def test_timed_rounds_run_the_functions_side_by_side() -> None:
+    calls: list[str] = []
+    fns = [lambda k=k: calls.append(k) for k in "act"]
+    times = measure.timed_rounds(fns, 3, lambda: None, barrier=lambda: calls.append("|"))
+    # one warm-up of each, then rounds a c t, each run after a barrier
+    assert "".join(calls) == "act" + "|a|c|t" * 3
+    assert [len(t) for t in times] == [3, 3, 3] and all(x >= 0 for t in times for x in t)
