@@ -14,6 +14,7 @@ import operator
 import torch
 from torch import fx
 
+from autopar.grad_flow import mark_gradients
 from autopar.ir import META_KEY, NodeInfo, TensorInfo
 
 aten = torch.ops.aten
@@ -147,6 +148,5 @@ def annotate(gm: fx.GraphModule) -> fx.GraphModule:
                     for x in node.all_input_nodes if META_KEY in x.meta
                 )
                 ni.bytes_moved = float(in_bytes + sum(t.nbytes for t in outs))
-    from autopar.grad_flow import mark_gradients  # it reads the NodeInfos written above
-    mark_gradients(gm)
+    mark_gradients(gm)  # it reads the NodeInfos written above
     return gm

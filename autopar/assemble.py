@@ -77,9 +77,8 @@ def assemble(gm: fx.GraphModule, mesh: MeshSpec, pb: Problem, choice: dict[fx.No
                     continue
                 src, dst = choice[u].outputs[0], s.inputs[i]
                 if src != dst:
-                    # forward and backward dual; the forward alone where no
-                    # gradient flows back (autopar/grad_flow.py), as the search priced it
-                    sec = cm.redistribution(src, dst, info(u).out) * (1.0 if dual(u, n) else 0.5)
+                    # the forward alone where no gradient flows back, as searched
+                    sec = cm.redistribution(src, dst, info(u).out, dual(u, n))
                     edge_comm += sec
                     reds.append(Redistribution(u.name, fmt_placements(src), fmt_placements(dst),
                                                [str(st) for st in plan_redistribution(src, dst)], sec))

@@ -134,25 +134,26 @@ class CostModel(EdgePrices):
         self._tables = mesh_tables(self.mesh)
 
     # ------------------------------------------------------------ edges
-    def output_redistribution(self, src: Placements, dst: Placements, t: TensorInfo) -> float:
+    def output_redistribution(self, src: Placements, dst: Placements, t: TensorInfo,
+                              dual: bool = True) -> float:
         """Seconds per step to make a model output ``dst``: forward and backward dual,
         except for a scalar (the loss) that only needs all-reduces: its backward needs
         no communication (every rank seeds the same gradient) and its forward sum is
         left in flight, waited for only when the value is read, after the step's work
-        (:mod:`autopar.runtime.pending`), so nothing of it is on the step's path."""
+        (:mod:`autopar.runtime.pending`), so nothing of it is on the step's path.
+        ``dual=False``: an output the step does not differentiate, forward only."""
         if not t.shape and sum_axes(src, dst) is not None:
             return 0.0
-        return self.redistribution(src, dst, t)
+        return self.redistribution(src, dst, t, dual)
 
     def output_cost(self, node: fx.Node, s: OpStrategy) -> float:
         """Seconds per step to return ``node``'s output (a model output) where the caller
         gets it (:func:`autopar.placement.returned_placement`)."""
         t = info(node).out
         dst = returned_placement(s.outputs[0], t.shape, self.local_rows)
-        c = self.output_redistribution(s.outputs[0], dst, t)
         # an output the step does not differentiate (a model's logits beside its loss)
         # gets no gradient: the forward's collectives alone (autopar/grad_flow.py)
-        return c if info(node).returned_grad else 0.5 * c
+        return self.output_redistribution(s.outputs[0], dst, t, info(node).returned_grad)
 
     # ------------------------------------------------------------ nodes
     def node_cost(self, node: fx.Node, s: OpStrategy) -> float:

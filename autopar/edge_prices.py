@@ -191,14 +191,16 @@ class EdgePrices:
     mesh: MeshSpec
     _tables: MeshTables
 
-    def redistribution(self, src: Placements, dst: Placements, t: TensorInfo) -> float:
+    def redistribution(self, src: Placements, dst: Placements, t: TensorInfo,
+                       dual: bool = True) -> float:
         """Seconds per step (forward + its backward dual) to turn ``src`` into ``dst``;
-        ``inf`` when impossible."""
+        ``inf`` when impossible.  ``dual=False``: the forward alone, where no gradient
+        flows back (:func:`autopar.grad_flow.dual`)."""
         key = (src, dst, t.shape, t.dtype)
         prices = self._tables.prices
         if key not in prices:
             prices[key] = 2.0 * self._redistribution_once(src, dst, t)
-        return prices[key]
+        return prices[key] if dual else 0.5 * prices[key]
 
     def _redistribution_once(self, src: Placements, dst: Placements, t: TensorInfo) -> float:
         if src == dst:

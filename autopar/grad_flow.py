@@ -37,21 +37,28 @@ def differentiated(gm: fx.GraphModule) -> set[fx.Node]:
                 if info(a).outputs and all(t.dtype.is_floating_point for t in info(a).outputs)]
     if len(floating) == 1:
         return set(floating)
-    spec = getattr(gm, "_out_spec", None)
-    if spec is not None:
-        try:
-            shaped = pytree.tree_unflatten(list(range(len(flat))), spec)
-            loss = flat[shaped["loss"]]
-        except (KeyError, TypeError, IndexError, ValueError):
-            loss = None
-        if isinstance(loss, fx.Node) and loss in floating:
-            return {loss}
+    i = named_loss(len(flat), getattr(gm, "_out_spec", None))
+    if i is not None and flat[i] in floating:
+        return {flat[i]}
     return set(floating)
 
 
-def mark_gradients(gm: fx.GraphModule) -> None:
-    """Set ``backward`` and ``returned_grad`` on every node's :class:`NodeInfo` (run
-    after every node has one: :func:`autopar.annotate.annotate` calls it last)."""
+def named_loss(outputs: int, spec: object) -> int | None:
+    """Index, among a graph's ``outputs`` flat outputs, of the one the model's output
+    structure ``spec`` (a pytree spec) names ``loss`` (a Hugging Face ``ModelOutput``, a
+    dict); None when it names none."""
+    if spec is None:
+        return None
+    try:
+        i = pytree.tree_unflatten(list(range(outputs)), spec)["loss"]
+    except (KeyError, TypeError, IndexError, ValueError):
+        return None
+    return i if isinstance(i, int) else None
+
+
+def requires_grad(gm: fx.GraphModule) -> dict[fx.Node, bool]:
+    """Node -> whether its value depends on a trainable parameter and is floating point
+    (autograd records it), whatever is differentiated."""
     trainable = {n for n, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
     needs: dict[fx.Node, bool] = {}
     for n in gm.graph.nodes:
@@ -63,6 +70,13 @@ def mark_gradients(gm: fx.GraphModule) -> None:
             needs[n] = False
         else:
             needs[n] = floating and any(needs.get(u, False) for u in n.all_input_nodes)
+    return needs
+
+
+def mark_gradients(gm: fx.GraphModule) -> None:
+    """Set ``backward`` and ``returned_grad`` on every node's :class:`NodeInfo` (run
+    after every node has one: :func:`autopar.annotate.annotate` calls it last)."""
+    needs = requires_grad(gm)
     roots = differentiated(gm)
     # the ancestors of the differentiated outputs: a gradient reaches a value only on a
     # path to one of them
@@ -86,4 +100,4 @@ def dual(u: fx.Node, v: fx.Node) -> bool:
     return info(u).backward and info(v).backward
 
 
-__all__ = ["differentiated", "dual", "mark_gradients"]
+__all__ = ["differentiated", "dual", "mark_gradients", "named_loss", "requires_grad"]

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from autopar.grad_flow import named_loss
 from autopar.module_loop import LoopMixin, move_to_device
 from autopar.module_state import StateMixin, TensorInfo
 from autopar.placement import is_replicate, parse_placements
@@ -169,13 +170,7 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
         if len(flat) == 1:
             return
-        idx = None
-        if self._out_spec is not None:
-            try:
-                shaped = pytree.tree_unflatten(list(range(len(flat))), self._out_spec)
-                idx = shaped["loss"] if isinstance(shaped["loss"], int) else None
-            except (KeyError, TypeError, IndexError, ValueError):
-                idx = None
+        idx = named_loss(len(flat), self._out_spec)
         if idx is None:
             from autopar.errors import PlanError
             raise PlanError(f"this plan runs {self.plan.decisions.micro_batches} micro-batches: "

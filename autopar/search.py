@@ -152,11 +152,9 @@ def build_problem(gm: fx.GraphModule, mesh: MeshSpec, strategies: dict[fx.Node, 
             key = (share.get(u, u), share.get(v, v), i, back)
             m = matrices.get(key)
             if m is None:
-                m = edge_matrix([a.outputs[0] for a in strategies[u]], [b.inputs[i] for b in strategies[v]],
-                                info(u).out, cm, tables)
-                # a price is the forward's and its backward dual's, equal: half of it
-                # where no gradient flows back through the edge (autopar/grad_flow.py)
-                matrices[key] = m = m if back else 0.5 * m
+                m = matrices[key] = edge_matrix(
+                    [a.outputs[0] for a in strategies[u]], [b.inputs[i] for b in strategies[v]],
+                    info(u).out, cm, tables, dual=back)
             edges.append((index[u], index[v], m))
             edge_src.append((u, v, i))
     prob = StrategyProblem(node_costs=costs, node_memory=mems, edges=edges,
@@ -164,13 +162,16 @@ def build_problem(gm: fx.GraphModule, mesh: MeshSpec, strategies: dict[fx.Node, 
     return Problem(nodes, strategies, prob, edge_src)
 
 
-def edge_matrix(src: list, dst: list, t, cm: CostModel, tables: dict | None = None) -> np.ndarray:
+def edge_matrix(src: list, dst: list, t, cm: CostModel, tables: dict | None = None,
+                dual: bool = True) -> np.ndarray:
     """Redistribution prices from each of ``src`` (a producer's output placements) to
     each of ``dst`` (a consumer input's), for tensor ``t``.  Strategies repeat
     placements (a matmul's dozens of strategies leave its output in a few layouts), so
     only the distinct pairs are priced and the matrix is gathered from that table with
     numpy; ``tables`` keeps the table per (distinct sources, distinct targets, shape,
-    dtype), shared by every edge carrying the same tensor between the same layouts."""
+    dtype), shared by every edge carrying the same tensor between the same layouts.
+    ``dual=False``: the forward alone, where no gradient flows back through the edge
+    (:func:`autopar.grad_flow.dual`; a price is the forward's and its equal dual's)."""
     us, si = _distinct(src)
     ud, di = _distinct(dst)
     key = (us, ud, t.shape, t.dtype)
@@ -179,7 +180,8 @@ def edge_matrix(src: list, dst: list, t, cm: CostModel, tables: dict | None = No
         table = cm.redistribution_matrix(us, ud, t)
         if tables is not None:
             tables[key] = table
-    return table[np.ix_(si, di)]
+    m = table[np.ix_(si, di)]
+    return m if dual else 0.5 * m
 
 
 def _distinct(items: list) -> tuple[tuple, np.ndarray]:

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import fx
 
-from autopar.grad_flow import dual
+from autopar.grad_flow import dual, requires_grad
 from autopar.ir import info
 from autopar.placement import R, Shard, graph_batch, local_shape, parse_placements
 from autopar.redistribute import StepKind, plan_redistribution, step_shapes, sum_axes
@@ -110,7 +110,8 @@ class _Lister:
         self.gm, self.plan, self.mesh = gm, plan, tuple(plan.mesh.shape)
         self.d = plan.decisions
         self.out: list[Collective] = []
-        self.grad = self._needs_grad()
+        # node name -> its value carries a gradient (floating, from a trainable parameter)
+        self.grad = {n.name: g for n, g in requires_grad(gm).items()}
         self.by_name = {n.name: n for n in gm.graph.nodes}
         self.ranks = max(1, self.d.pipeline_stages)
         self.at = 0  # the pipeline rank the collectives being listed run on
@@ -121,22 +122,6 @@ class _Lister:
             return self.gm.get_parameter(target)
         except AttributeError:
             return None
-
-    def _needs_grad(self) -> dict[str, bool]:
-        """Node name -> whether its value carries a gradient: it is floating point and
-        depends on a trainable parameter."""
-        grad: dict[str, bool] = {}
-        for n in self.gm.graph.nodes:
-            outs = info(n).outputs
-            floating = bool(outs) and all(o.dtype.is_floating_point for o in outs)
-            if n.op == "get_attr":
-                p = self._param(n.target)
-                grad[n.name] = p is not None and p.requires_grad
-            elif n.op == "placeholder":
-                grad[n.name] = False
-            else:
-                grad[n.name] = floating and any(grad.get(u.name, False) for u in n.all_input_nodes)
-        return grad
 
     def _itemsize(self, name: str) -> int:
         outs = info(self.by_name[name]).outputs

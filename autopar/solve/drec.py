@@ -462,8 +462,7 @@ class _Search:
         if self.opts.cost_mode is CostMode.MINDSPORE:
             return 0.0  # priced per op against its op neighbours: see _ms_redis
         src, dst = self.full(u).outputs[0], self.full(v).inputs[i]
-        # no backward dual where no gradient flows back (autopar/grad_flow.py)
-        return self.cm.redistribution(src, dst, info(u).out) * (1.0 if dual(u, v) else 0.5)
+        return self.cm.redistribution(src, dst, info(u).out, dual(u, v))
 
     def _before(self, p: Placements) -> Placements:
         """``p`` with the current axis replicated: the cut of the earlier rounds only."""
