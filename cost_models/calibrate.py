@@ -159,6 +159,14 @@ class Calibration:
             Path(path).write_text(text + "\n")
         return text
 
+    def _overlap_rounds(self) -> str:
+        """`` (rounds' median M +- E)`` behind the overlap, where the record has them
+        (:func:`~autopar.cost_models.measure.overlap_estimate`; older records do not)."""
+        ov = self.overlap
+        if "median" not in ov or "stderr" not in ov:
+            return ""
+        return f" (rounds' median {ov['median']:.2f} +- {ov['stderr']:.2f})"
+
     def table(self) -> str:
         """The measurements in a few lines of text (one per curve)."""
         s = self.spec
@@ -170,7 +178,7 @@ class Calibration:
                  f"(copy {self.compute.get('copy_bandwidth', s.mem_bandwidth) / 1e9:.1f}), "
                  f"kernel {s.kernel_floor * 1e6:.1f} us, optimizer {self.optimizer_bandwidth / 1e9:.2f} GB/s "
                  f"+ {s.optimizer_tensor_seconds * 1e6:.1f} us per tensor, "
-                 f"overlap {s.overlap:.2f}, idle reuse {s.idle_reuse:.2f}"]
+                 f"overlap {s.overlap:.2f}{self._overlap_rounds()}, idle reuse {s.idle_reuse:.2f}"]
         for name, samples in self.curves.items():
             pts = ", ".join(f"{x['nbytes'] / 1024:g} KiB {x['seconds'] * 1e3:.2f} ms "
                             f"(fit {x['fitted'] * 1e3:.2f}, spread {100 * x['spread']:.0f}%)"
@@ -296,8 +304,8 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
     opt_bw = opt["bandwidth"]
     widest = max(range(len(dims)), key=lambda i: dims[i])
     # three times the repetitions: the fraction is a difference of times a few ms long, and
-    # at 5 it came out anywhere in 0.02-0.39 on the 2-core host (at 15: 0.02-0.05 in most
-    # runs, 0.12 and 0.17 in two of nine on 2026-11-25)
+    # at 5 it came out anywhere in 0.02-0.39 on the 2-core host (the median of 15: 0.12-0.47
+    # in 4 of 10 on 2026-11-25, hence overlap_estimate's bound of two standard errors)
     ov = overlap_fraction(groups[widest], max(sizes), device, dtype, mm_sizes[len(mm_sizes) // 2],
                           3 * repeats, sync, job=group) if dims[widest] > 1 else {"overlap": 1.0}
     # a GPU per rank: an idle stage's device is lost, whatever noise the rates show

@@ -12,6 +12,7 @@ twice as fast as it does in training, which is what the first calibration got wr
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from typing import Any
 
 __all__ = ["Sample", "collective_samples", "compute_rates", "idle_reuse", "iqr", "max_over_ranks",
            "matmul_block", "mean_over_ranks", "median",
-           "optimizer_rates", "overlap_fraction", "timed_rounds", "timed_samples"]
+           "optimizer_rates", "overlap_estimate", "overlap_fraction", "timed_rounds", "timed_samples"]
 
 Sync = Callable[[], None]
 
@@ -407,11 +408,12 @@ def overlap_fraction(group: Any, nbytes: int, device: Any, dtype: Any, mm_n: int
         work.wait()
 
     # A, C and T side by side in each round (A C T A C T ...), each round's fraction from
-    # its own three times, the median over rounds: load that comes and goes then touches
-    # the three alike.  Three medians taken one after the other moved the fraction from
-    # 0.02 to 0.17 between two calibrations of the same idle host, and with it every
-    # prediction that hides a reduction behind the backward (a GPT's step by 6%); side
-    # by side it still came out 0.12 once in five calibrations (benchmarks.md).
+    # its own three times (overlap_estimate: the median over rounds less two standard
+    # errors): load that comes and goes then touches the three alike.  Three medians
+    # taken one after the other moved the fraction from 0.02 to 0.17 between two
+    # calibrations of the same idle host, and with it every prediction that hides a
+    # reduction behind the backward (a GPT's step by 6%); side by side, the median alone
+    # still came out 0.12-0.47 in 4 of 10 calibrations (benchmarks.md).
     a_t, c_t, t_t = timed_rounds([lambda: dist.all_reduce(buf, group=group), compute, both],
                                  repeats, sync, bar)
     # over the whole job (``job``, default the world): ``group`` may be one of a mesh
@@ -420,11 +422,34 @@ def overlap_fraction(group: Any, nbytes: int, device: Any, dtype: Any, mm_n: int
     worst = max_over_ranks([*a_t, *c_t, *t_t], job, device)
     n = len(a_t)
     a_t, c_t, t_t = worst[:n], worst[n:2 * n], worst[2 * n:]
-    fractions = [(c + a - t) / c if c > 0 else 1.0 for a, c, t in zip(a_t, c_t, t_t)]
-    # (0, 1]: beside compute a collective is never faster, and a measurement slower than
-    # both in series still leaves it a sliver (MeshSpec.overlap must be > 0)
-    return {"overlap": min(1.0, max(0.02, median(fractions))), "alone": median(a_t),
+    return {**overlap_estimate(a_t, c_t, t_t), "alone": median(a_t),
             "compute": median(c_t), "both": median(t_t)}
+
+
+def overlap_estimate(alone: Sequence[float], compute: Sequence[float],
+                     both: Sequence[float], bound: float = 2.0) -> dict[str, float]:
+    """``MeshSpec.overlap`` from rounds of :func:`overlap_fraction`'s three times: each
+    round's fraction ``(C + A - T) / C``, their median, the median's standard error
+    (``1.2533 sigma / sqrt(n)``, sigma from the interquartile range), and ``overlap``:
+    the median less ``bound`` standard errors, within [0.02, 1] -- the overlap the
+    rounds show, not one that noise alone could have given.
+
+    Why a bound and not the median: where ranks share cores a round's fraction is a
+    difference of times a few ms long and scatters from -2.5 to +0.8 around a true
+    value near 0 (15 rounds of 4 ranks on 2 cores, 2026-11-25), so the median of 15 came
+    out 0.12-0.47 in 4 of 10 calibrations of the same idle host, and a plan priced with
+    it hid gradient reductions the backward never hides (the GPT's steps 14-31% fast,
+    benchmarks.md).  Every such median lay within two standard errors of zero.  On a GPU
+    the rounds agree (``T ~ A``, each fraction near 1), the error is small and the bound
+    is the median.  Clamped below at 0.02: beside compute a collective is never faster,
+    and a measurement slower than both in series still leaves it a sliver
+    (MeshSpec.overlap must be > 0)."""
+    if not (len(alone) == len(compute) == len(both)) or not alone:
+        raise ValueError("overlap_estimate needs as many alone, compute and both times, at least one")
+    fractions = [(c + a - t) / c if c > 0 else 1.0 for a, c, t in zip(alone, compute, both)]
+    mid = median(fractions)
+    err = 1.2533 * iqr(fractions) / 1.349 / math.sqrt(len(fractions))
+    return {"overlap": min(1.0, max(0.02, mid - bound * err)), "median": mid, "stderr": err}
 
 
 def idle_reuse(group: Any, device: Any, dtype: Any, n: int, min_seconds: float,
