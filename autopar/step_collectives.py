@@ -45,6 +45,7 @@ from autopar.grad_flow import dual, requires_grad
 from autopar.ir import info
 from autopar.placement import R, Shard, graph_batch, local_shape, parse_placements
 from autopar.redistribute import StepKind, plan_redistribution, step_shapes, sum_axes
+from autopar.rules.losses import count_axes
 from autopar.runtime.grad_sync import fill_buckets
 
 
@@ -231,12 +232,10 @@ class _Lister:
             self.at = self.rank(n.name)
             pl = parse_placements(np_.in_placements[0])
             shape = self.plan.nodes[np_.inputs[0]].shape[0]
-            rows = tuple(a for a, p in enumerate(pl) if self.mesh[a] > 1 and isinstance(p, Shard)
-                         and p.dim == 0)
+            rows = count_axes(n, pl, self.mesh)
             classes = tuple(a for a, p in enumerate(pl) if self.mesh[a] > 1 and isinstance(p, Shard)
                             and p.dim == 1 and len(shape) == 2)
-            reduction = n.args[2] if len(n.args) > 2 else n.kwargs.get("reduction", 1)
-            if reduction == 1 and rows:  # the count of targets: one sum over the row axes
+            if rows:  # the count of targets: one sum over the row axes
                 self.add("forward", "all_reduce", rows, 8, f"{n.name} target count", m)
             if classes:
                 nrows = local_shape(shape, pl, self.mesh)[0]

@@ -36,6 +36,19 @@ def cross_entropy_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
     return [s for s in result if s is not None]
 
 
+def count_axes(node: fx.Node, placements, mesh_shape) -> tuple[int, ...]:
+    """Mesh axes (of more than one rank) over which a mean cross-entropy whose input is
+    placed ``placements`` sums its count of non-ignored targets (one all-reduce over
+    the group spanning them, :mod:`autopar.passes.localize`); empty for other nodes and
+    reductions.  The reduction is the op's fourth argument: ``torch.export`` writes
+    ``(x, target, None, 1, ignore)`` positionally once a caller passes ``ignore_index``,
+    where reading the third (the weight) missed the count."""
+    if node.target is not aten.cross_entropy_loss.default or arg(node, 3, "reduction", MEAN) != MEAN:
+        return ()
+    return tuple(a for a, p in enumerate(placements)
+                 if mesh_shape[a] > 1 and isinstance(p, Shard) and p.dim == 0)
+
+
 @register(aten.mse_loss.default, aten.l1_loss.default)
 def mse_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
     """Elementwise loss then a reduction: any dim shards (both inputs alike)."""

@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 import autopar
 from autopar import MeshSpec
@@ -139,3 +142,30 @@ def test_gradient_flow_marks_the_loss_path() -> None:
     # the logits feed the loss, so they receive a gradient; the integer labels do not
     assert info(logits).backward
     assert not any(info(n).backward for n in gm.graph.nodes if n.op == "placeholder")
+
+
+class _Classifier(nn.Module):
+    """A linear classifier whose loss ignores class 0 (``torch.export`` then writes the
+    cross-entropy's optional arguments positionally: ``(x, y, None, 1, 0)``)."""
+
+    def __init__(self, ignore_index: int) -> None:
+        super().__init__()
+        self.lin, self.ignore_index = nn.Linear(8, 5), ignore_index
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.lin(x), y, ignore_index=self.ignore_index)
+
+
+@pytest.mark.parametrize("ignore_index", [-100, 0])
+def test_target_count_listed_whatever_the_loss_arguments(ignore_index: int) -> None:
+    """The runtime sums the count of non-ignored targets over the batch axes (the
+    generated forward's ``start_count``) however the loss was called; the listing read
+    the weight argument as the reduction and left the count out once ``ignore_index``
+    was passed."""
+    torch.manual_seed(0)
+    ex = (torch.randn(8, 8), torch.randint(0, 5, (8,)))
+    pm = autopar.auto_parallel(_Classifier(ignore_index), example_inputs=ex,
+                               mesh=MeshSpec.preset("cpu-gloo", shape=(2,)), pins=DP)
+    assert "start_count" in pm.code  # what runs
+    counts = [c for c in pm.plan.collectives() if c.what.endswith("target count")]
+    assert len(counts) == 1 and counts[0].bytes == 8 and counts[0].group == 2
