@@ -189,9 +189,10 @@ class CostModel(EdgePrices):
         context-parallel attention).  A batch-sharded cross-entropy's token count is
         all-reduced asynchronously from the top of the forward, where the labels are
         sliced, and waited for at the loss (passes/localize.py ``_hoist_count``): an
-        8-byte collective behind the whole forward, priced as hidden.  (Under pipeline
-        stages it starts at the loss instead, one per micro-batch: under-priced by a
-        latency there.)"""
+        8-byte collective behind the whole forward, hidden here; the stage exposes the
+        part the forward does not hide (:func:`autopar.solve.pipeline.count_exposed`:
+        nearly all of it where ranks share cores, and all of it under pipeline stages,
+        where it starts at the loss)."""
         if node.target is SDPA:
             return self.attention_comm(node, s)
         if node.target is MOE_EXPERTS:

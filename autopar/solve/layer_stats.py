@@ -36,6 +36,7 @@ from autopar.costs import compute_floor
 from autopar.ir import info
 from autopar.placement import is_replicate, local_shape, parse_placements
 from autopar.plan import Plan, zero_axes
+from autopar.rules.losses import count_axes
 
 
 @dataclass
@@ -69,6 +70,11 @@ class LayerStat:
     """Local bytes of the parameters read only through dtype casts (mixed precision):
     backward keeps their low-precision copy (an activation), so ZeRO-3 does not
     re-gather them."""
+    behind: float = 0.0
+    """Seconds of collectives the layer leaves in flight beside the forward: the
+    cross-entropy's token count (:func:`autopar.rules.losses.count_axes`), which the
+    intra-op plan prices hidden and the stage exposes as far as the forward cannot
+    hide it (:func:`autopar.solve.pipeline.price_stage`)."""
 
     @property
     def param_bytes(self) -> float:
@@ -114,6 +120,10 @@ def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) ->
             st.forward += np_.compute / (1.0 + backward_factor) + np_.comm / 2.0
             st.activations += np_.memory
             st.floor += compute_floor(n, mesh, backward_factor)
+            if np_.in_placements:
+                count = count_axes(n, parse_placements(np_.in_placements[0]), mesh.shape)
+                if count:
+                    st.behind += all_reduce_time(mesh, count, 8.0)  # int64 count
     # ops reading a weight, through single-input views and casts of it
     from_weight: set[fx.Node] = set()
     for n in layer_of:

@@ -60,8 +60,9 @@ class StagePrice:
     memory: dict[str, float]
     recompute: list[str] = field(default_factory=list)
     parts: dict[str, float] = field(default_factory=dict)
-    """``seconds`` and ``extra`` split for the plan summary: ``compute``, ``recompute``
-    and ``comm`` (per micro-batch; they sum to ``seconds``), ``sync`` (all gradient
+    """``seconds`` and ``extra`` split for the plan summary: ``compute``, ``recompute``,
+    ``accumulate`` (gradient accumulation) and ``comm`` (per micro-batch; they sum to
+    ``seconds``), ``sync`` (all gradient
     reduction, mostly hidden under backward), ``sync_exposed`` and ``gather_step`` (the
     step's exposed tail; they sum to ``extra``)."""
     buckets: list[list[str]] = field(default_factory=list)
@@ -105,7 +106,7 @@ class Priced:
         slow = max(self.stages, key=lambda sp: sp.seconds)
         tail = max(self.stages, key=lambda sp: sp.extra)
         p = slow.parts
-        compute = m * (p.get("compute", 0.0) + p.get("recompute", 0.0))
+        compute = m * (p.get("compute", 0.0) + p.get("recompute", 0.0) + p.get("accumulate", 0.0))
         optimizer = tail.parts.get("optimizer_step", 0.0)
         exposed = m * p.get("comm", 0.0) + tail.extra - optimizer
         # one stage has no bubble (what the subtraction leaves then is rounding)
@@ -256,6 +257,8 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     rc = {st.key for st in chosen}
     seconds = sum(st.seconds for st in layers) + sum(st.forward for st in chosen)
     seconds += sum(z.gather_mb for z in zp)
+    accumulate = accumulation_seconds(grads, cfg.micro_batches, mesh)
+    seconds += accumulate + count_exposed(layers, cfg, mesh)
     if cfg.stages > 1:
         # receive the activations in and send them on in forward; the reverse in backward
         if index > 0:
@@ -271,13 +274,45 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     extra = exposed + gather_step + opt_step
     compute = sum(st.compute for st in layers)
     recompute = sum(st.forward for st in chosen)
-    parts = {"compute": compute, "recompute": recompute, "comm": seconds - compute - recompute,
+    parts = {"compute": compute, "recompute": recompute, "accumulate": accumulate,
+             "comm": seconds - compute - recompute - accumulate,
              "sync": bp.busy if bp is not None else 0.0, "sync_exposed": exposed,
              "gather_step": gather_step, "optimizer_step": opt_step, **extremes}
     # what is alive at the peak: gradients only as far as backward has made them
     memory = {"params": sum(z.params for z in zp), "optimizer": sum(z.optimizer for z in zp),
               "buffers": sum(st.buffers for st in layers), **peak(chosen)}
     return StagePrice([st.key for st in layers], seconds, extra, memory, sorted(rc), parts, names)
+
+
+def accumulation_seconds(grads: list[float], micro_batches: int, mesh: MeshSpec) -> float:
+    """Seconds per micro-batch that gradient accumulation adds: every micro-batch after
+    the first adds its gradients into the step's (autograd's AccumulateGrad reads both
+    and writes the sum), ``grads`` bytes as they are accumulated (whole, or ZeRO-3's
+    reduce-scattered shards), at the elementwise rate; spread over the ``M``
+    micro-batches, so the step pays ``(M - 1)`` accumulations.  Unpriced, four
+    micro-batches of the 4-layer GPT on 4 gloo ranks measured 30 ms (18%) over one
+    and were predicted no slower (docs/benchmarks.md, Cost-model fidelity); the
+    accumulations are 9 of those ms."""
+    if micro_batches <= 1:
+        return 0.0
+    return 3.0 * sum(grads) / mesh.mem_bandwidth * (micro_batches - 1) / micro_batches
+
+
+def count_exposed(layers: list[LayerStat], cfg: Config, mesh: MeshSpec) -> float:
+    """Seconds per micro-batch of the layers' in-flight collectives (``behind``: the
+    cross-entropy's token count) that the forward does not hide.  Without a pipeline
+    the count starts where the labels are sliced, at the top of the forward
+    (passes/localize.py), and runs beside it at ``mesh.overlap`` of its speed, the
+    bucket model's terms: ``max(0, A - F x overlap)`` for forward time ``F``.  Under
+    pipeline stages it starts at the loss and is waited for at once: all of it.
+    Nothing on GPUs (overlap 1); nearly all of it where ranks share cores (a few ms a
+    micro-batch on 4 gloo ranks of 2 cores: four micro-batches of the 4-layer GPT
+    measured 30 ms over one, predicted no slower while the count was priced hidden)."""
+    behind = sum(st.behind for st in layers)
+    if not behind:
+        return 0.0
+    beside = sum(st.forward for st in layers) if cfg.stages <= 1 else 0.0
+    return max(0.0, behind - beside * mesh.overlap)
 
 
 def _in_bytes(layers: list[LayerStat]) -> float:
@@ -515,5 +550,5 @@ def _min_split_memory(stats, cfg: Config, stage, fallback: float) -> float:
         return fallback
 
 
-__all__ = ["Config", "Priced", "StagePrice", "layer_classes", "price", "price_stage",
-           "step_lower_bound"]
+__all__ = ["Config", "Priced", "StagePrice", "accumulation_seconds", "count_exposed",
+           "layer_classes", "price", "price_stage", "step_lower_bound"]
