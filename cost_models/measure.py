@@ -439,7 +439,7 @@ def overlap_estimate(alone: Sequence[float], compute: Sequence[float],
     value near 0 (15 rounds of 4 ranks on 2 cores, 2026-11-25), so the median of 15 came
     out 0.12-0.47 in 4 of 10 calibrations of the same idle host, and a plan priced with
     it hid gradient reductions the backward never hides (the GPT's steps 14-31% fast,
-    benchmarks.md).  Every such median lay within two standard errors of zero.  On a GPU
+    benchmarks.md).  Each such median lay about two standard errors from zero.  On a GPU
     the rounds agree (``T ~ A``, each fraction near 1), the error is small and the bound
     is the median.  Clamped below at 0.02: beside compute a collective is never faster,
     and a measurement slower than both in series still leaves it a sliver
