@@ -120,7 +120,9 @@ def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) ->
             st.forward += np_.compute / (1.0 + backward_factor) + np_.comm / 2.0
             st.activations += np_.memory
             st.floor += compute_floor(n, mesh, backward_factor)
-            if np_.in_placements:
+            # only a cross-entropy sums a count: parse no other op's placements (every
+            # node of every candidate plan passes here)
+            if n.target is torch.ops.aten.cross_entropy_loss.default and np_.in_placements:
                 count = count_axes(n, parse_placements(np_.in_placements[0]), mesh.shape)
                 if count:
                     st.behind += all_reduce_time(mesh, count, 8.0)  # int64 count
