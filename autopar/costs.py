@@ -19,7 +19,7 @@ from autopar.annotate import VIEW_OPS, is_noop_cast
 from autopar.cost_models import (
     MeshSpec,
     all_reduce_time,
-    all_to_all_time,
+    blocking_time,
     compute_time,
     optimizer_state_bytes,
     send_recv_time,
@@ -204,7 +204,8 @@ class CostModel(EdgePrices):
         total = 0.0
         for a, p in enumerate(s.inputs[0]):
             if isinstance(p, Shard) and p.dim == 1:
-                total += 3 * all_reduce_time(self.mesh, a, rows * 4.0)
+                # the vocabulary-split loss waits on each of its three reductions
+                total += 3 * blocking_time("all_reduce", self.mesh, a, rows * 4.0)
         return total
 
     def _local_bytes(self, x: fx.Node, p: Placements) -> float:
@@ -248,7 +249,7 @@ class CostModel(EdgePrices):
             return 2.0 * ((n - 1) * send_recv_time(self.mesh, layout.cp_axes, k + v)
                           + relayout * send_recv_time(self.mesh, layout.cp_axes,
                                                       (q + k + v + o) / 2))
-        return 2.0 * sum(all_to_all_time(self.mesh, ax, b)
+        return 2.0 * sum(blocking_time("all_to_all", self.mesh, ax, b)
                          for ax in layout.cp_axes for b in (q, k, v, o))
 
     def experts_comm(self, node: fx.Node, s: OpStrategy) -> float:
@@ -272,9 +273,9 @@ class CostModel(EdgePrices):
         weights = info(node.args[3]).out  # rows travel in the experts' dtype
         rows = pairs * loc_h[-1] * weights.nbytes / max(weights.numel, 1)
         n = self.mesh.shape[ep[0]]
-        return (4.0 * all_to_all_time(self.mesh, ep[0], rows)
-                + all_to_all_time(self.mesh, ep[0], pairs * 8.0)
-                + all_to_all_time(self.mesh, ep[0], n * 8.0))
+        return (4.0 * blocking_time("all_to_all", self.mesh, ep[0], rows)
+                + blocking_time("all_to_all", self.mesh, ep[0], pairs * 8.0)
+                + blocking_time("all_to_all", self.mesh, ep[0], n * 8.0))
 
     def attention_compute_factor(self, node: fx.Node, s: OpStrategy) -> float:
         """The slowest rank's attention work against an even split of the priced FLOPs.

@@ -19,11 +19,8 @@ import numpy as np
 
 from autopar.cost_models import (
     MeshSpec,
-    all_gather_time,
-    all_reduce_time,
-    all_to_all_time,
+    blocking_time,
     collective_times,
-    reduce_scatter_time,
 )
 from autopar.ir import TensorInfo
 from autopar.placement import Placements
@@ -285,8 +282,11 @@ class EdgePrices:
         """:meth:`_collective` of the (kind, axis) ``code`` for every byte count in ``b``."""
         kind, axis = next(k for k, c in self._tables.programs_np.kinds.items() if c == code)
         if kind is StepKind.ALL_GATHER:
-            return collective_times("all_gather", self.mesh, axis, b * self.mesh.shape[axis])
-        return collective_times(_TALK[kind], self.mesh, axis, b)
+            t = collective_times("all_gather", self.mesh, axis, b * self.mesh.shape[axis])
+        else:
+            t = collective_times(_TALK[kind], self.mesh, axis, b)
+        # a redistribution blocks where it is issued: blocking_time's drift, where one runs
+        return t + self.mesh.sync_seconds * (t > 0)
 
     def _steps(self, src: Placements, dst: Placements) -> list | None:
         """The steps from ``src`` to ``dst`` (:func:`_code_steps`, the cache the vectorized
@@ -301,14 +301,11 @@ class EdgePrices:
         key = (kind, axis, b)
         memo = self._tables.collectives
         if key not in memo:
-            if kind is StepKind.ALL_REDUCE:
-                memo[key] = all_reduce_time(self.mesh, axis, b)
-            elif kind is StepKind.ALL_GATHER:
-                memo[key] = all_gather_time(self.mesh, axis, b * self.mesh.shape[axis])
-            elif kind is StepKind.REDUCE_SCATTER:
-                memo[key] = reduce_scatter_time(self.mesh, axis, b)
-            elif kind is StepKind.ALL_TO_ALL:
-                memo[key] = all_to_all_time(self.mesh, axis, b)
+            # a redistribution blocks where it is issued (blocking_time)
+            if kind is StepKind.ALL_GATHER:
+                memo[key] = blocking_time("all_gather", self.mesh, axis, b * self.mesh.shape[axis])
+            elif kind in (StepKind.ALL_REDUCE, StepKind.REDUCE_SCATTER, StepKind.ALL_TO_ALL):
+                memo[key] = blocking_time(_TALK[kind], self.mesh, axis, b)
             else:  # slices and Replicate -> Partial are local
                 memo[key] = 0.0
         return memo[key]

@@ -26,7 +26,7 @@ from torch import nn
 from autopar.budget import Phase, TimeBudget
 from autopar.capture import Captured
 from autopar.capture_batch import AnyBatch
-from autopar.cost_models import MeshSpec, format_bytes, send_recv_time
+from autopar.cost_models import MeshSpec, blocking_time, format_bytes
 from autopar.costs import precision_warning
 from autopar.errors import AutoparWarning, PlanError, user_stacklevel
 from autopar.forced import check_forced
@@ -133,7 +133,7 @@ class JointSearch(JointCaptures, JointSpace):
         return out
 
     def _price(self, cand: _Candidate) -> None:
-        link = (lambda b: send_recv_time(cand.full, (0,), b)) if cand.stages > 1 else (lambda b: 0.0)
+        link = (lambda b: blocking_time("send_recv", cand.full, (0,), b)) if cand.stages > 1 else (lambda b: 0.0)
         best = self._best()
         cut = best[1].step_seconds if best is not None else math.inf
         for cfg in self._configs(cand):

@@ -18,7 +18,9 @@ initialised ``torch.distributed`` group, on the job that will train:
   each after a training layer's forward and backward), ``overlap`` fitted to a
   collective run beside compute (:func:`~autopar.cost_models.measure.overlap_fraction`)
   and ``idle_reuse``, how much of a pipeline bubble ranks sharing cores win back
-  (:func:`~autopar.cost_models.measure.idle_reuse`).
+  (:func:`~autopar.cost_models.measure.idle_reuse`);
+- ``sync_seconds``, what a blocking collective issued between compute costs beyond its
+  price after a barrier (:func:`~autopar.cost_models.measure.sync_penalty`).
 
 Every timing is all-reduced (MAX for collectives, which the slowest rank paces; the mean
 for compute rates) before anything is derived from it, so every rank returns the
@@ -48,6 +50,7 @@ from .measure import (
     max_over_ranks,
     optimizer_rates,
     overlap_fraction,
+    sync_penalty,
 )
 from .mesh import LinkSpec, MeshSpec
 
@@ -178,7 +181,8 @@ class Calibration:
                  f"(copy {self.compute.get('copy_bandwidth', s.mem_bandwidth) / 1e9:.1f}), "
                  f"kernel {s.kernel_floor * 1e6:.1f} us, optimizer {self.optimizer_bandwidth / 1e9:.2f} GB/s "
                  f"+ {s.optimizer_tensor_seconds * 1e6:.1f} us per tensor, "
-                 f"overlap {s.overlap:.2f}{self._overlap_rounds()}, idle reuse {s.idle_reuse:.2f}"]
+                 f"overlap {s.overlap:.2f}{self._overlap_rounds()}, idle reuse {s.idle_reuse:.2f}, "
+                 f"sync {s.sync_seconds * 1e3:.2f} ms per blocking collective"]
         for name, samples in self.curves.items():
             pts = ", ".join(f"{x['nbytes'] / 1024:g} KiB {x['seconds'] * 1e3:.2f} ms "
                             f"(fit {x['fitted'] * 1e3:.2f}, spread {100 * x['spread']:.0f}%)"
@@ -308,6 +312,10 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
     # in 4 of 10 on 2026-11-25, hence overlap_estimate's bound of two standard errors)
     ov = overlap_fraction(groups[widest], max(sizes), device, dtype, mm_sizes[len(mm_sizes) // 2],
                           3 * repeats, sync, job=group) if dims[widest] > 1 else {"overlap": 1.0}
+    # three times the repetitions too, for the same reason: at 5 it came out 2.0-4.4 ms
+    # in three calibrations of the same host
+    sync_extra = sync_penalty(groups[widest], device, dtype, mm_sizes[len(mm_sizes) // 2], 3 * repeats,
+                              sync, job=group, chain=4) if dims[widest] > 1 else {"sync_seconds": 0.0}
     # a GPU per rank: an idle stage's device is lost, whatever noise the rates show
     reuse = {"idle_reuse": 0.0} if cuda else \
         idle_reuse(group, device, dtype, mm_sizes[len(mm_sizes) // 2], min_s, sync)
@@ -325,12 +333,12 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
                     mem_capacity=capacity, flops_efficiency=1.0, name="calibrated",
                     kernel_floor=rates["kernel_floor"], overlap=ov["overlap"],
                     optimizer_bandwidth=opt_bw, optimizer_tensor_seconds=opt["tensor_seconds"],
-                    idle_reuse=reuse["idle_reuse"],
+                    idle_reuse=reuse["idle_reuse"], sync_seconds=sync_extra["sync_seconds"],
                     # the base preset's reserve and flat rings, else the preset kind's
                     **_unmeasured(base, cuda, capacity))
     elapsed = max_over_ranks([time.perf_counter() - t_start], group, device)[0]
     return Calibration(
-        spec=spec, curves=curves, compute={**rates, "idle_reuse": reuse, "optimizer": opt}, overlap=ov,
+        spec=spec, curves=curves, compute={**rates, "idle_reuse": reuse, "optimizer": opt, "sync": sync_extra}, overlap=ov,
         optimizer_bandwidth=opt_bw, when=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         host=socket.gethostname(), backend=str(dist.get_backend(group)), world=world,
         repeats=repeats, seconds=elapsed)

@@ -47,6 +47,7 @@ __all__ = [
     "all_gather_time",
     "all_reduce_time",
     "all_to_all_time",
+    "blocking_time",
     "broadcast_time",
     "collective_time",
     "collective_times",
@@ -150,6 +151,18 @@ def collective_time(kind: CollectiveKind | str, mesh: MeshSpec, axes: Axes, nbyt
             # Each level leaves 1/p of the data per rank for the next (slower) level.
             size /= p
     return total
+
+
+def blocking_time(kind: CollectiveKind | str, mesh: MeshSpec, axes: Axes, nbytes: float) -> float:
+    """:func:`collective_time` of a collective the rank waits on right where it issues it
+    (a tensor-parallel all-reduce, a redistribution, a pipeline's receive), plus
+    ``mesh.sync_seconds``: issued between compute, it ends only after the last rank
+    arrives, and ranks drift apart while they compute (calibration measures it; 0 on the
+    presets).  Collectives launched asynchronously and waited on later (gradient buckets,
+    ZeRO's prefetched gathers) are priced by :func:`collective_time` alone.  0.0 where no
+    collective is issued."""
+    t = collective_time(kind, mesh, axes, nbytes)
+    return t + mesh.sync_seconds if t > 0 else 0.0
 
 
 def collective_times(kind: CollectiveKind | str, mesh: MeshSpec, axes: Axes, nbytes):

@@ -20,7 +20,8 @@ from typing import Any
 
 __all__ = ["Sample", "collective_samples", "compute_rates", "idle_reuse", "iqr", "max_over_ranks",
            "matmul_block", "mean_over_ranks", "median",
-           "optimizer_rates", "overlap_estimate", "overlap_fraction", "timed_rounds", "timed_samples"]
+           "optimizer_rates", "overlap_estimate", "overlap_fraction", "sync_estimate", "sync_penalty",
+           "timed_rounds", "timed_samples"]
 
 Sync = Callable[[], None]
 
@@ -424,6 +425,77 @@ def overlap_fraction(group: Any, nbytes: int, device: Any, dtype: Any, mm_n: int
     a_t, c_t, t_t = worst[:n], worst[n:2 * n], worst[2 * n:]
     return {**overlap_estimate(a_t, c_t, t_t), "alone": median(a_t),
             "compute": median(c_t), "both": median(t_t)}
+
+
+def sync_penalty(group: Any, device: Any, dtype: Any, mm_n: int, repeats: int, sync: Sync,
+                 job: Any = None, chunk_seconds: float = 0.01, chain: int = 8,
+                 nbytes: int = 4096) -> dict[str, float]:
+    """``MeshSpec.sync_seconds``: what a blocking collective issued between compute costs
+    beyond its price after a barrier.
+
+    Side by side in each round: ``A``, one ``nbytes`` all-reduce after a barrier (what
+    the collective curves measure); ``C``, ``chain`` chunks of about ``chunk_seconds`` of
+    matmuls; ``T``, the same chunks, each followed by a blocking all-reduce, as a
+    tensor-parallel layer runs.  A round's penalty is ``T / chain - C / chain - A``:
+    ``T`` and ``A`` on the slowest rank (every rank waits for it), ``C`` the ranks' mean
+    (the cost model prices compute at the mean rate).  The median over rounds, at
+    least 0.
+
+    Where ranks share cores they drift apart while they compute, and each collective
+    waits for the last: 4 gloo ranks on 2 cores paid 3-6 ms per collective beyond its
+    5-6 ms after a barrier (chunks of 20-80 ms), which is why a tensor-parallel step's
+    16 all-reduces measured 1.5-2x their price (docs/benchmarks.md, cost fidelity).
+    On a GPU the collectives queue behind the kernels on the device and the penalty is
+    near 0."""
+    import torch
+    import torch.distributed as dist
+
+    buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    a = torch.randn(mm_n, mm_n, dtype=dtype, device=device)
+    b = torch.randn(mm_n, mm_n, dtype=dtype, device=device)
+
+    def bar() -> None:
+        dist.barrier(group=group)
+
+    def sixteen() -> None:
+        for _ in range(16):
+            torch.mm(a, b)
+    # one matmul's time from sixteen in a row (one alone times the timer and a cold start)
+    one = median(timed_samples(sixteen, repeats, sync, bar)) / 16
+    # the same chunk on every rank (MAX of the counts)
+    k = max(1, int(max_over_ranks([chunk_seconds / max(one, 1e-9)], group, device)[0]))
+
+    def reduce() -> None:
+        dist.all_reduce(buf, group=group)
+
+    def chunks() -> None:
+        for _ in range(chain * k):
+            torch.mm(a, b)
+
+    def chained() -> None:
+        for _ in range(chain):
+            for _ in range(k):
+                torch.mm(a, b)
+            dist.all_reduce(buf, group=group)
+
+    a_t, c_t, t_t = timed_rounds([reduce, chunks, chained], repeats, sync, bar)
+    n = len(a_t)
+    worst = max_over_ranks([*a_t, *t_t], job, device)
+    mean_c = mean_over_ranks(c_t, job if job is not None else group, device)
+    return sync_estimate(worst[:n], mean_c, worst[n:], chain)
+
+
+def sync_estimate(alone: Sequence[float], compute: Sequence[float], chained: Sequence[float],
+                  chain: int) -> dict[str, float]:
+    """:func:`sync_penalty`'s arithmetic on its rounds: per round ``chained / chain -
+    compute / chain - alone``, the median over rounds, at least 0 (``sync_seconds``),
+    with the medians of the three times per collective beside it."""
+    if not (len(alone) == len(compute) == len(chained)) or not alone or chain < 1:
+        raise ValueError("sync_estimate needs as many alone, compute and chained times, at least one, "
+                         "and chain >= 1")
+    rounds = [(t - c) / chain - a for a, c, t in zip(alone, compute, chained)]
+    return {"sync_seconds": max(0.0, median(rounds)), "alone": median(alone),
+            "chunk": median(compute) / chain, "chained": median(chained) / chain}
 
 
 def overlap_estimate(alone: Sequence[float], compute: Sequence[float],

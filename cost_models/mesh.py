@@ -231,6 +231,12 @@ class MeshSpec:
     presets' default): priced on the slowest level's link at its bandwidth times the
     ranks of the faster levels, instead of the ideal hierarchical composition
     (:func:`autopar.cost_models.collectives.collective_time`)."""
+    sync_seconds: float = 0.0
+    """What a collective issued between compute costs beyond its price after a barrier:
+    ranks drift apart while they compute, and a collective ends only after the last one
+    arrives (:func:`autopar.cost_models.measure.sync_penalty`; 3-6 ms per collective for
+    4 gloo ranks sharing 2 cores, where a rank that computes 20 ms lands milliseconds
+    after its peers; 0 on the presets)."""
 
     def __post_init__(self) -> None:
         """Normalise sequences to tuples and validate every field (ValueError on bad input)."""
@@ -284,7 +290,7 @@ class MeshSpec:
                 any(a[0] >= b[0] for a, b in zip(curve, curve[1:])):
             raise ValueError("MeshSpec.matmul_curve must be (flops, rate) pairs in increasing flops "
                              f"with 0 < rate <= peak_flops, got {curve!r}")
-        for attr in ("kernel_floor", "optimizer_tensor_seconds"):
+        for attr in ("kernel_floor", "optimizer_tensor_seconds", "sync_seconds"):
             v = getattr(self, attr)
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 <= v < math.inf:
                 raise ValueError(f"MeshSpec.{attr} must be finite and >= 0, got {v!r}")
@@ -449,6 +455,7 @@ class MeshSpec:
             "reserve_bytes": self.reserve_bytes,
             "reserve_fraction": self.reserve_fraction,
             "flat_ring": list(self.flat_ring),
+            "sync_seconds": self.sync_seconds,
         }
 
     @classmethod

@@ -215,3 +215,44 @@ def test_overlap_estimate_needs_matching_rounds() -> None:
         measure.overlap_estimate([1.0, 2.0], [1.0], [1.0, 2.0])
     with pytest.raises(ValueError, match="at least one"):
         measure.overlap_estimate([], [], [])
+
+
+# A chain of 16 rounds on 4 gloo ranks sharing 2 cores (2026-11-25), per collective:
+# matmul chunks of 20.9 ms alone, a 4 KiB all-reduce alone after a barrier 5.26 ms, the
+# two chained 29.41 ms: each collective cost 3.26 ms beyond the two (the ranks' drift).
+_CHAIN = 16
+
+
+def test_sync_estimate_is_what_the_chain_adds() -> None:
+    """The recorded chain: the penalty per collective is what chaining adds beyond the
+    compute and the collective alone (3.26 ms), the median over rounds, so one
+    descheduled round (the 60 ms one) does not move it."""
+    alone = [5.26e-3, 5.1e-3, 5.4e-3, 5.26e-3, 5.3e-3]
+    compute = [_CHAIN * 20.89e-3] * 5
+    chained = [_CHAIN * x for x in (29.41e-3, 29.0e-3, 29.9e-3, 60.0e-3, 29.41e-3)]
+    est = measure.sync_estimate(alone, compute, chained, _CHAIN)
+    assert est["sync_seconds"] == pytest.approx(3.26e-3, abs=1e-5)
+    assert est["chunk"] == pytest.approx(20.89e-3)
+    assert est["alone"] == pytest.approx(5.26e-3)
+
+
+def test_sync_estimate_is_never_negative() -> None:
+    """A chain faster than its parts (a GPU queues the collective behind the kernels)
+    costs no drift, not a credit."""
+    est = measure.sync_estimate([1e-3] * 3, [4e-3] * 3, [4.5e-3] * 3, 4)
+    assert est["sync_seconds"] == 0.0
+    with pytest.raises(ValueError, match="as many"):
+        measure.sync_estimate([1e-3], [1e-3, 2e-3], [1e-3], 4)
+    with pytest.raises(ValueError, match="chain"):
+        measure.sync_estimate([1e-3], [1e-3], [1e-3], 0)
+
+
+def test_sync_penalty_runs_on_a_group() -> None:
+    """The measurement itself on a real (1-rank) gloo group: with nobody to drift from,
+    what a chained collective adds is a small part of a compute chunk (the arithmetic
+    divided by the chain, not the chain's total)."""
+    est = measure.sync_penalty(None, torch.device("cpu"), torch.float32, 64, 3, lambda: None,
+                               chunk_seconds=0.002, chain=4)
+    assert set(est) == {"sync_seconds", "alone", "chunk", "chained"}
+    assert 0.0005 < est["chunk"] < 0.05  # about the 2 ms asked for
+    assert 0.0 <= est["sync_seconds"] < est["chunk"]

@@ -1,0 +1,72 @@
+"""``MeshSpec.sync_seconds`` (issue 12): a collective a rank waits on where it issues it
+pays the ranks' drift once (``blocking_time``), collectives launched asynchronously do
+not, and the plans price exactly that: a tensor-parallel layout's redistributions pay
+it, data parallelism's gradient buckets do not."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from autopar import plan
+from autopar.cost_models import MeshSpec, blocking_time, collective_time
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from gpt import GPT, GPTConfig  # noqa: E402
+
+SYNC = 2e-3
+
+
+@pytest.fixture(scope="module")
+def mesh() -> MeshSpec:
+    return MeshSpec.preset("cpu-gloo").with_shape((4,))
+
+
+def test_blocking_time_adds_the_drift_once(mesh: MeshSpec) -> None:
+    synced = dataclasses.replace(mesh, sync_seconds=SYNC)
+    for kind, nbytes in (("all_reduce", 4096), ("all_gather", 2**20), ("send_recv", 2**16)):
+        plain = collective_time(kind, mesh, 0, nbytes)
+        assert collective_time(kind, synced, 0, nbytes) == plain  # async: no drift
+        assert blocking_time(kind, synced, 0, nbytes) == pytest.approx(plain + SYNC)
+        assert blocking_time(kind, mesh, 0, nbytes) == plain  # the presets: none
+    # nothing issued, nothing paid
+    assert blocking_time("all_reduce", synced, 0, 0) == 0.0
+    one = synced.with_shape((1, 4))
+    assert blocking_time("all_reduce", one, 0, 4096) == 0.0
+
+
+def test_sync_seconds_is_kept_and_checked(mesh: MeshSpec) -> None:
+    synced = dataclasses.replace(mesh, sync_seconds=SYNC)
+    assert MeshSpec.from_json(synced.to_json()).sync_seconds == SYNC
+    with pytest.raises(ValueError, match="sync_seconds"):
+        dataclasses.replace(mesh, sync_seconds=-1e-3)
+
+
+def _gpt() -> tuple[torch.nn.Module, tuple]:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=256, seq=32, dim=64, heads=4, layers=2))
+    idx = torch.randint(0, 256, (8, 32))
+    return model, (idx, idx)
+
+
+MEGATRON = {"*q_proj.weight": "S(0)", "*k_proj.weight": "S(0)", "*v_proj.weight": "S(0)",
+            "*out_proj.weight": "S(1)", "*fc1.weight": "S(0)", "*fc2.weight": "S(1)"}
+DP = {"*": "R", "input:0": "S(0)", "input:1": "S(0)"}
+
+
+def test_tensor_parallel_pays_the_drift_data_parallel_does_not(mesh: MeshSpec) -> None:
+    """The Megatron layout waits on an all-reduce after every row-parallel layer, forward
+    and backward (2 layers x 2 x 2 = 8 at least): its step grows by at least 8 drifts.
+    Pinned data parallelism reduces its gradients in asynchronous buckets and waits on
+    nothing in its forward and backward: its step does not grow."""
+    model, inputs = _gpt()
+    synced = dataclasses.replace(mesh, sync_seconds=SYNC)
+    tp = [plan(model, inputs, mesh=m, pins=MEGATRON, pipeline_stages=1).decisions
+          for m in (mesh, synced)]
+    assert tp[1].step_seconds - tp[0].step_seconds >= 8 * SYNC * 0.999
+    dp = [plan(model, inputs, mesh=m, pins=DP, pipeline_stages=1).decisions for m in (mesh, synced)]
+    assert dp[1].step_seconds == pytest.approx(dp[0].step_seconds)
