@@ -19,8 +19,10 @@ initialised ``torch.distributed`` group, on the job that will train:
   collective run beside compute (:func:`~autopar.cost_models.measure.overlap_fraction`)
   and ``idle_reuse``, how much of a pipeline bubble ranks sharing cores win back
   (:func:`~autopar.cost_models.measure.idle_reuse`);
-- ``sync_seconds``, what a blocking collective issued between compute costs beyond its
-  price after a barrier (:func:`~autopar.cost_models.measure.sync_penalty`).
+- ``straggler``, the slowest rank's compute time over the ranks' mean for a step-long
+  window (:func:`~autopar.cost_models.measure.straggler`), and ``sync_seconds``, what a
+  blocking collective issued between compute costs beyond its price after a barrier
+  (:func:`~autopar.cost_models.measure.sync_penalty`).
 
 Every timing is all-reduced (MAX for collectives, which the slowest rank paces; the mean
 for compute rates) before anything is derived from it, so every rank returns the
@@ -50,6 +52,7 @@ from .measure import (
     max_over_ranks,
     optimizer_rates,
     overlap_fraction,
+    straggler,
     sync_penalty,
 )
 from .mesh import LinkSpec, MeshSpec
@@ -182,7 +185,7 @@ class Calibration:
                  f"kernel {s.kernel_floor * 1e6:.1f} us, optimizer {self.optimizer_bandwidth / 1e9:.2f} GB/s "
                  f"+ {s.optimizer_tensor_seconds * 1e6:.1f} us per tensor, "
                  f"overlap {s.overlap:.2f}{self._overlap_rounds()}, idle reuse {s.idle_reuse:.2f}, "
-                 f"sync {s.sync_seconds * 1e3:.2f} ms per blocking collective"]
+                 f"straggler {s.straggler:.2f}, sync {s.sync_seconds * 1e3:.2f} ms per blocking collective"]
         for name, samples in self.curves.items():
             pts = ", ".join(f"{x['nbytes'] / 1024:g} KiB {x['seconds'] * 1e3:.2f} ms "
                             f"(fit {x['fitted'] * 1e3:.2f}, spread {100 * x['spread']:.0f}%)"
@@ -314,8 +317,13 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
                           3 * repeats, sync, job=group) if dims[widest] > 1 else {"overlap": 1.0}
     # three times the repetitions too, for the same reason: at 5 it came out 2.0-4.4 ms
     # in three calibrations of the same host
+    # the same rank count as the job's: a straggler exists only where ranks wait on one
+    # another, so a 1-rank job has none
+    lag = straggler(group, device, dtype, mm_sizes[len(mm_sizes) // 2], 4096 if cuda else 512,
+                    3 * repeats, sync) if world > 1 else {"straggler": 1.0}
     sync_extra = sync_penalty(groups[widest], device, dtype, mm_sizes[len(mm_sizes) // 2], 3 * repeats,
-                              sync, job=group, chain=4) if dims[widest] > 1 else {"sync_seconds": 0.0}
+                              sync, job=group, chain=4, straggle=lag["straggler"]) \
+        if dims[widest] > 1 else {"sync_seconds": 0.0}
     # a GPU per rank: an idle stage's device is lost, whatever noise the rates show
     reuse = {"idle_reuse": 0.0} if cuda else \
         idle_reuse(group, device, dtype, mm_sizes[len(mm_sizes) // 2], min_s, sync)
@@ -334,11 +342,13 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
                     kernel_floor=rates["kernel_floor"], overlap=ov["overlap"],
                     optimizer_bandwidth=opt_bw, optimizer_tensor_seconds=opt["tensor_seconds"],
                     idle_reuse=reuse["idle_reuse"], sync_seconds=sync_extra["sync_seconds"],
+                    straggler=lag["straggler"],
                     # the base preset's reserve and flat rings, else the preset kind's
                     **_unmeasured(base, cuda, capacity))
     elapsed = max_over_ranks([time.perf_counter() - t_start], group, device)[0]
     return Calibration(
-        spec=spec, curves=curves, compute={**rates, "idle_reuse": reuse, "optimizer": opt, "sync": sync_extra}, overlap=ov,
+        spec=spec, curves=curves, overlap=ov,
+        compute={**rates, "idle_reuse": reuse, "optimizer": opt, "sync": sync_extra, "straggler": lag},
         optimizer_bandwidth=opt_bw, when=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         host=socket.gethostname(), backend=str(dist.get_backend(group)), world=world,
         repeats=repeats, seconds=elapsed)

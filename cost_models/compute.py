@@ -1,6 +1,6 @@
 """Roofline compute cost of one kernel on one device of a :class:`~autopar.cost_models.mesh.MeshSpec`.
 
-``time = max(flops / (peak_flops * flops_efficiency), bytes_moved / mem_bandwidth, kernel_floor)``
+``time = straggler * max(flops / (peak_flops * flops_efficiency), bytes_moved / mem_bandwidth, kernel_floor)``
 (design.md section 3). A node that moves no bytes and does no FLOPs (a view) is free.
 """
 
@@ -30,14 +30,15 @@ def compute_time(mesh: MeshSpec, flops: float, bytes_moved: float,
     moving ``bytes_moved``.
 
     The max of the compute-bound time (at ``flops_efficiency`` of the dtype's peak,
-    :meth:`MeshSpec.peak_for`), the memory-bound time, and the per-kernel launch floor; 0.0
-    when both amounts are zero, since views launch nothing.
+    :meth:`MeshSpec.peak_for`), the memory-bound time, and the per-kernel launch floor,
+    times ``mesh.straggler`` (the slowest rank paces the step); 0.0 when both amounts are
+    zero, since views launch nothing.
     """
     _check_amount("flops", flops)
     _check_amount("bytes_moved", bytes_moved)
     if flops == 0 and bytes_moved == 0:
         return 0.0
-    return max(
+    return mesh.straggler * max(
         flops / kernel_rate(mesh, flops, dtype),
         bytes_moved / mesh.mem_bandwidth,
         mesh.kernel_floor,
@@ -95,4 +96,4 @@ def optimizer_step_time(mesh: MeshSpec, param_bytes: float, state_bytes: float,
     _check_amount("state_bytes", state_bytes)
     _check_amount("tensors", tensors)
     stream = (3.0 * param_bytes + 2.0 * state_bytes) / (mesh.optimizer_bandwidth or mesh.mem_bandwidth)
-    return stream + tensors * mesh.optimizer_tensor_seconds
+    return mesh.straggler * (stream + tensors * mesh.optimizer_tensor_seconds)

@@ -20,8 +20,8 @@ from typing import Any
 
 __all__ = ["Sample", "collective_samples", "compute_rates", "idle_reuse", "iqr", "max_over_ranks",
            "matmul_block", "mean_over_ranks", "median",
-           "optimizer_rates", "overlap_estimate", "overlap_fraction", "sync_estimate", "sync_penalty",
-           "timed_rounds", "timed_samples"]
+           "optimizer_rates", "overlap_estimate", "overlap_fraction", "straggler", "sync_estimate",
+           "sync_penalty", "timed_rounds", "timed_samples"]
 
 Sync = Callable[[], None]
 
@@ -427,19 +427,55 @@ def overlap_fraction(group: Any, nbytes: int, device: Any, dtype: Any, mm_n: int
             "compute": median(c_t), "both": median(t_t)}
 
 
+def straggler(group: Any, device: Any, dtype: Any, d: int, tokens: int, repeats: int,
+              sync: Sync, window: float = 0.05, job: Any = None) -> dict[str, float]:
+    """``MeshSpec.straggler``: the slowest rank's time for about ``window`` seconds of a
+    training layer's work (:func:`matmul_block` forward and backward on ``tokens`` rows
+    of width ``d``, the same count on every rank) over the ranks' mean, in each of
+    ``repeats`` rounds after a barrier; the median over rounds, at least 1.
+
+    The rates :func:`compute_rates` measures are the ranks' mean, which is what every
+    rank gets over a long run; but a synchronous step goes at its slowest rank's pace
+    between collectives, and where ranks share cores the scheduler is unfair over tens
+    of milliseconds (4 gloo ranks on 2 cores: 1.04 at 50 ms, 1.11-1.14 at 15 ms; 1.12
+    and 1.21-1.29 with one more busy process).  On a GPU per rank it is about 1."""
+    import torch
+    import torch.distributed as dist
+
+    blk = matmul_block(d).to(device=device, dtype=dtype)
+    x = torch.randn(tokens, d, device=device, dtype=dtype, requires_grad=True)
+    seed = torch.ones(tokens, d, device=device, dtype=dtype)
+
+    def layer() -> None:
+        blk(x).backward(seed)
+
+    def bar() -> None:
+        dist.barrier(group=group)
+
+    one = median(timed_samples(lambda: [layer() for _ in range(4)], 3, sync, bar)) / 4
+    k = max(1, int(max_over_ranks([window / max(one, 1e-9)], group, device)[0]))
+    (times,) = timed_rounds([lambda: [layer() for _ in range(k)]], repeats, sync, bar)
+    job = job if job is not None else group
+    worst = max_over_ranks(times, job, device)
+    mean = mean_over_ranks(times, job, device)
+    ratios = [w / m for w, m in zip(worst, mean) if m > 0]
+    return {"straggler": max(1.0, median(ratios)) if ratios else 1.0, "window": median(mean)}
+
+
 def sync_penalty(group: Any, device: Any, dtype: Any, mm_n: int, repeats: int, sync: Sync,
                  job: Any = None, chunk_seconds: float = 0.01, chain: int = 8,
-                 nbytes: int = 4096) -> dict[str, float]:
+                 nbytes: int = 4096, straggle: float = 1.0) -> dict[str, float]:
     """``MeshSpec.sync_seconds``: what a blocking collective issued between compute costs
     beyond its price after a barrier.
 
     Side by side in each round: ``A``, one ``nbytes`` all-reduce after a barrier (what
     the collective curves measure); ``C``, ``chain`` chunks of about ``chunk_seconds`` of
     matmuls; ``T``, the same chunks, each followed by a blocking all-reduce, as a
-    tensor-parallel layer runs.  A round's penalty is ``T / chain - C / chain - A``:
-    ``T`` and ``A`` on the slowest rank (every rank waits for it), ``C`` the ranks' mean
-    (the cost model prices compute at the mean rate).  The median over rounds, at
-    least 0.
+    tensor-parallel layer runs.  A round's penalty is ``T / chain - straggle x C / chain
+    - A``: ``T`` and ``A`` on the slowest rank (every rank waits for it), ``C`` the
+    ranks' mean times ``straggle`` (``MeshSpec.straggler``), as the cost model prices
+    the compute: what the chain costs beyond what its parts are priced.  The median over
+    rounds, at least 0.
 
     Where ranks share cores they drift apart while they compute, and each collective
     waits for the last: 4 gloo ranks on 2 cores paid 3-6 ms per collective beyond its
@@ -482,7 +518,7 @@ def sync_penalty(group: Any, device: Any, dtype: Any, mm_n: int, repeats: int, s
     n = len(a_t)
     worst = max_over_ranks([*a_t, *t_t], job, device)
     mean_c = mean_over_ranks(c_t, job if job is not None else group, device)
-    return sync_estimate(worst[:n], mean_c, worst[n:], chain)
+    return sync_estimate(worst[:n], [straggle * c for c in mean_c], worst[n:], chain)
 
 
 def sync_estimate(alone: Sequence[float], compute: Sequence[float], chained: Sequence[float],

@@ -231,6 +231,13 @@ class MeshSpec:
     presets' default): priced on the slowest level's link at its bandwidth times the
     ranks of the faster levels, instead of the ideal hierarchical composition
     (:func:`autopar.cost_models.collectives.collective_time`)."""
+    straggler: float = 1.0
+    """The slowest rank's compute time against the ranks' mean over a step-long window
+    (>= 1): a synchronous step goes at the slowest rank's pace, and where ranks share
+    cores the scheduler is not fair over tens of milliseconds (4 gloo ranks on 2 cores:
+    1.04 for 50 ms of a training layer, 1.12 with one more busy process).  Every compute
+    price is multiplied by it; 1.0 on the presets, calibration measures it
+    (:func:`autopar.cost_models.measure.straggler`)."""
     sync_seconds: float = 0.0
     """What a collective issued between compute costs beyond its price after a barrier:
     ranks drift apart while they compute, and a collective ends only after the last one
@@ -294,6 +301,9 @@ class MeshSpec:
             v = getattr(self, attr)
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 <= v < math.inf:
                 raise ValueError(f"MeshSpec.{attr} must be finite and >= 0, got {v!r}")
+        st = self.straggler
+        if isinstance(st, bool) or not isinstance(st, numbers.Real) or not 1 <= st < math.inf:
+            raise ValueError(f"MeshSpec.straggler must be finite and >= 1, got {st!r}")
         if not isinstance(self.name, str):
             raise ValueError(f"MeshSpec.name must be a str, got {self.name!r}")
         if self.gpus_per_node is not None:
@@ -455,6 +465,7 @@ class MeshSpec:
             "reserve_bytes": self.reserve_bytes,
             "reserve_fraction": self.reserve_fraction,
             "flat_ring": list(self.flat_ring),
+            "straggler": self.straggler,
             "sync_seconds": self.sync_seconds,
         }
 

@@ -295,7 +295,7 @@ def accumulation_seconds(grads: list[float], micro_batches: int, mesh: MeshSpec)
     accumulations are 9 of those ms."""
     if micro_batches <= 1:
         return 0.0
-    return 3.0 * sum(grads) / mesh.mem_bandwidth * (micro_batches - 1) / micro_batches
+    return mesh.straggler * 3.0 * sum(grads) / mesh.mem_bandwidth * (micro_batches - 1) / micro_batches
 
 
 def count_exposed(layers: list[LayerStat], cfg: Config, mesh: MeshSpec) -> float:

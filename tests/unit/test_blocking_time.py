@@ -1,7 +1,8 @@
-"""``MeshSpec.sync_seconds`` (issue 12): a collective a rank waits on where it issues it
-pays the ranks' drift once (``blocking_time``), collectives launched asynchronously do
-not, and the plans price exactly that: a tensor-parallel layout's redistributions pay
-it, data parallelism's gradient buckets do not."""
+"""``MeshSpec.sync_seconds`` and ``straggler`` (issue 12): a collective a rank waits on
+where it issues it pays the ranks' drift once (``blocking_time``), collectives launched
+asynchronously do not, and the plans price exactly that: a tensor-parallel layout's
+redistributions pay it, data parallelism's gradient buckets do not.  ``straggler``
+scales every compute price and nothing else."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from autopar.cost_models import MeshSpec, blocking_time, collective_time
 
 from autopar import plan
-from autopar.cost_models import MeshSpec, blocking_time, collective_time
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
@@ -70,3 +71,22 @@ def test_tensor_parallel_pays_the_drift_data_parallel_does_not(mesh: MeshSpec) -
     assert tp[1].step_seconds - tp[0].step_seconds >= 8 * SYNC * 0.999
     dp = [plan(model, inputs, mesh=m, pins=DP, pipeline_stages=1).decisions for m in (mesh, synced)]
     assert dp[1].step_seconds == pytest.approx(dp[0].step_seconds)
+
+
+def test_the_slowest_rank_paces_every_compute_price(mesh: MeshSpec) -> None:
+    """``straggler`` multiplies kernels, the optimizer step and gradient accumulation
+    alike, and nothing else: collectives keep their price."""
+    from autopar.cost_models import compute_time, optimizer_step_time
+
+    from autopar.solve.pipeline import accumulation_seconds
+
+    slow = dataclasses.replace(mesh, straggler=1.25)
+    assert compute_time(slow, 1e9, 1e6) == pytest.approx(1.25 * compute_time(mesh, 1e9, 1e6))
+    assert compute_time(slow, 0, 64) == pytest.approx(1.25 * compute_time(mesh, 0, 64))  # the floor
+    assert optimizer_step_time(slow, 1e6, 2e6, 7) == pytest.approx(1.25 * optimizer_step_time(mesh, 1e6, 2e6, 7))
+    assert accumulation_seconds([1e6, 2e6], 4, slow) == pytest.approx(
+        1.25 * accumulation_seconds([1e6, 2e6], 4, mesh))
+    assert collective_time("all_reduce", slow, 0, 2**20) == collective_time("all_reduce", mesh, 0, 2**20)
+    assert MeshSpec.from_json(slow.to_json()).straggler == 1.25
+    with pytest.raises(ValueError, match="straggler"):
+        dataclasses.replace(mesh, straggler=0.9)

@@ -256,3 +256,11 @@ def test_sync_penalty_runs_on_a_group() -> None:
     assert set(est) == {"sync_seconds", "alone", "chunk", "chained"}
     assert 0.0005 < est["chunk"] < 0.05  # about the 2 ms asked for
     assert 0.0 <= est["sync_seconds"] < est["chunk"]
+
+
+def test_straggler_of_one_rank_is_one() -> None:
+    """Nobody to wait for: the slowest rank is the mean, whatever the host's noise."""
+    est = measure.straggler(None, torch.device("cpu"), torch.float32, 32, 64, 3, lambda: None,
+                            window=0.002)
+    assert est["straggler"] == 1.0
+    assert 0 < est["window"] < 0.05
