@@ -202,7 +202,8 @@ def section(rows: list[dict], world: int, steps: int, load: tuple[float, float],
              "GQA), each case planned on the shipped `cpu-gloo` preset and on the link "
              "`autopar calibrate` (`cost_models.measure_cluster`) measured on the running "
              "group: collectives per kind after a barrier, compute, the optimizer step, overlap "
-             "and idle reuse with every rank busy.", "",
+             "and idle reuse with every rank busy, the slowest rank's pace and the drift a "
+             "blocking collective waits out.", "",
              f"Measured {_dt.date.today().isoformat()} on: {machine()}; load average "
              f"{load[0]:.2f} before, {load[1]:.2f} after.", "",
              "| preset | cases | Spearman | median relative error |", "|---|---:|---:|---:|"]
