@@ -137,7 +137,8 @@ def refine(spec: MeshSpec, rows: Iterable[Mapping[str, Any]], min_rows: int = 3)
                      links=tuple(scale_link(link, b) for link in spec.links),
                      intra=None if spec.intra is None else scale_link(spec.intra, b),
                      inter=None if spec.inter is None else scale_link(spec.inter, b),
-                     name=f"{spec.name}+refined")
+                     # the drift a blocking collective waits out is communication time too
+                     sync_seconds=spec.sync_seconds * b, name=f"{spec.name}+refined")
     return Refinement(scaled, a, b, len(mine), before, after)
 
 

@@ -7,7 +7,14 @@ import json
 import random
 
 import pytest
-from autopar.cost_models import LinkSpec, MeshSpec, all_reduce_time, collective_time, compute_time
+from autopar.cost_models import (
+    LinkSpec,
+    MeshSpec,
+    all_reduce_time,
+    blocking_time,
+    collective_time,
+    compute_time,
+)
 from autopar.cost_models.refine import fit_scales, read_rows, refine
 
 
@@ -21,7 +28,7 @@ def _calibrated() -> MeshSpec:
     link = LinkSpec(1e-3, 1e9, kinds=(("reduce_scatter", 2e-3, 5e8),))
     return MeshSpec(shape=(4,), axis_names=(), links=(link,), peak_flops=4e10,
                     mem_bandwidth=8e9, mem_capacity=2**33, flops_efficiency=1.0,
-                    name="calibrated")
+                    name="calibrated", sync_seconds=2e-3)
 
 
 def test_fit_recovers_the_scales_of_a_noiseless_machine() -> None:
@@ -60,6 +67,9 @@ def test_refined_mesh_prices_compute_and_every_link_by_the_scales() -> None:
     for kind in ("all_reduce", "reduce_scatter", "all_gather"):
         assert collective_time(kind, s, 0, 2.0**20) == pytest.approx(
             3.0 * collective_time(kind, mesh, 0, 2.0**20))
+        # the drift a blocking collective waits out is communication, scaled alike
+        assert blocking_time(kind, s, 0, 2.0**20) == pytest.approx(
+            3.0 * blocking_time(kind, mesh, 0, 2.0**20))
     # a plan on the same machine reshaped (2x2) still counts as priced with it
     reshaped = [_row(mesh.with_shape((2, 2)), 0.1, 0.05, 0.1 * 1.25 + 0.05 * 3 + 0.01)] * 3
     assert refine(mesh, reshaped).rows == 3
