@@ -16,13 +16,13 @@ initialised ``torch.distributed`` group, on the job that will train:
   that share cores get their share, as in training);
 - the optimizer step's bytes/s and its time per parameter tensor (foreach AdamW steps,
   each after a training layer's forward and backward), ``overlap`` fitted to a
-  collective run beside compute (:func:`~autopar.cost_models.measure.overlap_fraction`)
+  collective run beside compute (:func:`~autopar.cost_models.measure_sync.overlap_fraction`)
   and ``idle_reuse``, how much of a pipeline bubble ranks sharing cores win back
-  (:func:`~autopar.cost_models.measure.idle_reuse`);
+  (:func:`~autopar.cost_models.measure_sync.idle_reuse`);
 - ``straggler``, the slowest rank's compute time over the ranks' mean for a step-long
-  window (:func:`~autopar.cost_models.measure.straggler`), and ``sync_seconds``, what a
+  window (:func:`~autopar.cost_models.measure_sync.straggler`), and ``sync_seconds``, what a
   blocking collective issued between compute costs beyond its price after a barrier
-  (:func:`~autopar.cost_models.measure.sync_penalty`).
+  (:func:`~autopar.cost_models.measure_sync.sync_penalty`).
 
 Every timing is all-reduced (MAX for collectives, which the slowest rank paces; the mean
 for compute rates) before anything is derived from it, so every rank returns the
@@ -48,13 +48,10 @@ from .measure import (
     Sample,
     collective_samples,
     compute_rates,
-    idle_reuse,
     max_over_ranks,
     optimizer_rates,
-    overlap_fraction,
-    straggler,
-    sync_penalty,
 )
+from .measure_sync import idle_reuse, overlap_fraction, straggler, sync_penalty
 from .mesh import LinkSpec, MeshSpec
 
 __all__ = ["FITTED_KINDS", "Calibration", "calibrate", "fit_alpha_beta", "kind_coefficients",
@@ -167,7 +164,7 @@ class Calibration:
 
     def _overlap_rounds(self) -> str:
         """`` (rounds' median M +- E)`` behind the overlap, where the record has them
-        (:func:`~autopar.cost_models.measure.overlap_estimate`; older records do not)."""
+        (:func:`~autopar.cost_models.measure_sync.overlap_estimate`; older records do not)."""
         ov = self.overlap
         if "median" not in ov or "stderr" not in ov:
             return ""

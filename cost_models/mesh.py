@@ -237,11 +237,11 @@ class MeshSpec:
     cores the scheduler is not fair over tens of milliseconds (4 gloo ranks on 2 cores:
     1.04 for 50 ms of a training layer, 1.12 with one more busy process).  Every compute
     price is multiplied by it; 1.0 on the presets, calibration measures it
-    (:func:`autopar.cost_models.measure.straggler`)."""
+    (:func:`autopar.cost_models.measure_sync.straggler`)."""
     sync_seconds: float = 0.0
     """What a collective issued between compute costs beyond its price after a barrier:
     ranks drift apart while they compute, and a collective ends only after the last one
-    arrives (:func:`autopar.cost_models.measure.sync_penalty`; 3-6 ms per collective for
+    arrives (:func:`autopar.cost_models.measure_sync.sync_penalty`; 3-6 ms per collective for
     4 gloo ranks sharing 2 cores, where a rank that computes 20 ms lands milliseconds
     after its peers; 0 on the presets)."""
 

@@ -11,7 +11,7 @@ import datetime
 import pytest
 import torch
 import torch.distributed as dist
-from autopar.cost_models import measure
+from autopar.cost_models import measure, measure_sync
 from torch import nn
 
 from autopar.annotate import annotate
@@ -190,7 +190,7 @@ def test_overlap_is_not_claimed_from_noise() -> None:
     overlap planned with is near the floor, not 0.47 (the median alone priced a GPT's
     gradient reduction as hidden behind its backward, which this host never does).
     0.05: two standard errors leave 0.025 of this, the worst of the ten calibrations."""
-    est = measure.overlap_estimate(_HOST_A, _HOST_C, _HOST_T)
+    est = measure_sync.overlap_estimate(_HOST_A, _HOST_C, _HOST_T)
     assert est["median"] == pytest.approx(0.47, abs=0.005)
     assert est["stderr"] == pytest.approx(0.22, abs=0.01)
     assert 0.02 <= est["overlap"] < 0.05
@@ -202,19 +202,19 @@ def test_overlap_kept_where_the_rounds_agree() -> None:
     a = [10.0 + 0.1 * (i % 3) for i in range(15)]
     c = [5.0 + 0.05 * (i % 2) for i in range(15)]
     t = [x + 0.5 + 0.05 * (i % 4) for i, x in enumerate(a)]  # 0.5-0.65 ms of C not hidden
-    est = measure.overlap_estimate(a, c, t)
+    est = measure_sync.overlap_estimate(a, c, t)
     assert 0.85 < est["median"] < 0.92
     assert est["stderr"] < 0.01
     assert est["overlap"] == pytest.approx(est["median"] - 2 * est["stderr"])
     # and a true overlap above 1 (noise) is capped at full speed
-    assert measure.overlap_estimate([10.0] * 5, [5.0] * 5, [9.0] * 5)["overlap"] == 1.0
+    assert measure_sync.overlap_estimate([10.0] * 5, [5.0] * 5, [9.0] * 5)["overlap"] == 1.0
 
 
 def test_overlap_estimate_needs_matching_rounds() -> None:
     with pytest.raises(ValueError, match="as many"):
-        measure.overlap_estimate([1.0, 2.0], [1.0], [1.0, 2.0])
+        measure_sync.overlap_estimate([1.0, 2.0], [1.0], [1.0, 2.0])
     with pytest.raises(ValueError, match="at least one"):
-        measure.overlap_estimate([], [], [])
+        measure_sync.overlap_estimate([], [], [])
 
 
 # A chain of 16 rounds on 4 gloo ranks sharing 2 cores (2026-11-25), per collective:
@@ -230,7 +230,7 @@ def test_sync_estimate_is_what_the_chain_adds() -> None:
     alone = [5.26e-3, 5.1e-3, 5.4e-3, 5.26e-3, 5.3e-3]
     compute = [_CHAIN * 20.89e-3] * 5
     chained = [_CHAIN * x for x in (29.41e-3, 29.0e-3, 29.9e-3, 60.0e-3, 29.41e-3)]
-    est = measure.sync_estimate(alone, compute, chained, _CHAIN)
+    est = measure_sync.sync_estimate(alone, compute, chained, _CHAIN)
     assert est["sync_seconds"] == pytest.approx(3.26e-3, abs=1e-5)
     assert est["chunk"] == pytest.approx(20.89e-3)
     assert est["alone"] == pytest.approx(5.26e-3)
@@ -239,19 +239,19 @@ def test_sync_estimate_is_what_the_chain_adds() -> None:
 def test_sync_estimate_is_never_negative() -> None:
     """A chain faster than its parts (a GPU queues the collective behind the kernels)
     costs no drift, not a credit."""
-    est = measure.sync_estimate([1e-3] * 3, [4e-3] * 3, [4.5e-3] * 3, 4)
+    est = measure_sync.sync_estimate([1e-3] * 3, [4e-3] * 3, [4.5e-3] * 3, 4)
     assert est["sync_seconds"] == 0.0
     with pytest.raises(ValueError, match="as many"):
-        measure.sync_estimate([1e-3], [1e-3, 2e-3], [1e-3], 4)
+        measure_sync.sync_estimate([1e-3], [1e-3, 2e-3], [1e-3], 4)
     with pytest.raises(ValueError, match="chain"):
-        measure.sync_estimate([1e-3], [1e-3], [1e-3], 0)
+        measure_sync.sync_estimate([1e-3], [1e-3], [1e-3], 0)
 
 
 def test_sync_penalty_runs_on_a_group() -> None:
     """The measurement itself on a real (1-rank) gloo group: with nobody to drift from,
     what a chained collective adds is a small part of a compute chunk (the arithmetic
     divided by the chain, not the chain's total)."""
-    est = measure.sync_penalty(None, torch.device("cpu"), torch.float32, 64, 3, lambda: None,
+    est = measure_sync.sync_penalty(None, torch.device("cpu"), torch.float32, 64, 3, lambda: None,
                                chunk_seconds=0.002, chain=4)
     assert set(est) == {"sync_seconds", "alone", "chunk", "chained"}
     assert 0.0005 < est["chunk"] < 0.05  # about the 2 ms asked for
@@ -260,7 +260,7 @@ def test_sync_penalty_runs_on_a_group() -> None:
 
 def test_straggler_of_one_rank_is_one() -> None:
     """Nobody to wait for: the slowest rank is the mean, whatever the host's noise."""
-    est = measure.straggler(None, torch.device("cpu"), torch.float32, 32, 64, 3, lambda: None,
+    est = measure_sync.straggler(None, torch.device("cpu"), torch.float32, 32, 64, 3, lambda: None,
                             window=0.002)
     assert est["straggler"] == 1.0
     assert 0 < est["window"] < 0.05

@@ -1,0 +1,253 @@
+"""What calibration times between the ranks of a step, beside their compute rates
+(:mod:`.measure`): how much of a collective hides beside compute (``overlap``), how much
+of a pipeline bubble ranks sharing cores win back (``idle_reuse``), how far the slowest
+rank lags the mean (``straggler``) and what a blocking collective waits out beyond its
+price (``sync_seconds``).
+
+Each is collective over its group, as :mod:`.measure` is, and returns numbers identical
+on every rank; each has a pure ``*_estimate`` (or the arithmetic inline) that unit tests
+pin against recorded rounds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from .measure import (
+    Sync,
+    _rate,
+    iqr,
+    matmul_block,
+    max_over_ranks,
+    mean_over_ranks,
+    median,
+    timed_rounds,
+    timed_samples,
+)
+
+__all__ = ["idle_reuse", "overlap_estimate", "overlap_fraction", "straggler", "sync_estimate",
+           "sync_penalty"]
+
+
+def overlap_fraction(group: Any, nbytes: int, device: Any, dtype: Any, mm_n: int,
+                     repeats: int, sync: Sync, job: Any = None) -> dict[str, float]:
+    """``MeshSpec.overlap`` fitted to a measurement in the terms the bucket model uses.
+
+    ``A``: an ``nbytes`` all-reduce alone; ``C``: matmuls alone, about ``A / 2`` of them;
+    ``T``: the all-reduce started asynchronously, the same matmuls, then its wait.  The
+    model (:func:`autopar.solve.buckets._end`) says a reduction runs at ``overlap`` of its
+    speed while compute lasts and at full speed after, and compute is not slowed, so
+    ``T = C + A - C * overlap`` while ``C < A``; hence ``overlap = (C + A - T) / C``.  On
+    GPUs ``T ~ A`` (overlap 1); where ranks share cores, communication also takes the
+    compute's cycles and ``T`` nears ``C + A`` (overlap near 0)."""
+    import torch
+    import torch.distributed as dist
+
+    buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    a = torch.randn(mm_n, mm_n, dtype=dtype, device=device)
+    b = torch.randn(mm_n, mm_n, dtype=dtype, device=device)
+
+    def bar() -> None:
+        dist.barrier(group=group)
+
+    alone = median(timed_samples(lambda: dist.all_reduce(buf, group=group), repeats, sync, bar))
+    one = median(timed_samples(lambda: torch.mm(a, b), repeats, sync, bar))
+    # the same count on every rank (MAX), so every rank computes as long as the others
+    k = max(1, int(max_over_ranks([alone / 2 / max(one, 1e-9)], group, device)[0]))
+
+    def compute() -> None:
+        for _ in range(k):
+            torch.mm(a, b)
+
+    def both() -> None:
+        work = dist.all_reduce(buf, group=group, async_op=True)
+        compute()
+        work.wait()
+
+    # A, C and T side by side in each round (A C T A C T ...), each round's fraction from
+    # its own three times (overlap_estimate: the median over rounds less two standard
+    # errors): load that comes and goes then touches the three alike.  Three medians
+    # taken one after the other moved the fraction from 0.02 to 0.17 between two
+    # calibrations of the same idle host, and with it every prediction that hides a
+    # reduction behind the backward (a GPT's step by 6%); side by side, the median alone
+    # still came out 0.12-0.47 in 4 of 10 calibrations (benchmarks.md).
+    a_t, c_t, t_t = timed_rounds([lambda: dist.all_reduce(buf, group=group), compute, both],
+                                 repeats, sync, bar)
+    # over the whole job (``job``, default the world): ``group`` may be one of a mesh
+    # axis' groups, and every rank must derive the same overlap; per round, the slowest
+    # rank's times (every rank waits for it)
+    worst = max_over_ranks([*a_t, *c_t, *t_t], job, device)
+    n = len(a_t)
+    a_t, c_t, t_t = worst[:n], worst[n:2 * n], worst[2 * n:]
+    return {**overlap_estimate(a_t, c_t, t_t), "alone": median(a_t),
+            "compute": median(c_t), "both": median(t_t)}
+
+
+def overlap_estimate(alone: Sequence[float], compute: Sequence[float],
+                     both: Sequence[float], bound: float = 2.0) -> dict[str, float]:
+    """``MeshSpec.overlap`` from rounds of :func:`overlap_fraction`'s three times: each
+    round's fraction ``(C + A - T) / C``, their median, the median's standard error
+    (``1.2533 sigma / sqrt(n)``, sigma from the interquartile range), and ``overlap``:
+    the median less ``bound`` standard errors, within [0.02, 1] -- the overlap the
+    rounds show, not one that noise alone could have given.
+
+    Why a bound and not the median: where ranks share cores a round's fraction is a
+    difference of times a few ms long and scatters from -2.5 to +0.8 around a true
+    value near 0 (15 rounds of 4 ranks on 2 cores, 2026-11-25), so the median of 15 came
+    out 0.12-0.47 in 4 of 10 calibrations of the same idle host, and a plan priced with
+    it hid gradient reductions the backward never hides (the GPT's steps 14-31% fast,
+    benchmarks.md).  Each such median lay about two standard errors from zero.  On a GPU
+    the rounds agree (``T ~ A``, each fraction near 1), the error is small and the bound
+    is the median.  Clamped below at 0.02: beside compute a collective is never faster,
+    and a measurement slower than both in series still leaves it a sliver
+    (MeshSpec.overlap must be > 0)."""
+    if not (len(alone) == len(compute) == len(both)) or not alone:
+        raise ValueError("overlap_estimate needs as many alone, compute and both times, at least one")
+    fractions = [(c + a - t) / c if c > 0 else 1.0 for a, c, t in zip(alone, compute, both)]
+    mid = median(fractions)
+    err = 1.2533 * iqr(fractions) / 1.349 / math.sqrt(len(fractions))
+    return {"overlap": min(1.0, max(0.02, mid - bound * err)), "median": mid, "stderr": err}
+
+
+def idle_reuse(group: Any, device: Any, dtype: Any, n: int, min_seconds: float,
+               sync: Sync) -> dict[str, float]:
+    """``MeshSpec.idle_reuse``: the share of a pipeline's fill and drain that ranks sharing
+    cores win back, from how much faster half the ranks compute while the other half
+    wait (as idle stages wait in recv).  With ``r = half / all`` (the mean matmul rate per
+    computing rank, half busy over every rank busy; the mean, not the slowest: the bubble
+    is a matter of throughput, and the slowest of 4 ranks on 2 cores is unfair
+    scheduling's noise), the reuse is ``2 (1 - 1 / r)``: the pipeline prices the bubble
+    as the other stages' work at the every-rank-busy rate times ``1 - reuse``, and where
+    only one of two stages runs at a time (one micro-batch) the step is the two stages'
+    work at the half-busy rate, ``2 / r`` of one stage's priced time, so ``1 + (1 -
+    reuse) = 2 / r``.  In [0, 0.95]: 0 where every rank has a device of its own
+    (``r = 1``), the cap for 4 ranks on 2 cores (``r = 2``: the cores never idle, the
+    bubble costs nothing).  (It was ``1 - 1 / r``, half of that: 0.5 there, and the
+    calibrated 2-stage 1F1B of 4 ranks was priced 334 ms and measured 242 ms, faster than
+    data parallel's 273 ms, docs/benchmarks.md.)"""
+    import torch
+    import torch.distributed as dist
+
+    p = dist.get_world_size(group)
+    if p < 2:
+        return {"idle_reuse": 0.0, "all": 0.0, "half": 0.0}
+    me = dist.get_rank(group)
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    dist.barrier(group=group)
+    every = _rate(lambda: torch.mm(a, b), 2.0 * n**3, min_seconds, sync)
+    dist.barrier(group=group)
+    # the second half waits in the barrier below (blocked, as an idle stage waits in recv)
+    half = _rate(lambda: torch.mm(a, b), 2.0 * n**3, min_seconds, sync) if me < p // 2 else 0.0
+    dist.barrier(group=group)
+    mean_all, half_share = mean_over_ranks([every, half], group, device)
+    mean_half = half_share * p / (p // 2)  # the waiting ranks counted 0
+    reuse = 2.0 * (1.0 - mean_all / mean_half) if mean_half > 0 else 0.0
+    return {"idle_reuse": min(0.95, max(0.0, reuse)), "all": mean_all, "half": mean_half}
+def straggler(group: Any, device: Any, dtype: Any, d: int, tokens: int, repeats: int,
+              sync: Sync, window: float = 0.05, job: Any = None) -> dict[str, float]:
+    """``MeshSpec.straggler``: the slowest rank's time for about ``window`` seconds of a
+    training layer's work (:func:`matmul_block` forward and backward on ``tokens`` rows
+    of width ``d``, the same count on every rank) over the ranks' mean, in each of
+    ``repeats`` rounds after a barrier; the median over rounds, at least 1.
+
+    The rates :func:`compute_rates` measures are the ranks' mean, which is what every
+    rank gets over a long run; but a synchronous step goes at its slowest rank's pace
+    between collectives, and where ranks share cores the scheduler is unfair over tens
+    of milliseconds (4 gloo ranks on 2 cores: 1.04 at 50 ms, 1.11-1.14 at 15 ms; 1.12
+    and 1.21-1.29 with one more busy process).  On a GPU per rank it is about 1."""
+    import torch
+    import torch.distributed as dist
+
+    blk = matmul_block(d).to(device=device, dtype=dtype)
+    x = torch.randn(tokens, d, device=device, dtype=dtype, requires_grad=True)
+    seed = torch.ones(tokens, d, device=device, dtype=dtype)
+
+    def layer() -> None:
+        blk(x).backward(seed)
+
+    def bar() -> None:
+        dist.barrier(group=group)
+
+    one = median(timed_samples(lambda: [layer() for _ in range(4)], 3, sync, bar)) / 4
+    k = max(1, int(max_over_ranks([window / max(one, 1e-9)], group, device)[0]))
+    (times,) = timed_rounds([lambda: [layer() for _ in range(k)]], repeats, sync, bar)
+    job = job if job is not None else group
+    worst = max_over_ranks(times, job, device)
+    mean = mean_over_ranks(times, job, device)
+    ratios = [w / m for w, m in zip(worst, mean) if m > 0]
+    return {"straggler": max(1.0, median(ratios)) if ratios else 1.0, "window": median(mean)}
+
+
+def sync_penalty(group: Any, device: Any, dtype: Any, mm_n: int, repeats: int, sync: Sync,
+                 job: Any = None, chunk_seconds: float = 0.01, chain: int = 8,
+                 nbytes: int = 4096, straggle: float = 1.0) -> dict[str, float]:
+    """``MeshSpec.sync_seconds``: what a blocking collective issued between compute costs
+    beyond its price after a barrier.
+
+    Side by side in each round: ``A``, one ``nbytes`` all-reduce after a barrier (what
+    the collective curves measure); ``C``, ``chain`` chunks of about ``chunk_seconds`` of
+    matmuls; ``T``, the same chunks, each followed by a blocking all-reduce, as a
+    tensor-parallel layer runs.  A round's penalty is ``T / chain - straggle x C / chain
+    - A``: ``T`` and ``A`` on the slowest rank (every rank waits for it), ``C`` the
+    ranks' mean times ``straggle`` (``MeshSpec.straggler``), as the cost model prices
+    the compute: what the chain costs beyond what its parts are priced.  The median over
+    rounds, at least 0.
+
+    Where ranks share cores they drift apart while they compute, and each collective
+    waits for the last: 4 gloo ranks on 2 cores paid 3-6 ms per collective beyond its
+    5-6 ms after a barrier (chunks of 20-80 ms), which is why a tensor-parallel step's
+    16 all-reduces measured 1.5-2x their price (docs/benchmarks.md, cost fidelity).
+    On a GPU the collectives queue behind the kernels on the device and the penalty is
+    near 0."""
+    import torch
+    import torch.distributed as dist
+
+    buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    a = torch.randn(mm_n, mm_n, dtype=dtype, device=device)
+    b = torch.randn(mm_n, mm_n, dtype=dtype, device=device)
+
+    def bar() -> None:
+        dist.barrier(group=group)
+
+    def sixteen() -> None:
+        for _ in range(16):
+            torch.mm(a, b)
+    # one matmul's time from sixteen in a row (one alone times the timer and a cold start)
+    one = median(timed_samples(sixteen, repeats, sync, bar)) / 16
+    # the same chunk on every rank (MAX of the counts)
+    k = max(1, int(max_over_ranks([chunk_seconds / max(one, 1e-9)], group, device)[0]))
+
+    def reduce() -> None:
+        dist.all_reduce(buf, group=group)
+
+    def chunks() -> None:
+        for _ in range(chain * k):
+            torch.mm(a, b)
+
+    def chained() -> None:
+        for _ in range(chain):
+            for _ in range(k):
+                torch.mm(a, b)
+            dist.all_reduce(buf, group=group)
+
+    a_t, c_t, t_t = timed_rounds([reduce, chunks, chained], repeats, sync, bar)
+    n = len(a_t)
+    worst = max_over_ranks([*a_t, *t_t], job, device)
+    mean_c = mean_over_ranks(c_t, job if job is not None else group, device)
+    return sync_estimate(worst[:n], [straggle * c for c in mean_c], worst[n:], chain)
+
+
+def sync_estimate(alone: Sequence[float], compute: Sequence[float], chained: Sequence[float],
+                  chain: int) -> dict[str, float]:
+    """:func:`sync_penalty`'s arithmetic on its rounds: per round ``chained / chain -
+    compute / chain - alone``, the median over rounds, at least 0 (``sync_seconds``),
+    with the medians of the three times per collective beside it."""
+    if not (len(alone) == len(compute) == len(chained)) or not alone or chain < 1:
+        raise ValueError("sync_estimate needs as many alone, compute and chained times, at least one, "
+                         "and chain >= 1")
+    rounds = [(t - c) / chain - a for a, c, t in zip(alone, compute, chained)]
+    return {"sync_seconds": max(0.0, median(rounds)), "alone": median(alone),
+            "chunk": median(compute) / chain, "chained": median(chained) / chain}
