@@ -236,7 +236,9 @@ def sync_penalty(group: Any, device: Any, dtype: Any, mm_n: int, repeats: int, s
     a_t, c_t, t_t = timed_rounds([reduce, chunks, chained], repeats, sync, bar)
     n = len(a_t)
     worst = max_over_ranks([*a_t, *t_t], job, device)
-    mean_c = mean_over_ranks(c_t, job if job is not None else group, device)
+    # over the whole job (default the world), as the MAX above: ``group`` may be one of
+    # several axis groups, and every rank must derive the same penalty
+    mean_c = mean_over_ranks(c_t, job, device)
     return sync_estimate(worst[:n], [straggle * c for c in mean_c], worst[n:], chain)
 
 
