@@ -312,12 +312,12 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
     # in 4 of 10 on 2026-11-25, hence overlap_estimate's bound of two standard errors)
     ov = overlap_fraction(groups[widest], max(sizes), device, dtype, mm_sizes[len(mm_sizes) // 2],
                           3 * repeats, sync, job=group) if dims[widest] > 1 else {"overlap": 1.0}
-    # three times the repetitions too, for the same reason: at 5 it came out 2.0-4.4 ms
-    # in three calibrations of the same host
-    # the same rank count as the job's: a straggler exists only where ranks wait on one
-    # another, so a 1-rank job has none
+    # over the whole job: a straggler exists only where ranks wait on one another, so a
+    # 1-rank job has none
     lag = straggler(group, device, dtype, mm_sizes[len(mm_sizes) // 2], 4096 if cuda else 512,
                     3 * repeats, sync) if world > 1 else {"straggler": 1.0}
+    # three times the repetitions too, for the overlap's reason: at 5 the drift came out
+    # 2.0-4.4 ms in three calibrations of the same host
     sync_extra = sync_penalty(groups[widest], device, dtype, mm_sizes[len(mm_sizes) // 2], 3 * repeats,
                               sync, job=group, chain=4, straggle=lag["straggler"]) \
         if dims[widest] > 1 else {"sync_seconds": 0.0}
