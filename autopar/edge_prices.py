@@ -20,7 +20,7 @@ import numpy as np
 from autopar.cost_models import (
     MeshSpec,
     blocking_time,
-    collective_times,
+    blocking_times,
 )
 from autopar.ir import TensorInfo
 from autopar.placement import Placements
@@ -281,12 +281,10 @@ class EdgePrices:
     def _collectives(self, code: int, b: np.ndarray) -> np.ndarray:
         """:meth:`_collective` of the (kind, axis) ``code`` for every byte count in ``b``."""
         kind, axis = next(k for k, c in self._tables.programs_np.kinds.items() if c == code)
+        # a redistribution blocks where it is issued (blocking_time)
         if kind is StepKind.ALL_GATHER:
-            t = collective_times("all_gather", self.mesh, axis, b * self.mesh.shape[axis])
-        else:
-            t = collective_times(_TALK[kind], self.mesh, axis, b)
-        # a redistribution blocks where it is issued: blocking_time's drift, where one runs
-        return t + self.mesh.sync_seconds * (t > 0)
+            return blocking_times("all_gather", self.mesh, axis, b * self.mesh.shape[axis])
+        return blocking_times(_TALK[kind], self.mesh, axis, b)
 
     def _steps(self, src: Placements, dst: Placements) -> list | None:
         """The steps from ``src`` to ``dst`` (:func:`_code_steps`, the cache the vectorized

@@ -48,6 +48,7 @@ __all__ = [
     "all_reduce_time",
     "all_to_all_time",
     "blocking_time",
+    "blocking_times",
     "broadcast_time",
     "collective_time",
     "collective_times",
@@ -163,6 +164,14 @@ def blocking_time(kind: CollectiveKind | str, mesh: MeshSpec, axes: Axes, nbytes
     collective is issued."""
     t = collective_time(kind, mesh, axes, nbytes)
     return t + mesh.sync_seconds if t > 0 else 0.0
+
+
+def blocking_times(kind: CollectiveKind | str, mesh: MeshSpec, axes: Axes, nbytes):
+    """:func:`blocking_time` of every element of the numpy array ``nbytes``: each
+    :func:`collective_times` element plus ``mesh.sync_seconds`` where a collective is
+    issued (the edge prices' vectorized path, the same rule as the scalar one)."""
+    t = collective_times(kind, mesh, axes, nbytes)
+    return t + mesh.sync_seconds * (t > 0)
 
 
 def collective_times(kind: CollectiveKind | str, mesh: MeshSpec, axes: Axes, nbytes):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from autopar.cost_models import MeshSpec, blocking_time, collective_time
+from autopar.cost_models import MeshSpec, blocking_time, blocking_times, collective_time
 
 from autopar import plan
 
@@ -38,6 +38,19 @@ def test_blocking_time_adds_the_drift_once(mesh: MeshSpec) -> None:
     assert blocking_time("all_reduce", synced, 0, 0) == 0.0
     one = synced.with_shape((1, 4))
     assert blocking_time("all_reduce", one, 0, 4096) == 0.0
+
+
+def test_the_vectorized_price_is_the_scalar_one(mesh: MeshSpec) -> None:
+    """The edge prices' numpy path pays the drift exactly where the scalar one does:
+    every element issued, none for an empty message."""
+    import numpy as np
+
+    synced = dataclasses.replace(mesh, sync_seconds=SYNC)
+    sizes = np.array([0.0, 4096.0, 2.0**20])
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        got = blocking_times(kind, synced, 0, sizes)
+        assert list(got) == [blocking_time(kind, synced, 0, float(b)) for b in sizes]
+        assert got[0] == 0.0
 
 
 def test_sync_seconds_is_kept_and_checked(mesh: MeshSpec) -> None:
