@@ -46,7 +46,7 @@ from autopar.ir import info
 from autopar.placement import R, Shard, graph_batch, local_shape, parse_placements
 from autopar.redistribute import StepKind, plan_redistribution, step_shapes, sum_axes
 from autopar.rules.losses import count_axes
-from autopar.runtime.grad_sync import fill_buckets
+from autopar.runtime.grad_sync import fill_buckets, runs_by_axes
 
 
 @dataclass(frozen=True)
@@ -361,9 +361,11 @@ class _Lister:
             padded = sum(c * item for _, c, item, _ in b) * d
             self.add("backward", "all_reduce" if stage == 1 else "reduce_scatter", z, padded,
                      f"ZeRO-{stage} bucket {i}")
-            for t, c, item, other in b:
-                for a in other:
-                    self.add("backward", "all_reduce", (a,), c * item, f"ZeRO-{stage} {t}")
+            # the bucket's rank part over the other replicated axes: one all-reduce per
+            # distinct set of them (runtime/zero.py's _reduce_other_axes)
+            for other, run in runs_by_axes(b, lambda s: s[3]):
+                self.add("backward", "all_reduce", other, sum(c * item for _, c, item, _ in run),
+                         f"ZeRO-{stage} bucket {i} over {'+'.join(f'a{a}' for a in other)}")
         for i, b in enumerate(buckets):
             self.add("step", "all_gather", z, sum(c * item for _, c, item, _ in b),
                      f"ZeRO-{stage} bucket {i}")

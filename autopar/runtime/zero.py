@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from autopar.runtime.grad_sync import BUCKET_BYTES, OrderedBuckets, fill_buckets
+from autopar.runtime.grad_sync import BUCKET_BYTES, OrderedBuckets, fill_buckets, runs_by_axes
 from autopar.runtime.mesh import current
 from autopar.runtime.tls import issue
 
@@ -65,6 +65,27 @@ def _reduce_scatter_flat(flat: torch.Tensor, axes: tuple[int, ...]) -> torch.Ten
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     issue(fn, out, flat.contiguous(), group=m.group_of(axes))
     return out
+
+
+def _reduce_other_axes(mine: torch.Tensor, params: list[ZeroParam]) -> None:
+    """Sum ``mine`` (this rank's part of a bucket: each parameter's shard gradient, back
+    to back in ``params`` order) over the parameters' other replicated axes, in place:
+    one all-reduce over a group spanning those axes per distinct set of them
+    (:func:`~autopar.runtime.grad_sync.runs_by_axes`), in place when one set covers the
+    whole bucket (HSDP: every parameter replicated on the same other axes)."""
+    m = current()
+    offsets = list(itertools.accumulate((zp.shard.numel() for zp in params), initial=0))
+    runs = runs_by_axes(range(len(params)), lambda i: params[i].other_axes)
+    for axes, idx in runs:
+        group = m.group_of(axes)
+        if len(idx) == len(params):
+            issue(dist.all_reduce, mine, group=group)
+            continue
+        parts = [mine[offsets[i]:offsets[i + 1]] for i in idx]
+        flat = torch.cat(parts)
+        issue(dist.all_reduce, flat, group=group)
+        for part, red in zip(parts, flat.split([p.numel() for p in parts])):
+            part.copy_(red)
 
 
 _GROUP_IDS = itertools.count()
@@ -266,12 +287,11 @@ class Zero(OrderedBuckets):
         if self.stage == 1:
             part, r = mine.numel() // m.size_of(self.axes), m.coord_of(self.axes)
             mine = mine[r * part:(r + 1) * part]
+        _reduce_other_axes(mine, b.params)
         off = 0
         for zp in b.params:
             c = zp.shard.numel()
             g = mine[off:off + c].clone()
-            for a in zp.other_axes:
-                issue(dist.all_reduce, g, group=m.group(a))
             zp.shard.grad = g if zp.shard.grad is None else zp.shard.grad + g
             off += c
         b.ready, b.flat, b.work = 0, None, None

@@ -34,7 +34,7 @@ def gradient_arrivals(layers: list[LayerStat], zp: list, cfg: Config,
 
     params = [(i, q) for i in reversed(range(len(layers))) for q in reversed(layers[i].params)]
     # what GradSync reduces: replicated parameters outside ZeRO, and ZeRO-3 shards
-    # replicated on other axes too (ZeRO-1/2 reduce those per parameter, runtime/zero.py)
+    # replicated on other axes too (ZeRO-1/2 reduce those themselves, per bucket: runtime/zero.py)
     plain = [(i, q) for i, q in params if q.replicated and not on_zero(q.replicated, cfg.zero_stage, zax)]
     shards = [(i, q) for i, q in params if cfg.zero_stage == 3 and on_zero(q.replicated, 3, zax)
               and set(q.replicated) - set(zax)]

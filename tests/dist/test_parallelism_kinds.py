@@ -82,6 +82,13 @@ FOUR = [
          options={"zero_stage": 3, "zero_axes": (0, 1), **SINGLE}, measure_memory=True),
     Case("hsdp-zero3-2x2", "gpt", (2, 2), DP2X2, GPT2,
          options={"zero_stage": 3, "zero_axes": (1,), **SINGLE}, measure_memory=True),
+    # ZeRO-1 over axis 0, replicated over axis 1 (HSDP): a bucket's part is all-reduced
+    # over axis 1 in one collective; ZeRO-2 x TP2: a bucket mixes tensor-parallel
+    # weights (nothing more to reduce) and replicated norms and biases (over axis 1)
+    Case("hsdp-zero1-2x2", "gpt", (2, 2), DP2X2, GPT2,
+         options={"zero_stage": 1, "zero_axes": (0,), **SINGLE}),
+    Case("zero2-x-tp2", "gpt", (2, 2), {k: "R" + v for k, v in TP.items()} | {"input:0": "S(0)R"},
+         GPT2, options={"zero_stage": 2, "zero_axes": (0,), **SINGLE}),
     # two stages, each a data-parallel pair
     Case("pp2-x-dp2", "gpt", (4,), DP, GPT2, options={**PP2_M4, "schedule": "1f1b"}, measure_memory=True),
     # two stages of two chunks each, every stage a data-parallel pair

@@ -43,6 +43,13 @@ CASES = [
      "options": {**ONE, "zero_stage": 2, "zero_axes": (0, 1)}},
     {"id": "zero3-over-2x2", "mesh": (2, 2), "pins": DP2X2,
      "options": {**ONE, "zero_stage": 3, "zero_axes": (0, 1)}},
+    # ZeRO-1/2 whose parameters are replicated on another axis too: one all-reduce per
+    # bucket over it (HSDP), two where a bucket mixes tensor-parallel weights and
+    # replicated norms
+    {"id": "zero1-hsdp-2x2", "mesh": (2, 2), "pins": DP2X2,
+     "options": {**ONE, "zero_stage": 1, "zero_axes": (0,)}},
+    {"id": "zero2-dp2-x-tp2", "mesh": (2, 2), "pins": DP_TP,
+     "options": {**ONE, "zero_stage": 2, "zero_axes": (0,)}},
     {"id": "accumulate2-dp4", "mesh": (4,), "pins": DP, "options": {**ONE, "micro_batches": 2}},
     {"id": "planner-4", "mesh": (4,), "pins": {}, "options": ONE},
     # sequence split over the mesh: Ulysses all-to-alls, and a ring when the heads do
