@@ -46,7 +46,7 @@ from autopar.ir import info
 from autopar.placement import R, Shard, graph_batch, local_shape, parse_placements
 from autopar.redistribute import StepKind, plan_redistribution, step_shapes, sum_axes
 from autopar.rules.losses import count_axes
-from autopar.runtime.grad_sync import fill_buckets, runs_by_axes
+from autopar.runtime.grad_sync import fill_buckets, folded_axes, runs_by_axes
 
 
 @dataclass(frozen=True)
@@ -359,8 +359,11 @@ class _Lister:
         buckets = fill_buckets(reversed(shards), lambda s: s[1] * s[2] * d)
         for i, b in enumerate(buckets):
             padded = sum(c * item for _, c, item, _ in b) * d
-            self.add("backward", "all_reduce" if stage == 1 else "reduce_scatter", z, padded,
-                     f"ZeRO-{stage} bucket {i}")
+            folded = folded_axes([s[3] for s in b]) if stage == 1 else ()
+            self.add("backward", "all_reduce" if stage == 1 else "reduce_scatter",
+                     tuple(sorted(z + folded)), padded, f"ZeRO-{stage} bucket {i}")
+            if folded:  # stage 1: one all-reduce over the ZeRO and the shared other axes
+                continue
             # the bucket's rank part over the other replicated axes: one all-reduce per
             # distinct set of them (runtime/zero.py's _reduce_other_axes)
             for other, run in runs_by_axes(b, lambda s: s[3]):

@@ -66,6 +66,14 @@ def runs_by_axes(items: Iterable[T], axes_of: Callable[[T], tuple[int, ...]]) ->
     return list(runs.items())
 
 
+def folded_axes(others: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """The other replicated axes a ZeRO-1 bucket's all-reduce spans besides the ZeRO
+    axes: those every parameter in the bucket shares (empty when they differ or there
+    are none; the bucket's part is then reduced over each set apart, :func:`runs_by_axes`)."""
+    first = others[0] if others else ()
+    return first if all(o == first for o in others) else ()
+
+
 @dataclass
 class Bucket:
     """Parameters whose gradients are reduced together over ``axes``."""

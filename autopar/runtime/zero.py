@@ -42,7 +42,13 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from autopar.runtime.grad_sync import BUCKET_BYTES, OrderedBuckets, fill_buckets, runs_by_axes
+from autopar.runtime.grad_sync import (
+    BUCKET_BYTES,
+    OrderedBuckets,
+    fill_buckets,
+    folded_axes,
+    runs_by_axes,
+)
 from autopar.runtime.mesh import current
 from autopar.runtime.tls import issue
 
@@ -270,7 +276,12 @@ class Zero(OrderedBuckets):
             zp.full.grad = None  # the bucket holds it now; stage 2 frees it here
         g = current().group_of(self.axes)
         if self.stage == 1:
-            b.work = issue(dist.all_reduce, b.flat, group=g, async_op=True)
+            # every parameter of the bucket replicated on the same other axes (HSDP): one
+            # all-reduce over all of them at once, as many bytes on the wire as the
+            # ZeRO axes' all-reduce plus the part's over the others, one latency
+            other = folded_axes([zp.other_axes for zp in b.params])
+            b.work = issue(dist.all_reduce, b.flat, async_op=True,
+                           group=current().group_of(self.axes + other) if other else g)
         else:
             out = torch.empty(b.flat.numel() // current().size_of(self.axes), dtype=b.flat.dtype,
                               device=b.flat.device)
@@ -287,7 +298,8 @@ class Zero(OrderedBuckets):
         if self.stage == 1:
             part, r = mine.numel() // m.size_of(self.axes), m.coord_of(self.axes)
             mine = mine[r * part:(r + 1) * part]
-        _reduce_other_axes(mine, b.params)
+        if not (self.stage == 1 and folded_axes([zp.other_axes for zp in b.params])):
+            _reduce_other_axes(mine, b.params)
         off = 0
         for zp in b.params:
             c = zp.shard.numel()
