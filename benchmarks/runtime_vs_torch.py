@@ -22,6 +22,9 @@ group instead of the cpu-gloo preset. Cases:
 * ``tp``: Megatron pins (q/k/v, fc1 column; out_proj, fc2 row) vs ``parallelize_module``
   with ``ColwiseParallel`` / ``RowwiseParallel`` on the same layers (whole batch on
   every rank for both);
+* ``hsdp``: on a 2x2 mesh, weights sharded over the second axis and replicated over the
+  first (``zero_stage=3, zero_axes=(1,)``) vs FSDP2 ``fully_shard`` on the same 2-D
+  mesh (FSDP2's HSDP: replicate over the first dimension, shard over the second);
 * ``zero3tp2``: on a 2x2 mesh, the batch split over the first axis, the Megatron pins
   on the second and ``zero_stage=3`` vs ``parallelize_module`` on the second axis and
   FSDP2 on the first (each data-parallel pair passes its rows).
@@ -109,9 +112,14 @@ def _minimum(name: str, g: float, world: int) -> float | None:
     """Analytic minimum bytes a rank sends per step (ring collectives over ``world``):
     data parallel all-reduces the fp32 gradients once, 2(p-1)/p G; ZeRO-3 gathers the
     parameters in forward and again in backward and reduce-scatters the gradients,
-    which gloo runs as an all-reduce: 4(p-1)/p G.  None for tensor parallelism (it
+    which gloo runs as an all-reduce: 4(p-1)/p G; HSDP does that over its shard group
+    and all-reduces the shards over the replicas.  None for tensor parallelism (it
     depends on the activations).  ``g``: the trainable parameters' bytes."""
     f = (world - 1) / world
+    if name == "hsdp":  # ZeRO-3 over the s = 2 ranks of the second axis, then each
+        # rank's shard (G / s) all-reduced over the r = world / 2 of the first
+        s, r = 2, world // 2
+        return 4 * (s - 1) / s * g + 2 * (r - 1) / r * g / s
     return {"dp": 2 * f * g, "dp2x2": 2 * f * g, "zero3": 4 * f * g}.get(name)
 
 
@@ -159,6 +167,14 @@ def _hand_tp(model, world, mesh=None):
     return model
 
 
+def _hand_hsdp(model, world):
+    """FSDP2's HSDP: ``fully_shard`` on a (world/2, 2) mesh, replicated over the first
+    dimension and sharded over the second."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return _hand_zero3(model, world, init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("rep", "shard")))
+
+
 def _hand_zero3_tp(model, world):
     """FSDP2 over the first axis of a (world/2, 2) mesh, Megatron TP over the second."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -180,6 +196,8 @@ CASES = {"dp": (_hand_dp, dict(pins=DP, batch="local"), "world"),
          # no pipeline, as FSDP2 (on a measured link the planner adds 2 stages)
          "zero3": (_hand_zero3, dict(pins=DP, batch="local", zero_stage=3, pipeline_stages=1), "world"),
          "tp": (_hand_tp, dict(pins=MEGATRON), "none"),
+         "hsdp": (_hand_hsdp, dict(pins=DP2X2, batch="local", mesh=(2, 2), zero_stage=3, zero_axes=(1,),
+                                   pipeline_stages=1), "world"),
          "zero3tp2": (_hand_zero3_tp, dict(pins=ZERO3_TP, batch="local", zero_stage=3, mesh=(2, 2),
                                                       pipeline_stages=1),
                       "first axis")}
