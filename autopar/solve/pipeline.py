@@ -266,6 +266,10 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
         if index < cfg.stages - 1:
             seconds += 2.0 * pipe_link(layers[-1].out_bytes)
     bp, names, extremes = _sync(layers, zp, rc, cfg, mesh) if sync else (None, [], {})
+    if names:
+        # the memory reported: each chosen bucket allocated whole at its first gradient
+        # (``peak`` reads ``arrive`` when called, below)
+        arrive, spike = gradient_arrivals(layers, zp, cfg, mesh, names)
     exposed = bp.exposed if bp is not None else 0.0
     gather_step = sum(z.gather_step for z in zp)
     # the optimizer updates the stage's parameters once per step, after the gradients

@@ -17,15 +17,18 @@ if TYPE_CHECKING:
 
 
 def gradient_arrivals(layers: list[LayerStat], zp: list, cfg: Config,
-                      mesh: MeshSpec) -> tuple[list[float], float]:
+                      mesh: MeshSpec, buckets: list[list[str]] | None = None) -> tuple[list[float], float]:
     """Per layer, the gradient bytes that exist once its backward has run and not
     before: its own gradients (``zp``'s), except that ZeRO-3 shards reduced over other
     axes go in BUCKET_BYTES buckets, back to front, each allocated whole at its first
     gradient, in the last layer holding one (runtime/grad_sync.py makes ``.grad`` views
-    of a bucket).  The plan's own data-parallel buckets do the same, but they are
-    chosen after the split; they are counted per layer, under by at most the bucket
-    being filled.  Also the largest gradient going into a bucket: autograd makes it in
-    a tensor of its own, alive beside the bucket until it is copied in."""
+    of a bucket).  The plan's own data-parallel buckets (``buckets``: parameter names,
+    as :attr:`~autopar.plan.Decisions.grad_buckets`) do the same; they are chosen after
+    the split, so the split search counts those gradients per layer, and the chosen
+    split's price passes its buckets (one bucket for all: every gradient exists from
+    the first, 1.18x the per-layer count measured on 4 ranks).  Also the largest gradient
+    going into a bucket: autograd makes it in a tensor of its own, alive beside the
+    bucket until it is copied in."""
     out = [z.grads for z in zp]
     zax = zero_axes(cfg.zero_axis)
 
@@ -39,7 +42,13 @@ def gradient_arrivals(layers: list[LayerStat], zp: list, cfg: Config,
     shards = [(i, q) for i, q in params if cfg.zero_stage == 3 and on_zero(q.replicated, 3, zax)
               and set(q.replicated) - set(zax)]
     synced = plain + shards
-    for g in fill_buckets(shards, lambda iq: nbytes(iq[1])):
+    groups = fill_buckets(shards, lambda iq: nbytes(iq[1]))
+    if buckets:
+        where = {q.name: (i, q) for i, q in plain if q.name}
+        groups += [[where[n] for n in names if n in where] for names in buckets]
+    for g in groups:
+        if not g:
+            continue
         for i, q in g:
             out[i] -= nbytes(q)
         out[max(i for i, _ in g)] += sum(nbytes(q) for _, q in g)
