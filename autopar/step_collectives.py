@@ -324,13 +324,10 @@ class _Lister:
         by = {t: (b, axes) for t, b, axes in params}
         placed: set[str] = set()
         for i, names in enumerate(self.d.grad_buckets):
-            runs: dict[tuple[int, ...], int] = {}
-            for t in names:
-                if t in by and t not in placed:
-                    placed.add(t)
-                    runs[by[t][1]] = runs.get(by[t][1], 0) + by[t][0]
-            for axes, nbytes in runs.items():
-                self.add("backward", "all_reduce", axes, nbytes, f"gradient bucket {i}")
+            mine = [t for t in dict.fromkeys(names) if t in by and t not in placed]
+            placed.update(mine)
+            for axes, run in runs_by_axes(mine, lambda t: by[t][1]):
+                self.add("backward", "all_reduce", axes, sum(by[t][0] for t in run), f"gradient bucket {i}")
         groups: dict[tuple[int, ...], list[int]] = {}
         for t, b, axes in reversed(params):
             if t not in placed:

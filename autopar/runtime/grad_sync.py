@@ -54,10 +54,11 @@ def fill_buckets(items: Iterable[T], nbytes: Callable[[T], int], cap: int = BUCK
 
 def runs_by_axes(items: Iterable[T], axes_of: Callable[[T], tuple[int, ...]]) -> list[tuple[tuple[int, ...], list[T]]]:
     """``items`` grouped by their (non-empty) ``axes_of``, the groups in order of first
-    appearance and the items in order within each: ZeRO-1/2 reduces a bucket's part over
-    the parameters' other replicated axes with one all-reduce per such group (it issued
-    one per parameter: 69 blocking all-reduces a step for a 4-layer GPT under HSDP);
-    ``runtime/zero.py`` and ``plan.collectives()`` share the rule."""
+    appearance and the items in order within each: a planned bucket mixing axes is split
+    so (:class:`GradSync`), and ZeRO-1/2 reduces a bucket's part over the parameters'
+    other replicated axes with one all-reduce per such group (it issued one per
+    parameter: 69 blocking all-reduces a step for a 4-layer GPT under HSDP); the runtime
+    and ``plan.collectives()`` share the rule."""
     runs: dict[tuple[int, ...], list[T]] = {}
     for it in items:
         axes = axes_of(it)
@@ -175,13 +176,10 @@ class GradSync(OrderedBuckets):
         by_name = {n: (p, axes) for n, p, axes in params if axes}
         placed: set[str] = set()
         for names in planned or []:
-            runs: dict[tuple[int, ...], list[nn.Parameter]] = {}
-            for n in names:
-                if n in by_name and n not in placed:
-                    placed.add(n)
-                    p, axes = by_name[n]
-                    runs.setdefault(axes, []).append(p)
-            self.buckets.extend(Bucket(ps, axes) for axes, ps in runs.items())
+            mine = [n for n in dict.fromkeys(names) if n in by_name and n not in placed]
+            placed.update(mine)
+            self.buckets.extend(Bucket([by_name[n][0] for n in run], axes)
+                                for axes, run in runs_by_axes(mine, lambda n: by_name[n][1]))
         groups: dict[tuple[int, ...], list[nn.Parameter]] = {}
         # reverse forward order: gradients become ready roughly back to front
         for n, p, axes in reversed(params):

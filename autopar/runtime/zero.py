@@ -133,6 +133,9 @@ class _Bucket:
     ready: int = 0
     flat: torch.Tensor | None = None
     work: object = None
+    folded: tuple[int, ...] = ()
+    """Stage 1: the other replicated axes every parameter shares, reduced together with
+    the ZeRO axes in the bucket's one all-reduce (:func:`~autopar.runtime.grad_sync.folded_axes`)."""
 
 
 def shard_name(target: str) -> str:
@@ -244,7 +247,8 @@ class Zero(OrderedBuckets):
         d = current().size_of(self.axes)
         # reverse forward order: gradients become ready roughly back to front; a
         # bucket's bytes are its padded whole gradients (what the reduction moves)
-        self._buckets.extend(_Bucket(b) for b in fill_buckets(
+        self._buckets.extend(_Bucket(b, folded=folded_axes([zp.other_axes for zp in b]) if self.stage == 1 else ())
+                             for b in fill_buckets(
             reversed(self.params), lambda zp: zp.shard.numel() * zp.shard.element_size() * d,
             self.bucket_bytes))
         self._bucket_of = {id(zp.full): b for b in self._buckets for zp in b.params}
@@ -279,9 +283,8 @@ class Zero(OrderedBuckets):
             # every parameter of the bucket replicated on the same other axes (HSDP): one
             # all-reduce over all of them at once, as many bytes on the wire as the
             # ZeRO axes' all-reduce plus the part's over the others, one latency
-            other = folded_axes([zp.other_axes for zp in b.params])
             b.work = issue(dist.all_reduce, b.flat, async_op=True,
-                           group=current().group_of(self.axes + other) if other else g)
+                           group=current().group_of(self.axes + b.folded) if b.folded else g)
         else:
             out = torch.empty(b.flat.numel() // current().size_of(self.axes), dtype=b.flat.dtype,
                               device=b.flat.device)
@@ -298,7 +301,7 @@ class Zero(OrderedBuckets):
         if self.stage == 1:
             part, r = mine.numel() // m.size_of(self.axes), m.coord_of(self.axes)
             mine = mine[r * part:(r + 1) * part]
-        if not (self.stage == 1 and folded_axes([zp.other_axes for zp in b.params])):
+        if not b.folded:
             _reduce_other_axes(mine, b.params)
         off = 0
         for zp in b.params:
