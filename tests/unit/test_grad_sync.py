@@ -57,8 +57,9 @@ def _in_bucket(sync: GradSync, p: nn.Parameter) -> bool:
 def test_each_gradient_lands_in_its_bucket_once(monkeypatch) -> None:
     model, sync, x = _model()
     copies = []
-    real = grad_sync.Bucket.view
-    monkeypatch.setattr(grad_sync.Bucket, "view", lambda b, i: copies.append(i) or real(b, i))
+    real = grad_sync.GradSync._fill
+    monkeypatch.setattr(grad_sync.GradSync, "_fill",
+                        staticmethod(lambda b, i, p: copies.append(i) or real(b, i, p)))
     model(x).square().sum().backward()
     # one slot per parameter per backward (the launch visited every one again before)
     assert len(copies) == 4
