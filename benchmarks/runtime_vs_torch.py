@@ -1,11 +1,13 @@
 """autopar's generated module against what a user would write by hand, side by side.
 
-    python benchmarks/runtime_vs_torch.py [--steps 10] [--cases dp,zero3,tp] [--world 4]
+    python benchmarks/runtime_vs_torch.py [--steps 20] [--cases dp,zero3,tp] [--world 4]
 
 On ``--world`` gloo ranks of this machine (one thread each), examples/gpt.py (4 layers,
 dim 192, fp32) trains with AdamW; each case builds the hand-written module and
-autopar's from the same weights and runs their steps interleaved (A B A B ...), each
-step timed as the slowest rank's (barrier before, MAX all-reduce of the time after).
+autopar's from the same weights and runs their steps interleaved, the order turned
+every step (A B B A A B ...: neither side always runs first, right after the other's
+collectives), each step timed as the slowest rank's (barrier before, MAX all-reduce of
+the time after).
 Both sides use the same AdamW: ``--optimizer foreach`` (default), ``fused`` or ``loop``
 (the CPU default, where DTensor parameters pay a dispatch per op per parameter), except
 the tensor-parallel cases, whose hand-written side mixes DTensor and plain parameters
@@ -268,9 +270,11 @@ def _case(name: str, rank: int, world: int, steps: int, optim: str, measured=Non
         step_a()
         step_b()
     ta, tb = [], []
-    for _ in range(steps):
-        ta.append(_timed(step_a))
-        tb.append(_timed(step_b))
+    for i in range(steps):
+        # the order turns every step: a fixed A B put every A right after B's loss
+        # all-reduce (gloo's threads still busy) and gave A the first slot after warm-up
+        for run, out in ((step_a, ta), (step_b, tb))[::1 if i % 2 == 0 else -1]:
+            out.append(_timed(run))
     ca, cb = _collectives(step_a), _collectives(step_b)
     sa, sb = _sent(step_a), _sent(step_b)
     return {"case": name, "autopar_ms": statistics.median(ta) * 1e3,
@@ -304,7 +308,8 @@ def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
 def main(argv: list[str] | None = None) -> list[dict]:
     """Run the cases and print the table."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=10)
+    # 20: with 10, data parallel measured 1.02-1.11x DDP across runs of one hour here
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--cases", default="dp,zero3,tp")
     ap.add_argument("--optimizer", dest="optim", choices=("foreach", "fused", "loop"), default="foreach",
