@@ -99,9 +99,6 @@ class Bucket:
 
     views: list[torch.Tensor] = field(default_factory=list)
     """Each parameter's slot in ``flat``, shaped like it (made with ``flat``)."""
-    viewable: list[bool] = field(default_factory=list)
-    """Whether parameter ``i`` is contiguous: only then may its ``.grad`` (of the
-    bucket's type) become its view."""
 
     def __post_init__(self) -> None:
         """Lay the gradients out back to back, in ``params`` order."""
@@ -110,15 +107,25 @@ class Bucket:
             self.offsets.append(off)
             off += p.numel()
         self.dtype = functools.reduce(torch.promote_types, (p.dtype for p in self.params))
-        self.viewable = [p.is_contiguous() for p in self.params]
 
     def allocate(self, device: torch.device) -> None:
-        """Make ``flat`` and every parameter's view of it, at once: one split per bucket
-        per step instead of a narrow and a view per gradient in the hooks."""
+        """Make ``flat`` and every parameter's view of it, at once (not a method call
+        per gradient in the hooks)."""
         self.flat = torch.empty(self.offsets[-1] + self.params[-1].numel(), dtype=self.dtype,
                                 device=device)
-        sizes = [p.numel() for p in self.params]
-        self.views = [t.view(p.shape) for t, p in zip(self.flat.split(sizes), self.params)]
+        self.views = [self.renew(i) for i in range(len(self.params))]
+
+    def renew(self, i: int) -> torch.Tensor:
+        """Parameter ``i``'s slot in ``flat`` as a new view, kept in :attr:`views`.  A
+        backward that builds its graph (``create_graph=True``, grad mode on) copies
+        gradients that require grad into the slots, which makes ``flat`` a non-leaf:
+        a view taken before that refuses the next in-place copy, so such a backward
+        takes each slot's view anew, as it is filled."""
+        p = self.params[i]
+        v = self.flat.narrow(0, self.offsets[i], p.numel()).view(p.shape)
+        if i < len(self.views):
+            self.views[i] = v
+        return v
 
     def view(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s gradient slot in ``flat``, shaped like the parameter."""
@@ -226,7 +233,8 @@ class GradSync(OrderedBuckets):
         then lands in it)."""
         if b.flat is None:
             b.allocate(p.device)
-        view = b.views[i]
+        # the engine runs a backward in grad mode only when it builds its graph
+        view = b.renew(i) if torch.is_grad_enabled() else b.views[i]
         g = p.grad
         if g is view:  # accumulated in place into its slot
             return
@@ -234,7 +242,7 @@ class GradSync(OrderedBuckets):
             view.zero_()
         elif g.data_ptr() != view.data_ptr() or g.dtype != view.dtype:
             view.copy_(g)
-            if b.viewable[i] and g.dtype == view.dtype and g.layout == torch.strided:
+            if g.dtype == view.dtype and g.layout == torch.strided and p.is_contiguous():
                 p.grad = view
                 b.own.discard(i)
             else:

@@ -89,3 +89,14 @@ def test_accumulation_and_flush_reduce_every_gradient() -> None:
     for n, p in model.named_parameters():
         assert torch.equal(p.grad, _reference(x)[n]), n
         assert _in_bucket(sync, p), n
+
+
+def test_a_backward_that_builds_its_graph_keeps_its_gradients() -> None:
+    # backward(create_graph=True) (a gradient penalty) runs the hooks in grad mode with
+    # gradients that require grad: the slots must take an in-place copy of them (views
+    # made by split refuse one, "a view ... is being modified inplace")
+    model, sync, x = _model()
+    model(x).square().sum().backward(create_graph=True)
+    want = _reference(x)
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad.detach(), want[n], rtol=1e-6, atol=0), n
