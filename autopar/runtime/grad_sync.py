@@ -113,7 +113,11 @@ class Bucket:
         per gradient in the hooks)."""
         self.flat = torch.empty(self.offsets[-1] + self.params[-1].numel(), dtype=self.dtype,
                                 device=device)
-        self.views = [self.renew(i) for i in range(len(self.params))]
+        self.views = [self._narrow(i) for i in range(len(self.params))]
+
+    def _narrow(self, i: int) -> torch.Tensor:
+        p = self.params[i]
+        return self.flat.narrow(0, self.offsets[i], p.numel()).view(p.shape)
 
     def renew(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s slot in ``flat`` as a new view, kept in :attr:`views`.  A
@@ -121,10 +125,7 @@ class Bucket:
         gradients that require grad into the slots, which makes ``flat`` a non-leaf:
         a view taken before that refuses the next in-place copy, so such a backward
         takes each slot's view anew, as it is filled."""
-        p = self.params[i]
-        v = self.flat.narrow(0, self.offsets[i], p.numel()).view(p.shape)
-        if i < len(self.views):
-            self.views[i] = v
+        self.views[i] = v = self._narrow(i)
         return v
 
     def view(self, i: int) -> torch.Tensor:
