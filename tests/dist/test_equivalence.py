@@ -11,8 +11,13 @@ AdamW steps (lr 1e-3) each update is lr * m/sqrt(v), bounded by lr; reordered su
 perturb m/sqrt(v) most where v is tiny: HF GPT-2 on four ranks has elements whose
 gradient is ~1e-8, where a 2e-8 reordering difference moved the parameter by 2.35e-5 on
 an Intel Xeon host (an earlier CI run of the same code passed 2e-5 on another host: the
-CPU's kernels sum in another order).  We allow 5e-5 (5% of one step); a wrong shard, a lost
-step or a missing average is off by ~lr = 1e-3, twenty times more.
+CPU's kernels sum in another order).  Micro-batching reorders more: the 6-layer GPT of
+the pp4-interleaved2 case, stepped in one process on its 8 micro-batches instead of the
+whole batch, ends 4.76e-5 from the whole-batch run on one element of ``head.weight`` (1
+of 16,384 over 1e-5) on an Intel Xeon with AVX-512, and the 4-rank pipeline 5.18e-5.  We
+allow 1e-4 (10% of one step); a wrong shard or a lost step is off by ~lr = 1e-3, ten times
+more (Adam is blind to a gradient's scale: the gradient and SGD checks catch a missing
+average).
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ MEGATRON = {
 }
 MODELS = ["mlp", "gpt", "cnn", "hf_gpt2"]
 SMALL = {"gpt": {"layers": 2}}
+ADAM_TOL = 1e-4
+"""Largest parameter difference after the AdamW steps (module docstring)."""
 
 
 def pins_for(model: str, mode: str, mesh: tuple[int, ...]) -> dict:
@@ -92,7 +99,7 @@ def check(res: dict) -> None:
     tol = 2e-5 + 1e-4 * res["grad_scale"]
     assert res["grad_err"] <= tol, f"gradient of {res['grad_worst']} off by {res['grad_err']}"
     assert res["sgd_err"] <= tol, f"{res['sgd_worst']} after SGD off by {res['sgd_err']}"
-    assert res["adam_err"] <= 5e-5, f"{res['adam_worst']} after AdamW off by {res['adam_err']}"
+    assert res["adam_err"] <= ADAM_TOL, f"{res['adam_worst']} after AdamW off by {res['adam_err']}"
     assert res["state_keys_match"]
 
 
