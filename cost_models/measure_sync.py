@@ -192,9 +192,11 @@ def sync_penalty(group: Any, device: Any, dtype: Any, mm_n: int, repeats: int, s
     matmuls; ``T``, the same chunks, each followed by a blocking all-reduce, as a
     tensor-parallel layer runs.  A round's penalty is ``T / chain - straggle x C / chain
     - A``: ``T`` and ``A`` on the slowest rank (every rank waits for it), ``C`` the
-    ranks' mean times ``straggle`` (``MeshSpec.straggler``), as the cost model prices
-    the compute: what the chain costs beyond what its parts are priced.  The median over
-    rounds, at least 0.
+    ranks' mean.  The median over rounds, at least 0.  :func:`~autopar.cost_models.
+    calibrate.measure_cluster` keeps ``straggle`` at 1, the drift beyond the mean
+    compute: subtracting ``MeshSpec.straggler``'s share instead (so that the two would
+    not price one wait twice) subtracted its noise too, as large as the drift on 4 gloo
+    ranks of 2 cores, and left the penalty at 0 in 5 of 8 calibrations there.
 
     Where ranks share cores they drift apart while they compute, and each collective
     waits for the last: 4 gloo ranks on 2 cores paid 3-6 ms per collective beyond its

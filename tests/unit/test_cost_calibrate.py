@@ -4,6 +4,7 @@ collective kind, and a JSON record of what was measured that loads as a MeshSpec
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -40,6 +41,17 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         record = measure_cluster(sizes=(2**10, 2**16), repeats=2, base=base, shape=(2, 1))
         Path(out_dir, f"record{rank}.json").write_text(record.to_json())
         Path(out_dir, f"table{rank}.txt").write_text(record.table())
+        # a straggler estimate far too high: the drift is still measured beyond the
+        # chain's own (mean) compute, never beyond more compute than the chain ran
+        # the module (the package's ``calibrate`` is the function of that name)
+        cal = importlib.import_module("autopar.cost_models.calibrate")
+        measured = cal.straggler
+        cal.straggler = lambda *a, **k: {"straggler": 4.0, "window": 0.05}
+        try:
+            lagged = measure_cluster(sizes=(2**10, 2**16), repeats=2, kinds=())
+        finally:
+            cal.straggler = measured
+        Path(out_dir, f"lagged{rank}.json").write_text(lagged.to_json())
     finally:
         dist.destroy_process_group()
 
@@ -86,6 +98,14 @@ def test_calibrate_two_ranks_agree(tmp_path: Path) -> None:
     assert r["all"] > 0 and r["half"] > 0
     assert r["idle_reuse"] == pytest.approx(min(0.95, max(0.0, 2 * (1 - r["all"] / r["half"]))))
     assert spec.idle_reuse == r["idle_reuse"]
+
+    # the drift is what a chained round took beyond its compute (the ranks' mean) and the
+    # lone all-reduce: with the straggler's share subtracted instead, a straggler of 4
+    # took away four times the chain's compute (chunk > chained) and the drift came out 0
+    lagged = json.loads((tmp_path / "lagged0.json").read_text())
+    assert lagged["straggler"] == 4.0
+    drift = lagged["calibration"]["compute"]["sync"]
+    assert 0 < drift["chunk"] <= drift["chained"], drift
 
 
 def test_calibrate_needs_process_group() -> None:
