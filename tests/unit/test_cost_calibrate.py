@@ -37,21 +37,19 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         based = calibrate(sizes=(2**10, 2**18), repeats=2, base=base)
         Path(out_dir, f"rank{rank}.json").write_text(mesh.to_json())
         Path(out_dir, f"based{rank}.json").write_text(based.to_json())
-        # a 2x1 mesh: axis 0 measured over its own groups, axis 1 (one rank) keeps base's link
-        record = measure_cluster(sizes=(2**10, 2**16), repeats=2, base=base, shape=(2, 1))
-        Path(out_dir, f"record{rank}.json").write_text(record.to_json())
-        Path(out_dir, f"table{rank}.txt").write_text(record.table())
-        # a straggler estimate far too high: the drift is still measured beyond the
-        # chain's own (mean) compute, never beyond more compute than the chain ran
-        # the module (the package's ``calibrate`` is the function of that name)
+        # a 2x1 mesh: axis 0 measured over its own groups, axis 1 (one rank) keeps base's
+        # link; with a straggler estimate far too high (4), whose drift must still be
+        # measured beyond the chain's own (mean) compute, never beyond more compute than
+        # the chain ran (the module patched: the package's ``calibrate`` is the function)
         cal = importlib.import_module("autopar.cost_models.calibrate")
         measured = cal.straggler
         cal.straggler = lambda *a, **k: {"straggler": 4.0, "window": 0.05}
         try:
-            lagged = measure_cluster(sizes=(2**10, 2**16), repeats=2, kinds=())
+            record = measure_cluster(sizes=(2**10, 2**16), repeats=2, base=base, shape=(2, 1))
         finally:
             cal.straggler = measured
-        Path(out_dir, f"lagged{rank}.json").write_text(lagged.to_json())
+        Path(out_dir, f"record{rank}.json").write_text(record.to_json())
+        Path(out_dir, f"table{rank}.txt").write_text(record.table())
     finally:
         dist.destroy_process_group()
 
@@ -102,7 +100,7 @@ def test_calibrate_two_ranks_agree(tmp_path: Path) -> None:
     # the drift is what a chained round took beyond its compute (the ranks' mean) and the
     # lone all-reduce: with the straggler's share subtracted instead, a straggler of 4
     # took away four times the chain's compute (chunk > chained) and the drift came out 0
-    lagged = json.loads((tmp_path / "lagged0.json").read_text())
+    lagged = json.loads(records[0])
     assert lagged["straggler"] == 4.0
     drift = lagged["calibration"]["compute"]["sync"]
     assert 0 < drift["chunk"] <= drift["chained"], drift
