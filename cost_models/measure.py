@@ -328,7 +328,8 @@ def optimizer_rates(group: Any, device: Any, elements: int, min_seconds: float,
                     sync: Sync, width: int = 128, tokens: int = 512, dtype: Any = None,
                     small: int = 64) -> dict[str, float]:
     """A foreach AdamW step in :func:`~autopar.cost_models.compute.optimizer_step_time`'s
-    terms, each step timed after a forward and backward of :func:`matmul_block` (not
+    terms over replicated DTensor parameters (what a ParallelModule's optimizer steps),
+    each step timed after a forward and backward of :func:`matmul_block` (not
     timed), as it runs after a training step's: ``bandwidth``, bytes/s of ``elements``
     fp32 parameters in 8 tensors (it reads the parameters, gradients and two states and
     writes parameters and states, ``3 P + 2 S`` with ``P = 4`` and ``S = 8`` bytes per
@@ -342,6 +343,8 @@ def optimizer_rates(group: Any, device: Any, elements: int, min_seconds: float,
     tensors timed back to back, whose caches a training step's activations flush."""
     import torch
     import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate
 
     blk = matmul_block(width).to(device=device, dtype=dtype or torch.float32)
     x = torch.randn(tokens, width, device=device, dtype=dtype or torch.float32, requires_grad=True)
@@ -350,10 +353,21 @@ def optimizer_rates(group: Any, device: Any, elements: int, min_seconds: float,
     def train() -> None:
         blk(x).backward(seed)
 
+    mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD,
+                                 torch.device(device).type)
+
+    def held(size: int) -> Any:
+        # what a ParallelModule's optimizer steps: a DTensor (replicated on the group's
+        # mesh), whose dispatch costs each tensor 50-75 us a step beyond a plain one's on
+        # 4 gloo ranks of 2 cores (3.6-5.2 ms for the 4-layer GPT's 69 tensors); ZeRO
+        # shrinks the bytes, not that
+        return DTensor.from_local(torch.randn(size, device=device), mesh, (Replicate(),),
+                                  run_check=False)
+
     def adamw(n: int, size: int) -> tuple[Callable[[], Any], int]:
-        params = [torch.nn.Parameter(torch.randn(size, device=device)) for _ in range(n)]
+        params = [torch.nn.Parameter(held(size)) for _ in range(n)]
         for q in params:
-            q.grad = torch.randn_like(q)
+            q.grad = held(size)
         opt = torch.optim.AdamW(params, lr=1e-3, foreach=True)
 
         def step() -> None:
