@@ -183,20 +183,19 @@ def straggler(group: Any, device: Any, dtype: Any, d: int, tokens: int, repeats:
 
 def sync_penalty(group: Any, device: Any, dtype: Any, mm_n: int, repeats: int, sync: Sync,
                  job: Any = None, chunk_seconds: float = 0.01, chain: int = 8,
-                 nbytes: int = 4096, straggle: float = 1.0) -> dict[str, float]:
+                 nbytes: int = 4096) -> dict[str, float]:
     """``MeshSpec.sync_seconds``: what a blocking collective issued between compute costs
     beyond its price after a barrier.
 
     Side by side in each round: ``A``, one ``nbytes`` all-reduce after a barrier (what
     the collective curves measure); ``C``, ``chain`` chunks of about ``chunk_seconds`` of
     matmuls; ``T``, the same chunks, each followed by a blocking all-reduce, as a
-    tensor-parallel layer runs.  A round's penalty is ``T / chain - straggle x C / chain
-    - A``: ``T`` and ``A`` on the slowest rank (every rank waits for it), ``C`` the
-    ranks' mean.  The median over rounds, at least 0.  :func:`~autopar.cost_models.
-    calibrate.measure_cluster` keeps ``straggle`` at 1, the drift beyond the mean
-    compute: subtracting ``MeshSpec.straggler``'s share instead (so that the two would
-    not price one wait twice) subtracted its noise too, as large as the drift on 4 gloo
-    ranks of 2 cores, and left the penalty at 0 in 5 of 8 calibrations there.
+    tensor-parallel layer runs.  A round's penalty is ``T / chain - C / chain - A``:
+    ``T`` and ``A`` on the slowest rank (every rank waits for it), ``C`` the ranks'
+    mean, so the drift beyond the mean compute.  The median over rounds, at least 0.
+    It subtracted ``MeshSpec.straggler`` x ``C`` for a while (so that the two would not
+    price one wait twice), and with it the straggler's noise, as large as the drift on
+    4 gloo ranks of 2 cores: the penalty came out 0 in 5 of 8 calibrations there.
 
     Where ranks share cores they drift apart while they compute, and each collective
     waits for the last: 4 gloo ranks on 2 cores paid 3-6 ms per collective beyond its
@@ -241,7 +240,7 @@ def sync_penalty(group: Any, device: Any, dtype: Any, mm_n: int, repeats: int, s
     # over the whole job (default the world), as the MAX above: ``group`` may be one of
     # several axis groups, and every rank must derive the same penalty
     mean_c = mean_over_ranks(c_t, job, device)
-    return sync_estimate(worst[:n], [straggle * c for c in mean_c], worst[n:], chain)
+    return sync_estimate(worst[:n], mean_c, worst[n:], chain)
 
 
 def sync_estimate(alone: Sequence[float], compute: Sequence[float], chained: Sequence[float],
