@@ -317,12 +317,8 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
     lag = straggler(group, device, dtype, mm_sizes[len(mm_sizes) // 2], 4096 if cuda else 512,
                     3 * repeats, sync) if world > 1 else {"straggler": 1.0}
     # three times the repetitions too, for the overlap's reason: at 5 the drift came out
-    # 2.0-4.4 ms in three calibrations of the same host.  It is the drift beyond the
-    # ranks' mean compute, not beyond the straggler's share of it (sync_penalty): that
-    # share carries the straggler's noise (1.08-1.25 in eight calibrations a minute
-    # apart) times a 19 ms chunk, as large as the drift, and left sync_seconds at 0 in 5
-    # of 8; at 0, a calibration of stop 33 planned a Megatron-pinned GPT as FSDP4, 1.3x
-    # slower than TP4
+    # 2.0-4.4 ms in three calibrations of the same host.  The drift beyond the ranks'
+    # mean compute, not beyond the straggler's share of it (sync_penalty says why)
     sync_extra = sync_penalty(groups[widest], device, dtype, mm_sizes[len(mm_sizes) // 2], 3 * repeats,
                               sync, job=group, chain=4) \
         if dims[widest] > 1 else {"sync_seconds": 0.0}

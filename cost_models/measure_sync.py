@@ -194,8 +194,10 @@ def sync_penalty(group: Any, device: Any, dtype: Any, mm_n: int, repeats: int, s
     ``T`` and ``A`` on the slowest rank (every rank waits for it), ``C`` the ranks'
     mean, so the drift beyond the mean compute.  The median over rounds, at least 0.
     It subtracted ``MeshSpec.straggler`` x ``C`` for a while (so that the two would not
-    price one wait twice), and with it the straggler's noise, as large as the drift on
-    4 gloo ranks of 2 cores: the penalty came out 0 in 5 of 8 calibrations there.
+    price one wait twice), and with it the straggler's noise (1.08-1.25 in eight
+    calibrations a minute apart on 4 gloo ranks of 2 cores) times a 19 ms chunk, as
+    large as the drift: the penalty came out 0 in 5 of the 8, and at 0 a calibration
+    had planned a Megatron-pinned GPT as FSDP4, 1.3x slower than TP4.
 
     Where ranks share cores they drift apart while they compute, and each collective
     waits for the last: 4 gloo ranks on 2 cores paid 3-6 ms per collective beyond its
