@@ -376,10 +376,17 @@ def optimizer_rates(group: Any, device: Any, elements: int, min_seconds: float,
         return step, n * size
 
     dist.barrier(group=group)
-    big, n_big = adamw(8, elements // 8)
-    t_big = _step_seconds(big, train, min_seconds, sync)
-    few, n_few = adamw(small, 1024)
-    t_few = _step_seconds(few, train, min_seconds, sync)
+    try:
+        big, n_big = adamw(8, elements // 8)
+        t_big = _step_seconds(big, train, min_seconds, sync)
+        few, n_few = adamw(small, 1024)
+        t_few = _step_seconds(few, train, min_seconds, sync)
+    finally:
+        # DTensor's sharding caches keep this mesh alive past the calibration, and with
+        # it the group: a script that then calls destroy_process_group() and exits
+        # aborted at exit now and then ("terminate called without an active exception",
+        # autopar/runtime/mesh.py release_groups says why).  Nothing uses the mesh again.
+        mesh._pg_registry.clear()
     # the slowest rank's (a MAX of negated rates: the smallest bandwidth)
     bw_neg, t_few = max_over_ranks([-28.0 * n_big / t_big, t_few], group, device)
     bandwidth = -bw_neg

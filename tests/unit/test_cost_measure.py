@@ -285,3 +285,21 @@ def test_straggler_of_one_rank_is_one() -> None:
                             window=0.002)
     assert est["straggler"] == 1.0
     assert 0 < est["window"] < 0.05
+
+
+def test_optimizer_rates_leave_no_mesh_holding_a_group() -> None:
+    # the DeviceMesh it steps DTensors on outlived the calibration in DTensor's caches,
+    # holding the group; a script that destroyed the group and exited then aborted now
+    # and then in gloo's worker threads (CI's docs/tutorial.md block, stop 34)
+    import gc
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    gc.collect()
+    before = {id(o) for o in gc.get_objects() if isinstance(o, DeviceMesh)}
+    measure.optimizer_rates(None, torch.device("cpu"), 2**10, 0.0, lambda: None,
+                            width=8, tokens=4, small=2)
+    gc.collect()
+    held = [o for o in gc.get_objects()
+            if isinstance(o, DeviceMesh) and id(o) not in before and o._pg_registry]
+    assert held == []
