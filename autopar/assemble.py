@@ -81,7 +81,7 @@ def assemble(gm: fx.GraphModule, mesh: MeshSpec, pb: Problem, choice: dict[fx.No
                     sec = cm.redistribution(src, dst, info(u).out, dual(u, n))
                     edge_comm += sec
                     reds.append(Redistribution(u.name, fmt_placements(src), fmt_placements(dst),
-                                               [str(st) for st in plan_redistribution(src, dst)], sec))
+                                               [str(st) for st in plan_redistribution(src, dst, cm.mesh.shape)], sec))
         # every strategy's price with the neighbours' choices fixed (its own cost plus its
         # edges'), as one vector; the chosen one's is ``local``, the best five others
         # are the alternatives (only they are formatted: the rest is most of the work)

@@ -79,14 +79,23 @@ def placement_codes(placements: Placements) -> tuple[int, ...]:
     return tuple(_code(p) for p in placements)
 
 
-def plan_redistribution(src: Placements, dst: Placements) -> list[Step]:
-    """Steps turning ``src`` into ``dst`` (same number of mesh axes).
+def plan_redistribution(src: Placements, dst: Placements,
+                        mesh_shape: Sequence[int] | None = None) -> list[Step]:
+    """Steps turning ``src`` into ``dst`` (same number of mesh axes).  ``mesh_shape``:
+    leave out the steps on axes of one rank, which change nothing (a shard of one piece
+    is the whole, a sum over one rank its value) but would still issue a collective on a
+    1-rank group (an input pinned ``S(0)S(0)`` on a 4x1 mesh was all-gathered over the
+    second axis twice a step); the prices leave them out already (a 1-rank collective
+    is priced 0).
 
     Raises :class:`RedistributionError` for Shard -> Partial, which no plan needs.
     """
     if src == dst:
         return []
-    return plan_codes(placement_codes(src), placement_codes(dst), (src, dst))
+    steps = plan_codes(placement_codes(src), placement_codes(dst), (src, dst))
+    if mesh_shape is not None:
+        steps = [s for s in steps if mesh_shape[s.axis] > 1]
+    return steps
 
 
 def plan_codes(s_: Sequence[int], d_: Sequence[int], names: tuple | None = None) -> list[Step]:
@@ -180,12 +189,14 @@ def step_shapes(steps: Sequence[Step], local: Sequence[int], mesh_shape: Sequenc
     return shapes
 
 
-def sum_axes(src: Placements, dst: Placements) -> tuple[int, ...] | None:
+def sum_axes(src: Placements, dst: Placements,
+             mesh_shape: Sequence[int] | None = None) -> tuple[int, ...] | None:
     """The axes ``src -> dst`` all-reduces over when that is all it does (``()`` when it
     does nothing), None when it takes any other step.  A scalar output reached this way
     is left in flight by the lowering (``passes/lower.py``, ``runtime/pending.py``) and
-    priced off the step by the cost model: both ask here, so they agree."""
-    steps = plan_redistribution(src, dst)
+    priced off the step by the cost model: both ask here, so they agree.
+    ``mesh_shape``: axes of one rank left out (:func:`plan_redistribution`)."""
+    steps = plan_redistribution(src, dst, mesh_shape)
     if any(s.kind is not StepKind.ALL_REDUCE for s in steps):
         return None
     return tuple(s.axis for s in steps)

@@ -153,7 +153,7 @@ class _Lister:
 
     def _redistribute(self, name: str, src: str, dst: str, what: str, grad: bool) -> None:
         s, t = parse_placements(src), parse_placements(dst)
-        steps = plan_redistribution(s, t)
+        steps = plan_redistribution(s, t, self.mesh)
         shape = self.plan.nodes[name].shape[0]
         shapes = step_shapes(steps, local_shape(shape, s, self.mesh), self.mesh)
         item = self._itemsize(name)
@@ -212,8 +212,8 @@ class _Lister:
             if rows is not None and len(outs) == 1 and outs[0].shape and outs[0].shape[0] == rows:
                 dst = tuple(Shard(0) if i in self.d.local_axes else R for i in range(len(rep)))
             src = parse_placements(self.plan.nodes[a.name].out_placements[0])
-            if len(outs) == 1 and not outs[0].shape and sum_axes(src, dst):
-                axes = sum_axes(src, dst)
+            axes = sum_axes(src, dst, self.mesh) if len(outs) == 1 and not outs[0].shape else None
+            if axes:
                 self.add("forward", "all_reduce", axes, self._itemsize(a.name), f"output {a.name}",
                          self.d.micro_batches)
                 continue

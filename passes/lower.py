@@ -47,11 +47,13 @@ _EMIT = {
 }
 
 
-def emit_redistribution(graph: fx.Graph, x: fx.Node, src: Placements, dst: Placements) -> fx.Node:
-    """Insert the steps turning ``x`` from ``src`` into ``dst`` at the graph's current
-    insertion point and return the final node."""
+def emit_redistribution(graph: fx.Graph, x: fx.Node, src: Placements, dst: Placements,
+                        mesh_shape: tuple[int, ...]) -> fx.Node:
+    """Insert the steps turning ``x`` from ``src`` into ``dst`` on a mesh of
+    ``mesh_shape`` (none on an axis of one rank) at the graph's current insertion point
+    and return the final node."""
     ann = x.meta.get(META_KEY)
-    for step in plan_redistribution(src, dst):
+    for step in plan_redistribution(src, dst, mesh_shape):
         fn, args = _EMIT[step.kind](x, step)
         x = graph.call_function(fn, args)
         _same_global(x, ann)
@@ -67,12 +69,12 @@ def _same_global(node: fx.Node, ann) -> None:
 
 
 def _scalar_output(g: fx.Graph, x: fx.Node, src: Placements, dst: Placements,
-                   seed_scale: float) -> fx.Node | None:
+                   seed_scale: float, mesh_shape: tuple[int, ...]) -> fx.Node | None:
     """A scalar output (the loss) that is only summed over some axes: scale its seed,
     then start the sum and leave it in flight (:func:`~autopar.runtime.pending.pending_sum`:
     no wait in the forward, no communication in the backward).  None when reaching
     ``dst`` takes more than all-reduces."""
-    axes = sum_axes(src, dst)
+    axes = sum_axes(src, dst, mesh_shape)
     if not axes:
         return None
     y = g.call_function(C.scale_grad, (x, seed_scale))
@@ -89,7 +91,8 @@ def out_placement(plan: Plan, node: fx.Node) -> Placements:
 def lower(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Apply the plan to ``gm`` in place (see the module docstring) and return it."""
     g = gm.graph
-    replicated = (R,) * len(plan.mesh.shape)
+    shape = tuple(plan.mesh.shape)
+    replicated = (R,) * len(shape)
     d = plan.decisions
     # batch="local": batch-shaped outputs go back as this rank's rows (read before the
     # placeholders are sliced)
@@ -105,7 +108,7 @@ def lower(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         elif node.op == "placeholder" and node.name in plan.nodes:
             dst = out_placement(plan, node)
             last = node
-            for step in plan_redistribution(replicated, dst):
+            for step in plan_redistribution(replicated, dst, shape):
                 fn, args = _EMIT[step.kind](last, step)
                 with g.inserting_after(last):
                     last = g.call_function(fn, args)
@@ -128,7 +131,7 @@ def lower(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
                 key = (u, dst)
                 if key not in cache:
                     with g.inserting_before(v):
-                        cache[key] = emit_redistribution(g, feed, src, dst)
+                        cache[key] = emit_redistribution(g, feed, src, dst, shape)
                 feed = cache[key]
             if feed is not u:
                 v.replace_input_with(u, feed)
@@ -150,9 +153,9 @@ def lower(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             with g.inserting_before(out):
                 y = None
                 if len(outs) == 1 and not outs[0].shape:  # a scalar (the loss)
-                    y = _scalar_output(g, a, src, dst, 1.0 / plan.mesh.size)
+                    y = _scalar_output(g, a, src, dst, 1.0 / plan.mesh.size, shape)
                 if y is None:
-                    y = emit_redistribution(g, a, src, dst)
+                    y = emit_redistribution(g, a, src, dst, shape)
                     y = g.call_function(C.scale_grad, (y, 1.0 / plan.mesh.size))
             new_args.append(y)
         else:

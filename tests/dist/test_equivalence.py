@@ -75,7 +75,11 @@ FOUR = cases((2, 2))
 # the 1-D four-rank mesh and D-Rec on 2x2 repeat what the 2x2 and two-rank cases cover by
 # kind; they run in the slow CI step (one more process group, ~50 s on 2 cores)
 FOUR_SLOW = cases((4,)) + drec_cases((2, 2))
-TWO = cases((2,)) + drec_cases((2,))
+# a mesh axis of one rank: the batch pinned over both axes of 2x1 (the second changes
+# nothing, and issued a 1-rank all-gather of the inputs before it was left out)
+TWO = cases((2,)) + drec_cases((2,)) + [
+    Case(id="gpt-dp-2x1", model="gpt", mesh=(2, 1), pins=pins_for("gpt", "dp", (2, 1)),
+         build_kwargs=SMALL["gpt"])]
 
 
 @pytest.fixture(scope="module")

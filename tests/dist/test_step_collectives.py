@@ -29,6 +29,8 @@ ONE = {"pipeline_stages": 1}
 
 CASES = [
     {"id": "dp4", "mesh": (4,), "pins": DP, "options": {**ONE, "batch": "local"}},
+    # a mesh axis of one rank, the batch pinned over it too: nothing to run on it
+    {"id": "dp4-x-1", "mesh": (4, 1), "pins": DP2X2, "options": {**ONE, "batch": "local"}},
     {"id": "dp4-global", "mesh": (4,), "pins": DP, "options": ONE},
     {"id": "tp4", "mesh": (4,), "pins": TP, "options": ONE},
     {"id": "planner-2x2", "mesh": (2, 2), "pins": {}, "options": ONE},
@@ -106,7 +108,7 @@ def step_case(c: dict) -> dict:
     pm = auto_parallel(model, example_inputs=ex, mesh=MeshSpec.preset("cpu-gloo", shape=tuple(c["mesh"])),
                        pins=pins, **c["options"])
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
-    if c["options"].get("batch") == "local":  # (used on a 1-D data-parallel mesh only)
+    if c["options"].get("batch") == "local":  # (a data-parallel mesh over every rank only)
         n, idx = torch.distributed.get_world_size(), torch.distributed.get_rank()
         rows = ex[0].shape[0] // n
         ex = tuple(t[idx * rows:(idx + 1) * rows] for t in ex)
@@ -177,6 +179,8 @@ def _same(r: dict) -> None:
     assert "error" not in r, r.get("error")
     for rank in r["ranks"]:
         assert rank["ran"], f"rank {rank['rank']} issued no collective: nothing was compared"
+        # a collective over one rank changes nothing and still costs a call
+        assert all(group > 1 for _, group, _, _ in rank["ran"]), rank["ran"]
         assert rank["planned"] == rank["ran"], f"rank {rank['rank']}:\n" + "\n".join(rank["listed"])
 
 
