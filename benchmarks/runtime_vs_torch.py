@@ -247,7 +247,7 @@ def _case(name: str, rank: int, world: int, steps: int, optim: str, measured=Non
         loss = pm(xs, ys)
         loss.backward()
         oa.step()
-        losses["autopar"].append(float(loss))
+        losses["autopar"].append(loss.detach().item())  # float(loss) warns each step
 
     def step_b():
         ob.zero_grad()
