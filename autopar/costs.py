@@ -142,7 +142,7 @@ class CostModel(EdgePrices):
         left in flight, waited for only when the value is read, after the step's work
         (:mod:`autopar.runtime.pending`), so nothing of it is on the step's path.
         ``dual=False``: an output the step does not differentiate, forward only."""
-        if not t.shape and sum_axes(src, dst) is not None:
+        if not t.shape and sum_axes(src, dst, self.mesh.shape) is not None:
             return 0.0
         return self.redistribution(src, dst, t, dual)
 
