@@ -12,7 +12,7 @@ pin against recorded rounds.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .measure import (
@@ -29,6 +29,18 @@ from .measure import (
 
 __all__ = ["idle_reuse", "overlap_estimate", "overlap_fraction", "straggler", "sync_estimate",
            "sync_penalty"]
+
+
+def call_seconds(fn: Callable[[], Any], calls: int, repeats: int, sync: Sync) -> float:
+    """One call of ``fn``, to size a loop of them: the fastest of ``max(repeats, 5)``
+    samples of ``calls`` calls in a row (one call alone times the timer and a cold
+    start), over ``calls``.  The fastest, not the median: on a loaded host the scheduler
+    preempts a sample now and then for milliseconds, and a loop sized from the median
+    of such samples came out a few calls long (the drift's 2 ms chunk of 64x64 matmuls
+    ran 10 us with three more busy processes on 2 cores, every time).  No barrier
+    between samples: a rank woken from one is the likeliest to be preempted next, and
+    the callers take the MAX of the counts over ranks anyway."""
+    return min(timed_samples(lambda: [fn() for _ in range(calls)], max(repeats, 5), sync)) / calls
 
 
 def overlap_fraction(group: Any, nbytes: int, device: Any, dtype: Any, mm_n: int,
@@ -53,7 +65,7 @@ def overlap_fraction(group: Any, nbytes: int, device: Any, dtype: Any, mm_n: int
         dist.barrier(group=group)
 
     alone = median(timed_samples(lambda: dist.all_reduce(buf, group=group), repeats, sync, bar))
-    one = median(timed_samples(lambda: torch.mm(a, b), repeats, sync, bar))
+    one = call_seconds(lambda: torch.mm(a, b), 16, repeats, sync)
     # the same count on every rank (MAX), so every rank computes as long as the others
     k = max(1, int(max_over_ranks([alone / 2 / max(one, 1e-9)], group, device)[0]))
 
@@ -171,7 +183,7 @@ def straggler(group: Any, device: Any, dtype: Any, d: int, tokens: int, repeats:
     def bar() -> None:
         dist.barrier(group=group)
 
-    one = median(timed_samples(lambda: [layer() for _ in range(4)], 3, sync, bar)) / 4
+    one = call_seconds(layer, 4, 3, sync)
     k = max(1, int(max_over_ranks([window / max(one, 1e-9)], group, device)[0]))
     (times,) = timed_rounds([lambda: [layer() for _ in range(k)]], repeats, sync, bar)
     job = job if job is not None else group
@@ -215,11 +227,7 @@ def sync_penalty(group: Any, device: Any, dtype: Any, mm_n: int, repeats: int, s
     def bar() -> None:
         dist.barrier(group=group)
 
-    def sixteen() -> None:
-        for _ in range(16):
-            torch.mm(a, b)
-    # one matmul's time from sixteen in a row (one alone times the timer and a cold start)
-    one = median(timed_samples(sixteen, repeats, sync, bar)) / 16
+    one = call_seconds(lambda: torch.mm(a, b), 16, repeats, sync)
     # the same chunk on every rank (MAX of the counts)
     k = max(1, int(max_over_ranks([chunk_seconds / max(one, 1e-9)], group, device)[0]))
 
