@@ -31,16 +31,19 @@ __all__ = ["idle_reuse", "overlap_estimate", "overlap_fraction", "straggler", "s
            "sync_penalty"]
 
 
-def call_seconds(fn: Callable[[], Any], calls: int, repeats: int, sync: Sync) -> float:
-    """One call of ``fn``, to size a loop of them: the fastest of ``max(repeats, 5)``
-    samples of ``calls`` calls in a row (one call alone times the timer and a cold
-    start), over ``calls``.  The fastest, not the median: on a loaded host the scheduler
-    preempts a sample now and then for milliseconds, and a loop sized from the median
-    of such samples came out a few calls long (the drift's 2 ms chunk of 64x64 matmuls
-    ran 10 us with three more busy processes on 2 cores, every time).  No barrier
-    between samples: a rank woken from one is the likeliest to be preempted next, and
-    the callers take the MAX of the counts over ranks anyway."""
-    return min(timed_samples(lambda: [fn() for _ in range(calls)], max(repeats, 5), sync)) / calls
+def loop_count(fn: Callable[[], Any], seconds: float, calls: int, repeats: int, sync: Sync,
+               group: Any, device: Any) -> int:
+    """How many calls of ``fn`` last about ``seconds``, the same count on every rank of
+    ``group`` (the MAX, so every rank computes as long as the others).  One call is
+    timed as the fastest of ``max(repeats, 5)`` samples of ``calls`` calls in a row (one
+    call alone times the timer and a cold start), over ``calls``.  The fastest, not the
+    median: on a loaded host the scheduler preempts a sample now and then for
+    milliseconds, and a loop sized from the median of such samples came out a few calls
+    long (the drift's 2 ms chunk of 64x64 matmuls ran 10 us with three more busy
+    processes on 2 cores, every time).  No barrier between samples: a rank woken from
+    one is the likeliest to be preempted next."""
+    one = min(timed_samples(lambda: [fn() for _ in range(calls)], max(repeats, 5), sync)) / calls
+    return max(1, int(max_over_ranks([seconds / max(one, 1e-9)], group, device)[0]))
 
 
 def overlap_fraction(group: Any, nbytes: int, device: Any, dtype: Any, mm_n: int,
@@ -65,9 +68,7 @@ def overlap_fraction(group: Any, nbytes: int, device: Any, dtype: Any, mm_n: int
         dist.barrier(group=group)
 
     alone = median(timed_samples(lambda: dist.all_reduce(buf, group=group), repeats, sync, bar))
-    one = call_seconds(lambda: torch.mm(a, b), 16, repeats, sync)
-    # the same count on every rank (MAX), so every rank computes as long as the others
-    k = max(1, int(max_over_ranks([alone / 2 / max(one, 1e-9)], group, device)[0]))
+    k = loop_count(lambda: torch.mm(a, b), alone / 2, 16, repeats, sync, group, device)
 
     def compute() -> None:
         for _ in range(k):
@@ -183,8 +184,7 @@ def straggler(group: Any, device: Any, dtype: Any, d: int, tokens: int, repeats:
     def bar() -> None:
         dist.barrier(group=group)
 
-    one = call_seconds(layer, 4, 3, sync)
-    k = max(1, int(max_over_ranks([window / max(one, 1e-9)], group, device)[0]))
+    k = loop_count(layer, window, 4, 3, sync, group, device)
     (times,) = timed_rounds([lambda: [layer() for _ in range(k)]], repeats, sync, bar)
     job = job if job is not None else group
     worst = max_over_ranks(times, job, device)
@@ -227,9 +227,7 @@ def sync_penalty(group: Any, device: Any, dtype: Any, mm_n: int, repeats: int, s
     def bar() -> None:
         dist.barrier(group=group)
 
-    one = call_seconds(lambda: torch.mm(a, b), 16, repeats, sync)
-    # the same chunk on every rank (MAX of the counts)
-    k = max(1, int(max_over_ranks([chunk_seconds / max(one, 1e-9)], group, device)[0]))
+    k = loop_count(lambda: torch.mm(a, b), chunk_seconds, 16, repeats, sync, group, device)
 
     def reduce() -> None:
         dist.all_reduce(buf, group=group)
