@@ -206,11 +206,12 @@ def _unmeasured(base: MeshSpec | None, cuda: bool, capacity: float) -> dict[str,
     not what the runtime spends outside the plan's tensors; at most half of
     ``capacity``, since a small host shared by many ranks must still leave the plan
     something) and the collectives the backend runs as flat rings (NCCL's all-gather and
-    reduce-scatter over several measured axes)."""
+    reduce-scatter over several measured axes) and the zero-bubble split's factor
+    (``MeshSpec.split_backward``: one layer's probes scatter too widely to plan with)."""
     ref = base if base is not None else MeshSpec.preset("8xH100-nvlink" if cuda else "cpu-gloo")
     fixed = min(ref.reserve_bytes, 0.5 * capacity * (1.0 - ref.reserve_fraction))
     return {"reserve_bytes": fixed, "reserve_fraction": ref.reserve_fraction,
-            "flat_ring": ref.flat_ring}
+            "flat_ring": ref.flat_ring, "split_backward": ref.split_backward}
 
 
 def _axis_groups(group: Any, shape: tuple[int, ...] | None, device_type: str) -> list[Any]:

@@ -51,6 +51,7 @@ class _NodePreset:
     reserve_bytes: float = 0.0
     reserve_fraction: float = 0.0
     flat_ring: tuple[str, ...] = ()
+    split_backward: float = 1.0
 
 
 _GIB = 2**30
@@ -123,7 +124,8 @@ _PRESETS: dict[str, _NodePreset] = {
     "cpu-gloo": _NodePreset(None, LinkSpec(alpha=5e-5, beta=2e9,
                                            kinds=(("reduce_scatter", 1e-4, 1e9),)), None, peak_flops=5e10,
                             mem_bandwidth=1e10, mem_capacity=8.0 * _GIB, default_shape=(2,),
-                            kernel_floor=1e-5, overlap=0.35, reserve_bytes=0.5 * _GIB),
+                            kernel_floor=1e-5, overlap=0.35, reserve_bytes=0.5 * _GIB,
+                            split_backward=1.15),
 }
 
 PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
@@ -244,6 +246,16 @@ class MeshSpec:
     arrives (:func:`autopar.cost_models.measure_sync.sync_penalty`; 3-6 ms per collective for
     4 gloo ranks sharing 2 cores, where a rank that computes 20 ms lands milliseconds
     after its peers; 0 on the presets)."""
+    split_backward: float = 1.0
+    """A backward split into ``B`` and ``W`` (the zero-bubble schedule,
+    :mod:`autopar.runtime.split_backward`) over the same backward run whole (>= 1):
+    torch's split runs some kernels twice (a LayerNorm's backward in ``B`` and again for
+    its weights in ``W``) and the deferred weight gradients re-read activations that left
+    the cache.  The ``cpu-gloo`` preset's 1.15 is from the GPT's two-stage pipeline on 4
+    gloo ranks of this project's 2-core host, which measured zero-bubble 3-10 ms a step
+    over 1F1B where it was priced 5 ms under (1.15 prices it 9 ms over); 1.0 on the GPU
+    presets (not measured).  Calibration keeps its base preset's value: probes of one
+    layer came out 1.02-1.63 on the same host, too noisy to plan with."""
 
     def __post_init__(self) -> None:
         """Normalise sequences to tuples and validate every field (ValueError on bad input)."""
@@ -297,6 +309,9 @@ class MeshSpec:
                 any(a[0] >= b[0] for a, b in zip(curve, curve[1:])):
             raise ValueError("MeshSpec.matmul_curve must be (flops, rate) pairs in increasing flops "
                              f"with 0 < rate <= peak_flops, got {curve!r}")
+        sb = self.split_backward
+        if isinstance(sb, bool) or not isinstance(sb, numbers.Real) or not 1 <= sb < math.inf:
+            raise ValueError(f"MeshSpec.split_backward must be finite and >= 1, got {sb!r}")
         for attr in ("kernel_floor", "optimizer_tensor_seconds", "sync_seconds"):
             v = getattr(self, attr)
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 <= v < math.inf:
@@ -413,6 +428,7 @@ class MeshSpec:
             reserve_bytes=p.reserve_bytes,
             reserve_fraction=p.reserve_fraction,
             flat_ring=p.flat_ring,
+            split_backward=p.split_backward,
         )
 
     def with_shape(
@@ -467,6 +483,7 @@ class MeshSpec:
             "flat_ring": list(self.flat_ring),
             "straggler": self.straggler,
             "sync_seconds": self.sync_seconds,
+            "split_backward": self.split_backward,
         }
 
     @classmethod

@@ -29,6 +29,7 @@ link in their turn but never merge with others.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -244,12 +245,15 @@ def one_bucket(items: list[GradItem]) -> list[tuple[int, int]]:
 
 
 def stage_items(layers: list[LayerStat], zp: list[ZeroPrice], recompute: set[str],
-                zero_stage: int, zero_axis: int | tuple[int, ...] | None) -> tuple[list[GradItem], float]:
+                zero_stage: int, zero_axis: int | tuple[int, ...] | None,
+                deferred: bool = False) -> tuple[list[GradItem], float]:
     """The gradients of one pipeline stage in the order its last backward makes them,
     and when that backward ends.  Layers run backward last to first, each taking its
     backward time (plus its forward again when recomputed); inside a layer the
     gradients appear evenly spread, last parameter first.  A layer's ZeRO reduction
-    (its own reduce-scatters, :mod:`autopar.runtime.zero`) is one fixed item."""
+    (its own reduce-scatters, :mod:`autopar.runtime.zero`) is one fixed item.
+    ``deferred``: every gradient is ready only when the backward ends (the zero-bubble
+    schedule reduces them all after its last ``W``), so nothing hides under it."""
     items: list[GradItem] = []
     t = 0.0
     for st, z in zip(reversed(layers), reversed(zp)):
@@ -260,6 +264,8 @@ def stage_items(layers: list[LayerStat], zp: list[ZeroPrice], recompute: set[str
         t += bwd
         if z.zero_sync > 0:
             items.append(GradItem(f"zero:{st.key}", 0.0, (), t, fixed=z.zero_sync))
+    if deferred:
+        items = [dataclasses.replace(it, ready=t) for it in items]
     return items, t
 
 

@@ -123,7 +123,10 @@ def _sync(layers: list[LayerStat], zp: list, rc: set[str], cfg: Config,
     """The stage's gradient buckets (chosen, or ``cfg.bucket_bytes`` each), their
     timing, and for ``explain`` the exposed reduction with one bucket per gradient and
     with one bucket for all, plus the chosen buckets' smallest and largest bytes."""
-    items, backward = bk.stage_items(layers, zp, rc, cfg.zero_stage, cfg.zero_axis)
+    # zero-bubble: W writes .grad without the hooks that launch buckets, so every bucket
+    # is reduced after the step's last W (runtime/pipeline.py flushes them there)
+    deferred = cfg.schedule == Schedule.ZERO_BUBBLE.value and cfg.stages > 1
+    items, backward = bk.stage_items(layers, zp, rc, cfg.zero_stage, cfg.zero_axis, deferred)
     if cfg.bucket_bytes is None:
         bp = bk.optimal(items, mesh, backward)
     else:
@@ -256,6 +259,7 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     # the least this stage can reach, which the infeasible-budget message quotes
     rc = {st.key for st in chosen}
     seconds = sum(st.seconds for st in layers) + sum(st.forward for st in chosen)
+    seconds += split_seconds(layers, cfg, mesh, index)
     seconds += sum(z.gather_mb for z in zp)
     accumulate = accumulation_seconds(grads, cfg.micro_batches, mesh)
     seconds += accumulate + count_exposed(layers, cfg, mesh)
@@ -286,6 +290,18 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     memory = {"params": sum(z.params for z in zp), "optimizer": sum(z.optimizer for z in zp),
               "buffers": sum(st.buffers for st in layers), **peak(chosen)}
     return StagePrice([st.key for st in layers], seconds, extra, memory, sorted(rc), parts, names)
+
+
+def split_seconds(layers: list[LayerStat], cfg: Config, mesh: MeshSpec, index: int) -> float:
+    """Seconds per micro-batch the zero-bubble schedule's split backward adds to stage
+    ``index``: ``(mesh.split_backward - 1)`` times the stage's backward.  Not on the first
+    stage, whose ``B`` has no inputs to split at and whose ``W`` runs the whole backward
+    (:mod:`autopar.runtime.split_backward`).  Unpriced, forced ZeRO-1 and ZeRO-2 planned
+    zero-bubble with two stages on 4 gloo ranks, priced 3-5 ms under 1F1B per step, and
+    measured 3-10 ms over it (docs/benchmarks.md, Cost-model fidelity)."""
+    if cfg.schedule != Schedule.ZERO_BUBBLE.value or index == 0 or cfg.stages == 1:
+        return 0.0
+    return (mesh.split_backward - 1.0) * sum(st.seconds - st.forward for st in layers)
 
 
 def accumulation_seconds(grads: list[float], micro_batches: int, mesh: MeshSpec) -> float:
@@ -555,4 +571,5 @@ def _min_split_memory(stats, cfg: Config, stage, fallback: float) -> float:
 
 
 __all__ = ["Config", "Priced", "StagePrice", "accumulation_seconds", "count_exposed",
+           "split_seconds",
            "layer_classes", "price", "price_stage", "step_lower_bound"]

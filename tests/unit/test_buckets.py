@@ -167,3 +167,25 @@ def test_runtime_takes_the_planned_buckets_or_falls_back() -> None:
     partial = GradSync(params, [["d"]])
     got = [[n for p in b.params for n, q in ps.items() if q is p] for b in partial.buckets]
     assert got == [["d"], ["c"], ["b", "a"]]  # the rest grouped by axes, first seen first
+
+
+def test_zero_bubble_reduces_every_gradient_after_the_backward() -> None:
+    """Under zero-bubble ``W`` bypasses the hooks that launch buckets and the runtime
+    reduces every bucket after the last ``W`` (runtime/pipeline.py): priced so, no
+    reduction hides under the backward, where one launched as its gradients were ready
+    does on a link that runs beside compute."""
+    from autopar.solve.layer_stats import LayerStat, ParamStat, ZeroPrice
+
+    layers = [LayerStat(key=f"l{k}", seconds=0.01, forward=0.003, compute=0.01, activations=1.0,
+                        out_bytes=1.0, params=[ParamStat(2.0**20, (0,), f"w{k}")]) for k in range(4)]
+    zp = [ZeroPrice(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0) for _ in layers]
+    mesh = MeshSpec.preset("8xA100-nvlink", shape=(4,))
+    now, end = bk.stage_items(layers, zp, set(), 0, None)
+    late, end2 = bk.stage_items(layers, zp, set(), 0, None, deferred=True)
+    assert end == end2 and {it.ready for it in late} == {end}
+    assert min(it.ready for it in now) < end
+    cuts = [(i, i + 1) for i in range(len(now))]
+    hidden = bk.simulate(now, cuts, mesh, end)
+    after = bk.simulate(late, cuts, mesh, end)
+    assert hidden.exposed < after.exposed
+    assert after.exposed == pytest.approx(after.busy)

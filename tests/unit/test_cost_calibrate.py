@@ -4,6 +4,7 @@ collective kind, and a JSON record of what was measured that loads as a MeshSpec
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import math
@@ -128,3 +129,16 @@ def test_calibration_keeps_what_it_does_not_measure() -> None:
     assert _unmeasured(None, False, 8 * 2**30)["flat_ring"] == ()
     # a small host keeps at least half its memory for the plan
     assert _unmeasured(None, False, 0.6 * 2**30)["reserve_bytes"] == 0.3 * 2**30
+    # the zero-bubble split's factor: the base's, else the device kind's preset
+    assert _unmeasured(None, False, 8 * 2**30)["split_backward"] == MeshSpec.preset("cpu-gloo").split_backward > 1
+    assert _unmeasured(None, True, 80 * 2**30)["split_backward"] == 1.0
+    assert _unmeasured(dataclasses.replace(gpu, split_backward=1.4), True, gpu.mem_capacity)["split_backward"] == 1.4
+
+
+@pytest.mark.parametrize("bad", [0.9, float("inf"), float("nan"), True])
+def test_split_backward_is_validated_and_kept_in_json(bad) -> None:
+    gloo = MeshSpec.preset("cpu-gloo")
+    with pytest.raises(ValueError, match="split_backward"):
+        dataclasses.replace(gloo, split_backward=bad)
+    spec = dataclasses.replace(gloo, split_backward=1.37)
+    assert MeshSpec.from_json(spec.to_json()).split_backward == 1.37
