@@ -12,8 +12,10 @@ prediction. Every case runs twice: planned on the shipped ``cpu-gloo`` preset an
 the link measured on the running group (``cost_models.calibrate``, the MeshSpec
 ``autopar calibrate`` writes). Models: ``examples/gpt.py`` (4 layers, dim 192) and a
 tiny Hugging Face Llama (``examples/hf_llama.py``, GQA, called as ``model(**batch)``).
-Reported per preset: Spearman rank correlation of predicted against measured, and the
-median relative error ``|predicted - measured| / measured``; the table goes into
+Reported per preset: Spearman rank correlation of predicted against measured, the
+median relative error ``|predicted - measured| / measured``, and the rank correlation of
+the even rounds' medians with the odd rounds' (how well the measurement agrees with
+itself: plans a few percent apart swap between halves too); the table goes into
 ``docs/benchmarks.md`` with the machine's load.
 """
 
@@ -124,6 +126,10 @@ def _measure(built: list[dict], rounds: int, steps: int) -> list[dict]:
         for b in built:
             if "step" in b:
                 b["times"] += [timed(b["step"]) for _ in range(steps)]
+    def half(times: list[float], parity: int) -> float:
+        # the rounds of one parity: two independent measurements of the same case
+        return statistics.median(t for i, t in enumerate(times) if (i // steps) % 2 == parity)
+
     rows = []
     for b in built:
         if "step" not in b:
@@ -133,7 +139,8 @@ def _measure(built: list[dict], rounds: int, steps: int) -> list[dict]:
         med = statistics.median(times)
         rows.append({"model": b["model"], "case": b["case"], "predicted_ms": d.step_seconds * 1e3,
                      "breakdown_ms": {k: round(v * 1e3, 1) for k, v in d.breakdown.items()},
-                     "measured_ms": med * 1e3, "spread": iqr(times) / med})
+                     "measured_ms": med * 1e3, "spread": iqr(times) / med,
+                     "halves_ms": [half(times, 0) * 1e3, half(times, 1) * 1e3] if rounds > 1 else None})
     return rows
 
 
@@ -173,8 +180,14 @@ def summary(rows: list[dict]) -> dict[str, dict]:
         p = [r["predicted_ms"] for r in ok]
         m = [r["measured_ms"] for r in ok]
         rho = spearman(p, m)  # autopar.verify's: None when undefined (one side constant)
+        # the measurement's own repeatability: the rank correlation of the even rounds'
+        # medians with the odd rounds' (a ceiling no prediction can be expected to beat)
+        halves = [r.get("halves_ms") for r in ok]
+        self_rho = spearman([h[0] for h in halves], [h[1] for h in halves]) \
+            if halves and all(halves) else None
         out[preset] = {"cases": len(ok), "spearman": math.nan if rho is None else rho,
-                       "median_error": statistics.median(abs(x - y) / y for x, y in zip(p, m))}
+                       "median_error": statistics.median(abs(x - y) / y for x, y in zip(p, m)),
+                       "halves_spearman": math.nan if self_rho is None else self_rho}
     return out
 
 
@@ -206,9 +219,11 @@ def section(rows: list[dict], world: int, steps: int, load: tuple[float, float],
              "blocking collective waits out.", "",
              f"Measured {_dt.date.today().isoformat()} on: {machine()}; load average "
              f"{load[0]:.2f} before, {load[1]:.2f} after.", "",
-             "| preset | cases | Spearman | median relative error |", "|---|---:|---:|---:|"]
+             "| preset | cases | Spearman | median relative error | measured even vs odd rounds: Spearman |",
+             "|---|---:|---:|---:|---:|"]
     for preset, s in summary(rows).items():
-        lines.append(f"| {preset} | {s['cases']} | {s['spearman']:.2f} | {100 * s['median_error']:.0f}% |")
+        lines.append(f"| {preset} | {s['cases']} | {s['spearman']:.2f} | {100 * s['median_error']:.0f}% | "
+                     f"{s['halves_spearman']:.2f} |")
     lines += ["", "| preset | model | case | predicted ms | measured ms | measured spread |",
               "|---|---|---|---:|---:|---:|"]
     for r in rows:
