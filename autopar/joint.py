@@ -26,7 +26,7 @@ from torch import nn
 from autopar.budget import Phase, TimeBudget
 from autopar.capture import Captured
 from autopar.capture_batch import AnyBatch
-from autopar.cost_models import MeshSpec, blocking_time, format_bytes
+from autopar.cost_models import MeshSpec, format_bytes
 from autopar.costs import precision_warning
 from autopar.errors import AutoparWarning, PlanError, user_stacklevel
 from autopar.forced import check_forced
@@ -43,7 +43,7 @@ from autopar.shallow import (
     steady,
 )
 from autopar.solve.layer_stats import layer_stats
-from autopar.solve.pipeline import Config, Priced, price, step_lower_bound
+from autopar.solve.pipeline import Config, Priced, price, stage_link, step_lower_bound
 from autopar.splits import (
     batch_size,
     micro_inputs,
@@ -133,7 +133,7 @@ class JointSearch(JointCaptures, JointSpace):
         return out
 
     def _price(self, cand: _Candidate) -> None:
-        link = (lambda b: blocking_time("send_recv", cand.full, (0,), b)) if cand.stages > 1 else (lambda b: 0.0)
+        link = stage_link(cand.full, cand.stages)
         best = self._best()
         cut = best[1].step_seconds if best is not None else math.inf
         for cfg in self._configs(cand):

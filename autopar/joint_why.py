@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from autopar.cost_models import blocking_time, format_bytes
+from autopar.cost_models import format_bytes
 from autopar.plan import zero_words
-from autopar.solve.pipeline import Config, Priced, price
+from autopar.solve.pipeline import Config, Priced, price, stage_link
 
 ESTIMATED = " (estimated at full depth from a shallow copy of the model)"
 
@@ -93,7 +93,7 @@ def decisions_why(ctx: Context, pr: Priced) -> dict[str, str]:
     rc = [k for sp in pr.stages for k in sp.recompute]
     if rc:
         cand = next(c for c, p in ctx.priced if p is pr)
-        link = (lambda b: blocking_time("send_recv", cand.full, (0,), b)) if cfg.stages > 1 else (lambda b: 0.0)
+        link = stage_link(cand.full, cfg.stages)
         plain = price(cand.stats, dataclasses.replace(cfg, recompute=()), cand.plan.mesh, link,
                       ctx.budget, ctx.optimizer)
         why["recompute"] = f"{len(rc)} layers recomputed ({', '.join(rc)}): {here}; " + _versus(

@@ -156,12 +156,13 @@ def collective_time(kind: CollectiveKind | str, mesh: MeshSpec, axes: Axes, nbyt
 
 def blocking_time(kind: CollectiveKind | str, mesh: MeshSpec, axes: Axes, nbytes: float) -> float:
     """:func:`collective_time` of a collective the rank waits on right where it issues it
-    (a tensor-parallel all-reduce, a redistribution, a pipeline's receive), plus
+    (a tensor-parallel all-reduce, a redistribution), plus
     ``mesh.sync_seconds``: issued between compute, it ends only after the last rank
     arrives, and ranks drift apart while they compute (calibration measures it; 0 on the
     presets).  Collectives launched asynchronously and waited on later (gradient buckets,
-    ZeRO's prefetched gathers) are priced by :func:`collective_time` alone.  0.0 where no
-    collective is issued."""
+    ZeRO's prefetched gathers) are priced by :func:`collective_time` alone, and so are a
+    pipeline's messages (:func:`autopar.solve.pipeline.stage_link` says why).  0.0 where
+    no collective is issued."""
     t = collective_time(kind, mesh, axes, nbytes)
     return t + mesh.sync_seconds if t > 0 else 0.0
 
