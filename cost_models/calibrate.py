@@ -314,9 +314,11 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
     ov = overlap_fraction(groups[widest], max(sizes), device, dtype, mm_sizes[len(mm_sizes) // 2],
                           3 * repeats, sync, job=group) if dims[widest] > 1 else {"overlap": 1.0}
     # over the whole job: a straggler exists only where ranks wait on one another, so a
-    # 1-rank job has none
+    # 1-rank job has none.  Nine times the repetitions (45 windows, about 2 s on CPU): it
+    # multiplies every compute price, and over 15 windows eight estimates a few seconds
+    # apart on the 2-core host spanned 1.07-1.28, over 45 1.12-1.22 (2026-11-26)
     lag = straggler(group, device, dtype, mm_sizes[len(mm_sizes) // 2], 4096 if cuda else 512,
-                    3 * repeats, sync) if world > 1 else {"straggler": 1.0}
+                    9 * repeats, sync) if world > 1 else {"straggler": 1.0}
     # three times the repetitions too, for the overlap's reason: at 5 the drift came out
     # 2.0-4.4 ms in three calibrations of the same host.  The drift beyond the ranks'
     # mean compute, not beyond the straggler's share of it (sync_penalty says why)
