@@ -31,6 +31,11 @@ runs it: ``P - 1`` steps on the slowest link, whose bandwidth every rank of the 
 levels shares one ring each of (a node's NICs carry a ring each)::
 
     all-gather over (intra g, inter m), flat = (P-1)a_o + (P-1)/P S/(g B_o),  P = g m
+
+A level counts as faster only at twice the slowest's bandwidth or more (NVLink against
+InfiniBand or Ethernet: 6x and beyond): a gloo mesh calibrated per axis on one host has
+one medium whose measured bandwidths differ by noise, and a ring per rank of a
+"faster" axis would price its flat collectives twice as fast as they run.
 """
 
 from __future__ import annotations
@@ -107,13 +112,19 @@ def _flat_time(kind: CollectiveKind, link: LinkSpec, p: int, nbytes: float) -> f
     raise ValueError(f"unknown collective kind {kind!r}")  # pragma: no cover
 
 
+FASTER = 2.0
+"""How many times the slowest level's bandwidth a level needs to count as faster in a
+flat ring (module docstring)."""
+
+
 def _flat_ring(levels: list[tuple[LinkSpec, int]]) -> tuple[LinkSpec, int]:
     """The one ring over every rank of ``levels`` (module docstring): the slowest link
     (the last level: levels are sorted fastest first), its bandwidth times the ranks of
-    the strictly faster levels (each runs a ring through its own slow-link port; levels
-    on the same link are one ring), per kind as well; and the total rank count."""
+    the levels at least :data:`FASTER` times faster (each runs a ring through its own
+    slow-link port; levels on one medium are one ring), per kind as well; and the total
+    rank count."""
     slow = levels[-1][0]
-    faster = math.prod(p for link, p in levels if link.beta > slow.beta)
+    faster = math.prod(p for link, p in levels if link.beta >= FASTER * slow.beta)
     kinds = tuple((k, a, b * faster) for k, a, b in slow.kinds)
     return LinkSpec(alpha=slow.alpha, beta=slow.beta * faster, kinds=kinds), \
         math.prod(p for _, p in levels)

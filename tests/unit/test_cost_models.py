@@ -583,3 +583,17 @@ def test_gloo_prices_a_multi_axis_group_as_one_flat_group() -> None:
         for nbytes in (8.0, 4e6):
             assert collective_time(kind, square, (0, 1), nbytes) == \
                 approx(collective_time(kind, flat, 0, nbytes), rel=1e-12)
+
+
+def test_a_flat_ring_on_one_medium_gets_no_faster_for_noise() -> None:
+    """A 2x2 gloo mesh calibrated per axis on one host measures two bandwidths that
+    differ by noise (here 1.0 and 1.3 GB/s): its flat all-reduce over both axes is one
+    ring of 4 on the slower, not a ring per rank of the "faster" axis at twice the
+    bandwidth; a level 2x faster or more (another medium) still counts."""
+    gloo = MeshSpec.preset("cpu-gloo", shape=(2, 2))
+    noisy = dataclasses.replace(gloo, links=(LinkSpec(alpha=1e-3, beta=1.3e9), LinkSpec(alpha=1e-3, beta=1e9)))
+    one = dataclasses.replace(MeshSpec.preset("cpu-gloo", shape=(4,)), links=(LinkSpec(alpha=1e-3, beta=1e9),))
+    assert all_reduce_time(noisy, (0, 1), 4e6) == approx(all_reduce_time(one, 0, 4e6), rel=1e-12)
+    two_media = dataclasses.replace(noisy, links=(LinkSpec(alpha=1e-3, beta=2e9), LinkSpec(alpha=1e-3, beta=1e9)))
+    # P = 4 ranks at 2 x 1e9 (one ring per rank of the faster level's pair)
+    assert all_gather_time(two_media, (0, 1), 4e6) == approx(3 * 1e-3 + 3 / 4 * 4e6 / 2e9, rel=1e-12)
