@@ -25,15 +25,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from autopar import schedules as sched
-from autopar.cost_models import MeshSpec, send_recv_time
+from autopar.cost_models import MeshSpec
 from autopar.plan import Schedule
 from autopar.solve import buckets as bk
 from autopar.solve.layer_stats import LayerStat, zero_price
 from autopar.solve.stage_memory import gradient_arrivals, zero_flat_bytes
+from autopar.solve.step_terms import accumulation_seconds, count_exposed, split_seconds, stage_link
 
 
 @dataclass(frozen=True)
@@ -291,63 +291,6 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     memory = {"params": sum(z.params for z in zp), "optimizer": sum(z.optimizer for z in zp),
               "buffers": sum(st.buffers for st in layers), **peak(chosen)}
     return StagePrice([st.key for st in layers], seconds, extra, memory, sorted(rc), parts, names)
-
-
-def stage_link(mesh: MeshSpec, stages: int) -> Callable[[float], float]:
-    """The time of one point-to-point message between pipeline stages (``pipe_link``),
-    on the pipeline axis 0 of ``mesh``; nothing without a pipeline.  Its price after a
-    barrier, without ``mesh.sync_seconds``: a receive waits for the sending stage's
-    compute, which the schedule already prices (``M`` times the slowest stage plus the
-    fill and drain), and a send is asynchronous.  With the drift on each of a stage's
-    four messages per micro-batch, the GPT's 2-stage 1F1B on 4 calibrated gloo ranks
-    was priced 1-11% over data parallel in fidelity runs where it measured 4-9% under
-    it (docs/benchmarks.md, Cost-model fidelity)."""
-    if stages <= 1:
-        return lambda b: 0.0
-    return lambda b: send_recv_time(mesh, (0,), b)
-
-
-def split_seconds(layers: list[LayerStat], cfg: Config, mesh: MeshSpec, index: int) -> float:
-    """Seconds per micro-batch the zero-bubble schedule's split backward adds to stage
-    ``index``: ``(mesh.split_backward - 1)`` times the stage's backward.  Not on the first
-    stage, whose ``B`` has no inputs to split at and whose ``W`` runs the whole backward
-    (:mod:`autopar.runtime.split_backward`).  Unpriced, forced ZeRO-1 and ZeRO-2 planned
-    zero-bubble with two stages on 4 gloo ranks, priced 3-5 ms under 1F1B per step, and
-    measured 3-10 ms over it (docs/benchmarks.md, Cost-model fidelity)."""
-    if cfg.schedule != Schedule.ZERO_BUBBLE.value or index == 0 or cfg.stages == 1:
-        return 0.0
-    return (mesh.split_backward - 1.0) * sum(st.seconds - st.forward for st in layers)
-
-
-def accumulation_seconds(grads: list[float], micro_batches: int, mesh: MeshSpec) -> float:
-    """Seconds per micro-batch that gradient accumulation adds: every micro-batch after
-    the first adds its gradients into the step's (autograd's AccumulateGrad reads both
-    and writes the sum), ``grads`` bytes as they are accumulated (whole, or ZeRO-3's
-    reduce-scattered shards), at the elementwise rate; spread over the ``M``
-    micro-batches, so the step pays ``(M - 1)`` accumulations.  Unpriced, four
-    micro-batches of the 4-layer GPT on 4 gloo ranks measured 30 ms (18%) over one
-    and were predicted no slower (docs/benchmarks.md, Cost-model fidelity); the
-    accumulations are 9 of those ms."""
-    if micro_batches <= 1:
-        return 0.0
-    return mesh.straggler * 3.0 * sum(grads) / mesh.mem_bandwidth * (micro_batches - 1) / micro_batches
-
-
-def count_exposed(layers: list[LayerStat], cfg: Config, mesh: MeshSpec) -> float:
-    """Seconds per micro-batch of the layers' in-flight collectives (``behind``: the
-    cross-entropy's token count) that the forward does not hide.  Without a pipeline
-    the count starts where the labels are sliced, at the top of the forward
-    (passes/localize.py), and runs beside it at ``mesh.overlap`` of its speed, the
-    bucket model's terms: ``max(0, A - F x overlap)`` for forward time ``F``.  Under
-    pipeline stages it starts at the loss and is waited for at once: all of it.
-    Nothing on GPUs (overlap 1); nearly all of it where ranks share cores (a few ms a
-    micro-batch on 4 gloo ranks of 2 cores: four micro-batches of the 4-layer GPT
-    measured 30 ms over one, predicted no slower while the count was priced hidden)."""
-    behind = sum(st.behind for st in layers)
-    if not behind:
-        return 0.0
-    beside = sum(st.forward for st in layers) if cfg.stages <= 1 else 0.0
-    return max(0.0, behind - beside * mesh.overlap)
 
 
 def _in_bytes(layers: list[LayerStat]) -> float:
