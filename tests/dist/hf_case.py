@@ -65,6 +65,7 @@ def run_hf_case(c: dict) -> dict:
             "pp2": pp2,
             "pp2-interleaved": {**pp2, "schedule": "interleaved-1f1b", "virtual_stages": 2},
             "pp2-zero-bubble": {**pp2, "schedule": "zero-bubble"}}.get(c["mode"], {})
+    opts = {**opts, **c.get("options", {})}  # a case's own forced decisions
     reset()
     precision = c.get("precision", "native")
     pm = auto_parallel(model, example_kwargs=batch, mesh=MeshSpec.preset("cpu-gloo", shape=mesh),
