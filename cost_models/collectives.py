@@ -172,7 +172,7 @@ def blocking_time(kind: CollectiveKind | str, mesh: MeshSpec, axes: Axes, nbytes
     arrives, and ranks drift apart while they compute (calibration measures it; 0 on the
     presets).  Collectives launched asynchronously and waited on later (gradient buckets,
     ZeRO's prefetched gathers) are priced by :func:`collective_time` alone, and so are a
-    pipeline's messages (:func:`autopar.solve.pipeline.stage_link` says why).  0.0 where
+    pipeline's messages (:func:`autopar.solve.step_terms.stage_link` says why).  0.0 where
     no collective is issued."""
     t = collective_time(kind, mesh, axes, nbytes)
     return t + mesh.sync_seconds if t > 0 else 0.0

@@ -252,8 +252,9 @@ class MeshSpec:
     torch's split runs some kernels twice (a LayerNorm's backward in ``B`` and again for
     its weights in ``W``) and the deferred weight gradients re-read activations that left
     the cache.  The ``cpu-gloo`` preset's 1.15 is from the GPT's two-stage pipeline on 4
-    gloo ranks of this project's 2-core host, which measured zero-bubble 3-10 ms a step
-    over 1F1B where it was priced 5 ms under (1.15 prices it 9 ms over); 1.0 on the GPU
+    gloo ranks of this project's 2-core host, which measured zero-bubble 3-6 ms a step
+    over 1F1B (8-23 ms with ZeRO-1) where it was priced 5 ms under (1.15 prices it 9 ms
+    over); 1.0 on the GPU
     presets (not measured).  Calibration keeps its base preset's value: probes of one
     layer came out 1.02-1.63 on the same host, too noisy to plan with."""
 
@@ -309,16 +310,14 @@ class MeshSpec:
                 any(a[0] >= b[0] for a, b in zip(curve, curve[1:])):
             raise ValueError("MeshSpec.matmul_curve must be (flops, rate) pairs in increasing flops "
                              f"with 0 < rate <= peak_flops, got {curve!r}")
-        sb = self.split_backward
-        if isinstance(sb, bool) or not isinstance(sb, numbers.Real) or not 1 <= sb < math.inf:
-            raise ValueError(f"MeshSpec.split_backward must be finite and >= 1, got {sb!r}")
         for attr in ("kernel_floor", "optimizer_tensor_seconds", "sync_seconds"):
             v = getattr(self, attr)
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 <= v < math.inf:
                 raise ValueError(f"MeshSpec.{attr} must be finite and >= 0, got {v!r}")
-        st = self.straggler
-        if isinstance(st, bool) or not isinstance(st, numbers.Real) or not 1 <= st < math.inf:
-            raise ValueError(f"MeshSpec.straggler must be finite and >= 1, got {st!r}")
+        for attr in ("straggler", "split_backward"):  # factors on a time: at least 1
+            v = getattr(self, attr)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 1 <= v < math.inf:
+                raise ValueError(f"MeshSpec.{attr} must be finite and >= 1, got {v!r}")
         if not isinstance(self.name, str):
             raise ValueError(f"MeshSpec.name must be a str, got {self.name!r}")
         if self.gpus_per_node is not None:

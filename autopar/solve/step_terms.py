@@ -36,7 +36,8 @@ def split_seconds(layers: list[LayerStat], cfg: Config, mesh: MeshSpec, index: i
     stage, whose ``B`` has no inputs to split at and whose ``W`` runs the whole backward
     (:mod:`autopar.runtime.split_backward`).  Unpriced, forced ZeRO-1 and ZeRO-2 planned
     zero-bubble with two stages on 4 gloo ranks, priced 3-5 ms under 1F1B per step, and
-    measured 3-10 ms over it (docs/benchmarks.md, Cost-model fidelity)."""
+    measured 3-6 ms over it (8-23 ms with ZeRO-1; docs/benchmarks.md, Cost-model
+    fidelity)."""
     if cfg.schedule != Schedule.ZERO_BUBBLE.value or index == 0 or cfg.stages == 1:
         return 0.0
     return (mesh.split_backward - 1.0) * sum(st.seconds - st.forward for st in layers)

@@ -45,9 +45,9 @@ SLOW = _cases(["tp", "zero3", "zero1", "pp2"], (2,)) + [
     {"id": "mixtral-bf16-ep-2", "model": "mixtral", "mode": "ep", "mesh": [2],
      "precision": "bf16-mixed"}]
 # 4 ranks: Megatron TP pins on the second axis of a 2x2 mesh (the first is the planner's,
-# without ZeRO: the case is bf16 under tensor parallelism, and ZeRO-1 on the first axis
-# priced within a few microseconds of none on cpu-gloo, a choice that flips with any
-# change to the collectives' prices; bf16 under ZeRO-1 is llama-bf16-zero1-2), ZeRO-3
+# without ZeRO: the case is bf16 under tensor parallelism, and the planner took ZeRO-1 on
+# the first axis while the 2x2's collectives were priced flat for a day (a near-tie any
+# change to those prices can flip); bf16 under ZeRO-1 is llama-bf16-zero1-2), ZeRO-3
 # over 4, and a 2-stage pipeline whose stages have 2 ranks each
 FOUR = [{**c, "options": {"zero_stage": 0}} for c in _cases(["tp"], (2, 2))] + \
     _cases(["zero3", "pp2"], (4,))
