@@ -10,19 +10,22 @@ versions that wrote it; reading it checks the schema (another one is an error sa
 re-plan or re-export), rejects keys this autopar does not know (a plan from a newer
 autopar) and checks every placement against the mesh and the tensor's shape, naming the
 file, the node and the field (:class:`~autopar.errors.LoadError`).
+
+The longest method bodies live beside this module: :mod:`autopar.plan_explain`
+(:meth:`Plan.explain`, :meth:`Plan.diff`) and :mod:`autopar.plan_load` (reading JSON
+back and checking it).  The methods import them lazily, since both import this module.
 """
 
 from __future__ import annotations
 
 import json
-import warnings
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autopar.cost_models import MeshSpec, format_bytes
-from autopar.errors import LoadError, user_stacklevel
+from autopar.cost_models import MeshSpec
+from autopar.errors import LoadError
 
 if TYPE_CHECKING:
     from autopar.step_collectives import Collective
@@ -352,83 +355,17 @@ class Plan:
         ``"zero"``, ``"micro_batches"``, ``"recompute"``, ``"buckets"`` (the gradient
         buckets), or a layer key such as
         ``"blocks.7"`` (is it recomputed, which stage holds it)."""
-        d = self.decisions
-        aliases = {"stages": "pipeline", "schedule": "pipeline", "optimizer": "zero",
-                   "accumulation": "micro_batches", "gradient_accumulation": "micro_batches",
-                   "grad_buckets": "buckets", "bucket_bytes": "buckets"}
-        key = aliases.get(name, name)
-        if key in d.why:
-            return d.why[key]
-        layers = {n.layer for n in self.nodes.values()}
-        if name in layers:
-            where = f"stage {d.rank_of(name)} of {d.pipeline_stages}" if d.pipeline_stages > 1 \
-                else "the only stage"
-            if d.virtual_stages > 1:
-                where += f" (virtual stage {d.stage_of(name)} of {len(d.stages)})"
-            if f"layer:{name}" in d.why:
-                return d.why[f"layer:{name}"] + f"; it runs on {where}"
-            return f"{name} runs on {where} and is not recomputed: " + d.why.get(
-                "recompute", "its activations fit the budget")
-        n = self._find(name)
-        lines = [f"{n.name} ({n.op}, shape {n.shape}) on mesh {self.mesh.shape} "
-                 f"axes {self.mesh.axis_names}:",
-                 f"  chosen: inputs {n.in_placements} -> output {n.out_placements}; "
-                 f"compute {n.compute * 1e3:.4f} ms, communication {n.comm * 1e3:.4f} ms, "
-                 f"memory {format_bytes(n.memory)}"]
-        if n.lowering:
-            own = f"; its own exchanges {n.own_comm * 1e3:.4f} ms (inside the compute above)" \
-                if n.own_comm > 0 else ""
-            lines.append(f"  runs as: {n.lowering}{own}")
-        for r in n.redistributions:
-            lines.append(f"  input {r.input}: {r.src} -> {r.dst} via {', '.join(r.steps)} "
-                         f"({r.seconds * 1e3:.4f} ms)")
-        if n.alternatives:
-            # deltas against the chosen strategy on the same footing (plans written before
-            # local_seconds existed fall back to the best alternative)
-            ref, what = (n.local_seconds, "chosen") if n.local_seconds else \
-                (min(a.seconds for a in n.alternatives), "best alternative")
-            if n.local_seconds:
-                lines.append(f"  chosen, with its neighbours' choices fixed: {ref * 1e3:.4f} ms")
-            lines.append("  alternatives (this node's cost with its neighbours' choices fixed):")
-            for a in n.alternatives:
-                lines.append(f"    inputs {a.inputs} -> {a.outputs}: {a.seconds * 1e3:.4f} ms"
-                             f" ({(a.seconds - ref) * 1e3:+.4f} ms vs {what})")
-        from autopar.summary import LEGEND
-        lines.append(f"  ({LEGEND})")
-        return "\n".join(lines)
+        from autopar.plan_explain import explain
+
+        return explain(self, name)
 
     def diff(self, other: Plan, max_nodes: int | None = None) -> str:
         """What differs between ``self`` (A) and ``other`` (B): layout, step time, memory
         and decisions first, then the nodes whose placements differ (at most
         ``max_nodes`` of them, all when None)."""
-        from autopar.summary import summary_numbers
+        from autopar.plan_explain import diff
 
-        a, b = summary_numbers(self), summary_numbers(other)
-        lines = [f"layout     A {a['layout']}", f"           B {b['layout']}",
-                 f"step       A {a['step_seconds'] * 1e3:.4f} ms, B {b['step_seconds'] * 1e3:.4f} ms"
-                 f" (B/A {b['step_seconds'] / a['step_seconds']:.3f})" if a["step_seconds"] else "",
-                 f"memory     A {format_bytes(self.memory.get('total', 0))}, "
-                 f"B {format_bytes(other.memory.get('total', 0))} per device"]
-        da, db = asdict(self.decisions), asdict(other.decisions)
-        for k in ("pipeline_stages", "pipeline_axis", "schedule", "virtual_stages", "micro_batches", "stages",
-                  "zero_stage", "zero_axis", "recompute"):
-            if da[k] != db[k]:
-                lines.append(f"{k:<10} A {da[k]}, B {db[k]}")
-        nodes = []
-        for name, x in self.nodes.items():
-            y = other.nodes.get(name)
-            if y is None:
-                nodes.append(f"  {name}: only in A")
-            elif (x.in_placements, x.out_placements) != (y.in_placements, y.out_placements):
-                nodes.append(f"  {name}: A {x.in_placements}->{x.out_placements}, "
-                             f"B {y.in_placements}->{y.out_placements}")
-        nodes += [f"  {name}: only in B" for name in other.nodes if name not in self.nodes]
-        lines.append(f"nodes      {len(nodes)} differ" + (":" if nodes else ""))
-        shown = nodes if max_nodes is None else nodes[:max_nodes]
-        lines += shown
-        if len(shown) < len(nodes):
-            lines.append(f"  ... {len(nodes) - len(shown)} more (autopar diff --all)")
-        return "\n".join(x for x in lines if x)
+        return diff(self, other, max_nodes)
 
     # ------------------------------------------------------------ printing
     def table(self, max_rows: int | None = None, show_views: bool = False, *, nodes: bool = False,
@@ -478,92 +415,17 @@ class Plan:
         naming ``source`` (the file) and the field for another schema version, unknown
         or missing keys, and placements that do not fit the mesh; warns when the plan
         was made with another torch version."""
-        if not isinstance(d, dict):
-            raise LoadError(f"{source}: expected a JSON object, got {type(d).__name__}")
-        ver = d.get("schema_version")
-        if ver != SCHEMA_VERSION:
-            raise LoadError(
-                f"{source}: schema_version {ver!r} but this autopar (schema {SCHEMA_VERSION}) "
-                f"reads only {SCHEMA_VERSION}; it was written by autopar "
-                f"{d.get('autopar_version', 'before schema versions')}: re-export (or re-plan) "
-                "with this autopar, or load it with the autopar that wrote it")
-        if d.get("torch_version") not in (None, versions()["torch_version"]):
-            warnings.warn(f"{source} was written with torch {d['torch_version']} but this is "
-                          f"torch {versions()['torch_version']}; the plan loads, but re-plan if "
-                          "the model's captured graph changed", stacklevel=user_stacklevel())
-        try:
-            _known(d, cls, source, "", {*_VERSION_KEYS, "summary"})
-            nodes = {}
-            for k, v in d["nodes"].items():
-                where = f"nodes.{k}"
-                _known(v, NodePlan, source, where)
-                v = dict(v)
-                for key, kind in (("redistributions", Redistribution), ("alternatives", Alternative)):
-                    for i, r in enumerate(v.get(key, [])):
-                        _known(r, kind, source, f"{where}.{key}[{i}]")
-                    v[key] = [kind(**r) for r in v.get(key, [])]
-                nodes[k] = NodePlan(**v)
-            _known(d["solver"], SolverInfo, source, "solver")
-            _known(d.get("decisions", {}), Decisions, source, "decisions")
-            _known(d.get("request", {}), Request, source, "request")
-            # "summary" is derived (to_dict writes it for readers of the JSON): not read back
-            rest = {k: v for k, v in d.items() if k not in
-                    ("mesh", "nodes", "solver", "decisions", "request", "summary", *_VERSION_KEYS)}
-            try:
-                mesh = MeshSpec.from_dict(d["mesh"])
-            except (ValueError, TypeError) as e:
-                raise LoadError(f"{source}: field mesh: {e}") from e
-            plan = cls(mesh=mesh, nodes=nodes, solver=SolverInfo(**d["solver"]),
-                       decisions=Decisions(**d.get("decisions", {})),
-                       request=Request(**d.get("request", {})), **rest)
-        except KeyError as e:
-            raise LoadError(f"{source}: required field {e} is missing (truncated or hand-edited?): "
-                            "re-export") from e
-        except TypeError as e:
-            raise LoadError(f"{source}: {e} (a field is missing or has the wrong type): "
-                            "re-export") from e
-        plan.check_placements(source)
-        return plan
+        from autopar.plan_load import plan_from_dict
+
+        return plan_from_dict(cls, d, source)
 
     def check_placements(self, source: str = "the plan") -> None:
         """Every placement string has one entry per mesh axis, shards a dim the tensor
         has, and the mesh axes sharding a dim divide it; raises
         :class:`~autopar.errors.LoadError` naming ``source``, the node and the field."""
-        from autopar.placement import parse_placements, shard_factor
+        from autopar.plan_load import check_placements
 
-        mesh = tuple(self.mesh.shape)
-        shapes = {n.name: n.shape for n in self.nodes.values()}
-
-        def check(node: str, fld: str, text: str, shape: list[int] | None) -> None:
-            where = f"{source}: node {node!r} field {fld} = {text!r}"
-            try:
-                pl = parse_placements(text)
-            except (ValueError, TypeError) as e:
-                raise LoadError(f"{where}: {e}") from e
-            if len(pl) != len(mesh):
-                raise LoadError(f"{where} has {len(pl)} entries but the plan's mesh {mesh} has "
-                                f"{len(mesh)} axes: the mesh or the placements were edited; "
-                                "re-plan for this mesh and re-export")
-            if shape is None:
-                return
-            for p in pl:
-                dim = getattr(p, "dim", None)
-                if dim is not None and not 0 <= dim < len(shape):
-                    raise LoadError(f"{where} shards dim {dim} of a tensor of shape {shape}: "
-                                    "re-plan and re-export")
-            for dim, size in enumerate(shape):
-                f = shard_factor(pl, mesh, dim)
-                if size % f:
-                    raise LoadError(f"{where}: mesh {mesh} cuts dim {dim} (size {size}) into {f} "
-                                    "pieces, which does not divide it: re-plan for this mesh "
-                                    "and re-export")
-
-        for n in self.nodes.values():
-            for i, text in enumerate(n.out_placements):
-                check(n.name, f"out_placements[{i}]", text, n.shape[i] if i < len(n.shape) else None)
-            for i, text in enumerate(n.in_placements):
-                src = shapes.get(n.inputs[i]) if i < len(n.inputs) else None
-                check(n.name, f"in_placements[{i}]", text, src[0] if src and len(src) == 1 else None)
+        check_placements(self, source)
 
     def to_json(self, path: str | Path | None = None) -> str:
         """JSON text; also written to ``path`` when given."""
@@ -576,20 +438,13 @@ class Plan:
     def from_json(cls, path_or_text: str | Path) -> Plan:
         """Load a plan from a JSON file or text; a missing, unreadable or malformed file
         is a :class:`~autopar.errors.LoadError` naming it."""
-        s = str(path_or_text)
-        is_text = s.lstrip().startswith("{")
-        source = "plan JSON text" if is_text else s
-        try:
-            text = s if is_text else Path(s).read_text()
-            d = json.loads(text)
-        except OSError as e:
-            raise LoadError(f"cannot read plan file {s}: {e.strerror or e}") from e
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise LoadError(f"{source} is not valid JSON ({e}): the file is truncated or "
-                            "corrupt; re-export or re-plan") from e
-        return cls.from_dict(d, source)
+        from autopar.plan_load import plan_from_json
+
+        return plan_from_json(cls, path_or_text)
 
 
+# Kept here rather than in plan_load (its only user) so it stays importable from
+# autopar.plan without an import cycle.
 def _known(d: Any, kind: type, source: str, where: str, extra: set[str] = frozenset()) -> None:
     """Raise :class:`LoadError` for keys of ``d`` that ``kind`` has no field for."""
     if not isinstance(d, dict):

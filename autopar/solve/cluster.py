@@ -32,6 +32,10 @@ polished by budget-respecting single-node moves, and every ``lam`` gives the low
 gap is not zero and the flat problem is small (:data:`FLAT_MIP_MAX_NODES`), the flat
 budgeted MIP gets the remaining time and the better plan wins.
 
+This module holds the solve (one weight, the Lagrangian driver); detection is in
+:mod:`autopar.solve.cluster_detect` and the per-block transfers and reduced problem in
+:mod:`autopar.solve.cluster_transfer`, both re-exported here.
+
 Example::
 
     >>> from autopar.solve.cluster import find_clusters, solve_clustered
@@ -45,20 +49,34 @@ import dataclasses
 import itertools
 import math
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from torch import fx
 
-from autopar.ir import info, tensor_inputs
-from autopar.layers import Layer, layers
-from autopar.rules import OpStrategy
 from autopar.solve.bounds import gap as gap_to
 from autopar.solve.bounds import star_bound
+
+# Detection and the per-block transfers live beside this driver (cluster_detect,
+# cluster_transfer); the ``x as x`` imports keep every name importable from here.
+from autopar.solve.cluster_detect import MAX_SIDE_LAYOUTS as MAX_SIDE_LAYOUTS
+from autopar.solve.cluster_detect import Block as Block
+from autopar.solve.cluster_detect import Clustering as Clustering
+from autopar.solve.cluster_detect import _node_fingerprint as _node_fingerprint
+from autopar.solve.cluster_detect import _side_inputs as _side_inputs
+from autopar.solve.cluster_detect import find_clusters as find_clusters
+from autopar.solve.cluster_detect import shared_pricing as shared_pricing
+from autopar.solve.cluster_transfer import _local_problem as _local_problem
+from autopar.solve.cluster_transfer import _NotClusterable as _NotClusterable
+from autopar.solve.cluster_transfer import _reduced_index as _reduced_index
+from autopar.solve.cluster_transfer import _reduced_problem as _reduced_problem
+from autopar.solve.cluster_transfer import _same as _same
+from autopar.solve.cluster_transfer import _side_layouts as _side_layouts
+from autopar.solve.cluster_transfer import _Transfer as _Transfer
+from autopar.solve.cluster_transfer import _transfer as _transfer
+from autopar.solve.cluster_transfer import _twins as _twins
 from autopar.solve.ilp import solve_ilp
 from autopar.solve.incumbents import LAGRANGE_STEPS, polish_under_budget
-from autopar.solve.presolve import Graph, NoPlanError, Reduction, eliminate, reduce_problem
+from autopar.solve.presolve import NoPlanError, reduce_problem
 from autopar.solve.problem import (
     InfeasibleError,
     Solution,
@@ -79,10 +97,6 @@ __all__ = [
     "solve_clustered",
 ]
 
-MAX_SIDE_LAYOUTS = 256
-"""Most joint layouts of the shared side inputs the clustered solver conditions on (each
-costs one transfer per class and one chain solve; 25-100 is typical of a mask on a 2-D mesh)."""
-
 FLAT_MIP_MAX_NODES = 600
 """Largest flat problem that still gets the budgeted MIP after a Lagrangian gap: above it
 the MIP was measured to find nothing better within the limit (design.md section 4)."""
@@ -91,251 +105,6 @@ STOP_GAP = 1e-3
 most 0.1% of the step time, and each costs one solve per side-input layout."""
 # Relative gap under which the Lagrangian plan is reported optimal (float summation noise).
 _OPTIMAL_GAP = 1e-9
-
-
-@dataclass(frozen=True)
-class Block:
-    """One repeated layer in problem-index space.
-
-    ``nodes`` are the problem indices of the layer's nodes in graph order (so the ``j``-th
-    node of two blocks of one class plays the same role); ``entry`` is the problem index of
-    the single node outside the block that feeds it; ``exit`` is the position in ``nodes``
-    of the single node used outside the block; ``edges`` are the problem's edge indices
-    that belong to the block (inside it or from ``entry`` into it); ``cls`` is its class.
-    """
-
-    key: str
-    nodes: tuple[int, ...]
-    entry: int
-    exit: int
-    edges: tuple[int, ...]
-    cls: int
-
-    @property
-    def exit_node(self) -> int:
-        """Problem index of the exit node."""
-        return self.nodes[self.exit]
-
-
-@dataclass
-class Clustering:
-    """Blocks of a problem that the clustered solver treats as repeated layers.
-
-    ``kept`` are the problem nodes outside every block (they stay as they are in the
-    reduced problem); ``classes`` counts distinct block classes.
-    """
-
-    blocks: list[Block]
-    kept: list[int]
-    classes: int
-    sides: tuple[int, ...] = ()
-
-    def describe(self) -> str:
-        """One line for ``plan.solver.message``."""
-        shared = ""
-        if self.sides:
-            shared = f", {len(self.sides)} shared input{'s' if len(self.sides) != 1 else ''}"
-        return (f"clustered {len(self.blocks)} repeated layers into {self.classes} layer class"
-                f"{'es' if self.classes != 1 else ''} ({len(self.blocks[0].nodes)} nodes each"
-                f"{shared}), reduced problem {len(self.kept) + len(self.blocks)} nodes")
-
-
-# ------------------------------------------------------------------------------ detection
-
-
-def _node_fingerprint(n: fx.Node, strategies: list[OpStrategy]) -> tuple:
-    """What decides a node's prices: op, output tensors, FLOPs, bytes, param-ness, strategies."""
-    ni = info(n)
-    target = str(n.target) if n.op == "call_function" else ""
-    to_output = any(u.op == "output" for u in n.users)
-    return (n.op, target, ni.outputs, ni.flops, ni.bytes_moved, ni.param is not None,
-            ni.buffer is not None, to_output, tuple((s.inputs, s.outputs) for s in strategies))
-
-
-def shared_pricing(gm: fx.GraphModule, strategies: dict[fx.Node, list[OpStrategy]],
-                   lays: list[Layer] | None = None) -> dict[fx.Node, fx.Node]:
-    """Map each node of a repeated layer to its twin in the first identical layer.
-
-    Two layers are identical when their nodes match position by position in op, output
-    and input tensors, FLOPs, bytes, strategy lists and wiring; a node's prices (and those
-    of the edges into it) are then the twin's, so :func:`autopar.search.build_problem`
-    prices one layer per class instead of every layer. Nodes without a twin are absent.
-    ``lays`` is ``layers(gm)`` when the caller already has it.
-    """
-    first: dict[tuple, list[fx.Node]] = {}
-    share: dict[fx.Node, fx.Node] = {}
-    for lay in layers(gm) if lays is None else lays:
-        if not lay.repeated:
-            continue
-        local = [n for n in lay.nodes if n in strategies]
-        pos = {n: j for j, n in enumerate(local)}
-        fp = tuple(
-            (_node_fingerprint(n, strategies[n]),
-             tuple((pos.get(u, -1), info(u).outputs) for u in tensor_inputs(n)))
-            for n in local)
-        rep = first.setdefault(fp, local)
-        if rep is not local:
-            share.update(zip(local, rep))
-    return share
-
-
-def find_clusters(gm: fx.GraphModule, nodes: Sequence[fx.Node],
-                  strategies: dict[fx.Node, list[OpStrategy]],
-                  problem: StrategyProblem, lays: list[Layer] | None = None) -> Clustering | None:
-    """Find repeated layers of ``gm`` in ``problem`` (whose node ``i`` is ``nodes[i]``).
-
-    A layer qualifies when exactly one outside node feeds it and exactly one of its nodes
-    is used outside it; qualifying layers with equal fingerprints form a class. Returns
-    ``None`` when no class has two or more members (the flat solve is then just as good).
-    ``lays`` is ``layers(gm)`` when the caller already has it.
-    """
-    index = {n: i for i, n in enumerate(nodes)}
-    layer_of = np.full(len(nodes), -1)
-    members: list[tuple[str, list[int]]] = []
-    for lay in layers(gm) if lays is None else lays:
-        if not lay.repeated:
-            continue
-        local = [index[n] for n in lay.nodes if n in index]
-        if not local:
-            continue
-        layer_of[local] = len(members)
-        members.append((lay.key, local))
-    if len(members) < 2:
-        return None
-    sources: list[set[int]] = [set() for _ in members]
-    exported: list[set[int]] = [set() for _ in members]
-    owned: list[list[int]] = [[] for _ in members]
-    for e, (u, v, _) in enumerate(problem.edges):
-        lu, lv = layer_of[u], layer_of[v]
-        if lv >= 0:
-            owned[lv].append(e)
-            if lu != lv:
-                sources[lv].add(u)
-        if lu >= 0 and lu != lv:
-            exported[lu].add(u)
-    sides = _side_inputs(sources, problem)
-    side_pos = {u: -2 - j for j, u in enumerate(sides)}
-    side_set = set(sides)
-    classes: dict[tuple, int] = {}
-    blocks: list[Block] = []
-    for m, (key, local) in enumerate(members):
-        chain = sources[m] - side_set
-        if len(chain) != 1 or len(exported[m]) != 1 or not side_set.isdisjoint(local):
-            # not a chain link (or it computes a side input other layers read, like T5's
-            # position bias in block 0): stays in the reduced problem as it is
-            continue
-        (entry,) = chain
-        pos = {u: j for j, u in enumerate(local)} | side_pos
-        pos[entry] = -1
-        wiring = tuple((pos[problem.edges[e][0]], pos[problem.edges[e][1]]) for e in owned[m])
-        (out,) = exported[m]
-        fp = (tuple(_node_fingerprint(nodes[u], strategies[nodes[u]]) for u in local),
-              wiring, pos[out])
-        cls = classes.setdefault(fp, len(classes))
-        blocks.append(Block(key, tuple(local), entry, pos[out], tuple(owned[m]), cls))
-    counts = np.bincount([b.cls for b in blocks], minlength=len(classes)) if blocks else []
-    if not blocks or max(counts) < 2:
-        return None
-    in_block = np.zeros(len(nodes), dtype=bool)
-    for b in blocks:
-        in_block[list(b.nodes)] = True
-    kept = [int(i) for i in np.flatnonzero(~in_block)]
-    used = {problem.edges[e][0] for b in blocks for e in b.edges} & set(sides)
-    return Clustering(blocks, kept, len(classes), tuple(u for u in sides if u in used))
-
-
-def _side_inputs(sources: list[set[int]], problem: StrategyProblem) -> list[int]:
-    """Nodes that feed two or more layers other than their own (rotary tables, masks,
-    position embeddings, an encoder's output, a bias one layer computes for the rest), in
-    problem order. The solver conditions on their joint strategy, so their layouts
-    multiply: none are taken (no clustering of the layers they feed) when the product
-    passes :data:`MAX_SIDE_LAYOUTS`."""
-    feeds: dict[int, int] = {}
-    for src in sources:
-        for u in src:
-            feeds[u] = feeds.get(u, 0) + 1
-    sides = sorted(u for u, k in feeds.items() if k >= 2)
-    layouts = math.prod(len(problem.node_costs[u]) for u in sides)
-    return sides if layouts <= MAX_SIDE_LAYOUTS else []
-
-
-# ------------------------------------------------------------------------------ transfer
-
-
-@dataclass
-class _Transfer:
-    """``table[a, b]``: least cost of a block's internals with entry ``a`` and exit ``b``;
-    ``reduction`` replays the eliminations to recover the internal choices."""
-
-    table: np.ndarray
-    reduction: Reduction
-    exit_local: int
-
-
-def _local_problem(problem: StrategyProblem, block: Block, cost: list[np.ndarray],
-                   fixed: dict[int, int]) -> StrategyProblem:
-    """The block with its entry as local node 0 (zero cost: it belongs elsewhere); an edge
-    from a side input, whose strategy ``fixed`` gives, becomes a cost on its consumer."""
-    pos = {u: j + 1 for j, u in enumerate(block.nodes)}
-    pos[block.entry] = 0
-    k0 = len(problem.node_costs[block.entry])
-    costs = [np.zeros(k0)] + [cost[u] for u in block.nodes]
-    edges = []
-    for e in block.edges:
-        u, v, m = problem.edges[e]
-        if u in fixed:
-            costs[pos[v]] = costs[pos[v]] + m[fixed[u]]
-        else:
-            edges.append((pos[u], pos[v], m))
-    mems = [np.zeros(len(c)) for c in costs]
-    return StrategyProblem(costs, mems, edges)
-
-
-def _same(problem: StrategyProblem, a: Block, b: Block) -> bool:
-    """Numeric identity of two blocks of one class (costs, memory, edges, entry width):
-    then they have the same transfer at every weight and side-input layout."""
-    if len(problem.node_costs[a.entry]) != len(problem.node_costs[b.entry]):
-        return False
-    for table in (problem.node_costs, problem.node_memory):
-        for u, v in zip(a.nodes, b.nodes):
-            if table[u] is not table[v] and not np.array_equal(table[u], table[v]):
-                return False
-    for e, f in zip(a.edges, b.edges):
-        ma, mb = problem.edges[e][2], problem.edges[f][2]
-        if ma is not mb and not np.array_equal(ma, mb):
-            return False
-    return True
-
-
-def _transfer(local: StrategyProblem, exit_local: int) -> _Transfer | None:
-    """Eliminate every node but the entry (0) and ``exit_local``; None if that gets stuck."""
-    g = Graph(local)
-    red = Reduction(local, [], [], local.num_nodes)
-    protected = {0, exit_local}
-    eliminate(g, red, protected)
-    if set(g.alive_nodes()) != protected:
-        return None  # not series-parallel between entry and exit: no 2-terminal transfer
-    table = g.cost[0][:, None] + g.cost[exit_local][None, :] + red.offset
-    if exit_local in g.nbrs[0]:
-        table = table + g.nbrs[0][exit_local]
-    red.nodes = [0, exit_local]
-    red.keep = [g.keep[0], g.keep[exit_local]]
-    return _Transfer(table, red, exit_local)
-
-
-def _twins(problem: StrategyProblem, cl: Clustering) -> list[int]:
-    """For each block, the first block numerically identical to it (itself if none):
-    one transfer is computed per distinct block, checked once per solve."""
-    reps: dict[int, list[int]] = {}
-    out = []
-    for i, b in enumerate(cl.blocks):
-        same = [r for r in reps.get(b.cls, []) if _same(problem, cl.blocks[r], b)]
-        if same:
-            out.append(same[0])
-        else:
-            reps.setdefault(b.cls, []).append(i)
-            out.append(i)
-    return out
 
 
 # ------------------------------------------------------------------------------ one lam
@@ -349,10 +118,6 @@ class _LamResult:
     value: float
     optimal: bool
     solver: str
-
-
-class _NotClusterable(Exception):
-    """A block is not series-parallel between its entry and exit."""
 
 
 def _solve_weighted(problem: StrategyProblem, cl: Clustering, twins: list[int],
@@ -395,84 +160,6 @@ def _reduced_bound(reduced: StrategyProblem) -> float:
     except NoPlanError:
         return math.inf
     return star_bound(red.residual) + red.offset
-
-
-def _side_layouts(problem: StrategyProblem, sides: tuple[int, ...],
-                  cost: list[np.ndarray]) -> list[list[int]]:
-    """Per side input, the strategies worth conditioning on: a strategy is dropped when
-    another one costs no more (weighted cost) and no more on every edge it is part of,
-    since swapping it in never makes a plan worse. Exact only for sides not joined by an
-    edge to another side; those keep every strategy."""
-    side_set = set(sides)
-    rows: dict[int, list[np.ndarray]] = {u: [cost[u][:, None]] for u in sides}
-    joined: set[int] = set()
-    for u, v, m in problem.edges:
-        if u in side_set and v in side_set:
-            joined.update((u, v))
-        elif u in side_set:
-            rows[u].append(m)
-        elif v in side_set:
-            rows[v].append(m.T)
-    out = []
-    for u in sides:
-        k = len(cost[u])
-        if u in joined or k == 1:
-            out.append(list(range(k)))
-            continue
-        profile = np.concatenate(rows[u], axis=1)  # (k, everything strategy k pays)
-        keep = []
-        for i in range(k):
-            dominated = False
-            for j in range(k):
-                if j == i or not np.all(profile[j] <= profile[i]):
-                    continue
-                # strictly better somewhere, or equal and earlier: one of twins survives
-                if np.any(profile[j] < profile[i]) or j < i:
-                    dominated = True
-                    break
-            if not dominated:
-                keep.append(i)
-        out.append(keep)
-    return out
-
-
-def _reduced_problem(problem: StrategyProblem, cl: Clustering, twins: list[int],
-                     cost: list[np.ndarray], fixed: dict[int, int]
-                     ) -> tuple[StrategyProblem, list[_Transfer]]:
-    """The reduced problem with the side inputs' strategies ``fixed`` (each distinct block
-    a transfer table between its entry and exit), and each block's transfer."""
-    distinct: dict[int, _Transfer] = {}
-    for i, b in enumerate(cl.blocks):
-        if twins[i] == i:
-            tr = _transfer(_local_problem(problem, b, cost, fixed), b.exit + 1)
-            if tr is None:
-                raise _NotClusterable(b.key)
-            distinct[i] = tr
-    transfers = [distinct[twins[i]] for i in range(len(cl.blocks))]
-    red_index = _reduced_index(cl)
-
-    def width(u: int) -> slice:
-        """The strategies node ``u`` may take: one when it is a fixed side input."""
-        return slice(fixed[u], fixed[u] + 1) if u in fixed else slice(None)
-
-    costs = [cost[u][width(u)] for u in cl.kept] + [np.zeros(len(cost[b.exit_node]))
-                                                    for b in cl.blocks]
-    owned = set()
-    for b in cl.blocks:
-        owned.update(b.edges)
-    edges = [(red_index[u], red_index[v], m[width(u), width(v)])
-             for e, (u, v, m) in enumerate(problem.edges) if e not in owned]
-    edges += [(red_index[b.entry], red_index[b.exit_node], tr.table[width(b.entry)])
-              for b, tr in zip(cl.blocks, transfers)]
-    return StrategyProblem(costs, [np.zeros(len(c)) for c in costs], edges), transfers
-
-
-def _reduced_index(cl: Clustering) -> dict[int, int]:
-    """Where each kept node and each block's exit sits in the reduced problem."""
-    red_index = {u: r for r, u in enumerate(cl.kept)}
-    for b in cl.blocks:
-        red_index[b.exit_node] = len(red_index)
-    return red_index
 
 
 def _solve_reduced(problem: StrategyProblem, cl: Clustering, reduced: StrategyProblem,
