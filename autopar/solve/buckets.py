@@ -237,6 +237,19 @@ def per_gradient(items: list[GradItem]) -> list[tuple[int, int]]:
     return [(k, k + 1) for k in range(len(items))]
 
 
+def per_layer(items: list[GradItem], layer_of: dict[str, int]) -> list[tuple[int, int]]:
+    """One bucket per layer's run of gradients on the same axes: no gradient is then
+    allocated before its own layer's backward has made it (what the split search
+    counts), at a latency per layer."""
+    runs, cuts = _runs(items), []
+    for k, it in enumerate(items):
+        if not cuts or runs[k] != runs[k - 1] or layer_of.get(it.name) != layer_of.get(items[k - 1].name):
+            cuts.append([k, k + 1])
+        else:
+            cuts[-1][1] = k + 1
+    return [(i, j) for i, j in cuts]
+
+
 def one_bucket(items: list[GradItem]) -> list[tuple[int, int]]:
     """One bucket per run of gradients on the same axes (maximal fusion)."""
     runs = _runs(items)
@@ -269,5 +282,5 @@ def stage_items(layers: list[LayerStat], zp: list[ZeroPrice], recompute: set[str
     return items, t
 
 
-__all__ = ["BucketPlan", "GradItem", "fixed_size", "one_bucket", "optimal", "per_gradient", "simulate",
+__all__ = ["BucketPlan", "GradItem", "fixed_size", "one_bucket", "optimal", "per_gradient", "per_layer", "simulate",
            "stage_items"]

@@ -30,10 +30,17 @@ from dataclasses import dataclass, field
 from autopar import schedules as sched
 from autopar.cost_models import MeshSpec
 from autopar.plan import Schedule
-from autopar.solve import buckets as bk
 from autopar.solve.layer_stats import LayerStat, zero_price
 from autopar.solve.stage_memory import gradient_arrivals, zero_flat_bytes
-from autopar.solve.step_terms import accumulation_seconds, count_exposed, split_seconds, stage_link
+from autopar.solve.step_terms import (
+    accumulation_seconds,
+    count_exposed,
+    in_flight,
+    split_seconds,
+    stage_buckets,
+    stage_link,
+    waiting_w,
+)
 
 
 @dataclass(frozen=True)
@@ -117,53 +124,6 @@ class Priced:
         return {"compute_seconds": compute, "exposed_comm_seconds": exposed,
                 "bubble_seconds": bubble, "optimizer_seconds": optimizer,
                 "hidden_comm_seconds": hidden}
-
-
-def _sync(layers: list[LayerStat], zp: list, rc: set[str], cfg: Config,
-          mesh: MeshSpec) -> tuple[bk.BucketPlan, list[list[str]], dict[str, float]]:
-    """The stage's gradient buckets (chosen, or ``cfg.bucket_bytes`` each), their
-    timing, and for ``explain`` the exposed reduction with one bucket per gradient and
-    with one bucket for all, plus the chosen buckets' smallest and largest bytes."""
-    # zero-bubble: W writes .grad without the hooks that launch buckets, so every bucket
-    # is reduced after the step's last W (runtime/pipeline.py flushes them there)
-    deferred = cfg.schedule == Schedule.ZERO_BUBBLE.value and cfg.stages > 1
-    items, backward = bk.stage_items(layers, zp, rc, cfg.zero_stage, cfg.zero_axis, deferred)
-    if cfg.bucket_bytes is None:
-        bp = bk.optimal(items, mesh, backward)
-    else:
-        bp = bk.simulate(items, bk.fixed_size(items, cfg.bucket_bytes), mesh, backward)
-    sizes = [sum(x.bytes for x in items[i:j]) for i, j in bp.cuts if items[i].fixed is None]
-    extremes = {
-        "sync_exposed_per_gradient": bk.simulate(items, bk.per_gradient(items), mesh, backward).exposed,
-        "sync_exposed_one_bucket": bk.simulate(items, bk.one_bucket(items), mesh, backward).exposed,
-        "bucket_bytes_min": min(sizes, default=0.0), "bucket_bytes_max": max(sizes, default=0.0)}
-    return bp, bp.names(items), extremes
-
-
-def in_flight(cfg: Config, index: int) -> int:
-    """Micro-batches whose activations stage ``index`` keeps at once: 1 without a
-    pipeline, ``M`` under GPipe, ``min(p - s, M)`` under 1F1B; under zero-bubble and
-    interleaved 1F1B (where ``index`` is a virtual stage, its chunk's) the count the
-    schedule's own order gives (:func:`autopar.schedules.in_flight`)."""
-    if cfg.stages == 1:
-        return 1
-    if cfg.schedule == Schedule.GPIPE.value:
-        return cfg.micro_batches
-    if cfg.virtual > 1 or cfg.schedule == Schedule.ZERO_BUBBLE.value:
-        ranks = cfg.stages // cfg.virtual
-        table = sched.in_flight_table(cfg.schedule, ranks, cfg.micro_batches, cfg.virtual)
-        return table[index % ranks][index // ranks]
-    return min(cfg.stages - index, cfg.micro_batches)
-
-
-def waiting_w(cfg: Config, index: int) -> int:
-    """Zero-bubble: the most micro-batches stage ``index`` holds between their ``B`` and
-    ``W`` (:func:`autopar.schedules.waiting_w`); 0 for the other schedules."""
-    if cfg.schedule != Schedule.ZERO_BUBBLE.value or index == 0:
-        # the first stage has no input gradients to split at: its B does nothing and
-        # its W runs the whole backward (runtime/split_backward.py), holding no more
-        return 0
-    return sched.waiting_w(cfg.stages, cfg.micro_batches)[index]
 
 
 def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec, pipe_link,
@@ -270,11 +230,18 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
             seconds += 2.0 * pipe_link(_in_bytes(layers))
         if index < cfg.stages - 1:
             seconds += 2.0 * pipe_link(layers[-1].out_bytes)
-    bp, names, extremes = _sync(layers, zp, rc, cfg, mesh) if sync else (None, [], {})
+    mem_bare = mem(chosen)
+    bp, names, extremes = stage_buckets(layers, zp, rc, cfg, mesh) if sync else (None, [], {})
     if names:
         # the memory reported: each chosen bucket allocated whole at its first gradient
         # (``peak`` reads ``arrive`` when called, below)
         arrive, spike = gradient_arrivals(layers, zp, cfg, mesh, names)
+        if mem(chosen) > budget >= mem_bare:
+            # the buckets make gradients exist earlier than the per-layer count the
+            # split and recomputation were chosen by: a bucket per layer fits as they did
+            # (the 4-layer GPT recomputed whole on 4 A100s: 6.6 MB against 6.0 MB)
+            bp, names, extremes = stage_buckets(layers, zp, rc, cfg, mesh, per_layer=True)
+            arrive, spike = gradient_arrivals(layers, zp, cfg, mesh, names)
     exposed = bp.exposed if bp is not None else 0.0
     gather_step = sum(z.gather_step for z in zp)
     # the optimizer updates the stage's parameters once per step, after the gradients
@@ -515,7 +482,14 @@ def _split(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budge
     if not math.isfinite(slow):
         # report the smallest per-device memory any split could reach
         return None, _min_split_memory(stats, cfg, stage, min_mem)
-    return [stage(i, j, s, sync=True) for s, (i, j) in enumerate(ranges)], min_mem
+    chosen = [stage(i, j, s, sync=True) for s, (i, j) in enumerate(ranges)]
+    if any(sp.total_memory > budget for sp in chosen):
+        # priced with its gradient buckets, each allocated whole at its first gradient,
+        # the split needs more than the search saw without them: it does not fit (a
+        # plan over its budget was returned as fitting: the 4-layer GPT recomputed
+        # whole on 4 A100s, 6.6 MB against a 6.0 MB budget)
+        return None, max(min_mem, min(sp.total_memory for sp in chosen))
+    return chosen, min_mem
 
 
 def _min_split_memory(stats, cfg: Config, stage, fallback: float) -> float:
@@ -529,5 +503,5 @@ def _min_split_memory(stats, cfg: Config, stage, fallback: float) -> float:
 
 
 __all__ = ["Config", "Priced", "StagePrice", "accumulation_seconds", "count_exposed",
-           "split_seconds", "stage_link",
+           "in_flight", "split_seconds", "stage_buckets", "stage_link", "waiting_w",
            "layer_classes", "price", "price_stage", "step_lower_bound"]

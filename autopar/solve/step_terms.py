@@ -1,15 +1,18 @@
 """What a pipeline stage's micro-batch pays beyond its layers' own forward and backward
 (:func:`autopar.solve.pipeline.price_stage` adds them): gradient accumulation, the
 in-flight collectives the forward does not hide, zero-bubble's split backward, and the
-price of one message between stages."""
+price of one message between stages; and what shapes a stage's memory and gradient
+reduction: the micro-batches it holds at once and its gradient buckets."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from autopar import schedules as sched
 from autopar.cost_models import MeshSpec, send_recv_time
 from autopar.plan import Schedule
+from autopar.solve import buckets as bk
 from autopar.solve.layer_stats import LayerStat
 
 if TYPE_CHECKING:  # pipeline.py imports this module
@@ -74,4 +77,56 @@ def count_exposed(layers: list[LayerStat], cfg: Config, mesh: MeshSpec) -> float
     return max(0.0, behind - beside * mesh.overlap)
 
 
-__all__ = ["accumulation_seconds", "count_exposed", "split_seconds", "stage_link"]
+def stage_buckets(layers: list[LayerStat], zp: list, rc: set[str], cfg: Config, mesh: MeshSpec,
+          per_layer: bool = False) -> tuple[bk.BucketPlan, list[list[str]], dict[str, float]]:
+    """The stage's gradient buckets (chosen, ``cfg.bucket_bytes`` each, or ``per_layer``
+    one per layer), their timing, and for ``explain`` the exposed reduction with one
+    bucket per gradient and with one bucket for all, plus the buckets' smallest and
+    largest bytes."""
+    # zero-bubble: W writes .grad without the hooks that launch buckets, so every bucket
+    # is reduced after the step's last W (runtime/pipeline.py flushes them there)
+    deferred = cfg.schedule == Schedule.ZERO_BUBBLE.value and cfg.stages > 1
+    items, backward = bk.stage_items(layers, zp, rc, cfg.zero_stage, cfg.zero_axis, deferred)
+    if per_layer:
+        layer_of = {q.name: k for k, st in enumerate(layers) for q in st.params}
+        bp = bk.simulate(items, bk.per_layer(items, layer_of), mesh, backward)
+    elif cfg.bucket_bytes is None:
+        bp = bk.optimal(items, mesh, backward)
+    else:
+        bp = bk.simulate(items, bk.fixed_size(items, cfg.bucket_bytes), mesh, backward)
+    sizes = [sum(x.bytes for x in items[i:j]) for i, j in bp.cuts if items[i].fixed is None]
+    extremes = {
+        "sync_exposed_per_gradient": bk.simulate(items, bk.per_gradient(items), mesh, backward).exposed,
+        "sync_exposed_one_bucket": bk.simulate(items, bk.one_bucket(items), mesh, backward).exposed,
+        "bucket_bytes_min": min(sizes, default=0.0), "bucket_bytes_max": max(sizes, default=0.0)}
+    return bp, bp.names(items), extremes
+
+
+def in_flight(cfg: Config, index: int) -> int:
+    """Micro-batches whose activations stage ``index`` keeps at once: 1 without a
+    pipeline, ``M`` under GPipe, ``min(p - s, M)`` under 1F1B; under zero-bubble and
+    interleaved 1F1B (where ``index`` is a virtual stage, its chunk's) the count the
+    schedule's own order gives (:func:`autopar.schedules.in_flight`)."""
+    if cfg.stages == 1:
+        return 1
+    if cfg.schedule == Schedule.GPIPE.value:
+        return cfg.micro_batches
+    if cfg.virtual > 1 or cfg.schedule == Schedule.ZERO_BUBBLE.value:
+        ranks = cfg.stages // cfg.virtual
+        table = sched.in_flight_table(cfg.schedule, ranks, cfg.micro_batches, cfg.virtual)
+        return table[index % ranks][index // ranks]
+    return min(cfg.stages - index, cfg.micro_batches)
+
+
+def waiting_w(cfg: Config, index: int) -> int:
+    """Zero-bubble: the most micro-batches stage ``index`` holds between their ``B`` and
+    ``W`` (:func:`autopar.schedules.waiting_w`); 0 for the other schedules."""
+    if cfg.schedule != Schedule.ZERO_BUBBLE.value or index == 0:
+        # the first stage has no input gradients to split at: its B does nothing and
+        # its W runs the whole backward (runtime/split_backward.py), holding no more
+        return 0
+    return sched.waiting_w(cfg.stages, cfg.micro_batches)[index]
+
+
+__all__ = ["accumulation_seconds", "count_exposed", "in_flight", "split_seconds", "stage_buckets",
+           "stage_link", "waiting_w"]
