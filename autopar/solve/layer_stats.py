@@ -28,6 +28,7 @@ from autopar.cost_models import (
     MeshSpec,
     all_gather_time,
     all_reduce_time,
+    compute_time,
     optimizer_state_bytes,
     optimizer_step_time,
     reduce_scatter_time,
@@ -154,8 +155,10 @@ class ZeroPrice:
     """Per-step time and per-device memory of a layer's parameters under a ZeRO stage."""
 
     sync: float          # gradient reduction (overlappable with backward)
-    gather_step: float   # all-gather after the step (stages 1-2), exposed once per step
-    gather_mb: float     # gathers per micro-batch (stage 3: forward + backward re-gather)
+    gather_step: float   # all-gather after the step (stages 1-2) and the runtime's
+    #                      copies into and out of its flat buffers, once per step
+    gather_mb: float     # gathers per micro-batch (stage 3: forward + backward re-gather,
+    #                      their copies out of the flat buffer and the gradients' into one)
     params: float
     grads: float
     optimizer: float
@@ -184,6 +187,28 @@ def grad_bytes(p: ParamStat, mesh: MeshSpec, stage: int, axis: int | tuple[int, 
     return p.bytes
 
 
+def copied_bytes(nbytes: float, d: int) -> float:
+    """Bytes (read + write) the ZeRO runtime's copies move for one parameter of ``nbytes``
+    sharded over ``d`` ranks, per gather-and-reduce round: stage 3 per micro-batch
+    (:mod:`autopar.runtime.zero3`), stages 1-2 per step (:mod:`autopar.runtime.zero`).
+
+    * the shards concatenated into the all-gather's input, twice (stage 3: forward and
+      backward re-gather; stages 1-2: the refresh's one, and the reduced part's clone
+      into the shard's gradient): ``2 x 2 x nbytes / d``;
+    * the whole parameter taken out of the rank-major gathered buffer, a strided read
+      that ``reshape`` copies, twice (stage 3: forward and backward; stages 1-2: the
+      refresh's reshape and its ``copy_`` into the parameter the graph reads):
+      ``2 x 2 x nbytes``;
+    * the gradient laid out rank-major for the reduction (``rank_major``): ``2 x nbytes``.
+
+    Measured on the GPT of ``benchmarks/cost_fidelity.py`` (4 gloo ranks, ZeRO-3):
+    ``aten::copy_`` and ``aten::cat`` took about 15 ms a step more than under data
+    parallel, whose gradients are views of their buckets; these bytes at the host's
+    calibrated 5.4 GB/s are 15 ms.  FSDP2 makes the same copies (its copy-in and
+    copy-out); on a GPU they run at the memory's bandwidth and cost little."""
+    return 6.0 * nbytes + 4.0 * nbytes / d
+
+
 def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | tuple[int, ...] | None,
                optimizer: str, micro_batches: int = 1) -> ZeroPrice:
     """Price ``stat``'s parameters under ZeRO ``stage`` over sub-mesh ``axis`` for a step
@@ -192,8 +217,9 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | tuple[in
     keeps whole gradients until then like stage 1; stage 3 reduce-scatters in every
     micro-batch's backward (the gather's backward, :mod:`autopar.runtime.zero3`), so the
     first ``micro_batches - 1`` of them are per micro-batch work (``gather_mb``)."""
-    sync = gstep = gmb = pb = gb = ob = tr = zsync = step = rs = 0.0
+    sync = gstep = gmb = pb = gb = ob = tr = zsync = step = rs = moved = 0.0
     zax = zero_axes(axis)
+    reduced: tuple[int, ...] = tuple(zax)  # stage 1: the axes its all-reduce spans
     d = math.prod(mesh.shape[a] for a in zax)  # ranks in the ZeRO group (1 without one)
     for p in stat.params:
         opt = optimizer_state_bytes(p.bytes, optimizer)
@@ -207,15 +233,27 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | tuple[in
             continue
         others = tuple(a for a in p.replicated if a not in zax)
         before = sync
-        sync += reduce_scatter_time(mesh, zax, p.bytes) - reduce_scatter_time(mesh, zax, d)
-        rs += sync - before  # the ZeRO axis's own reduce-scatter (what zero3's backward runs)
-        if others:
-            sync += all_reduce_time(mesh, others, p.bytes / d) - all_reduce_time(mesh, others, 1.0)
+        if stage == 1:
+            # runtime/zero.py all-reduces a stage-1 bucket over the ZeRO axes and the
+            # other replicated axes its parameters share, in one collective, and keeps
+            # this rank's part (a bucket whose parameters differ in their other axes
+            # reduces its part over them apart: priced alike).  On gloo an all-reduce
+            # runs faster than its reduce-scatter (4 MiB: 8-10 ms against 13-16 ms
+            # calibrated on 4 ranks); on NCCL it moves twice the reduce-scatter's bytes.
+            reduced = (*zax, *others)
+            sync += all_reduce_time(mesh, reduced, p.bytes) - all_reduce_time(mesh, reduced, 1.0)
+        else:
+            sync += reduce_scatter_time(mesh, zax, p.bytes) - reduce_scatter_time(mesh, zax, d)
+            rs += sync - before  # the ZeRO axis's own reduce-scatter (what zero3's backward runs)
+            if others:
+                sync += all_reduce_time(mesh, others, p.bytes / d) - all_reduce_time(mesh, others, 1.0)
         zsync += sync - before
+        if d > 1:
+            moved += copied_bytes(p.bytes, d)
         if stage < 3:
             # bandwidth only: runtime/zero.py gathers the updated shards in fused 4 MiB
             # buckets (they may span layers); one latency per layer below stands for them,
-            # as for the reduce-scatter (per parameter, the 69 tensors of a 4-layer GPT
+            # as for the reduction (per parameter, the 69 tensors of a 4-layer GPT
             # cost 90 ms of gloo latency the runtime never pays)
             gstep += all_gather_time(mesh, zax, p.bytes) - all_gather_time(mesh, zax, d)
             # the whole parameter the graph reads and the shard the optimizer steps
@@ -228,13 +266,22 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | tuple[in
     if zsync and zax:
         # the layer's gradients leave in one reduce-scatter (stage 3, runtime/zero3.py)
         # or a few fused buckets (stages 1-2): one latency per layer, as the data-parallel
-        # buckets pay theirs (autopar/solve/buckets.py)
-        lat = reduce_scatter_time(mesh, zax, d)
+        # buckets pay theirs (autopar/solve/buckets.py).  Stages 1-2's 4 MiB buckets span
+        # layers, so this over-counts small layers (the GPT of cost_fidelity: 6 layers,
+        # 3 buckets) and under-counts layers over 4 MiB, whose bandwidth term dominates
+        lat = all_reduce_time(mesh, reduced, d) if stage == 1 else reduce_scatter_time(mesh, zax, d)
         zsync += lat
         sync += lat
-        rs += lat
+        if stage > 1:
+            rs += lat
     if gstep:
         gstep += all_gather_time(mesh, zax, d)
+    # the copies are memory-bound work on the rank's own cores, exposed: stages 1-2 make
+    # them once per step (a bucket's layout in backward, the refresh before the next
+    # forward), stage 3 in every micro-batch's forward and backward
+    copies = compute_time(mesh, 0.0, moved) if moved else 0.0
+    if stage < 3:
+        gstep += copies
     if tr:
         # stage 3 gathers a layer's parameters in one collective (runtime/zero3.py), in
         # the forward and again in the backward: the latency is paid once per layer
@@ -244,8 +291,8 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | tuple[in
         # bucket); the others are spread over the micro-batches here (the step prices
         # ``gather_mb`` M times).  The all-reduce over other replicated axes runs once,
         # after the last backward (GradSync is off before it): it stays in ``sync`` only
-        gmb += rs * (micro_batches - 1) / micro_batches
+        gmb += rs * (micro_batches - 1) / micro_batches + copies
     return ZeroPrice(sync, gstep, gmb, pb, gb, ob, tr, zsync, step)
 
 
-__all__ = ["LayerStat", "ParamStat", "ZeroPrice", "grad_bytes", "layer_stats", "on_zero", "zero_price"]
+__all__ = ["LayerStat", "ParamStat", "ZeroPrice", "copied_bytes", "grad_bytes", "layer_stats", "on_zero", "zero_price"]

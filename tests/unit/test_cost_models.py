@@ -516,22 +516,78 @@ def test_zero12_gather_after_the_step_pays_one_latency_per_layer():
     """runtime/zero.py gathers the updated shards of stages 1-2 in fused buckets: the
     model charges each parameter's bytes and one latency per layer (it charged a latency
     per parameter: 69 x 1.3 ms on a calibrated gloo link, the +67 ms by which ZeRO-1
-    was over-priced against data parallel, docs/benchmarks.md)."""
-    from autopar.cost_models import all_gather_time
+    was over-priced against data parallel, docs/benchmarks.md), plus the runtime's
+    copies of the parameters (:func:`copied_bytes`)."""
+    from autopar.cost_models import all_gather_time, compute_time
 
-    from autopar.solve.layer_stats import LayerStat, ParamStat, zero_price
+    from autopar.solve.layer_stats import LayerStat, ParamStat, copied_bytes, zero_price
 
     mesh = MeshSpec.preset("cpu-gloo", shape=(4,))
     many = LayerStat("blocks.0", params=[ParamStat(1e4, (0,)) for _ in range(20)])
     one = LayerStat("blocks.0", params=[ParamStat(2e5, (0,))])
+    copies = compute_time(mesh, 0.0, copied_bytes(2e5, 4))
     for stage in (1, 2):
         g_many = zero_price(many, mesh, stage, 0, "adamw").gather_step
         g_one = zero_price(one, mesh, stage, 0, "adamw").gather_step
         # (each parameter's bytes less the d bytes its latency term stood for: 1e-4 here)
         assert g_many == pytest.approx(g_one, rel=1e-3)
-        assert g_one == pytest.approx(all_gather_time(mesh, (0,), 2e5), rel=1e-6)
-        assert g_many < 2 * all_gather_time(mesh, (0,), 1e4) * 10
+        assert g_one == pytest.approx(all_gather_time(mesh, (0,), 2e5) + copies, rel=1e-6)
+        assert g_many < 2 * all_gather_time(mesh, (0,), 1e4) * 10 + copies
     assert zero_price(one, mesh, 3, 0, "adamw").gather_step == 0.0
+
+
+def test_zero1_reduction_is_priced_as_the_all_reduce_it_runs():
+    """runtime/zero.py all-reduces a stage-1 bucket over the ZeRO axes and the other
+    replicated axes at once (and keeps its part); stage 2 reduce-scatters it.  On gloo
+    the reduce-scatter is the slower of the two (calibrated: 13-16 ms against 8-10 for
+    4 MiB on 4 ranks), and stage 1 was priced as a reduce-scatter plus an all-reduce of
+    the part over the other axes."""
+    import dataclasses
+
+    from autopar.cost_models import all_reduce_time, reduce_scatter_time
+    from autopar.cost_models.mesh import LinkSpec
+
+    from autopar.solve.layer_stats import LayerStat, ParamStat, zero_price
+
+    base = MeshSpec.preset("cpu-gloo", shape=(2, 2))
+    # a calibrated-like link: reduce-scatter at a fifth of the all-reduce's bandwidth
+    link = LinkSpec(alpha=7e-4, beta=9e8, kinds=(("reduce_scatter", 7e-4, 2e8),))
+    mesh = dataclasses.replace(base, links=(link, link), intra=None, gpus_per_node=None)
+    layer = LayerStat("blocks.0", params=[ParamStat(4e6, (0, 1))])
+    z1 = zero_price(layer, mesh, 1, 1, "adamw")
+    z2 = zero_price(layer, mesh, 2, 1, "adamw")
+    ar = all_reduce_time(mesh, (1, 0), 4e6) - all_reduce_time(mesh, (1, 0), 1.0)
+    assert z1.zero_sync == pytest.approx(ar + all_reduce_time(mesh, (1, 0), 4), rel=1e-6)
+    rs = reduce_scatter_time(mesh, (1,), 4e6)
+    assert z2.zero_sync > rs > z1.zero_sync  # stage 2 pays its reduce-scatter
+    # only stage 3 counts a reduce-scatter per micro-batch
+    assert zero_price(layer, mesh, 1, 1, "adamw", 4).gather_mb == 0.0
+
+
+def test_zero_runtime_copies_are_priced():
+    """The ZeRO runtime copies shards into the all-gather's input, whole parameters out
+    of the rank-major gathered buffer and gradients into the reduction's layout: on 4
+    gloo ranks the GPT's ZeRO-3 spent about 15 ms a step more in ``aten::copy_`` and
+    ``aten::cat`` than data parallel.  Stage 3 makes them in every micro-batch, stages 1-2
+    once a step."""
+    from autopar.cost_models import compute_time
+
+    from autopar.solve.layer_stats import LayerStat, ParamStat, copied_bytes, zero_price
+
+    mesh = MeshSpec.preset("cpu-gloo", shape=(4,))
+    assert copied_bytes(4e6, 4) == pytest.approx(6 * 4e6 + 4e6)
+    layer = LayerStat("blocks.0", params=[ParamStat(4e6, (0,))])
+    copies = compute_time(mesh, 0.0, copied_bytes(4e6, 4))
+    assert copies > 1e-3  # 28 MB at the preset's bandwidth: milliseconds, not noise
+    one, four = (zero_price(layer, mesh, 3, 0, "adamw", m) for m in (1, 4))
+    from autopar.cost_models import all_gather_time
+    assert one.gather_mb == pytest.approx(2 * all_gather_time(mesh, 0, 4e6) + copies, rel=1e-6)
+    assert four.gather_mb - one.gather_mb == pytest.approx(0.75 * one.zero_sync, rel=1e-6)
+    z1 = zero_price(layer, mesh, 1, 0, "adamw", 4)
+    assert z1.gather_step == pytest.approx(zero_price(layer, mesh, 1, 0, "adamw", 1).gather_step)
+    assert z1.gather_step > copies
+    # data parallel's gradients are views of their buckets: no copies
+    assert zero_price(layer, mesh, 0, None, "adamw").gather_step == 0.0
 
 
 def test_zero3_per_micro_batch_charge_is_its_own_reduce_scatter_only():
