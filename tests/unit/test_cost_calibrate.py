@@ -118,7 +118,7 @@ def test_calibration_keeps_what_it_does_not_measure() -> None:
     """A calibrated mesh measures links and rates per axis, not the reserve or how the
     backend runs a collective over several axes: those come from the base preset, else
     from the preset kind of the device (NCCL's flat-ring all-gather and reduce-scatter on
-    GPUs; nothing on a gloo host).  Before, a calibrated GPU mesh lost the flat rings."""
+    GPUs; every kind on a gloo host).  Before, a calibrated GPU mesh lost the flat rings."""
     from autopar.cost_models.calibrate import _unmeasured
 
     gpu = MeshSpec.preset("multinode-a100-40gb")
@@ -126,7 +126,8 @@ def test_calibration_keeps_what_it_does_not_measure() -> None:
     assert kept["flat_ring"] == gpu.flat_ring == ("all_gather", "reduce_scatter")
     assert (kept["reserve_bytes"], kept["reserve_fraction"]) == (gpu.reserve_bytes, gpu.reserve_fraction)
     assert _unmeasured(None, True, 80 * 2**30)["flat_ring"] == ("all_gather", "reduce_scatter")
-    assert _unmeasured(None, False, 8 * 2**30)["flat_ring"] == ()
+    # gloo runs every collective over a multi-axis group as one flat algorithm
+    assert _unmeasured(None, False, 8 * 2**30)["flat_ring"] == ("all_reduce", "all_gather", "reduce_scatter")
     # a small host keeps at least half its memory for the plan
     assert _unmeasured(None, False, 0.6 * 2**30)["reserve_bytes"] == 0.3 * 2**30
     # the zero-bubble split's factor: the base's, else the device kind's preset
