@@ -57,6 +57,7 @@ class Kind(StrEnum):
     GRAD_SYNC_HIDDEN = "grad sync (hidden)"
     PARAM_GATHER = "param all-gather"
     OPTIMIZER = "optimizer step"
+    COPY = "copies"
     BUBBLE = "bubble"
 
 
@@ -150,6 +151,10 @@ def predicted_events(plan: Plan) -> list[Event]:
         if gather > 0:
             events.append(Event(s, Lane.COMM, Kind.PARAM_GATHER, end, gather,
                                 label="ZeRO param all-gather"))
+            end += gather
+        copies = parts.get("copy_step", 0.0)
+        if copies > 0:  # gradients into their buckets, ZeRO-1/2's flat layouts
+            events.append(Event(s, Lane.COMPUTE, Kind.COPY, end, copies, label="runtime copies"))
     last = max(e.end for e in events)
     for s in range(p):
         busy = sorted((e.start, e.end) for e in events if e.stage == s and
@@ -210,7 +215,8 @@ def write_trace(plan: Plan, path: str | Path) -> Path:
 
 _COLOURS = {Kind.FORWARD: "#4c72b0", Kind.BACKWARD: "#dd8452", Kind.COMM: "#c44e52",
             Kind.GRAD_SYNC: "#8172b3", Kind.GRAD_SYNC_HIDDEN: "#b8acd9",
-            Kind.PARAM_GATHER: "#937860", Kind.OPTIMIZER: "#da8bc3", Kind.BUBBLE: "#eeeeee"}
+            Kind.PARAM_GATHER: "#937860", Kind.OPTIMIZER: "#da8bc3", Kind.COPY: "#8c8c8c",
+            Kind.BUBBLE: "#eeeeee"}
 
 
 def draw_timeline(plan: Plan, path: str | Path, title: str | None = None) -> Path:

@@ -155,8 +155,7 @@ class ZeroPrice:
     """Per-step time and per-device memory of a layer's parameters under a ZeRO stage."""
 
     sync: float          # gradient reduction (overlappable with backward)
-    gather_step: float   # all-gather after the step (stages 1-2) and the runtime's
-    #                      copies into and out of its flat buffers, once per step
+    gather_step: float   # all-gather after the step (stages 1-2), exposed once per step
     gather_mb: float     # gathers per micro-batch (stage 3: forward + backward re-gather,
     #                      their copies out of the flat buffer and the gradients' into one)
     params: float
@@ -165,6 +164,7 @@ class ZeroPrice:
     transient: float     # whole parameters alive while the layer runs (stage 3)
     zero_sync: float = 0.0  # the part of ``sync`` that ZeRO's own reduce-scatters do
     opt_step: float = 0.0  # the optimizer's update of the parameters this device owns
+    copy_step: float = 0.0  # the runtime's copies once per step: memory-bound, exposed
 
 
 def on_zero(replicated: tuple[int, ...], stage: int, axis: int | tuple[int, ...] | None) -> bool:
@@ -217,7 +217,7 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | tuple[in
     keeps whole gradients until then like stage 1; stage 3 reduce-scatters in every
     micro-batch's backward (the gather's backward, :mod:`autopar.runtime.zero3`), so the
     first ``micro_batches - 1`` of them are per micro-batch work (``gather_mb``)."""
-    sync = gstep = gmb = pb = gb = ob = tr = zsync = step = rs = moved = 0.0
+    sync = gstep = gmb = pb = gb = ob = tr = zsync = step = rs = moved = into_bucket = 0.0
     zax = zero_axes(axis)
     reduced: tuple[int, ...] = tuple(zax)  # stage 1: the axes its all-reduce spans
     d = math.prod(mesh.shape[a] for a in zax)  # ranks in the ZeRO group (1 without one)
@@ -228,6 +228,9 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | tuple[in
             if p.replicated:
                 # bandwidth only: bucketing pays the latency once per bucket
                 sync += all_reduce_time(mesh, p.replicated, p.bytes) - all_reduce_time(mesh, p.replicated, 1.0)
+                # runtime/grad_sync.py copies the gradient autograd made into its bucket
+                # (then ``.grad`` is a view of it), as DDP's reducer does
+                into_bucket += 2.0 * p.bytes
             pb, ob = pb + p.bytes, ob + opt
             step += optimizer_step_time(mesh, p.bytes, opt)
             continue
@@ -267,8 +270,11 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | tuple[in
         # the layer's gradients leave in one reduce-scatter (stage 3, runtime/zero3.py)
         # or a few fused buckets (stages 1-2): one latency per layer, as the data-parallel
         # buckets pay theirs (autopar/solve/buckets.py).  Stages 1-2's 4 MiB buckets span
-        # layers, so this over-counts small layers (the GPT of cost_fidelity: 6 layers,
-        # 3 buckets) and under-counts layers over 4 MiB, whose bandwidth term dominates
+        # layers, so this over-counts small layers (the GPT of cost_fidelity: 6 layers in
+        # 2 buckets each way) and under-counts layers over 4 MiB, whose bandwidth term
+        # dominates.  (The layer's bytes' share of the buckets' latencies under-counts a
+        # small model's one bucket each way, and made ZeRO-2 the unconstrained plan of
+        # a small GPT on 4 A100s: a step-level count is what it would take.)
         lat = all_reduce_time(mesh, reduced, d) if stage == 1 else reduce_scatter_time(mesh, zax, d)
         zsync += lat
         sync += lat
@@ -276,12 +282,12 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | tuple[in
             rs += lat
     if gstep:
         gstep += all_gather_time(mesh, zax, d)
-    # the copies are memory-bound work on the rank's own cores, exposed: stages 1-2 make
-    # them once per step (a bucket's layout in backward, the refresh before the next
-    # forward), stage 3 in every micro-batch's forward and backward
+    # the copies are memory-bound work on the rank's own cores, exposed: data parallel
+    # and stages 1-2 make them once per step (a gradient into its bucket in backward,
+    # the refresh before the next forward), stage 3 in every micro-batch's forward and
+    # backward
     copies = compute_time(mesh, 0.0, moved) if moved else 0.0
-    if stage < 3:
-        gstep += copies
+    once = (copies if stage < 3 else 0.0) + (compute_time(mesh, 0.0, into_bucket) if into_bucket else 0.0)
     if tr:
         # stage 3 gathers a layer's parameters in one collective (runtime/zero3.py), in
         # the forward and again in the backward: the latency is paid once per layer
@@ -292,7 +298,7 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | tuple[in
         # ``gather_mb`` M times).  The all-reduce over other replicated axes runs once,
         # after the last backward (GradSync is off before it): it stays in ``sync`` only
         gmb += rs * (micro_batches - 1) / micro_batches + copies
-    return ZeroPrice(sync, gstep, gmb, pb, gb, ob, tr, zsync, step)
+    return ZeroPrice(sync, gstep, gmb, pb, gb, ob, tr, zsync, step, once)
 
 
 __all__ = ["LayerStat", "ParamStat", "ZeroPrice", "copied_bytes", "grad_bytes", "layer_stats", "on_zero", "zero_price"]

@@ -114,9 +114,10 @@ class Priced:
         slow = max(self.stages, key=lambda sp: sp.seconds)
         tail = max(self.stages, key=lambda sp: sp.extra)
         p = slow.parts
-        compute = m * (p.get("compute", 0.0) + p.get("recompute", 0.0) + p.get("accumulate", 0.0))
+        copies = tail.parts.get("copy_step", 0.0)  # memory-bound work, not communication
+        compute = m * (p.get("compute", 0.0) + p.get("recompute", 0.0) + p.get("accumulate", 0.0)) + copies
         optimizer = tail.parts.get("optimizer_step", 0.0)
-        exposed = m * p.get("comm", 0.0) + tail.extra - optimizer
+        exposed = m * p.get("comm", 0.0) + tail.extra - optimizer - copies
         # one stage has no bubble (what the subtraction leaves then is rounding)
         bubble = max(0.0, self.step_seconds - m * slow.seconds - tail.extra) \
             if self.config.stages > 1 else 0.0
@@ -247,13 +248,14 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     # the optimizer updates the stage's parameters once per step, after the gradients
     # are reduced and before the next forward: nothing overlaps it
     opt_step = sum(z.opt_step for z in zp)
-    extra = exposed + gather_step + opt_step
+    copy_step = sum(z.copy_step for z in zp)  # gradients into buckets, ZeRO-1/2's layouts
+    extra = exposed + gather_step + opt_step + copy_step
     compute = sum(st.compute for st in layers)
     recompute = sum(st.forward for st in chosen)
     parts = {"compute": compute, "recompute": recompute, "accumulate": accumulate,
              "comm": seconds - compute - recompute - accumulate,
              "sync": bp.busy if bp is not None else 0.0, "sync_exposed": exposed,
-             "gather_step": gather_step, "optimizer_step": opt_step, **extremes}
+             "gather_step": gather_step, "optimizer_step": opt_step, "copy_step": copy_step, **extremes}
     # what is alive at the peak: gradients only as far as backward has made them
     memory = {"params": sum(z.params for z in zp), "optimizer": sum(z.optimizer for z in zp),
               "buffers": sum(st.buffers for st in layers), **peak(chosen)}
@@ -320,7 +322,7 @@ def step_lower_bound(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_l
     total = tail = 0.0
     for st, z in zip(stats, _zero_prices(stats, layer_classes(stats), cfg, mesh, optimizer)):
         total += st.seconds + z.gather_mb
-        tail += z.gather_step + z.opt_step
+        tail += z.gather_step + z.opt_step + z.copy_step
     if p > 1:
         total += 4.0 * (p * v - 1) * pipe_link(min(st.out_bytes for st in stats))
     # the step grows with the slowest stage (m >= 1 >= (1 - idle_reuse) x share), so

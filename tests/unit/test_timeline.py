@@ -68,8 +68,11 @@ def test_no_pipeline_is_gradient_accumulation_ending_at_the_step(model):
     p = _plan(model, pipeline_stages=1, micro_batches=4, zero_stage=0)
     ev = predicted_events(p)
     seq = [(e.kind.value[0], e.micro) for e in _compute(ev, 0)]
-    # four forward/backward pairs, then the optimizer's one update of the step
-    assert seq == [(k, i) for i in range(4) for k in "fb"] + [("o", -1)]
+    # four forward/backward pairs, then the optimizer's one update of the step and the
+    # gradients' copies into their buckets (priced once a step)
+    assert seq == [(k, i) for i in range(4) for k in "fb"] + [("o", -1), ("c", -1)]
+    copies = [e for e in ev if e.kind == Kind.COPY]
+    assert len(copies) == 1 and copies[0].duration == p.decisions.stage_parts[0]["copy_step"] > 0
     opt = [e for e in ev if e.kind == Kind.OPTIMIZER]
     assert len(opt) == 1 and opt[0].duration == p.decisions.breakdown["optimizer_seconds"] > 0
     # one stage: the layout is exactly the cost model's step
