@@ -231,13 +231,13 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
             seconds += 2.0 * pipe_link(_in_bytes(layers))
         if index < cfg.stages - 1:
             seconds += 2.0 * pipe_link(layers[-1].out_bytes)
-    mem_bare = mem(chosen)
     bp, names, extremes = stage_buckets(layers, zp, rc, cfg, mesh) if sync else (None, [], {})
     if names:
+        bare = mem(chosen)  # gradients counted per layer, as the split search counted them
         # the memory reported: each chosen bucket allocated whole at its first gradient
         # (``peak`` reads ``arrive`` when called, below)
         arrive, spike = gradient_arrivals(layers, zp, cfg, mesh, names)
-        if mem(chosen) > budget >= mem_bare:
+        if mem(chosen) > budget >= bare:
             # the buckets make gradients exist earlier than the per-layer count the
             # split and recomputation were chosen by: a bucket per layer fits as they did
             # (the 4-layer GPT recomputed whole on 4 A100s: 6.6 MB against 6.0 MB)

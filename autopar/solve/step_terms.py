@@ -78,7 +78,7 @@ def count_exposed(layers: list[LayerStat], cfg: Config, mesh: MeshSpec) -> float
 
 
 def stage_buckets(layers: list[LayerStat], zp: list, rc: set[str], cfg: Config, mesh: MeshSpec,
-          per_layer: bool = False) -> tuple[bk.BucketPlan, list[list[str]], dict[str, float]]:
+                  per_layer: bool = False) -> tuple[bk.BucketPlan, list[list[str]], dict[str, float]]:
     """The stage's gradient buckets (chosen, ``cfg.bucket_bytes`` each, or ``per_layer``
     one per layer), their timing, and for ``explain`` the exposed reduction with one
     bucket per gradient and with one bucket for all, plus the buckets' smallest and
