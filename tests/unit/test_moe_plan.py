@@ -109,7 +109,14 @@ def test_planner_picks_ep_when_experts_dominate(big, shape: tuple[int, ...], ep:
     model, ex = big
     p = plan(model, ex, MeshSpec.preset("8xA100-nvlink", shape=shape), search="ilp")
     experts = {v for k, v in p.params().items() if k.endswith(("w_in", "w_out"))}
-    assert experts == {ep}
+    if len(shape) == 1:
+        assert experts == {ep}
+    else:
+        # split on the inner axis; on the outer one replicated (EP4 x DP2) or split too
+        # (EP8): a near tie on one NVLink node (96.7 against 96.9 ms a step) that data
+        # parallel's copy of each gradient into its bucket, priced since stop 37, tips
+        # to EP8.  Never replicated on the inner axis.
+        assert len(experts) == 1 and experts <= {ep, "S(0)S(0)"}, experts
     ax = len(shape) - 1
     swaps = {(n, s) for n, s in p.redistributions() if s.startswith("all_to_all")}
     for k in range(BIG["layers"]):
