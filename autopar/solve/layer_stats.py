@@ -286,8 +286,8 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | tuple[in
     # and stages 1-2 make them once per step (a gradient into its bucket in backward,
     # the refresh before the next forward), stage 3 in every micro-batch's forward and
     # backward
-    copies = compute_time(mesh, 0.0, moved) if moved else 0.0
-    once = (copies if stage < 3 else 0.0) + (compute_time(mesh, 0.0, into_bucket) if into_bucket else 0.0)
+    copies = compute_time(mesh, 0.0, moved)  # 0.0 where nothing is copied
+    once = (copies if stage < 3 else 0.0) + compute_time(mesh, 0.0, into_bucket)
     if tr:
         # stage 3 gathers a layer's parameters in one collective (runtime/zero3.py), in
         # the forward and again in the backward: the latency is paid once per layer

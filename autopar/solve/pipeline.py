@@ -484,14 +484,9 @@ def _split(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budge
     if not math.isfinite(slow):
         # report the smallest per-device memory any split could reach
         return None, _min_split_memory(stats, cfg, stage, min_mem)
-    chosen = [stage(i, j, s, sync=True) for s, (i, j) in enumerate(ranges)]
-    if any(sp.total_memory > budget for sp in chosen):
-        # priced with its gradient buckets, each allocated whole at its first gradient,
-        # the split needs more than the search saw without them: it does not fit (a
-        # plan over its budget was returned as fitting: the 4-layer GPT recomputed
-        # whole on 4 A100s, 6.6 MB against a 6.0 MB budget)
-        return None, max(min_mem, min(sp.total_memory for sp in chosen))
-    return chosen, min_mem
+    # priced with their gradient buckets, the stages still fit: price_stage falls back
+    # to a bucket per layer where the chosen buckets would not
+    return [stage(i, j, s, sync=True) for s, (i, j) in enumerate(ranges)], min_mem
 
 
 def _min_split_memory(stats, cfg: Config, stage, fallback: float) -> float:
