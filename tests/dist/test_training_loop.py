@@ -193,6 +193,7 @@ def test_dcp_round_trip_and_reshard(four):
     assert all(torch.equal(sd["model"][k], v) for k, v in expected.items())
 
 
+@pytest.mark.slow  # a 4-rank process group (every other user of it is slow already)
 @pytest.mark.parametrize("case", ["dcp-zero1-axes", "dcp-zero3-axes"])
 def test_dcp_round_trip_under_zero_over_two_axes(four, case):
     """ZeRO over both axes of a 2x2 mesh: the model and AdamW's flat state saved with DCP
