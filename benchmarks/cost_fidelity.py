@@ -1,6 +1,8 @@
 """How well the predicted step time ranks and matches measured steps, preset vs calibrated.
 
     python benchmarks/cost_fidelity.py [--steps 3] [--rounds 5] [--world 4] [--no-write]
+                                       [--save DIR]
+    python benchmarks/cost_fidelity.py --reprice DIR [--no-write]
 
 On ``--world`` gloo ranks of this machine (one thread each), each case plans and builds
 an autopar module (``auto_parallel``) for one model under one set of decisions and
@@ -17,6 +19,14 @@ median relative error ``|predicted - measured| / measured``, and the rank correl
 the even rounds' medians with the odd rounds' (how well the measurement agrees with
 itself: plans a few percent apart swap between halves too); the table goes into
 ``docs/benchmarks.md`` with the machine's load.
+
+``--save DIR`` keeps the run: the measured rows (``rows.json``), the calibrated mesh
+(``calibrated-mesh.json``) and the calibration's table.  ``--reprice DIR`` measures
+nothing: it plans every stored case again (``autopar.plan``, no process group) on the
+stored meshes with the cost model as it is now, and reports the new predictions
+against the stored measurements, so a change to the cost model can be judged on runs
+taken idle and busy without taking them again (the measured side is the same numbers;
+only the predictions move).
 """
 
 from __future__ import annotations
@@ -78,18 +88,22 @@ def _model(name: str, world: int):
     return model, batch, True
 
 
+def _case_mesh(mesh_spec, shape: tuple[int, ...]):
+    """``mesh_spec`` reshaped to the case's mesh, its first link on every axis (the
+    ranks share one machine)."""
+    import dataclasses
+    return dataclasses.replace(mesh_spec, shape=tuple(shape), axis_names=(),
+                               links=mesh_spec.links[:1] * len(shape))
+
+
 def _build(model_name: str, case: str, opts: dict, world: int, mesh_spec) -> dict:
     """Plan and build one case; a dict with its ``step`` (AdamW step of the whole batch)
     and plan, or its ``error`` (raised alike on every rank: a table entry)."""
-    import dataclasses
-
     import autopar
 
     model, inputs, kw = _model(model_name, world)
     opts = dict(opts)
-    shape = opts.pop("mesh", (world,))
-    mesh = dataclasses.replace(mesh_spec, shape=tuple(shape), axis_names=(),
-                               links=mesh_spec.links[:1] * len(shape))
+    mesh = _case_mesh(mesh_spec, opts.pop("mesh", (world,)))
     try:
         if kw:
             pm = autopar.auto_parallel(model, example_inputs=(), example_kwargs=inputs,
@@ -154,6 +168,7 @@ def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
     if rank == 0:
         print(record.table(), flush=True)
         Path(out + ".calibration").write_text(record.table())
+        Path(out + ".mesh.json").write_text(record.to_json())
     meshes = {"cpu-gloo preset": MeshSpec.preset("cpu-gloo", shape=(world,)),
               "calibrated": record.spec}
     built = []
@@ -203,7 +218,7 @@ def _pct(rows: list[dict], pick) -> int:
 
 
 def section(rows: list[dict], world: int, steps: int, load: tuple[float, float],
-            calibration: str = "") -> str:
+            calibration: str = "", repriced: str = "", when: str = "") -> str:
     """The markdown section for docs/benchmarks.md."""
     from plan_time import machine
 
@@ -217,8 +232,11 @@ def section(rows: list[dict], world: int, steps: int, load: tuple[float, float],
              "group: collectives per kind after a barrier, compute, the optimizer step, overlap "
              "and idle reuse with every rank busy, the slowest rank's pace and the drift a "
              "blocking collective waits out.", "",
-             f"Measured {_dt.date.today().isoformat()} on: {machine()}; load average "
-             f"{load[0]:.2f} before, {load[1]:.2f} after.", "",
+             f"Measured {when or _dt.date.today().isoformat()} on: {machine()}; load average "
+             f"{load[0]:.2f} before, {load[1]:.2f} after."
+             + (f" Predictions re-priced with the current cost model from the stored run "
+                f"`{repriced}` (`--reprice`): its measurements, its calibration." if repriced else ""),
+             "",
              "| preset | cases | Spearman | median relative error | measured even vs odd rounds: Spearman |",
              "|---|---:|---:|---:|---:|"]
     for preset, s in summary(rows).items():
@@ -252,6 +270,37 @@ def section(rows: list[dict], world: int, steps: int, load: tuple[float, float],
     return "\n".join(lines)
 
 
+def reprice(keep: Path, presets: list[str] | None = None) -> tuple[list[dict], str, tuple[float, float]]:
+    """The rows ``--save`` kept in ``keep``, each predicted again: its case planned
+    (``autopar.plan``) on its stored mesh (the preset, or the calibrated mesh) with the
+    cost model as it is now; the measured side unchanged (only ``presets``' rows, if
+    given).  Also the stored calibration table and load."""
+    import autopar
+    from autopar import MeshSpec
+
+    stored = json.loads((keep / "rows.json").read_text())
+    world = stored["world"]
+    meshes = {"cpu-gloo preset": MeshSpec.preset("cpu-gloo", shape=(world,)),
+              "calibrated": MeshSpec.from_json((keep / "calibrated-mesh.json").read_text())}
+    options = {(m, c): o for m, c, o in CASES}
+    rows = []
+    for r in stored["rows"]:
+        if presets and r["preset"] not in presets:
+            continue
+        if "error" in r:
+            rows.append(r)
+            continue
+        opts = dict(options[(r["model"], r["case"])])
+        mesh = _case_mesh(meshes[r["preset"]], opts.pop("mesh", (world,)))
+        model, inputs, kw = _model(r["model"], world)
+        plan = autopar.plan(model, () if kw else inputs, mesh, example_kwargs=inputs if kw else None,
+                            **opts)
+        d = plan.decisions
+        rows.append({**r, "predicted_ms": d.step_seconds * 1e3,
+                     "breakdown_ms": {k: round(v * 1e3, 1) for k, v in d.breakdown.items()}})
+    return rows, (keep / "calibration.txt").read_text(), tuple(stored["load"])
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3, help="timed steps per case per round")
@@ -262,8 +311,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--cases", default="", help="comma-separated model:case names (default all)")
     ap.add_argument("--presets", default="", help="'cpu-gloo preset' and/or 'calibrated' (comma-separated)")
     ap.add_argument("-v", "--verbose", action="store_true", help="print each row as it is measured")
+    ap.add_argument("--save", metavar="DIR", help="keep the rows, the calibrated mesh and its table in DIR")
+    ap.add_argument("--reprice", metavar="DIR",
+                    help="measure nothing: price DIR's stored cases again with the current cost model")
     a = ap.parse_args(argv)
     from plan_time import write_section
+
+    if a.reprice:
+        stored = json.loads((Path(a.reprice) / "rows.json").read_text())
+        rows, calibration, load = reprice(Path(a.reprice), [p for p in a.presets.split(",") if p])
+        text = section(rows, stored["world"], stored["steps"], load, calibration,
+                       repriced=Path(a.reprice).name, when=stored["when"])
+        print(text)
+        if not a.no_write:
+            write_section(text)
+        return rows
 
     from tests.dist.harness import free_port
     with tempfile.TemporaryDirectory() as d:
@@ -275,7 +337,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
                  nprocs=a.world, join=True)
         rows = json.loads(Path(out).read_text())
         calibration = Path(out + ".calibration").read_text()
-    text = section(rows, a.world, a.steps * a.rounds, (load0, os.getloadavg()[0]), calibration)
+        load = (load0, os.getloadavg()[0])
+        if a.save:
+            keep = Path(a.save)
+            keep.mkdir(parents=True, exist_ok=True)
+            (keep / "rows.json").write_text(json.dumps({"rows": rows, "load": load, "world": a.world,
+                                                        "steps": a.steps * a.rounds,
+                                                        "when": _dt.date.today().isoformat()}))
+            (keep / "calibration.txt").write_text(calibration)
+            (keep / "calibrated-mesh.json").write_text(Path(out + ".mesh.json").read_text())
+    text = section(rows, a.world, a.steps * a.rounds, load, calibration)
     print(text)
     if not a.no_write:
         write_section(text)
