@@ -96,6 +96,19 @@ def _case_mesh(mesh_spec, shape: tuple[int, ...]):
                                links=mesh_spec.links[:1] * len(shape))
 
 
+def signature(plan) -> str:
+    """What the runtime builds from ``plan``, as text: the plan-level decisions, the
+    gradient buckets and every parameter's placements.  ``--reprice`` compares a stored
+    row's with the plan the current cost model makes: a case planned differently now
+    was not measured, and its prediction is not compared."""
+    d = plan.decisions
+    params = sorted((n.param or name, "/".join(n.out_placements))
+                    for name, n in plan.nodes.items() if n.kind == "param")
+    return json.dumps([d.pipeline_stages, d.pipeline_axis, d.schedule, d.virtual_stages,
+                       d.micro_batches, d.stages, d.zero_stage, d.zero_axis, d.recompute,
+                       d.precision, d.grad_buckets, params])
+
+
 def _build(model_name: str, case: str, opts: dict, world: int, mesh_spec) -> dict:
     """Plan and build one case; a dict with its ``step`` (AdamW step of the whole batch)
     and plan, or its ``error`` (raised alike on every rank: a table entry)."""
@@ -153,7 +166,7 @@ def _measure(built: list[dict], rounds: int, steps: int) -> list[dict]:
         med = statistics.median(times)
         rows.append({"model": b["model"], "case": b["case"], "predicted_ms": d.step_seconds * 1e3,
                      "breakdown_ms": {k: round(v * 1e3, 1) for k, v in d.breakdown.items()},
-                     "measured_ms": med * 1e3, "spread": iqr(times) / med,
+                     "measured_ms": med * 1e3, "spread": iqr(times) / med, "plan": signature(b["plan"]),
                      "halves_ms": [half(times, 0) * 1e3, half(times, 1) * 1e3] if rounds > 1 else None})
     return rows
 
@@ -274,7 +287,8 @@ def reprice(keep: Path, presets: list[str] | None = None) -> tuple[list[dict], s
     """The rows ``--save`` kept in ``keep``, each predicted again: its case planned
     (``autopar.plan``) on its stored mesh (the preset, or the calibrated mesh) with the
     cost model as it is now; the measured side unchanged (only ``presets``' rows, if
-    given).  Also the stored calibration table and load."""
+    given).  A case the current model plans differently (:func:`signature`) becomes an
+    error row: what it would run was not measured.  Also the stored calibration table and load."""
     import autopar
     from autopar import MeshSpec
 
@@ -296,6 +310,10 @@ def reprice(keep: Path, presets: list[str] | None = None) -> tuple[list[dict], s
         plan = autopar.plan(model, () if kw else inputs, mesh, example_kwargs=inputs if kw else None,
                             **opts)
         d = plan.decisions
+        if r.get("plan") != signature(plan):
+            rows.append({k: v for k, v in r.items() if k != "predicted_ms"}
+                        | {"error": "planned differently now: not the plan measured"})
+            continue
         rows.append({**r, "predicted_ms": d.step_seconds * 1e3,
                      "breakdown_ms": {k: round(v * 1e3, 1) for k, v in d.breakdown.items()}})
     return rows, (keep / "calibration.txt").read_text(), tuple(stored["load"])

@@ -292,6 +292,14 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | tuple[in
         # stage 3 gathers a layer's parameters in one collective (runtime/zero3.py), in
         # the forward and again in the backward: the latency is paid once per layer
         gmb = 2.0 * all_gather_time(mesh, zax, tr)
+        if d > 1:
+            # each gather is waited for right before its layer runs, in forward and in
+            # backward: every rank waits there for the last to issue it, the drift a
+            # blocking collective pays (``mesh.sync_seconds``, collectives.blocking_time).
+            # Unpriced, ZeRO-3 of the 4-layer GPT on 4 calibrated gloo ranks measured
+            # 0.88 of its price idle and 0.69 with one more busy process (12 gathers a
+            # step); priced, 1.02 and 0.90 (docs/benchmarks.md, Cost-model fidelity)
+            gmb += 2.0 * mesh.sync_seconds
         # and reduce-scatters their gradients over the ZeRO axis in every micro-batch's
         # backward: the last is the step's gradient sync (``sync``, overlapped like a
         # bucket); the others are spread over the micro-batches here (the step prices

@@ -249,7 +249,10 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     # are reduced and before the next forward: nothing overlaps it
     opt_step = sum(z.opt_step for z in zp)
     copy_step = sum(z.copy_step for z in zp)  # gradients into buckets, ZeRO-1/2's layouts
-    extra = exposed + gather_step + opt_step + copy_step
+    # every rank waits for the last at the last bucket and at ZeRO-1/2's gather of the
+    # updated shards: the drift, as a blocking collective (docs/architecture.md)
+    waits = mesh.sync_seconds * ((bp is not None and bp.busy > 0) + (gather_step > 0))
+    extra = exposed + gather_step + opt_step + copy_step + waits
     compute = sum(st.compute for st in layers)
     recompute = sum(st.forward for st in chosen)
     parts = {"compute": compute, "recompute": recompute, "accumulate": accumulate,

@@ -72,18 +72,19 @@ MEGATRON = {"*q_proj.weight": "S(0)", "*k_proj.weight": "S(0)", "*v_proj.weight"
 DP = {"*": "R", "input:0": "S(0)", "input:1": "S(0)"}
 
 
-def test_tensor_parallel_pays_the_drift_data_parallel_does_not(mesh: MeshSpec) -> None:
+def test_tensor_parallel_pays_the_drift_data_parallel_once(mesh: MeshSpec) -> None:
     """The Megatron layout waits on an all-reduce after every row-parallel layer, forward
     and backward (2 layers x 2 x 2 = 8 at least): its step grows by at least 8 drifts.
     Pinned data parallelism reduces its gradients in asynchronous buckets and waits on
-    nothing in its forward and backward: its step does not grow."""
+    nothing in its forward and backward, only for the last bucket at the step's end: its
+    step grows by one drift (tests/solver/test_step_pricing.py has the ZeRO waits)."""
     model, inputs = _gpt()
     synced = dataclasses.replace(mesh, sync_seconds=SYNC)
     tp = [plan(model, inputs, mesh=m, pins=MEGATRON, pipeline_stages=1).decisions
           for m in (mesh, synced)]
     assert tp[1].step_seconds - tp[0].step_seconds >= 8 * SYNC * 0.999
     dp = [plan(model, inputs, mesh=m, pins=DP, pipeline_stages=1).decisions for m in (mesh, synced)]
-    assert dp[1].step_seconds == pytest.approx(dp[0].step_seconds)
+    assert dp[1].step_seconds == pytest.approx(dp[0].step_seconds + SYNC)
 
 
 def test_the_slowest_rank_paces_every_compute_price(mesh: MeshSpec) -> None:
