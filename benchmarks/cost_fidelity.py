@@ -1,14 +1,15 @@
 """How well the predicted step time ranks and matches measured steps, preset vs calibrated.
 
-    python benchmarks/cost_fidelity.py [--steps 3] [--rounds 5] [--world 4] [--no-write]
-                                       [--save DIR]
+    python benchmarks/cost_fidelity.py [--steps 3] [--rounds 5] [--warmup 1] [--world 4]
+                                       [--no-write] [--save DIR]
     python benchmarks/cost_fidelity.py --reprice DIR [--no-write]
 
 On ``--world`` gloo ranks of this machine (one thread each), each case plans and builds
 an autopar module (``auto_parallel``) for one model under one set of decisions and
 trains it with AdamW (foreach); then ``--rounds`` rounds each time ``--steps`` steps of
-every case in turn (zero_grad, forward, backward, optimizer step; slowest rank; the
-median over all of a case's steps, spread = interquartile range / median), so load
+every case in turn (zero_grad, forward, backward, optimizer step; slowest rank; after
+``--warmup`` untimed ones: a case's first step after another's runs cold; the median
+over all of a case's timed steps, spread = interquartile range / median), so load
 that comes and goes touches every case alike. ``plan.decisions.step_seconds`` is the
 prediction. Every case runs twice: planned on the shipped ``cpu-gloo`` preset and on
 the link measured on the running group (``cost_models.calibrate``, the MeshSpec
@@ -143,15 +144,22 @@ def _build(model_name: str, case: str, opts: dict, world: int, mesh_spec) -> dic
             "times": []}
 
 
-def _measure(built: list[dict], rounds: int, steps: int) -> list[dict]:
-    """``rounds`` rounds over every case, ``steps`` timed steps of each per round: the
-    cases interleaved, so load that comes and goes touches all of them alike (each module
-    runs on its own mesh, runtime.mesh.activate).  Median and spread over all its steps."""
+def _measure(built: list[dict], rounds: int, steps: int, warmup: int = 1) -> list[dict]:
+    """``rounds`` rounds over every case, ``warmup`` untimed then ``steps`` timed steps
+    of each per round: the cases interleaved, so load that comes and goes touches all
+    of them alike (each module runs on its own mesh, runtime.mesh.activate).  Median
+    and spread over all its timed steps."""
     from _ranks import timed
     from autopar.cost_models.measure import iqr
     for _ in range(rounds):
         for b in built:
             if "step" in b:
+                # untimed: the first step after another case's finds this one's weights,
+                # state and allocations out of the caches, which a training loop that
+                # steps one module does not (data parallel measured 195.7 ms a step
+                # alone, 217.7 in rounds over 30 resident cases, first steps included)
+                for _ in range(warmup):
+                    b["step"]()
                 b["times"] += [timed(b["step"]) for _ in range(steps)]
     def half(times: list[float], parity: int) -> float:
         # the rounds of one parity: two independent measurements of the same case
@@ -192,7 +200,7 @@ def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
             if args["cases"] and f"{model_name}:{case}" not in args["cases"]:
                 continue
             built.append({**_build(model_name, case, opts, world, spec), "preset": preset})
-    rows = [{**r, "preset": b["preset"]} for b, r in zip(built, _measure(built, args["rounds"], args["steps"]))]
+    rows = [{**r, "preset": b["preset"]} for b, r in zip(built, _measure(built, args["rounds"], args["steps"], args["warmup"]))]
     if rank == 0 and args["verbose"]:
         for r in rows:
             print(json.dumps(r), flush=True)
@@ -231,13 +239,15 @@ def _pct(rows: list[dict], pick) -> int:
 
 
 def section(rows: list[dict], world: int, steps: int, load: tuple[float, float],
-            calibration: str = "", repriced: str = "", when: str = "") -> str:
+            calibration: str = "", repriced: str = "", when: str = "", warmup: int = 1) -> str:
     """The markdown section for docs/benchmarks.md."""
     from plan_time import machine
 
     lines = [SECTION, "",
              f"Predicted (`plan.decisions.step_seconds`) against measured step time (median of "
-             f"{steps} AdamW steps taken in rounds over every case, slowest of {world} gloo ranks, "
+             f"{steps} AdamW steps taken in rounds over every case, "
+             + (f"each case's first {warmup} step(s) of a round untimed, " if warmup else "")
+             + f"slowest of {world} gloo ranks, "
              "one thread each; spread = interquartile range / median) for "
              f"`examples/gpt.py` (4 layers, dim 192) and a tiny HF Llama (2 layers, hidden 128, "
              "GQA), each case planned on the shipped `cpu-gloo` preset and on the link "
@@ -325,6 +335,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--rounds", type=int, default=5,
                     help="rounds over every case (interleaved; at 3 one step's spread reached 22%%)")
     ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="untimed steps of a case before its timed ones in every round")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--cases", default="", help="comma-separated model:case names (default all)")
     ap.add_argument("--presets", default="", help="'cpu-gloo preset' and/or 'calibrated' (comma-separated)")
@@ -339,7 +351,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         stored = json.loads((Path(a.reprice) / "rows.json").read_text())
         rows, calibration, load = reprice(Path(a.reprice), [p for p in a.presets.split(",") if p])
         text = section(rows, stored["world"], stored["steps"], load, calibration,
-                       repriced=Path(a.reprice).name, when=stored["when"])
+                       repriced=Path(a.reprice).name, when=stored["when"],
+                       warmup=stored.get("warmup", 0))
         print(text)
         if not a.no_write:
             write_section(text)
@@ -349,7 +362,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "rows.json")
         load0 = os.getloadavg()[0]
-        mp.spawn(_worker, args=(a.world, free_port(), {"steps": a.steps, "rounds": a.rounds, "cases": [c for c in a.cases.split(",") if c],
+        mp.spawn(_worker, args=(a.world, free_port(), {"steps": a.steps, "rounds": a.rounds, "warmup": a.warmup, "cases": [c for c in a.cases.split(",") if c],
                                                   "presets": [p for p in a.presets.split(",") if p],
                                                   "verbose": a.verbose}, out),
                  nprocs=a.world, join=True)
@@ -360,11 +373,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             keep = Path(a.save)
             keep.mkdir(parents=True, exist_ok=True)
             (keep / "rows.json").write_text(json.dumps({"rows": rows, "load": load, "world": a.world,
-                                                        "steps": a.steps * a.rounds,
+                                                        "steps": a.steps * a.rounds, "warmup": a.warmup,
                                                         "when": _dt.date.today().isoformat()}))
             (keep / "calibration.txt").write_text(calibration)
             (keep / "calibrated-mesh.json").write_text(Path(out + ".mesh.json").read_text())
-    text = section(rows, a.world, a.steps * a.rounds, load, calibration)
+    text = section(rows, a.world, a.steps * a.rounds, load, calibration, warmup=a.warmup)
     print(text)
     if not a.no_write:
         write_section(text)
