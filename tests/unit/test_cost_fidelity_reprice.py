@@ -1,0 +1,49 @@
+"""``benchmarks/cost_fidelity.py --reprice``: a stored run priced again with the current
+cost model.  The measured side is kept; a case the model now plans differently than
+the plan that was measured is left out with its reason, since its step was never
+measured (comparing it would judge one plan by another's time)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+import autopar
+from autopar import MeshSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import cost_fidelity as cf  # noqa: E402
+
+
+def _plan(case: str):
+    opts = dict({(m, c): o for m, c, o in cf.CASES}[("gpt", case)])
+    mesh = cf._case_mesh(MeshSpec.preset("cpu-gloo", shape=(4,)), opts.pop("mesh", (4,)))
+    model, inputs, _ = cf._model("gpt", 4)
+    return autopar.plan(model, inputs, mesh, **opts)
+
+
+def test_reprice_keeps_the_measured_plan_and_leaves_out_a_changed_one(tmp_path: Path) -> None:
+    dp = _plan("dp")
+    row = {"model": "gpt", "preset": "cpu-gloo preset", "predicted_ms": -1.0, "measured_ms": 250.0,
+           "spread": 0.05, "halves_ms": [249.0, 251.0]}
+    stored = {"rows": [{**row, "case": "dp", "plan": cf.signature(dp)},
+                       # as if ZeRO-3 had been measured running data parallel's plan
+                       {**row, "case": "zero3", "plan": cf.signature(dp)}],
+              "load": [0.5, 4.0], "world": 4, "steps": 15, "when": "2026-11-26", "warmup": 1}
+    (tmp_path / "rows.json").write_text(json.dumps(stored))
+    (tmp_path / "calibrated-mesh.json").write_text(MeshSpec.preset("cpu-gloo", shape=(4,)).to_json())
+    (tmp_path / "calibration.txt").write_text("calibrated ...")
+    rows, calibration, load = cf.reprice(tmp_path, ["cpu-gloo preset"])
+    assert calibration == "calibrated ..." and load == (0.5, 4.0)
+    kept, changed = rows
+    assert kept["predicted_ms"] == pytest.approx(dp.decisions.step_seconds * 1e3)
+    assert kept["measured_ms"] == 250.0 and "error" not in kept
+    assert "planned differently" in changed["error"] and "predicted_ms" not in changed
+    text = cf.section(rows, 4, 15, load, calibration, repriced=tmp_path.name, when="2026-11-26")
+    assert f"`{tmp_path.name}` (`--reprice`)" in text and "Measured 2026-11-26" in text
+    assert "| cpu-gloo preset | 1 |" in text  # the changed case is not counted
+    assert cf.reprice(tmp_path, ["calibrated"])[0] == []  # only the presets asked for
