@@ -319,11 +319,13 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
     # apart on the 2-core host spanned 1.07-1.28, over 45 1.12-1.22 (2026-11-26)
     lag = straggler(group, device, dtype, mm_sizes[len(mm_sizes) // 2], 4096 if cuda else 512,
                     9 * repeats, sync) if world > 1 else {"straggler": 1.0}
-    # three times the repetitions too, for the overlap's reason: at 5 the drift came out
-    # 2.0-4.4 ms in three calibrations of the same host.  The drift beyond the ranks'
-    # mean compute, not beyond the straggler's share of it (sync_penalty says why)
-    sync_extra = sync_penalty(groups[widest], device, dtype, mm_sizes[len(mm_sizes) // 2], 3 * repeats,
-                              sync, job=group, chain=4) \
+    # twelve times the repetitions (60 rounds, 12-18 s on CPU): a round's drift varies by
+    # 4-6 ms (one standard deviation) on the 2-core host with one more busy process, and
+    # over 15 rounds six calibrations of it spanned 1.2-8.8 ms, over 60 4.4-6.3
+    # (2026-11-26).  The drift beyond the ranks' mean compute, not beyond the
+    # straggler's share of it (sync_penalty says why)
+    sync_extra = sync_penalty(groups[widest], device, dtype, mm_sizes[len(mm_sizes) // 2],
+                              12 * repeats, sync, job=group, chain=4) \
         if dims[widest] > 1 else {"sync_seconds": 0.0}
     # a GPU per rank: an idle stage's device is lost, whatever noise the rates show
     reuse = {"idle_reuse": 0.0} if cuda else \

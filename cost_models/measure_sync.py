@@ -195,16 +195,19 @@ def straggler(group: Any, device: Any, dtype: Any, d: int, tokens: int, repeats:
 
 def sync_penalty(group: Any, device: Any, dtype: Any, mm_n: int, repeats: int, sync: Sync,
                  job: Any = None, chunk_seconds: float = 0.01, chain: int = 8,
-                 nbytes: int = 4096) -> dict[str, float]:
+                 nbytes: int = 4096, alone_samples: int = 4) -> dict[str, float]:
     """``MeshSpec.sync_seconds``: what a blocking collective issued between compute costs
     beyond its price after a barrier.
 
-    Side by side in each round: ``A``, one ``nbytes`` all-reduce after a barrier (what
-    the collective curves measure); ``C``, ``chain`` chunks of about ``chunk_seconds`` of
-    matmuls; ``T``, the same chunks, each followed by a blocking all-reduce, as a
-    tensor-parallel layer runs.  A round's penalty is ``T / chain - C / chain - A``:
-    ``T`` and ``A`` on the slowest rank (every rank waits for it), ``C`` the ranks'
-    mean, so the drift beyond the mean compute.  The median over rounds, at least 0.
+    Side by side in each of ``repeats`` rounds: ``A``, ``alone_samples`` single
+    ``nbytes`` all-reduces, each after a barrier (what the collective curves measure);
+    ``C``, ``chain`` chunks of about ``chunk_seconds`` of matmuls; ``T``, the same
+    chunks, each followed by a blocking all-reduce, as a tensor-parallel layer runs.
+    The penalty is the median over rounds of ``T / chain - C / chain`` less the median
+    of every ``A``: ``T`` and ``A`` on the slowest rank (every rank waits for it), ``C``
+    the ranks' mean, so the drift beyond the mean compute; at least 0.  See
+    :func:`sync_estimate` for why ``A`` is pooled over the rounds and sampled several
+    times in each.
     It subtracted ``MeshSpec.straggler`` x ``C`` for a while (so that the two would not
     price one wait twice), and with it the straggler's noise (1.08-1.25 in eight
     calibrations a minute apart on 4 gloo ranks of 2 cores) times a 19 ms chunk, as
@@ -242,23 +245,35 @@ def sync_penalty(group: Any, device: Any, dtype: Any, mm_n: int, repeats: int, s
                 torch.mm(a, b)
             dist.all_reduce(buf, group=group)
 
-    a_t, c_t, t_t = timed_rounds([reduce, chunks, chained], repeats, sync, bar)
-    n = len(a_t)
+    *a_ts, c_t, t_t = timed_rounds([reduce] * max(1, alone_samples) + [chunks, chained],
+                                   repeats, sync, bar)
+    a_t = [t for ts in a_ts for t in ts]
     worst = max_over_ranks([*a_t, *t_t], job, device)
     # over the whole job (default the world), as the MAX above: ``group`` may be one of
     # several axis groups, and every rank must derive the same penalty
     mean_c = mean_over_ranks(c_t, job, device)
-    return sync_estimate(worst[:n], mean_c, worst[n:], chain)
+    return sync_estimate(worst[:len(a_t)], mean_c, worst[len(a_t):], chain)
 
 
 def sync_estimate(alone: Sequence[float], compute: Sequence[float], chained: Sequence[float],
                   chain: int) -> dict[str, float]:
-    """:func:`sync_penalty`'s arithmetic on its rounds: per round ``chained / chain -
-    compute / chain - alone``, the median over rounds, at least 0 (``sync_seconds``),
-    with the medians of the three times per collective beside it."""
-    if not (len(alone) == len(compute) == len(chained)) or not alone or chain < 1:
-        raise ValueError("sync_estimate needs as many alone, compute and chained times, at least one, "
-                         "and chain >= 1")
-    rounds = [(t - c) / chain - a for a, c, t in zip(alone, compute, chained)]
-    return {"sync_seconds": max(0.0, median(rounds)), "alone": median(alone),
-            "chunk": median(compute) / chain, "chained": median(chained) / chain}
+    """:func:`sync_penalty`'s arithmetic: the median over rounds of ``chained / chain -
+    compute / chain``, less the median of every ``alone`` sample, at least 0
+    (``sync_seconds``); with the medians of the three times per collective and the
+    counts of rounds and of ``alone`` samples beside it.
+
+    ``alone`` is pooled rather than paired with its round's chain: a lone 4 KiB
+    all-reduce after a barrier varied with a standard deviation of 3-8 ms between rounds
+    on 4 gloo ranks of 2 cores with one more busy process, as much as a chain's whole
+    drift, and was uncorrelated with its round's chain (-0.3 to 0.1 over 11 series of
+    15-60 rounds, 2026-11-26).  Subtracted round by round, its noise came into every
+    round: over 15 rounds the penalty of one host spanned 1.2-8.8 ms in six busy
+    calibrations.  Hence several samples a round, a pooled median, and more rounds
+    (``calibrate`` takes 60)."""
+    if len(compute) != len(chained) or not alone or not compute or chain < 1:
+        raise ValueError("sync_estimate needs as many compute as chained times, at least one of "
+                         "each and of alone, and chain >= 1")
+    rounds = [(t - c) / chain for c, t in zip(compute, chained)]
+    return {"sync_seconds": max(0.0, median(rounds) - median(alone)), "alone": median(alone),
+            "chunk": median(compute) / chain, "chained": median(chained) / chain,
+            "rounds": float(len(rounds)), "alone_samples": float(len(alone))}

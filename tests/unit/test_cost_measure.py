@@ -266,6 +266,25 @@ def test_sync_estimate_is_never_negative() -> None:
         measure_sync.sync_estimate([1e-3], [1e-3, 2e-3], [1e-3], 4)
     with pytest.raises(ValueError, match="chain"):
         measure_sync.sync_estimate([1e-3], [1e-3], [1e-3], 0)
+    with pytest.raises(ValueError, match="alone"):
+        measure_sync.sync_estimate([], [1e-3], [1e-3], 4)
+
+
+def test_sync_estimate_pools_the_lone_collective() -> None:
+    """The lone all-reduce is pooled over every round (several samples a round), not
+    paired with its round's chain: it is uncorrelated with the chain, and its noise
+    (a standard deviation of 3-8 ms on a busy 2-core host) came into each paired round.
+    Here every chain adds 9 ms to its compute and the lone collective takes 5 ms in
+    most of its 20 samples: the few that came out slow or fast (as preemption makes
+    them) leave the penalty at 9 - 5 = 4 ms.  Paired with one lone sample per round,
+    three rounds of a 12 ms sample would have given 0."""
+    chain = 4
+    compute = [chain * 20e-3] * 5
+    chained = [chain * 29e-3] * 5
+    alone = [5e-3] * 14 + [12e-3, 12e-3, 12e-3, 1e-3, 1e-3, 1e-3]  # 4 samples x 5 rounds
+    est = measure_sync.sync_estimate(alone, compute, chained, chain)
+    assert est["sync_seconds"] == pytest.approx(4e-3)
+    assert est["rounds"] == 5 and est["alone_samples"] == 20
 
 
 def test_sync_penalty_runs_on_a_group() -> None:
@@ -278,7 +297,8 @@ def test_sync_penalty_runs_on_a_group() -> None:
     what the penalty is for."""
     est = measure_sync.sync_penalty(None, torch.device("cpu"), torch.float32, 64, 3, lambda: None,
                                chunk_seconds=0.002, chain=4)
-    assert set(est) == {"sync_seconds", "alone", "chunk", "chained"}
+    assert set(est) == {"sync_seconds", "alone", "chunk", "chained", "rounds", "alone_samples"}
+    assert est["rounds"] == 3 and est["alone_samples"] == 12  # 4 lone collectives a round
     assert 0.0005 < est["chunk"] < 0.05  # about the 2 ms asked for
     assert 0.0 <= est["sync_seconds"] < est["chained"]
 
