@@ -110,20 +110,28 @@ def signature(plan) -> str:
                        d.precision, d.grad_buckets, params])
 
 
-def _build(model_name: str, case: str, opts: dict, world: int, mesh_spec) -> dict:
+def case_call(model_name: str, case: str, mesh_spec, world: int) -> tuple:
+    """``(module, inputs, called with keywords, arguments)``: a fresh module of the
+    case's model with its inputs, and the keyword arguments that plan it on the case's
+    mesh and options, the same for ``autopar.plan`` (``--reprice``) and
+    ``autopar.auto_parallel`` (a measured run)."""
+    model, inputs, kw = _model(model_name, world)
+    opts = dict({(m, c): o for m, c, o in CASES}[(model_name, case)])
+    mesh = _case_mesh(mesh_spec, opts.pop("mesh", (world,)))
+    call = {"example_inputs": () if kw else inputs, "mesh": mesh, **opts}
+    if kw:
+        call["example_kwargs"] = inputs
+    return model, inputs, kw, call
+
+
+def _build(model_name: str, case: str, world: int, mesh_spec) -> dict:
     """Plan and build one case; a dict with its ``step`` (AdamW step of the whole batch)
     and plan, or its ``error`` (raised alike on every rank: a table entry)."""
     import autopar
 
-    model, inputs, kw = _model(model_name, world)
-    opts = dict(opts)
-    mesh = _case_mesh(mesh_spec, opts.pop("mesh", (world,)))
+    model, inputs, kw, call = case_call(model_name, case, mesh_spec, world)
     try:
-        if kw:
-            pm = autopar.auto_parallel(model, example_inputs=(), example_kwargs=inputs,
-                                       mesh=mesh, **opts)
-        else:
-            pm = autopar.auto_parallel(model, example_inputs=inputs, mesh=mesh, **opts)
+        pm = autopar.auto_parallel(model, **call)
     except Exception as e:  # noqa: BLE001 - raised alike on every rank: a table entry
         return {"model": model_name, "case": case, "error": f"{type(e).__name__}: {str(e)[:100]}"}
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=True)
@@ -196,10 +204,10 @@ def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
     for preset, spec in meshes.items():
         if args["presets"] and preset not in args["presets"]:
             continue
-        for model_name, case, opts in CASES:
+        for model_name, case, _ in CASES:
             if args["cases"] and f"{model_name}:{case}" not in args["cases"]:
                 continue
-            built.append({**_build(model_name, case, opts, world, spec), "preset": preset})
+            built.append({**_build(model_name, case, world, spec), "preset": preset})
     rows = [{**r, "preset": b["preset"]} for b, r in zip(built, _measure(built, args["rounds"], args["steps"], args["warmup"]))]
     if rank == 0 and args["verbose"]:
         for r in rows:
@@ -306,7 +314,6 @@ def reprice(keep: Path, presets: list[str] | None = None) -> tuple[list[dict], s
     world = stored["world"]
     meshes = {"cpu-gloo preset": MeshSpec.preset("cpu-gloo", shape=(world,)),
               "calibrated": MeshSpec.from_json((keep / "calibrated-mesh.json").read_text())}
-    options = {(m, c): o for m, c, o in CASES}
     rows = []
     for r in stored["rows"]:
         if presets and r["preset"] not in presets:
@@ -314,11 +321,8 @@ def reprice(keep: Path, presets: list[str] | None = None) -> tuple[list[dict], s
         if "error" in r:
             rows.append(r)
             continue
-        opts = dict(options[(r["model"], r["case"])])
-        mesh = _case_mesh(meshes[r["preset"]], opts.pop("mesh", (world,)))
-        model, inputs, kw = _model(r["model"], world)
-        plan = autopar.plan(model, () if kw else inputs, mesh, example_kwargs=inputs if kw else None,
-                            **opts)
+        model, _, _, call = case_call(r["model"], r["case"], meshes[r["preset"]], world)
+        plan = autopar.plan(model, **call)
         d = plan.decisions
         if r.get("plan") != signature(plan):
             rows.append({k: v for k, v in r.items() if k != "predicted_ms"}

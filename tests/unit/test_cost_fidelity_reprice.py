@@ -20,10 +20,8 @@ import cost_fidelity as cf  # noqa: E402
 
 
 def _plan(case: str):
-    opts = dict({(m, c): o for m, c, o in cf.CASES}[("gpt", case)])
-    mesh = cf._case_mesh(MeshSpec.preset("cpu-gloo", shape=(4,)), opts.pop("mesh", (4,)))
-    model, inputs, _ = cf._model("gpt", 4)
-    return autopar.plan(model, inputs, mesh, **opts)
+    model, _, _, call = cf.case_call("gpt", case, MeshSpec.preset("cpu-gloo", shape=(4,)), 4)
+    return autopar.plan(model, **call)
 
 
 def test_reprice_keeps_the_measured_plan_and_leaves_out_a_changed_one(tmp_path: Path) -> None:
