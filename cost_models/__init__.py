@@ -15,6 +15,7 @@ from .collectives import (
     broadcast_time,
     collective_time,
     collective_times,
+    drift_after,
     reduce_scatter_time,
     send_recv_time,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "all_to_all_time",
     "blocking_time",
     "blocking_times",
+    "drift_after",
     "broadcast_time",
     "calibrate",
     "collective_time",

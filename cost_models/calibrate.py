@@ -345,6 +345,7 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
                     kernel_floor=rates["kernel_floor"], overlap=ov["overlap"],
                     optimizer_bandwidth=opt_bw, optimizer_tensor_seconds=opt["tensor_seconds"],
                     idle_reuse=reuse["idle_reuse"], sync_seconds=sync_extra["sync_seconds"],
+                    sync_window=sync_extra.get("chunk", 0.0),
                     straggler=lag["straggler"],
                     # the base preset's reserve and flat rings, else the preset kind's
                     **_unmeasured(base, cuda, capacity))

@@ -250,6 +250,11 @@ class MeshSpec:
     arrives (:func:`autopar.cost_models.measure_sync.sync_penalty`; 3-6 ms per collective for
     4 gloo ranks sharing 2 cores, where a rank that computes 20 ms lands milliseconds
     after its peers; 0 on the presets)."""
+    sync_window: float = 0.0
+    """The compute before each collective when ``sync_seconds`` was measured (the
+    calibration's chunk, about 20 ms on CPU); 0 where unknown (the presets, older
+    JSON).  A wait after longer compute pays more
+    (:func:`autopar.cost_models.collectives.drift_after`)."""
     split_backward: float = 1.0
     """A backward split into ``B`` and ``W`` (the zero-bubble schedule,
     :mod:`autopar.runtime.split_backward`) over the same backward run whole (>= 1):
@@ -314,7 +319,7 @@ class MeshSpec:
                 any(a[0] >= b[0] for a, b in zip(curve, curve[1:])):
             raise ValueError("MeshSpec.matmul_curve must be (flops, rate) pairs in increasing flops "
                              f"with 0 < rate <= peak_flops, got {curve!r}")
-        for attr in ("kernel_floor", "optimizer_tensor_seconds", "sync_seconds"):
+        for attr in ("kernel_floor", "optimizer_tensor_seconds", "sync_seconds", "sync_window"):
             v = getattr(self, attr)
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 <= v < math.inf:
                 raise ValueError(f"MeshSpec.{attr} must be finite and >= 0, got {v!r}")
@@ -486,6 +491,7 @@ class MeshSpec:
             "flat_ring": list(self.flat_ring),
             "straggler": self.straggler,
             "sync_seconds": self.sync_seconds,
+            "sync_window": self.sync_window,
             "split_backward": self.split_backward,
         }
 

@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass, field
 
 from autopar import schedules as sched
-from autopar.cost_models import MeshSpec
+from autopar.cost_models import MeshSpec, drift_after
 from autopar.plan import Schedule
 from autopar.solve.layer_stats import LayerStat, zero_price
 from autopar.solve.stage_memory import gradient_arrivals, zero_flat_bytes
@@ -249,9 +249,11 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     # are reduced and before the next forward: nothing overlaps it
     opt_step = sum(z.opt_step for z in zp)
     copy_step = sum(z.copy_step for z in zp)  # gradients into buckets, ZeRO-1/2's layouts
-    # every rank waits for the last at the last bucket and at ZeRO-1/2's gather of the
-    # updated shards: the drift, as a blocking collective (docs/architecture.md)
-    waits = mesh.sync_seconds * ((bp is not None and bp.busy > 0) + (gather_step > 0))
+    # every rank waits for the last at the last bucket, after the step's forward and
+    # backward, and at ZeRO-1/2's gather of the updated shards, after the optimizer:
+    # the drift, as a blocking collective (docs/architecture.md)
+    last = drift_after(mesh, sum(st.seconds for st in layers) * cfg.micro_batches)
+    waits = last * (bp is not None and bp.busy > 0) + mesh.sync_seconds * (gather_step > 0)
     extra = exposed + gather_step + opt_step + copy_step + waits
     compute = sum(st.compute for st in layers)
     recompute = sum(st.forward for st in chosen)

@@ -176,6 +176,38 @@ def test_a_step_pays_the_drift_where_it_waits_on_a_collective(zero: int) -> None
     assert after.decisions.step_seconds == pytest.approx(before.decisions.step_seconds + 0.008 * waits)
 
 
+def test_the_last_bucket_pays_the_drift_of_the_whole_backward() -> None:
+    """The last gradient bucket is waited on after the step's whole forward and backward,
+    and the ranks drift further apart over it than over the calibration's short chunks:
+    ``drift_after`` scales ``sync_seconds`` by ``sqrt(compute / sync_window)``.  With one
+    more busy process on 4 gloo ranks of 2 cores, a 7.4 MB all-reduce right after the
+    GPT's 174 ms forward and backward took 19 ms beyond its time after a barrier, where
+    the calibration's 20-25 ms chunks measured a 5-7 ms drift; the busy fidelity runs'
+    median errors fell 2-5 points with it, their rankings unchanged.  Fails on the code
+    before: there the window changes nothing.  Gathers and tensor-parallel waits, which
+    come after short compute, keep ``sync_seconds`` (ZeRO-1's gather is checked here)."""
+    from autopar.cost_models import drift_after
+
+    model, ex = gpt.build(layers=4, dim=64, heads=4, vocab=128, seq=16, batch=16)
+    short = dataclasses.replace(SHARED_CORES, sync_seconds=0.008)
+    window = 1e-5  # far shorter than this step's compute (3.6 ms): the scaling is large
+    long = dataclasses.replace(short, sync_window=window)
+    for zero in (0, 1):
+        kw = dict(pins=DP, pipeline_stages=1, micro_batches=1, zero_stage=zero)
+        a, b = (autopar.plan(model, ex, mesh=m, **kw) for m in (short, long))
+        cap = capture(model, ex)
+        annotate(cap.gm)
+        # the stage's forward and backward: what the ranks compute since they last met
+        compute = sum(st.seconds for st in layer_stats(cap.gm, b))
+        assert compute > 100 * window
+        extra = b.decisions.step_seconds - a.decisions.step_seconds
+        assert extra == pytest.approx(drift_after(long, compute) - 0.008, rel=1e-6)
+    # no window (the presets, older JSON) or a window longer than the compute: unchanged
+    assert drift_after(short, 10.0) == 0.008
+    assert drift_after(long, window / 2) == 0.008
+    assert drift_after(long, 4 * window) == pytest.approx(0.016)
+
+
 def test_buckets_that_would_break_the_budget_fall_back_to_one_per_layer() -> None:
     """The split search prices stages without their gradient buckets; the chosen split
     is priced again with them, each bucket allocated whole at its first gradient, which

@@ -58,6 +58,13 @@ def test_sync_seconds_is_kept_and_checked(mesh: MeshSpec) -> None:
     assert MeshSpec.from_json(synced.to_json()).sync_seconds == SYNC
     with pytest.raises(ValueError, match="sync_seconds"):
         dataclasses.replace(mesh, sync_seconds=-1e-3)
+    # the compute it was measured after: kept, checked, 0 in JSON written before it
+    windowed = dataclasses.replace(synced, sync_window=0.02)
+    assert MeshSpec.from_json(windowed.to_json()).sync_window == 0.02
+    older = {k: v for k, v in synced.to_dict().items() if k != "sync_window"}
+    assert MeshSpec.from_dict(older).sync_window == 0.0
+    with pytest.raises(ValueError, match="sync_window"):
+        dataclasses.replace(mesh, sync_window=-1.0)
 
 
 def _gpt() -> tuple[torch.nn.Module, tuple]:

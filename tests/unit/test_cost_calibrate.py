@@ -106,6 +106,8 @@ def test_calibrate_two_ranks_agree(tmp_path: Path) -> None:
     assert lagged["straggler"] == 4.0
     drift = lagged["calibration"]["compute"]["sync"]
     assert 0 < drift["chunk"] <= drift["chained"], drift
+    # the compute each drift was measured after, which a longer wait is scaled from
+    assert lagged["sync_window"] == drift["chunk"]
 
 
 def test_calibrate_needs_process_group() -> None:
