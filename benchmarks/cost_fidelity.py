@@ -1,16 +1,18 @@
 """How well the predicted step time ranks and matches measured steps, preset vs calibrated.
 
     python benchmarks/cost_fidelity.py [--steps 3] [--rounds 5] [--warmup 1] [--world 4]
-                                       [--no-write] [--save DIR]
+                                       [--resident 5] [--no-write] [--save DIR]
     python benchmarks/cost_fidelity.py --reprice DIR [--no-write]
 
 On ``--world`` gloo ranks of this machine (one thread each), each case plans and builds
 an autopar module (``auto_parallel``) for one model under one set of decisions and
 trains it with AdamW (foreach); then ``--rounds`` rounds each time ``--steps`` steps of
-every case in turn (zero_grad, forward, backward, optimizer step; slowest rank; after
-``--warmup`` untimed ones: a case's first step after another's runs cold; the median
-over all of a case's timed steps, spread = interquartile range / median), so load
-that comes and goes touches every case alike. ``plan.decisions.step_seconds`` is the
+every case of its group in turn (zero_grad, forward, backward, optimizer step; slowest
+rank; after ``--warmup`` untimed ones: a case's first step after another's runs cold;
+the median over all of a case's timed steps, spread = interquartile range / median),
+so load that comes and goes touches the group's cases alike.  The cases are built and
+measured ``--resident`` at a time and freed after (a training process holds one model;
+with all 30 resident, steps ran 4-13% slower). ``plan.decisions.step_seconds`` is the
 prediction. Every case runs twice: planned on the shipped ``cpu-gloo`` preset and on
 the link measured on the running group (``cost_models.calibrate``, the MeshSpec
 ``autopar calibrate`` writes). Models: ``examples/gpt.py`` (4 layers, dim 192) and a
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import gc
 import json
 import math
 import os
@@ -200,15 +203,22 @@ def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
         Path(out + ".mesh.json").write_text(record.to_json())
     meshes = {"cpu-gloo preset": MeshSpec.preset("cpu-gloo", shape=(world,)),
               "calibrated": record.spec}
-    built = []
-    for preset, spec in meshes.items():
-        if args["presets"] and preset not in args["presets"]:
-            continue
-        for model_name, case, _ in CASES:
-            if args["cases"] and f"{model_name}:{case}" not in args["cases"]:
-                continue
-            built.append({**_build(model_name, case, world, spec), "preset": preset})
-    rows = [{**r, "preset": b["preset"]} for b, r in zip(built, _measure(built, args["rounds"], args["steps"], args["warmup"]))]
+    todo = [(preset, spec, model_name, case) for preset, spec in meshes.items()
+            if not args["presets"] or preset in args["presets"]
+            for model_name, case, _ in CASES
+            if not args["cases"] or f"{model_name}:{case}" in args["cases"]]
+    size = args.get("resident") or max(1, len(todo))
+    rows = []
+    for i in range(0, len(todo), size):
+        # a few cases built and resident at a time, measured in rounds, then freed: a
+        # training process holds one model, and with all 30 resident the steps ran
+        # 4-13% slower than with 4-5, more the more micro-batches a case runs (idle and
+        # with one more busy process; docs/benchmarks.md, Cost-model fidelity)
+        built = [{**_build(m, c, world, spec), "preset": p} for p, spec, m, c in todo[i:i + size]]
+        rows += [{**r, "preset": b["preset"]}
+                 for b, r in zip(built, _measure(built, args["rounds"], args["steps"], args["warmup"]))]
+        del built
+        gc.collect()
     if rank == 0 and args["verbose"]:
         for r in rows:
             print(json.dumps(r), flush=True)
@@ -247,13 +257,17 @@ def _pct(rows: list[dict], pick) -> int:
 
 
 def section(rows: list[dict], world: int, steps: int, load: tuple[float, float],
-            calibration: str = "", repriced: str = "", when: str = "", warmup: int = 1) -> str:
-    """The markdown section for docs/benchmarks.md."""
+            calibration: str = "", repriced: str = "", when: str = "", warmup: int = 1,
+            resident: int = 0) -> str:
+    """The markdown section for docs/benchmarks.md (``resident``: the cases built and
+    measured together, 0 for all of them)."""
     from plan_time import machine
 
     lines = [SECTION, "",
              f"Predicted (`plan.decisions.step_seconds`) against measured step time (median of "
-             f"{steps} AdamW steps taken in rounds over every case, "
+             f"{steps} AdamW steps taken in rounds over "
+             + (f"groups of {resident} cases, each group built, measured and freed in turn, "
+                if resident else "every case, ")
              + (f"each case's first {warmup} step(s) of a round untimed, " if warmup else "")
              + f"slowest of {world} gloo ranks, "
              "one thread each; spread = interquartile range / median) for "
@@ -341,6 +355,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=1,
                     help="untimed steps of a case before its timed ones in every round")
+    ap.add_argument("--resident", type=int, default=5,
+                    help="cases built and measured together (interleaved), then freed; 0: all")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--cases", default="", help="comma-separated model:case names (default all)")
     ap.add_argument("--presets", default="", help="'cpu-gloo preset' and/or 'calibrated' (comma-separated)")
@@ -356,7 +372,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows, calibration, load = reprice(Path(a.reprice), [p for p in a.presets.split(",") if p])
         text = section(rows, stored["world"], stored["steps"], load, calibration,
                        repriced=Path(a.reprice).name, when=stored["when"],
-                       warmup=stored.get("warmup", 0))
+                       warmup=stored.get("warmup", 0), resident=stored.get("resident", 0))
         print(text)
         if not a.no_write:
             write_section(text)
@@ -366,7 +382,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "rows.json")
         load0 = os.getloadavg()[0]
-        mp.spawn(_worker, args=(a.world, free_port(), {"steps": a.steps, "rounds": a.rounds, "warmup": a.warmup, "cases": [c for c in a.cases.split(",") if c],
+        mp.spawn(_worker, args=(a.world, free_port(), {"steps": a.steps, "rounds": a.rounds, "warmup": a.warmup,
+                                                  "resident": a.resident, "cases": [c for c in a.cases.split(",") if c],
                                                   "presets": [p for p in a.presets.split(",") if p],
                                                   "verbose": a.verbose}, out),
                  nprocs=a.world, join=True)
@@ -378,10 +395,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
             keep.mkdir(parents=True, exist_ok=True)
             (keep / "rows.json").write_text(json.dumps({"rows": rows, "load": load, "world": a.world,
                                                         "steps": a.steps * a.rounds, "warmup": a.warmup,
+                                                        "resident": a.resident,
                                                         "when": _dt.date.today().isoformat()}))
             (keep / "calibration.txt").write_text(calibration)
             (keep / "calibrated-mesh.json").write_text(Path(out + ".mesh.json").read_text())
-    text = section(rows, a.world, a.steps * a.rounds, load, calibration, warmup=a.warmup)
+    text = section(rows, a.world, a.steps * a.rounds, load, calibration, warmup=a.warmup,
+                   resident=a.resident)
     print(text)
     if not a.no_write:
         write_section(text)
