@@ -55,7 +55,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.slow  # ~23 s: a full calibration on 2 spawned ranks
+@pytest.mark.slow  # ~35 s: full calibrations on 2 spawned ranks (the drift alone takes 24 rounds each)
 def test_calibrate_two_ranks_agree(tmp_path: Path) -> None:
     mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     meshes = [MeshSpec.from_json(tmp_path / f"rank{r}.json") for r in range(WORLD)]
