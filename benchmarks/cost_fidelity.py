@@ -54,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SECTION = "## Cost-model fidelity (benchmarks/cost_fidelity.py)"
+REGENERATE = "Regenerate with `python benchmarks/cost_fidelity.py`."
 DP = {"*": "R", "input:0": "S(0)", "input:1": "S(0)"}
 MEGATRON = {"*q_proj.weight": "S(0)", "*k_proj.weight": "S(0)", "*v_proj.weight": "S(0)",
             "*out_proj.weight": "S(1)", "*fc1.weight": "S(0)", "*fc2.weight": "S(1)"}
@@ -311,7 +312,7 @@ def section(rows: list[dict], world: int, steps: int, load: tuple[float, float],
     if calibration:
         lines += ["", "The calibration this run planned with (`autopar calibrate` prints the same):",
                   "", "```text", calibration, "```"]
-    lines += ["", "Regenerate with `python benchmarks/cost_fidelity.py`.", ""]
+    lines += ["", REGENERATE, ""]
     return "\n".join(lines)
 
 
@@ -347,6 +348,26 @@ def reprice(keep: Path, presets: list[str] | None = None) -> tuple[list[dict], s
     return rows, (keep / "calibration.txt").read_text(), tuple(stored["load"])
 
 
+def write_table(text: str, doc: Path | None = None) -> None:
+    """Put :func:`section`'s ``text`` in ``doc`` (default docs/benchmarks.md) in place of
+    the section's generated part, from its heading to the line that says how to
+    regenerate it, and keep what follows: the runs of earlier stops, written by hand
+    under the same heading (``plan_time.write_section`` replaces a whole section up to
+    the next heading, and took that history with it).  A doc without the section, or
+    whose section lacks that line, gets ``plan_time.write_section``'s handling."""
+    from plan_time import DOC, write_section
+    doc = doc or DOC
+    lines = doc.read_text().splitlines(keepends=True) if doc.exists() else []
+    start = next((i for i, ln in enumerate(lines) if ln.rstrip() == SECTION), None)
+    end = None if start is None else next(
+        (j for j in range(start, len(lines)) if lines[j].rstrip() == REGENERATE
+         or (j > start and lines[j].startswith("## "))), None)
+    if end is None or lines[end].rstrip() != REGENERATE:
+        write_section(text, doc)
+        return
+    doc.write_text("".join(lines[:start]) + text.rstrip("\n") + "\n" + "".join(lines[end + 1:]))
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3, help="timed steps per case per round")
@@ -365,8 +386,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--reprice", metavar="DIR",
                     help="measure nothing: price DIR's stored cases again with the current cost model")
     a = ap.parse_args(argv)
-    from plan_time import write_section
-
     if a.reprice:
         stored = json.loads((Path(a.reprice) / "rows.json").read_text())
         rows, calibration, load = reprice(Path(a.reprice), [p for p in a.presets.split(",") if p])
@@ -375,7 +394,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                        warmup=stored.get("warmup", 0), resident=stored.get("resident", 0))
         print(text)
         if not a.no_write:
-            write_section(text)
+            write_table(text)
         return rows
 
     from tests.dist.harness import free_port
@@ -403,7 +422,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    resident=a.resident)
     print(text)
     if not a.no_write:
-        write_section(text)
+        write_table(text)
     return rows
 
 

@@ -45,3 +45,25 @@ def test_reprice_keeps_the_measured_plan_and_leaves_out_a_changed_one(tmp_path: 
     assert f"`{tmp_path.name}` (`--reprice`)" in text and "Measured 2026-11-26" in text
     assert "| cpu-gloo preset | 1 |" in text  # the changed case is not counted
     assert cf.reprice(tmp_path, ["calibrated"])[0] == []  # only the presets asked for
+
+
+def test_the_table_is_rewritten_and_the_history_under_it_kept(tmp_path: Path) -> None:
+    """A run rewrites its section's generated part (heading to the line that says how to
+    regenerate it) and keeps the runs of earlier stops written by hand below it, up to
+    the next section.  ``plan_time.write_section`` replaced the whole section and took
+    that history with it (stop 39 restored it by hand)."""
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(f"# Benchmarks\n\n{cf.SECTION}\n\nold table\n\n{cf.REGENERATE}\n\n"
+                   "**Stop 38.** history\n\n## Context parallel\n\nkept\n")
+    new = f"{cf.SECTION}\n\nnew table\n\n{cf.REGENERATE}\n"
+    cf.write_table(new, doc)
+    text = doc.read_text()
+    assert "old table" not in text and "new table" in text
+    assert "**Stop 38.** history" in text and text.endswith("## Context parallel\n\nkept\n")
+    assert text.index("new table") < text.index("history") < text.index("## Context parallel")
+    assert text.count(cf.SECTION) == 1 and text.count(cf.REGENERATE) == 1
+    # a doc without the section gets it appended
+    other = tmp_path / "other.md"
+    other.write_text("# Benchmarks\n\n## Something else\n\nx\n")
+    cf.write_table(new, other)
+    assert other.read_text().endswith(new)
