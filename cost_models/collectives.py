@@ -56,8 +56,8 @@ __all__ = [
     "blocking_times",
     "broadcast_time",
     "collective_time",
-    "drift_after",
     "collective_times",
+    "drift_after",
     "reduce_scatter_time",
     "send_recv_time",
 ]
