@@ -49,7 +49,7 @@ def _capture_and_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec,
 _DECISION_KEYS = ("zero_stage", "zero_axes", "pipeline_stages", "pipeline_axis", "micro_batches", "schedule",
                   "virtual_stages",
                   "recompute", "explore", "blocks", "progress", "bucket_bytes", "precision",
-                  "context_parallel")
+                  "context_parallel", "reshard_after_forward")
 
 
 def _options(memory_budget, optimizer, time_limit, pins, decisions: Mapping,
@@ -97,6 +97,9 @@ def plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec | str | tuple |
     inside a node, rather than the searched axis), ``zero_axes=(0, 1)`` (ZeRO over both axes of a 2-D mesh,
     one group spanning them; one axis with the others replicated is HSDP), ``recompute=["blocks.1"]``, ``bucket_bytes=25 << 20``
     (fixed-size gradient buckets instead of the cost model's choice),
+    ``reshard_after_forward=True`` (ZeRO-3 re-gathers every layer in backward; ``False``
+    keeps every layer gathered from forward to backward; unset, the planner keeps the
+    most layers the memory budget allows, from the last),
     ``context_parallel="exchange"`` (attention on sequence chunks of q, k and v: Ulysses or
     ring attention), ``"gather-kv"`` (query rows, keys and values gathered) or ``"off"``;
     unset ones are searched.  ``batch="local"`` plans for each data-parallel rank passing its part of the

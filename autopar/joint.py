@@ -264,10 +264,15 @@ class JointSearch(JointCaptures, JointSpace):
                 self._try(p, first[1], math.inf, estimate=self._shallow is not None, axis=a)
         forced = self.opts.pipeline_stages is not None or self.opts.micro_batches is not None
         best = self._best()
-        # memory pressure already costs time (ZeRO, recomputation, or nothing fits):
-        # pipelines and micro-batches may then be the cheaper way to fit
-        pressed = best is None or best[1].config.zero_stage > 0 or any(
-            sp.recompute for sp in best[1].stages)
+        # memory pressure already costs time (ZeRO where the split without it does not
+        # fit, recomputation, or nothing fits): pipelines and micro-batches may then be the
+        # cheaper way to fit.  ZeRO chosen for speed (ZeRO-3 keeping its layers gathered
+        # saves a data-parallel bucket's copies; ZeRO-1 shards the optimizer's update)
+        # is no pressure.
+        pressed = best is None or any(sp.recompute for sp in best[1].stages) or (
+            best[1].config.zero_stage > 0 and not any(
+                p.feasible for c, p in self.priced if p.config.zero_stage == 0 and
+                (c.stages, c.micro_batches, c.axis) == (best[0].stages, best[0].micro_batches, best[0].axis)))
         if self.opts.explore or (pressed and not forced):
             est = self._shallow is not None or self._start_shallow()
             # breadth first, each stage count's most promising micro-batch count first:
@@ -375,12 +380,14 @@ class JointSearch(JointCaptures, JointSpace):
         cfg = pr.config
         plan = cand.plan
         recompute = sorted({k for sp in pr.stages for k in sp.recompute})
+        order = {st.key: i for i, st in enumerate(cand.stats)}
+        kept = sorted({k for sp in pr.stages for k in sp.kept}, key=order.__getitem__)
         d = Decisions(
             pipeline_stages=cfg.stages, pipeline_axis=cand.axis if cfg.stages > 1 else 0,
             schedule=cfg.schedule, micro_batches=cfg.micro_batches,
             virtual_stages=cfg.virtual,
             stages=(pr.virtual or [sp.layers for sp in pr.stages]) if cfg.stages > 1 else [],
-            zero_stage=cfg.zero_stage, recompute=recompute,
+            zero_stage=cfg.zero_stage, recompute=recompute, zero_kept=kept,
             # one axis as an int (as plans always said), several as a list
             zero_axis=list(cfg.zero_axis) if isinstance(cfg.zero_axis, tuple) else cfg.zero_axis,
             precision=self.opts.precision, batch=self.opts.batch,

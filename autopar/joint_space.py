@@ -170,7 +170,7 @@ class JointSpace:
                     for v in (self._virtual(cand) if s == Schedule.INTERLEAVED.value else [1]):
                         out.append(Config(cand.stages, cand.micro_batches, s, z, a,
                                           self.opts.recompute, self.opts.bucket_bytes, v,
-                                          cand.axis))
+                                          cand.axis, self.opts.reshard_after_forward))
         return out
 
     def _virtual(self, cand: _Candidate) -> list[int]:

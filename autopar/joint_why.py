@@ -71,6 +71,11 @@ def decisions_why(ctx: Context, pr: Priced) -> dict[str, str]:
                        (cfg.stages, cfg.micro_batches, cfg.pipeline_axis)) if cfg.zero_stage else
                        _alt(ctx, lambda c: c.zero_stage > 0),
                        "without ZeRO" if cfg.zero_stage else "with ZeRO")
+    if cfg.zero_stage == 3:
+        kept, n = sum(len(sp.kept) for sp in pr.stages), sum(len(sp.layers) for sp in pr.stages)
+        why["zero"] += (f"; {kept} of {n} layers kept gathered from forward to backward (no "
+                        "re-gather), " + ("as reshard_after_forward asks" if cfg.reshard is not None
+                                          else "the most the memory budget allows, from the last"))
     chunks = f" x {cfg.virtual} chunks per stage" if cfg.virtual > 1 else ""
     where = f" from mesh axis {cfg.pipeline_axis}" if cfg.pipeline_axis else ""
     why["pipeline"] = (f"{cfg.stages} pipeline stages{where} ({cfg.schedule}{chunks}); " if cfg.stages > 1

@@ -128,7 +128,7 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
                     and set(z) <= set(self._replicated_axes(t)):
                 params.append((t, tuple(a for a in self._replicated_axes(t) if a not in z)))
         layers = {n.param: n.layer for n in self.plan.nodes.values() if n.param and n.layer}
-        self.zero = Zero.install(self.inner, params, d.zero_stage, z, layers)
+        self.zero = Zero.install(self.inner, params, d.zero_stage, z, layers, frozenset(d.zero_kept))
 
     def _mine(self, t: str) -> bool:
         """True when this rank's pipeline stage holds target ``t``."""

@@ -205,6 +205,11 @@ class Decisions:
     """The sub-mesh axis ZeRO shards over, or several (a list: one group spanning them,
     ranks in row-major order); :attr:`zero_axes` reads either form."""
     recompute: list[str] = field(default_factory=list)
+    zero_kept: list[str] = field(default_factory=list)
+    """Under ZeRO-3: layer keys whose whole parameters stay gathered from their forward
+    to their backward (FSDP2's ``reshard_after_forward=False``): no re-gather in
+    backward, for their bytes held at the activation peak (chosen per layer where the
+    memory budget allows, or ``reshard_after_forward=``)."""
     precision: str = "native"
     """``"native"`` (the model's own dtypes), ``"bf16-mixed"`` or ``"fp16-mixed"``: the graph was captured
     with :mod:`autopar.passes.mixed_precision`'s casts, which every rank re-applies."""

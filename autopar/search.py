@@ -76,6 +76,9 @@ class PlanOptions:
     recompute: tuple[str, ...] | None = None
     explore: bool = False  # also try pipelines/micro-batches when the plain plan fits
     bucket_bytes: int | None = None  # fixed gradient bucket size; None = chosen (MG-WFBP)
+    # ZeRO-3: True re-gathers every layer in backward, False keeps every layer gathered
+    # from forward to backward; None = chosen per layer under the memory budget
+    reshard_after_forward: bool | None = None
     # the sequence split attention may use (autopar.rules.attention.ContextParallel:
     # "off", "gather-kv", "exchange"); None = searched
     context_parallel: str | None = None

@@ -17,8 +17,8 @@ rules the lowering and the runtime follow, in the same order of concerns:
   each over one group spanning the parameter's replicated axes (``runtime/grad_sync.py``);
 * **ZeRO**: stages 1-2 reduce in 4 MiB buckets of padded shards back to front and
   all-gather the updated shards at the next forward (``phase="step"``); stage 3
-  gathers each layer's shards once in forward, once more in backward and
-  reduce-scatters the layer's gradients (``runtime/zero.py``, ``runtime/zero3.py``).
+  gathers each layer's shards once in forward, once more in backward (not the layers
+  in ``decisions.zero_kept``) and reduce-scatters the layer's gradients (``runtime/zero.py``, ``runtime/zero3.py``).
 
 * **context-parallel attention**: Ulysses' all-to-alls of q, k, v and the output.
 
@@ -346,10 +346,11 @@ class _Lister:
             for t, c, item, _ in shards:
                 key = layers.get(t, t)
                 groups[key] = groups.get(key, 0) + c * item
-            m = self.d.micro_batches
+            m, kept = self.d.micro_batches, set(self.d.zero_kept)
             for key, nbytes in groups.items():
                 self.add("forward", "all_gather", z, nbytes, f"ZeRO-3 {key}", m)
-                self.add("backward", "all_gather", z, nbytes, f"ZeRO-3 {key} (re-gather)", m)
+                if key not in kept:  # a kept layer's parameters are still whole in backward
+                    self.add("backward", "all_gather", z, nbytes, f"ZeRO-3 {key} (re-gather)", m)
                 self.add("backward", "reduce_scatter", z, nbytes * d, f"ZeRO-3 {key}", m)
             return
         # runtime/zero.py: back to front, by padded whole-gradient bytes

@@ -119,7 +119,8 @@ def candidate_key(plan: Plan) -> tuple:
     d = plan.decisions
     return (tuple(plan.mesh.shape), d.pipeline_stages, d.pipeline_axis, d.schedule, d.virtual_stages,
             d.micro_batches, d.zero_stage,
-            tuple(d.recompute), d.precision, d.batch, tuple(sorted(plan.params().items())))
+            tuple(d.recompute), tuple(d.zero_kept), d.precision, d.batch,
+            tuple(sorted(plan.params().items())))
 
 
 def requested_mesh(plan: Plan) -> MeshSpec:
@@ -410,7 +411,8 @@ def _write(store: str | Path, report: VerifyReport, model: nn.Module) -> None:
                                   "pipeline_axis": d.pipeline_axis, "schedule": d.schedule,
                                   "virtual_stages": d.virtual_stages,
                                   "micro_batches": d.micro_batches, "zero_stage": d.zero_stage,
-                                  "recompute": d.recompute, "precision": d.precision,
+                                  "recompute": d.recompute, "zero_kept": d.zero_kept,
+                                  "precision": d.precision,
                                   "layout": s["layout"]},
                     "mesh": r.plan.mesh.to_dict(), "mesh_shape_requested": s["mesh_shape_requested"],
                     "predicted_seconds": r.predicted_seconds, "predicted_breakdown": d.breakdown,

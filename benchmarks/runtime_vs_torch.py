@@ -110,19 +110,30 @@ def _wchar() -> int:
         return int(next(line for line in f if line.startswith("wchar:")).split()[1])
 
 
-def _minimum(name: str, g: float, world: int) -> float | None:
+def _minimum(name: str, g: float, world: int, kept: float = 0.0) -> float | None:
     """Analytic minimum bytes a rank sends per step (ring collectives over ``world``):
     data parallel all-reduces the fp32 gradients once, 2(p-1)/p G; ZeRO-3 gathers the
     parameters in forward and again in backward and reduce-scatters the gradients,
-    which gloo runs as an all-reduce: 4(p-1)/p G; HSDP does that over its shard group
-    and all-reduces the shards over the replicas.  None for tensor parallelism (it
-    depends on the activations).  ``g``: the trainable parameters' bytes."""
+    which gloo runs as an all-reduce: 4(p-1)/p G, less the backward's gather of the
+    ``kept`` bytes (layers kept gathered from forward to backward); HSDP does that over
+    its shard group and all-reduces the shards over the replicas.  None for tensor
+    parallelism (it depends on the activations).  ``g``: the trainable parameters'
+    bytes."""
     f = (world - 1) / world
     if name == "hsdp":  # ZeRO-3 over the s = 2 ranks of the second axis, then each
         # rank's shard (G / s) all-reduced over the r = world / 2 of the first
         s, r = 2, world // 2
-        return 4 * (s - 1) / s * g + 2 * (r - 1) / r * g / s
-    return {"dp": 2 * f * g, "dp2x2": 2 * f * g, "zero3": 4 * f * g}.get(name)
+        return (4 * g - kept) * (s - 1) / s + 2 * (r - 1) / r * g / s
+    zero3 = (4 * g - kept) * f
+    return {"dp": 2 * f * g, "dp2x2": 2 * f * g, "zero3": zero3, "zero3-reshard": zero3}.get(name)
+
+
+def _kept_bytes(pm, sizes: dict[str, int]) -> float:
+    """Bytes (``sizes``: parameter name -> bytes) of the parameters in the ZeRO-3 layers
+    ``pm``'s plan keeps gathered from forward to backward (``decisions.zero_kept``)."""
+    kept = set(pm.plan.decisions.zero_kept)
+    layer = {n.param: n.layer for n in pm.plan.nodes.values() if n.param}
+    return float(sum(b for name, b in sizes.items() if layer.get(name) in kept))
 
 
 def _hand_dp(model, world):
@@ -197,6 +208,10 @@ CASES = {"dp": (_hand_dp, dict(pins=DP, batch="local"), "world"),
          "dp2x2": (_hand_dp, dict(pins=DP2X2, batch="local", mesh=(2, 2)), "world"),
          # no pipeline, as FSDP2 (on a measured link the planner adds 2 stages)
          "zero3": (_hand_zero3, dict(pins=DP, batch="local", zero_stage=3, pipeline_stages=1), "world"),
+         # every layer re-gathered in backward, as FSDP2 re-gathers its blocks (the planner
+         # keeps what the memory budget allows gathered: all of this small GPT)
+         "zero3-reshard": (_hand_zero3, dict(pins=DP, batch="local", zero_stage=3, pipeline_stages=1,
+                                             reshard_after_forward=True), "world"),
          "tp": (_hand_tp, dict(pins=MEGATRON), "none"),
          "hsdp": (_hand_hsdp, dict(pins=DP2X2, batch="local", mesh=(2, 2), zero_stage=3, zero_axes=(1,),
                                    pipeline_stages=1), "world"),
@@ -216,7 +231,8 @@ def _case(name: str, rank: int, world: int, steps: int, optim: str, measured=Non
     make_hand, opts, split = CASES[name]
     model, (x, y) = gpt.build(layers=4, dim=192, heads=4, vocab=256, seq=64, batch=8 * world)
     ref = copy.deepcopy(model)
-    gbytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    sizes = {n: p.numel() * p.element_size() for n, p in model.named_parameters() if p.requires_grad}
+    gbytes = sum(sizes.values())
     reset()
     opts = dict(opts)
     mesh = opts.pop("mesh", (world,))
@@ -278,7 +294,7 @@ def _case(name: str, rank: int, world: int, steps: int, optim: str, measured=Non
     ca, cb = _collectives(step_a), _collectives(step_b)
     sa, sb = _sent(step_a), _sent(step_b)
     return {"case": name, "autopar_ms": statistics.median(ta) * 1e3,
-            "sent_autopar": sa, "sent_hand": sb, "sent_min": _minimum(name, gbytes, world),
+            "sent_autopar": sa, "sent_hand": sb, "sent_min": _minimum(name, gbytes, world, _kept_bytes(pm, sizes)),
             # what plan.collectives() says this rank puts on the wire (gloo's reduce-scatter
             # is an all-reduce of its input)
             "sent_planned": sum(c.count * c.wire_bytes(reduce_scatter_as_all_reduce=True)

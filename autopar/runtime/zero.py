@@ -170,12 +170,14 @@ class Zero(OrderedBuckets):
     # ------------------------------------------------------------ set-up
     @classmethod
     def install(cls, gm: fx.GraphModule, params: list[tuple[str, tuple[int, ...]]], stage: int,
-                axes: tuple[int, ...], layers: dict[str, str] | None = None) -> Zero:
+                axes: tuple[int, ...], layers: dict[str, str] | None = None,
+                kept: frozenset[str] = frozenset()) -> Zero:
         """Move ``params`` (graph target, other replicated axes), in forward order, under
         ZeRO on ``gm``: register shards, demote (stages 1-2) or remove (stage 3) the
         whole parameters and, for stage 3, gather each layer's parameters (``layers``:
         target -> layer key; a target without one is its own group) before their first
-        use."""
+        use; the layers in ``kept`` hold theirs from forward to backward
+        (:attr:`autopar.plan.Decisions.zero_kept`)."""
         m = current()
         d, r = m.size_of(axes), m.coord_of(axes)
         z = cls(stage, axes)
@@ -194,13 +196,14 @@ class Zero(OrderedBuckets):
             z.params.append(zp)
         z.__post_init__()
         if stage == 3:
-            z._rewrite_gathers(gm, layers or {})
+            z._rewrite_gathers(gm, layers or {}, kept)
         else:
             z._make_buckets()
         z._versions = [zp.shard._version for zp in z.params]
         return z
 
-    def _rewrite_gathers(self, gm: fx.GraphModule, layers: dict[str, str]) -> None:
+    def _rewrite_gathers(self, gm: fx.GraphModule, layers: dict[str, str],
+                         kept: frozenset[str] = frozenset()) -> None:
         """One :func:`~autopar.runtime.zero3.zero_gather` per layer, right before the
         layer's first use of any of its parameters (so whole parameters are not all
         alive from the top of the forward); groups are chained in use order for
@@ -220,6 +223,7 @@ class Zero(OrderedBuckets):
             nodes = [u for t in targets for n in reads[t] for u in (n.users or [n])]
             return min(nodes, key=order.__getitem__)
 
+        layer_of = {id(ts): k for k, ts in members.items()}
         chain = sorted(members.values(), key=lambda ts: order[first_use(ts)])
         uid = next(_GROUP_IDS)
         keys = [f"zero3.{uid}.{i}" for i in range(len(chain))]
@@ -227,7 +231,7 @@ class Zero(OrderedBuckets):
             zps = [self._by_target[t] for t in targets]
             register(Group(key, [zp.shard for zp in zps], [zp.shape for zp in zps], self.axes,
                            next=keys[i + 1] if i + 1 < len(keys) else None,
-                           prev=keys[i - 1] if i else None))
+                           prev=keys[i - 1] if i else None, keep=layer_of[id(targets)] in kept))
             meta = reads[targets[0]][0].meta
             with g.inserting_before(first_use(targets)):
                 shards = [g.get_attr(shard_name(t)) for t in targets]

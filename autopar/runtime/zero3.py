@@ -17,6 +17,12 @@ and re-gathered when backward unpacks them, again one collective for the whole g
 kept until the group's own backward (its reduce-scatter) has run, while the previous
 group's re-gather is prefetched.  Autograd runs the same nodes in the same order on
 every rank, so every rank issues the same collectives in the same order.
+
+A *kept* group (``Group.keep``: FSDP2's ``reshard_after_forward=False``, chosen by the
+planner per layer where memory allows) is not dropped: autograd holds its whole
+parameters from its forward to its backward, which re-gathers nothing; when its
+backward begins (its first parameter's gradient), the re-gather of the nearest group
+before it that is not kept is prefetched.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ class Group:
     next: str | None = None  # the group whose forward use comes next
     prev: str | None = None  # the one before: needed next in backward
     sizes: list[int] = field(default_factory=list)
+    keep: bool = False  # whole parameters held from forward to backward (no re-gather)
 
     def __post_init__(self) -> None:
         self.sizes = [s.numel() for s in self.shards]
@@ -114,6 +121,9 @@ class _GatherGroup(Function):
         # prefetch only in a real forward: a recomputation inside backward gathers one
         # layer, and a launched gather of another would wait for a use that never comes
         fulls = _gather(key, ahead=not _in_backward())
+        if _GROUPS[key].keep:
+            ctx.key = key
+            return tuple(fulls)  # saved as they are: autograd keeps them to the backward
         for i, f in enumerate(fulls):
             # the tensor owning the storage: saved views (a transposed weight) point to it
             root = f if f._base is None else f._base
@@ -162,10 +172,40 @@ def rank_major(grads: list[torch.Tensor | None], sizes: list[int], numels: list[
     return flat.reshape(-1)
 
 
+def _regathered_before(key: str) -> str | None:
+    """The nearest group before ``key`` (backward's next) whose parameters backward
+    re-gathers: kept groups are skipped, their parameters are still whole."""
+    prev = _GROUPS[key].prev
+    while prev is not None and _GROUPS[prev].keep:
+        prev = _GROUPS[prev].prev
+    return prev
+
+
+def _prefetch_before(key: str) -> None:
+    """Launch the re-gather of the group backward needs after ``key``, unless it is in
+    flight or done; every rank runs the same backward, so issues it at the same point."""
+    prev = _regathered_before(key)
+    if prev is not None and prev not in _AHEAD and prev not in _BACKWARD:
+        _AHEAD[prev] = _launch(_GROUPS[prev], async_op=True)
+
+
 @torch.fx.wrap
 def zero_gather(key: str, *shards: torch.Tensor):
     """Generated code's call for a ZeRO-3 group: its whole parameters, as a tuple."""
-    return _GatherGroup.apply(key, *shards)
+    fulls = _GatherGroup.apply(key, *shards)
+    if _GROUPS[key].keep and not _in_backward() and _regathered_before(key) is not None:
+        # the first of the group's gradients made in backward starts the next re-gather
+        fired = [False]
+
+        def start(_grad: torch.Tensor) -> None:
+            if not fired[0]:
+                fired[0] = True
+                _prefetch_before(key)
+
+        for f in fulls:
+            if f.requires_grad:
+                f.register_hook(start)
+    return fulls
 
 
 @dataclass
@@ -195,9 +235,7 @@ def _unpack(h):
     fulls = _BACKWARD.get(h.key)
     if fulls is None:
         fulls = _BACKWARD[h.key] = _gather(h.key, ahead=False)
-        prev = _GROUPS[h.key].prev
-        if prev is not None and prev not in _AHEAD and prev not in _BACKWARD:
-            _AHEAD[prev] = _launch(_GROUPS[prev], async_op=True)
+        _prefetch_before(h.key)
     return fulls[h.index].as_strided(h.size, h.stride, h.offset)
 
 

@@ -165,6 +165,8 @@ class ZeroPrice:
     zero_sync: float = 0.0  # the part of ``sync`` that ZeRO's own reduce-scatters do
     opt_step: float = 0.0  # the optimizer's update of the parameters this device owns
     copy_step: float = 0.0  # the runtime's copies once per step: memory-bound, exposed
+    regather: float = 0.0  # stage 3: the backward's re-gather in ``gather_mb`` (its
+    #                        collective, wait and copies), what keeping the layer saves
 
 
 def on_zero(replicated: tuple[int, ...], stage: int, axis: int | tuple[int, ...] | None) -> bool:
@@ -217,7 +219,7 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | tuple[in
     keeps whole gradients until then like stage 1; stage 3 reduce-scatters in every
     micro-batch's backward (the gather's backward, :mod:`autopar.runtime.zero3`), so the
     first ``micro_batches - 1`` of them are per micro-batch work (``gather_mb``)."""
-    sync = gstep = gmb = pb = gb = ob = tr = zsync = step = rs = moved = into_bucket = 0.0
+    sync = gstep = gmb = pb = gb = ob = tr = zsync = step = rs = moved = into_bucket = regather = 0.0
     zax = zero_axes(axis)
     reduced: tuple[int, ...] = tuple(zax)  # stage 1: the axes its all-reduce spans
     d = math.prod(mesh.shape[a] for a in zax)  # ranks in the ZeRO group (1 without one)
@@ -292,6 +294,9 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | tuple[in
         # stage 3 gathers a layer's parameters in one collective (runtime/zero3.py), in
         # the forward and again in the backward: the latency is paid once per layer
         gmb = 2.0 * all_gather_time(mesh, zax, tr)
+        # the backward's half: its gather and wait, and its copies (the shards into the
+        # send buffer and the whole parameters out of the gathered one, copied_bytes)
+        regather = gmb / 2.0 + mesh.sync_seconds * (d > 1) + compute_time(mesh, 0.0, 2.0 * tr * (1.0 + 1.0 / d))
         if d > 1:
             # each gather is waited for right before its layer runs, in forward and in
             # backward: every rank waits there for the last to issue it, the drift a
@@ -306,7 +311,7 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | tuple[in
         # ``gather_mb`` M times).  The all-reduce over other replicated axes runs once,
         # after the last backward (GradSync is off before it): it stays in ``sync`` only
         gmb += rs * (micro_batches - 1) / micro_batches + copies
-    return ZeroPrice(sync, gstep, gmb, pb, gb, ob, tr, zsync, step, once)
+    return ZeroPrice(sync, gstep, gmb, pb, gb, ob, tr, zsync, step, once, regather)
 
 
 __all__ = ["LayerStat", "ParamStat", "ZeroPrice", "copied_bytes", "grad_bytes", "layer_stats", "on_zero", "zero_price"]

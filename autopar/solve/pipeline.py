@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
 
 from autopar import schedules as sched
 from autopar.cost_models import MeshSpec, drift_after
 from autopar.plan import Schedule
 from autopar.solve.layer_stats import LayerStat, zero_price
-from autopar.solve.stage_memory import gradient_arrivals, zero_flat_bytes
+from autopar.solve.priced import Config, Priced, StagePrice
+from autopar.solve.stage_memory import gradient_arrivals, kept_layers, zero_flat_bytes
 from autopar.solve.step_terms import (
     accumulation_seconds,
     count_exposed,
@@ -41,90 +41,6 @@ from autopar.solve.step_terms import (
     stage_link,
     waiting_w,
 )
-
-
-@dataclass(frozen=True)
-class Config:
-    """Discrete choices priced together."""
-
-    stages: int = 1
-    micro_batches: int = 1
-    schedule: str = Schedule.NONE.value
-    zero_stage: int = 0
-    zero_axis: int | tuple[int, ...] | None = None  # one axis, or several at once
-    recompute: tuple[str, ...] | None = None  # forced recomputed layer keys; None = searched
-    bucket_bytes: float | None = None  # fixed gradient bucket size; None = chosen (MG-WFBP)
-    virtual: int = 1  # model chunks per pipeline rank (the interleaved schedule)
-    pipeline_axis: int = 0  # the mesh axis the stages are carved from
-
-
-@dataclass
-class StagePrice:
-    """One stage under a config: time per micro-batch, step extras, memory, recompute."""
-
-    layers: list[str]
-    seconds: float
-    extra: float
-    memory: dict[str, float]
-    recompute: list[str] = field(default_factory=list)
-    parts: dict[str, float] = field(default_factory=dict)
-    """``seconds`` and ``extra`` split for the plan summary: ``compute``, ``recompute``,
-    ``accumulate`` (gradient accumulation) and ``comm`` (per micro-batch; they sum to
-    ``seconds``), ``sync`` (all gradient
-    reduction, mostly hidden under backward), ``sync_exposed`` and ``gather_step`` (the
-    step's exposed tail; they sum to ``extra``)."""
-    buckets: list[list[str]] = field(default_factory=list)
-    """The data-parallel gradient buckets, parameter names in launch order."""
-
-    @property
-    def total_memory(self) -> float:
-        """Bytes per device."""
-        return sum(self.memory.values())
-
-
-@dataclass
-class Priced:
-    """A config with its stages and step time (``inf`` when no split fits)."""
-
-    config: Config
-    stages: list[StagePrice]
-    step_seconds: float
-    min_memory: float
-    bound: float | None = None
-    """Set when the config was not priced because this lower bound on its step time
-    (:func:`step_lower_bound`) already exceeded a plan found before it."""
-    virtual: list[list[str]] = field(default_factory=list)
-    """Under the interleaved schedule, the layer keys of each virtual stage in model
-    order (``stages`` are then the ranks, each the sum of its chunks)."""
-
-    @property
-    def feasible(self) -> bool:
-        """True when every stage fits the budget."""
-        return math.isfinite(self.step_seconds)
-
-    def breakdown(self) -> dict[str, float]:
-        """``step_seconds`` split as :attr:`autopar.plan.Decisions.breakdown` says: the
-        slowest stage's micro-batches (compute + exposed communication), the step's
-        exposed tail (gradient sync after the last backward, ZeRO-1/2 gathers, the
-        optimizer's update) and the pipeline bubble (the other stages' share of fill and
-        drain)."""
-        if not self.stages:
-            return {}
-        m = self.config.micro_batches
-        slow = max(self.stages, key=lambda sp: sp.seconds)
-        tail = max(self.stages, key=lambda sp: sp.extra)
-        p = slow.parts
-        copies = tail.parts.get("copy_step", 0.0)  # memory-bound work, not communication
-        compute = m * (p.get("compute", 0.0) + p.get("recompute", 0.0) + p.get("accumulate", 0.0)) + copies
-        optimizer = tail.parts.get("optimizer_step", 0.0)
-        exposed = m * p.get("comm", 0.0) + tail.extra - optimizer - copies
-        # one stage has no bubble (what the subtraction leaves then is rounding)
-        bubble = max(0.0, self.step_seconds - m * slow.seconds - tail.extra) \
-            if self.config.stages > 1 else 0.0
-        hidden = max(0.0, tail.parts.get("sync", 0.0) - tail.parts.get("sync_exposed", 0.0))
-        return {"compute_seconds": compute, "exposed_comm_seconds": exposed,
-                "bubble_seconds": bubble, "optimizer_seconds": optimizer,
-                "hidden_comm_seconds": hidden}
 
 
 def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec, pipe_link,
@@ -170,7 +86,7 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
         cands = []  # a schedule that cannot recompute (zero-bubble)
     chosen: list[LayerStat] = []
 
-    def peak(rc: list[LayerStat]) -> dict[str, float]:
+    def peak(rc: list[LayerStat], kp: frozenset[str] = frozenset()) -> dict[str, float]:
         # The step's peak is the largest of three moments (autopar.runtime.memstats
         # measures them): the forward, each layer's activations so far with ZeRO-3's
         # gather of it and its prefetched successor; backward, swept back to front
@@ -179,30 +95,37 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
         # recomputed), the gradients of the layers after ``k`` exist, and ZeRO-3 has
         # re-gathered ``k`` and prefetched ``k - 1``; the end of backward: every
         # gradient, ZeRO-1/2's flat buckets and the largest gradient on its way into
-        # its data-parallel bucket.
+        # its data-parallel bucket.  A kept ZeRO-3 layer (``kp``) holds its whole
+        # parameters from its forward to its backward, in every micro-batch in flight.
         keys = {st.key for st in rc}
+        hold = [trb[k] if layers[k].key in kp else 0.0 for k in range(len(layers))]
+        held_before = [0.0]  # the kept layers' bytes before layer k: held_before[k]
+        for h in hold:
+            held_before.append(held_before[-1] + h)
         kept = [st.out_bytes if st.key in keys else st.activations for st in layers]
         n = len(layers)
         grads_then = sum(grads) if present else 0.0
         fwd, cum = (0.0, 0.0), 0.0
         for k in range(n):
             cum += kept[k]
-            fwd = max(fwd, (cum, tr[k] + (tr[k + 1] if k + 1 < n else 0.0)), key=sum)
+            gathered = held_before[k] + tr[k] + (tr[k + 1] if k + 1 < n else 0.0)
+            fwd = max(fwd, (cum, gathered), key=sum)
         bwd, before, made = (sum(kept), grads_then, 0.0), sum(kept), grads_then
         for k in reversed(range(n)):
             before -= kept[k]
             live = before + (layers[k].activations if layers[k].key in keys else kept[k])
-            bwd = max(bwd, (live, made, trb[k] + (trb[k - 1] if k else 0.0)), key=sum)
+            gathered = held_before[k] + max(hold[k], trb[k]) + (trb[k - 1] if k and not hold[k - 1] else 0.0)
+            bwd = max(bwd, (live, made, gathered), key=sum)
             # layer k's gradients appear as its backward ends, freeing its activations
             made = grads_then if present else made + arrive[k]
-        extra = (inflight - 1) * sum(kept) + held_w
+        extra = (inflight - 1) * (sum(kept) + sum(hold)) + held_w
         forward = {"activations": fwd[0] + extra, "grads": grads_then, "transient": fwd[1]}
         during = {"activations": bwd[0] + extra, "grads": bwd[1], "transient": bwd[2]}
         end = {"activations": 0.0, "grads": sum(grads), "transient": (trb[0] if n else 0.0) + flats + spike}
         return max((forward, during, end), key=lambda m: sum(m.values()))
 
-    def mem(rc: list[LayerStat]) -> float:
-        return held + sum(peak(rc).values())
+    def mem(rc: list[LayerStat], kp: frozenset[str] = frozenset()) -> float:
+        return held + sum(peak(rc, kp).values())
 
     if cfg.recompute is not None:
         chosen = [st for st in layers if st.key in cfg.recompute]
@@ -220,9 +143,16 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     # when nothing fits, every candidate stays recomputed: the memory reported is then
     # the least this stage can reach, which the infeasible-budget message quotes
     rc = {st.key for st in chosen}
+    # what keeping each layer saves: the re-gather of what backward would re-gather (not
+    # the weights only cast under mixed precision: their low-precision copies are saved)
+    saves = [z.regather * (b / t) if t else 0.0 for z, t, b in zip(zp, tr, trb)]
+    kp = kept_layers([st.key for st in layers], saves, rc, cfg.reshard,
+                     lambda ks: mem(chosen, ks) <= budget)
     seconds = sum(st.seconds for st in layers) + sum(st.forward for st in chosen)
     seconds += split_seconds(layers, cfg, mesh, index)
     seconds += sum(z.gather_mb for z in zp)
+    # a kept layer's backward re-gathers nothing
+    seconds -= sum(x for st, x in zip(layers, saves) if st.key in kp)
     accumulate = accumulation_seconds(grads, cfg.micro_batches, mesh)
     seconds += accumulate + count_exposed(layers, cfg, mesh)
     if cfg.stages > 1:
@@ -233,11 +163,11 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
             seconds += 2.0 * pipe_link(layers[-1].out_bytes)
     bp, names, extremes = stage_buckets(layers, zp, rc, cfg, mesh) if sync else (None, [], {})
     if names:
-        bare = mem(chosen)  # gradients counted per layer, as the split search counted them
+        bare = mem(chosen, kp)  # gradients counted per layer, as the split search counted them
         # the memory reported: each chosen bucket allocated whole at its first gradient
         # (``peak`` reads ``arrive`` when called, below)
         arrive, spike = gradient_arrivals(layers, zp, cfg, mesh, names)
-        if mem(chosen) > budget >= bare:
+        if mem(chosen, kp) > budget >= bare:
             # the buckets make gradients exist earlier than the per-layer count the
             # split and recomputation were chosen by: a bucket per layer fits as they did
             # (the 4-layer GPT recomputed whole on 4 A100s: 6.6 MB against 6.0 MB)
@@ -263,8 +193,9 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
              "gather_step": gather_step, "optimizer_step": opt_step, "copy_step": copy_step, **extremes}
     # what is alive at the peak: gradients only as far as backward has made them
     memory = {"params": sum(z.params for z in zp), "optimizer": sum(z.optimizer for z in zp),
-              "buffers": sum(st.buffers for st in layers), **peak(chosen)}
-    return StagePrice([st.key for st in layers], seconds, extra, memory, sorted(rc), parts, names)
+              "buffers": sum(st.buffers for st in layers), **peak(chosen, kp)}
+    return StagePrice([st.key for st in layers], seconds, extra, memory, sorted(rc), parts, names,
+                      [st.key for st in layers if st.key in kp])
 
 
 def _in_bytes(layers: list[LayerStat]) -> float:
@@ -326,7 +257,7 @@ def step_lower_bound(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_l
         return math.inf
     total = tail = 0.0
     for st, z in zip(stats, _zero_prices(stats, layer_classes(stats), cfg, mesh, optimizer)):
-        total += st.seconds + z.gather_mb
+        total += st.seconds + z.gather_mb - z.regather  # at best the layer is kept gathered
         tail += z.gather_step + z.opt_step + z.copy_step
     if p > 1:
         total += 4.0 * (p * v - 1) * pipe_link(min(st.out_bytes for st in stats))
@@ -407,7 +338,7 @@ def _merge(chunks: list[StagePrice]) -> StagePrice:
     return StagePrice([k for c in chunks for k in c.layers], sum(c.seconds for c in chunks),
                       sum(c.extra for c in chunks), add([c.memory for c in chunks]),
                       sorted(k for c in chunks for k in c.recompute), parts,
-                      [b for c in chunks for b in c.buckets])
+                      [b for c in chunks for b in c.buckets], [k for c in chunks for k in c.kept])
 
 
 def _split(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget: float,

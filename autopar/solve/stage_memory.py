@@ -5,6 +5,7 @@ backward (runtime/zero.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from autopar.cost_models import MeshSpec
@@ -71,4 +72,30 @@ def zero_flat_bytes(layers: list[LayerStat], cfg: Config) -> float:
     return max((prev + whole * cur for prev, cur in zip([0.0, *flat], flat)), default=0.0)
 
 
-__all__ = ["gradient_arrivals", "zero_flat_bytes"]
+def kept_layers(keys: list[str], saves: list[float], recomputed: set[str], reshard: bool | None,
+                fits: Callable[[frozenset[str]], bool]) -> frozenset[str]:
+    """ZeRO-3: the layers (``keys``, forward order) whose whole parameters stay gathered
+    from forward to backward (FSDP2's ``reshard_after_forward=False``).  Each saves its
+    backward re-gather (``saves``: ``ZeroPrice.regather``, its re-gathered share) for
+    those bytes held at the end of the forward, the activation peak, where every kept
+    layer's cost is the same: so the planner keeps the most layers that ``fits``, from
+    the last (whose re-gather opens the backward, with nothing to hide it) towards the
+    first, as FSDP2 keeps its root.  ``reshard=True`` keeps none, ``False`` every
+    candidate.  Candidates save something and are not recomputed (their recomputation
+    gathers again)."""
+    cands = [k for k, x in zip(reversed(keys), reversed(saves)) if x > 0 and k not in recomputed]
+    if reshard is False:
+        return frozenset(cands)
+    if reshard or not cands:
+        return frozenset()
+    lo, hi = 0, len(cands)  # memory grows with each layer kept: bisect on the count
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(frozenset(cands[:mid])):
+            lo = mid
+        else:
+            hi = mid - 1
+    return frozenset(cands[:lo])
+
+
+__all__ = ["gradient_arrivals", "kept_layers", "zero_flat_bytes"]

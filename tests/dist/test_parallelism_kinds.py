@@ -35,6 +35,14 @@ TWO = [
     Case("zero1-dp2", "gpt", (2,), DP, GPT2, options={"zero_stage": 1, **SINGLE}, measure_memory=True),
     Case("zero2-dp2", "gpt", (2,), DP, GPT2, options={"zero_stage": 2, **SINGLE}, measure_memory=True),
     Case("zero3-dp2", "gpt", (2,), DP, GPT2, options={"zero_stage": 3, **SINGLE}, measure_memory=True),
+    # every layer re-gathered in backward (FSDP2's default); and a budget under keeping
+    # them all (2.90 MB planned; 2.62 MB re-gathering all): the planner keeps the last
+    # layers only, so backward re-gathers the first ones after kept ones (the prefetch
+    # that skips kept layers)
+    Case("zero3-dp2-reshard", "gpt", (2,), DP, GPT2,
+         options={"zero_stage": 3, "reshard_after_forward": True, **SINGLE}, measure_memory=True),
+    Case("zero3-dp2-some-kept", "gpt", (2,), DP, GPT2,
+         options={"zero_stage": 3, "memory_budget": 2.7e6, **SINGLE}, measure_memory=True),
     Case("pp2-gpipe", "gpt", (2,), {}, GPT2, options={**PP2_M4, "schedule": "gpipe"}, measure_memory=True),
     Case("pp2-1f1b", "gpt", (2,), {}, GPT2, options={**PP2_M4, "schedule": "1f1b"}, measure_memory=True),
     # interleaved 1F1B: each rank runs two model chunks (pre + blocks.1 on rank 0)
@@ -147,6 +155,11 @@ def check_decisions(res: dict, case: Case) -> None:
     assert d["schedule"] == o.get("schedule", d["schedule"])
     assert d["virtual_stages"] == o.get("virtual_stages", 1)
     assert d["recompute"] == sorted(o.get("recompute", d["recompute"]))
+    if o.get("reshard_after_forward") is not None:
+        # True: no layer kept gathered; False: every layer (all are ZeRO-3 here)
+        assert bool(d["zero_kept"]) is not o["reshard_after_forward"]
+    if d["zero"] != 3:
+        assert d["zero_kept"] == []
 
 
 def _res(results: dict, case: Case) -> dict:
@@ -185,10 +198,22 @@ def test_bf16_cases_train(two_rank_results, case):
     check_decisions(res, case)
 
 
+def test_zero3_keeps_layers_by_memory(two_rank_results):
+    """ZeRO-3 keeps every layer gathered when memory allows, the last ones only under a
+    budget between (the first re-gathered after kept ones), none when told."""
+    kept = {cid: two_rank_results[cid]["decisions"]["zero_kept"]
+            for cid in ("zero3-dp2", "zero3-dp2-some-kept", "zero3-dp2-reshard")}
+    assert kept["zero3-dp2"] == ["pre", "blocks.0", "blocks.1", "post"]
+    some = kept["zero3-dp2-some-kept"]
+    assert some and "post" in some and "pre" not in some, some
+    assert kept["zero3-dp2-reshard"] == []
+
+
 def test_zero_shards_parameters(two_rank_results):
-    """ZeRO-3 holds about half the parameter bytes of ZeRO-1 per rank on 2 ranks."""
+    """ZeRO-3 re-gathering every layer holds about half the parameter bytes of ZeRO-1
+    per rank on 2 ranks (keeping them all gathered, it holds the same at the peak)."""
     z1 = two_rank_results["zero1-dp2"]["memory"][0]
-    z3 = two_rank_results["zero3-dp2"]["memory"][0]
+    z3 = two_rank_results["zero3-dp2-reshard"]["memory"][0]
     assert z3["measured"] < z1["measured"]
     assert z3["predicted"] < z1["predicted"]
 

@@ -36,6 +36,9 @@ CASES = [
     {"id": "zero1-dp4", "mesh": (4,), "pins": DP, "options": {**ONE, "zero_stage": 1}},
     {"id": "zero2-dp4", "mesh": (4,), "pins": DP, "options": {**ONE, "zero_stage": 2}},
     {"id": "zero3-dp4", "mesh": (4,), "pins": DP, "options": {**ONE, "zero_stage": 3}},
+    # every layer re-gathered in backward (the one above keeps them all gathered)
+    {"id": "zero3-dp4-reshard", "mesh": (4,), "pins": DP,
+     "options": {**ONE, "zero_stage": 3, "reshard_after_forward": True}},
     {"id": "zero3-over-2x2", "mesh": (2, 2), "pins": DP2X2,
      "options": {**ONE, "zero_stage": 3, "zero_axes": (0, 1)}},
     # ZeRO-1/2 whose parameters are replicated on another axis too: one all-reduce per

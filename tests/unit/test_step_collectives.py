@@ -46,8 +46,22 @@ def test_data_parallel_reduces_every_gradient_once(model) -> None:
         "output cross_entropy_loss", "cross_entropy_loss target count"}
 
 
-def test_zero3_gathers_a_layer_twice_and_reduce_scatters_it(model) -> None:
+def test_zero3_keeping_a_layer_gathered_drops_its_regather(model) -> None:
+    """Kept layers (``decisions.zero_kept``: all of this small model, memory allowing)
+    gather once in forward and reduce-scatter; the others gather again in backward."""
     p = _plan(model, pins=DP, zero_stage=3)
+    kept = set(p.decisions.zero_kept)
+    assert kept >= {"blocks.0", "blocks.1"}
+    zero = [c for c in p.collectives() if c.what.startswith("ZeRO-3")]
+    for key in {c.what.split()[1] for c in zero}:
+        mine = sorted((c.phase, c.kind) for c in zero if c.what.split()[1] == key)
+        assert mine == ([("backward", "reduce_scatter"), ("forward", "all_gather")] if key in kept else
+                        [("backward", "all_gather"), ("backward", "reduce_scatter"), ("forward", "all_gather")])
+
+
+def test_zero3_gathers_a_layer_twice_and_reduce_scatters_it(model) -> None:
+    p = _plan(model, pins=DP, zero_stage=3, reshard_after_forward=True)
+    assert p.decisions.zero_kept == []
     zero = [c for c in p.collectives() if c.what.startswith("ZeRO-3")]
     layers = {c.what.split()[1] for c in zero}
     assert layers >= {"blocks.0", "blocks.1"}
