@@ -167,10 +167,13 @@ class JointSpace:
                 for s in scheds:
                     if conflict(s, bool(self.opts.recompute), z):
                         continue  # a schedule that cannot run with these decisions
+                    # ZeRO-3 under plain accumulation: reduce-scatter in every
+                    # micro-batch, or once a step from whole gradients (more memory)
+                    once = [False, True] if z == 3 and cand.micro_batches > 1 and cand.stages == 1 else [False]
                     for v in (self._virtual(cand) if s == Schedule.INTERLEAVED.value else [1]):
-                        out.append(Config(cand.stages, cand.micro_batches, s, z, a,
+                        out.extend(Config(cand.stages, cand.micro_batches, s, z, a,
                                           self.opts.recompute, self.opts.bucket_bytes, v,
-                                          cand.axis, self.opts.reshard_after_forward))
+                                          cand.axis, self.opts.reshard_after_forward, o) for o in once)
         return out
 
     def _virtual(self, cand: _Candidate) -> list[int]:

@@ -76,6 +76,9 @@ def decisions_why(ctx: Context, pr: Priced) -> dict[str, str]:
         why["zero"] += (f"; {kept} of {n} layers kept gathered from forward to backward (no "
                         "re-gather), " + ("as reshard_after_forward asks" if cfg.reshard is not None
                                           else "the most the memory budget allows, from the last"))
+        if cfg.micro_batches > 1 and cfg.stages == 1:
+            why["zero"] += ("; gradients summed over the micro-batches and reduce-scattered once a step"
+                            if cfg.reduce_once else "; gradients reduce-scattered in every micro-batch")
     chunks = f" x {cfg.virtual} chunks per stage" if cfg.virtual > 1 else ""
     where = f" from mesh axis {cfg.pipeline_axis}" if cfg.pipeline_axis else ""
     why["pipeline"] = (f"{cfg.stages} pipeline stages{where} ({cfg.schedule}{chunks}); " if cfg.stages > 1

@@ -486,6 +486,10 @@ class _Switches:
         self._pm.grad_sync.enabled = on
         if self._pm.zero is not None:
             self._pm.zero.enabled = on
+            if self._pm.plan.decisions.zero_reduce_once:
+                # ZeRO-3 reduce-scatters in the backward where sync is on (the last)
+                from autopar.runtime.zero3 import defer
+                defer(self._pm.zero.group_keys, not on)
 
     def flush(self) -> None:
         """Reduce every gradient now (plain buckets, then ZeRO's), then point the

@@ -210,6 +210,11 @@ class Decisions:
     to their backward (FSDP2's ``reshard_after_forward=False``): no re-gather in
     backward, for their bytes held at the activation peak (chosen per layer where the
     memory budget allows, or ``reshard_after_forward=``)."""
+    zero_reduce_once: bool = False
+    """Under ZeRO-3 with micro-batches and no pipeline: each rank accumulates the whole
+    gradients over the micro-batches and reduce-scatters them once, in the last
+    micro-batch's backward, instead of in every one (chosen where memory allows and it
+    is faster)."""
     precision: str = "native"
     """``"native"`` (the model's own dtypes), ``"bf16-mixed"`` or ``"fp16-mixed"``: the graph was captured
     with :mod:`autopar.passes.mixed_precision`'s casts, which every rank re-applies."""

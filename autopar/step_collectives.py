@@ -351,7 +351,8 @@ class _Lister:
                 self.add("forward", "all_gather", z, nbytes, f"ZeRO-3 {key}", m)
                 if key not in kept:  # a kept layer's parameters are still whole in backward
                     self.add("backward", "all_gather", z, nbytes, f"ZeRO-3 {key} (re-gather)", m)
-                self.add("backward", "reduce_scatter", z, nbytes * d, f"ZeRO-3 {key}", m)
+                self.add("backward", "reduce_scatter", z, nbytes * d, f"ZeRO-3 {key}",
+                         1 if self.d.zero_reduce_once else m)
             return
         # runtime/zero.py: back to front, by padded whole-gradient bytes
         buckets = fill_buckets(reversed(shards), lambda s: s[1] * s[2] * d)

@@ -166,6 +166,7 @@ class Zero(OrderedBuckets):
         self._versions: list[int] = []
         self._steps = _STEPS[0]
         self._by_target = {zp.target: zp for zp in self.params}
+        self.group_keys: list[str] = []  # stage 3: the groups _rewrite_gathers registered
 
     # ------------------------------------------------------------ set-up
     @classmethod
@@ -226,7 +227,7 @@ class Zero(OrderedBuckets):
         layer_of = {id(ts): k for k, ts in members.items()}
         chain = sorted(members.values(), key=lambda ts: order[first_use(ts)])
         uid = next(_GROUP_IDS)
-        keys = [f"zero3.{uid}.{i}" for i in range(len(chain))]
+        keys = self.group_keys = [f"zero3.{uid}.{i}" for i in range(len(chain))]
         for i, (key, targets) in enumerate(zip(keys, chain)):
             zps = [self._by_target[t] for t in targets]
             register(Group(key, [zp.shard for zp in zps], [zp.shape for zp in zps], self.axes,

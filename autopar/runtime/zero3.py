@@ -23,6 +23,13 @@ planner per layer where memory allows) is not dropped: autograd holds its whole
 parameters from its forward to its backward, which re-gathers nothing; when its
 backward begins (its first parameter's gradient), the re-gather of the nearest group
 before it that is not kept is prefetched.
+
+Under accumulation the plan may reduce once a step (``Decisions.zero_reduce_once``):
+while the pipeline runner keeps gradient sync off (every micro-batch's backward but the
+last), a group's backward adds its whole gradients into a buffer of its own and gives
+its shards none; the last micro-batch's backward adds the buffer in and
+reduce-scatters the sum, one collective per layer a step instead of one per
+micro-batch.
 """
 
 from __future__ import annotations
@@ -64,6 +71,22 @@ _AHEAD: dict[str, tuple[object, torch.Tensor]] = {}
 _BACKWARD: dict[str, list[torch.Tensor]] = {}
 # storage address -> (weak storage owner, group key, index) for the pack hook
 _GATHERED: dict[int, tuple[weakref.ref, str, int]] = {}
+# groups whose backward accumulates whole gradients instead of reduce-scattering them,
+# and what they have accumulated this step
+_DEFER: set[str] = set()
+_ACC: dict[str, list[torch.Tensor | None]] = {}
+
+
+def defer(keys: list[str], on: bool) -> None:
+    """Make the backward of groups ``keys`` accumulate their whole gradients (``on``) or
+    reduce-scatter them with what was accumulated (off).  Turning it on anew starts a
+    step: what an earlier, interrupted step accumulated is dropped."""
+    for key in keys:
+        if on and key not in _DEFER:
+            _ACC.pop(key, None)
+            _DEFER.add(key)
+        elif not on:
+            _DEFER.discard(key)
 
 
 def register(group: Group) -> None:
@@ -138,6 +161,15 @@ class _GatherGroup(Function):
         stale = _AHEAD.pop(ctx.key, None)  # a re-gather prefetched but never unpacked
         if stale is not None:
             stale[0].wait()
+        if ctx.key in _DEFER:  # an earlier micro-batch: keep the sum, reduce it later
+            acc = _ACC.setdefault(ctx.key, [None] * len(grads))
+            for i, gr in enumerate(grads):
+                if gr is not None:
+                    acc[i] = gr.clone() if acc[i] is None else acc[i].add_(gr)
+            return (None,) * (1 + len(grads))
+        acc = _ACC.pop(ctx.key, None)
+        if acc is not None:
+            grads = tuple(a if gr is None else gr if a is None else gr + a for gr, a in zip(grads, acc))
         m = current()
         d = m.size_of(g.axes)
         send = rank_major(list(grads), g.sizes, [math.prod(s) for s in g.shapes], d, g.shards[0])
@@ -254,4 +286,4 @@ def free_gathered_params():
             work.wait()
 
 
-__all__ = ["Group", "free_gathered_params", "rank_major", "register", "zero_gather"]
+__all__ = ["Group", "defer", "free_gathered_params", "rank_major", "register", "zero_gather"]

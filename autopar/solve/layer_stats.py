@@ -177,14 +177,14 @@ def on_zero(replicated: tuple[int, ...], stage: int, axis: int | tuple[int, ...]
 
 
 def grad_bytes(p: ParamStat, mesh: MeshSpec, stage: int, axis: int | tuple[int, ...] | None,
-               micro_batches: int = 1) -> float:
+               micro_batches: int = 1, once: bool = False) -> float:
     """Bytes of ``p``'s gradient once the step's reduction has ended: whole outside ZeRO;
     this rank's part under ZeRO-3, and under ZeRO-1/2 too (runtime/zero.py frees a
     whole gradient once its bucket launches), unless accumulation keeps them whole
-    until the last backward."""
+    until the last backward (ZeRO-1/2, and ZeRO-3 reducing ``once`` a step)."""
     if not on_zero(p.replicated, stage, axis):
         return p.bytes
-    if stage == 3 or micro_batches == 1:
+    if (stage == 3 and not once) or micro_batches == 1:
         return p.bytes / math.prod(mesh.shape[a] for a in zero_axes(axis))
     return p.bytes
 
@@ -212,20 +212,23 @@ def copied_bytes(nbytes: float, d: int) -> float:
 
 
 def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | tuple[int, ...] | None,
-               optimizer: str, micro_batches: int = 1) -> ZeroPrice:
+               optimizer: str, micro_batches: int = 1, reduce_once: bool = False) -> ZeroPrice:
     """Price ``stat``'s parameters under ZeRO ``stage`` over sub-mesh ``axis`` for a step
     of ``micro_batches``, as the runtime runs them (:mod:`autopar.runtime.zero`): stages
     1-2 reduce once, after the last micro-batch's backward, so under accumulation stage 2
     keeps whole gradients until then like stage 1; stage 3 reduce-scatters in every
     micro-batch's backward (the gather's backward, :mod:`autopar.runtime.zero3`), so the
-    first ``micro_batches - 1`` of them are per micro-batch work (``gather_mb``)."""
+    first ``micro_batches - 1`` of them are per micro-batch work (``gather_mb``), unless
+    it reduces once a step (``reduce_once``, ``Decisions.zero_reduce_once``): the whole
+    gradients accumulated until the last micro-batch's backward, which reduce-scatters
+    them."""
     sync = gstep = gmb = pb = gb = ob = tr = zsync = step = rs = moved = into_bucket = regather = 0.0
     zax = zero_axes(axis)
     reduced: tuple[int, ...] = tuple(zax)  # stage 1: the axes its all-reduce spans
     d = math.prod(mesh.shape[a] for a in zax)  # ranks in the ZeRO group (1 without one)
     for p in stat.params:
         opt = optimizer_state_bytes(p.bytes, optimizer)
-        gb += grad_bytes(p, mesh, stage, zax, micro_batches)
+        gb += grad_bytes(p, mesh, stage, zax, micro_batches, reduce_once)
         if not on_zero(p.replicated, stage, zax):
             if p.replicated:
                 # bandwidth only: bucketing pays the latency once per bucket
@@ -310,7 +313,7 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | tuple[in
         # bucket); the others are spread over the micro-batches here (the step prices
         # ``gather_mb`` M times).  The all-reduce over other replicated axes runs once,
         # after the last backward (GradSync is off before it): it stays in ``sync`` only
-        gmb += rs * (micro_batches - 1) / micro_batches + copies
+        gmb += (0.0 if reduce_once else rs * (micro_batches - 1) / micro_batches) + copies
     return ZeroPrice(sync, gstep, gmb, pb, gb, ob, tr, zsync, step, once, regather)
 
 

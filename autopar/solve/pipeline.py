@@ -56,7 +56,8 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     # zero-bubble: gradients at the weights' consumers wait from each B to its W
     held_w = waiting_w(cfg, index) * sum(st.weight_grad_inputs for st in layers)
     if zp is None:
-        zp = [zero_price(st, mesh, cfg.zero_stage, cfg.zero_axis, optimizer, cfg.micro_batches)
+        zp = [zero_price(st, mesh, cfg.zero_stage, cfg.zero_axis, optimizer, cfg.micro_batches,
+                         cfg.reduce_once)
               for st in layers]
     held = sum(z.params + z.optimizer for z in zp) + sum(st.buffers for st in layers)
     grads = [z.grads for z in zp]  # per layer, as they are once the step's reduction ends
@@ -237,7 +238,7 @@ def _zero_prices(stats: list[LayerStat], cls: list[int], cfg: Config, mesh: Mesh
     for c, st in zip(cls, stats):
         if c not in per_class:
             per_class[c] = zero_price(st, mesh, cfg.zero_stage, cfg.zero_axis, optimizer,
-                                      cfg.micro_batches)
+                                      cfg.micro_batches, cfg.reduce_once)
     return [per_class[c] for c in cls]
 
 

@@ -24,6 +24,9 @@ class Config:
     virtual: int = 1  # model chunks per pipeline rank (the interleaved schedule)
     pipeline_axis: int = 0  # the mesh axis the stages are carved from
     reshard: bool | None = None  # ZeRO-3 re-gathers in backward: None = per layer, chosen
+    # ZeRO-3 under accumulation: gradients reduce-scattered once, after the last
+    # micro-batch (whole until then), rather than in every micro-batch's backward
+    reduce_once: bool = False
 
 
 @dataclass

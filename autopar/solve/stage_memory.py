@@ -34,7 +34,7 @@ def gradient_arrivals(layers: list[LayerStat], zp: list, cfg: Config,
     zax = zero_axes(cfg.zero_axis)
 
     def nbytes(q) -> float:  # as zero_price counts the gradient
-        return grad_bytes(q, mesh, cfg.zero_stage, zax, cfg.micro_batches)
+        return grad_bytes(q, mesh, cfg.zero_stage, zax, cfg.micro_batches, cfg.reduce_once)
 
     params = [(i, q) for i in reversed(range(len(layers))) for q in reversed(layers[i].params)]
     # what GradSync reduces: replicated parameters outside ZeRO, and ZeRO-3 shards

@@ -78,7 +78,7 @@ def run_case(case: Case) -> dict:
                  "decisions": {"zero": d.zero_stage, "stages": d.pipeline_stages,
                                "pipeline_axis": d.pipeline_axis, "schedule": d.schedule,
                                "virtual_stages": d.virtual_stages, "micro_batches": d.micro_batches, "recompute": d.recompute,
-                               "zero_kept": list(d.zero_kept),
+                               "zero_kept": list(d.zero_kept), "zero_reduce_once": d.zero_reduce_once,
                                "precision": d.precision, "zero_axes": list(d.zero_axes),
                                "memory": {k: float(v) for k, v in pm.plan.memory.items()}}}
     names = [n for n, _ in ref.named_parameters()]

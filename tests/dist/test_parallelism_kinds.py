@@ -43,6 +43,14 @@ TWO = [
          options={"zero_stage": 3, "reshard_after_forward": True, **SINGLE}, measure_memory=True),
     Case("zero3-dp2-some-kept", "gpt", (2,), DP, GPT2,
          options={"zero_stage": 3, "memory_budget": 2.7e6, **SINGLE}, measure_memory=True),
+    # ZeRO-3 under accumulation: memory allowing, the whole gradients summed over the
+    # micro-batches and reduce-scattered once (2.67 MB planned); under 2.2 MB, in every
+    # micro-batch's backward (2.12 MB)
+    Case("zero3-accumulate2-dp2", "gpt", (2,), DP, GPT2,
+         options={"zero_stage": 3, "pipeline_stages": 1, "micro_batches": 2}, measure_memory=True),
+    Case("zero3-accumulate2-dp2-lean", "gpt", (2,), DP, GPT2,
+         options={"zero_stage": 3, "pipeline_stages": 1, "micro_batches": 2, "memory_budget": 2.2e6},
+         measure_memory=True),
     Case("pp2-gpipe", "gpt", (2,), {}, GPT2, options={**PP2_M4, "schedule": "gpipe"}, measure_memory=True),
     Case("pp2-1f1b", "gpt", (2,), {}, GPT2, options={**PP2_M4, "schedule": "1f1b"}, measure_memory=True),
     # interleaved 1F1B: each rank runs two model chunks (pre + blocks.1 on rank 0)
@@ -207,6 +215,12 @@ def test_zero3_keeps_layers_by_memory(two_rank_results):
     some = kept["zero3-dp2-some-kept"]
     assert some and "post" in some and "pre" not in some, some
     assert kept["zero3-dp2-reshard"] == []
+
+
+def test_zero3_reduces_once_under_accumulation_when_memory_allows(two_rank_results):
+    once = {cid: two_rank_results[cid]["decisions"]["zero_reduce_once"]
+            for cid in ("zero3-accumulate2-dp2", "zero3-accumulate2-dp2-lean", "zero3-dp2")}
+    assert once == {"zero3-accumulate2-dp2": True, "zero3-accumulate2-dp2-lean": False, "zero3-dp2": False}
 
 
 def test_zero_shards_parameters(two_rank_results):

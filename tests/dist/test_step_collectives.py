@@ -36,6 +36,9 @@ CASES = [
     {"id": "zero1-dp4", "mesh": (4,), "pins": DP, "options": {**ONE, "zero_stage": 1}},
     {"id": "zero2-dp4", "mesh": (4,), "pins": DP, "options": {**ONE, "zero_stage": 2}},
     {"id": "zero3-dp4", "mesh": (4,), "pins": DP, "options": {**ONE, "zero_stage": 3}},
+    # accumulation: the whole gradients reduce-scattered once, after the last micro-batch
+    {"id": "zero3-accumulate2-dp4", "mesh": (4,), "pins": DP,
+     "options": {**ONE, "zero_stage": 3, "micro_batches": 2}},
     # every layer re-gathered in backward (the one above keeps them all gathered)
     {"id": "zero3-dp4-reshard", "mesh": (4,), "pins": DP,
      "options": {**ONE, "zero_stage": 3, "reshard_after_forward": True}},

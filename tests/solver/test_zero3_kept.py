@@ -82,3 +82,16 @@ def test_a_budget_between_keeps_some_and_fits():
 
 def test_no_layer_is_kept_outside_zero3():
     assert _price(stage=2).kept == [] and _price(stage=2, reshard=False).kept == []
+
+
+def test_reducing_once_under_accumulation_drops_the_earlier_reduce_scatters():
+    """ZeRO-3 over 4 micro-batches reducing once a step: no reduce-scatter in the first
+    three backwards (their share of ``gather_mb``), whole gradients until the last."""
+    st = _layers()[0]
+    every = zero_price(st, MESH, 3, 0, "adamw", micro_batches=4)
+    once = zero_price(st, MESH, 3, 0, "adamw", micro_batches=4, reduce_once=True)
+    assert every.gather_mb - once.gather_mb == pytest.approx(every.zero_sync * 3 / 4)
+    assert once.grads == pytest.approx(4 * every.grads)  # whole, not a quarter
+    assert once.sync == every.sync  # the last reduce-scatter, as before
+    # one micro-batch: the same either way
+    assert zero_price(st, MESH, 3, 0, "adamw", 1, True) == zero_price(st, MESH, 3, 0, "adamw", 1)
