@@ -98,8 +98,9 @@ def plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec | str | tuple |
     one group spanning them; one axis with the others replicated is HSDP), ``recompute=["blocks.1"]``, ``bucket_bytes=25 << 20``
     (fixed-size gradient buckets instead of the cost model's choice),
     ``reshard_after_forward=True`` (ZeRO-3 re-gathers every layer in backward; ``False``
-    keeps every layer gathered from forward to backward; unset, the planner keeps the
-    most layers the memory budget allows, from the last),
+    keeps every layer gathered from forward to backward, except recomputed ones and
+    those with nothing to re-gather; unset, the planner keeps the most layers the
+    memory budget allows, from the last),
     ``context_parallel="exchange"`` (attention on sequence chunks of q, k and v: Ulysses or
     ring attention), ``"gather-kv"`` (query rows, keys and values gathered) or ``"off"``;
     unset ones are searched.  ``batch="local"`` plans for each data-parallel rank passing its part of the

@@ -271,7 +271,8 @@ class JointSearch(JointCaptures, JointSpace):
         # is no pressure.
         pressed = best is None or any(sp.recompute for sp in best[1].stages) or (
             best[1].config.zero_stage > 0 and not any(
-                p.feasible for c, p in self.priced if p.config.zero_stage == 0 and
+                p.feasible and not any(sp.recompute for sp in p.stages)
+                for c, p in self.priced if p.config.zero_stage == 0 and
                 (c.stages, c.micro_batches, c.axis) == (best[0].stages, best[0].micro_batches, best[0].axis)))
         if self.opts.explore or (pressed and not forced):
             est = self._shallow is not None or self._start_shallow()

@@ -143,6 +143,13 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         if why:  # a plan file edited or made elsewhere: the search never makes one
             from autopar.errors import PlanError
             raise PlanError(f"this plan runs schedule {d.schedule!r} with {why}; plan it again")
+        if d.zero_reduce_once and (d.zero_stage != 3 or d.pipeline_stages > 1):
+            # the runner turns sync on at a rank's last backward only: other pipeline
+            # chunks' sums would never be reduced
+            from autopar.errors import PlanError
+            raise PlanError("this plan reduces ZeRO-3 gradients once a step (zero_reduce_once) with "
+                            f"zero_stage={d.zero_stage} and {d.pipeline_stages} pipeline stages: it "
+                            "needs zero_stage=3 and no pipeline; plan it again")
         if d.recompute:
             from autopar.passes.recompute import recompute
             recompute(self.inner, set(d.recompute))

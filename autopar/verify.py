@@ -119,7 +119,7 @@ def candidate_key(plan: Plan) -> tuple:
     d = plan.decisions
     return (tuple(plan.mesh.shape), d.pipeline_stages, d.pipeline_axis, d.schedule, d.virtual_stages,
             d.micro_batches, d.zero_stage,
-            tuple(d.recompute), tuple(d.zero_kept), d.precision, d.batch,
+            tuple(d.recompute), tuple(d.zero_kept), d.zero_reduce_once, d.precision, d.batch,
             tuple(sorted(plan.params().items())))
 
 
@@ -412,6 +412,7 @@ def _write(store: str | Path, report: VerifyReport, model: nn.Module) -> None:
                                   "virtual_stages": d.virtual_stages,
                                   "micro_batches": d.micro_batches, "zero_stage": d.zero_stage,
                                   "recompute": d.recompute, "zero_kept": d.zero_kept,
+                                  "zero_reduce_once": d.zero_reduce_once,
                                   "precision": d.precision,
                                   "layout": s["layout"]},
                     "mesh": r.plan.mesh.to_dict(), "mesh_shape_requested": s["mesh_shape_requested"],

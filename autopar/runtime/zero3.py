@@ -10,7 +10,8 @@ rank receives exactly its shards.
 
 Prefetch: while a group is gathered in the forward, the next group's gather is launched
 asynchronously, so it overlaps the current layer's compute; the next forward use waits
-for it.  Memory: at most two layers' whole parameters are alive at once in the forward.
+for it.  Memory: at most two layers' whole parameters are alive at once in the forward,
+besides the kept layers' (below).
 
 Backward: tensors saved from a gathered parameter are dropped (``saved_tensors_hooks``)
 and re-gathered when backward unpacks them, again one collective for the whole group,
@@ -21,8 +22,10 @@ every rank, so every rank issues the same collectives in the same order.
 A *kept* group (``Group.keep``: FSDP2's ``reshard_after_forward=False``, chosen by the
 planner per layer where memory allows) is not dropped: autograd holds its whole
 parameters from its forward to its backward, which re-gathers nothing; when its
-backward begins (its first parameter's gradient), the re-gather of the nearest group
-before it that is not kept is prefetched.
+gradients are done (its backward, before the reduce-scatter), the re-gather of the
+nearest group before it that is not kept is launched ahead, as an unpacked group's
+is.  Leftovers of a backward that stopped early (a prefetch never used) are dropped
+when the next forward begins, so no forward reads parameters from before a step.
 
 Under accumulation the plan may reduce once a step (``Decisions.zero_reduce_once``):
 while the pipeline runner keeps gradient sync off (every micro-batch's backward but the
@@ -157,6 +160,8 @@ class _GatherGroup(Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         g = _GROUPS[ctx.key]
+        if g.keep:  # nothing was unpacked: launch the next re-gather from here
+            _prefetch_before(ctx.key)
         _BACKWARD.pop(ctx.key, None)  # this group's re-gathered parameters are done with
         stale = _AHEAD.pop(ctx.key, None)  # a re-gather prefetched but never unpacked
         if stale is not None:
@@ -169,7 +174,7 @@ class _GatherGroup(Function):
             return (None,) * (1 + len(grads))
         acc = _ACC.pop(ctx.key, None)
         if acc is not None:
-            grads = tuple(a if gr is None else gr if a is None else gr + a for gr, a in zip(grads, acc))
+            grads = tuple(a if gr is None else gr if a is None else a.add_(gr) for gr, a in zip(grads, acc))
         m = current()
         d = m.size_of(g.axes)
         send = rank_major(list(grads), g.sizes, [math.prod(s) for s in g.shapes], d, g.shards[0])
@@ -224,20 +229,7 @@ def _prefetch_before(key: str) -> None:
 @torch.fx.wrap
 def zero_gather(key: str, *shards: torch.Tensor):
     """Generated code's call for a ZeRO-3 group: its whole parameters, as a tuple."""
-    fulls = _GatherGroup.apply(key, *shards)
-    if _GROUPS[key].keep and not _in_backward() and _regathered_before(key) is not None:
-        # the first of the group's gradients made in backward starts the next re-gather
-        fired = [False]
-
-        def start(_grad: torch.Tensor) -> None:
-            if not fired[0]:
-                fired[0] = True
-                _prefetch_before(key)
-
-        for f in fulls:
-            if f.requires_grad:
-                f.register_hook(start)
-    return fulls
+    return _GatherGroup.apply(key, *shards)
 
 
 @dataclass
@@ -275,15 +267,24 @@ def _unpack(h):
 def free_gathered_params():
     """Context for a forward: tensors saved from gathered parameters are dropped and
     re-gathered in backward; a prefetch the forward did not use (it stopped early) is
-    completed and dropped, so no later forward reads parameters from before a step."""
+    completed and dropped, and so is, on entry, what a backward that stopped early left
+    (``autograd.grad`` with ``inputs=``, an error), so no forward reads parameters from
+    before a step."""
+    _drop_ahead()
+    _BACKWARD.clear()
     try:
         with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
             yield
     finally:
         _GATHERED.clear()
-        for key in [k for k in _AHEAD]:
-            work, _ = _AHEAD.pop(key)
-            work.wait()
+        _drop_ahead()
+
+
+def _drop_ahead() -> None:
+    """Complete every gather launched ahead and drop its result."""
+    for key in [k for k in _AHEAD]:
+        work, _ = _AHEAD.pop(key)
+        work.wait()
 
 
 __all__ = ["Group", "defer", "free_gathered_params", "rank_major", "register", "zero_gather"]

@@ -101,8 +101,11 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
         keys = {st.key for st in rc}
         hold = [trb[k] if layers[k].key in kp else 0.0 for k in range(len(layers))]
         held_before = [0.0]  # the kept layers' bytes before layer k: held_before[k]
-        for h in hold:
+        ahead = [0.0] * len(layers)  # what layer k's backward prefetches: the nearest
+        last = 0.0  # layer before it that is not kept (runtime/zero3.py), kept ones skipped
+        for k, h in enumerate(hold):
             held_before.append(held_before[-1] + h)
+            ahead[k], last = last, (last if h else trb[k])
         kept = [st.out_bytes if st.key in keys else st.activations for st in layers]
         n = len(layers)
         grads_then = sum(grads) if present else 0.0
@@ -115,7 +118,7 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
         for k in reversed(range(n)):
             before -= kept[k]
             live = before + (layers[k].activations if layers[k].key in keys else kept[k])
-            gathered = held_before[k] + max(hold[k], trb[k]) + (trb[k - 1] if k and not hold[k - 1] else 0.0)
+            gathered = held_before[k] + max(hold[k], trb[k]) + ahead[k]
             bwd = max(bwd, (live, made, gathered), key=sum)
             # layer k's gradients appear as its backward ends, freeing its activations
             made = grads_then if present else made + arrive[k]

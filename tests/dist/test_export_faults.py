@@ -125,6 +125,11 @@ FAULTS = {
     "unknown key in plan.json decisions": (
         _edit("plan.json", lambda p: p["decisions"].update(fsdp=1)), "LoadError",
         r"plan.json: unknown key 'fsdp' in decisions"),
+    # the pipeline runner reduces once only at a rank's last backward: a plan saying so
+    # outside ZeRO-3 without a pipeline (the search never makes one) is refused
+    "zero_reduce_once without ZeRO-3 (re-signed)": (
+        _edit("plan.json", lambda p: p["decisions"].update(zero_reduce_once=True)), "PlanError",
+        r"reduces ZeRO-3 gradients once a step \(zero_reduce_once\) with zero_stage=0"),
     "unknown key in meta.json": (_edit("meta.json", lambda m: m.update(hooks=[])), "LoadError",
                                  r"meta.json: unexpected or missing key 'hooks'"),
     "unknown key in MANIFEST.json": (_edit("MANIFEST.json", lambda m: m.update(signature="x")),
