@@ -270,10 +270,7 @@ class JointSearch(JointCaptures, JointSpace):
         # saves a data-parallel bucket's copies; ZeRO-1 shards the optimizer's update)
         # is no pressure.
         pressed = best is None or any(sp.recompute for sp in best[1].stages) or (
-            best[1].config.zero_stage > 0 and not any(
-                p.feasible and not any(sp.recompute for sp in p.stages)
-                for c, p in self.priced if p.config.zero_stage == 0 and
-                (c.stages, c.micro_batches, c.axis) == (best[0].stages, best[0].micro_batches, best[0].axis)))
+            best[1].config.zero_stage > 0 and not self._fits_plainly(best[0]))
         if self.opts.explore or (pressed and not forced):
             est = self._shallow is not None or self._start_shallow()
             # breadth first, each stage count's most promising micro-batch count first:
@@ -342,6 +339,13 @@ class JointSearch(JointCaptures, JointSpace):
                   + (f"ZeRO-{c.zero_stage} over {zero_words(c.zero_axis)}" if c.zero_stage else "no ZeRO")
                   + f": {pr.step_seconds * 1e3:.3f} ms per step")
         return cand.cap, plan
+
+    def _fits_plainly(self, cand: _Candidate) -> bool:
+        """True when a config priced for ``cand``'s split fits without ZeRO and without
+        recomputation."""
+        split = (cand.stages, cand.micro_batches, cand.axis)
+        return any(p.feasible and p.config.zero_stage == 0 and not any(sp.recompute for sp in p.stages)
+                   for c, p in self.priced if (c.stages, c.micro_batches, c.axis) == split)
 
     def _confirm_estimates(self, most: int = 3) -> None:
         """Plan at full depth the best estimated configurations (at most ``most`` splits)

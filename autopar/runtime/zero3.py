@@ -147,14 +147,13 @@ class _GatherGroup(Function):
         # prefetch only in a real forward: a recomputation inside backward gathers one
         # layer, and a launched gather of another would wait for a use that never comes
         fulls = _gather(key, ahead=not _in_backward())
+        ctx.key = key
         if _GROUPS[key].keep:
-            ctx.key = key
             return tuple(fulls)  # saved as they are: autograd keeps them to the backward
         for i, f in enumerate(fulls):
             # the tensor owning the storage: saved views (a transposed weight) point to it
             root = f if f._base is None else f._base
             _GATHERED[f.untyped_storage().data_ptr()] = (weakref.ref(root), key, i)
-        ctx.key = key
         return tuple(fulls)
 
     @staticmethod

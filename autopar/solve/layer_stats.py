@@ -177,14 +177,14 @@ def on_zero(replicated: tuple[int, ...], stage: int, axis: int | tuple[int, ...]
 
 
 def grad_bytes(p: ParamStat, mesh: MeshSpec, stage: int, axis: int | tuple[int, ...] | None,
-               micro_batches: int = 1, once: bool = False) -> float:
+               micro_batches: int = 1, reduce_once: bool = False) -> float:
     """Bytes of ``p``'s gradient once the step's reduction has ended: whole outside ZeRO;
     this rank's part under ZeRO-3, and under ZeRO-1/2 too (runtime/zero.py frees a
     whole gradient once its bucket launches), unless accumulation keeps them whole
-    until the last backward (ZeRO-1/2, and ZeRO-3 reducing ``once`` a step)."""
+    until the last backward (ZeRO-1/2, and ZeRO-3 with ``reduce_once``)."""
     if not on_zero(p.replicated, stage, axis):
         return p.bytes
-    if (stage == 3 and not once) or micro_batches == 1:
+    if (stage == 3 and not reduce_once) or micro_batches == 1:
         return p.bytes / math.prod(mesh.shape[a] for a in zero_axes(axis))
     return p.bytes
 
