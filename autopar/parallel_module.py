@@ -348,8 +348,8 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         if self.zero is not None and self.zero.stage == 3:
             from autopar.runtime.zero import free_gathered_params
             with free_gathered_params():
-                return self._outputs(self.inner(*flat))
-        return self._outputs(self.inner(*flat))
+                return self._outputs(self.grad_sync.watch(self.inner(*flat)))
+        return self._outputs(self.grad_sync.watch(self.inner(*flat)))
 
     def train_step(self, *args, **kwargs) -> torch.Tensor:
         """Forward and backward of one global batch (all micro-batches, every pipeline
@@ -366,6 +366,7 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
             return loss.detach()
         self.runner.loss_scale = scale
         flat = self._bind(args, kwargs)
+        self.grad_sync.restart()  # the step's backwards add to what is there
         if self.zero is not None and self.zero.stage == 3:
             from autopar.runtime.zero import free_gathered_params
             with free_gathered_params():

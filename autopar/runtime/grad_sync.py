@@ -16,7 +16,8 @@ a bucket at launch and back after the reduction held two until the end of backwa
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -99,6 +100,11 @@ class Bucket:
 
     views: list[torch.Tensor] = field(default_factory=list)
     """Each parameter's slot in ``flat``, shaped like it (made with ``flat``)."""
+    reduced: bool = False
+    """The gradients hold sums already reduced over ``axes`` (a reducing backward ended
+    and no backward since): :meth:`GradSync.restart` divides them before another adds."""
+    ranks: int = 1
+    """How many ranks the reduction sums over (set at the first launch)."""
 
     def __post_init__(self) -> None:
         """Lay the gradients out back to back, in ``params`` order."""
@@ -254,6 +260,7 @@ class GradSync(OrderedBuckets):
             if i not in b.fresh:  # not ready (no gradient this backward, or no hooks ran)
                 self._fill(b, i, p)
         m = current()
+        b.ranks = math.prod(m.shape[a] for a in b.axes)
         # every replicated axis at once, asynchronously (one group spanning them)
         b.work = issue(dist.all_reduce, b.flat, group=m.group_of(b.axes), async_op=True)
         b.launched = True
@@ -268,3 +275,32 @@ class GradSync(OrderedBuckets):
             # the next zero_grad(set_to_none=True)
             b.ready, b.flat, b.work, b.launched, b.own, b.fresh = 0, None, None, False, set(), set()
             b.views = []
+            b.reduced = True
+
+    def watch(self, outs: Sequence) -> Sequence:
+        """The forward's flat outputs, each that requires grad hooked so that a
+        backward through it first calls :meth:`restart`."""
+        if self.buckets and torch.is_grad_enabled():
+            for o in outs:
+                if isinstance(o, torch.Tensor) and o.requires_grad:
+                    o.register_hook(self._restart_hook)
+        return outs
+
+    def _restart_hook(self, _grad: torch.Tensor) -> None:
+        self.restart()
+
+    def restart(self) -> None:
+        """Before a backward that adds to the gradients a reducing backward left (a loop
+        that accumulates over several ``backward()`` calls without ``zero_grad()``):
+        divide them by the ranks the reduction sums over.  They are equal on every
+        rank, so this backward's sum counts them once; they were counted once per rank
+        (the second backward's gradients came out ``ranks`` times too large).  Exact
+        for a power-of-two rank count, a rounding otherwise."""
+        for b in self.buckets:
+            if not b.reduced:
+                continue
+            b.reduced = False
+            if b.ranks > 1:
+                for p in b.params:
+                    if p.grad is not None:
+                        p.grad.div_(b.ranks)
