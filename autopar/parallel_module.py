@@ -258,7 +258,7 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
                                   requires_grad=n not in self.info.frozen)
                 register_tree(self, n, dt, reserved=_RESERVED)
                 self._extra[n] = dt
-        self._dparams = DParams(mesh, entries)
+        self._dparams = DParams(mesh, entries, getattr(self, "grad_sync", None))
 
     def _targets(self) -> list[tuple[str, torch.Tensor | None]]:
         """(graph target, tensor attribute) for every parameter and buffer; ``None`` for

@@ -27,6 +27,7 @@ uses the parameters' own shapes.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -73,17 +74,27 @@ class Entry:
     hook_on: torch.Tensor  # the leaf autograd accumulates into (ZeRO 1-2: the whole param)
     placements: tuple
     shape: tuple[int, ...]
+    grad: DTensor | None = None
+    """The DTensor view of ``local``'s gradient the bridge made last, kept for the next
+    backward that leaves the gradient in the same tensor (a bucket reusing its buffer,
+    :mod:`autopar.runtime.grad_sync`): one DTensor per parameter per step costs ~5 us."""
 
 
 class DParams:
     """The DTensor parameters of one ParallelModule and their gradient bridge."""
 
-    def __init__(self, mesh: DeviceMesh, entries: list[Entry]) -> None:
+    def __init__(self, mesh: DeviceMesh, entries: list[Entry], grad_sync=None) -> None:
+        """``grad_sync``: the module's gradient buckets, told which of their tensors
+        the DTensor gradients kept here hold (:meth:`holds`), so they reuse their
+        buffers across steps."""
         self.mesh = mesh
         self.entries = entries
         self._armed = False
         self._handles = [e.hook_on.register_post_accumulate_grad_hook(self._hook)
                          for e in entries if e.param.requires_grad]
+        self._by_local = {id(e.local): e for e in entries}
+        if grad_sync is not None:
+            grad_sync.holders = self.holds
 
     @staticmethod
     def make(target: str, local: torch.Tensor, mesh: DeviceMesh, placements: Sequence,
@@ -100,8 +111,21 @@ class DParams:
         """Mirror ``zero_grad(set_to_none=True)`` on the DTensors onto the local
         tensors, which would otherwise keep accumulating into the old gradient."""
         for e in self.entries:
-            if e.param.grad is None and e.local.grad is not None:
-                e.local.grad = None
+            if e.param.grad is None:
+                if e.local.grad is not None:
+                    e.local.grad = None
+                # a gradient the user kept across zero_grad() (the attribute and
+                # getrefcount's argument are the others): never handed out again, so
+                # its local tensor counts as held elsewhere and keeps its values
+                if e.grad is not None and sys.getrefcount(e.grad) > 2:
+                    e.grad = None
+
+    def holds(self, local: torch.Tensor, g: torch.Tensor) -> int:
+        """References to ``g`` (``local``'s gradient tensor) this object holds: 1 when
+        the DTensor gradient kept for the next backward views it
+        (:attr:`autopar.runtime.grad_sync.GradSync.holders`)."""
+        e = self._by_local.get(id(local))
+        return int(e is not None and e.grad is not None and e.grad._local_tensor is g)
 
     def _hook(self, _t: torch.Tensor) -> None:
         if self._armed:
@@ -122,7 +146,9 @@ class DParams:
             if g is None:
                 e.param.grad = None
             elif not isinstance(e.param.grad, DTensor) or e.param.grad._local_tensor is not g:
-                e.param.grad = _grad_view(e, g, self.mesh)
+                if e.grad is None or e.grad._local_tensor is not g:
+                    e.grad = _grad_view(e, g, self.mesh)
+                e.param.grad = e.grad
 
 
 def _grad_view(e: Entry, g: torch.Tensor, mesh: DeviceMesh) -> DTensor:

@@ -11,12 +11,20 @@ As DDP's ``gradient_as_bucket_view``, a gradient is copied into its bucket's fla
 as soon as it is ready and ``.grad`` becomes a view of it: the reduction runs in place,
 nothing is copied back, and the step holds one copy of the gradients (copying them into
 a bucket at launch and back after the reduction held two until the end of backward).
+
+As DDP's buckets, the buffers outlive the step: the next backward fills the same ones
+(a fresh 11 MB buffer and 69 views a step cost the 4-layer GPT's data parallel about
+1.5 ms of CPU per rank against DDP; docs/benchmarks.md).  A buffer is reused only
+when nothing but the runtime holds it: a ``.grad`` kept from an earlier step
+(``old = p.grad`` before ``zero_grad()``), a view or ``to_local()`` of one, keeps its
+values and that bucket takes a new buffer (:meth:`GradSync._reusable`).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -100,6 +108,9 @@ class Bucket:
 
     views: list[torch.Tensor] = field(default_factory=list)
     """Each parameter's slot in ``flat``, shaped like it (made with ``flat``)."""
+    kept: bool = False
+    """``flat`` is an earlier backward's, not yet checked for other holders in this one
+    (:meth:`GradSync._reusable`)."""
     reduced: bool = False
     """The gradients hold sums already reduced over ``axes`` (a reducing backward ended
     and no backward since): :meth:`GradSync.restart` divides them before another adds."""
@@ -221,6 +232,10 @@ class GradSync(OrderedBuckets):
         self._start_order(self.buckets)
         self._handles = [p.register_post_accumulate_grad_hook(self._hook)
                          for b in self.buckets for p in b.params]
+        self.holders: Callable[[nn.Parameter, torch.Tensor], int] = lambda p, v: 0
+        """How many references to ``v`` (``p``'s gradient slot) the runtime holds
+        besides the bucket and ``p.grad``: the DTensor gradient a
+        :class:`~autopar.runtime.dparams.DParams` keeps for the next step."""
 
     def _hook(self, p: nn.Parameter) -> None:
         # one Python call per gradient on the backward's path (69 a step for a 4-layer
@@ -233,11 +248,14 @@ class GradSync(OrderedBuckets):
             b.fresh.add(i)
         self._ready(b)
 
-    @staticmethod
-    def _fill(b: Bucket, i: int, p: nn.Parameter) -> None:
+    def _fill(self, b: Bucket, i: int, p: nn.Parameter) -> None:
         """Put ``p``'s (parameter ``i`` of ``b``) gradient in ``b.flat`` (zeros when it
         has none) and make ``.grad`` a view of it when the layouts agree (the reduction
         then lands in it)."""
+        if b.kept:  # the first gradient of this backward in an earlier step's buffer
+            b.kept = False
+            if not self._reusable(b):
+                b.flat = None
         if b.flat is None:
             b.allocate(p.device)
         # the engine runs a backward in grad mode only when it builds its graph
@@ -271,10 +289,12 @@ class GradSync(OrderedBuckets):
             for i in b.own:  # the others are views: the reduction landed in them
                 if b.params[i].grad is not None:
                     b.params[i].grad.copy_(b.view(i))
-            # the views keep the buffer alive; dropping it here frees it with them at
-            # the next zero_grad(set_to_none=True)
-            b.ready, b.flat, b.work, b.launched, b.own, b.fresh = 0, None, None, False, set(), set()
-            b.views = []
+            b.ready, b.work, b.launched, b.own, b.fresh = 0, None, False, set(), set()
+            if b.flat is not None and b.flat.requires_grad:
+                # a backward that built its graph (create_graph=True) left the buffer a
+                # non-leaf of that graph: the next backward takes a new one
+                b.flat, b.views = None, []
+            b.kept = b.flat is not None
             b.reduced = True
 
     def watch(self, outs: Sequence) -> Sequence:
@@ -304,3 +324,25 @@ class GradSync(OrderedBuckets):
                 for p in b.params:
                     if p.grad is not None:
                         p.grad.div_(b.ranks)
+
+    def _reusable(self, b: Bucket) -> bool:
+        """Whether ``b``'s buffer from an earlier backward may take this one's gradients:
+        only the bucket, its views, the parameters' ``.grad`` and the holders
+        :attr:`holders` names refer to it.  Anything else (a gradient the user kept
+        across ``zero_grad()``, a view or ``to_local()`` of one) would see its values
+        overwritten, so the bucket then takes a new buffer and leaves the old one to
+        them."""
+        use_count = getattr(torch._C, "_storage_Use_Count", None)
+        if use_count is None:  # a private counter; without it, never reuse
+            return False
+        # the buffer, each view, and the temporary storage object asked
+        if use_count(b.flat.untyped_storage()._cdata) != 2 + len(b.views):
+            return False
+        views = b.views
+        for i, p in enumerate(b.params):
+            # the list of views and getrefcount's argument (no loop variable holds the
+            # view), .grad, the named holders
+            known = 2 + (p.grad is views[i]) + self.holders(p, views[i])
+            if sys.getrefcount(views[i]) != known:
+                return False
+        return True

@@ -1,9 +1,10 @@
-"""Gradients across steps (autopar/runtime/grad_sync.py), seen from a training loop on
-real ranks: run by test_training_loop.py through loop_cases.py."""
+"""Gradient buffers that serve every step (autopar/runtime/grad_sync.py), seen from a
+training loop on real ranks: run by test_training_loop.py through loop_cases.py."""
 
 from __future__ import annotations
 
 import copy
+import weakref
 
 import torch
 
@@ -13,6 +14,55 @@ from tests.dist.loop_cases import Net, _batch, _mesh
 
 def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def kept_gradients(c: dict) -> dict:
+    """Data parallel, one bucket per parameter: the DTensor gradients and their buffers
+    serve the next step; a gradient the loop keeps across ``zero_grad()`` (the DTensor,
+    or its ``to_local()``) keeps its values; ``zero_grad(set_to_none=False)`` and
+    accumulation over two backwards still give the single process's gradients."""
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    x, y = _batch()
+    # bucket_bytes=1: each parameter alone in its bucket, so one kept gradient pins
+    # one buffer (ZeRO pinned off: with such buckets the planner prefers ZeRO-3)
+    pm = auto_parallel(model, example_inputs=(x, y), mesh=_mesh(c["mesh"]),
+                       pins={"*": "R", "input:0": "S(0)", "input:1": "S(0)"}, bucket_bytes=1,
+                       zero_stage=0)
+    opt = torch.optim.SGD(pm.parameters(), lr=0.0)  # zero_grad only: weights stay put
+    batches = [(x * (k + 1), y.flip(0) * (k + 1)) for k in range(4)]
+
+    def reference(*steps) -> dict[str, torch.Tensor]:
+        ref.zero_grad(set_to_none=True)
+        for k in steps:
+            ref(*batches[k]).backward()
+        return {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                for n, p in ref.named_parameters() if p.grad is not None}
+
+    def err(want: dict[str, torch.Tensor]) -> float:
+        got = pm.full_grads()
+        return max((got[n] - g).abs().max().item() for n, g in want.items())
+
+    pm(*batches[0]).backward()
+    errs = [err(reference(0))]
+    named = dict(pm.named_parameters())
+    first = {n: weakref.ref(p.grad) for n, p in named.items() if p.grad is not None}
+    kept, kept_local = named["fc2.weight"].grad, named["fc1.bias"].grad.to_local()
+    kept_values = (kept.to_local().clone(), kept_local.clone())
+    opt.zero_grad(set_to_none=True)
+    pm(*batches[1]).backward()
+    errs.append(err(reference(1)))
+    # the same DTensor gradient objects again, except where the loop kept one
+    same = sorted(n for n, w in first.items() if named[n].grad is w())
+    intact = torch.equal(kept.to_local(), kept_values[0]) and torch.equal(kept_local, kept_values[1])
+    pm(*batches[2]).backward()  # no zero_grad: accumulates
+    errs.append(err(reference(1, 2)))
+    opt.zero_grad(set_to_none=False)  # zeros in place
+    pm(*batches[3]).backward()
+    errs.append(err(reference(3)))
+    return {"errs": errs, "same": same, "intact": intact,
+            "names": sorted(first)}
 
 
 def accumulated_backwards(c: dict) -> dict:

@@ -1,7 +1,8 @@
 """GradSync's hot path on a one-rank gloo group (one process group for the module):
 each gradient lands in its bucket once per backward and ``.grad`` becomes a view of
 the bucket; accumulation with the hooks off and a flush after a backward without hooks
-still reduce every gradient.  The reductions of several ranks are tests/dist's."""
+still reduce every gradient; the buffers serve every step unless something else holds
+them.  The reductions of several ranks are tests/dist's."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def test_each_gradient_lands_in_its_bucket_once(monkeypatch) -> None:
     copies = []
     real = grad_sync.GradSync._fill
     monkeypatch.setattr(grad_sync.GradSync, "_fill",
-                        staticmethod(lambda b, i, p: copies.append(i) or real(b, i, p)))
+                        lambda self, b, i, p: copies.append(i) or real(self, b, i, p))
     model(x).square().sum().backward()
     # one slot per parameter per backward (the launch visited every one again before)
     assert len(copies) == 4
@@ -100,3 +101,47 @@ def test_a_backward_that_builds_its_graph_keeps_its_gradients() -> None:
     want = _reference(x)
     for n, p in model.named_parameters():
         assert torch.allclose(p.grad.detach(), want[n], rtol=1e-6, atol=0), n
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> None:
+    for p in model.parameters():
+        p.grad = None  # zero_grad(set_to_none=True)
+    model(x).square().sum().backward()
+
+
+def test_buffers_serve_every_step() -> None:
+    # before: each backward took a new buffer per bucket and 69 views of it (the
+    # 4-layer GPT), dropped at the end of the step; DDP keeps its buckets
+    model, sync, x = _model()
+    _step(model, x)
+    flats = [b.flat for b in sync.buckets]
+    assert all(f is not None for f in flats)
+    x2 = x.flip(0) * 2
+    _step(model, x2)
+    assert all(b.flat is f for b, f in zip(sync.buckets, flats))
+    want = _reference(x2)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, want[n]), n
+        assert _in_bucket(sync, p), n
+
+
+def test_a_gradient_kept_across_zero_grad_keeps_its_values() -> None:
+    # a gradient the user kept (or a view of one) across zero_grad() must not be
+    # overwritten by the next backward: its bucket takes a new buffer, the others reuse
+    model, sync, x = _model()
+    _step(model, x)
+    w0, b0, w1, b1 = model.parameters()
+    kept, alias = w1.grad, b0.grad.view(-1)
+    before = (kept.clone(), alias.clone())
+    bucket = {id(p): b for b in sync.buckets for p in b.params}
+    flats = {id(p): bucket[id(p)].flat for p in (w0, b0, w1, b1)}
+    x2 = x.flip(0) * 2
+    _step(model, x2)
+    assert torch.equal(kept, before[0]) and torch.equal(alias, before[1])
+    want = _reference(x2)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, want[n]), n
+    held = {id(w1), id(b0)}
+    for p in (w0, b0, w1, b1):
+        shares = any(id(q) in held for q in bucket[id(p)].params)
+        assert (bucket[id(p)].flat is flats[id(p)]) is not shares
