@@ -49,7 +49,7 @@ def _capture_and_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec,
 _DECISION_KEYS = ("zero_stage", "zero_axes", "pipeline_stages", "pipeline_axis", "micro_batches", "schedule",
                   "virtual_stages",
                   "recompute", "explore", "blocks", "progress", "bucket_bytes", "precision",
-                  "context_parallel", "reshard_after_forward")
+                  "context_parallel", "reshard_after_forward", "keep_grad_buffers")
 
 
 def _options(memory_budget, optimizer, time_limit, pins, decisions: Mapping,
@@ -101,6 +101,9 @@ def plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec | str | tuple |
     keeps every layer gathered from forward to backward, except recomputed ones and
     those with nothing to re-gather; unset, the planner keeps the most layers the
     memory budget allows, from the last),
+    ``keep_grad_buffers=False`` (a new buffer per data-parallel gradient bucket each
+    backward, freed with the gradients at ``zero_grad()``; ``True`` keeps them between
+    steps, as DDP does; unset, they are kept where the memory budget allows),
     ``context_parallel="exchange"`` (attention on sequence chunks of q, k and v: Ulysses or
     ring attention), ``"gather-kv"`` (query rows, keys and values gathered) or ``"off"``;
     unset ones are searched.  ``batch="local"`` plans for each data-parallel rank passing its part of the

@@ -394,6 +394,7 @@ class JointSearch(JointCaptures, JointSpace):
             stages=(pr.virtual or [sp.layers for sp in pr.stages]) if cfg.stages > 1 else [],
             zero_stage=cfg.zero_stage, recompute=recompute, zero_kept=kept,
             zero_reduce_once=cfg.reduce_once,
+            grad_buffers_kept=all(sp.grad_buffers_kept for sp in pr.stages),
             # one axis as an int (as plans always said), several as a list
             zero_axis=list(cfg.zero_axis) if isinstance(cfg.zero_axis, tuple) else cfg.zero_axis,
             precision=self.opts.precision, batch=self.opts.batch,

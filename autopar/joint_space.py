@@ -173,7 +173,8 @@ class JointSpace:
                     for v in (self._virtual(cand) if s == Schedule.INTERLEAVED.value else [1]):
                         out.extend(Config(cand.stages, cand.micro_batches, s, z, a,
                                           self.opts.recompute, self.opts.bucket_bytes, v,
-                                          cand.axis, self.opts.reshard_after_forward, o) for o in once)
+                                          cand.axis, self.opts.reshard_after_forward, o,
+                                          self.opts.keep_grad_buffers) for o in once)
         return out
 
     def _virtual(self, cand: _Candidate) -> list[int]:

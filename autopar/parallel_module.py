@@ -206,7 +206,8 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
                 continue
             if t in self._placements and isinstance(p, nn.Parameter) and p.requires_grad:
                 params.append((t, p, self._replicated_axes(t)))
-        self.grad_sync = GradSync(params, self.plan.decisions.grad_buckets)
+        self.grad_sync = GradSync(params, self.plan.decisions.grad_buckets,
+                                  keep=self.plan.decisions.grad_buffers_kept)
 
     def _frozen(self, t: str) -> bool:
         return all(n in self.info.frozen for n in self.aliases.get(t, [t]))

@@ -210,6 +210,12 @@ class Decisions:
     to their backward (FSDP2's ``reshard_after_forward=False``): no re-gather in
     backward, for their bytes held at the activation peak (chosen per layer where the
     memory budget allows, or ``reshard_after_forward=``)."""
+    grad_buffers_kept: bool = False
+    """The data-parallel gradient buckets keep their buffers between steps, as DDP's
+    (runtime/grad_sync.py): the gradients they reduce are counted whole from the start
+    of the step, chosen where that memory fits the budget (False: a new buffer per
+    bucket each backward, freed with the gradients at ``zero_grad()``; plans made
+    before this choice load so)."""
     zero_reduce_once: bool = False
     """Under ZeRO-3 with micro-batches and no pipeline: each rank accumulates the whole
     gradients over the micro-batches and reduce-scatters them once, in the last

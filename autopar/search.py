@@ -79,6 +79,9 @@ class PlanOptions:
     # ZeRO-3: True re-gathers every layer in backward, False keeps every layer gathered
     # from forward to backward; None = chosen per layer under the memory budget
     reshard_after_forward: bool | None = None
+    # the data-parallel gradient buckets' buffers kept between steps (as DDP's): True,
+    # False, or None = kept where the memory budget allows (Decisions.grad_buffers_kept)
+    keep_grad_buffers: bool | None = None
     # the sequence split attention may use (autopar.rules.attention.ContextParallel:
     # "off", "gather-kv", "exchange"); None = searched
     context_parallel: str | None = None

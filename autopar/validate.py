@@ -121,9 +121,10 @@ def options(memory_budget, optimizer, time_limit, search, decisions: Mapping) ->
         v = decisions.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ConfigError(f"{key} must be a positive integer, got {v!r}")
-    ra = decisions.get("reshard_after_forward")
-    if ra is not None and not isinstance(ra, bool):
-        raise ConfigError(f"reshard_after_forward must be True, False or None, got {ra!r}")
+    for key in ("reshard_after_forward", "keep_grad_buffers"):
+        ra = decisions.get(key)
+        if ra is not None and not isinstance(ra, bool):
+            raise ConfigError(f"{key} must be True, False or None, got {ra!r}")
     pa = decisions.get("pipeline_axis")
     if pa is not None and (isinstance(pa, bool) or not isinstance(pa, int) or pa < 0):
         raise ConfigError(f"pipeline_axis must be a mesh axis (an integer >= 0), got {pa!r}")

@@ -93,7 +93,10 @@ class DParams:
         self._handles = [e.hook_on.register_post_accumulate_grad_hook(self._hook)
                          for e in entries if e.param.requires_grad]
         self._by_local = {id(e.local): e for e in entries}
-        if grad_sync is not None:
+        # kept DTensor gradients only where the buffers they view are kept: one of a
+        # freed buffer would hold it a step longer
+        self._keep = grad_sync is not None and grad_sync.keep
+        if self._keep:
             grad_sync.holders = self.holds
 
     @staticmethod
@@ -146,6 +149,9 @@ class DParams:
             if g is None:
                 e.param.grad = None
             elif not isinstance(e.param.grad, DTensor) or e.param.grad._local_tensor is not g:
+                if not self._keep:
+                    e.param.grad = _grad_view(e, g, self.mesh)
+                    continue
                 if e.grad is None or e.grad._local_tensor is not g:
                     e.grad = _grad_view(e, g, self.mesh)
                 e.param.grad = e.grad

@@ -12,9 +12,10 @@ as soon as it is ready and ``.grad`` becomes a view of it: the reduction runs in
 nothing is copied back, and the step holds one copy of the gradients (copying them into
 a bucket at launch and back after the reduction held two until the end of backward).
 
-As DDP's buckets, the buffers outlive the step: the next backward fills the same ones
-(a fresh 11 MB buffer and 69 views a step cost the 4-layer GPT's data parallel about
-1.5 ms of CPU per rank against DDP; docs/benchmarks.md).  A buffer is reused only
+As DDP's buckets, the buffers outlive the step where the plan's memory allows
+(:attr:`autopar.plan.Decisions.grad_buffers_kept`): the next backward fills the same
+ones (a fresh 11 MB buffer and 69 views a step cost the 4-layer GPT's data parallel
+about 1.5 ms of CPU per rank against DDP; docs/benchmarks.md).  A buffer is reused only
 when nothing but the runtime holds it: a ``.grad`` kept from an earlier step
 (``old = p.grad`` before ``zero_grad()``), a view or ``to_local()`` of one, keeps its
 values and that bucket takes a new buffer (:meth:`GradSync._reusable`).
@@ -203,13 +204,17 @@ class GradSync(OrderedBuckets):
     """Hooks that all-reduce replicated parameters' gradients after backward."""
 
     def __init__(self, params: list[tuple[str, nn.Parameter, tuple[int, ...]]],
-                 planned: list[list[str]] | None = None, bucket_bytes: int = BUCKET_BYTES) -> None:
+                 planned: list[list[str]] | None = None, bucket_bytes: int = BUCKET_BYTES,
+                 keep: bool = True) -> None:
         """``params``: (name, parameter, axes it is replicated on), in forward order.
         ``planned``: the plan's buckets (parameter names in launch order,
         :attr:`autopar.plan.Decisions.grad_buckets`); names not on this rank are
         skipped, a bucket mixing axes is split by axes.  Parameters in no planned
         bucket (a plan made before buckets were planned, ZeRO-3 shards reduced over
-        their other axes) follow in ``bucket_bytes`` buckets, back to front."""
+        their other axes) follow in ``bucket_bytes`` buckets, back to front.  ``keep``:
+        the buffers serve every step (:attr:`autopar.plan.Decisions.grad_buffers_kept`;
+        else each backward takes new ones, freed with the gradients)."""
+        self.keep = keep
         self.buckets: list[Bucket] = []
         self.enabled = True
         by_name = {n: (p, axes) for n, p, axes in params if axes}
@@ -290,8 +295,9 @@ class GradSync(OrderedBuckets):
                 if b.params[i].grad is not None:
                     b.params[i].grad.copy_(b.view(i))
             b.ready, b.work, b.launched, b.own, b.fresh = 0, None, False, set(), set()
-            if b.flat is not None and b.flat.requires_grad:
-                # a backward that built its graph (create_graph=True) left the buffer a
+            if not self.keep or b.flat is not None and b.flat.requires_grad:
+                # the views keep the buffer alive until zero_grad(set_to_none=True);
+                # a backward that built its graph (create_graph=True) left it a
                 # non-leaf of that graph: the next backward takes a new one
                 b.flat, b.views = None, []
             b.kept = b.flat is not None

@@ -56,8 +56,9 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def module_state_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
-    """Bytes of ``module``'s parameters, buffers and existing gradients, plus the
-    optimizer's state tensors: the memory a training step starts from."""
+    """Bytes of ``module``'s parameters, buffers, existing gradients and kept gradient
+    buffers, plus the optimizer's state tensors: the memory a training step starts
+    from."""
     mods = [module]
     inner = getattr(module, "inner", None)  # a ParallelModule's graph holds the local tensors
     if isinstance(inner, torch.nn.Module):
@@ -68,6 +69,9 @@ def module_state_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer
     # gradients as the user sees them: a ParallelModule drops the local gradients of
     # parameters whose (DTensor) gradient the user set to None at its next forward
     ts += [p.grad for p in module.parameters() if p.grad is not None]
+    # and the gradient buffers a ParallelModule keeps between steps (runtime/grad_sync.py)
+    sync = getattr(module, "grad_sync", None)
+    ts += [b.flat for b in getattr(sync, "buckets", ()) if b.flat is not None]
     if optimizer is not None:
         ts += [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
     return tensor_bytes(ts)

@@ -63,7 +63,7 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     grads = [z.grads for z in zp]  # per layer, as they are once the step's reduction ends
     # gradient memory as backward allocates it (the same whether or not the buckets
     # are priced, so the split search and the chosen split agree)
-    arrive, spike = gradient_arrivals(layers, zp, cfg, mesh)
+    arrive, spike, persist = gradient_arrivals(layers, zp, cfg, mesh)
     # stage 3: a layer's whole parameters live while it runs, and the next layer's
     # prefetched gather lands meanwhile (runtime/zero3.py): two neighbours at once
     # ZeRO-3: a layer's whole parameters while it runs (runtime/zero3.py gathers it and
@@ -108,7 +108,8 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
             ahead[k], last = last, (last if h else trb[k])
         kept = [st.out_bytes if st.key in keys else st.activations for st in layers]
         n = len(layers)
-        grads_then = sum(grads) if present else 0.0
+        # kept gradient buffers are whole from the step's start (``persist``)
+        grads_then = sum(grads) if present else persist
         fwd, cum = (0.0, 0.0), 0.0
         for k in range(n):
             cum += kept[k]
@@ -170,13 +171,22 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
         bare = mem(chosen, kp)  # gradients counted per layer, as the split search counted them
         # the memory reported: each chosen bucket allocated whole at its first gradient
         # (``peak`` reads ``arrive`` when called, below)
-        arrive, spike = gradient_arrivals(layers, zp, cfg, mesh, names)
+        arrive, spike, persist = gradient_arrivals(layers, zp, cfg, mesh, names)
         if mem(chosen, kp) > budget >= bare:
             # the buckets make gradients exist earlier than the per-layer count the
             # split and recomputation were chosen by: a bucket per layer fits as they did
             # (the 4-layer GPT recomputed whole on 4 A100s: 6.6 MB against 6.0 MB)
             bp, names, extremes = stage_buckets(layers, zp, rc, cfg, mesh, per_layer=True)
-            arrive, spike = gradient_arrivals(layers, zp, cfg, mesh, names)
+            arrive, spike, persist = gradient_arrivals(layers, zp, cfg, mesh, names)
+    # the gradient buffers serve every step where their memory fits (runtime/grad_sync.py:
+    # a new buffer and views per bucket, and a DTensor per gradient, cost ~1.5 ms of CPU a
+    # step for the 4-layer GPT); chosen last, so they never cost a recomputed layer
+    freed = arrive, spike, persist
+    arrive, spike, persist = gradient_arrivals(layers, zp, cfg, mesh, kept=True)
+    buffers_kept = persist > 0 and cfg.keep_buffers is not False and (
+        cfg.keep_buffers is True or mem(chosen, kp) <= budget)
+    if not buffers_kept:
+        arrive, spike, persist = freed
     exposed = bp.exposed if bp is not None else 0.0
     gather_step = sum(z.gather_step for z in zp)
     # the optimizer updates the stage's parameters once per step, after the gradients
@@ -199,7 +209,7 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     memory = {"params": sum(z.params for z in zp), "optimizer": sum(z.optimizer for z in zp),
               "buffers": sum(st.buffers for st in layers), **peak(chosen, kp)}
     return StagePrice([st.key for st in layers], seconds, extra, memory, sorted(rc), parts, names,
-                      [st.key for st in layers if st.key in kp])
+                      [st.key for st in layers if st.key in kp], buffers_kept)
 
 
 def _in_bytes(layers: list[LayerStat]) -> float:

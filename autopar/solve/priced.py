@@ -27,6 +27,8 @@ class Config:
     # ZeRO-3 under accumulation: gradients reduce-scattered once, after the last
     # micro-batch (whole until then), rather than in every micro-batch's backward
     reduce_once: bool = False
+    # the gradient buckets' buffers kept between steps: None = where the memory fits
+    keep_buffers: bool | None = None
 
 
 @dataclass
@@ -48,6 +50,8 @@ class StagePrice:
     """The data-parallel gradient buckets, parameter names in launch order."""
     kept: list[str] = field(default_factory=list)
     """ZeRO-3 layers kept gathered from forward to backward (``Decisions.zero_kept``)."""
+    grad_buffers_kept: bool = False
+    """The gradient buckets' buffers serve every step (``Decisions.grad_buffers_kept``)."""
 
     @property
     def total_memory(self) -> float:

@@ -1,7 +1,8 @@
 """Where a stage's gradient memory comes from, for :func:`autopar.solve.pipeline.price_stage`'s
 peak: when backward allocates each layer's gradients (a bucket's buffer is whole at its
-first gradient, runtime/grad_sync.py), and ZeRO-1/2's flat reduce buckets at the end of
-backward (runtime/zero.py)."""
+first gradient, or there from the step's start when the buffers are kept between steps,
+runtime/grad_sync.py), and ZeRO-1/2's flat reduce buckets at the end of backward
+(runtime/zero.py)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ if TYPE_CHECKING:
     from autopar.solve.pipeline import Config
 
 
-def gradient_arrivals(layers: list[LayerStat], zp: list, cfg: Config,
-                      mesh: MeshSpec, buckets: list[list[str]] | None = None) -> tuple[list[float], float]:
+def gradient_arrivals(layers: list[LayerStat], zp: list, cfg: Config, mesh: MeshSpec,
+                      buckets: list[list[str]] | None = None,
+                      kept: bool = False) -> tuple[list[float], float, float]:
     """Per layer, the gradient bytes that exist once its backward has run and not
     before: its own gradients (``zp``'s), except that ZeRO-3 shards reduced over other
     axes go in BUCKET_BYTES buckets, back to front, each allocated whole at its first
@@ -29,7 +31,10 @@ def gradient_arrivals(layers: list[LayerStat], zp: list, cfg: Config,
     split's price passes its buckets (one bucket for all: every gradient exists from
     the first, 1.18x the per-layer count measured on 4 ranks).  Also the largest gradient
     going into a bucket: autograd makes it in a tensor of its own, alive beside the
-    bucket until it is copied in."""
+    bucket until it is copied in.  With ``kept`` (the buffers serve every step,
+    :attr:`~autopar.plan.Decisions.grad_buffers_kept`) every gradient GradSync reduces
+    exists from the start of the step, whole: returned third (0 without ``kept``) and
+    left out of the arrivals."""
     out = [z.grads for z in zp]
     zax = zero_axes(cfg.zero_axis)
 
@@ -43,6 +48,11 @@ def gradient_arrivals(layers: list[LayerStat], zp: list, cfg: Config,
     shards = [(i, q) for i, q in params if cfg.zero_stage == 3 and on_zero(q.replicated, 3, zax)
               and set(q.replicated) - set(zax)]
     synced = plain + shards
+    spike = max((nbytes(q) for _, q in synced), default=0.0)
+    if kept:
+        for i, q in synced:
+            out[i] -= nbytes(q)
+        return out, spike, sum(nbytes(q) for _, q in synced)
     groups = fill_buckets(shards, lambda iq: nbytes(iq[1]))
     if buckets:
         where = {q.name: (i, q) for i, q in plain if q.name}
@@ -53,7 +63,7 @@ def gradient_arrivals(layers: list[LayerStat], zp: list, cfg: Config,
         for i, q in g:
             out[i] -= nbytes(q)
         out[max(i for i, _ in g)] += sum(nbytes(q) for _, q in g)
-    return out, max((nbytes(q) for _, q in synced), default=0.0)
+    return out, spike, 0.0
 
 
 def zero_flat_bytes(layers: list[LayerStat], cfg: Config) -> float:

@@ -62,7 +62,7 @@ def kept_gradients(c: dict) -> dict:
     pm(*batches[3]).backward()
     errs.append(err(reference(3)))
     return {"errs": errs, "same": same, "intact": intact,
-            "names": sorted(first)}
+            "names": sorted(first), "kept_plan": pm.plan.decisions.grad_buffers_kept}
 
 
 def accumulated_backwards(c: dict) -> dict:

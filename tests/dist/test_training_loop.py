@@ -294,7 +294,7 @@ def test_gradients_serve_every_step_unless_kept(two):
     1e-6 on values O(0.1))."""
     r = _ok(two["kept-grads"])
     assert max(r["errs"]) < 1e-6 and len(r["errs"]) == 4, r
-    assert r["intact"], r
+    assert r["intact"] and r["kept_plan"], r
     assert r["same"] == [n for n in r["names"] if n not in ("fc1.bias", "fc2.weight")], r
 
 

@@ -79,8 +79,11 @@ def test_tightening_budget_moves_to_memory_savers(plain):
 def test_zero_when_pipelining_is_off(plain):
     """With one stage and one micro-batch forced, the budget is met by ZeRO (the
     cheapest way to shed parameter, gradient and optimizer bytes) before failing."""
-    # half the optimizer state over budget: ZeRO-1 over 4 devices sheds 3/4 of it
-    budget = plain.memory["total"] - 0.5 * plain.memory["optimizer"]
+    # half the optimizer state over budget: ZeRO-1 over 4 devices sheds 3/4 of it (the
+    # plain plan keeps its gradient buffers between steps, counted at its activation
+    # peak: without them it needs up to the gradients less, so those come off too)
+    assert plain.decisions.grad_buffers_kept
+    budget = plain.memory["total"] - plain.memory["grads"] - 0.5 * plain.memory["optimizer"]
     model, ex = _gpt()
     p = plan(model, ex, MESH, memory_budget=budget, pipeline_stages=1, micro_batches=1,
              recompute=[])
@@ -229,3 +232,18 @@ def test_sync_weighted_variants_give_the_step_model_a_faster_plan(monkeypatch):
     assert len(plans) >= 2
     assert all(p.objective >= plans[0].objective * (1 - 1e-12) for p in plans[1:])
     assert "charged at" in plans[-1].solver.message
+
+
+def test_keep_grad_buffers_option(plain):
+    """``keep_grad_buffers``: unset, the data-parallel buckets keep their buffers where
+    the budget allows (the plain plan); False frees them each step and counts less
+    memory at the forward's peak; anything but a bool is refused."""
+    from autopar.errors import ConfigError
+
+    model, ex = _gpt()
+    freed = plan(model, ex, MESH, keep_grad_buffers=False)
+    assert plain.decisions.grad_buffers_kept and not freed.decisions.grad_buffers_kept
+    assert freed.memory["total"] < plain.memory["total"]
+    assert "buffers serve every step" in plain.explain("buckets")
+    with pytest.raises(ConfigError, match="keep_grad_buffers"):
+        plan(model, ex, MESH, keep_grad_buffers="yes")

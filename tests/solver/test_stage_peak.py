@@ -25,8 +25,33 @@ def _layers(act: float, grad: float, n: int = 3) -> list[LayerStat]:
 
 
 def _mem(layers, **cfg) -> dict[str, float]:
-    c = Config(**cfg)
+    # the gradient buffers freed each step, as these tests were written for (kept ones
+    # are test_kept_buffers_hold_every_gradient_from_the_start's)
+    c = Config(**{"keep_buffers": False, **cfg})
     return price_stage(layers, 0, c, MESH, lambda b: 0.0, float("inf"), "sgd", sync=False).memory
+
+
+def test_kept_buffers_hold_every_gradient_from_the_start():
+    # runtime/grad_sync.py keeps the buckets' buffers between steps where the memory
+    # fits: every gradient it reduces exists at the forward's peak too (before, each
+    # backward made new buffers: none at the forward, the peak below had no gradient)
+    layers = _layers(act=100 * MIB, grad=10 * MIB)
+
+    def priced(budget: float, **cfg):
+        return price_stage(layers, 0, Config(**cfg), MESH, lambda b: 0.0, budget, "sgd", sync=False)
+
+    kept = priced(float("inf"))
+    assert kept.grad_buffers_kept
+    assert kept.memory["activations"] == pytest.approx(300 * MIB)
+    assert kept.memory["grads"] == pytest.approx(30 * MIB)
+    freed = priced(float("inf"), keep_buffers=False)
+    assert not freed.grad_buffers_kept and freed.memory["grads"] == 0.0
+    # a budget between the two: the buffers are freed, nothing else changes
+    tight = priced((kept.total_memory + freed.total_memory) / 2)
+    assert not tight.grad_buffers_kept and tight.total_memory == pytest.approx(freed.total_memory)
+    assert tight.recompute == freed.recompute == []
+    # keep_grad_buffers=True keeps them whatever the budget
+    assert priced(freed.total_memory, keep_buffers=True).grad_buffers_kept
 
 
 def test_one_micro_batch_peaks_before_the_gradients_exist():

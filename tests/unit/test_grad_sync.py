@@ -31,12 +31,12 @@ def one_rank(tmp_path_factory):
     reset()
 
 
-def _model() -> tuple[nn.Module, GradSync, torch.Tensor]:
+def _model(keep: bool = True) -> tuple[nn.Module, GradSync, torch.Tensor]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
     params = [(n, p, (0,)) for n, p in model.named_parameters()]
     # 64-byte buckets: the four parameters in three buckets (two launched in backward)
-    return model, GradSync(params, None, bucket_bytes=64 * 4), torch.randn(5, 8)
+    return model, GradSync(params, None, bucket_bytes=64 * 4, keep=keep), torch.randn(5, 8)
 
 
 def _reference(x: torch.Tensor, times: int = 1) -> dict[str, torch.Tensor]:
@@ -123,6 +123,16 @@ def test_buffers_serve_every_step() -> None:
     for n, p in model.named_parameters():
         assert torch.equal(p.grad, want[n]), n
         assert _in_bucket(sync, p), n
+
+
+def test_buffers_not_kept_are_freed_with_the_gradients() -> None:
+    # a plan whose memory does not allow keeping them (Decisions.grad_buffers_kept
+    # False): each backward takes new buffers, held only by the gradients
+    model, sync, x = _model(keep=False)
+    _step(model, x)
+    assert all(b.flat is None and not b.views for b in sync.buckets)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, _reference(x)[n]), n
 
 
 def test_a_gradient_kept_across_zero_grad_keeps_its_values() -> None:
