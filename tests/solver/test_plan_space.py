@@ -95,7 +95,9 @@ DP_PINS = {"*": "R", "input:0": "S(0)", "input:1": "S(0)"}
 
 def test_bf16_mixed_plans_differently_where_memory_decides() -> None:
     model, ex = _wide_gpt()
-    free = {prec: plan(model, ex, MESH, precision=prec, pins=DP_PINS)
+    # gradient buffers freed each step: kept ones would be what the budget takes away
+    # first (decisions.grad_buffers_kept), not the precision's memory
+    free = {prec: plan(model, ex, MESH, precision=prec, pins=DP_PINS, keep_grad_buffers=False)
             for prec in ("native", "bf16-mixed")}
     f32, b16 = (free[k].memory for k in ("native", "bf16-mixed"))
     # same fp32 parameters, gradients and AdamW state; bf16 activations are smaller: a
@@ -104,8 +106,10 @@ def test_bf16_mixed_plans_differently_where_memory_decides() -> None:
     assert b16["params"] == f32["params"] and b16["optimizer"] == f32["optimizer"]
     assert b16["activations"] < 0.8 * f32["activations"]
     budget = (f32["total"] + b16["total"]) / 2
-    d32 = plan(model, ex, MESH, precision="native", pins=DP_PINS, memory_budget=budget).decisions
-    d16 = plan(model, ex, MESH, precision="bf16-mixed", pins=DP_PINS, memory_budget=budget).decisions
+    d32 = plan(model, ex, MESH, precision="native", pins=DP_PINS, memory_budget=budget,
+               keep_grad_buffers=False).decisions
+    d16 = plan(model, ex, MESH, precision="bf16-mixed", pins=DP_PINS, memory_budget=budget,
+               keep_grad_buffers=False).decisions
     assert (d16.zero_stage, d16.recompute, d16.pipeline_stages, d16.micro_batches) == (0, [], 1, 1)
     assert d32.zero_stage or d32.recompute or d32.pipeline_stages > 1 or d32.micro_batches > 1
     assert max(d32.stage_memory) <= budget and max(d16.stage_memory) <= budget

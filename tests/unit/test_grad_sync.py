@@ -7,6 +7,7 @@ them.  The reductions of several ranks are tests/dist's."""
 from __future__ import annotations
 
 import datetime
+import os
 
 import pytest
 import torch
@@ -16,6 +17,10 @@ from torch import nn
 from autopar.runtime import grad_sync
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.mesh import init_mesh, release_groups, reset
+
+# where a GPU is lent: AUTOPAR_TEST_DEVICE=cuda runs these on CUDA tensors (gloo reduces
+# them too), the buffers' reuse checks included
+DEVICE = torch.device(os.environ.get("AUTOPAR_TEST_DEVICE", "cpu"))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -33,15 +38,15 @@ def one_rank(tmp_path_factory):
 
 def _model(keep: bool = True) -> tuple[nn.Module, GradSync, torch.Tensor]:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(DEVICE)
     params = [(n, p, (0,)) for n, p in model.named_parameters()]
     # 64-byte buckets: the four parameters in three buckets (two launched in backward)
-    return model, GradSync(params, None, bucket_bytes=64 * 4, keep=keep), torch.randn(5, 8)
+    return model, GradSync(params, None, bucket_bytes=64 * 4, keep=keep), torch.randn(5, 8).to(DEVICE)
 
 
 def _reference(x: torch.Tensor, times: int = 1) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    ref = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(DEVICE)
     for _ in range(times):
         ref(x).square().sum().backward()
     return {n: p.grad for n, p in ref.named_parameters()}
