@@ -139,9 +139,11 @@ def bucket_words(pr: Priced, cfg: Config) -> str:
             f"reduction exposed after the backward{where}; one bucket per gradient would expose "
             f"{p.get('sync_exposed_per_gradient', 0.0) * 1e3:.3f} ms, one bucket for all "
             f"{p.get('sync_exposed_one_bucket', 0.0) * 1e3:.3f} ms"
-            + ("; their buffers serve every step (the memory fits)"
-               if all(sp.grad_buffers_kept for sp in pr.stages)
-               else "; new buffers each step (keeping them does not fit)"))
+            + ("; their buffers serve every step" if all(sp.grad_buffers_kept for sp in pr.stages)
+               else "; new buffers each step")
+            + (" (keep_grad_buffers)" if cfg.keep_buffers is not None else
+               " (the memory fits)" if all(sp.grad_buffers_kept for sp in pr.stages)
+               else " (keeping them does not fit)"))
 
 
 __all__ = ["ESTIMATED", "Context", "bucket_words", "decisions_why"]

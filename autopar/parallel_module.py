@@ -349,8 +349,8 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         if self.zero is not None and self.zero.stage == 3:
             from autopar.runtime.zero import free_gathered_params
             with free_gathered_params():
-                return self._outputs(self.grad_sync.watch(self.inner(*flat)))
-        return self._outputs(self.grad_sync.watch(self.inner(*flat)))
+                return self._outputs(self.grad_sync.watch(self.inner(*flat), self._dparams))
+        return self._outputs(self.grad_sync.watch(self.inner(*flat), self._dparams))
 
     def train_step(self, *args, **kwargs) -> torch.Tensor:
         """Forward and backward of one global batch (all micro-batches, every pipeline

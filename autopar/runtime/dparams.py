@@ -96,6 +96,9 @@ class DParams:
         # kept DTensor gradients only where the buffers they view are kept: one of a
         # freed buffer would hold it a step longer
         self._keep = grad_sync is not None and grad_sync.keep
+        # only those whose gradient lives in a kept bucket: the others get a new tensor
+        # every step, and a kept DTensor would hold the last one a step longer
+        self._cached = {id(p) for b in grad_sync.buckets for p in b.params} if self._keep else set()
         if self._keep:
             grad_sync.holders = self.holds
 
@@ -149,7 +152,7 @@ class DParams:
             if g is None:
                 e.param.grad = None
             elif not isinstance(e.param.grad, DTensor) or e.param.grad._local_tensor is not g:
-                if not self._keep:
+                if id(e.local) not in self._cached:
                     e.param.grad = _grad_view(e, g, self.mesh)
                     continue
                 if e.grad is None or e.grad._local_tensor is not g:

@@ -39,6 +39,18 @@ from autopar.runtime.tls import issue
 
 T = TypeVar("T")
 
+def _grad_reference() -> int:
+    """Python references a tensor gains by being a parameter's ``.grad``: 1 on torch
+    2.13 (a C++ owner makes the tensor hold its Python object), 0 on torches before
+    that; probed, so :meth:`GradSync._reusable` counts right on either."""
+    p, g = nn.Parameter(torch.zeros(1)), torch.zeros(1)
+    before = sys.getrefcount(g)
+    p.grad = g
+    return sys.getrefcount(g) - before
+
+
+_GRAD_REF = _grad_reference()
+
 BUCKET_BYTES = 4 << 20
 """Bucket size where no plan chose the buckets (gradients without a planned bucket,
 ZeRO-1/2's reduction)."""
@@ -190,8 +202,10 @@ class OrderedBuckets:
     def flush(self) -> None:
         """Reduce every bucket now, from the gradients as they are (a backward that
         ran with the hooks off: the zero-bubble schedule's ``W`` writes ``.grad``
-        without hooks)."""
-        self._finish()
+        without hooks).  Not in grad mode: the fills then take the kept views, as a
+        backward's do (grad mode is how they spot a backward building its graph)."""
+        with torch.no_grad():
+            self._finish()
 
     def _launch(self, bucket) -> None:
         raise NotImplementedError
@@ -237,6 +251,7 @@ class GradSync(OrderedBuckets):
         self._start_order(self.buckets)
         self._handles = [p.register_post_accumulate_grad_hook(self._hook)
                          for b in self.buckets for p in b.params]
+        self._touched = False  # a hook ran since the last restart (_undo_unless_touched)
         self.holders: Callable[[nn.Parameter, torch.Tensor], int] = lambda p, v: 0
         """How many references to ``v`` (``p``'s gradient slot) the runtime holds
         besides the bucket and ``p.grad``: the DTensor gradient a
@@ -246,6 +261,7 @@ class GradSync(OrderedBuckets):
         # one Python call per gradient on the backward's path (69 a step for a 4-layer
         # GPT): kept to a lookup, the copy and the counting
         b, i = self._slot[id(p)]
+        self._touched = True
         # also while disabled (accumulation, pipeline micro-batches): the gradient then
         # accumulates in place in its bucket, and the last backward copies nothing
         self._fill(b, i, p)
@@ -303,33 +319,58 @@ class GradSync(OrderedBuckets):
             b.kept = b.flat is not None
             b.reduced = True
 
-    def watch(self, outs: Sequence) -> Sequence:
+    def watch(self, outs: Sequence, dparams=None) -> Sequence:
         """The forward's flat outputs, each that requires grad hooked so that a
-        backward through it first calls :meth:`restart`."""
-        if self.buckets and torch.is_grad_enabled():
+        backward through it first mirrors a ``zero_grad()`` made after the forward
+        (``out = pm(x); opt.zero_grad(); out.backward()``: ``dparams``'
+        ``before_forward``) and calls :meth:`restart`."""
+        first = dparams.before_forward if dparams is not None else None
+        if torch.is_grad_enabled() and (self.buckets or first is not None):
+            hook = functools.partial(self._backward_starts, first)
             for o in outs:
                 if isinstance(o, torch.Tensor) and o.requires_grad:
-                    o.register_hook(self._restart_hook)
+                    o.register_hook(hook)
         return outs
 
-    def _restart_hook(self, _grad: torch.Tensor) -> None:
-        self.restart()
+    def _backward_starts(self, first: Callable[[], None] | None, _grad: torch.Tensor) -> None:
+        if first is not None:
+            first()
+        divided = self.restart()
+        if divided:
+            # a backward that accumulates into no .grad (autograd.grad, backward(inputs=)
+            # of other tensors) runs no hook and reduces nothing: undo the division
+            self._touched = False
+            torch.autograd.Variable._execution_engine.queue_callback(
+                functools.partial(self._undo_unless_touched, divided))
 
-    def restart(self) -> None:
+    def _undo_unless_touched(self, divided: list[Bucket]) -> None:
+        if self._touched:
+            return
+        for b in divided:
+            b.reduced = True
+            for p in b.params:
+                if p.grad is not None:
+                    p.grad.mul_(b.ranks)
+
+    def restart(self) -> list[Bucket]:
         """Before a backward that adds to the gradients a reducing backward left (a loop
         that accumulates over several ``backward()`` calls without ``zero_grad()``):
         divide them by the ranks the reduction sums over.  They are equal on every
         rank, so this backward's sum counts them once; they were counted once per rank
         (the second backward's gradients came out ``ranks`` times too large).  Exact
-        for a power-of-two rank count, a rounding otherwise."""
+        for a power-of-two rank count, a rounding otherwise.  Returns the buckets
+        divided."""
+        divided = []
         for b in self.buckets:
             if not b.reduced:
                 continue
             b.reduced = False
             if b.ranks > 1:
+                divided.append(b)
                 for p in b.params:
                     if p.grad is not None:
                         p.grad.div_(b.ranks)
+        return divided
 
     def _reusable(self, b: Bucket) -> bool:
         """Whether ``b``'s buffer from an earlier backward may take this one's gradients:
@@ -348,7 +389,7 @@ class GradSync(OrderedBuckets):
         for i, p in enumerate(b.params):
             # the list of views and getrefcount's argument (no loop variable holds the
             # view), .grad, the named holders
-            known = 2 + (p.grad is views[i]) + self.holders(p, views[i])
+            known = 2 + _GRAD_REF * (p.grad is views[i]) + self.holders(p, views[i])
             if sys.getrefcount(views[i]) != known:
                 return False
         return True

@@ -183,8 +183,9 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     # step for the 4-layer GPT); chosen last, so they never cost a recomputed layer
     freed = arrive, spike, persist
     arrive, spike, persist = gradient_arrivals(layers, zp, cfg, mesh, kept=True)
-    buffers_kept = persist > 0 and cfg.keep_buffers is not False and (
-        cfg.keep_buffers is True or mem(chosen, kp) <= budget)
+    # (a stage with nothing to keep keeps vacuously: it does not veto the others)
+    buffers_kept = cfg.keep_buffers is not False and (
+        persist == 0 or cfg.keep_buffers is True or mem(chosen, kp) <= budget)
     if not buffers_kept:
         arrive, spike, persist = freed
     exposed = bp.exposed if bp is not None else 0.0
@@ -352,7 +353,8 @@ def _merge(chunks: list[StagePrice]) -> StagePrice:
     return StagePrice([k for c in chunks for k in c.layers], sum(c.seconds for c in chunks),
                       sum(c.extra for c in chunks), add([c.memory for c in chunks]),
                       sorted(k for c in chunks for k in c.recompute), parts,
-                      [b for c in chunks for b in c.buckets], [k for c in chunks for k in c.kept])
+                      [b for c in chunks for b in c.buckets], [k for c in chunks for k in c.kept],
+                      all(c.grad_buffers_kept for c in chunks))
 
 
 def _split(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget: float,

@@ -96,3 +96,39 @@ def accumulated_backwards(c: dict) -> dict:
         errs.append(max((got[m] - p.grad).abs().max().item()
                         for m, p in ref.named_parameters() if p.grad is not None))
     return {"errs": errs, "layout": pm.plan.summary().splitlines()[1]}
+
+
+def grads_around_backward(c: dict) -> dict:
+    """Data parallel: ``torch.autograd.grad`` after a reducing backward leaves the
+    parameters' gradients as they were (it adds to none and reduces nothing); a
+    ``zero_grad()`` between a forward and its backward (``out = pm(x);
+    opt.zero_grad(); out.backward()``) leaves only that backward's gradients; the
+    DTensor gradients kept for the next step are those of bucketed parameters only."""
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    x, y = _batch()
+    pm = auto_parallel(model, example_inputs=(x, y), mesh=_mesh(c["mesh"]), pins=c["pins"], zero_stage=0)
+    opt = torch.optim.SGD(pm.parameters(), lr=0.0)
+
+    def err(*steps) -> float:
+        ref.zero_grad(set_to_none=True)
+        for k in steps:
+            ref(x * (k + 1), y).backward()
+        got = pm.full_grads()
+        return max((got[n] - p.grad).abs().max().item() for n, p in ref.named_parameters()
+                   if p.grad is not None)
+
+    pm(x, y).backward()
+    xi = (x * 2).requires_grad_()
+    gx = torch.autograd.grad(pm(xi, y), xi)[0]  # an input's gradient: no .grad touched
+    after_grad = err(0)
+    out = pm(x * 3, y)
+    opt.zero_grad(set_to_none=True)
+    out.backward()
+    after_zero = err(2)
+    names = {id(p): n for n, p in pm.inner.named_parameters()}
+    bucketed = sorted(names[id(p)] for b in pm.grad_sync.buckets for p in b.params)
+    cached = sorted(e.target for e in pm._dparams.entries if e.grad is not None)
+    return {"after_grad": after_grad, "after_zero": after_zero, "gx": bool(gx.abs().sum() > 0),
+            "bucketed": bucketed, "cached": cached}

@@ -46,6 +46,8 @@ def two(tmp_path_factory):
                                       {"id": "zero3", "fn": "zero3_collectives", "mesh": [2]},
                                       {"id": "dp-bwd", "fn": "dp_backward_collectives", "mesh": [2]},
                                       {"id": "kept-grads", "fn": "kept_gradients", "mesh": [2]},
+                                      *[{"id": f"around-{k}", "fn": "grads_around_backward", "mesh": [2],
+                                         "pins": pins} for k, pins in (("dp", DP), ("tp", TP_MLP))],
                                       *[{"id": f"acc-{k}", "fn": "accumulated_backwards", "mesh": [2],
                                          "kw": kw, "local": k == "dp-local"} for k, kw in ACCUMULATE.items()],
                                       {"id": "two-meshes", "fn": "two_meshes"},
@@ -296,6 +298,20 @@ def test_gradients_serve_every_step_unless_kept(two):
     assert max(r["errs"]) < 1e-6 and len(r["errs"]) == 4, r
     assert r["intact"] and r["kept_plan"], r
     assert r["same"] == [n for n in r["names"] if n not in ("fc1.bias", "fc2.weight")], r
+
+
+@pytest.mark.parametrize("kind", ["dp", "tp"])
+def test_gradients_around_a_backward(two, kind):
+    """torch.autograd.grad after a reducing backward (an input's gradient) left the
+    parameters' gradients divided by the ranks (the accumulation rule undid nothing:
+    no bucket reduced); a zero_grad() between a forward and its backward gave old +
+    new gradients (the mirror of zero_grad() ran only at the next forward); the
+    DTensor gradients kept for the next step included unbucketed parameters' (tensor
+    parallel's sharded weights), holding their old gradients a step longer. fp32
+    sums in another order: 1e-6."""
+    r = _ok(two[f"around-{kind}"])
+    assert r["after_grad"] < 1e-6 and r["after_zero"] < 1e-6 and r["gx"], r
+    assert r["bucketed"] and set(r["cached"]) <= set(r["bucketed"]), r
 
 
 @pytest.mark.parametrize("kind", [*ACCUMULATE, *ACCUMULATE_2X2])

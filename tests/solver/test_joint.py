@@ -247,3 +247,14 @@ def test_keep_grad_buffers_option(plain):
     assert "buffers serve every step" in plain.explain("buckets")
     with pytest.raises(ConfigError, match="keep_grad_buffers"):
         plan(model, ex, MESH, keep_grad_buffers="yes")
+
+
+def test_interleaved_chunks_keep_their_gradient_buffers():
+    """An interleaved schedule merges each rank's chunks into one stage: the merge lost
+    the chunks' kept-buffer choice, so such plans always said the buffers were freed
+    while their memory was priced with them kept."""
+    model, ex = _gpt()
+    p = plan(model, ex, MESH, pipeline_stages=2, micro_batches=4, schedule="interleaved-1f1b",
+             virtual_stages=2, zero_stage=0)
+    assert p.decisions.virtual_stages == 2 and p.decisions.grad_buckets
+    assert p.decisions.grad_buffers_kept

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import weakref
 
 import pytest
 import torch
@@ -95,6 +96,17 @@ def test_accumulation_and_flush_reduce_every_gradient() -> None:
     for n, p in model.named_parameters():
         assert torch.equal(p.grad, _reference(x)[n]), n
         assert _in_bucket(sync, p), n
+    # the next such step fills the same buffers through the same views (the flush ran in
+    # grad mode, which took new views as for a backward building its graph: a new
+    # DTensor gradient per parameter every step)
+    views = [[weakref.ref(v) for v in b.views] for b in sync.buckets]  # (a strong one would pin them)
+    for p in model.parameters():
+        p.grad = None
+    sync.enabled = False
+    model(x).square().sum().backward()
+    sync.flush()
+    sync.enabled = True
+    assert all(v is w() for b, vs in zip(sync.buckets, views) for v, w in zip(b.views, vs))
 
 
 def test_a_backward_that_builds_its_graph_keeps_its_gradients() -> None:
