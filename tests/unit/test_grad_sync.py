@@ -76,6 +76,16 @@ def test_each_gradient_lands_in_its_bucket_once(monkeypatch) -> None:
         assert _in_bucket(sync, p), n
 
 
+def _flushed_step(model: nn.Module, sync: GradSync, x: torch.Tensor) -> None:
+    """zero_grad, a backward with the hooks off, then a flush."""
+    for p in model.parameters():
+        p.grad = None
+    sync.enabled = False
+    model(x).square().sum().backward()
+    sync.flush()
+    sync.enabled = True
+
+
 def test_accumulation_and_flush_reduce_every_gradient() -> None:
     model, sync, x = _model()
     sync.enabled = False  # accumulation: hooks fill the buckets, nothing is reduced
@@ -87,12 +97,7 @@ def test_accumulation_and_flush_reduce_every_gradient() -> None:
         assert torch.allclose(p.grad, want[n], rtol=1e-6, atol=0), n
     # a backward without hooks (the zero-bubble schedule's W writes .grad directly),
     # then a flush: every gradient is put in its bucket and reduced
-    for p in model.parameters():
-        p.grad = None
-    sync.enabled = False
-    model(x).square().sum().backward()
-    sync.flush()
-    sync.enabled = True
+    _flushed_step(model, sync, x)
     for n, p in model.named_parameters():
         assert torch.equal(p.grad, _reference(x)[n]), n
         assert _in_bucket(sync, p), n
@@ -100,12 +105,7 @@ def test_accumulation_and_flush_reduce_every_gradient() -> None:
     # grad mode, which took new views as for a backward building its graph: a new
     # DTensor gradient per parameter every step)
     views = [[weakref.ref(v) for v in b.views] for b in sync.buckets]  # (a strong one would pin them)
-    for p in model.parameters():
-        p.grad = None
-    sync.enabled = False
-    model(x).square().sum().backward()
-    sync.flush()
-    sync.enabled = True
+    _flushed_step(model, sync, x)
     assert all(v is w() for b, vs in zip(sync.buckets, views) for v, w in zip(b.views, vs))
 
 
