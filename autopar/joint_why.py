@@ -133,17 +133,16 @@ def bucket_words(pr: Priced, cfg: Config) -> str:
     how = (f"{format_bytes(cfg.bucket_bytes)} each as asked (bucket_bytes)" if cfg.bucket_bytes
            else "chosen to end the reduction earliest (MG-WFBP)")
     where = f" on stage {pr.stages.index(tail)}" if len(pr.stages) > 1 else ""
+    kept = all(sp.grad_buffers_kept for sp in pr.stages)
     return (f"{n} gradient bucket{'s' if n > 1 else ''} of {format_bytes(p.get('bucket_bytes_min', 0.0))}"
             f"-{format_bytes(p.get('bucket_bytes_max', 0.0))}, {how}: "
             f"{p.get('sync_exposed', 0.0) * 1e3:.3f} ms of {p.get('sync', 0.0) * 1e3:.3f} ms of "
             f"reduction exposed after the backward{where}; one bucket per gradient would expose "
             f"{p.get('sync_exposed_per_gradient', 0.0) * 1e3:.3f} ms, one bucket for all "
             f"{p.get('sync_exposed_one_bucket', 0.0) * 1e3:.3f} ms"
-            + ("; their buffers serve every step" if all(sp.grad_buffers_kept for sp in pr.stages)
-               else "; new buffers each step")
+            + ("; their buffers serve every step" if kept else "; new buffers each step")
             + (" (keep_grad_buffers)" if cfg.keep_buffers is not None else
-               " (the memory fits)" if all(sp.grad_buffers_kept for sp in pr.stages)
-               else " (keeping them does not fit)"))
+               " (the memory fits)" if kept else " (keeping them does not fit)"))
 
 
 __all__ = ["ESTIMATED", "Context", "bucket_words", "decisions_why"]

@@ -93,13 +93,12 @@ class DParams:
         self._handles = [e.hook_on.register_post_accumulate_grad_hook(self._hook)
                          for e in entries if e.param.requires_grad]
         self._by_local = {id(e.local): e for e in entries}
-        # kept DTensor gradients only where the buffers they view are kept: one of a
-        # freed buffer would hold it a step longer
-        self._keep = grad_sync is not None and grad_sync.keep
-        # only those whose gradient lives in a kept bucket: the others get a new tensor
-        # every step, and a kept DTensor would hold the last one a step longer
-        self._cached = {id(p) for b in grad_sync.buckets for p in b.params} if self._keep else set()
-        if self._keep:
+        # DTensor gradients are kept only for parameters whose gradient lives in a kept
+        # bucket buffer: the others get a new tensor every step (or a freed buffer's),
+        # and a kept DTensor would hold the last one a step longer
+        self._cached: set[int] = set()
+        if grad_sync is not None and grad_sync.keep:
+            self._cached = {id(p) for b in grad_sync.buckets for p in b.params}
             grad_sync.holders = self.holds
 
     @staticmethod
