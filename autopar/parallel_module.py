@@ -215,6 +215,9 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
     def _start_dparams(self, full_state: Mapping[str, torch.Tensor] | None) -> None:
         """Register this stage's parameters as DTensors (and its buffers) under the
         original names; see :mod:`autopar.runtime.dparams`."""
+        from torch.distributed.tensor import Replicate
+
+        from autopar.runtime import local_step
         from autopar.runtime.dparams import DParams, flat_layout, register_tree
         mesh = self._mesh_rt.param_mesh
         zt = self.zero.targets() if self.zero is not None else set()
@@ -238,13 +241,13 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
                         register_tree(self, n, p, buffer=True, reserved=_RESERVED,
                                       persistent=n not in self.info.nonpersistent)
                 continue
+            if t not in zt and all(isinstance(q, Replicate) for q in e.placements):
+                local_step.mark(e.param, e.local)  # replicated: steps run on the local tensor
             entries.append(e)
             self._entry[t] = e
             for n in names:  # tied weights: one Parameter under every name
                 register_tree(self, n, e.param, reserved=_RESERVED)
         # tensors the forward never reads: kept whole on every rank (replicated)
-        from torch.distributed.tensor import Replicate
-
         from autopar.runtime.dparams import as_dtensor
         for n in sorted(self.info.unused):
             if full_state is None or n not in full_state:
@@ -258,6 +261,7 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
                 dt = nn.Parameter(as_dtensor(x, mesh, (Replicate(),) * mesh.ndim, x.shape),
                                   requires_grad=n not in self.info.frozen)
                 register_tree(self, n, dt, reserved=_RESERVED)
+                local_step.mark(dt, dt._local_tensor)
                 self._extra[n] = dt
         self._dparams = DParams(mesh, entries, getattr(self, "grad_sync", None))
 

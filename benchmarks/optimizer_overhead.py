@@ -1,6 +1,7 @@
 """What DTensor parameters cost the optimizer step: AdamW (foreach and fused) over a
-ParallelModule's DTensor parameters vs over the same local shards as plain tensors,
-the way a hand-written sharded loop would step them.  Writes its section of
+ParallelModule's DTensor parameters (through DTensor's dispatch, and as autopar steps
+them: replicated ones on their local tensors) vs over the same local shards as plain
+tensors, the way a hand-written sharded loop would step them.  Writes its section of
 docs/benchmarks.md.
 
 A and B are interleaved step by step on the same ranks (A B A B ...), medians are
@@ -26,7 +27,8 @@ SECTION = "## Optimizer step over DTensor parameters (benchmarks/optimizer_overh
 
 
 def measure(c: dict) -> dict:
-    """Every rank: time AdamW steps over DTensor parameters and over plain locals."""
+    """Every rank: time AdamW steps over DTensor parameters (through DTensor's dispatch,
+    and as autopar steps them) and over plain locals."""
     import torch
 
     sys.path.insert(0, str(ROOT / "examples"))
@@ -46,19 +48,25 @@ def measure(c: dict) -> dict:
     plain = [torch.nn.Parameter(p.to_local().detach().clone()) for p in dts]
     for q, p in zip(plain, dts):
         q.grad = p.grad.to_local().clone()
+    from autopar.runtime import local_step
+
     out = {}
     for kind in ("foreach", "fused"):
         flag = {kind: True}
-        a = torch.optim.AdamW(dts, lr=1e-4, **flag)
+        a = torch.optim.AdamW(dts, lr=1e-4, **flag)  # stepped both ways, in turn
         b = torch.optim.AdamW(plain, lr=1e-4, **flag)
-        ta, tb = [], []
+        ts: dict[str, list[float]] = {"dtensor": [], "autopar": [], "plain": []}
         for i in range(c["steps"] + 3):
-            for opt, ts in ((a, ta), (b, tb)):
+            for side, opt in (("dtensor", a), ("autopar", a), ("plain", b)):
+                # the DTensor side as before: every op through DTensor's dispatch;
+                # autopar's: replicated parameters step on their local tensors
+                local_step.enabled = side == "autopar"
                 t0 = time.perf_counter()
                 opt.step()
                 if i >= 3:  # the first steps allocate state
-                    ts.append(time.perf_counter() - t0)
-        out[kind] = {"dtensor_ms": 1e3 * statistics.median(ta), "plain_ms": 1e3 * statistics.median(tb)}
+                    ts[side].append(time.perf_counter() - t0)
+        local_step.enabled = True
+        out[kind] = {f"{k}_ms": 1e3 * statistics.median(v) for k, v in ts.items()}
     out["params"] = len(dts)
     out["numel"] = sum(p.to_local().numel() for p in dts)
     return out
@@ -77,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     load0 = os.getloadavg()[0]
     res = run_fn_cases(2, "benchmarks.optimizer_overhead:measure", cases)
     load1 = os.getloadavg()[0]
-    rows = ["| case | params | local elements | AdamW | DTensor ms | plain ms | ratio | extra per tensor |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| case | params | local elements | AdamW | DTensor ms | autopar ms | plain ms | DTensor / plain "
+            "| autopar / plain | DTensor's extra per tensor |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for cid, r in res.items():
         if "error" in r:
             rows.append(f"| {cid} | ERROR | | | | | |")
@@ -87,13 +96,18 @@ def main(argv: list[str] | None = None) -> int:
             m = r[kind]
             extra = 1e3 * (m["dtensor_ms"] - m["plain_ms"]) / r["params"]
             rows.append(f"| {cid} | {r['params']} | {r['numel']} | {kind} | {m['dtensor_ms']:.2f} | "
-                        f"{m['plain_ms']:.2f} | {m['dtensor_ms'] / m['plain_ms']:.2f} | {extra:.0f} us |")
+                        f"{m['autopar_ms']:.2f} | {m['plain_ms']:.2f} | {m['dtensor_ms'] / m['plain_ms']:.2f} | "
+                        f"{m['autopar_ms'] / m['plain_ms']:.2f} | {extra:.0f} us |")
     text = (f"{SECTION}\n\nMachine: {machine()}; load average {load0:.1f} before, {load1:.1f} after. "
             f"GPT from examples/gpt.py on 2 gloo ranks, rank 0's medians of {args.steps} "
-            "interleaved steps (DTensor, plain, DTensor, ...).  `dp`: every weight replicated; "
-            "`tp`: Megatron pins.  The plain side steps copies of the same local shards, as a "
-            "hand-sharded loop would (and gives wrong clipping and checkpoints).  The extra "
-            "time is DTensor's dispatch, paid per parameter tensor whatever its size; FSDP2 and "
+            "interleaved steps (DTensor, autopar, plain, DTensor, ...).  `dp`: every weight "
+            "replicated; `tp`: Megatron pins.  `DTensor`: the ParallelModule's optimizer with "
+            "every op through DTensor's dispatch (`autopar.runtime.local_step.enabled = False`); "
+            "`autopar`: as it runs, replicated parameters stepped on their local tensors "
+            "(`autopar/runtime/local_step.py`; sharded ones stay on DTensors, so `tp` is the "
+            "DTensor side again); `plain`: copies of the same local shards, as a hand-sharded "
+            "loop would (and gives wrong clipping and checkpoints).  DTensor's extra time is its "
+            "dispatch, paid per parameter tensor whatever its size; FSDP2 and "
             "`parallelize_module` step DTensor parameters too, so a user pays it with them "
             "as well.\n\n"
             + "\n".join(rows) + "\n")

@@ -553,4 +553,7 @@ def run(c: dict) -> dict:
     if c["fn"] in ("kept_gradients", "accumulated_backwards", "grads_around_backward"):  # this module is at its size mark
         from tests.dist import grad_keep_cases
         return getattr(grad_keep_cases, c["fn"])(c)
+    if c["fn"] == "local_steps":
+        from tests.dist.local_step_cases import local_steps
+        return local_steps(c)
     return CASES[c["fn"]](c)

@@ -50,6 +50,8 @@ def two(tmp_path_factory):
                                          "pins": pins} for k, pins in (("dp", DP), ("tp", TP_MLP))],
                                       *[{"id": f"acc-{k}", "fn": "accumulated_backwards", "mesh": [2],
                                          "kw": kw, "local": k == "dp-local"} for k, kw in ACCUMULATE.items()],
+                                      *[{"id": f"local-step-{k}", "fn": "local_steps", "mesh": [2], "pins": pins}
+                                        for k, pins in (("dp", DP), ("tp", TP_MLP))],
                                       {"id": "two-meshes", "fn": "two_meshes"},
                                       {"id": "dcp-pipeline", "fn": "dcp_pipeline",
                                        "dir": str(d / "ckpt-pipeline")},
@@ -71,6 +73,7 @@ def four(tmp_path_factory):
          "tp": True},
         *[{"id": f"acc-{k}", "fn": "accumulated_backwards", "mesh": [2, 2], "kw": kw}
           for k, kw in ACCUMULATE_2X2.items()],
+        {"id": "local-step-dp2x2", "fn": "local_steps", "mesh": [2, 2], "pins": ACCUMULATE_2X2["dp2x2"]["pins"]},
     ]), d
 
 
@@ -324,6 +327,32 @@ def test_backwards_accumulate_without_zero_grad(two, four, kind):
     O(0.1-1)."""
     r = _ok((two if kind in ACCUMULATE else four[0])[f"acc-{kind}"])
     assert max(r["errs"]) < 1e-6, r
+
+
+@pytest.mark.parametrize("kind", ["dp", "dp2x2", "tp"])
+def test_optimizer_steps_replicated_parameters_locally(two, four, kind):
+    """torch.optim steps over DTensors paid DTensor's dispatch per op per tensor (2.9 ms
+    a step for AdamW over a 69-tensor GPT here), which DDP's plain parameters do not.
+    Replicated parameters now step on their local tensors: parameters and every state
+    value must come out bit-identical to the DTensor step (the same local arithmetic),
+    the state still DTensors, the groups still the DTensor parameters. A replaced
+    gradient, a step that raised and sharded parameters (tensor parallel) step on
+    DTensors as before."""
+    r = _ok((four[0] if kind == "dp2x2" else two)[f"local-step-{kind}"])
+    swapped = kind != "tp"
+    for name, o in r.items():
+        assert o["params_equal"] and o["moved"], (name, o)
+        assert o["state_keys_equal"] and o["state_equal"] and "DTensor" in o["state_types"], (name, o)
+        assert o["groups_hold_params"] and o["sd_keys_equal"], (name, o)
+        assert o["taken_off"] == [0, 0, 0], (name, o)
+        if not swapped:
+            assert o["taken_on"] == [0, 0, 0], (name, o)
+        elif name == "replaced-grad":  # the user's gradient, not the runtime's: on DTensors
+            assert o["taken_on"] == [1, 0, 1], (name, o)
+        else:
+            assert o["taken_on"] == [1, 1, 1], (name, o)
+    if swapped:  # a step that raised left the locals in place until the next step put them back
+        assert r["raised"]["swapped_after_raise"] is True
 
 
 def test_shutdown_joins_gloo_threads(two):
