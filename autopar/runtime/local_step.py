@@ -25,19 +25,34 @@ be per-element tensors of the parameter's shape and scalar steps.  A sharded par
 (tensor parallelism, ZeRO's flat shards) is never swapped: a per-tensor norm or a
 factored state of a shard is not the parameter's.
 
-A step that raises skips torch's post-hooks; the next step's pre-hook (of any
-optimizer swapped earlier) puts that optimizer back first.
+Nothing but the optimizer's own step body sees the local tensors: the step stays on
+DTensors when a closure is passed (it may replace a gradient after the pre-hook
+looked), when the optimizer has step hooks of its own or another process-wide step
+hook is registered (torch runs those between ours and the step), and while
+``torch.compile`` traces.  State keeps its order (``state_dict()`` packs it in order).
+
+A step that raises skips torch's post-hooks: the optimizer is put back by its next
+step, ``state_dict()`` or ``load_state_dict()`` (hooks registered at its first swap);
+until then its groups show the local tensors.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
 
-_LOCAL = "_autopar_local"  # on a replicated DTensor parameter: the local tensor it views
+# id(replicated DTensor parameter) -> (a weak reference to it, the local tensor it
+# views).  Not an attribute on the parameter: deepcopy and pickle copy a tensor's
+# attributes, and a copied parameter would then step a copy of the local tensor.
+_REG: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
 _SWAPPED = "_autopar_swapped"  # on an optimizer during its step: what to put back
+_GUARDED = "_autopar_guarded"  # on an optimizer: its state_dict hooks put a raised step back
+_SCALARS = frozenset({"step", "mu_product"})
+"""State keys :data:`KINDS` keep as plain scalar tensors (the others are shaped like the
+parameter, DTensors on the DTensor path, also for a 0-dim parameter)."""
 
 KINDS: frozenset[type] = frozenset({
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
@@ -62,13 +77,16 @@ class _Swap:
 
     groups: list[tuple[dict, list]]
     moved: list[tuple[torch.Tensor, torch.Tensor, dict | None, tuple]]
+    back: dict[int, torch.Tensor]
+    """id(local tensor) -> its DTensor parameter."""
 
 
 def mark(param: torch.Tensor, local: torch.Tensor) -> None:
     """Let optimizer steps over ``param`` (a DTensor replicated on every mesh axis)
     run on ``local``, the plain tensor it views; installs the hooks once."""
     global _installed
-    setattr(param, _LOCAL, local)
+    key = id(param)
+    _REG[key] = (weakref.ref(param, lambda _r, k=key: _REG.pop(k, None)), local)
     if not _installed:
         from torch.optim.optimizer import (
             register_optimizer_step_post_hook,
@@ -82,11 +100,13 @@ def mark(param: torch.Tensor, local: torch.Tensor) -> None:
 def _pairs(opt: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     """(DTensor, local) for every parameter, or None when the step must stay on DTensors."""
     out = []
+    reg = _REG
     for g in opt.param_groups:
         for p in g["params"]:
-            loc = getattr(p, _LOCAL, None)
-            if loc is None:
+            entry = reg.get(id(p))
+            if entry is None or entry[0]() is not p:
                 return None
+            loc = entry[1]
             gr = p.grad
             if gr is None:
                 if loc.grad is not None:  # zero_grad() not yet mirrored: the DTensor's view rules
@@ -97,62 +117,110 @@ def _pairs(opt: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor]
     return out
 
 
+def _alone(opt: torch.optim.Optimizer, args, kwargs) -> bool:
+    """Whether only the optimizer's own step body runs between our hooks: no closure,
+    no step hooks of its own, no other process-wide step hook, not traced."""
+    from torch.optim import optimizer as O
+
+    if kwargs.get("closure") is not None or len(args) > 1 and args[1] is not None:
+        return False
+    if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:
+        return False
+    pre = getattr(O, "_global_optimizer_pre_hooks", None)
+    post = getattr(O, "_global_optimizer_post_hooks", None)
+    if pre is None or post is None:
+        return False
+    # autopar's own (runtime/zero.py counts steps) know of the swap; anyone else's may not
+    if any(not getattr(h, "__module__", "").startswith("autopar.")
+           for h in (*pre.values(), *post.values())):
+        return False
+    compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return not (compiling is not None and compiling())
+
+
 def _pre(opt: torch.optim.Optimizer, args, kwargs) -> None:
     global steps_local
-    prior = opt.__dict__.pop(_SWAPPED, None)
-    if prior is not None:  # the last step raised before the post-hook
-        _restore(opt, prior)
-    if not enabled or type(opt) not in KINDS or opt.defaults.get("differentiable"):
+    _put_back(opt)  # the last step raised before the post-hook
+    if not enabled or type(opt) not in KINDS or opt.defaults.get("differentiable") \
+            or not _alone(opt, args, kwargs):
         return
     pairs = _pairs(opt)
     if not pairs:
         return
+    _guard(opt)
+    local = dict(pairs)
     groups = [(g, g["params"]) for g in opt.param_groups]
     for g, ps in groups:
-        g["params"] = [getattr(p, _LOCAL) for p in ps]
+        g["params"] = [local[p] for p in ps]
+    # the same dict, refilled in its order with the local tensors as keys
     st = opt.state
+    items = list(st.items())
+    st.clear()
     moved = []
-    for p, loc in pairs:
-        s = st.pop(p, None)
-        vals = ()
-        if s is not None:
-            vals = tuple(v._local_tensor if type(v) is DTensor else v for v in s.values())
-            st[loc] = dict(zip(s, vals))
+    for p, s in items:
+        loc = local.get(p)
+        if loc is None:  # state of a tensor no longer in the groups: as it is
+            st[p] = s
+            continue
+        vals = tuple(v._local_tensor if type(v) is DTensor else v for v in s.values())
+        st[loc] = dict(zip(s, vals))
         moved.append((p, loc, s, vals))
-    opt.__dict__[_SWAPPED] = _Swap(groups, moved)
+    had = {id(p) for p, _s in items}
+    moved += [(p, loc, None, ()) for p, loc in pairs if id(p) not in had]
+    opt.__dict__[_SWAPPED] = _Swap(groups, moved, {id(loc): p for p, loc in pairs})
     steps_local += 1
 
 
-def _post(opt: torch.optim.Optimizer, args, kwargs) -> None:
+def _put_back(opt: torch.optim.Optimizer, *_args) -> None:
     sw = opt.__dict__.pop(_SWAPPED, None)
     if sw is not None:
         _restore(opt, sw)
+
+
+def _guard(opt: torch.optim.Optimizer) -> None:
+    """Let ``opt.state_dict()`` and ``opt.load_state_dict()`` put back a step that
+    raised (once per optimizer; torch >= 2.2 has these hooks)."""
+    if opt.__dict__.get(_GUARDED):
+        return
+    opt.__dict__[_GUARDED] = True
+    for name in ("register_state_dict_pre_hook", "register_load_state_dict_pre_hook"):
+        reg = getattr(opt, name, None)
+        if reg is not None:
+            reg(_put_back)
+
+
+def _post(opt: torch.optim.Optimizer, args, kwargs) -> None:
+    _put_back(opt)
 
 
 def _restore(opt: torch.optim.Optimizer, sw: _Swap) -> None:
     for g, ps in sw.groups:
         g["params"] = ps
     st = opt.state
-    for p, loc, before, vals in sw.moved:
-        s = st.pop(loc, None)
-        if s is None:
-            if before is not None:
-                st[p] = before
-        elif (before is not None and len(s) == len(vals) and s.keys() == before.keys()
-              and all(a is b for a, b in zip(s.values(), vals))):
+    before_of = {id(loc): (before, vals) for _p, loc, before, vals in sw.moved}
+    items = list(st.items())
+    st.clear()
+    for k, s in items:  # in the step's order: new state after the old, as on DTensors
+        p = sw.back.get(id(k))
+        if p is None:
+            st[k] = s
+            continue
+        before, vals = before_of.get(id(k), (None, ()))
+        if (before is not None and len(s) == len(vals) and s.keys() == before.keys()
+                and all(a is b for a, b in zip(s.values(), vals))):
             st[p] = before  # the usual step: every value updated in place
         else:  # the first step (state created), or values replaced
             before = before or {}
-            st[p] = {k: _back(v, before.get(k), p) for k, v in s.items()}
+            st[p] = {name: _back(name, v, before.get(name), p) for name, v in s.items()}
 
 
-def _back(v, old, p: torch.Tensor):
+def _back(name: str, v, old, p: torch.Tensor):
     """A state value as the DTensor step would have left it: the DTensor it was (its
-    local tensor updated in place), a new tensor of one or more dimensions wrapped as a
-    replicated DTensor on ``p``'s mesh, anything else (scalar steps) as it is."""
+    local tensor updated in place), a new tensor wrapped as a replicated DTensor on
+    ``p``'s mesh, the scalar steps of :data:`_SCALARS` and non-tensors as they are."""
     if type(old) is DTensor and old._local_tensor is v:
         return old
-    if type(v) is not torch.Tensor or v.dim() == 0:
+    if type(v) is not torch.Tensor or name in _SCALARS:
         return v
     spec = p._spec
     if v.shape == p.shape and v.dtype == p.dtype and v.is_contiguous():

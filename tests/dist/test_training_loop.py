@@ -340,19 +340,27 @@ def test_optimizer_steps_replicated_parameters_locally(two, four, kind):
     DTensors as before."""
     r = _ok((four[0] if kind == "dp2x2" else two)[f"local-step-{kind}"])
     swapped = kind != "tp"
+    copies = r.pop("deepcopy")
+    # deep copies of the parameters are not the module's: stepped as DTensors, they move
+    assert copies == {"taken": 0, "moved": True}, copies
+    expect = {"replaced-grad": [1, 0, 1],  # the user's gradient, not the runtime's: on DTensors
+              "closure": [0, 0, 0],  # a closure may replace a gradient after the pre-hook
+              "own-hook": [0, 0, 0]}  # the user's step hooks would see the local tensors
     for name, o in r.items():
         assert o["params_equal"] and o["moved"], (name, o)
         assert o["state_keys_equal"] and o["state_equal"] and "DTensor" in o["state_types"], (name, o)
+        # state_dict() packs the state in its order: a parameter's state made a step
+        # late comes last, as on DTensors
+        assert o["order_equal"], (name, o)
         assert o["groups_hold_params"] and o["sd_keys_equal"], (name, o)
         assert o["taken_off"] == [0, 0, 0], (name, o)
-        if not swapped:
-            assert o["taken_on"] == [0, 0, 0], (name, o)
-        elif name == "replaced-grad":  # the user's gradient, not the runtime's: on DTensors
-            assert o["taken_on"] == [1, 0, 1], (name, o)
-        else:
-            assert o["taken_on"] == [1, 1, 1], (name, o)
-    if swapped:  # a step that raised left the locals in place until the next step put them back
-        assert r["raised"]["swapped_after_raise"] is True
+        assert o["taken_on"] == (expect.get(name, [1, 1, 1]) if swapped else [0, 0, 0]), (name, o)
+    assert r["own-hook"]["seen_on"] == ["DTensor"] * 3
+    if swapped:
+        # a 0-dim parameter's moments are DTensors, as zeros_like of the DTensor makes them
+        assert r["0-dim"]["state_types"] == ["DTensor", "Tensor"]
+        # a step that raised leaves the locals until state_dict() puts them back
+        assert r["raised"]["swapped"] == {"after_raise": True, "after_state_dict": False}
 
 
 def test_shutdown_joins_gloo_threads(two):
