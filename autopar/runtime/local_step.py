@@ -72,13 +72,11 @@ steps_local = 0
 @dataclass
 class _Swap:
     """What one swapped step changed: each group's original parameter list, and per
-    parameter its DTensor, its local tensor, its state before the step and the values
-    of the local state handed to the step."""
+    local tensor (by id) its DTensor parameter, that parameter's state before the step
+    (None if it had none) and the values of the local state handed to the step."""
 
     groups: list[tuple[dict, list]]
-    moved: list[tuple[torch.Tensor, torch.Tensor, dict | None, tuple]]
-    back: dict[int, torch.Tensor]
-    """id(local tensor) -> its DTensor parameter."""
+    by_local: dict[int, tuple[torch.Tensor, dict | None, tuple]]
 
 
 def mark(param: torch.Tensor, local: torch.Tensor) -> None:
@@ -93,7 +91,7 @@ def mark(param: torch.Tensor, local: torch.Tensor) -> None:
             register_optimizer_step_pre_hook,
         )
         register_optimizer_step_pre_hook(_pre)
-        register_optimizer_step_post_hook(_post)
+        register_optimizer_step_post_hook(_put_back)
         _installed = True
 
 
@@ -156,7 +154,7 @@ def _pre(opt: torch.optim.Optimizer, args, kwargs) -> None:
     st = opt.state
     items = list(st.items())
     st.clear()
-    moved = []
+    by_local = {id(loc): (p, None, ()) for p, loc in pairs}
     for p, s in items:
         loc = local.get(p)
         if loc is None:  # state of a tensor no longer in the groups: as it is
@@ -164,14 +162,13 @@ def _pre(opt: torch.optim.Optimizer, args, kwargs) -> None:
             continue
         vals = tuple(v._local_tensor if type(v) is DTensor else v for v in s.values())
         st[loc] = dict(zip(s, vals))
-        moved.append((p, loc, s, vals))
-    had = {id(p) for p, _s in items}
-    moved += [(p, loc, None, ()) for p, loc in pairs if id(p) not in had]
-    opt.__dict__[_SWAPPED] = _Swap(groups, moved, {id(loc): p for p, loc in pairs})
+        by_local[id(loc)] = (p, s, vals)
+    opt.__dict__[_SWAPPED] = _Swap(groups, by_local)
     steps_local += 1
 
 
 def _put_back(opt: torch.optim.Optimizer, *_args) -> None:
+    """Undo a swap still in place (the post-hook, and the guards of a raised step)."""
     sw = opt.__dict__.pop(_SWAPPED, None)
     if sw is not None:
         _restore(opt, sw)
@@ -189,23 +186,18 @@ def _guard(opt: torch.optim.Optimizer) -> None:
             reg(_put_back)
 
 
-def _post(opt: torch.optim.Optimizer, args, kwargs) -> None:
-    _put_back(opt)
-
-
 def _restore(opt: torch.optim.Optimizer, sw: _Swap) -> None:
     for g, ps in sw.groups:
         g["params"] = ps
     st = opt.state
-    before_of = {id(loc): (before, vals) for _p, loc, before, vals in sw.moved}
     items = list(st.items())
     st.clear()
     for k, s in items:  # in the step's order: new state after the old, as on DTensors
-        p = sw.back.get(id(k))
-        if p is None:
+        entry = sw.by_local.get(id(k))
+        if entry is None:
             st[k] = s
             continue
-        before, vals = before_of.get(id(k), (None, ()))
+        p, before, vals = entry
         if (before is not None and len(s) == len(vals) and s.keys() == before.keys()
                 and all(a is b for a, b in zip(s.values(), vals))):
             st[p] = before  # the usual step: every value updated in place
