@@ -11,6 +11,7 @@ import copy
 import datetime
 import importlib
 import json
+import multiprocessing
 import os
 import socket
 import sys
@@ -225,12 +226,25 @@ def _worker(rank: int, world: int, port: int, cases: list[dict], out: str,
     os._exit(0)
 
 
+# Ranks start from a fork server that imported these once for the whole test session:
+# a spawned rank imported torch and autopar itself, 4 s of CPU on the 2-core hosts,
+# 8-16 s of a 4-rank module's wall time.  A rank is still a fresh process: the server
+# ran nothing but these imports (no op, no thread pool, no process group), so each
+# rank forks from that and makes its own group, as a spawned one did.
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "autopar",
+            "tests.dist.harness"]
+
+
+def _start(args: tuple, world: int) -> None:
+    multiprocessing.set_forkserver_preload(_PRELOAD)
+    mp.start_processes(_worker, args=args, nprocs=world, join=True, start_method="forkserver")
+
+
 def run_cases(world: int, cases: list[Case]) -> dict[str, dict]:
-    """Spawn ``world`` gloo ranks once, run every case, return rank 0's results."""
+    """Start ``world`` gloo ranks once, run every case, return rank 0's results."""
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "results.json")
-        mp.spawn(_worker, args=(world, free_port(), [asdict(c) for c in cases], out),
-                 nprocs=world, join=True)
+        _start((world, free_port(), [asdict(c) for c in cases], out), world)
         return _no_thread_state_leaks(json.loads(Path(out).read_text()))
 
 
@@ -239,5 +253,5 @@ def run_fn_cases(world: int, fn: str, cases: list[dict]) -> dict[str, dict]:
     each case dict (which has an ``"id"``); rank 0's return values come back."""
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "results.json")
-        mp.spawn(_worker, args=(world, free_port(), cases, out, fn), nprocs=world, join=True)
+        _start((world, free_port(), cases, out, fn), world)
         return _no_thread_state_leaks(json.loads(Path(out).read_text()))
