@@ -4,12 +4,12 @@ lowered to the dispatch (uneven all-to-alls there and back) when tokens and expe
 split on the same axis.  Compared with the unmodified model in one process: the loss on
 every rank, every gradient, the parameters after two AdamW steps.
 
-Cases on 2 ranks: EP pinned, EP pinned with the router's load-balancing loss in the
-loss (``output_router_logits``: ``loss += router_aux_loss_coef * aux_loss``), the
-planner's own choice (experts split with the tokens gathered and a Partial output), and
-EP with every token routed to one rank's experts (the other rank's get no rows, yet
-their weights must get a gradient of zeros on that rank, as in the single process).
-On 4 ranks (slow): EP x DP 2x2, experts on the inner axis; EP x TP 2x2, experts on
+Cases on 2 ranks: EP pinned, and EP with every token routed to one rank's experts (the
+other rank's get no rows, yet their weights must get a gradient of zeros on that rank,
+as in the single process); in the slow step, EP pinned with the router's load-balancing
+loss in the loss (``output_router_logits``: ``loss += router_aux_loss_coef *
+aux_loss``) and the planner's own choice (experts split with the tokens gathered and a
+Partial output).  On 4 ranks (slow): EP x DP 2x2, experts on the inner axis; EP x TP 2x2, experts on
 axis 0 and attention split Megatron-style on axis 1.
 
 Tolerances: those of tests/dist/test_equivalence.py (fp32 sums reordered by sharded
@@ -30,10 +30,13 @@ FN = "tests.dist.mixtral_ep_case:run_case"
 
 TWO = [
     {"id": "ep-2", "mesh": [2], "axis": 0},
-    {"id": "ep-2-aux", "mesh": [2], "axis": 0, "aux": True},
-    {"id": "auto-2", "mesh": [2], "axis": None},
     # every token routed to one rank's experts: the other rank's experts get no rows
     {"id": "ep-2-skewed", "mesh": [2], "axis": 0, "skew": True},
+]
+# the slow CI step (~8 s on 2 cores), in the same 2-rank spawn as the 4-rank cases' own
+TWO_MORE = [
+    {"id": "ep-2-aux", "mesh": [2], "axis": 0, "aux": True},
+    {"id": "auto-2", "mesh": [2], "axis": None},
 ]
 FOUR = [{"id": "ep-dp-2x2", "mesh": [2, 2], "axis": 1, "aux": True},
         # experts split over axis 0, attention split Megatron-style over axis 1
@@ -72,7 +75,24 @@ def test_mixtral_ep_two_ranks(two: dict, case: dict) -> None:
     _check(two[case["id"]], case)
 
 
+@pytest.fixture(scope="module")
+def two_more() -> dict:
+    return run_fn_cases(2, FN, TWO_MORE)
+
+
+@pytest.fixture(scope="module")
+def four() -> dict:
+    return run_fn_cases(4, FN, FOUR)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", TWO_MORE, ids=[c["id"] for c in TWO_MORE])
+def test_mixtral_ep_two_ranks_more(two_more: dict, case: dict) -> None:
+    _check(two_more[case["id"]], case)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", FOUR, ids=[c["id"] for c in FOUR])
-def test_mixtral_ep_dp_four_ranks(case: dict) -> None:
-    _check(run_fn_cases(4, FN, FOUR)[case["id"]], case)
+def test_mixtral_ep_dp_four_ranks(four: dict, case: dict) -> None:
+    # one 4-rank spawn for both cases (each case ran both before)
+    _check(four[case["id"]], case)

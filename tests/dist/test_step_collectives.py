@@ -30,12 +30,21 @@ ONE = {"pipeline_stages": 1}
 CASES = [
     {"id": "dp4", "mesh": (4,), "pins": DP, "options": {**ONE, "batch": "local"}},
     {"id": "tp4", "mesh": (4,), "pins": TP, "options": ONE},
+    {"id": "zero1-dp4", "mesh": (4,), "pins": DP, "options": {**ONE, "zero_stage": 1}},
+    {"id": "zero3-dp4", "mesh": (4,), "pins": DP, "options": {**ONE, "zero_stage": 3}},
+    # sequence split over the mesh: Ulysses all-to-alls
+    {"id": "ulysses-4", "mesh": (4,), "pins": SEQ, "options": {**ONE, "context_parallel": "exchange"}},
+    # experts: groups split, expert weights split on the inner axis (all-to-all dispatch)
+    {"id": "ep-2x2", "mesh": (2, 2), "model": "moe", "pins": "ep", "options": ONE},
+]
+# more of the same kinds over other meshes and options, the combinations and ZeRO's
+# variants (slow CI step: a 4-rank spawn of their own, ~45 s on 2 cores): each repeats
+# a kind the cases above cover
+CASES_MORE = [
     {"id": "planner-2x2", "mesh": (2, 2), "pins": {}, "options": ONE},
     {"id": "dp2-x-tp2", "mesh": (2, 2), "pins": DP_TP, "options": {**ONE, "zero_stage": 0}},
     {"id": "zero3-dp2-x-tp2", "mesh": (2, 2), "pins": DP_TP, "options": {**ONE, "zero_stage": 3}},
-    {"id": "zero1-dp4", "mesh": (4,), "pins": DP, "options": {**ONE, "zero_stage": 1}},
     {"id": "zero2-dp4", "mesh": (4,), "pins": DP, "options": {**ONE, "zero_stage": 2}},
-    {"id": "zero3-dp4", "mesh": (4,), "pins": DP, "options": {**ONE, "zero_stage": 3}},
     # accumulation: the whole gradients reduce-scattered once, after the last micro-batch
     {"id": "zero3-accumulate2-dp4", "mesh": (4,), "pins": DP,
      "options": {**ONE, "zero_stage": 3, "micro_batches": 2}},
@@ -49,14 +58,6 @@ CASES = [
     # replicated norms
     {"id": "zero1-hsdp-2x2", "mesh": (2, 2), "pins": DP2X2,
      "options": {**ONE, "zero_stage": 1, "zero_axes": (0,)}},
-    # sequence split over the mesh: Ulysses all-to-alls
-    {"id": "ulysses-4", "mesh": (4,), "pins": SEQ, "options": {**ONE, "context_parallel": "exchange"}},
-    # experts: groups split, expert weights split on the inner axis (all-to-all dispatch)
-    {"id": "ep-2x2", "mesh": (2, 2), "model": "moe", "pins": "ep", "options": ONE},
-]
-# more of the same kinds over other meshes and options (slow CI step: a 4-rank spawn of
-# their own, ~17 s on 2 cores): each repeats a kind the cases above cover
-CASES_MORE = [
     # a mesh axis of one rank, the batch pinned over it too: nothing to run on it
     {"id": "dp4-x-1", "mesh": (4, 1), "pins": DP2X2, "options": {**ONE, "batch": "local"}},
     {"id": "dp4-global", "mesh": (4,), "pins": DP, "options": ONE},

@@ -27,6 +27,7 @@ def _export(tmp: Path) -> Path:
     return pm.export(tmp / "exp")
 
 
+@pytest.mark.slow  # ~16 s on 2 cores: two torchrun launchers of 2 ranks each
 def test_exported_module_under_two_node_torchrun(tmp_path: Path) -> None:
     out = _export(tmp_path)
     port = str(free_port())

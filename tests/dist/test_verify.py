@@ -26,6 +26,10 @@ import pytest
 
 from tests.dist.harness import run_fn_cases
 
+# the whole module runs in CI's slow step (~22 s on 2 cores: three candidates trained
+# and timed on 2 ranks); tests/unit/test_verify.py covers the shortlist by default
+pytestmark = pytest.mark.slow
+
 FN = "tests.dist.test_verify:run_case"
 BUILD = {"layers": 2, "dim": 64, "heads": 4, "vocab": 256, "seq": 32, "batch": 32}
 DP = {"*": "R", "input:0": "S(0)", "input:1": "S(0)"}
@@ -180,7 +184,7 @@ def _misranked_plans(tmp) -> tuple[str, str]:
     return fast.to_json(tmp / "fast.json"), slow.to_json(tmp / "slow.json")
 
 
-@pytest.mark.slow  # 17-21 s here: torchrun start-up, capture and two candidates on 2 ranks
+# 17-21 s here: torchrun start-up, capture and two candidates on 2 ranks
 def test_autopar_check_under_torchrun_picks_the_measured_fastest(tmp_path):
     """Issue 12's done-when through the CLI: ``autopar check --candidates`` with the
     prediction reversed picks the measured fastest, not the predicted best."""

@@ -54,6 +54,7 @@ def test_unconstrained_plan_is_plain_data_parallel(plain):
     assert all(p == "R" for p in plain.params().values())
 
 
+@pytest.mark.slow  # ~17 s on 2 cores: five full searches
 def test_tightening_budget_moves_to_memory_savers(plain):
     """Budgets from the plain plan's memory down: each fits; the kinds change."""
     full = plain.memory["total"]

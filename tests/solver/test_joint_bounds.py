@@ -21,6 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import gpt  # noqa: E402
 
 MESH = MeshSpec.preset("multinode-a100-ib", shape=(4, 2))
+# CI's slow step (~28 s on 2 cores: every config of the search priced, twice); the
+# default suite keeps the search's own determinism and golden tests
+pytestmark = pytest.mark.slow
 
 
 def _plan(**kw):

@@ -62,6 +62,7 @@ def test_bad_reserve_is_an_error(kw, msg) -> None:
         dataclasses.replace(MESH, **kw)
 
 
+@pytest.mark.slow  # ~7 s on 2 cores: a full search on a large model
 def test_default_budget_leaves_the_reserve_free() -> None:
     model, ex = gpt.build(layers=4, dim=64, heads=4, vocab=256, seq=32, batch=16)
     plain = plan(model, ex, MESH)
@@ -139,6 +140,7 @@ def test_pipelines_try_micro_batches_that_span_a_stage_first() -> None:
     assert js._micro_order(4) == [16, 8, 4]  # 1 device per stage: one sample spans it
 
 
+@pytest.mark.slow  # ~12 s on 2 cores: a search per schedule
 def test_each_pipeline_schedule_is_chosen_where_it_pays() -> None:
     """Four forced stages and four micro-batches of a 10-layer GPT, bf16-mixed:
 
@@ -201,6 +203,7 @@ def test_forced_interleaved_skips_micro_batch_counts_it_cannot_run() -> None:
         plan(model, ex, mesh, **kw)
 
 
+@pytest.mark.slow  # ~5 s on 2 cores: a search per forced count
 def test_forced_virtual_stages_are_the_plans() -> None:
     """virtual_stages=2 without a schedule means interleaved 1F1B with two chunks, and
     virtual_stages=1 means no interleaving: before, both were priced beside the other

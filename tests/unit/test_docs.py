@@ -53,9 +53,10 @@ def shell_commands(code: str) -> list[str]:
     return [c for c in cmds if c not in SETUP]
 
 
-SLOW_PAGES = ("docs/tutorial.md", "docs/launch.md")
-"""Pages run whole in CI's slow step: they plan a 1B-wide Llama and start multi-rank
-jobs (~1.5 min together), and their blocks share files, so they cannot be split."""
+SLOW_PAGES = ("docs/tutorial.md", "docs/launch.md", "docs/timeline.md")
+"""Pages run whole in CI's slow step: the first two plan a 1B-wide Llama and start
+multi-rank jobs (~1.5 min together), and their blocks share files, so they cannot be
+split; the timeline's draw pictures of pipelined plans (~15 s on 2 cores)."""
 
 
 def _slow(lang: str, code: str, where: str = "") -> bool:

@@ -102,6 +102,7 @@ def test_sbatch_script_is_valid_bash_and_sized_by_the_plan(plans, tmp_path):
     assert subprocess.run(["bash", "-n", str(f)]).returncode == 0
 
 
+@pytest.mark.slow  # ~6 s on 2 cores: two launchers of two ranks each
 def test_sbatch_script_runs_two_nodes_locally(plans, tmp_path):
     """The generated script, run as sbatch would (SLURM_* set, srun on PATH): 2 nodes x 1
     rank each rendezvous on 127.0.0.1 and all-reduce."""
