@@ -311,10 +311,10 @@ def _case(name: str, rank: int, world: int, steps: int, optim: str, measured=Non
 
 def default_steps(case: str) -> int:
     """Interleaved steps per side for ``case``: 100 for the data-parallel cases, whose
-    target (1.02x DDP) is inside the noise of 20 steps on the 2-core hosts (95%
-    interval about ±0.05 there, ±0.03 at 100: :func:`ratio_interval`); 20 for the
-    others, whose ratios sit well away from their targets and whose steps take 2-3x as
-    long."""
+    target (1.02x DDP) is inside the noise of 20 steps on the 2-core hosts (a 95%
+    interval of ±0.04-0.07 there, ±0.03 at 100: :func:`ratio_interval`); 20 for the
+    others, whose ratios sit well away from their targets and whose steps take 1.3-2.5x
+    as long."""
     return 100 if case.startswith("dp") else 20
 
 
