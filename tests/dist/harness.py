@@ -229,8 +229,8 @@ def _worker(rank: int, world: int, port: int, cases: list[dict], out: str,
 # Ranks start from a fork server that imported these once for the whole test session:
 # a spawned rank imported torch and autopar itself, 4 s of CPU on the 2-core hosts,
 # 8-16 s of a 4-rank module's wall time.  A rank is still a fresh process: the server
-# ran nothing but these imports (no op, no thread pool, no process group), so each
-# rank forks from that and makes its own group, as a spawned one did.
+# ran nothing but these imports (no process group, no model), so each rank forks from
+# that and makes its own group, as a spawned one did.
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "autopar",
             "tests.dist.harness"]
 

@@ -33,7 +33,7 @@ TWO = [
     # every token routed to one rank's experts: the other rank's experts get no rows
     {"id": "ep-2-skewed", "mesh": [2], "axis": 0, "skew": True},
 ]
-# the slow CI step (~8 s on 2 cores), in the same 2-rank spawn as the 4-rank cases' own
+# the slow CI step (~8 s on 2 cores): a 2-rank spawn of their own
 TWO_MORE = [
     {"id": "ep-2-aux", "mesh": [2], "axis": 0, "aux": True},
     {"id": "auto-2", "mesh": [2], "axis": None},
