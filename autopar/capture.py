@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
-from autopar.capture_checks import custom_function_guard
+from autopar.capture_checks import custom_function_guard, data_dependent_error
 from autopar.capture_experts import experts_as_op
 from autopar.errors import AutoparWarning, CaptureError, user_stacklevel
 from autopar.passes.grad_regions import inline_grad_regions, mark_tables
 from autopar.passes.mixed_precision import Precision, apply_mixed_precision
+from autopar.passes.scalar_reads import replicate_scalar_reads
 from autopar.passes.side_views import duplicate_side_views
 
 _DROP_TARGETS = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size"}
@@ -107,30 +108,63 @@ def _aliases(model: nn.Module, gm: fx.GraphModule) -> dict[str, list[str]]:
 
 
 _SIMPLE = (int, float, bool, str, type(None))
+_CONTAINERS = (list, tuple, dict, set, frozenset)
 
 
-def _simple_attrs(m: nn.Module) -> dict[str, object]:
-    return {k: v for k, v in vars(m).items() if not k.startswith("_") and isinstance(v, _SIMPLE)}
+def _state_view(v: object) -> object:
+    """What of an attribute's value counts as its Python state: a number or string as it
+    is; a container by its length and the identity of its items (``self.hist.append(x)``,
+    ``self.cache[k] = h``); anything else (a tensor stashed as ``self.last = h``, an object)
+    by identity.  Identity, not equality: comparing tensors with ``==`` is elementwise."""
+    if isinstance(v, _SIMPLE):
+        return (type(v), v)
+    if isinstance(v, dict):
+        return (dict, tuple((k if isinstance(k, _SIMPLE) else id(k), id(x)) for k, x in v.items()))
+    if isinstance(v, (set, frozenset)):
+        return (set, frozenset(id(x) for x in v))
+    if isinstance(v, (list, tuple)):
+        return (type(v), tuple(id(x) for x in v))
+    return (object, id(v))
+
+
+def _shown(v: object) -> str:
+    """``v`` in a warning, as it is when this is called (containers change in place)."""
+    if isinstance(v, _SIMPLE):
+        return repr(v)
+    if isinstance(v, _CONTAINERS):
+        return f"a {type(v).__name__} of {len(v)}"
+    if isinstance(v, torch.Tensor):  # capture's fake tensors included
+        return "a tensor"
+    return f"a {type(v).__name__}"
+
+
+def _public_state(m: nn.Module) -> dict[str, tuple[str, object]]:
+    """``name -> (value as shown, state view)`` of ``m``'s public plain attributes
+    (parameters, buffers and submodules live elsewhere: nn.Module's own dicts)."""
+    return {k: (_shown(v), _state_view(v)) for k, v in vars(m).items() if not k.startswith("_")}
 
 
 @contextlib.contextmanager
 def _frozen_python_state(model: nn.Module):
-    """Warn when the forward changes Python state (a call counter, a flag): capture runs
-    it once and freezes that call's values into the graph, so later calls would not see
-    the change.  torch.export restores the attributes afterwards, so the change is seen
-    by forward hooks around each submodule's call."""
+    """Warn when the forward changes Python state (a call counter, a flag, a list it
+    appends to, a tensor it stashes): capture runs it once and freezes that call's values
+    into the graph, so later calls would not see the change.  torch.export restores the
+    attributes afterwards, so the change is seen by forward hooks around each submodule's
+    call."""
     changed: dict[str, tuple[object, object]] = {}
     names = {m: n for n, m in model.named_modules()}
     before: dict[nn.Module, dict] = {}
 
     def pre(m, *_):
-        before[m] = _simple_attrs(m)
+        before[m] = _public_state(m)
 
     def post(m, *_):
-        now = _simple_attrs(m)
-        for k, v in before.pop(m, {}).items():
-            if now.get(k, v) != v:
-                changed.setdefault(f"{names[m]}.{k}".lstrip("."), (v, now[k]))
+        now = _public_state(m)
+        old = before.pop(m, {})
+        for k in sorted(set(old) | set(now)):
+            a, b = old.get(k, ("unset", None)), now.get(k, ("unset", None))
+            if a[1] != b[1]:
+                changed.setdefault(f"{names[m]}.{k}".lstrip("."), (a[0], b[0]))
 
     handles = [h for m in names for h in (m.register_forward_pre_hook(pre),
                                           m.register_forward_hook(post))]
@@ -140,7 +174,7 @@ def _frozen_python_state(model: nn.Module):
         for h in handles:
             h.remove()
     if changed:
-        desc = ", ".join(f"{k} ({a!r} -> {b!r})" for k, (a, b) in list(changed.items())[:5])
+        desc = ", ".join(f"{k} ({a} -> {b})" for k, (a, b) in list(changed.items())[:5])
         warnings.warn(f"autopar: the forward changed Python state {desc}; the plan captured one "
                       "call, so every later call computes with that call's values. Keep such "
                       "state in tensors (buffers) or outside the model.", AutoparWarning,
@@ -193,6 +227,9 @@ def export_module(model: nn.Module, example_inputs: tuple, example_kwargs: dict 
     except CaptureError:
         raise  # our own finding (a custom autograd.Function): already says what to do
     except Exception as export_err:  # noqa: BLE001 - reported with context below
+        mine = data_dependent_error(model, export_err)
+        if mine is not None:
+            raise mine from export_err
         try:
             fx.symbolic_trace(model)
             fx_msg = "torch.fx.symbolic_trace succeeded but the graph needs shapes export could not give"
@@ -215,6 +252,8 @@ def finish(gm: fx.GraphModule, precision: Precision | str) -> None:
     # no_grad regions (HF rotary embeddings) as plain ops: plannable and exportable
     inline_grad_regions(gm, recompile=False)
     mark_tables(gm)
+    # .item() reads the whole value on every rank, not its own shard or partial sum
+    replicate_scalar_reads(gm)
     _strip_guards(gm)
     apply_mixed_precision(gm, precision, recompile=False)
     # a layer's view of a shared input (rotary tables) copied per user: the layer stays a

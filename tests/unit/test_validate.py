@@ -122,3 +122,46 @@ def test_forward_changing_python_state_warns_and_is_restored():
     p = autopar.plan(m, (torch.randn(4, 8),), (2,))
     assert any("calls (0 -> 1)" in w for w in p.warnings)
     assert m.calls == 0
+
+
+def test_forward_changing_containers_and_tensors_warns():
+    # before: only numbers and strings were compared, so a list the forward appends to
+    # (the loss scaled by len(self.hist): 1.75, 3.50, 5.25 in eager, 1.75 three times in
+    # the plan) and a tensor it stashes changed silently
+    class Hist(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.hist: list[int] = []
+            self.seen: dict[str, int] = {}
+
+        def forward(self, x):
+            self.hist.append(1)
+            self.seen["calls"] = len(self.hist)
+            self.last = x.detach()
+            return self.fc(x).sum() * len(self.hist)
+
+    m = Hist()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        p = autopar.plan(m, (torch.randn(4, 8),), (2,))
+    text = " ".join(p.warnings)
+    assert "hist (a list of 0 -> a list of 1)" in text
+    assert "seen (a dict of 0 -> a dict of 1)" in text
+    assert "last (unset -> a tensor)" in text
+    assert any(issubclass(w.category, AutoparWarning) and "hist" in str(w.message) for w in caught)
+
+
+def test_forward_reading_state_without_changing_it_is_quiet():
+    class Reads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.weights = [0.5, 2.0]
+            self.table = torch.ones(8)
+
+        def forward(self, x):
+            return self.fc(x * self.table).sum() * self.weights[1]
+
+    p = autopar.plan(Reads(), (torch.randn(4, 8),), (2,))
+    assert not any("Python state" in w for w in p.warnings)
