@@ -14,6 +14,7 @@ from autopar.cost_models import MeshSpec
 from autopar.errors import (
     AutoparError,
     AutoparWarning,
+    CallMismatchError,
     CaptureError,
     ExportError,
     LoadError,
@@ -44,7 +45,7 @@ def load(directory, batch: str = "global", timeout: float = 600.0) -> ParallelMo
 
 
 __all__ = [
-    "AutoparError", "AutoparWarning", "CaptureError", "ExportError", "LazyParallel", "LoadError", "MeshMismatchError",
+    "AutoparError", "AutoparWarning", "CallMismatchError", "CaptureError", "ExportError", "LazyParallel", "LoadError", "MeshMismatchError",
     "MeshSpec", "ParallelModule", "Partial", "Plan", "PlanError", "Replicate", "Shard", "auto_parallel",
     "load", "plan", "verify",
 ]

@@ -115,19 +115,21 @@ def plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec | str | tuple |
 
 def _shared_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOptions,
                  example_kwargs: dict | None, given: Plan | None,
-                 timeout: float = DEFAULT_TIMEOUT) -> tuple[Captured, Plan]:
-    """Capture on every rank; search on rank 0 only and share the plan.
+                 timeout: float = DEFAULT_TIMEOUT) -> tuple[Captured | None, Plan]:
+    """Capture and search on rank 0 only and share the plan; the other ranks' capture
+    is ``None`` (they capture for the plan: :func:`_capture_for`).
 
     A solver stopped by its time limit may return different incumbents on different
     ranks; sharing makes every rank lower the identical plan, so all ranks issue the
     same collectives in the same order (and the other ranks skip the search).  An error
     on rank 0 is raised on every rank; the others wait for rank 0 at most ``timeout``
-    seconds (:mod:`autopar.runtime.agree`)."""
+    seconds (:mod:`autopar.runtime.agree`).  No collective runs here: the caller checks
+    that every rank arrived before its first one."""
     from autopar.runtime import agree
-    from autopar.splits import micro_inputs
     multi = dist.is_initialized() and dist.get_world_size() > 1
-    cap, p = None, given
-    if given is None and (not multi or dist.get_rank() == 0):
+    if given is not None:
+        return None, given
+    if not multi or dist.get_rank() == 0:
         try:
             cap, p = _capture_and_plan(model, example_inputs, mesh, example_kwargs, opts)
         except Exception as e:
@@ -136,20 +138,22 @@ def _shared_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: 
             raise
         if multi:
             agree.publish({"plan": p.to_json()}, timeout)
-    elif given is None:
-        payload = agree.wait(timeout)
-        if "error" in payload:
-            raise agree.rebuild(payload)
-        p = Plan.from_json(payload["plan"])
-    if multi:
-        agree.all_arrived(timeout)
-    if cap is None:
-        # the plan's graph is the micro-batch's: capture at that size
-        cap = capture(model, *micro_inputs((tuple(example_inputs), dict(example_kwargs or {})),
-                                           p.decisions.micro_batches),
-                      precision=p.decisions.precision)
-        annotate(cap.gm)
-    return cap, p
+        return cap, p
+    payload = agree.wait(timeout)
+    if "error" in payload:
+        raise agree.rebuild(payload)
+    return None, Plan.from_json(payload["plan"])
+
+
+def _capture_for(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None,
+                 p: Plan) -> Captured:
+    """Capture ``model`` for plan ``p``: its graph is the micro-batch's."""
+    from autopar.splits import micro_inputs
+    cap = capture(model, *micro_inputs((tuple(example_inputs), dict(example_kwargs or {})),
+                                       p.decisions.micro_batches),
+                  precision=p.decisions.precision)
+    annotate(cap.gm)
+    return cap
 
 
 def build_parallel_module(model: nn.Module, example_inputs: tuple, mesh: MeshSpec,
@@ -171,13 +175,27 @@ def build_parallel_module(model: nn.Module, example_inputs: tuple, mesh: MeshSpe
         else:
             init_mesh(tuple(mesh.shape), timeout=timeout)
     cap, p = _shared_plan(model, example_inputs, mesh, opts, example_kwargs, plan, timeout)
-    t0 = time.perf_counter()
-    gm = lower(cap.gm, p)
-    p.timings["lower"] = time.perf_counter() - t0
+    try:
+        if cap is None:
+            cap = _capture_for(model, example_inputs, example_kwargs, p)
+        t0 = time.perf_counter()
+        gm = lower(cap.gm, p)
+        p.timings["lower"] = time.perf_counter() - t0
+    except Exception as e:
+        if runtime:
+            from autopar.runtime import agree
+            agree.all_arrived(timeout, failure=e)  # every rank raises it, none waits
+        raise
     # every parameter and buffer, persistent or not, under every name (tied weights)
     full = {k: v.detach() for k, v in named_tensors(model).items()}
     if runtime:
+        # rank 0 planned while the others waited, then every rank captured and lowered
+        # at its own pace: meet before the first collective, bounded by ``timeout``
+        # rather than the process group's own (maybe seconds) timeout
+        from autopar.runtime import agree
+        agree.all_arrived(timeout)
         full = _from_rank0(full)
+        _constants_from_rank0(gm, cap.aliases)
     info = TensorInfo.of(model, {n for names in cap.aliases.values() for n in names})
     binder = InputBinder.from_example(example_inputs, example_kwargs, cap.in_spec)
     pm = ParallelModule(gm, p, cap.aliases, cap.in_spec, cap.out_spec, cap.state_keys, full,
@@ -205,6 +223,22 @@ def _from_rank0(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             seen[id(t)] = y.to(torch.bool) if x.dtype == torch.bool else y
         out[name] = seen[id(t)]
     return out
+
+
+def _constants_from_rank0(gm: torch.fx.GraphModule, aliases: Mapping[str, list[str]]) -> None:
+    """Tensors the forward reads that are neither parameters nor buffers (a plain tensor
+    attribute, ``self.proj = torch.randn(8, 8)``, lifted by export as a constant) start
+    as rank 0's too: each rank captured its own model, so they would otherwise differ
+    across ranks built with different seeds, silently.  In place, in name order."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    targets = sorted({n.target for n in gm.graph.nodes if n.op == "get_attr"} - set(aliases))
+    for t in targets:
+        *path, leaf = t.split(".")
+        owner = gm.get_submodule(".".join(path)) if path else gm
+        x = getattr(owner, leaf, None)
+        if isinstance(x, torch.Tensor) and not isinstance(x, nn.Parameter):
+            setattr(owner, leaf, _from_rank0({t: x})[t].to(x.device))
 
 
 def auto_parallel(model: nn.Module | Callable | None = None, *, example_inputs: tuple | None = None,

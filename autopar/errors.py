@@ -43,6 +43,12 @@ class RankTimeoutError(AutoparError, TimeoutError):
     """A rank did not arrive, or did not answer, within the configured timeout."""
 
 
+class CallMismatchError(AutoparError, ValueError):
+    """The ranks' calls of a module disagree where the plan needs them equal: different
+    batches under ``batch="global"``, or random generators in different states for
+    dropout.  Every rank raises it with the same message on the same call."""
+
+
 class AutoparWarning(UserWarning):
     """Something planned differently from what the user may expect (an op without a
     sharding rule runs replicated, ...).  Shown every time a plan is made: the same

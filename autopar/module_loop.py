@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopar.runtime import rng
 from autopar.runtime.inputs import data_parallel_coords
 
 
@@ -39,18 +40,62 @@ class LoopMixin:
     """See the module docstring; expects ParallelModule's attributes."""
 
     def _start_rng(self) -> None:
-        """One generator for the graph's dropouts, seeded alike on every rank with rank
-        0's seed (``torch.initial_seed()``): see :mod:`autopar.runtime.rng`."""
-        box = [torch.initial_seed()]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(box, src=0)
-        self.rng = torch.Generator(device=self._mesh_rt.device)
-        self.rng.manual_seed(int(box[0]))
+        """Dropout draws from torch's default generator of this rank's device until
+        :meth:`manual_seed` gives the module one of its own: see :mod:`autopar.runtime.rng`.
+        The first call checks that the ranks' generators agree
+        (:mod:`autopar.runtime.call_check`)."""
+        self.rng = None
+
+    def _generator(self) -> torch.Generator:
+        """The generator this call's dropouts draw from."""
+        return self.rng if self.rng is not None else rng.default_generator(self._mesh_rt.device)
 
     def manual_seed(self, seed: int) -> None:
-        """Seed the dropout generator (call with the same seed on every rank): dropout
-        then draws what one process would draw after ``torch.manual_seed(seed)``."""
+        """Give the module's dropouts a generator of their own, seeded with ``seed`` (call
+        with the same seed on every rank): they then draw what one process would draw
+        after ``torch.manual_seed(seed)``, and no longer follow torch's generator."""
+        self.rng = torch.Generator(device=self._mesh_rt.device)
         self.rng.manual_seed(seed)
+
+    def _start_call_check(self) -> None:
+        """The first call's agreement check (:mod:`autopar.runtime.call_check`)."""
+        from autopar.runtime.call_check import CallCheck
+        local = self.binder.mode.value == "local"
+        self._call_check = CallCheck(key=self.data_parallel_rank if local else 0, local=local,
+                                     names=list(self.binder.names), device=self._mesh_rt.device)
+        # a dropout that draws (p > 0): the ranks' generators must then agree
+        self._has_dropout = any(n.target is rng.sharded_dropout and n.args[1] != 0.0
+                                for g in self._graph_modules() for n in g.graph.nodes)
+
+    def _graph_modules(self) -> list[torch.fx.GraphModule]:
+        """Every generated graph this rank runs: the module's, and under a pipeline
+        every chunk's stage graph (interleaved: several)."""
+        graphs = [m for m in self.inner.modules() if isinstance(m, torch.fx.GraphModule)]
+        if self.runner is not None:
+            graphs += [m for ch in self.runner.chunks for m in ch.module.modules()
+                       if isinstance(m, torch.fx.GraphModule)]
+        return graphs
+
+    def _flatten_checked(self, args: tuple, kwargs: dict, generator: torch.Generator) -> list:
+        """The binder's flat inputs; on the first call the ranks also check that they
+        passed what the plan needs equal (:mod:`autopar.runtime.call_check`), and a rank
+        whose call is refused takes the others down with it rather than leave them waiting."""
+        check = self._call_check
+        if check is None or not check.due(self.training, generator):
+            return self.binder.flatten(args, kwargs, self._mesh_rt.device)
+        dropout = self.training and self._has_dropout
+        done = []
+
+        def given(flat: list) -> None:
+            done.append(True)
+            check(flat, generator, dropout)
+
+        try:
+            return self.binder.flatten(args, kwargs, self._mesh_rt.device, given=given)
+        except Exception as e:
+            if not done:  # refused before the check: tell the other ranks, then raise
+                check(None, generator, dropout, failure=e)
+            raise
 
     def trace(self, path, record_shapes: bool = False):
         """Record the real steps run inside ``with pm.trace("step.json") as t:`` (call
@@ -68,11 +113,7 @@ class LoopMixin:
         and batch-norm calls take the mode as an argument, which is set here."""
         super().train(mode)
         from autopar.passes.train_mode import set_train_mode
-        graphs = [m for m in self.inner.modules() if isinstance(m, torch.fx.GraphModule)]
-        if self.runner is not None:  # every chunk's stage graph (interleaved: several)
-            graphs += [m for ch in self.runner.chunks for m in ch.module.modules()
-                       if isinstance(m, torch.fx.GraphModule)]
-        set_train_mode(graphs, mode)
+        set_train_mode(self._graph_modules(), mode)
         return self
 
     @property

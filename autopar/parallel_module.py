@@ -67,6 +67,7 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         self._dparams = None
         self._placements = {t: parse_placements(p) for t, p in plan.params().items()}
         self._mesh_rt = None
+        self._call_check = None
         self.rank = 0
         self.runner = None
         self._param_nodes = {n.param: n for n in plan.nodes.values() if n.param}
@@ -102,6 +103,7 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
             self._start_grad_sync()
             self._start_dparams(full_state if full_state is not None else extra)
             self._start_rng()
+            self._start_call_check()
 
     # ------------------------------------------------------------ running
     def _coord(self) -> tuple[int, ...]:
@@ -330,8 +332,9 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
                                "launch under torchrun to run it, or export() it")
         # this module's groups, whatever module ran last (runtime.mesh.activate)
         activate(self._mesh_rt)
-        flat = self.binder.flatten(args, kwargs, self._mesh_rt.device)
-        rng.use(self.rng)
+        generator = self._generator()
+        flat = self._flatten_checked(args, kwargs, generator)
+        rng.use(generator)
         if self._dparams is not None:
             self._dparams.before_forward()
         if self.zero is not None:

@@ -9,9 +9,11 @@ with their own deadline, printing a progress line every ``report_every`` seconds
 
 * An error on rank 0 is raised on every rank with the same autopar type and message.
 * Rank 0 dead (the store is gone) or silent past the deadline: an error naming rank 0.
-* After the plan is shared, :func:`all_arrived` checks that every rank is there (gloo's
-  ``monitored_barrier`` names the ranks that are not), so a hung rank ends the job
-  within the timeout with its rank in the message.
+* After every rank has captured and lowered the shared plan, and before the first
+  collective, :func:`all_arrived` checks that every rank is there (through the store, so
+  a short process-group timeout cannot cut the wait for a rank still capturing), so a
+  hung rank ends the job within the timeout with its rank in the message, and a rank
+  whose capture failed ends every rank with its error.
 """
 
 from __future__ import annotations
@@ -46,16 +48,16 @@ def error_payload(e: BaseException) -> dict:
     return {"error": type(e).__name__, "message": str(e)}
 
 
-def rebuild(payload: dict) -> BaseException:
-    """The error rank 0 published: the same autopar type and message (other types come
-    back as :class:`AutoparError` naming the original type)."""
+def rebuild(payload: dict, what: str = "rank 0 failed while planning") -> BaseException:
+    """The error another rank published: the same autopar type and message (other types
+    come back as :class:`AutoparError` saying ``what`` and naming the original type)."""
     cls = getattr(errors, payload["error"], None)
     if isinstance(cls, type) and issubclass(cls, Exception):
         try:
             return cls(payload["message"])
         except TypeError:
             pass
-    return AutoparError(f"rank 0 failed while planning: {payload['error']}: {payload['message']}")
+    return AutoparError(f"{what}: {payload['error']}: {payload['message']}")
 
 
 def publish(payload: dict, timeout: float = 600.0) -> None:
@@ -106,10 +108,58 @@ def wait(timeout: float, report_every: float = 30.0) -> dict:
         time.sleep(0.05)
 
 
-def all_arrived(timeout: float) -> None:
+def all_arrived(timeout: float, failure: BaseException | None = None) -> None:
     """Every rank reached this point within ``timeout`` seconds, or an error naming the
-    ranks that did not (gloo; other backends rely on their own collective timeout)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() != "gloo":
+    ranks that did not.  Store-based, not a collective: the process group's own timeout
+    (the user's ``init_process_group(timeout=...)``, maybe seconds) does not bound the
+    wait, only ``timeout`` does, so ranks still capturing and lowering after rank 0
+    finished do not time out rank 0's next collective.  A rank that arrives with a
+    ``failure`` (its capture or lowering raised) makes every rank raise that error."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if failure is not None:
+            raise failure
+        return
+    store = _store()
+    if store is None:
+        _monitored_barrier(timeout, failure)
+        return
+    key, me, world = _key() + "/arrived", dist.get_rank(), dist.get_world_size()
+    store.set(f"{key}/{me}", json.dumps(error_payload(failure) if failure is not None else {}))
+    if failure is not None:
+        store.add(f"{key}/failed", 1)
+    store.add(f"{key}/n", 1)
+    t0, pause = time.monotonic(), 0.005
+    while store.add(f"{key}/n", 0) < world:
+        if time.monotonic() - t0 > timeout:
+            missing = [r for r in range(world) if not store.check([f"{key}/{r}"])]
+            raise RankTimeoutError(
+                f"rank {me}: not every rank arrived within {timeout:g} s (rank"
+                f"{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not): is "
+                "it alive and calling auto_parallel with the same arguments?")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.2)  # a thousand ranks polling rank 0's store
+    if not store.add(f"{key}/failed", 0):
+        return
+    # some rank failed: every rank raises; the store may live in rank 0's process, so
+    # rank 0 waits (bounded) until every rank has read the errors before it raises
+    errors = [json.loads(store.get(f"{key}/{r}")) for r in range(world)]
+    store.add(f"{key}/read", 1)
+    deadline = time.monotonic() + timeout
+    while me == 0 and store.add(f"{key}/read", 0) < world and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if failure is not None:
+        raise failure
+    r = next(r for r, payload in enumerate(errors) if payload)
+    raise rebuild({**errors[r], "message": f"rank {r}: {errors[r]['message']}"},
+                  f"rank {r} failed while capturing or lowering the plan")
+
+
+def _monitored_barrier(timeout: float, failure: BaseException | None) -> None:
+    """:func:`all_arrived` without a store to poll (gloo's barrier names the ranks that
+    did not arrive; other backends rely on their own collective timeout)."""
+    if failure is not None:
+        raise failure
+    if dist.get_backend() != "gloo":
         return
     try:
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True)

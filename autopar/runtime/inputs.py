@@ -17,7 +17,7 @@ planned for (one collective of the input's bytes per step).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -80,9 +80,12 @@ class InputBinder:
         except (AttributeError, IndexError, TypeError):
             return None
 
-    def flatten(self, args: tuple, kwargs: dict, device: torch.device | None = None) -> list:
+    def flatten(self, args: tuple, kwargs: dict, device: torch.device | None = None,
+                given: Callable[[list], None] | None = None) -> list:
         """The flat inputs for a call, on ``device``; raises :class:`InputMismatchError` naming the
-        argument, the planned and the given structure or shape."""
+        argument, the planned and the given structure or shape.  ``given`` sees the flat
+        inputs as this rank passed them, before any collective of the call (the ranks'
+        agreement check: :mod:`autopar.runtime.call_check`)."""
         keys = self._kwargs_order()
         if keys is not None:
             missing = [k for k in keys if k not in kwargs]
@@ -99,6 +102,10 @@ class InputBinder:
                                      f"{self.spec}: pass the same arguments the plan was made with")
         if device is not None:  # batches may come from a CPU DataLoader
             flat = [x.to(device) if isinstance(x, torch.Tensor) else x for x in flat]
+        if given is not None:
+            if self.mode is BatchMode.GLOBAL:  # refuse a wrong shape before the ranks compare
+                self.check_shapes(flat, local=False)
+            given(flat)
         if self.mode is BatchMode.LOCAL:
             flat = self._gather_local(flat)
         elif self.passthrough:

@@ -1,8 +1,12 @@
 """Random numbers under autopar: dropout draws the mask of the whole (global) tensor.
 
-Every rank draws from one generator per ParallelModule, seeded alike on every rank
-(rank 0's seed), and every rank draws the mask of the *global* tensor, then keeps its
-own slice.  So:
+Every rank draws from torch's default generator of its device (or, after
+``pm.manual_seed(seed)``, from the module's own generator), and every rank draws the mask
+of the *global* tensor, then keeps its own slice.  So:
+
+* ``torch.manual_seed(s)`` reproduces a run: the masks follow torch's generator state, as
+  the original model's do (the ranks must seed alike, which the first calls check:
+  :mod:`autopar.runtime.call_check`);
 
 * batch shards get independent masks (different parts of one global mask);
 * tensor-parallel peers holding the same elements get identical masks (Megatron's RNG
@@ -23,6 +27,16 @@ import contextlib
 import torch
 
 _CURRENT: list[torch.Generator | None] = [None]
+
+
+def default_generator(device: torch.device) -> torch.Generator:
+    """torch's default generator for ``device`` (what ``torch.manual_seed`` seeds and an
+    eager dropout draws from)."""
+    if device.type == "cuda":
+        torch.cuda.init()  # the default generators exist once CUDA is initialised
+        return torch.cuda.default_generators[device.index if device.index is not None
+                                             else torch.cuda.current_device()]
+    return torch.default_generator
 
 
 def use(generator: torch.Generator | None) -> None:
@@ -80,4 +94,4 @@ def replay_contexts():
     return forward(), recompute()
 
 
-__all__ = ["replay_contexts", "sharded_dropout", "use"]
+__all__ = ["default_generator", "replay_contexts", "sharded_dropout", "use"]
