@@ -187,7 +187,7 @@ def _resolve(fn: str):
 
 
 def _worker(rank: int, world: int, port: int, cases: list[dict], out: str,
-            fn: str | None = None) -> None:
+            fn: str | None = None, group_timeout: float = 180.0) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), HF_HUB_OFFLINE="1")
     sys.path.insert(0, str(ROOT / "examples"))
@@ -197,7 +197,7 @@ def _worker(rank: int, world: int, port: int, cases: list[dict], out: str,
     seen: list[str] = []
     _spy_thread_state(seen)  # imports autopar before the group is made, as a script would
     dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=180))
+                            timeout=datetime.timedelta(seconds=group_timeout))
     results = {}
     for c in cases:
         seen.clear()
@@ -248,10 +248,13 @@ def run_cases(world: int, cases: list[Case]) -> dict[str, dict]:
         return _no_thread_state_leaks(json.loads(Path(out).read_text()))
 
 
-def run_fn_cases(world: int, fn: str, cases: list[dict]) -> dict[str, dict]:
+def run_fn_cases(world: int, fn: str, cases: list[dict],
+                 group_timeout: float = 180.0) -> dict[str, dict]:
     """Like :func:`run_cases`, but every rank calls ``fn`` (``"module:function"``) on
-    each case dict (which has an ``"id"``); rank 0's return values come back."""
+    each case dict (which has an ``"id"``); rank 0's return values come back.
+    ``group_timeout``: the process group's own timeout (seconds), as a user's
+    ``init_process_group(timeout=...)`` sets it."""
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "results.json")
-        _start((world, free_port(), cases, out, fn), world)
+        _start((world, free_port(), cases, out, fn, group_timeout), world)
         return _no_thread_state_leaks(json.loads(Path(out).read_text()))
