@@ -21,7 +21,7 @@ from autopar.errors import (
     MeshMismatchError,
     PlanError,
 )
-from autopar.plan import Plan
+from autopar.plan.data import Plan
 from autopar.verify import verify
 
 # autopar's own warnings show with every plan (the default filter shows a text once per
@@ -40,7 +40,7 @@ def load(directory, batch: str = "global", timeout: float = 600.0) -> ParallelMo
     into the same directory crashed mid-swap, the complete export beside it is loaded
     with a warning.  docs/reliability.md lists the faults and the errors.  ``batch`` and
     ``timeout`` (seconds, default 600) are as in :func:`auto_parallel`."""
-    from autopar.loading import load_module
+    from autopar.module.load import load_module
     return load_module(directory, batch=batch, timeout=timeout)
 
 

@@ -11,16 +11,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.annotate import annotate
-from autopar.capture import Captured, capture, named_tensors
+from autopar.capture.annotate import annotate
+from autopar.capture.trace import Captured, capture, named_tensors
 from autopar.cost_models import MeshSpec
 from autopar.errors import ConfigError
-from autopar.module_state import TensorInfo
-from autopar.parallel_module import ParallelModule
-from autopar.plan import Plan
+from autopar.module.parallel import ParallelModule
+from autopar.module.state import TensorInfo
+from autopar.plan.data import Plan
 from autopar.runtime.inputs import BatchMode, InputBinder
 from autopar.runtime.mesh import local_device
-from autopar.search import PlanOptions
+from autopar.search.op_placement import PlanOptions
 
 DEFAULT_TIMEOUT = 600.0  # seconds; gloo's own default is 30 minutes
 
@@ -42,7 +42,7 @@ def _mesh(mesh: MeshSpec | str | tuple | None) -> MeshSpec:
 
 def _capture_and_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec,
                       example_kwargs: dict | None, opts: PlanOptions) -> tuple[Captured, Plan]:
-    from autopar.joint import joint_plan
+    from autopar.search.joint import joint_plan
     return joint_plan(model, example_inputs, mesh, opts, example_kwargs)
 
 
@@ -69,10 +69,10 @@ def _options(memory_budget, optimizer, time_limit, pins, decisions: Mapping,
     if d.get("recompute") is not None:
         d["recompute"] = tuple(d["recompute"])
     if d.get("zero_axes") is not None:
-        from autopar.plan import zero_axes
+        from autopar.plan.data import zero_axes
         d["zero_axes"] = zero_axes(d["zero_axes"])
     if "precision" in d:
-        from autopar.passes.mixed_precision import Precision
+        from autopar.capture.mixed_precision import Precision
         d["precision"] = Precision.parse(d["precision"]).value
     return PlanOptions(memory_budget=memory_budget, optimizer=optimizer, time_limit=time_limit,
                        pins=dict(pins or {}), search=search, batch=batch, **d)
@@ -148,7 +148,7 @@ def _shared_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: 
 def _capture_for(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None,
                  p: Plan) -> Captured:
     """Capture ``model`` for plan ``p``: its graph is the micro-batch's."""
-    from autopar.splits import micro_inputs
+    from autopar.plan.splits import micro_inputs
     cap = capture(model, *micro_inputs((tuple(example_inputs), dict(example_kwargs or {})),
                                        p.decisions.micro_batches),
                   precision=p.decisions.precision)

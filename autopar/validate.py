@@ -133,14 +133,14 @@ def options(memory_budget, optimizer, time_limit, search, decisions: Mapping) ->
         raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {s!r}")
     p = decisions.get("precision")
     if p is not None:
-        from autopar.passes.mixed_precision import Precision
+        from autopar.capture.mixed_precision import Precision
         try:
             Precision.parse(p)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     cp = decisions.get("context_parallel")
     if cp is not None:
-        from autopar.rules.attention import ContextParallel
+        from autopar.sharding.rules.attention import ContextParallel
         if cp not in {c.value for c in ContextParallel}:
             raise ConfigError(f"context_parallel must be one of "
                               f"{', '.join(c.value for c in ContextParallel)} or None, got {cp!r}")

@@ -48,7 +48,7 @@ from torch import nn
 
 from autopar.cost_models import MeshSpec
 from autopar.errors import AutoparError, ConfigError
-from autopar.plan import Plan
+from autopar.plan.data import Plan
 
 PICKS = ("measured", "predicted")
 """What :func:`verify` picks: the measured fastest candidate, or the predicted fastest."""
@@ -89,7 +89,7 @@ class Shortlist:
 def label(plan: Plan) -> str:
     """A plan in words: the mesh axes' roles (``dp2``, ``dp2 x tp2``), the pipeline
     (``pp2 x 1f1b x 2 mb``), ZeRO (``zero3``), accumulation (``8 mb``), recomputation."""
-    from autopar.summary import summary_numbers
+    from autopar.report.summary import summary_numbers
 
     d = plan.decisions
     # "R": every rank of the axis computes the same (the model is too small to split)
@@ -396,8 +396,8 @@ def _measure(c: Candidate, model: nn.Module, example_inputs: tuple, example_kwar
 
 def _write(store: str | Path, report: VerifyReport, model: nn.Module) -> None:
     """Append one JSON line per row: what a calibration needs to learn from it."""
-    from autopar.plan import versions
-    from autopar.summary import summary_numbers
+    from autopar.plan.data import versions
+    from autopar.report.summary import summary_numbers
 
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     with open(store, "a") as f:

@@ -8,7 +8,7 @@ trains data parallel (every parameter replicated, the batch split, ``batch="loca
 with AdamW(foreach).  Three modules are built from the same weights and differ only in
 their gradient buckets:
 
-* ``chosen``: the buckets the planner chose (:mod:`autopar.solve.buckets`);
+* ``chosen``: the buckets the planner chose (:mod:`autopar.search.buckets`);
 * ``per-gradient``: ``bucket_bytes=1``, every gradient its own all-reduce;
 * ``one bucket``: ``bucket_bytes=2**40``, all gradients in one all-reduce.
 

@@ -78,8 +78,8 @@ def _build(name: str, heads: int, pins, cp: str | None, shape: dict):
 
     import autopar
     from autopar import MeshSpec
+    from autopar.report.summary import layout
     from autopar.runtime.mesh import reset
-    from autopar.summary import layout
 
     model, (x, y) = gpt.build(heads=heads, **shape)
     row: dict = {"plan": name, "heads": heads}

@@ -115,8 +115,8 @@ def _build(name: str, pins, shape: dict):
 
     import autopar
     from autopar import MeshSpec
+    from autopar.report.summary import layout
     from autopar.runtime.mesh import reset
-    from autopar.summary import layout
 
     model, (x, y) = moe.build(**shape)
     row: dict = {"plan": name}

@@ -46,7 +46,7 @@ def measure(layers: int, time_limit: float) -> dict:
 
     from autopar import MeshSpec
     from autopar.api import build_parallel_module
-    from autopar.search import PlanOptions
+    from autopar.search.op_placement import PlanOptions
 
     sys.path.insert(0, str(ROOT))
     from examples.gpt import build

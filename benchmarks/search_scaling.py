@@ -5,14 +5,14 @@ device (no weights are allocated), on meshes of 8, 64, 256 and 1,024 devices: on
 ``(8,)`` of preset ``8xA100-nvlink`` and 2-D hierarchical meshes ``(8, 8)``, ``(32, 8)``,
 ``(128, 8)`` of ``multinode-a100-ib`` (inter-node axis first). Both searchers run side by
 side on the same captured graph, and for the ILP the clustered solve (repeated layers,
-``autopar/solve/cluster.py``) is compared with the flat one on the same problem::
+``autopar/search/solvers/cluster.py``) is compared with the flat one on the same problem::
 
     python benchmarks/search_scaling.py                 # everything, updates the docs
     python benchmarks/search_scaling.py --layers 12 24 --devices 8 64 --no-write
 
 Each model runs in its own subprocess: it is captured once (capture and annotate are
 timed separately from the search), then every (mesh, searcher) cell calls
-:func:`autopar.search.make_plan`, whose wall time is the "search" time (enumerate, price,
+:func:`autopar.search.op_placement.make_plan`, whose wall time is the "search" time (enumerate, price,
 solve and assemble the Plan). The search only chooses intra-op sharding (no pipeline or
 recompute), so by default the memory budget is off: a GPT-3-size model's activations do not
 fit in 80 GiB per device without pipelining; ``--memory-budget capacity`` turns the
@@ -51,9 +51,9 @@ SEARCHERS = ("ilp", "drec")
 # ---------------------------------------------------------------- one model (child)
 def _flat_ilp(gm, mesh, budget: float | None, time_limit: float) -> dict:
     """The same ILP without clustering or shared pricing, for the comparison column."""
-    from autopar.costs import CostModel
-    from autopar.search import _solve, build_problem
-    from autopar.strategies import enumerate_strategies
+    from autopar.search.node_prices import CostModel
+    from autopar.search.op_placement import _solve, build_problem
+    from autopar.sharding.strategies import enumerate_strategies
 
     t0 = time.perf_counter()
     strategies = enumerate_strategies(gm, tuple(mesh.shape))
@@ -70,9 +70,9 @@ def measure_model(layers: int, devices: list[int], time_limit: float, budget: fl
     import torch
 
     from autopar import MeshSpec
-    from autopar.annotate import annotate
-    from autopar.capture import capture
-    from autopar.search import PlanOptions, make_plan
+    from autopar.capture.annotate import annotate
+    from autopar.capture.trace import capture
+    from autopar.search.op_placement import PlanOptions, make_plan
 
     sys.path.insert(0, str(ROOT))
     from examples.gpt import build

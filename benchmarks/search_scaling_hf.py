@@ -2,7 +2,7 @@
 
 ``LlamaForCausalLM`` itself (GQA, rotary tables and mask shared by every layer) built from
 the Llama-3 8B and 70B configs on the meta device, captured once per mesh with one
-2,048-token sequence per device, planned by :func:`autopar.search.make_plan` (ILP) with
+2,048-token sequence per device, planned by :func:`autopar.search.op_placement.make_plan` (ILP) with
 the device's memory as the budget on meshes of 8, 64, 256 and 1,024 devices, beside the
 flat ILP (no clustering, no shared pricing) on the same captured graph where it finishes
 within the cell limit::
@@ -74,11 +74,17 @@ def measure(name: str, devices: int, time_limit: float, flat: bool) -> dict:
     import torch
 
     from autopar import MeshSpec
-    from autopar.annotate import annotate
-    from autopar.capture import capture
+    from autopar.capture.annotate import annotate
+    from autopar.capture.trace import capture
     from autopar.errors import PlanError
-    from autopar.search import PlanOptions, _solve, build_problem, cost_model, make_plan
-    from autopar.strategies import enumerate_strategies
+    from autopar.search.op_placement import (
+        PlanOptions,
+        _solve,
+        build_problem,
+        cost_model,
+        make_plan,
+    )
+    from autopar.sharding.strategies import enumerate_strategies
 
     model = _model(name)
     ids = torch.zeros(devices, SEQ, dtype=torch.long, device="meta")
@@ -123,7 +129,7 @@ def measure(name: str, devices: int, time_limit: float, flat: bool) -> dict:
 def _joint(model, ids, mesh) -> dict:
     """The whole ``autopar.plan`` (its own capture, the joint search, the plan)."""
     import autopar
-    from autopar.summary import summary_numbers
+    from autopar.report.summary import summary_numbers
 
     t0 = time.perf_counter()
     try:

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import autopar
     from autopar import MeshSpec
-    from autopar.timeline import draw_timeline
+    from autopar.report.timeline import draw_timeline
 
     mesh = MeshSpec.preset("8xA100-nvlink", shape=(4,))
     model, ex = gpt.build(layers=8, dim=128)

@@ -173,7 +173,7 @@ def blocking_time(kind: CollectiveKind | str, mesh: MeshSpec, axes: Axes, nbytes
     arrives, and ranks drift apart while they compute (calibration measures it; 0 on the
     presets).  Collectives launched asynchronously and waited on later (gradient buckets,
     ZeRO's prefetched gathers) are priced by :func:`collective_time` alone, and so are a
-    pipeline's messages (:func:`autopar.solve.step_terms.stage_link` says why).  0.0 where
+    pipeline's messages (:func:`autopar.search.stages.step_terms.stage_link` says why).  0.0 where
     no collective is issued."""
     t = collective_time(kind, mesh, axes, nbytes)
     return t + mesh.sync_seconds if t > 0 else 0.0
@@ -205,7 +205,7 @@ def blocking_times(kind: CollectiveKind | str, mesh: MeshSpec, axes: Axes, nbyte
 def collective_times(kind: CollectiveKind | str, mesh: MeshSpec, axes: Axes, nbytes):
     """:func:`collective_time` of every element of the numpy array ``nbytes`` (all >= 0,
     finite) at once, by the same arithmetic in the same order, so each element equals
-    the scalar price exactly (edge pricing on 3-axis meshes, ``autopar.edge_prices``).  Not for
+    the scalar price exactly (edge pricing on 3-axis meshes, ``autopar.search.edge_prices``).  Not for
     send/recv and broadcast (their ``max``/``min`` are scalar here)."""
     kind = CollectiveKind(kind)
     if kind in (CollectiveKind.SEND_RECV, CollectiveKind.BROADCAST):

@@ -52,7 +52,7 @@ def kernel_rate(mesh: MeshSpec, flops: float, dtype: torch.dtype | None = None) 
     end points' rates beyond them).  Small matmuls run well below a large one's rate (a
     layer's Linear layers forward and backward on one CPU core: 68 GFLOP/s at 4 MFLOP a
     kernel, 88 at 17, 94 at 150), so one rate prices a model of small matmuls fast and
-    one of large matmuls slow.  Never above the peak, so :func:`autopar.costs.compute_floor`
+    one of large matmuls slow.  Never above the peak, so :func:`autopar.search.node_prices.compute_floor`
     stays a lower bound."""
     rate = mesh.peak_for(dtype) * mesh.flops_efficiency
     curve = mesh.matmul_curve

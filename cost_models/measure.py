@@ -267,8 +267,8 @@ def _activation_bandwidth(group: Any, device: Any, dtype: Any, d: int, tokens: i
     """Bytes/s of a training layer's elementwise ops in the cost model's own terms: forward
     and backward of LayerNorm(d) on ``tokens`` rows and GELU on ``tokens`` rows of ``4d``
     (what :func:`matmul_block` leaves out), each op's inputs and outputs counted once
-    (``bytes_moved`` of :func:`autopar.annotate.annotate`) times ``1 + backward_factor``,
-    as :meth:`autopar.costs.CostModel.op_time` prices them.
+    (``bytes_moved`` of :func:`autopar.capture.annotate.annotate`) times ``1 + backward_factor``,
+    as :meth:`autopar.search.node_prices.CostModel.op_time` prices them.
 
     A copy of a large buffer streams at 30 GB/s on one CPU core here, but in a training
     step the norms, activations, products and residual adds of both a GPT and a Llama

@@ -52,7 +52,7 @@ def overlap_fraction(group: Any, nbytes: int, device: Any, dtype: Any, mm_n: int
 
     ``A``: an ``nbytes`` all-reduce alone; ``C``: matmuls alone, about ``A / 2`` of them;
     ``T``: the all-reduce started asynchronously, the same matmuls, then its wait.  The
-    model (:func:`autopar.solve.buckets._end`) says a reduction runs at ``overlap`` of its
+    model (:func:`autopar.search.buckets._end`) says a reduction runs at ``overlap`` of its
     speed while compute lasts and at full speed after, and compute is not slowed, so
     ``T = C + A - C * overlap`` while ``C < A``; hence ``overlap = (C + A - T) / C``.  On
     GPUs ``T ~ A`` (overlap 1); where ranks share cores, communication also takes the

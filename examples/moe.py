@@ -254,7 +254,7 @@ def ep_pins(layers: int = 2, mesh_axes: int = 1, expert_axis: int = -1) -> dict[
 
     With groups on two axes the expert axis should be the inner one (the default,
     -1): the all-to-all then runs inside the outer axis's chunk of groups; on the
-    outer axis the swap is no single all-to-all (autopar/redistribute.py).
+    outer axis the swap is no single all-to-all (autopar/sharding/redistribute.py).
     """
     ax = expert_axis % mesh_axes
     w = "".join("S(0)" if a == ax else "R" for a in range(mesh_axes))

@@ -8,7 +8,7 @@ vocab-parallel forms in :mod:`autopar.runtime.ops`; row-sharded cross-entropy di
 by the global count of non-ignored targets; dropout draws the global mask and keeps
 this rank's slice (:mod:`autopar.runtime.rng`); attention with its sequence split calls
 the row, Ulysses or ring form (:mod:`autopar.runtime.context`,
-:func:`autopar.rules.attention.context_layout`).
+:func:`autopar.sharding.rules.attention.context_layout`).
 """
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ import math
 import torch
 from torch import fx
 
-from autopar.ir import info
-from autopar.placement import Placements, Shard, fmt_placements, local_shape, parse_placements
-from autopar.plan import Plan
-from autopar.rules.attention import SDPA, CPImpl, context_layout, sdpa_args
-from autopar.rules.experts import localize_experts
-from autopar.rules.reductions import reduced_dims
+from autopar.capture.ir import info
+from autopar.plan.data import Plan
+from autopar.plan.placement import Placements, Shard, fmt_placements, local_shape, parse_placements
 from autopar.runtime import context as CP
 from autopar.runtime import ops as O
 from autopar.runtime.experts import MOE_EXPERTS
 from autopar.runtime.rng import sharded_dropout
+from autopar.sharding.rules.attention import SDPA, CPImpl, context_layout, sdpa_args
+from autopar.sharding.rules.experts import localize_experts
+from autopar.sharding.rules.reductions import reduced_dims
 
 aten = torch.ops.aten
 

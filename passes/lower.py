@@ -5,7 +5,7 @@ After: the same graph where
 
 * each placeholder is sliced to its planned placement (callers pass whole inputs);
 * every edge whose producer placement differs from the consumer's required input
-  placement goes through the collectives of :func:`autopar.redistribute.plan_redistribution`,
+  placement goes through the collectives of :func:`autopar.sharding.redistribute.plan_redistribution`,
   emitted as calls to :mod:`autopar.runtime.collectives` (one value per (producer,
   placement) is shared by all consumers that need it);
 * ops whose local form differs from the global one are rewritten
@@ -28,14 +28,14 @@ import operator
 from autopar.passes.localize import HOISTED, SCALED_FROM, localize
 from torch import fx
 
-from autopar.ir import META_KEY, info, tensor_inputs
-from autopar.layers import POST, PRE
-from autopar.placement import Placements, R, Shard, graph_batch, parse_placements
-from autopar.plan import Plan
-from autopar.redistribute import StepKind, plan_redistribution, sum_axes
+from autopar.capture.ir import META_KEY, info, tensor_inputs
+from autopar.capture.layers import POST, PRE
+from autopar.plan.data import Plan
+from autopar.plan.placement import Placements, R, Shard, graph_batch, parse_placements
 from autopar.runtime import collectives as C
 from autopar.runtime.inputs import passthrough_inputs
 from autopar.runtime.pending import pending_sum
+from autopar.sharding.redistribute import StepKind, plan_redistribution, sum_axes
 
 _EMIT = {
     StepKind.ALL_REDUCE: lambda x, s: (C.all_reduce, (x, s.axis)),

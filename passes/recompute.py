@@ -2,7 +2,7 @@
 
 Before: a GraphModule whose nodes carry ``node.meta["autopar_layer"]`` (set by
 :func:`autopar.passes.lower.tag_layers`; for a captured, unlowered graph the tags are
-read from ``nn_module_stack`` with :func:`autopar.layers.layer_keys`).  The computing
+read from ``nn_module_stack`` with :func:`autopar.capture.layers.layer_keys`).  The computing
 nodes of each layer to recompute form one contiguous run in graph order, except for
 nodes that read no activation (a ZeRO-3 ``zero_gather`` of the layer's parameter,
 emitted at the top of the graph), which are first moved down to their first use.
@@ -57,7 +57,7 @@ import torch
 import torch.utils.checkpoint
 from torch import fx
 
-from autopar.layers import layer_keys
+from autopar.capture.layers import layer_keys
 from autopar.runtime.rng import replay_contexts
 
 TAG = "autopar_layer"

@@ -54,7 +54,7 @@ import torch
 from torch import fx, nn
 
 from autopar.errors import PlanError
-from autopar.plan import Plan
+from autopar.plan.data import Plan
 
 LAYER_KEY = "autopar_layer"
 

@@ -1,5 +1,5 @@
 """Attention with the sequence split across ranks (the local forms of
-``scaled_dot_product_attention`` under :func:`autopar.rules.attention.context_layout`).
+``scaled_dot_product_attention`` under :func:`autopar.sharding.rules.attention.context_layout`).
 
 - :func:`row_attention`: this rank holds some query rows and every key and value; it
   attends its rows (a causal mask is offset by the rank's first row).  No

@@ -5,10 +5,10 @@ gate_up_proj [E, 2I, H], down_proj [E, H, I], act) -> [T, H]`` is what a Hugging
 experts module (``MixtralExperts`` and its copies: concatenated gate/up, no bias)
 computes: for every routed (token, slot) pair, expert ``e = top_k_index[t, j]`` runs
 ``down_e(act(gate_e(x_t)) * up_e(x_t))``, scaled by ``top_k_weights[t, j]`` and summed
-into the token's row.  Capture (:mod:`autopar.capture_experts`) makes each such module
+into the token's row.  Capture (:mod:`autopar.capture.experts`) makes each such module
 call this op, so routing's data-dependent ``nonzero``/``where`` never reaches the graph.
 
-Local forms (:func:`autopar.rules.experts.localize_experts` picks them):
+Local forms (:func:`autopar.sharding.rules.experts.localize_experts` picks them):
 
 - tokens split, experts whole (data parallel), or everything replicated: the op itself
   on the local tensors (its kernel is :func:`routed_experts`);
@@ -57,7 +57,7 @@ def act_name(fn: object) -> str | None:
 
 def _expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str) -> torch.Tensor:
     # rows in the weights' dtype, as autocast casts a linear's input: under bf16-mixed
-    # the weights come cast (passes/mixed_precision.py) and the expert runs in bf16
+    # the weights come cast (autopar/capture/mixed_precision.py) and the expert runs in bf16
     gate, up = F.linear(x.to(gate_up.dtype), gate_up).chunk(2, dim=-1)
     return F.linear(_ACTS[act](gate) * up, down)
 

@@ -105,7 +105,7 @@ def init_mesh(shape: tuple[int, ...], backend: str | None = None, stages: int = 
     are carved from ``pipeline_axis`` of ``mesh_shape`` (the requested mesh, ranks
     row-major as torchrun numbers them): axis 0 makes each stage a block of consecutive
     ranks; a later axis (stages inside a node) interleaves them
-    (:func:`autopar.splits.stage_ranks`).
+    (:func:`autopar.plan.splits.stage_ranks`).
 
     Raises :class:`MeshMismatchError` when the world size differs from the mesh size:
     running a plan on the wrong number of ranks would silently compute garbage.
@@ -167,7 +167,7 @@ def init_plan_mesh(plan, timeout: float | None = None) -> RuntimeMesh:
 def _stage_layout(full: tuple[int, ...], axis: int, mesh_shape: tuple[int, ...] | None) -> torch.Tensor:
     """The global ranks of the device mesh ``full`` (pipeline axis first) for stages
     carved from ``axis`` of ``mesh_shape``."""
-    from autopar.splits import stage_ranks  # the planner's layout, one definition
+    from autopar.plan.splits import stage_ranks  # the planner's layout, one definition
 
     if not mesh_shape or math.prod(mesh_shape) != math.prod(full):
         raise MeshMismatchError(
@@ -227,7 +227,7 @@ def current() -> RuntimeMesh:
 def activate(m: RuntimeMesh) -> None:
     """Make ``m`` the mesh the runtime's collectives use (:func:`current`).
 
-    Every :class:`~autopar.parallel_module.ParallelModule` activates its own mesh when
+    Every :class:`~autopar.module.parallel.ParallelModule` activates its own mesh when
     it runs: a process may hold modules planned for different meshes (``autopar.verify``'s
     candidates, a model and its pipelined copy), and a module run with another's mesh
     would scatter its inputs and reduce its gradients over the wrong groups.  The

@@ -4,7 +4,7 @@ one-stage case).
 :class:`PipelineRunner` runs this rank's
 :class:`~autopar.passes.split_stages.StageGraph` (one, or ``v`` model chunks under the
 interleaved schedule) over ``M`` micro-batches of the global batch in the order
-:func:`autopar.schedules.actions` gives: GPipe, 1F1B, interleaved 1F1B or zero-bubble
+:func:`autopar.plan.schedules.actions` gives: GPipe, 1F1B, interleaved 1F1B or zero-bubble
 (see there; zero-bubble's backward is split by :mod:`autopar.runtime.split_backward`).
 
 A forward ``F(k, i)`` of virtual stage ``k`` receives the boundary activations of
@@ -17,7 +17,7 @@ with the same sub-mesh coordinate in that stage, on the default process group
 
 **Why it cannot deadlock, and how messages match.** Sends are non-blocking (``isend``,
 waited at the end of the step), so a rank only ever blocks on a receive.  Every
-schedule is a topological order of the dependencies (:mod:`autopar.schedules`, checked
+schedule is a topological order of the dependencies (:mod:`autopar.plan.schedules`, checked
 by ``list_schedule`` in the tests), so every awaited message is eventually sent.
 Matching is by order on each directed rank pair, which both backends guarantee for
 one (src, dst, tag): the receiver computes the sender's own action order (every rank
@@ -64,7 +64,8 @@ import torch
 import torch.distributed as dist
 
 from autopar.passes.split_stages import StageGraph
-from autopar.plan import Schedule
+from autopar.plan.data import Schedule
+from autopar.plan.schedules import actions, virtual_stage
 from autopar.runtime.mesh import current
 from autopar.runtime.split_backward import (
     Pending,
@@ -74,7 +75,6 @@ from autopar.runtime.split_backward import (
     splits_cleanly,
 )
 from autopar.runtime.tls import issue
-from autopar.schedules import actions, virtual_stage
 
 # dtypes a boundary value may have, by header code
 _DTYPES: tuple[torch.dtype, ...] = (

@@ -9,7 +9,7 @@ ordinary training steps inside it and call ``t.step()`` after each one::
             t.step()
 
 Each rank writes its own file (``step.rank0.json``, ``step.rank1.json``, ...) in the
-trace-event format that :func:`autopar.timeline.write_trace` writes for the predicted
+trace-event format that :func:`autopar.report.timeline.write_trace` writes for the predicted
 step, so both open side by side in https://ui.perfetto.dev.  CPU activity is always
 recorded (aten ops, gloo collectives); CUDA kernels and NCCL too when the module runs
 on a GPU.  Steps are marked ``ProfilerStep#N`` by ``t.step()``.

@@ -65,7 +65,7 @@ def cases(mesh: tuple[int, ...], models: list[str] = MODELS) -> list[Case]:
 
 
 def drec_cases(mesh: tuple[int, ...]) -> list[Case]:
-    """Plans made by the D-Rec searcher (autopar/solve/drec.py): the same checks hold."""
+    """Plans made by the D-Rec searcher (autopar/search/solvers/drec.py): the same checks hold."""
     tag = "x".join(map(str, mesh))
     return [Case(id=f"{m}-drec-{tag}", model=m, mesh=mesh, build_kwargs=SMALL.get(m, {}),
                  search="drec") for m in ("mlp", "gpt")]

@@ -3,7 +3,7 @@
 Killed ranks (one fresh pair of processes per scenario, all scenarios at once): each
 pair loads a base export, exports it collectively into ``out/`` (v1), changes its
 weights and exports again (v2) with one rank killed (``os._exit``) at a point of the
-protocol by the test-only hook ``autopar.export_io._fault_hook``.  The survivor must
+protocol by the test-only hook ``autopar.module.export_io._fault_hook``.  The survivor must
 raise ExportError within seconds (not wait for the process-group timeout) and ``out/``
 must still load: v1 when the kill came before the swap, v2 after it.
 
@@ -62,7 +62,7 @@ def _edit(name: str, fn, sign: bool = True):
         fn(obj)
         path.write_text(json.dumps(obj))
         if sign:
-            from autopar.export_io import sign as resign
+            from autopar.module.export_io import sign as resign
             resign(d)
     return apply
 
@@ -75,7 +75,7 @@ def _mesh(shape):
 
 def _garbage(name: str, data: bytes):
     def apply(d: Path) -> None:
-        from autopar.export_io import sign as resign
+        from autopar.module.export_io import sign as resign
         (d / name).write_bytes(data)
         resign(d)
     return apply
@@ -150,7 +150,7 @@ def _kill_worker(rank: int, port: int, base: str, out: str, point: str, victim: 
     dist.init_process_group("gloo", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=60))
     import autopar
-    from autopar import export_io
+    from autopar.module import export_io
 
     res: dict = {}
     try:

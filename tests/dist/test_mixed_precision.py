@@ -6,7 +6,7 @@ loop of tests/dist/hf_case.py (``pm(**batch)``, ``clip_grad_norm_``, two AdamW s
 against the single-process model under ``torch.autocast("cpu", torch.bfloat16)``.
 
 The parallel module computes in bf16 where autocast does (the casts are in its graph,
-passes/mixed_precision.py) and keeps fp32 parameters, gradients and optimizer state.
+autopar/capture/mixed_precision.py) and keeps fp32 parameters, gradients and optimizer state.
 
 Tolerances (bf16 has an 8-bit mantissa, relative rounding 2**-9 = 2e-3 per op).  Without
 tensor parallelism each rank runs the reference's casts on its rows and the loss is

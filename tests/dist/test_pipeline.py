@@ -115,10 +115,10 @@ def plan_and_lower(model: nn.Module, batch: tuple, case: PipeCase, broadcast: bo
     from autopar.cost_models import MeshSpec
     from autopar.passes.lower import lower
 
-    from autopar.annotate import annotate
-    from autopar.capture import capture
-    from autopar.plan import Decisions, Plan
-    from autopar.search import PlanOptions, make_plan
+    from autopar.capture.annotate import annotate
+    from autopar.capture.trace import capture
+    from autopar.plan.data import Decisions, Plan
+    from autopar.search.op_placement import PlanOptions, make_plan
 
     m = case.micro_batches
     micro = tuple(x[: x.shape[0] // m] for x in batch)
@@ -148,11 +148,11 @@ def run_pipeline_case(c: dict) -> dict:
     import torch.distributed as dist
     from autopar.passes.split_stages import split_stages
 
-    from autopar.placement import is_replicate, parse_placements
+    from autopar.plan.placement import is_replicate, parse_placements
     from autopar.runtime.grad_sync import GradSync
     from autopar.runtime.mesh import init_mesh, reset
     from autopar.runtime.pipeline import PipelineRunner
-    from autopar.sharding import shard_tensor
+    from autopar.runtime.shards import shard_tensor
 
     case = PipeCase(**{**c, "sub_mesh": tuple(c["sub_mesh"])})
     t0 = time.perf_counter()

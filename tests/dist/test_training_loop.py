@@ -261,7 +261,7 @@ def test_data_parallel_backward_issues_only_gradient_buckets(two):
     single-process model's (fp32 sums in another order: atol 1e-6, values O(0.1))."""
     r = two["dp-bwd"]
     assert r["backward"] == {"gloo:all_reduce": r["buckets"]}, r
-    # the runtime reduces exactly the buckets the plan chose (autopar/solve/buckets.py)
+    # the runtime reduces exactly the buckets the plan chose (autopar/search/buckets.py)
     assert r["run_buckets"] == r["planned"] and r["planned"], r
     assert r["grad_err"] < 1e-6 and r["loss_err"] < 1e-5
 

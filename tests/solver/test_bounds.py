@@ -1,4 +1,4 @@
-"""Lower bounds that give every plan a gap (autopar/solve/bounds.py): valid on random
+"""Lower bounds that give every plan a gap (autopar/search/solvers/bounds.py): valid on random
 problems against brute force, and reported where a solver has no bound of its own."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import itertools
 import numpy as np
 import pytest
 
-import autopar.solve.ilp as ilp
-from autopar.solve.bounds import gap, node_bound, star_bound
-from autopar.solve.problem import SolveStatus, StrategyProblem, evaluate
+import autopar.search.solvers.ilp as ilp
+from autopar.search.solvers.bounds import gap, node_bound, star_bound
+from autopar.search.solvers.problem import SolveStatus, StrategyProblem, evaluate
 
 
 def _random(seed: int, n: int = 5, k: int = 3, p_edge: float = 0.6) -> StrategyProblem:

@@ -1,4 +1,4 @@
-"""The joint search's time_limit split among its phases (autopar/budget.py), on a clock
+"""The joint search's time_limit split among its phases (autopar/search/budget.py), on a clock
 the test drives: each intra-op search costs exactly one second of it."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-import autopar.budget as budget
-import autopar.joint as joint
+import autopar.search.budget as budget
+import autopar.search.joint as joint
 from autopar import MeshSpec, plan
-from autopar.budget import SHARES, Phase, TimeBudget
+from autopar.search.budget import SHARES, Phase, TimeBudget
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import gpt  # noqa: E402

@@ -1,4 +1,4 @@
-"""Repeated-layer clustering (autopar/solve/cluster.py) and planning on the meta device.
+"""Repeated-layer clustering (autopar/search/solvers/cluster.py) and planning on the meta device.
 
 The clustered solver is the flat elimination DP shared between identical layers, so on
 every GPT where both run it must return the flat optimum exactly (tolerance: float
@@ -16,15 +16,15 @@ import pytest
 import torch
 
 from autopar import MeshSpec
-from autopar.annotate import annotate
 from autopar.api import plan
-from autopar.capture import capture
-from autopar.costs import CostModel
-from autopar.search import build_problem
-from autopar.solve.cluster import find_clusters, shared_pricing, solve_clustered
-from autopar.solve.ilp import solve_ilp
-from autopar.solve.problem import SolveStatus, evaluate
-from autopar.strategies import enumerate_strategies
+from autopar.capture.annotate import annotate
+from autopar.capture.trace import capture
+from autopar.search.node_prices import CostModel
+from autopar.search.op_placement import build_problem
+from autopar.search.solvers.cluster import find_clusters, shared_pricing, solve_clustered
+from autopar.search.solvers.ilp import solve_ilp
+from autopar.search.solvers.problem import SolveStatus, evaluate
+from autopar.sharding.strategies import enumerate_strategies
 from examples.gpt import build
 
 
@@ -133,7 +133,7 @@ def llama4():
 @pytest.mark.parametrize("precision", ["native", "bf16-mixed"])
 def test_clustering_engages_on_hf_llama_and_equals_the_flat_optimum(llama4, precision):
     # bf16-mixed: a parameter's cast sits in the layer that uses it, so the layers stay
-    # chain links (passes/mixed_precision.py)
+    # chain links (autopar/capture/mixed_precision.py)
     _, _, gm, pb = llama4 if precision == "native" else _llama_problem(4, (2, 4), precision=precision)
     cl = find_clusters(gm, pb.nodes, pb.strategies, pb.problem)
     assert cl is not None and len(cl.blocks) == 4 and cl.classes == 1
@@ -152,7 +152,7 @@ def test_clustering_engages_on_hf_llama_and_equals_the_flat_optimum(llama4, prec
 def test_side_layouts_bounded_above_the_best_are_not_solved(llama4, monkeypatch):
     # the layouts of the shared rotary tables and mask: each is bounded before its MIP,
     # and the answer must be the one solving every layout gives (same plan, same value)
-    import autopar.solve.cluster as cluster
+    import autopar.search.solvers.cluster as cluster
 
     _, _, gm, pb = llama4
     cl = find_clusters(gm, pb.nodes, pb.strategies, pb.problem)

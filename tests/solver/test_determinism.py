@@ -64,8 +64,8 @@ def test_capture_time_is_not_charged_to_the_search(monkeypatch):
     ILP's build time with that remainder."""
     import mlp
 
-    import autopar.joint as joint
-    import autopar.joint_capture as joint_capture
+    import autopar.search.captures as joint_capture
+    import autopar.search.joint as joint
 
     real_capture, seen = joint_capture.capture, []
 
@@ -86,6 +86,6 @@ def test_capture_time_is_not_charged_to_the_search(monkeypatch):
     model, ex = mlp.build()
     autopar.plan(model, ex, (2,), search="auto", time_limit=3.0)
     # an exact candidate (mlp has no layer list to estimate from) gets what is left of the
-    # whole limit, not only of its phase's share (autopar/budget.py)
+    # whole limit, not only of its phase's share (autopar/search/budget.py)
     assert seen and seen[0].time_limit > 2.5  # before: max(1, 3 - 2.x) = 1
     assert seen[0].choose_limit == 3.0

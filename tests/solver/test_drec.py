@@ -1,4 +1,4 @@
-"""D-Rec (autopar/solve/drec.py): quality against the ILP, scale, determinism, pins,
+"""D-Rec (autopar/search/solvers/drec.py): quality against the ILP, scale, determinism, pins,
 memory, the ``auto`` rule, and MindSpore's documented example.
 
 No process groups: plans only (models on the meta device where they are large).
@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from autopar import MeshSpec, plan
-from autopar.annotate import annotate
-from autopar.capture import capture
-from autopar.costs import CostModel
+from autopar.capture.annotate import annotate
+from autopar.capture.trace import capture
 from autopar.errors import PlanError
-from autopar.placement import fmt_placements
-from autopar.search import PlanOptions, Searcher, choose_searcher, make_plan
-from autopar.solve.drec import CostMode, DRecOptions, Order, axis_order, drec_search
+from autopar.plan.placement import fmt_placements
+from autopar.search.node_prices import CostModel
+from autopar.search.op_placement import PlanOptions, Searcher, choose_searcher, make_plan
+from autopar.search.solvers.drec import CostMode, DRecOptions, Order, axis_order, drec_search
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402

@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from autopar.solve.ilp import solve_ilp
-from autopar.solve.problem import (
+from autopar.search.solvers.ilp import solve_ilp
+from autopar.search.solvers.problem import (
     InfeasibleError,
     SolveStatus,
     StrategyProblem,

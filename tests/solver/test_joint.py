@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from autopar import MeshSpec, plan
-from autopar.annotate import annotate
-from autopar.capture import capture
+from autopar.capture.annotate import annotate
+from autopar.capture.trace import capture
 from autopar.errors import PlanError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -188,7 +188,7 @@ def test_tied_weights_rule_out_pipelines():
 def test_micro_inputs_cut_keyword_inputs_like_positional_ones():
     import torch
 
-    from autopar.joint import batch_size, micro_inputs
+    from autopar.search.joint import batch_size, micro_inputs
 
     ids = torch.arange(8 * 5).reshape(8, 5)
     call = ((ids,), {"labels": ids + 1, "attention_mask": torch.ones(8, 5),
@@ -211,8 +211,8 @@ def test_sync_weighted_variants_give_the_step_model_a_faster_plan(monkeypatch):
     weights over the data-parallel axis; the variants solved with the sync charged at
     0.5 / 0.25 / 0 of its price give the joint search a plan it predicts faster (before:
     only the fully charged plan was priced, 3.5% slower here)."""
-    import autopar.search as S
-    from autopar.search import PlanOptions, make_plans
+    import autopar.search.op_placement as S
+    from autopar.search.op_placement import PlanOptions, make_plans
 
     cfg = gpt.GPTConfig(vocab=4096, seq=1024, dim=2048, heads=16, layers=2)
     with torch.device("meta"):

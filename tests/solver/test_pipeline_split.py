@@ -1,4 +1,4 @@
-"""The pipeline split search (:func:`autopar.solve.pipeline.price`) skips stage ranges
+"""The pipeline split search (:func:`autopar.search.stages.dp.price`) skips stage ranges
 too long to fit the memory budget by bisection, since a stage's least memory grows with
 its range.  Checked against the plain dynamic program over every range (the search
 before that change) on layer statistics that differ layer by layer, with budgets that
@@ -12,9 +12,9 @@ import random
 import pytest
 
 from autopar import MeshSpec
-from autopar.plan import Schedule
-from autopar.solve.layer_stats import LayerStat, ParamStat
-from autopar.solve.pipeline import Config, price, price_stage
+from autopar.plan.data import Schedule
+from autopar.search.stages.dp import Config, price, price_stage
+from autopar.search.stages.layer_stats import LayerStat, ParamStat
 
 MESH = MeshSpec.preset("multinode-a100-ib", shape=(2, 8))
 GIB = 2.0**30
@@ -90,7 +90,7 @@ def test_idle_reuse_shrinks_only_the_bubble_and_stays_above_the_bound() -> None:
     share of the bubble, one stage unchanged, and step_lower_bound still below it."""
     import dataclasses
 
-    from autopar.solve.pipeline import step_lower_bound
+    from autopar.search.stages.dp import step_lower_bound
 
     stats = _stats(random.Random(3), 8)
     link = lambda b: 1e-5 + b / 25e9  # noqa: E731 - a point-to-point message

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from autopar import MeshSpec, plan
-from autopar.splits import micro_counts
+from autopar.plan.splits import micro_counts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import gpt  # noqa: E402
@@ -128,8 +128,8 @@ def test_an_fp32_model_on_a_bf16_preset_is_warned_about() -> None:
 
 
 def test_pipelines_try_micro_batches_that_span_a_stage_first() -> None:
-    from autopar.joint import JointSearch
-    from autopar.search import PlanOptions
+    from autopar.search.joint import JointSearch
+    from autopar.search.op_placement import PlanOptions
 
     model, ex = gpt.build(layers=4, dim=64, heads=4, vocab=256, seq=16, batch=16)
     js = JointSearch(model, ex, MESH, PlanOptions())

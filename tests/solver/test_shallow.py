@@ -1,4 +1,4 @@
-"""The joint search's estimates from a shallow copy (autopar/shallow.py).
+"""The joint search's estimates from a shallow copy (autopar/search/shallow.py).
 
 A model whose layer list holds one kind of layer is planned on a copy with the list
 cut to three layers; when the copy's last two agree, every (stages, micro-batches)
@@ -21,13 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import autopar.joint as joint
-import autopar.joint_capture as joint_capture
+import autopar.search.captures as joint_capture
+import autopar.search.joint as joint
 from autopar import MeshSpec, plan
-from autopar.joint import JointSearch
-from autopar.search import PlanOptions
-from autopar.shallow import KEEP, deepen, homogeneous, shallow_copy, steady
-from autopar.solve.layer_stats import LayerStat
+from autopar.search.joint import JointSearch
+from autopar.search.op_placement import PlanOptions
+from autopar.search.shallow import KEEP, deepen, homogeneous, shallow_copy, steady
+from autopar.search.stages.layer_stats import LayerStat
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import gpt  # noqa: E402
@@ -221,7 +221,7 @@ def test_a_split_whose_copy_is_uneven_alone_goes_to_full_depth(monkeypatch) -> N
 @pytest.mark.slow  # ~7-15 s: a shallow and an exact search each (default step budget)
 def test_the_copy_is_exported_three_times_for_five_micro_batch_sizes(monkeypatch) -> None:
     # once as it is (a search that is not short of memory prices one size), once with a
-    # symbolic batch for every further size (autopar/capture_batch.py), and at size 1,
+    # symbolic batch for every further size (autopar/capture/batch.py), and at size 1,
     # which export fixes (batch 16: sizes 16, 8, 4, 2, 1)
     exports: list[int] = []
     sizes: list[int] = []

@@ -15,10 +15,10 @@ from autopar.cost_models import all_reduce_time
 
 import autopar
 from autopar import MeshSpec
-from autopar.annotate import annotate
-from autopar.capture import capture
-from autopar.solve.layer_stats import LayerStat, ParamStat, layer_stats
-from autopar.solve.pipeline import Config, accumulation_seconds, count_exposed, price_stage
+from autopar.capture.annotate import annotate
+from autopar.capture.trace import capture
+from autopar.search.stages.dp import Config, accumulation_seconds, count_exposed, price_stage
+from autopar.search.stages.layer_stats import LayerStat, ParamStat, layer_stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import gpt  # noqa: E402
@@ -217,7 +217,7 @@ def test_buckets_that_would_break_the_budget_fall_back_to_one_per_layer() -> Non
     bucket per layer, which allocates as the search counted."""
     import math
 
-    from autopar.solve.pipeline import price
+    from autopar.search.stages.dp import price
 
     mesh = MeshSpec.preset("8xA100-nvlink", shape=(4,))
     model, ex = gpt.build(layers=4, dim=64, heads=4, vocab=256, seq=32, batch=16)

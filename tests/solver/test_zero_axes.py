@@ -13,7 +13,7 @@ import pytest
 
 from autopar import MeshSpec, Plan, plan
 from autopar.errors import ConfigError, PlanError
-from autopar.forced import zero_groups
+from autopar.search.forced import zero_groups
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import gpt  # noqa: E402

@@ -1,10 +1,10 @@
 """Simulated ranks for the brute-force rule validator (design.md §7: DTensor's
 ``strategy_validation`` habit).
 
-For one node of an annotated graph and one :class:`~autopar.rules.OpStrategy`:
+For one node of an annotated graph and one :class:`~autopar.sharding.rules.OpStrategy`:
 
 1. cut the node out into a single-op graph (placeholders for its tensor inputs, in
-   :func:`autopar.ir.tensor_inputs` order) and run it on the global inputs: the reference;
+   :func:`autopar.capture.ir.tensor_inputs` order) and run it on the global inputs: the reference;
 2. cut it out again and apply :func:`autopar.passes.localize.localize` with a plan that
    holds exactly this strategy: the local form the real lowering produces;
 3. split every global input into per-rank local inputs by its placements
@@ -38,9 +38,9 @@ import autopar.runtime.collectives as C
 import autopar.runtime.context as CP
 import autopar.runtime.ops as O
 import autopar.runtime.ring_attention as RA
-from autopar.ir import tensor_inputs
-from autopar.placement import Partial, Placements, Replicate, Shard, fmt_placements
-from autopar.rules import OpStrategy, RuleCtx, op_strategies
+from autopar.capture.ir import tensor_inputs
+from autopar.plan.placement import Partial, Placements, Replicate, Shard, fmt_placements
+from autopar.sharding.rules import OpStrategy, RuleCtx, op_strategies
 
 Coord = tuple[int, ...]
 

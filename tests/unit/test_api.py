@@ -113,8 +113,8 @@ def test_hf_gpt2_captures_with_shapes() -> None:
     pytest.importorskip("transformers")
     import hf_gpt2
 
-    from autopar.annotate import annotate
-    from autopar.capture import capture
+    from autopar.capture.annotate import annotate
+    from autopar.capture.trace import capture
 
     model, ex = hf_gpt2.build()
     cap = capture(model, ex)

@@ -1,4 +1,4 @@
-"""Gradient buckets chosen by the cost model (autopar/solve/buckets.py, MG-WFBP)."""
+"""Gradient buckets chosen by the cost model (autopar/search/buckets.py, MG-WFBP)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from autopar.cost_models import MeshSpec
 from autopar.cost_models.mesh import LinkSpec
 
 import autopar
-from autopar.solve import buckets as bk
+from autopar.search import buckets as bk
 
 
 def _mesh(alpha: float, beta: float = 1e9, shape: tuple[int, ...] = (4,),
@@ -174,7 +174,7 @@ def test_zero_bubble_reduces_every_gradient_after_the_backward() -> None:
     reduces every bucket after the last ``W`` (runtime/pipeline.py): priced so, no
     reduction hides under the backward, where one launched as its gradients were ready
     does on a link that runs beside compute."""
-    from autopar.solve.layer_stats import LayerStat, ParamStat, ZeroPrice
+    from autopar.search.stages.layer_stats import LayerStat, ParamStat, ZeroPrice
 
     layers = [LayerStat(key=f"l{k}", seconds=0.01, forward=0.003, compute=0.01, activations=1.0,
                         out_bytes=1.0, params=[ParamStat(2.0**20, (0,), f"w{k}")]) for k in range(4)]

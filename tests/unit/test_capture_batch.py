@@ -1,5 +1,5 @@
 """One symbolic-batch capture stands for an export at every micro-batch size
-(autopar/capture_batch.py): the joint search prices its shallow estimates on it."""
+(autopar/capture/batch.py): the joint search prices its shallow estimates on it."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import transformers as tf
 from torch import nn
 
 from autopar import MeshSpec
-from autopar.annotate import annotate
-from autopar.capture import capture
-from autopar.capture_batch import capture_any_batch
-from autopar.search import PlanOptions, make_plan
-from autopar.solve.layer_stats import layer_stats
+from autopar.capture.annotate import annotate
+from autopar.capture.batch import capture_any_batch
+from autopar.capture.trace import capture
+from autopar.search.op_placement import PlanOptions, make_plan
+from autopar.search.stages.layer_stats import layer_stats
 
 MESH = MeshSpec.preset("multinode-h100-ib", shape=(2, 4))
 

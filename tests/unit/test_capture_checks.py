@@ -57,7 +57,7 @@ def test_custom_autograd_function_is_refused_by_name() -> None:
 
 
 def test_custom_op_keeps_its_backward() -> None:
-    from autopar.capture import capture
+    from autopar.capture.trace import capture
 
     x = torch.randn(4, 8)
     model = Net(reverse_op)
@@ -78,6 +78,6 @@ def test_torch_own_functions_are_allowed() -> None:
         def forward(self, x):
             return torch.utils.checkpoint.checkpoint(self.fc, x, use_reentrant=True).sum()
 
-    from autopar.capture import capture
+    from autopar.capture.trace import capture
 
     capture(Ckpt(), (torch.randn(2, 8, requires_grad=True),))

@@ -18,14 +18,14 @@ from torch import nn
 
 import autopar
 from autopar import MeshSpec
-from autopar.annotate import annotate
-from autopar.capture import capture
-from autopar.costs import CostModel
+from autopar.capture.annotate import annotate
+from autopar.capture.trace import capture
 from autopar.errors import ConfigError, PlanError
-from autopar.placement import R, Shard
-from autopar.rules import OpStrategy, RuleCtx, op_strategies
-from autopar.rules.attention import SDPA, CPImpl, context_layout
-from autopar.summary import axis_roles
+from autopar.plan.placement import R, Shard
+from autopar.report.summary import axis_roles
+from autopar.search.node_prices import CostModel
+from autopar.sharding.rules import OpStrategy, RuleCtx, op_strategies
+from autopar.sharding.rules.attention import SDPA, CPImpl, context_layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import gpt  # noqa: E402

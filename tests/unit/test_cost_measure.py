@@ -14,8 +14,8 @@ import torch.distributed as dist
 from autopar.cost_models import measure, measure_sync
 from torch import nn
 
-from autopar.annotate import annotate
-from autopar.capture import capture
+from autopar.capture.annotate import annotate
+from autopar.capture.trace import capture
 
 aten = torch.ops.aten
 

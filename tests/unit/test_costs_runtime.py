@@ -10,11 +10,11 @@ from autopar.cost_models import all_reduce_time
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar import MeshSpec
-from autopar.annotate import annotate
-from autopar.capture import capture
-from autopar.costs import CostModel
-from autopar.ir import TensorInfo, info
-from autopar.strategies import enumerate_strategies
+from autopar.capture.annotate import annotate
+from autopar.capture.ir import TensorInfo, info
+from autopar.capture.trace import capture
+from autopar.search.node_prices import CostModel
+from autopar.sharding.strategies import enumerate_strategies
 from examples.gpt import build
 
 MESH = MeshSpec.preset("cpu-gloo", shape=(4,))
@@ -60,7 +60,7 @@ def test_a_cast_to_the_same_dtype_is_free() -> None:
     fp32 model's ``hidden.to(torch.float32)``, twice per HF RMSNorm): it launches nothing
     and is priced nothing, unlike a real cast or an asked-for copy (it was priced as a
     copy: 0.8 ms of a 2-layer Llama's 15 ms step, measured 14 us)."""
-    from autopar.annotate import is_noop_cast
+    from autopar.capture.annotate import is_noop_cast
 
     class Casts(torch.nn.Module):
         def forward(self, x):

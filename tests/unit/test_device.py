@@ -43,7 +43,7 @@ def test_captured_device_arguments_follow_the_rank_device() -> None:
     import hf_zoo
     from autopar.passes.device import set_device
 
-    from autopar.capture import capture
+    from autopar.capture.trace import capture
 
     model, batch = hf_zoo.build("llama")
     gm = capture(model, (), batch).gm

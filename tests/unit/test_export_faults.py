@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from autopar import MeshSpec, auto_parallel
-from autopar import export_io as io
 from autopar.errors import ExportError, LoadError
-from autopar.loading import _build_inner, _read_export
-from autopar.plan import SCHEMA_VERSION, Plan
+from autopar.module import export_io as io
+from autopar.module.load import _build_inner, _read_export
+from autopar.plan.data import SCHEMA_VERSION, Plan
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))

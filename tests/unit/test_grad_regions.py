@@ -1,4 +1,4 @@
-"""passes/grad_regions.py: ``torch.no_grad()`` regions that export wraps in a higher-order
+"""autopar/capture/grad_regions.py: ``torch.no_grad()`` regions that export wraps in a higher-order
 op are inlined with their results detached, so they are planned like any op and a
 Hugging Face model's module exports (the region's sub-module was no tensor to write)."""
 
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from autopar import MeshSpec, auto_parallel
-from autopar.capture import capture
+from autopar.capture.trace import capture
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
@@ -93,7 +93,7 @@ def test_tables_from_buffers_alone_are_kept_replicated():
     (tests/solver/test_cluster.py failed on a fresh install). Every tensor computed from
     buffers and shapes alone is now a table; what reads the input or a parameter is not,
     nor is a batch-shaped one."""
-    from autopar.passes.grad_regions import KEEP_REPLICATED
+    from autopar.capture.grad_regions import KEEP_REPLICATED
 
     cap = capture(_Tables(), (torch.randn(2, 6, 8),))
     marked = {n.name: bool(n.meta.get(KEEP_REPLICATED)) for n in cap.gm.graph.nodes

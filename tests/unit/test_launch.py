@@ -19,8 +19,7 @@ import pytest
 import yaml
 
 import autopar
-from autopar.cli import main
-from autopar.launch import (
+from autopar.cli.launch import (
     LaunchError,
     Layout,
     layout_for,
@@ -29,6 +28,7 @@ from autopar.launch import (
     slurm_script,
     torchrun_argv,
 )
+from autopar.cli.main import main
 from tests.dist.harness import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

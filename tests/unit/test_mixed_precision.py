@@ -1,5 +1,5 @@
 """``precision="bf16-mixed"``: autocast's casts written into the captured graph
-(passes/mixed_precision.py), priced by dtype (cost_models: ``MeshSpec.peak_for``) and
+(autopar/capture/mixed_precision.py), priced by dtype (cost_models: ``MeshSpec.peak_for``) and
 recorded in the plan. The runtime's equivalence is in tests/dist/test_mixed_precision.py."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 from autopar.cost_models import compute_time
-from autopar.passes.mixed_precision import Precision, apply_mixed_precision
 from torch import nn
 
 import autopar
 from autopar import MeshSpec
-from autopar.capture import capture
+from autopar.capture.mixed_precision import Precision, apply_mixed_precision
+from autopar.capture.trace import capture
 from autopar.errors import ConfigError
-from autopar.plan import Plan
+from autopar.plan.data import Plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import gpt  # noqa: E402
@@ -98,7 +98,7 @@ def test_reused_values_equal_a_full_repropagation(name, monkeypatch):
     """The pass re-runs only the nodes whose inputs changed dtype and keeps the capture's
     value for the rest; a full fake-tensor re-propagation (a fresh mode, every node run)
     gives the same casts, code and every node's dtype and shape."""
-    import autopar.passes.mixed_precision as mp
+    import autopar.capture.mixed_precision as mp
 
     model, batch = hf_zoo.build(name)
 

@@ -14,8 +14,8 @@ import torch
 from torch import fx
 
 from autopar import MeshSpec, auto_parallel, plan
+from autopar.report.summary import axis_roles
 from autopar.runtime import collectives as C
-from autopar.summary import axis_roles
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import moe  # noqa: E402

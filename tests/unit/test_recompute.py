@@ -18,8 +18,8 @@ from autopar.passes.lower import lower
 from autopar.passes.recompute import RecomputeError, checkpoint, recompute
 from torch import fx, nn
 
-from autopar.annotate import annotate
-from autopar.capture import capture
+from autopar.capture.annotate import annotate
+from autopar.capture.trace import capture
 from autopar.runtime.memstats import (
     MemoryTracker,
     module_state_bytes,
@@ -27,7 +27,7 @@ from autopar.runtime.memstats import (
     saved_activation_bytes,
     tensor_bytes,
 )
-from autopar.search import PlanOptions, make_plan
+from autopar.search.op_placement import PlanOptions, make_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import gpt  # noqa: E402

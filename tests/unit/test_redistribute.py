@@ -1,4 +1,4 @@
-"""Brute force for :func:`autopar.redistribute.plan_redistribution`: for every pair of
+"""Brute force for :func:`autopar.sharding.redistribute.plan_redistribution`: for every pair of
 placements on small meshes, the planned steps, executed on simulated ranks, turn the
 source layout of a tensor into the destination layout.
 
@@ -16,8 +16,8 @@ import pytest
 import torch
 from rule_sim import Coord, assemble, scatter
 
-from autopar.placement import P, Placements, R, Shard, valid_for_shape
-from autopar.redistribute import RedistributionError, Step, StepKind, plan_redistribution
+from autopar.plan.placement import P, Placements, R, Shard, valid_for_shape
+from autopar.sharding.redistribute import RedistributionError, Step, StepKind, plan_redistribution
 
 F64 = torch.float64
 
@@ -126,8 +126,8 @@ def test_edge_matrices_price_every_pair_exactly_like_one_at_a_time(mesh) -> None
     import numpy as np
     from autopar.cost_models import MeshSpec
 
-    from autopar.costs import CostModel
-    from autopar.ir import TensorInfo
+    from autopar.capture.ir import TensorInfo
+    from autopar.search.node_prices import CostModel
 
     spec = MeshSpec.preset("multinode-h100-ib", shape=mesh)
     per_axis = [Shard(0), Shard(1), Shard(2), R, P]

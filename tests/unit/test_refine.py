@@ -94,7 +94,7 @@ def test_too_few_rows_and_bad_files_are_clear_errors(tmp_path) -> None:
 
 
 def test_cli_refines_a_mesh_from_stored_measurements(tmp_path) -> None:
-    from autopar.cli import main
+    from autopar.cli.main import main
 
     mesh = _calibrated()
     mesh.to_json(tmp_path / "mesh.json")

@@ -1,8 +1,8 @@
 """Brute-force validation of every sharding rule on simulated ranks (design.md §7).
 
-Each sample is a tiny model (captured with :func:`autopar.capture.capture`) or, for
+Each sample is a tiny model (captured with :func:`autopar.capture.trace.capture`) or, for
 ops that ``torch.export`` never emits, a hand-built single-op aten graph.  For every
-node with a rule, every :class:`~autopar.rules.OpStrategy` the registry offers on the
+node with a rule, every :class:`~autopar.sharding.rules.OpStrategy` the registry offers on the
 sample's meshes is run as the lowering would run it (see ``rule_sim``) and compared
 with the unsharded op.  Tolerances are stated in ``rule_sim.TOL``.
 """
@@ -23,12 +23,12 @@ from hypothesis import strategies as st
 from rule_sim import check_strategy, node_values, validate_node
 from torch import fx, nn
 
-from autopar.annotate import annotate
-from autopar.capture import capture
-from autopar.ir import tensor_inputs
-from autopar.placement import P, R, Shard
-from autopar.rules import OpStrategy, RuleCtx, has_rule, op_strategies, registered_ops
-from autopar.rules.views import reshape_dim_map
+from autopar.capture.annotate import annotate
+from autopar.capture.ir import tensor_inputs
+from autopar.capture.trace import capture
+from autopar.plan.placement import P, R, Shard
+from autopar.sharding.rules import OpStrategy, RuleCtx, has_rule, op_strategies, registered_ops
+from autopar.sharding.rules.views import reshape_dim_map
 
 aten = torch.ops.aten
 F64 = torch.float64

@@ -1,4 +1,4 @@
-"""Pipeline schedules (autopar/schedules.py): every shape runs to the end against the
+"""Pipeline schedules (autopar/plan/schedules.py): every shape runs to the end against the
 dependencies, each forward and backward runs exactly once, and the interleaved
 schedule's bubble and in-flight counts are those the search prices."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 from autopar.cost_models import MeshSpec
 
-from autopar.schedules import actions, check, in_flight, list_schedule
-from autopar.solve.pipeline import Config
-from autopar.solve.pipeline import in_flight as priced_in_flight
+from autopar.plan.schedules import actions, check, in_flight, list_schedule
+from autopar.search.stages.dp import Config
+from autopar.search.stages.dp import in_flight as priced_in_flight
 
 SHAPES = [("gpipe", s, m, 1) for s in (2, 3, 5) for m in (1, 2, 7)] + \
     [("1f1b", s, m, 1) for s in (2, 3, 5) for m in (1, 2, 7)] + \
@@ -54,7 +54,7 @@ def test_interleaving_divides_the_bubble(stages, micro, virtual) -> None:
     inter = max(t.end for t in list_schedule("interleaved-1f1b", stages, micro, virtual, chunked))
     work = 3.0 * micro
     # 1F1B idles (p - 1) micro-batch times; interleaving v chunks idles a v-th of that,
-    # which is the formula solve/pipeline.py prices
+    # which is the formula search/stages/dp.py prices
     assert plain - work == pytest.approx((stages - 1) * 3.0)
     assert inter - work == pytest.approx((stages - 1) * 3.0 / virtual)
 
@@ -84,10 +84,10 @@ def test_shapes_a_schedule_cannot_run(args, msg) -> None:
 
 
 def test_pricing_matches_the_schedule_for_equal_chunks() -> None:
-    """solve/pipeline.py's interleaved step (M times the slowest rank plus the fill and
+    """search/stages/dp.py's interleaved step (M times the slowest rank plus the fill and
     drain over v) is the list schedule's makespan when every layer costs the same."""
-    from autopar.solve.layer_stats import LayerStat
-    from autopar.solve.pipeline import price
+    from autopar.search.stages.dp import price
+    from autopar.search.stages.layer_stats import LayerStat
 
     mesh = MeshSpec.preset("8xA100-nvlink", shape=(1,))
     stats = [LayerStat(key=f"blocks.{i}", seconds=3e-3, forward=1e-3, compute=3e-3,
@@ -113,9 +113,9 @@ def test_pricing_matches_the_schedule_for_equal_chunks() -> None:
 def test_zero_bubble_leaves_a_third_of_the_bubble(stages, micro) -> None:
     """With F = B = W (the backward twice the forward, half of it for weights), the
     schedule's step is 3M + (p - 1): a third of 1F1B's 3 (p - 1) bubble, which is what
-    solve/pipeline.py prices (ZERO_BUBBLE_SHARE); its memory is priced from the order."""
-    from autopar.schedules import waiting_w
-    from autopar.solve.pipeline import ZERO_BUBBLE_SHARE
+    search/stages/dp.py prices (ZERO_BUBBLE_SHARE); its memory is priced from the order."""
+    from autopar.plan.schedules import waiting_w
+    from autopar.search.stages.dp import ZERO_BUBBLE_SHARE
 
     zb = max(t.end for t in list_schedule("zero-bubble", stages, micro, 1, lambda s, a: 1.0))
     assert zb - 3.0 * micro == pytest.approx(3.0 * (stages - 1) * ZERO_BUBBLE_SHARE)

@@ -1,4 +1,4 @@
-"""passes/side_views.py: a layer's views of shared inputs are copied per user.
+"""autopar/capture/side_views.py: a layer's views of shared inputs are copied per user.
 
 Hugging Face Llama takes ``cos.unsqueeze(1)`` once per layer and feeds it to both the
 query and the key rotation; after capture each of those users has its own copy, and the
@@ -10,11 +10,11 @@ from __future__ import annotations
 import warnings
 
 import torch
-from autopar.passes.side_views import VIEW_OPS, duplicate_side_views
 from torch.utils import _pytree as pytree
 
-from autopar.capture import capture
-from autopar.layers import layers
+from autopar.capture.layers import layers
+from autopar.capture.side_views import VIEW_OPS, duplicate_side_views
+from autopar.capture.trace import capture
 
 
 def _tiny_llama():

@@ -14,7 +14,7 @@ from torch import nn
 
 import autopar
 from autopar import MeshSpec
-from autopar.plan import Plan
+from autopar.plan.data import Plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import gpt  # noqa: E402
@@ -165,10 +165,10 @@ def test_returned_logits_are_gathered_without_a_backward_dual() -> None:
 def test_gradient_flow_marks_the_loss_path() -> None:
     import torch
 
-    from autopar.annotate import annotate
-    from autopar.capture import capture
-    from autopar.grad_flow import differentiated
-    from autopar.ir import info
+    from autopar.capture.annotate import annotate
+    from autopar.capture.grad_flow import differentiated
+    from autopar.capture.ir import info
+    from autopar.capture.trace import capture
 
     ids, labels = torch.randint(0, 32, (8, 4)), torch.randint(0, 32, (8, 4))
     gm = annotate(capture(_LossAndLogits(), (ids, labels)).gm)

@@ -1,4 +1,4 @@
-"""autopar/strategies.py: nodes with one signature share one enumeration.
+"""autopar/sharding/strategies.py: nodes with one signature share one enumeration.
 
 The 32 layers of a Llama repeat the same ops on the same shapes; enumerating each
 node's strategies took 4.2 s of a 26 s Llama-3 8B plan on 64 devices.  The cache must
@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from autopar.passes.grad_regions import KEEP_REPLICATED
 from torch import nn
 
-from autopar.annotate import annotate
-from autopar.capture import capture
-from autopar.rules import RuleCtx, op_strategies
-from autopar.strategies import enumerate_strategies, signature
+from autopar.capture.annotate import annotate
+from autopar.capture.grad_regions import KEEP_REPLICATED
+from autopar.capture.trace import capture
+from autopar.sharding.rules import RuleCtx, op_strategies
+from autopar.sharding.strategies import enumerate_strategies, signature
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import hf_zoo  # noqa: E402

@@ -15,8 +15,8 @@ from torch import nn
 
 import autopar
 from autopar import MeshSpec, Plan
-from autopar.cli import main
-from autopar.summary import axis_roles, fold_keys, summary_numbers
+from autopar.cli.main import main
+from autopar.report.summary import axis_roles, fold_keys, summary_numbers
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -247,7 +247,7 @@ def test_layer_view_splits_compute_and_communication_per_layer():
     compute and communication apart.  Megatron pins put the blocks' all-reduces in their
     comm column and the columns add up to the plan's node prices; with data parallel the
     blocks communicate nothing themselves and the gradient sync line says what hides."""
-    from autopar.summary import _fold, _layer_rows
+    from autopar.report.summary import _fold, _layer_rows
 
     model, ex = gpt.build(layers=2, dim=64)
     mesh = MeshSpec.preset("cpu-gloo", shape=(2,))

@@ -1,4 +1,4 @@
-"""The predicted step as events, a Chrome trace and a PNG (autopar.timeline)."""
+"""The predicted step as events, a Chrome trace and a PNG (autopar.report.timeline)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,15 @@ import pytest
 
 import autopar
 from autopar import MeshSpec
-from autopar.cli import main
-from autopar.timeline import Kind, Lane, chrome_trace, draw_timeline, predicted_events, step_end
+from autopar.cli.main import main
+from autopar.report.timeline import (
+    Kind,
+    Lane,
+    chrome_trace,
+    draw_timeline,
+    predicted_events,
+    step_end,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))

@@ -157,7 +157,7 @@ def test_check_cli_errors_before_joining(monkeypatch, capsys, env, argv, message
     """``autopar check``'s user errors: one line, status 2, no process group made."""
     import torch.distributed as dist
 
-    from autopar.cli import main
+    from autopar.cli.main import main
 
     for key in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)

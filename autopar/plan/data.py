@@ -1,0 +1,474 @@
+"""The Plan: every decision the search made, its price, and how to read it.
+
+A Plan prints as a table (``print(plan)``), explains one node
+(``plan.explain("linear_3")``), diffs against another plan and round-trips through
+JSON, so a plan made on a laptop can be shipped to the cluster and lowered there.
+Placements are stored in their short string form (``"S(0)R"``: one entry per mesh axis).
+
+The JSON carries ``schema_version`` (:data:`SCHEMA_VERSION`), the autopar and torch
+versions that wrote it; reading it checks the schema (another one is an error saying to
+re-plan or re-export), rejects keys this autopar does not know (a plan from a newer
+autopar) and checks every placement against the mesh and the tensor's shape, naming the
+file, the node and the field (:class:`~autopar.errors.LoadError`).
+
+The longest method bodies live beside this module: :mod:`autopar.report.explain`
+(:meth:`Plan.explain`, :meth:`Plan.diff`) and :mod:`autopar.plan.json` (reading JSON
+back and checking it).  The methods import them lazily, since both import this module.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from autopar.cost_models import MeshSpec
+from autopar.errors import LoadError
+
+if TYPE_CHECKING:
+    from autopar.report.collectives import Collective
+
+SCHEMA_VERSION = 1
+"""Version of the plan JSON layout; bumped whenever a field changes meaning or goes away."""
+
+_VERSION_KEYS = ("schema_version", "autopar_version", "torch_version")
+
+
+def versions() -> dict[str, Any]:
+    """What the files autopar writes record about their writer: schema, autopar and
+    torch versions (torch's decides the generated code's semantics)."""
+    import importlib.metadata
+
+    import torch
+
+    try:
+        mine = importlib.metadata.version("autopar")
+    except importlib.metadata.PackageNotFoundError:  # running from a source tree
+        mine = "unknown"
+    return {"schema_version": SCHEMA_VERSION, "autopar_version": mine,
+            "torch_version": torch.__version__}
+
+
+@dataclass
+class Redistribution:
+    """Collectives inserted on one input edge of a node."""
+
+    input: str
+    src: str
+    dst: str
+    steps: list[str]
+    seconds: float
+
+
+@dataclass
+class Alternative:
+    """A strategy the search did not choose, priced with the neighbours fixed."""
+
+    inputs: list[str]
+    outputs: list[str]
+    seconds: float
+
+
+@dataclass
+class NodePlan:
+    """The decision for one graph node."""
+
+    name: str
+    op: str
+    kind: str  # "input", "param", "buffer", "op"
+    shape: list[list[int]]
+    inputs: list[str]
+    in_placements: list[str]
+    out_placements: list[str]
+    compute: float = 0.0
+    comm: float = 0.0
+    memory: float = 0.0
+    param: str | None = None
+    layer: str = ""
+    flops: float = 0.0
+    """Forward FLOPs of the op on the whole (unsharded) micro-batch."""
+    local_seconds: float = 0.0
+    """This node's price with its neighbours' choices fixed (its own cost plus its
+    edges' redistributions): the number :attr:`alternatives` are comparable with."""
+    redistributions: list[Redistribution] = field(default_factory=list)
+    alternatives: list[Alternative] = field(default_factory=list)
+    own_comm: float = 0.0
+    """Seconds of :attr:`compute` that are the op's own exchanges (context-parallel
+    attention, expert dispatch, distributed cross-entropy), not edge redistributions."""
+    lowering: str = ""
+    """What the op's local form does when it communicates itself, in words
+    (:func:`autopar.sharding.local_forms.describe`); empty for ops that do not."""
+
+
+@dataclass
+class SolverInfo:
+    """Which searcher produced the plan and how it ended."""
+
+    searcher: str
+    backend: str
+    status: str
+    gap: float | None
+    seconds: float
+    message: str = ""
+    problem_nodes: int = 0
+    problem_edges: int = 0
+
+
+class Schedule(StrEnum):
+    """How micro-batches flow through pipeline stages."""
+
+    NONE = "none"
+    """No pipeline (one stage); micro-batches, if any, are gradient accumulation."""
+    GPIPE = "gpipe"
+    """All forwards, then all backwards: every stage holds all micro-batches' activations."""
+    ONE_F_ONE_B = "1f1b"
+    """Warm-up forwards, then one forward / one backward: stage ``s`` of ``p`` holds at
+    most ``p - s`` micro-batches' activations."""
+    ZERO_BUBBLE = "zero-bubble"
+    """1F1B with each backward split into ``B`` (input gradients, sent on at once) and
+    ``W`` (weight gradients, deferred into what would be bubbles; ZB-H1 of Qi et al.,
+    2023): a third of 1F1B's bubble, at up to ``2p - 1`` micro-batches in flight on the
+    first stage (a micro-batch's activations live until its ``W``)."""
+    INTERLEAVED = "interleaved-1f1b"
+    """1F1B over ``v`` model chunks per rank (Megatron's virtual stages): rank ``s`` runs
+    virtual stages ``s, s + p, .., s + (v - 1) p``, which divides the fill and drain by
+    ``v`` at the price of ``v`` times the point-to-point messages and more micro-batches
+    in flight (:mod:`autopar.plan.schedules`)."""
+
+
+@dataclass
+class Request:
+    """What the plan was asked for and the work one training step does: the mesh as the
+    user gave it (before pipeline stages were carved out of one of its axes), the memory
+    budget per device, and per step the tokens (0 when the model takes no token ids) and
+    the model FLOPs (forward + backward of the whole global batch, backward counted as
+    twice the forward as in the usual MFU convention).  The summary derives tokens/s,
+    samples/s and MFU from them."""
+
+    mesh_shape: list[int] = field(default_factory=list)
+    memory_budget_bytes: float = 0.0
+    tokens_per_step: int = 0
+    model_flops_per_step: float = 0.0
+
+
+def zero_axes(axis: int | list[int] | tuple[int, ...] | None) -> tuple[int, ...]:
+    """A ZeRO axis field (None, one axis, or several) as a sorted tuple of axes."""
+    if axis is None:
+        return ()
+    if isinstance(axis, int):
+        return (axis,)
+    return tuple(sorted(int(a) for a in axis))
+
+
+def zero_words(axis: int | list[int] | tuple[int, ...] | None) -> str:
+    """``"mesh axis 1"`` or ``"mesh axes 0 and 1"``, for messages."""
+    axes = zero_axes(axis)
+    if len(axes) == 1:
+        return f"mesh axis {axes[0]}"
+    return "mesh axes " + ", ".join(map(str, axes[:-1])) + f" and {axes[-1]}"
+
+
+@dataclass
+class Decisions:
+    """Plan-level decisions beside the per-node placements (issue: ZeRO, pipeline,
+    recomputation, gradient accumulation), with the numbers that justify them.
+
+    ``pipeline_stages > 1`` adds a leading pipeline axis to the device mesh: the plan's
+    ``mesh`` is then each stage's sub-mesh and ``stages[s]`` lists the layer keys
+    (:mod:`autopar.capture.layers`) of stage ``s``.  Under the interleaved schedule,
+    ``stages`` lists ``pipeline_stages * virtual_stages`` virtual stages in model order
+    and virtual stage ``k`` runs on pipeline rank ``k % pipeline_stages``;
+    ``stage_seconds``, ``stage_memory`` and ``stage_parts`` are per rank (its chunks
+    summed).  ``micro_batches`` splits the global batch
+    (the graph was captured at the micro-batch size); without a pipeline it is the
+    number of gradient accumulation steps.  ``zero_stage`` 1/2/3 shards optimizer state
+    / gradients / parameters of replicated parameters over sub-mesh axis ``zero_axis``
+    (or over several axes at once).
+    ``recompute`` lists layer keys whose activations are recomputed in backward.
+    ``why`` maps each decision to a sentence with its memory and time effect.
+    """
+
+    pipeline_stages: int = 1
+    pipeline_axis: int = 0
+    """The axis of the requested mesh (``Plan.request.mesh_shape``) the stages were
+    carved from: 0, the outermost (across nodes), or a later one (inside a node); each
+    stage is a contiguous block of that axis (:func:`autopar.plan.splits.stage_ranks`)."""
+    schedule: str = Schedule.NONE.value
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (> 1 only under ``Schedule.INTERLEAVED``)."""
+    micro_batches: int = 1
+    stages: list[list[str]] = field(default_factory=list)
+    zero_stage: int = 0
+    zero_axis: int | list[int] | None = None
+    """The sub-mesh axis ZeRO shards over, or several (a list: one group spanning them,
+    ranks in row-major order); :attr:`zero_axes` reads either form."""
+    recompute: list[str] = field(default_factory=list)
+    zero_kept: list[str] = field(default_factory=list)
+    """Under ZeRO-3: layer keys whose whole parameters stay gathered from their forward
+    to their backward (FSDP2's ``reshard_after_forward=False``): no re-gather in
+    backward, for their bytes held at the activation peak (chosen per layer where the
+    memory budget allows, or ``reshard_after_forward=``)."""
+    grad_buffers_kept: bool = False
+    """The data-parallel gradient buckets keep their buffers between steps, as DDP's
+    (runtime/grad_sync.py): the gradients they reduce are counted whole from the start
+    of the step, chosen where that memory fits the budget (False: a new buffer per
+    bucket each backward, freed with the gradients at ``zero_grad()``; plans made
+    before this choice load so)."""
+    zero_reduce_once: bool = False
+    """Under ZeRO-3 with micro-batches and no pipeline: each rank accumulates the whole
+    gradients over the micro-batches and reduce-scatters them once, in the last
+    micro-batch's backward, instead of in every one (chosen where memory allows and it
+    is faster)."""
+    precision: str = "native"
+    """``"native"`` (the model's own dtypes), ``"bf16-mixed"`` or ``"fp16-mixed"``: the graph was captured
+    with :mod:`autopar.capture.mixed_precision`'s casts, which every rank re-applies."""
+    batch: str = "global"
+    """``"global"``: every rank passes the whole batch and gets outputs replicated;
+    ``"local"``: each data-parallel rank passes its part and gets its rows of every
+    batch-shaped output (:func:`autopar.plan.placement.returned_placement`)."""
+    local_axes: list[int] | None = None
+    """Under ``batch="local"``: the mesh axes that split the returned rows (the first
+    batch-shaped output's ``Shard(0)`` axes), which are then the data-parallel axes the
+    caller's sampler follows; None when no output is batch-shaped."""
+    global_batch: int = 0
+    stage_seconds: list[float] = field(default_factory=list)
+    stage_memory: list[float] = field(default_factory=list)
+    step_seconds: float = 0.0
+    why: dict[str, str] = field(default_factory=dict)
+    stage_parts: list[dict[str, float]] = field(default_factory=list)
+    """Per stage: its per-micro-batch ``stage_seconds`` split into ``compute``,
+    ``recompute`` and ``comm``, and the step's tail ``sync_exposed`` + ``gather_step``
+    (with ``sync``, all gradient reduction): what :mod:`autopar.report.timeline` draws."""
+    breakdown: dict[str, float] = field(default_factory=dict)
+    """``step_seconds`` on the slowest stage split into ``compute_seconds`` (forward,
+    backward and recomputation), ``exposed_comm_seconds`` (collectives on the critical
+    path: the ops' own, ZeRO gathers, pipeline sends, the gradient sync left after the
+    last backward), ``bubble_seconds`` (pipeline fill and drain) and ``optimizer_seconds``
+    (the optimizer's update of this device's parameters, memory-bound); these four sum to
+    the step.  ``hidden_comm_seconds`` is gradient sync overlapped with backward (not in
+    the sum)."""
+    grad_buckets: list[list[str]] = field(default_factory=list)
+    """Data-parallel gradient buckets in launch order (parameter targets), chosen by
+    :mod:`autopar.search.buckets` (or ``bucket_bytes=`` each); the runtime reduces
+    exactly these.  Empty in plans made before buckets were planned: the runtime then
+    falls back to 4 MiB buckets."""
+    collectives: list[dict[str, Any]] = field(default_factory=list)
+    """What :meth:`Plan.collectives` lists (:class:`autopar.report.collectives.Collective`
+    in JSON form), computed from the captured graph when the plan is made."""
+
+    @property
+    def zero_axes(self) -> tuple[int, ...]:
+        """The ZeRO axes as a sorted tuple (empty without ZeRO)."""
+        return zero_axes(self.zero_axis) if self.zero_stage else ()
+
+    def rank_of(self, layer: str) -> int:
+        """Pipeline rank (stage of the mesh's pipeline axis) running ``layer``: its
+        virtual stage modulo the pipeline stages."""
+        return self.stage_of(layer) % max(1, self.pipeline_stages)
+
+    def stage_of(self, layer: str) -> int:
+        """Pipeline stage holding ``layer`` (0 without a pipeline); under the interleaved
+        schedule, its virtual stage."""
+        for s, keys in enumerate(self.stages):
+            if layer in keys:
+                return s
+        if self.pipeline_stages > 1:
+            raise KeyError(f"layer {layer!r} is in no pipeline stage")
+        return 0
+
+
+@dataclass
+class Plan:
+    """A complete parallel plan for one model on one mesh."""
+
+    mesh: MeshSpec
+    nodes: dict[str, NodePlan]
+    objective: float
+    compute_seconds: float
+    comm_seconds: float
+    grad_sync_seconds: float
+    memory: dict[str, float]
+    solver: SolverInfo
+    pins: dict[str, str] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    decisions: Decisions = field(default_factory=Decisions)
+    request: Request = field(default_factory=Request)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the plan runs on: the sub-mesh size times the pipeline stages."""
+        return self.mesh.size * self.decisions.pipeline_stages
+
+    # ------------------------------------------------------------ queries
+    def placement(self, name: str) -> str:
+        """Output placement of node or parameter ``name`` (graph node name or param FQN)."""
+        return self._find(name).out_placements[0]
+
+    def params(self) -> dict[str, str]:
+        """Parameter FQN -> placement."""
+        return {n.param: n.out_placements[0] for n in self.nodes.values() if n.kind == "param"}
+
+    def collectives(self, stage: int | None = None) -> list[Collective]:
+        """Every collective one training step issues on a rank, forward, backward and
+        once per step, with the bytes it puts in and how often it runs
+        (:class:`~autopar.report.collectives.Collective`): the edges' redistributions and
+        their backward duals, the loss's sum, the distributed cross-entropy's, Ulysses'
+        all-to-alls, the gradient buckets, ZeRO's gathers and reductions and a
+        pipeline's messages, as the runtime issues them (compare with
+        :func:`autopar.runtime.trace.collective_log`).  ``stage``: only those of that
+        pipeline rank (they differ per stage).  Not listed yet: ring attention's shifts
+        and the uneven expert dispatch of ``moe_experts``.  Empty for a plan made
+        without a joint search (``make_plan``)."""
+        from autopar.report.collectives import Collective as C
+
+        out = [C.from_dict(c) for c in self.decisions.collectives]
+        return out if stage is None else [c for c in out if c.stage == stage]
+
+    def redistributions(self) -> list[tuple[str, str]]:
+        """(node, step) for every redistribution step on the plan's edges that
+        communicates, in graph order (forward; each runs its dual in backward)."""
+        out = []
+        for n in self.nodes.values():
+            for r in n.redistributions:
+                for s in r.steps:
+                    if not s.startswith(("local_slice", "to_partial")):
+                        out.append((n.name, s))
+        return out
+
+    def _find(self, name: str) -> NodePlan:
+        if name in self.nodes:
+            return self.nodes[name]
+        for n in self.nodes.values():
+            if n.param == name:
+                return n
+        raise KeyError(self._unknown(name))
+
+    def explainable(self) -> list[str]:
+        """Every name :meth:`explain` accepts: decisions, layer keys, parameters, nodes."""
+        names = ["pipeline", "zero", "micro_batches", "recompute", "buckets"]
+        names += sorted({n.layer for n in self.nodes.values() if n.layer})
+        names += [n.param for n in self.nodes.values() if n.param]
+        return names + list(self.nodes)
+
+    def _unknown(self, name: str) -> str:
+        import difflib
+
+        known = self.explainable()
+        close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
+        hint = f"did you mean {', '.join(close)}? " if close else ""
+        return (f"no node, parameter, layer or decision named {name!r} in the plan; {hint}"
+                f"decisions: pipeline, zero, micro_batches, recompute, buckets; layers: "
+                f"{', '.join(sorted({n.layer for n in self.nodes.values() if n.layer})) or 'none'}"
+                "; parameters and nodes: see plan.explainable()")
+
+    # ------------------------------------------------------------ explaining
+    def explain(self, name: str) -> str:
+        """Why node ``name`` got its strategy (its price and the best alternatives), or
+        why a plan-level decision was taken: ``"pipeline"`` (stages and schedule),
+        ``"zero"``, ``"micro_batches"``, ``"recompute"``, ``"buckets"`` (the gradient
+        buckets), or a layer key such as
+        ``"blocks.7"`` (is it recomputed, which stage holds it)."""
+        from autopar.report.explain import explain
+
+        return explain(self, name)
+
+    def diff(self, other: Plan, max_nodes: int | None = None) -> str:
+        """What differs between ``self`` (A) and ``other`` (B): layout, step time, memory
+        and decisions first, then the nodes whose placements differ (at most
+        ``max_nodes`` of them, all when None)."""
+        from autopar.report.explain import diff
+
+        return diff(self, other, max_nodes)
+
+    # ------------------------------------------------------------ printing
+    def table(self, max_rows: int | None = None, show_views: bool = False, *, nodes: bool = False,
+              fmt: str = "text", width: int | None = None) -> str:
+        """The per-layer view (repeated layers folded), or with ``nodes=True`` one row per
+        graph node (views and getitems hidden unless ``show_views``).  ``fmt="tsv"``
+        gives the node rows tab-separated, for grep and spreadsheets; ``width`` overrides
+        the terminal's width."""
+        from autopar.report.summary import layer_view
+        from autopar.report.table import node_table
+
+        if nodes or fmt == "tsv":
+            return node_table(self, max_rows=max_rows, show_views=show_views, fmt=fmt, width=width)
+        return layer_view(self, width)
+
+    def verify(self, model, example_inputs: tuple = (), **options):
+        """Train this plan and its best variants for a few steps on the live job and
+        report predicted against measured step time; every rank calls it
+        (:func:`autopar.verify.verify`: ``k``, ``steps``, ``pick``, ``store``, ...)."""
+        from autopar.verify import verify_plan
+
+        return verify_plan(self, model, example_inputs, **options)
+
+    def summary(self) -> str:
+        """The plan in words: layout per mesh axis, step time split, throughput and MFU,
+        memory against the budget, decisions and why (:mod:`autopar.report.summary`)."""
+        from autopar.report.summary import summary
+
+        return summary(self)
+
+    def __str__(self) -> str:
+        return self.summary() + "\n\n" + self.table()
+
+    # ------------------------------------------------------------ JSON
+    def to_dict(self) -> dict:
+        """Plain-data form (JSON-serialisable), with the writer's versions."""
+        from autopar.report.summary import summary_numbers
+
+        d = versions() | asdict(self)
+        d["mesh"] = self.mesh.to_dict()
+        d["summary"] = summary_numbers(self)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "the plan") -> Plan:
+        """Inverse of :meth:`to_dict`.  Raises :class:`~autopar.errors.LoadError`
+        naming ``source`` (the file) and the field for another schema version, unknown
+        or missing keys, and placements that do not fit the mesh; warns when the plan
+        was made with another torch version."""
+        from autopar.plan.json import plan_from_dict
+
+        return plan_from_dict(cls, d, source)
+
+    def check_placements(self, source: str = "the plan") -> None:
+        """Every placement string has one entry per mesh axis, shards a dim the tensor
+        has, and the mesh axes sharding a dim divide it; raises
+        :class:`~autopar.errors.LoadError` naming ``source``, the node and the field."""
+        from autopar.plan.json import check_placements
+
+        check_placements(self, source)
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        """JSON text; also written to ``path`` when given."""
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_json(cls, path_or_text: str | Path) -> Plan:
+        """Load a plan from a JSON file or text; a missing, unreadable or malformed file
+        is a :class:`~autopar.errors.LoadError` naming it."""
+        from autopar.plan.json import plan_from_json
+
+        return plan_from_json(cls, path_or_text)
+
+
+# Kept here rather than in plan_load (its only user) so it stays importable from
+# autopar.plan without an import cycle.
+def _known(d: Any, kind: type, source: str, where: str, extra: set[str] = frozenset()) -> None:
+    """Raise :class:`LoadError` for keys of ``d`` that ``kind`` has no field for."""
+    if not isinstance(d, dict):
+        raise LoadError(f"{source}: field {where or 'top level'} should be an object, got "
+                        f"{type(d).__name__}")
+    unknown = sorted(set(d) - {f.name for f in fields(kind)} - extra)
+    if unknown:
+        raise LoadError(f"{source}: unknown key {unknown[0]!r} in {where or 'the top level'}"
+                        f"{f' (and {len(unknown) - 1} more)' if len(unknown) > 1 else ''}; it was "
+                        "probably written by a newer autopar: upgrade autopar or re-export with "
+                        "this one")

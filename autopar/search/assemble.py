@@ -1,0 +1,136 @@
+"""The solver's choice, one strategy per node, turned into a :class:`~autopar.plan.Plan`:
+per-node prices, the redistributions on each input, the best alternatives (each
+strategy's price with the neighbours' choices fixed), memory by kind and the solver's
+status and gap. Shared by the ILP and D-Rec (:mod:`autopar.search.op_placement`), so a plan means the
+same whoever chose it."""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import TYPE_CHECKING
+
+import numpy as np
+from torch import fx
+
+from autopar.capture.grad_flow import dual
+from autopar.capture.ir import info, tensor_inputs
+from autopar.capture.layers import layer_keys
+from autopar.cost_models import MeshSpec
+from autopar.plan.data import Alternative, NodePlan, Plan, Redistribution, SolverInfo
+from autopar.plan.placement import fmt_placements
+from autopar.search.node_prices import CostModel, param_state_split
+from autopar.sharding.local_forms import describe
+from autopar.sharding.redistribute import plan_redistribution
+from autopar.sharding.rules import OpStrategy
+
+if TYPE_CHECKING:
+    from autopar.search.op_placement import PlanOptions, Problem
+
+
+def _kind(n: fx.Node) -> str:
+    if n.op == "placeholder":
+        return "input"
+    if n.op == "get_attr":
+        return "param" if info(n).param else "buffer"
+    return "op"
+
+
+def _op_name(n: fx.Node) -> str:
+    if n.op == "call_function":
+        return getattr(n.target, "__name__", str(n.target)).replace(".default", "")
+    return n.op
+
+
+def _lowering_fields(n: fx.Node, s: OpStrategy, mesh: MeshSpec, cm: CostModel,
+                     kind: str) -> dict:
+    """``NodePlan.lowering`` and ``own_comm`` (only ops that communicate themselves have
+    them: pricing every node again would cost a second per plan on a Llama)."""
+    lowering = describe(n, s, mesh) if kind == "op" else ""
+    return {"lowering": lowering, "own_comm": float(cm.op_time(n, s)[1]) if lowering else 0.0}
+
+
+def assemble(gm: fx.GraphModule, mesh: MeshSpec, pb: Problem, choice: dict[fx.Node, OpStrategy],
+             cm: CostModel, sol, opts: PlanOptions, searcher: str = "ilp") -> Plan:
+    """Turn the solver's choice into a Plan with per-node prices and alternatives
+    (``searcher`` names who chose: "ilp" or "drec")."""
+    index = {n: i for i, n in enumerate(pb.nodes)}
+    chosen = {n: pb.strategies[n].index(s) for n, s in choice.items()}
+    incident: dict[fx.Node, list[tuple[int, np.ndarray, bool]]] = {n: [] for n in pb.nodes}
+    for (u, v, _), (_, _, m) in zip(pb.edge_src, pb.problem.edges):
+        incident[v].append((index[u], m, True))
+        incident[u].append((index[v], m, False))
+    nodes: dict[str, NodePlan] = {}
+    layer_of = layer_keys(gm)
+    compute = comm = sync = 0.0
+    mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0, "buffers": 0.0}
+    for n in pb.nodes:
+        s = choice[n]
+        ni = info(n)
+        kind = _kind(n)
+        own = pb.problem.node_costs[index[n]][chosen[n]]
+        reds: list[Redistribution] = []
+        edge_comm = 0.0
+        if n.op == "call_function" and n.target is not operator.getitem:
+            for i, u in enumerate(tensor_inputs(n)):
+                if u not in choice:
+                    continue
+                src, dst = choice[u].outputs[0], s.inputs[i]
+                if src != dst:
+                    # the forward alone where no gradient flows back, as searched
+                    sec = cm.redistribution(src, dst, info(u).out, dual(u, n))
+                    edge_comm += sec
+                    reds.append(Redistribution(u.name, fmt_placements(src), fmt_placements(dst),
+                                               [str(st) for st in plan_redistribution(src, dst, cm.mesh.shape)], sec))
+        # every strategy's price with the neighbours' choices fixed (its own cost plus its
+        # edges'), as one vector; the chosen one's is ``local``, the best five others
+        # are the alternatives (only they are formatted: the rest is most of the work)
+        mine = chosen[n]
+        sec = np.array(pb.problem.node_costs[index[n]], dtype=np.float64)
+        for other, m, is_in in incident[n]:
+            oc = chosen[pb.nodes[other]]
+            sec += m[oc, :] if is_in else m[:, oc]
+        local = float(sec[mine])
+        alts = []
+        for j in np.argsort(sec, kind="stable"):
+            if len(alts) == 5 or not math.isfinite(sec[j]):
+                break
+            if j != mine:
+                ins, outs = pb.strategies[n][j].formatted
+                alts.append(Alternative(list(ins), list(outs), float(sec[j])))
+        memory = pb.problem.node_memory[index[n]][chosen[n]]
+        if kind == "param":
+            sync += own
+            pbytes, gbytes, obytes = param_state_split(n, s.outputs[0], mesh, opts.optimizer)
+            mem["params"] += pbytes
+            mem["grads"] += gbytes
+            mem["optimizer"] += obytes
+        elif kind == "buffer":
+            mem["buffers"] += memory
+        else:
+            mem["activations"] += memory
+            compute += own
+        comm += edge_comm
+        nodes[n.name] = NodePlan(
+            name=n.name, op=_op_name(n), kind=kind,
+            shape=[list(t.shape) for t in ni.outputs],
+            inputs=[u.name for u in tensor_inputs(n)],
+            in_placements=list(s.formatted[0]), out_placements=list(s.formatted[1]),
+            compute=float(own if kind == "op" else 0.0), comm=float(edge_comm),
+            memory=float(memory), param=ni.param, layer=layer_of.get(n, ""),
+            flops=float(ni.flops), local_seconds=float(local),
+            redistributions=reds, alternatives=alts,
+            **_lowering_fields(n, s, mesh, cm, kind),
+        )
+    mem["total"] = sum(mem.values())
+    return Plan(
+        mesh=mesh, nodes=nodes, objective=float(sol.objective), compute_seconds=compute,
+        comm_seconds=float(sol.objective) - compute - sync, grad_sync_seconds=sync, memory=mem,
+        solver=SolverInfo(searcher=searcher, backend=sol.solver, status=str(sol.status),
+                          gap=sol.gap, seconds=sol.wall_time, message=sol.message,
+                          problem_nodes=len(pb.nodes), problem_edges=len(pb.problem.edges)),
+        pins={k: (v if isinstance(v, str) else fmt_placements(tuple(v))) for k, v in opts.pins.items()},
+    )
+
+
+__all__ = ["assemble"]

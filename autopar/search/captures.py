@@ -1,0 +1,116 @@
+"""The joint search's captures: the model at each micro-batch size, and the shallow copy
+its estimates come from (:mod:`autopar.search.shallow`, :mod:`autopar.capture.batch`).
+
+:class:`JointCaptures` is a base class of :class:`autopar.search.joint.JointSearch`; it reads
+the search's model, options, call and priced candidates and keeps the captures.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+from torch import nn
+
+from autopar.capture.annotate import annotate
+from autopar.capture.batch import AnyBatch, capture_any_batch
+from autopar.capture.trace import Captured, capture
+from autopar.log import report
+from autopar.plan.splits import batch_size, micro_inputs
+from autopar.search.op_placement import PlanOptions
+from autopar.search.shallow import KEEP, homogeneous, repeated_list, shallow_copy
+
+
+class JointCaptures:
+    """Captures of one joint search (see the module docstring)."""
+
+    model: nn.Module
+    opts: PlanOptions
+    _call: tuple
+    priced: list
+    timings: dict[str, float]
+    captures: dict[tuple[int, bool], Captured]
+    # (the model with its layer list cut to KEEP, the list's depth and path) while
+    # candidates are estimated from it; _exact: never again
+    _shallow: tuple[nn.Module, int, str] | None
+    _exact: bool
+    _generic: AnyBatch | bool | None  # the shallow copy's any-batch capture
+
+    def _capture(self, micro: int, shallow: bool = False) -> Captured:
+        size = batch_size(self._call) // micro
+        key = (size, shallow)
+        if key not in self.captures:
+            copy = shallow and self._shallow is not None
+            cap = self._any_batch(size) if copy else None
+            if cap is None:
+                model = self._shallow[0] if copy else self.model
+                report(f"capturing the model{f' ({KEEP} layers)' if shallow else ''} at "
+                       f"micro-batch size {size}")
+                cap = capture(model, *micro_inputs(self._call, micro), precision=self.opts.precision)
+            t0 = time.perf_counter()
+            annotate(cap.gm)
+            self.captures[key] = cap
+            self.timings["capture"] = self.timings.get("capture", 0.0) + cap.seconds
+            self.timings["annotate"] = self.timings.get("annotate", 0.0) + time.perf_counter() - t0
+        return self.captures[key]
+
+    def _any_batch(self, size: int) -> Captured | None:
+        """The shallow copy at batch ``size`` from its one symbolic-batch capture
+        (:mod:`autopar.capture.batch`), or ``None``: then it is exported at that size.
+        Estimates only: the chosen split is exported at full depth at its own size.  The
+        first size is exported as it is (the symbolic export costs ~2.5 of those, and a
+        search that is not short of memory never prices a second size)."""
+        if not any(shallow for _, shallow in self.captures):
+            return None
+        if self._generic is None:
+            report(f"capturing the model ({KEEP} layers) once for every micro-batch size")
+            # traced at the whole batch: the size asked for may be 1, which export fixes
+            t0 = time.perf_counter()
+            self._generic = capture_any_batch(self._shallow[0], self._call, self.opts.precision) \
+                or False
+            # capture time, as any export (a failed attempt too: not the search's)
+            self.timings["capture"] = self.timings.get("capture", 0.0) + time.perf_counter() - t0
+        if not self._generic:
+            return None
+        cap = self._generic.at(size)
+        if cap is not None:
+            report(f"the model ({KEEP} layers) at micro-batch size {size} from that capture "
+                   f"({cap.seconds:.2f} s)")
+        return cap
+
+    def _start_early(self) -> bool:
+        """Estimate every candidate, the plain one included, from a copy of the model
+        with its layer list cut to :data:`KEEP` layers (:mod:`autopar.search.shallow`), so that
+        only the chosen split is captured at full depth; True when on.  Not when the
+        user's options name layers of that list (a pin, ``recompute=``), nor for
+        ``blocks=`` (the model is shallow already)."""
+        found = None if self._exact or self.opts.blocks is not None else repeated_list(self.model)
+        if found is None:
+            return False
+        path, depth = found
+        # only input pins and globs over parameters that name no layer index: a pin on a
+        # node or on layer 7 would name nothing in the copy
+        indexed = re.compile(rf"(^|[.*]){re.escape(path)}\.\d")
+        named = bool(self.opts.recompute) or any(
+            not (str(k).startswith("input:") or ("*" in str(k) and not indexed.search(str(k))))
+            for k in self.opts.pins)
+        model = None if named else shallow_copy(self.model, path)
+        if model is None:
+            return False
+        self._shallow = (model, depth, path)
+        return True
+
+    def _start_shallow(self) -> bool:
+        """Estimate the candidates to come from a shallow copy when the plain candidate's
+        repeated layers are identical (:mod:`autopar.search.shallow`); True when on."""
+        if self._exact or self.opts.blocks is not None or not self.priced:
+            return False  # blocks=: the user's model is shallow already
+        found = homogeneous(self.priced[0][0].stats)
+        model = shallow_copy(self.model, found[0]) if found else None
+        if model is None:
+            return False
+        self._shallow = (model, found[1], found[0])
+        return True
+
+
+__all__ = ["JointCaptures"]

@@ -1,0 +1,436 @@
+"""The joint search: placements, pipeline stages, micro-batches (gradient
+accumulation), ZeRO stage and recomputation chosen for one objective (step time)
+under one memory model.
+
+For each candidate (pipeline stages ``p`` carved from one mesh axis, micro-batches ``M``)
+the model is captured at the micro-batch size and the intra-op search (ILP or D-Rec, :mod:`autopar.search.op_placement`)
+places every op on the stage sub-mesh; :mod:`autopar.search.stages.dp` then prices every
+schedule x ZeRO stage x ZeRO axis on that plan, choosing stage boundaries and the
+recomputed layers so each stage fits the budget.  The fastest feasible combination
+wins.  The plain plan (one stage, one micro-batch) is searched first; pipelines and
+micro-batches are explored when it needs ZeRO or recomputation to fit (or does not fit
+at all), when asked (``explore``), or when forced.  If no placement fits even then, the intra-op search is re-run with the
+budget binding (memory-lean placements) before giving up with the memory the best
+plan needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import warnings
+
+from torch import nn
+
+from autopar.capture.batch import AnyBatch
+from autopar.capture.trace import Captured
+from autopar.cost_models import MeshSpec, format_bytes
+from autopar.errors import AutoparWarning, PlanError, user_stacklevel
+from autopar.log import report, show
+from autopar.plan.data import Decisions, Plan, Schedule, zero_words
+from autopar.plan.splits import (
+    batch_size,
+    micro_inputs,
+    request,
+    split_mesh,
+    split_words,
+)
+from autopar.report.collectives import list_collectives
+from autopar.search.budget import Phase, TimeBudget
+from autopar.search.captures import JointCaptures
+from autopar.search.forced import check_forced
+from autopar.search.node_prices import precision_warning
+from autopar.search.op_placement import PlanOptions, local_axes, make_weighted_plans
+from autopar.search.shallow import (
+    KEEP,
+    deepen,
+    extrapolate_blocks,
+    steady,
+)
+from autopar.search.space import JointSpace, _Candidate
+from autopar.search.stages.dp import Config, Priced, price, stage_link, step_lower_bound
+from autopar.search.stages.layer_stats import layer_stats
+from autopar.search.why import Context, decisions_why
+
+
+class JointSearch(JointCaptures, JointSpace):
+    """One joint search (see the module docstring); ``run()`` returns (capture, plan)."""
+
+    def __init__(self, model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOptions,
+                 example_kwargs: dict | None = None) -> None:
+        self.model, self.inputs, self.mesh, self.opts = model, tuple(example_inputs), mesh, opts
+        self.kwargs = example_kwargs
+        # the whole call as one pytree: models called as model(**batch) have no positional input
+        self._call = (self.inputs, dict(example_kwargs or {}))
+        self.budget = opts.budget_for(mesh)
+        self.captures: dict[tuple[int, bool], Captured] = {}
+        self._generic: AnyBatch | bool | None = None  # the shallow copy's any-batch capture
+        self.priced: list[tuple[_Candidate, Priced]] = []
+        # (the model with its layer list cut to KEEP, the list's depth and path) while
+        # candidates are estimated from it (autopar/search/shallow.py); _exact: never again
+        self._shallow: tuple[nn.Module, int, str] | None = None
+        self._exact = False
+        self._mismatch = False  # a confirmed split priced otherwise than its estimate
+        self.timings: dict[str, float] = {}
+        # time_limit split among the search's phases (autopar/search/budget.py); one per pass of _run
+        self._clock = TimeBudget(opts.time_limit, self._uncharged)
+        self._stopped: set[Phase] = set()  # phases that ran out of their share
+        self._validate()
+
+    def _validate(self) -> None:
+        """Forced decisions that cannot mean anything are errors, never ignored."""
+        check_forced(self.opts, self.mesh)
+
+    # ------------------------------------------------------------ candidates
+    def _intra(self, stages: int, micro: int, budget: float | None,
+               estimate: bool = False, weights: tuple[float, ...] | None = None,
+               axis: int = 0) -> list[_Candidate]:
+        """The intra-op plans of one (stages, micro-batches) split: the ILP's, and those it
+        finds with gradient sync charged at a fraction of its price where they differ
+        (:func:`autopar.search.op_placement.make_weighted_plans`); the step model picks among them.
+        ``estimate``: on the shallow copy, its layers extrapolated to full depth;
+        ``weights``: only those sync weights' plans; ``axis``: the mesh axis the stages
+        are carved from."""
+        full, sub = split_mesh(self.mesh, stages, axis)
+        estimate = estimate and self._shallow is not None  # the copy may have been dropped
+        if estimate:
+            try:
+                cap = self._capture(micro, shallow=True)
+            except Exception as e:  # noqa: BLE001 - a copy that will not capture: go deep
+                self._say(f"the {KEEP}-layer copy did not capture ({type(e).__name__}): "
+                          "planning every split at full depth")
+                self._shallow, estimate = None, False
+        if not estimate:
+            cap = self._capture(micro)
+        t0 = time.perf_counter()
+        # an estimate's plan is never returned: its solver gets what its phase has left;
+        # an exact one's may be (nothing estimated): it gets what the whole budget has
+        left = self._clock.left() if estimate else self._clock.left_total()
+        report(f"placing ops for {split_words(stages, axis)} x {micro} micro-batch(es) on sub-mesh "
+               f"{'x'.join(map(str, sub.shape))}")
+        intra_opts = dataclasses.replace(self.opts, memory_budget=budget, time_limit=max(1.0, left),
+                                         choose_limit=self.opts.time_limit)
+        plans = make_weighted_plans(cap.gm, sub, cap.aliases, intra_opts, sync_variants=True,
+                                    weights=weights)
+        self.timings["intra_op"] = self.timings.get("intra_op", 0.0) + time.perf_counter() - t0
+        out = []
+        if estimate and plans and not steady(layer_stats(cap.gm, plans[0][1])):
+            # this split's copy placed its middle layers differently: nothing to
+            # extrapolate from, so this split is planned at full depth; the others keep
+            # their estimates, each checked the same way (before, the first such split
+            # sent every later one to full depth: a 15 s capture each for Llama-3 70B)
+            self._say(f"the {KEEP}-layer copy's layers differ for {split_words(stages, axis)} x "
+                      f"{micro} micro-batch(es): planning this split at full depth")
+            return self._intra(stages, micro, budget, False, weights, axis)
+        for w, p in plans:
+            stats = layer_stats(cap.gm, p)
+            if self.opts.blocks is not None:
+                stats = extrapolate_blocks(stats, self.opts.blocks)
+            elif estimate:
+                stats = deepen(stats, self._shallow[2], self._shallow[1])
+            out.append(_Candidate(stages, micro, cap, p, stats, full, estimate, w, axis))
+        return out
+
+    def _price(self, cand: _Candidate) -> None:
+        link = stage_link(cand.full, cand.stages)
+        best = self._best()
+        cut = best[1].step_seconds if best is not None else math.inf
+        for cfg in self._configs(cand):
+            if cand.stages > 1:
+                # a pipeline's split search is O(stages x layers^2) per config (80 layers
+                # on 48 stages: ~1 s): a config whose lower bound is already slower than
+                # a plan in hand cannot win and is only bounded
+                lb = step_lower_bound(cand.stats, cfg, cand.plan.mesh, link, self.opts.optimizer)
+                if lb > cut * (1.0 + 1e-9):
+                    self.priced.append((cand, Priced(cfg, [], math.inf, math.inf, bound=lb)))
+                    continue
+            pr = price(cand.stats, cfg, cand.plan.mesh, link, self.budget, self.opts.optimizer)
+            self.priced.append((cand, pr))
+            if pr.feasible:
+                cut = min(cut, pr.step_seconds)
+
+    def _best(self, exact: bool = False) -> tuple[_Candidate, Priced] | None:
+        """The fastest feasible config (``exact``: among those priced at full depth)."""
+        ok = [(c, p) for c, p in self.priced if p.feasible and not (exact and c.estimate)]
+        if not ok:
+            return None
+        # fastest; on ties the simpler plan (fewer stages, micro-batches, lower ZeRO)
+        return min(ok, key=lambda cp: (round(cp[1].step_seconds, 12), cp[1].config.stages,
+                                       cp[1].config.pipeline_axis, cp[1].config.micro_batches,
+                                       cp[1].config.zero_stage))
+
+    # ------------------------------------------------------------ search
+    def _say(self, msg: str) -> None:
+        """One finished step for the progress display and the log (:mod:`autopar.log`)."""
+        report(msg, done=True)
+
+    def _uncharged(self) -> float:
+        """Seconds not charged to the time limit: capture and annotation (they depend on
+        the model and the machine's load, not on the search)."""
+        return self.timings.get("capture", 0.0) + self.timings.get("annotate", 0.0)
+
+    def _out_of_time(self) -> bool:
+        """The current phase has spent its share of ``time_limit`` (:mod:`autopar.search.budget`):
+        its remaining candidates are skipped and the plan says so."""
+        if not self._clock.over():
+            return False
+        if self._clock.phase not in self._stopped:
+            self._stopped.add(self._clock.phase)
+            self._say(f"{self._clock.phase} budget of {self._clock.allowance(self._clock.phase):.1f} s spent: "
+                      "keeping the best plan found so far")
+        return True
+
+    def _try(self, stages: int, micro: int, budget: float | None, strict: bool = False,
+             estimate: bool = False, force: bool = False,
+             weights: tuple[float, ...] | None = None, axis: int = 0) -> None:
+        """Plan and price one candidate. ``strict``: the candidate the user asked for
+        (or the plain one), whose errors (bad pins, ...) are the user's and propagate;
+        a candidate the search picked is skipped when, e.g., a pin cannot hold at its
+        micro-batch size.  ``estimate``: from the shallow copy (cheap; not a plan).
+        ``force``: even when the time limit is spent; ``weights``: only those sync weights'
+        placements (:func:`autopar.search.op_placement.make_weighted_plans`); ``axis``: the mesh axis
+        the stages are carved from."""
+        if self._out_of_time() and not force:
+            return
+        if not force and self._bounded(stages, micro, estimate, axis):
+            return
+        where = split_words(stages, axis, "stages")
+        t0 = time.perf_counter()
+        lean = budget is not None and math.isfinite(budget)
+        try:
+            cands = self._intra(stages, micro, budget, estimate, weights, axis)
+        except PlanError as e:
+            if strict:
+                raise
+            self._say(f"{where}, micro-batches {micro}: skipped ({e})")
+            return
+        n = len(self.priced)
+        for cand in cands:
+            self._price(cand)
+        ok = [p for _, p in self.priced[n:] if p.feasible]
+        bounded = sum(1 for _, p in self.priced[n:] if p.bound is not None)
+        best = min((p.step_seconds for p in ok), default=math.inf)
+        self._say(f"{where}, micro-batches {micro}"
+                  + (", memory-lean placements" if lean else "")
+                  + (f", estimated from {KEEP} layers" if cands and cands[0].estimate else "")
+                  + f": {len(self.priced) - n - bounded} configs priced"
+                  + (f" ({bounded} more bounded slower than the best so far)" if bounded else "")
+                  + f", {len(ok)} fit, best "
+                  + (f"{best * 1e3:.3f} ms" if ok else "none") + f" ({time.perf_counter() - t0:.2f} s; {self._clock.status()})")
+
+    def _bounded(self, stages: int, micro: int, estimate: bool, axis: int = 0) -> bool:
+        """Skip a split before its intra-op search (a capture and an ILP: seconds each on
+        a deep model) when even its compute cannot beat the best plan priced so far: the
+        model's compute floor (:attr:`LayerStat.floor`, the same for every split: FLOPs
+        are linear in the batch) spread over every device, times the pipeline's
+        ``(micro + (stages - 1)(1 - idle_reuse)) / micro`` (the slowest stage runs ``micro``
+        micro-batches and the others fill and drain).  The split is recorded with its bound."""
+        best = self._best()
+        known = self._with_stats()
+        if best is None or known is None:
+            return False
+        work = sum(st.floor for st in known.stats) * known.micro_batches
+        # the fill and drain less what ranks sharing cores win back (MeshSpec.idle_reuse),
+        # as pipeline.price charges it
+        fill = (stages - 1) * (1.0 - self.mesh.idle_reuse)
+        lb = work / math.prod(self.mesh.shape) * (micro + fill) / micro
+        if lb <= best[1].step_seconds * (1.0 + 1e-9):
+            return False
+        cand = _Candidate(stages, micro, None, None, [], self.mesh, estimate, axis=axis)  # type: ignore[arg-type]
+        self.priced.append((cand, Priced(Config(stages, micro, pipeline_axis=axis), [], math.inf,
+                                         math.inf, bound=lb)))
+        self._say(f"{split_words(stages, axis, 'stages')}, micro-batches {micro}: not searched, its compute alone takes "
+                  f"at least {lb * 1e3:.3f} ms per step, over the best "
+                  f"{best[1].step_seconds * 1e3:.3f} ms")
+        return True
+
+    def run(self) -> tuple[Captured, Plan]:
+        """Search and return the chosen capture (at the micro-batch size) and plan."""
+        with show(bool(self.opts.progress), self.opts.time_limit, left=lambda: self._clock.left()):
+            return self._run()
+
+    def _run(self) -> tuple[Captured, Plan]:
+        t0 = time.perf_counter()
+        # a budget per pass (a second one follows estimates that proved wrong)
+        self._clock = TimeBudget(self.opts.time_limit, self._uncharged)
+        self._stopped = set()
+        stages, axis = self._forced_splits()[0]
+        first = (stages, self._micro_options(stages)[0], axis)
+        self._try(stages, first[1], math.inf, strict=True, estimate=self._start_early(), axis=axis)
+        if stages > 1:
+            self._stage_options()  # forced stages: refuse tied weights across layers now
+            for p, a in self._forced_splits()[1:]:  # the forced count from the other axes
+                self._try(p, first[1], math.inf, estimate=self._shallow is not None, axis=a)
+        forced = self.opts.pipeline_stages is not None or self.opts.micro_batches is not None
+        best = self._best()
+        # memory pressure already costs time (ZeRO where the split without it does not
+        # fit, recomputation, or nothing fits): pipelines and micro-batches may then be the
+        # cheaper way to fit.  ZeRO chosen for speed (ZeRO-3 keeping its layers gathered
+        # saves a data-parallel bucket's copies; ZeRO-1 shards the optimizer's update)
+        # is no pressure.
+        pressed = best is None or any(sp.recompute for sp in best[1].stages) or (
+            best[1].config.zero_stage > 0 and not self._fits_plainly(best[0]))
+        if self.opts.explore or (pressed and not forced):
+            est = self._shallow is not None or self._start_shallow()
+            # breadth first, each stage count's most promising micro-batch count first:
+            # a time limit then cuts depth, not whole stage counts (a 1,024-H100 Llama-3
+            # 70B search ran out in 1-stage micro-batching before).  With a pipeline
+            # more micro-batches shrink the bubble: the most first; without one they only
+            # trade speed for memory: the fewest first.  Stages inside a node (a later
+            # axis) come after those across nodes at each depth: they rarely win (the
+            # slow link then carries the sub-mesh's traffic), so a time limit cuts them first
+            splits = [(i, a > 0, p, a, m) for p, a in self._stage_options()
+                      for i, m in enumerate(self._micro_order(p))]
+            for _, _, p, a, m in sorted(splits):
+                if (p, m, a) != first:
+                    self._try(p, m, math.inf, estimate=est, axis=a)
+        self._clock.enter(Phase.CONFIRM)
+        if self._best() is None:
+            # no split fits with the fastest placements: let the budget shape them (in the
+            # confirm phase, the first always: else a spent explore share would report
+            # "no plan fits" without a memory-lean plan tried)
+            lean = sorted({(c.stages, c.micro_batches, c.estimate, c.axis) for c, _ in self.priced})
+            for k, (p, m, e, a) in enumerate(lean):
+                self._try(p, m, self.budget, estimate=e, force=k == 0, axis=a)
+        self._confirm_estimates()
+        best = self._best(exact=True)
+        if self._mismatch and not self._exact:
+            # the estimates stood for layers that differ at full depth after all: their
+            # ranking is not to be trusted, so every split is planned at full depth
+            self._say("the layers differ at full depth: planning every split at full depth")
+            self.priced = [(c, p) for c, p in self.priced if not c.estimate]
+            self._shallow, self._exact = None, True
+            return self._run()
+        if best is None:
+            if not self.priced and self.opts.schedule == Schedule.INTERLEAVED.value:
+                counts = {p: self._micro_options(p) for p, _ in self._stage_options() if p > 1}
+                raise PlanError(
+                    "schedule='interleaved-1f1b' has no split it can run: it needs a number of "
+                    "micro-batches that is a multiple of the pipeline stages and a layer per "
+                    f"virtual stage; micro-batch counts by stages: {counts}")
+            if not self.priced:
+                raise PlanError("the search found no plan within its time limit of "
+                                f"{self.opts.time_limit} s; raise time_limit")
+            need = min(p.min_memory for _, p in self.priced)
+            raise PlanError(
+                f"no plan fits the memory budget of {format_bytes(self.budget)} per device: the "
+                f"leanest plan found (ZeRO-3, recomputation, pipelining and micro-batches "
+                f"considered) needs {format_bytes(need)} per device")
+        cand, pr = best
+        plan = self._decorate(cand, pr)
+        n_est = sum(1 for c, _ in self.priced if c.estimate)
+        if n_est:
+            msg = (f"{n_est} configurations estimated from a {KEEP}-layer copy of the model "
+                   "(its repeated layers are identical), the chosen one planned at full depth")
+            plan.solver.message = (plan.solver.message + "; " if plan.solver.message else "") + msg
+        plan.timings.update(self.timings)
+        plan.timings["joint_search"] = time.perf_counter() - t0
+        self._clock.record(plan.timings)
+        if self._stopped:
+            spent = " and ".join(f"its {p} budget ({plan.timings[f'budget_{p}']:.1f} s)"
+                                 for p in Phase if p in self._stopped)
+            msg = (f"the joint search spent {spent} of time_limit={self.opts.time_limit} s after "
+                   f"{len(self.priced)} configurations; this is the best plan found")
+            plan.warnings.append(msg)
+            plan.solver.message = (plan.solver.message + "; " if plan.solver.message else "") + msg
+        c = pr.config
+        self._say(f"chose {split_words(c.stages, c.pipeline_axis)} ({c.schedule}), {c.micro_batches} micro-batch(es), "
+                  + (f"ZeRO-{c.zero_stage} over {zero_words(c.zero_axis)}" if c.zero_stage else "no ZeRO")
+                  + f": {pr.step_seconds * 1e3:.3f} ms per step")
+        return cand.cap, plan
+
+    def _fits_plainly(self, cand: _Candidate) -> bool:
+        """True when a config priced for ``cand``'s split fits without ZeRO and without
+        recomputation."""
+        split = (cand.stages, cand.micro_batches, cand.axis)
+        return any(p.feasible and p.config.zero_stage == 0 and not any(sp.recompute for sp in p.stages)
+                   for c, p in self.priced if (c.stages, c.micro_batches, c.axis) == split)
+
+    def _confirm_estimates(self, most: int = 3) -> None:
+        """Plan at full depth the best estimated configurations (at most ``most`` splits)
+        while one is faster than the best exact plan: only exact plans are chosen.  The
+        first one is planned even when the time limit is spent: it finishes the search
+        rather than widening it (else an estimate the search found faster would only
+        appear in the summary as the road not taken)."""
+        tried: set[tuple[int, int, int]] = set()
+        while len(tried) < most and (not tried or not self._out_of_time()):
+            best, exact = self._best(), self._best(exact=True)
+            if best is None or not best[0].estimate or (
+                    exact is not None and exact[1].step_seconds <= best[1].step_seconds):
+                return
+            split = (best[0].stages, best[0].micro_batches, best[0].axis)
+            if split in tried:
+                return
+            # the variant the estimate won with: its placements, not all four, at full depth
+            weights = (best[0].weight,)
+            tried.add(split)
+            estimated = best[1].step_seconds
+            # this split's estimates have served: its exact configs replace them
+            self.priced = [(c, p) for c, p in self.priced
+                           if not (c.estimate and (c.stages, c.micro_batches, c.axis) == split)]
+            n, first = len(self.priced), len(tried) == 1
+            self._try(split[0], split[1], math.inf, force=first, weights=weights, axis=split[2])
+            # the check that the estimates were exact: this split, planned at full depth
+            exact = [p.step_seconds for _, p in self.priced[n:] if p.feasible]
+            if not exact or not math.isclose(min(exact), estimated, rel_tol=1e-6):
+                self._mismatch = True
+                return
+            if not any(p.feasible for _, p in self.priced[n:]):
+                # memory-lean placements, as for any split
+                self._try(split[0], split[1], self.budget, force=first, axis=split[2])
+
+    # ------------------------------------------------------------ the plan
+    def _decorate(self, cand: _Candidate, pr: Priced) -> Plan:
+        cfg = pr.config
+        plan = cand.plan
+        recompute = sorted({k for sp in pr.stages for k in sp.recompute})
+        order = {st.key: i for i, st in enumerate(cand.stats)}
+        kept = sorted({k for sp in pr.stages for k in sp.kept}, key=order.__getitem__)
+        d = Decisions(
+            pipeline_stages=cfg.stages, pipeline_axis=cand.axis if cfg.stages > 1 else 0,
+            schedule=cfg.schedule, micro_batches=cfg.micro_batches,
+            virtual_stages=cfg.virtual,
+            stages=(pr.virtual or [sp.layers for sp in pr.stages]) if cfg.stages > 1 else [],
+            zero_stage=cfg.zero_stage, recompute=recompute, zero_kept=kept,
+            zero_reduce_once=cfg.reduce_once,
+            grad_buffers_kept=all(sp.grad_buffers_kept for sp in pr.stages),
+            # one axis as an int (as plans always said), several as a list
+            zero_axis=list(cfg.zero_axis) if isinstance(cfg.zero_axis, tuple) else cfg.zero_axis,
+            precision=self.opts.precision, batch=self.opts.batch,
+            # a micro-batched or pipelined step returns the loss alone: no rows to return
+            local_axes=local_axes(cand.cap.gm, plan)
+            if self.opts.batch == "local" and cfg.micro_batches == 1 and cfg.stages == 1 else None,
+            global_batch=batch_size(self._call),
+            stage_seconds=[sp.seconds for sp in pr.stages],
+            stage_memory=[sp.total_memory for sp in pr.stages], step_seconds=pr.step_seconds,
+            stage_parts=[dict(sp.parts) for sp in pr.stages], breakdown=pr.breakdown(),
+            grad_buckets=[b for sp in pr.stages for b in sp.buckets])
+        d.why = decisions_why(Context(self.priced, {id(p) for c, p in self.priced if c.estimate},
+                                      self.budget, batch_size(self._call), self.opts.optimizer), pr)
+        plan.decisions = d
+        d.collectives = [c.to_dict() for c in list_collectives(cand.cap.gm, plan)]
+        plan.request = request(cand.cap.gm, cfg.micro_batches, list(self.mesh.shape), self.budget)
+        worst = max(pr.stages, key=lambda sp: sp.total_memory)
+        plan.memory = dict(worst.memory)
+        plan.memory["total"] = worst.total_memory
+        return plan
+
+def joint_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOptions,
+               example_kwargs: dict | None = None) -> tuple[Captured, Plan]:
+    """Run :class:`JointSearch`; warnings raised while planning are kept on the plan."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cap, p = JointSearch(model, example_inputs, mesh, opts, example_kwargs).run()
+    for w in caught:
+        if str(w.message) not in p.warnings:
+            p.warnings.append(str(w.message))
+    slow = precision_warning(cap.gm, mesh, opts.precision)
+    if slow:
+        p.warnings.append(slow)
+    for msg in p.warnings:  # shown with every plan, not once per process
+        warnings.warn(msg, AutoparWarning, stacklevel=user_stacklevel())
+    return cap, p
+
+
+__all__ = ["JointSearch", "batch_size", "joint_plan", "micro_inputs", "request", "split_mesh"]

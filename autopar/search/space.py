@@ -1,0 +1,192 @@
+"""The joint search's plan space: the (pipeline stages, mesh axis) splits, the
+micro-batch counts and the configurations (schedule, ZeRO stage and axes, virtual
+stages) priced on each candidate placement.
+
+:class:`JointSpace` is a base class of :class:`autopar.search.joint.JointSearch`; it reads the
+search's mesh, options, call, captures and priced candidates.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from autopar.capture.ir import info
+from autopar.capture.layers import layer_keys
+from autopar.capture.trace import Captured
+from autopar.cost_models import MeshSpec
+from autopar.errors import PlanError
+from autopar.plan.data import Plan, Schedule
+from autopar.plan.schedules import conflict
+from autopar.plan.splits import batch_size, micro_counts, pipeline_splits
+from autopar.search.forced import zero_groups
+from autopar.search.op_placement import PlanOptions
+from autopar.search.stages.dp import Config
+from autopar.search.stages.layer_stats import LayerStat
+
+
+@dataclass
+class _Candidate:
+    """One placement of one split, with what pricing it needs."""
+
+    stages: int
+    micro_batches: int
+    cap: Captured
+    plan: Plan
+    stats: list[LayerStat]
+    full: MeshSpec
+    estimate: bool = False  # priced from the shallow copy (autopar/search/shallow.py)
+    weight: float = 1.0  # the gradient-sync weight its placements were solved with
+    axis: int = 0  # the mesh axis the pipeline stages are carved from
+
+
+class JointSpace:
+    """The plan space of one joint search (see the module docstring)."""
+
+    mesh: MeshSpec
+    opts: PlanOptions
+    _call: tuple
+    captures: dict
+    priced: list
+
+    def _say(self, msg: str) -> None:  # JointSearch reports progress
+        raise NotImplementedError
+
+    def _tied_across_layers(self) -> list[str]:
+        """Parameters used by more than one layer (tied embedding and head): a pipeline
+        would need their gradients summed across stages, which the runtime refuses."""
+        cap = next(iter(self.captures.values()), None)
+        if cap is None:
+            return []
+        keys = layer_keys(cap.gm)
+        out = []
+        for n in cap.gm.graph.nodes:
+            if n.op == "get_attr" and info(n).param is not None:
+                if len({keys[u] for u in n.users if u in keys}) > 1:
+                    out.append(info(n).param)
+        return out
+
+    def _with_stats(self) -> _Candidate | None:
+        """The first priced candidate with layer statistics (any: what they share is the
+        model's layers and their compute)."""
+        return next((c for c, _ in self.priced if c.stats), None)
+
+    def _enough_layers(self, stages: int) -> None:
+        """Forced stages need a computing layer each (a stage that computes nothing is
+        never planned): say so, rather than that no plan fits memory."""
+        known = self._with_stats()
+        if known is None or stages <= 1:
+            return
+        layers = [st.key for st in known.stats if st.compute > 0]
+        if len(layers) < stages:
+            raise PlanError(f"pipeline_stages={stages} needs at least {stages} layers that compute, "
+                            f"one per stage, but the model has {len(layers)} "
+                            f"({', '.join(layers) or 'none'}): stages are cut between layers "
+                            "(repeated blocks such as model.layers.N, with what comes before and "
+                            "after them)")
+
+    def _stage_options(self) -> list[tuple[int, int]]:
+        """(stages, mesh axis they are carved from): every factor of every axis (across
+        nodes and inside a node), or the forced count and axis."""
+        tied = self._tied_across_layers()
+        p = self.opts.pipeline_stages
+        if p is not None:
+            if p > 1 and tied:
+                raise PlanError(f"pipeline_stages={p} is impossible: "
+                                f"{', '.join(tied)} is used by several layers (tied weights), "
+                                "which would have to live on two stages")
+            self._enough_layers(p)
+            return self._forced_splits()
+        if tied:
+            self._say(f"no pipelining: tied weights {', '.join(tied)} span several layers")
+            return [(1, 0)]
+        return [(1, 0)] + self._splits()
+
+    def _splits(self, stages: int | None = None) -> list[tuple[int, int]]:
+        """The pipeline splits of the mesh (of ``stages`` stages only, when given), on the
+        forced ``pipeline_axis`` alone when there is one."""
+        return [(q, a) for q, a in pipeline_splits(tuple(self.mesh.shape))
+                if stages in (None, q) and self.opts.pipeline_axis in (None, a)]
+
+    def _forced_splits(self) -> list[tuple[int, int]]:
+        """The splits of the forced ``pipeline_stages``: from each axis it divides (or
+        the forced ``pipeline_axis``)."""
+        p = self.opts.pipeline_stages or 1
+        return [(1, 0)] if p == 1 else self._splits(p)
+
+    def _micro_options(self, stages: int) -> list[int]:
+        """Micro-batch counts for ``stages``: every count that divides the batch (a deep
+        pipeline needs many, 64-1,024 in published runs, to shrink its bubble; before,
+        only 1-32 in powers of two were tried), at least one per stage."""
+        if self.opts.micro_batches is not None:
+            return [self.opts.micro_batches]
+        return micro_counts(batch_size(self._call), stages)
+
+    def _micro_order(self, stages: int) -> list[int]:
+        """:meth:`_micro_options` most promising first.  Without a pipeline the fewest
+        (more only trade speed for memory).  With one, the most micro-batches whose
+        micro-batch still has a sample per device of a stage (more shrink the bubble),
+        then the fewer, then those with smaller micro-batches, the larger first: every
+        count dividing the batch goes down to one sample, which on a wide stage leaves
+        the data-parallel devices nothing to split, and a time limit should not be
+        spent on those first."""
+        opts = self._micro_options(stages)
+        if stages <= 1:
+            return opts
+        b, per_stage = batch_size(self._call), math.prod(self.mesh.shape) // stages
+        spans = [m for m in opts if b // m >= per_stage]
+        return sorted(spans, reverse=True) + [m for m in opts if b // m < per_stage]
+
+    def _configs(self, cand: _Candidate) -> list[Config]:
+        sub = cand.plan.mesh
+        if self.opts.zero_stage is not None:
+            zs = [self.opts.zero_stage]
+        else:
+            zs = [0, 1, 2, 3]
+        params = [(q.replicated, q.bytes) for st in cand.stats for q in st.params]
+        axes = zero_groups(tuple(sub.shape), self.opts.zero_axes, params) if any(zs) else []
+        if cand.stages > 1:
+            scheds = [self.opts.schedule] if self.opts.schedule else [
+                Schedule.ONE_F_ONE_B.value, Schedule.GPIPE.value, Schedule.INTERLEAVED.value,
+                Schedule.ZERO_BUBBLE.value]
+            v = self.opts.virtual_stages
+            if v is not None:  # forced chunks decide whether the schedule interleaves
+                scheds = [s for s in scheds if (s == Schedule.INTERLEAVED.value) == (v > 1)]
+        else:
+            scheds = [Schedule.NONE.value]
+        if self.opts.recompute:
+            known = {st.key for st in cand.stats}
+            bad = sorted(set(self.opts.recompute) - known)
+            if bad:
+                raise PlanError(f"recompute names unknown layer(s) {bad}; the model's layers are "
+                                f"{[st.key for st in cand.stats]}")
+        out = []
+        for z in zs:
+            # ZeRO needs a sub-mesh axis to shard over: no config when there is none
+            for a in (axes if z else [None]):
+                for s in scheds:
+                    if conflict(s, bool(self.opts.recompute), z):
+                        continue  # a schedule that cannot run with these decisions
+                    # ZeRO-3 under plain accumulation: reduce-scatter in every
+                    # micro-batch, or once a step from whole gradients (more memory)
+                    once = [False, True] if z == 3 and cand.micro_batches > 1 and cand.stages == 1 else [False]
+                    for v in (self._virtual(cand) if s == Schedule.INTERLEAVED.value else [1]):
+                        out.extend(Config(cand.stages, cand.micro_batches, s, z, a,
+                                          self.opts.recompute, self.opts.bucket_bytes, v,
+                                          cand.axis, self.opts.reshard_after_forward, o,
+                                          self.opts.keep_grad_buffers) for o in once)
+        return out
+
+    def _virtual(self, cand: _Candidate) -> list[int]:
+        """Model chunks per rank the interleaved schedule tries on ``cand``: the forced
+        count, else 2 and 4 where each virtual stage still gets a layer; none when the
+        micro-batches are not a multiple of the stages (the schedule's groups: other
+        counts may be, and a forced count that is not fails in ``check_forced``)."""
+        p = cand.stages
+        if cand.micro_batches % p:
+            return []
+        want = [self.opts.virtual_stages] if self.opts.virtual_stages else [2, 4]
+        return [v for v in want if v > 1 and p * v <= len(cand.stats)]
+
+
+__all__ = ["JointSpace"]

@@ -1,0 +1,320 @@
+"""Per-layer time and memory of an intra-op plan: the inputs of the joint search over
+pipeline stages, micro-batches, ZeRO and recomputation (:mod:`autopar.search.stages.dp`).
+
+The intra-op plan is made for one micro-batch on one stage's sub-mesh; this module
+reads it back per layer (:mod:`autopar.capture.layers`):
+
+* ``seconds``: forward + backward time of one micro-batch (compute, the op's own
+  collectives and the redistributions on its input edges, both directions);
+* ``forward``: the forward share, which recomputation pays again in backward
+  (compute / (1 + backward factor) + half the edge communication);
+* ``activations``: bytes kept for backward per micro-batch (outputs of computing ops);
+* ``out_bytes``: bytes of values leaving the layer (what a recomputed layer keeps,
+  and what a pipeline cut after it sends);
+* parameters: local bytes, the part replicated on each sub-mesh axis (ZeRO candidates)
+  and gradient-reduction prices.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from autopar.capture.ir import info
+from autopar.cost_models import (
+    MeshSpec,
+    all_gather_time,
+    all_reduce_time,
+    compute_time,
+    optimizer_state_bytes,
+    optimizer_step_time,
+    reduce_scatter_time,
+)
+from autopar.plan.data import Plan, zero_axes
+from autopar.plan.placement import is_replicate, local_shape, parse_placements
+from autopar.search.node_prices import compute_floor
+from autopar.sharding.rules.losses import count_axes
+
+
+@dataclass
+class ParamStat:
+    """One parameter's local bytes and the mesh axes it is replicated on."""
+
+    bytes: float
+    replicated: tuple[int, ...]
+    name: str = ""  # the parameter's graph target (what the runtime's buckets name)
+
+
+@dataclass
+class LayerStat:
+    """Time and memory of one layer for one micro-batch (see module docstring)."""
+
+    key: str
+    seconds: float = 0.0
+    forward: float = 0.0
+    compute: float = 0.0  # the compute share of ``seconds`` (the rest is communication)
+    activations: float = 0.0
+    out_bytes: float = 0.0
+    params: list[ParamStat] = field(default_factory=list)
+    buffers: float = 0.0
+    floor: float = 0.0
+    """Device-seconds of forward + backward compute no placement goes below
+    (:func:`autopar.search.node_prices.compute_floor` summed over the layer's ops)."""
+    weight_grad_inputs: float = 0.0
+    """Bytes of the outputs of ops that read a weight (through views and casts): the
+    gradients a split backward keeps from ``B`` to ``W`` (the zero-bubble schedule)."""
+    cast_param_bytes: float = 0.0
+    """Local bytes of the parameters read only through dtype casts (mixed precision):
+    backward keeps their low-precision copy (an activation), so ZeRO-3 does not
+    re-gather them."""
+    behind: float = 0.0
+    """Seconds of collectives the layer leaves in flight beside the forward: the
+    cross-entropy's token count (:func:`autopar.sharding.rules.losses.count_axes`), which the
+    intra-op plan prices hidden and the stage exposes as far as the forward cannot
+    hide it (:func:`autopar.search.stages.dp.price_stage`)."""
+
+    @property
+    def param_bytes(self) -> float:
+        """Local parameter bytes (before ZeRO)."""
+        return sum(p.bytes for p in self.params)
+
+
+def _local_bytes(node: fx.Node, placement: str, mesh: MeshSpec) -> float:
+    t = info(node).out
+    return math.prod(local_shape(t.shape, parse_placements(placement), mesh.shape)) * (
+        t.nbytes / max(t.numel, 1))
+
+
+def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) -> list[LayerStat]:
+    """Per-layer statistics of ``plan`` (made for ``gm``), in layer order."""
+    mesh = plan.mesh
+    stats: dict[str, LayerStat] = {}
+    order: list[str] = []
+    layer_of: dict[fx.Node, str] = {}
+    for n in gm.graph.nodes:
+        np_ = plan.nodes.get(n.name)
+        if np_ is None:
+            continue
+        key = np_.layer or "post"
+        layer_of[n] = key
+        if key not in stats:
+            stats[key] = LayerStat(key)
+            order.append(key)
+        st = stats[key]
+        if np_.kind == "param":
+            pl = parse_placements(np_.out_placements[0])
+            rep = tuple(a for a, p in enumerate(pl) if is_replicate(p) and mesh.shape[a] > 1)
+            nbytes = _local_bytes(n, np_.out_placements[0], mesh)
+            st.params.append(ParamStat(nbytes, rep, np_.param or n.name))
+            if n.users and all(u.op == "call_function" and u.target is torch.ops.aten._to_copy.default
+                               for u in n.users):
+                st.cast_param_bytes += nbytes
+        elif np_.kind == "buffer":
+            st.buffers += np_.memory
+        elif np_.kind == "op":
+            st.seconds += np_.compute + np_.comm
+            st.compute += np_.compute
+            st.forward += np_.compute / (1.0 + backward_factor) + np_.comm / 2.0
+            st.activations += np_.memory
+            st.floor += compute_floor(n, mesh, backward_factor)
+            # only a cross-entropy sums a count: parse no other op's placements (every
+            # node of every candidate plan passes here)
+            if n.target is torch.ops.aten.cross_entropy_loss.default and np_.in_placements:
+                count = count_axes(n, parse_placements(np_.in_placements[0]), mesh.shape)
+                if count:
+                    st.behind += all_reduce_time(mesh, count, 8.0)  # int64 count
+    # ops reading a weight, through single-input views and casts of it
+    from_weight: set[fx.Node] = set()
+    for n in layer_of:
+        np_ = plan.nodes[n.name]
+        ins = n.all_input_nodes
+        if np_.kind == "param" or (np_.kind == "op" and len(ins) == 1 and ins[0] in from_weight):
+            from_weight.add(n)
+        elif np_.kind == "op" and any(a in from_weight for a in ins) and info(n).outputs \
+                and not info(n).tuple_output:
+            stats[layer_of[n]].weight_grad_inputs += _local_bytes(n, np_.out_placements[0], mesh)
+    # bytes leaving each layer: values used by a later layer (each value once)
+    for n, key in layer_of.items():
+        if n.op in ("placeholder", "get_attr") or n.target is operator.getitem:
+            continue
+        if any(layer_of.get(u, key) != key for u in n.users if u.op != "output"):
+            stats[key].out_bytes += _local_bytes(n, plan.nodes[n.name].out_placements[0], mesh) \
+                if info(n).outputs and not info(n).tuple_output else 0.0
+    # the loss is always "post": keep pre/post at the ends even if graph order differs
+    keys = [k for k in order if k == "pre"] + [k for k in order if k not in ("pre", "post")] + \
+        [k for k in order if k == "post"]
+    return [stats[k] for k in keys]
+
+
+@dataclass(frozen=True)
+class ZeroPrice:
+    """Per-step time and per-device memory of a layer's parameters under a ZeRO stage."""
+
+    sync: float          # gradient reduction (overlappable with backward)
+    gather_step: float   # all-gather after the step (stages 1-2), exposed once per step
+    gather_mb: float     # gathers per micro-batch (stage 3: forward + backward re-gather,
+    #                      their copies out of the flat buffer and the gradients' into one)
+    params: float
+    grads: float
+    optimizer: float
+    transient: float     # whole parameters alive while the layer runs (stage 3)
+    zero_sync: float = 0.0  # the part of ``sync`` that ZeRO's own reduce-scatters do
+    opt_step: float = 0.0  # the optimizer's update of the parameters this device owns
+    copy_step: float = 0.0  # the runtime's copies once per step: memory-bound, exposed
+    regather: float = 0.0  # stage 3: the backward's re-gather in ``gather_mb`` (its
+    #                        collective, wait and copies), what keeping the layer saves
+
+
+def on_zero(replicated: tuple[int, ...], stage: int, axis: int | tuple[int, ...] | None) -> bool:
+    """True when a parameter replicated on ``replicated`` is under ZeRO ``stage`` over
+    ``axis`` (one axis or several): it must be replicated on every one of them."""
+    axes = zero_axes(axis)
+    return stage > 0 and bool(axes) and set(axes) <= set(replicated)
+
+
+def grad_bytes(p: ParamStat, mesh: MeshSpec, stage: int, axis: int | tuple[int, ...] | None,
+               micro_batches: int = 1, reduce_once: bool = False) -> float:
+    """Bytes of ``p``'s gradient once the step's reduction has ended: whole outside ZeRO;
+    this rank's part under ZeRO-3, and under ZeRO-1/2 too (runtime/zero.py frees a
+    whole gradient once its bucket launches), unless accumulation keeps them whole
+    until the last backward (ZeRO-1/2, and ZeRO-3 with ``reduce_once``)."""
+    if not on_zero(p.replicated, stage, axis):
+        return p.bytes
+    if (stage == 3 and not reduce_once) or micro_batches == 1:
+        return p.bytes / math.prod(mesh.shape[a] for a in zero_axes(axis))
+    return p.bytes
+
+
+def copied_bytes(nbytes: float, d: int) -> float:
+    """Bytes (read + write) the ZeRO runtime's copies move for one parameter of ``nbytes``
+    sharded over ``d`` ranks, per gather-and-reduce round: stage 3 per micro-batch
+    (:mod:`autopar.runtime.zero3`), stages 1-2 per step (:mod:`autopar.runtime.zero`).
+
+    * the shards concatenated into the all-gather's input, twice (stage 3: forward and
+      backward re-gather; stages 1-2: the refresh's one, and the reduced part's clone
+      into the shard's gradient): ``2 x 2 x nbytes / d``;
+    * the whole parameter taken out of the rank-major gathered buffer, a strided read
+      that ``reshape`` copies, twice (stage 3: forward and backward; stages 1-2: the
+      refresh's reshape and its ``copy_`` into the parameter the graph reads):
+      ``2 x 2 x nbytes``;
+    * the gradient laid out rank-major for the reduction (``rank_major``): ``2 x nbytes``.
+
+    Measured on the GPT of ``benchmarks/cost_fidelity.py`` (4 gloo ranks, ZeRO-3):
+    ``aten::copy_`` and ``aten::cat`` took about 15 ms a step more than under data
+    parallel, whose gradients are views of their buckets; these bytes at the host's
+    calibrated 5.4 GB/s are 15 ms.  FSDP2 makes the same copies (its copy-in and
+    copy-out); on a GPU they run at the memory's bandwidth and cost little."""
+    return 6.0 * nbytes + 4.0 * nbytes / d
+
+
+def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | tuple[int, ...] | None,
+               optimizer: str, micro_batches: int = 1, reduce_once: bool = False) -> ZeroPrice:
+    """Price ``stat``'s parameters under ZeRO ``stage`` over sub-mesh ``axis`` for a step
+    of ``micro_batches``, as the runtime runs them (:mod:`autopar.runtime.zero`): stages
+    1-2 reduce once, after the last micro-batch's backward, so under accumulation stage 2
+    keeps whole gradients until then like stage 1; stage 3 reduce-scatters in every
+    micro-batch's backward (the gather's backward, :mod:`autopar.runtime.zero3`), so the
+    first ``micro_batches - 1`` of them are per micro-batch work (``gather_mb``), unless
+    it reduces once a step (``reduce_once``, ``Decisions.zero_reduce_once``): the whole
+    gradients accumulated until the last micro-batch's backward, which reduce-scatters
+    them."""
+    sync = gstep = gmb = pb = gb = ob = tr = zsync = step = rs = moved = into_bucket = regather = 0.0
+    zax = zero_axes(axis)
+    reduced: tuple[int, ...] = tuple(zax)  # stage 1: the axes its all-reduce spans
+    d = math.prod(mesh.shape[a] for a in zax)  # ranks in the ZeRO group (1 without one)
+    for p in stat.params:
+        opt = optimizer_state_bytes(p.bytes, optimizer)
+        gb += grad_bytes(p, mesh, stage, zax, micro_batches, reduce_once)
+        if not on_zero(p.replicated, stage, zax):
+            if p.replicated:
+                # bandwidth only: bucketing pays the latency once per bucket
+                sync += all_reduce_time(mesh, p.replicated, p.bytes) - all_reduce_time(mesh, p.replicated, 1.0)
+                # runtime/grad_sync.py copies the gradient autograd made into its bucket
+                # (then ``.grad`` is a view of it), as DDP's reducer does
+                into_bucket += 2.0 * p.bytes
+            pb, ob = pb + p.bytes, ob + opt
+            step += optimizer_step_time(mesh, p.bytes, opt)
+            continue
+        others = tuple(a for a in p.replicated if a not in zax)
+        before = sync
+        if stage == 1:
+            # runtime/zero.py all-reduces a stage-1 bucket over the ZeRO axes and the
+            # other replicated axes its parameters share, in one collective, and keeps
+            # this rank's part (a bucket whose parameters differ in their other axes
+            # reduces its part over them apart: priced alike).  On gloo an all-reduce
+            # runs faster than its reduce-scatter (4 MiB: 8-10 ms against 13-16 ms
+            # calibrated on 4 ranks); on NCCL it moves twice the reduce-scatter's bytes.
+            reduced = (*zax, *others)
+            sync += all_reduce_time(mesh, reduced, p.bytes) - all_reduce_time(mesh, reduced, 1.0)
+        else:
+            sync += reduce_scatter_time(mesh, zax, p.bytes) - reduce_scatter_time(mesh, zax, d)
+            rs += sync - before  # the ZeRO axis's own reduce-scatter (what zero3's backward runs)
+            if others:
+                sync += all_reduce_time(mesh, others, p.bytes / d) - all_reduce_time(mesh, others, 1.0)
+        zsync += sync - before
+        if d > 1:
+            moved += copied_bytes(p.bytes, d)
+        if stage < 3:
+            # bandwidth only: runtime/zero.py gathers the updated shards in fused 4 MiB
+            # buckets (they may span layers); one latency per layer below stands for them,
+            # as for the reduction (per parameter, the 69 tensors of a 4-layer GPT
+            # cost 90 ms of gloo latency the runtime never pays)
+            gstep += all_gather_time(mesh, zax, p.bytes) - all_gather_time(mesh, zax, d)
+            # the whole parameter the graph reads and the shard the optimizer steps
+            pb += p.bytes + p.bytes / d
+        else:
+            pb += p.bytes / d
+            tr += p.bytes  # the layer's whole parameters, gathered together below
+        ob += opt / d
+        step += optimizer_step_time(mesh, p.bytes / d, opt / d)  # each rank updates its shard
+    if zsync and zax:
+        # the layer's gradients leave in one reduce-scatter (stage 3, runtime/zero3.py)
+        # or a few fused buckets (stages 1-2): one latency per layer, as the data-parallel
+        # buckets pay theirs (autopar/search/buckets.py).  Stages 1-2's 4 MiB buckets span
+        # layers, so this over-counts small layers (the GPT of cost_fidelity: 6 layers in
+        # 2 buckets each way) and under-counts layers over 4 MiB, whose bandwidth term
+        # dominates.  (The layer's bytes' share of the buckets' latencies under-counts a
+        # small model's one bucket each way, and made ZeRO-2 the unconstrained plan of
+        # a small GPT on 4 A100s: a step-level count is what it would take.)
+        lat = all_reduce_time(mesh, reduced, d) if stage == 1 else reduce_scatter_time(mesh, zax, d)
+        zsync += lat
+        sync += lat
+        if stage > 1:
+            rs += lat
+    if gstep:
+        gstep += all_gather_time(mesh, zax, d)
+    # the copies are memory-bound work on the rank's own cores, exposed: data parallel
+    # and stages 1-2 make them once per step (a gradient into its bucket in backward,
+    # the refresh before the next forward), stage 3 in every micro-batch's forward and
+    # backward
+    copies = compute_time(mesh, 0.0, moved)  # 0.0 where nothing is copied
+    once = (copies if stage < 3 else 0.0) + compute_time(mesh, 0.0, into_bucket)
+    if tr:
+        # stage 3 gathers a layer's parameters in one collective (runtime/zero3.py), in
+        # the forward and again in the backward: the latency is paid once per layer
+        gmb = 2.0 * all_gather_time(mesh, zax, tr)
+        # the backward's half: its gather and wait, and its copies (the shards into the
+        # send buffer and the whole parameters out of the gathered one, copied_bytes)
+        regather = gmb / 2.0 + mesh.sync_seconds * (d > 1) + compute_time(mesh, 0.0, 2.0 * tr * (1.0 + 1.0 / d))
+        if d > 1:
+            # each gather is waited for right before its layer runs, in forward and in
+            # backward: every rank waits there for the last to issue it, the drift a
+            # blocking collective pays (``mesh.sync_seconds``, collectives.blocking_time).
+            # Unpriced, ZeRO-3 of the 4-layer GPT on 4 calibrated gloo ranks measured
+            # 0.88 of its price idle and 0.69 with one more busy process (12 gathers a
+            # step); priced, 1.02 and 0.90 (docs/benchmarks.md, Cost-model fidelity)
+            gmb += 2.0 * mesh.sync_seconds
+        # and reduce-scatters their gradients over the ZeRO axis in every micro-batch's
+        # backward: the last is the step's gradient sync (``sync``, overlapped like a
+        # bucket); the others are spread over the micro-batches here (the step prices
+        # ``gather_mb`` M times).  The all-reduce over other replicated axes runs once,
+        # after the last backward (GradSync is off before it): it stays in ``sync`` only
+        gmb += (0.0 if reduce_once else rs * (micro_batches - 1) / micro_batches) + copies
+    return ZeroPrice(sync, gstep, gmb, pb, gb, ob, tr, zsync, step, once, regather)
+
+
+__all__ = ["LayerStat", "ParamStat", "ZeroPrice", "copied_bytes", "grad_bytes", "layer_stats", "on_zero", "zero_price"]

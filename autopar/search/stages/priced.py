@@ -1,0 +1,107 @@
+"""What the pipeline part of the joint search (:mod:`autopar.search.stages.dp`) prices and
+returns: a :class:`Config` of discrete choices, each stage's :class:`StagePrice`, and
+the :class:`Priced` whole with its step-time breakdown."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from autopar.plan.data import Schedule
+
+
+@dataclass(frozen=True)
+class Config:
+    """Discrete choices priced together."""
+
+    stages: int = 1
+    micro_batches: int = 1
+    schedule: str = Schedule.NONE.value
+    zero_stage: int = 0
+    zero_axis: int | tuple[int, ...] | None = None  # one axis, or several at once
+    recompute: tuple[str, ...] | None = None  # forced recomputed layer keys; None = searched
+    bucket_bytes: float | None = None  # fixed gradient bucket size; None = chosen (MG-WFBP)
+    virtual: int = 1  # model chunks per pipeline rank (the interleaved schedule)
+    pipeline_axis: int = 0  # the mesh axis the stages are carved from
+    reshard: bool | None = None  # ZeRO-3 re-gathers in backward: None = per layer, chosen
+    # ZeRO-3 under accumulation: gradients reduce-scattered once, after the last
+    # micro-batch (whole until then), rather than in every micro-batch's backward
+    reduce_once: bool = False
+    # the gradient buckets' buffers kept between steps: None = where the memory fits
+    keep_buffers: bool | None = None
+
+
+@dataclass
+class StagePrice:
+    """One stage under a config: time per micro-batch, step extras, memory, recompute."""
+
+    layers: list[str]
+    seconds: float
+    extra: float
+    memory: dict[str, float]
+    recompute: list[str] = field(default_factory=list)
+    parts: dict[str, float] = field(default_factory=dict)
+    """``seconds`` and ``extra`` split for the plan summary: ``compute``, ``recompute``,
+    ``accumulate`` (gradient accumulation) and ``comm`` (per micro-batch; they sum to
+    ``seconds``), ``sync`` (all gradient
+    reduction, mostly hidden under backward), ``sync_exposed`` and ``gather_step`` (the
+    step's exposed tail; they sum to ``extra``)."""
+    buckets: list[list[str]] = field(default_factory=list)
+    """The data-parallel gradient buckets, parameter names in launch order."""
+    kept: list[str] = field(default_factory=list)
+    """ZeRO-3 layers kept gathered from forward to backward (``Decisions.zero_kept``)."""
+    grad_buffers_kept: bool = False
+    """The gradient buckets' buffers serve every step (``Decisions.grad_buffers_kept``)."""
+
+    @property
+    def total_memory(self) -> float:
+        """Bytes per device."""
+        return sum(self.memory.values())
+
+
+@dataclass
+class Priced:
+    """A config with its stages and step time (``inf`` when no split fits)."""
+
+    config: Config
+    stages: list[StagePrice]
+    step_seconds: float
+    min_memory: float
+    bound: float | None = None
+    """Set when the config was not priced because this lower bound on its step time
+    (:func:`step_lower_bound`) already exceeded a plan found before it."""
+    virtual: list[list[str]] = field(default_factory=list)
+    """Under the interleaved schedule, the layer keys of each virtual stage in model
+    order (``stages`` are then the ranks, each the sum of its chunks)."""
+
+    @property
+    def feasible(self) -> bool:
+        """True when every stage fits the budget."""
+        return math.isfinite(self.step_seconds)
+
+    def breakdown(self) -> dict[str, float]:
+        """``step_seconds`` split as :attr:`autopar.plan.Decisions.breakdown` says: the
+        slowest stage's micro-batches (compute + exposed communication), the step's
+        exposed tail (gradient sync after the last backward, ZeRO-1/2 gathers, the
+        optimizer's update) and the pipeline bubble (the other stages' share of fill and
+        drain)."""
+        if not self.stages:
+            return {}
+        m = self.config.micro_batches
+        slow = max(self.stages, key=lambda sp: sp.seconds)
+        tail = max(self.stages, key=lambda sp: sp.extra)
+        p = slow.parts
+        copies = tail.parts.get("copy_step", 0.0)  # memory-bound work, not communication
+        compute = m * (p.get("compute", 0.0) + p.get("recompute", 0.0) + p.get("accumulate", 0.0)) + copies
+        optimizer = tail.parts.get("optimizer_step", 0.0)
+        exposed = m * p.get("comm", 0.0) + tail.extra - optimizer - copies
+        # one stage has no bubble (what the subtraction leaves then is rounding)
+        bubble = max(0.0, self.step_seconds - m * slow.seconds - tail.extra) \
+            if self.config.stages > 1 else 0.0
+        hidden = max(0.0, tail.parts.get("sync", 0.0) - tail.parts.get("sync_exposed", 0.0))
+        return {"compute_seconds": compute, "exposed_comm_seconds": exposed,
+                "bubble_seconds": bubble, "optimizer_seconds": optimizer,
+                "hidden_comm_seconds": hidden}
+
+
+__all__ = ["Config", "Priced", "StagePrice"]

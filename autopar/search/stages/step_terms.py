@@ -1,0 +1,132 @@
+"""What a pipeline stage's micro-batch pays beyond its layers' own forward and backward
+(:func:`autopar.search.stages.dp.price_stage` adds them): gradient accumulation, the
+in-flight collectives the forward does not hide, zero-bubble's split backward, and the
+price of one message between stages; and what shapes a stage's memory and gradient
+reduction: the micro-batches it holds at once and its gradient buckets."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from autopar.cost_models import MeshSpec, send_recv_time
+from autopar.plan import schedules as sched
+from autopar.plan.data import Schedule
+from autopar.search import buckets as bk
+from autopar.search.stages.layer_stats import LayerStat
+
+if TYPE_CHECKING:  # pipeline.py imports this module
+    from autopar.search.stages.dp import Config
+
+
+def stage_link(mesh: MeshSpec, stages: int) -> Callable[[float], float]:
+    """The time of one point-to-point message between pipeline stages (``pipe_link``),
+    on the pipeline axis 0 of ``mesh``; nothing without a pipeline.  Its price after a
+    barrier, without ``mesh.sync_seconds``: a receive waits for the sending stage's
+    compute, which the schedule already prices (``M`` times the slowest stage plus the
+    fill and drain), and a send is asynchronous.  With the drift on each of a stage's
+    four messages per micro-batch, the GPT's 2-stage 1F1B on 4 calibrated gloo ranks
+    was priced 1-11% over data parallel in fidelity runs where it measured 4-9% under
+    it (docs/benchmarks.md, Cost-model fidelity)."""
+    if stages <= 1:
+        return lambda b: 0.0
+    return lambda b: send_recv_time(mesh, (0,), b)
+
+
+def split_seconds(layers: list[LayerStat], cfg: Config, mesh: MeshSpec, index: int) -> float:
+    """Seconds per micro-batch the zero-bubble schedule's split backward adds to stage
+    ``index``: ``(mesh.split_backward - 1)`` times the stage's backward.  Not on the first
+    stage, whose ``B`` has no inputs to split at and whose ``W`` runs the whole backward
+    (:mod:`autopar.runtime.split_backward`).  Unpriced, forced ZeRO-1 and ZeRO-2 planned
+    zero-bubble with two stages on 4 gloo ranks, priced 3-5 ms under 1F1B per step, and
+    measured 3-6 ms over it (8-23 ms with ZeRO-1; docs/benchmarks.md, Cost-model
+    fidelity)."""
+    if cfg.schedule != Schedule.ZERO_BUBBLE.value or index == 0 or cfg.stages == 1:
+        return 0.0
+    return (mesh.split_backward - 1.0) * sum(st.seconds - st.forward for st in layers)
+
+
+def accumulation_seconds(grads: list[float], micro_batches: int, mesh: MeshSpec) -> float:
+    """Seconds per micro-batch that gradient accumulation adds: every micro-batch after
+    the first adds its gradients into the step's (autograd's AccumulateGrad reads both
+    and writes the sum), ``grads`` bytes as they are accumulated (whole, or ZeRO-3's
+    reduce-scattered shards), at the elementwise rate; spread over the ``M``
+    micro-batches, so the step pays ``(M - 1)`` accumulations.  Unpriced, four
+    micro-batches of the 4-layer GPT on 4 gloo ranks measured 30 ms (18%) over one
+    and were predicted no slower (docs/benchmarks.md, Cost-model fidelity); the
+    accumulations are 9 of those ms."""
+    if micro_batches <= 1:
+        return 0.0
+    return mesh.straggler * 3.0 * sum(grads) / mesh.mem_bandwidth * (micro_batches - 1) / micro_batches
+
+
+def count_exposed(layers: list[LayerStat], cfg: Config, mesh: MeshSpec) -> float:
+    """Seconds per micro-batch of the layers' in-flight collectives (``behind``: the
+    cross-entropy's token count) that the forward does not hide.  Without a pipeline
+    the count starts where the labels are sliced, at the top of the forward
+    (passes/localize.py), and runs beside it at ``mesh.overlap`` of its speed, the
+    bucket model's terms: ``max(0, A - F x overlap)`` for forward time ``F``.  Under
+    pipeline stages it starts at the loss and is waited for at once: all of it.
+    Nothing on GPUs (overlap 1); nearly all of it where ranks share cores (a few ms a
+    micro-batch on 4 gloo ranks of 2 cores: four micro-batches of the 4-layer GPT
+    measured 30 ms over one, predicted no slower while the count was priced hidden)."""
+    behind = sum(st.behind for st in layers)
+    if not behind:
+        return 0.0
+    beside = sum(st.forward for st in layers) if cfg.stages <= 1 else 0.0
+    return max(0.0, behind - beside * mesh.overlap)
+
+
+def stage_buckets(layers: list[LayerStat], zp: list, rc: set[str], cfg: Config, mesh: MeshSpec,
+                  per_layer: bool = False) -> tuple[bk.BucketPlan, list[list[str]], dict[str, float]]:
+    """The stage's gradient buckets (chosen, ``cfg.bucket_bytes`` each, or ``per_layer``
+    one per layer), their timing, and for ``explain`` the exposed reduction with one
+    bucket per gradient and with one bucket for all, plus the buckets' smallest and
+    largest bytes."""
+    # zero-bubble: W writes .grad without the hooks that launch buckets, so every bucket
+    # is reduced after the step's last W (runtime/pipeline.py flushes them there)
+    deferred = cfg.schedule == Schedule.ZERO_BUBBLE.value and cfg.stages > 1
+    items, backward = bk.stage_items(layers, zp, rc, cfg.zero_stage, cfg.zero_axis, deferred)
+    if per_layer:
+        layer_of = {q.name: k for k, st in enumerate(layers) for q in st.params}
+        bp = bk.simulate(items, bk.per_layer(items, layer_of), mesh, backward)
+    elif cfg.bucket_bytes is None:
+        bp = bk.optimal(items, mesh, backward)
+    else:
+        bp = bk.simulate(items, bk.fixed_size(items, cfg.bucket_bytes), mesh, backward)
+    sizes = [sum(x.bytes for x in items[i:j]) for i, j in bp.cuts if items[i].fixed is None]
+    extremes = {
+        "sync_exposed_per_gradient": bk.simulate(items, bk.per_gradient(items), mesh, backward).exposed,
+        "sync_exposed_one_bucket": bk.simulate(items, bk.one_bucket(items), mesh, backward).exposed,
+        "bucket_bytes_min": min(sizes, default=0.0), "bucket_bytes_max": max(sizes, default=0.0)}
+    return bp, bp.names(items), extremes
+
+
+def in_flight(cfg: Config, index: int) -> int:
+    """Micro-batches whose activations stage ``index`` keeps at once: 1 without a
+    pipeline, ``M`` under GPipe, ``min(p - s, M)`` under 1F1B; under zero-bubble and
+    interleaved 1F1B (where ``index`` is a virtual stage, its chunk's) the count the
+    schedule's own order gives (:func:`autopar.plan.schedules.in_flight`)."""
+    if cfg.stages == 1:
+        return 1
+    if cfg.schedule == Schedule.GPIPE.value:
+        return cfg.micro_batches
+    if cfg.virtual > 1 or cfg.schedule == Schedule.ZERO_BUBBLE.value:
+        ranks = cfg.stages // cfg.virtual
+        table = sched.in_flight_table(cfg.schedule, ranks, cfg.micro_batches, cfg.virtual)
+        return table[index % ranks][index // ranks]
+    return min(cfg.stages - index, cfg.micro_batches)
+
+
+def waiting_w(cfg: Config, index: int) -> int:
+    """Zero-bubble: the most micro-batches stage ``index`` holds between their ``B`` and
+    ``W`` (:func:`autopar.plan.schedules.waiting_w`); 0 for the other schedules."""
+    if cfg.schedule != Schedule.ZERO_BUBBLE.value or index == 0:
+        # the first stage has no input gradients to split at: its B does nothing and
+        # its W runs the whole backward (runtime/split_backward.py), holding no more
+        return 0
+    return sched.waiting_w(cfg.stages, cfg.micro_batches)[index]
+
+
+__all__ = ["accumulation_seconds", "count_exposed", "in_flight", "split_seconds", "stage_buckets",
+           "stage_link", "waiting_w"]

@@ -1,0 +1,148 @@
+"""Why the joint search chose what it chose, in words (``plan.explain("zero")`` etc.).
+
+Each decision is set against the best alternative the search priced: without ZeRO,
+without a pipeline, other micro-batch counts, the same plan without recomputation,
+one gradient bucket per gradient or one for all.  An alternative priced from the
+shallow copy of a model with identical layers (:mod:`autopar.search.shallow`) says it is an
+estimate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+from autopar.cost_models import format_bytes
+from autopar.plan.data import zero_words
+from autopar.search.stages.dp import Config, Priced, price, stage_link
+
+ESTIMATED = " (estimated at full depth from a shallow copy of the model)"
+
+
+@dataclasses.dataclass
+class Context:
+    """What the explanations read: every (candidate, priced config) of the search, the
+    ids of the priced configs that are estimates, the memory budget, the global batch
+    and the optimizer (to re-price a plan without recomputation)."""
+
+    priced: Sequence[tuple[object, Priced]]
+    estimated: set[int]
+    budget: float
+    global_batch: int
+    optimizer: str
+
+
+def _alt(ctx: Context, pred: Callable[[Config], bool]) -> Priced | None:
+    ok = [p for _, p in ctx.priced if pred(p.config)]
+    feas = [p for p in ok if p.feasible]
+    if feas:
+        return min(feas, key=lambda p: p.step_seconds)
+    bounded = [p for p in ok if p.bound is not None]
+    if bounded:
+        return min(bounded, key=lambda p: p.bound)
+    return min(ok, key=lambda p: p.min_memory) if ok else None
+
+
+def _versus(ctx: Context, alt: Priced | None, what: str) -> str:
+    if alt is None:
+        return f"{what} was not tried"
+    est = ESTIMATED if id(alt) in ctx.estimated else ""
+    if alt.bound is not None:
+        return f"{what} takes at least {alt.bound * 1e3:.3f} ms per step (a lower bound: " \
+               f"slower than a plan already found, so not priced further){est}"
+    if not alt.feasible:
+        return f"{what} needs {format_bytes(alt.min_memory)} per device, over the budget " \
+               f"of {format_bytes(ctx.budget)}{est}"
+    return f"{what} takes {alt.step_seconds * 1e3:.3f} ms per step and " \
+           f"{format_bytes(alt.min_memory)} per device{est}"
+
+
+def decisions_why(ctx: Context, pr: Priced) -> dict[str, str]:
+    """The ``Decisions.why`` texts of the chosen ``pr`` (keys zero, pipeline,
+    micro_batches, recompute, layer:<key>, buckets)."""
+    cfg = pr.config
+    ms = pr.step_seconds * 1e3
+    mem = max(sp.total_memory for sp in pr.stages)
+    why: dict[str, str] = {}
+    here = f"this plan: {ms:.3f} ms per step, {format_bytes(mem)} per device"
+    why["zero"] = (f"ZeRO-{cfg.zero_stage} over {zero_words(cfg.zero_axis)}; " if cfg.zero_stage
+                   else "no ZeRO; ") + here + "; " + _versus(ctx, _alt(
+                       ctx, lambda c: c.zero_stage == 0 and (c.stages, c.micro_batches, c.pipeline_axis) ==
+                       (cfg.stages, cfg.micro_batches, cfg.pipeline_axis)) if cfg.zero_stage else
+                       _alt(ctx, lambda c: c.zero_stage > 0),
+                       "without ZeRO" if cfg.zero_stage else "with ZeRO")
+    if cfg.zero_stage == 3:
+        kept, n = sum(len(sp.kept) for sp in pr.stages), sum(len(sp.layers) for sp in pr.stages)
+        why["zero"] += (f"; {kept} of {n} layers kept gathered from forward to backward (no "
+                        "re-gather), " + ("as reshard_after_forward asks" if cfg.reshard is not None
+                                          else "the most the memory budget allows, from the last"))
+        if cfg.micro_batches > 1 and cfg.stages == 1:
+            why["zero"] += ("; gradients summed over the micro-batches and reduce-scattered once a step"
+                            if cfg.reduce_once else "; gradients reduce-scattered in every micro-batch")
+    chunks = f" x {cfg.virtual} chunks per stage" if cfg.virtual > 1 else ""
+    where = f" from mesh axis {cfg.pipeline_axis}" if cfg.pipeline_axis else ""
+    why["pipeline"] = (f"{cfg.stages} pipeline stages{where} ({cfg.schedule}{chunks}); " if cfg.stages > 1
+                       else "no pipeline; ") + here + "; " + _versus(ctx, _alt(
+                           ctx, lambda c: c.stages == 1) if cfg.stages > 1 else
+                           _alt(ctx, lambda c: c.stages > 1),
+                           "one stage" if cfg.stages > 1 else "pipelining")
+    if cfg.stages > 1:
+        # the schedule against the best other one on the same stages and micro-batches
+        other = _alt(ctx, lambda c: (c.stages, c.micro_batches, c.pipeline_axis) ==
+                     (cfg.stages, cfg.micro_batches, cfg.pipeline_axis)
+                     and (c.schedule, c.virtual) != (cfg.schedule, cfg.virtual))
+        name = "another schedule" if other is None else other.config.schedule + (
+            f" x {other.config.virtual} chunks" if other.config.virtual > 1 else "")
+        why["pipeline"] += "; " + _versus(ctx, other, name)
+    why["micro_batches"] = f"{cfg.micro_batches} micro-batch{'es' if cfg.micro_batches > 1 else ''} of " \
+        f"{ctx.global_batch // cfg.micro_batches}; " + _versus(
+            ctx, _alt(ctx, lambda c: c.micro_batches != cfg.micro_batches),
+            "other micro-batch counts (best of them)")
+    rc = [k for sp in pr.stages for k in sp.recompute]
+    if rc:
+        cand = next(c for c, p in ctx.priced if p is pr)
+        link = stage_link(cand.full, cfg.stages)
+        plain = price(cand.stats, dataclasses.replace(cfg, recompute=()), cand.plan.mesh, link,
+                      ctx.budget, ctx.optimizer)
+        why["recompute"] = f"{len(rc)} layers recomputed ({', '.join(rc)}): {here}; " + _versus(
+            ctx, plain, "the same plan without recomputation")
+        stats = {st.key: st for st in cand.stats}
+        for sp_i, sp in enumerate(pr.stages):
+            for k in sp.recompute:
+                st = stats[k]
+                why[f"layer:{k}"] = (
+                    f"{k} is recomputed in backward: it saves "
+                    f"{format_bytes(st.activations - st.out_bytes)} of activations per "
+                    f"micro-batch in flight on stage {sp_i} and costs "
+                    f"{st.forward * 1e3:.3f} ms of extra forward per micro-batch; without "
+                    f"recomputation stage {sp_i} would need more than the budget of "
+                    f"{format_bytes(ctx.budget)}")
+    else:
+        why["recompute"] = "no layer is recomputed: the plan fits without it"
+    why["buckets"] = bucket_words(pr, cfg)
+    return why
+
+
+def bucket_words(pr: Priced, cfg: Config) -> str:
+    """One line on the gradient buckets of the stage whose reduction tail is longest."""
+    n = sum(len(sp.buckets) for sp in pr.stages)
+    if not n:
+        return "no gradient is all-reduced by data parallelism (nothing replicated to reduce)"
+    tail = max(pr.stages, key=lambda sp: sp.parts.get("sync_exposed", 0.0))
+    p = tail.parts
+    how = (f"{format_bytes(cfg.bucket_bytes)} each as asked (bucket_bytes)" if cfg.bucket_bytes
+           else "chosen to end the reduction earliest (MG-WFBP)")
+    where = f" on stage {pr.stages.index(tail)}" if len(pr.stages) > 1 else ""
+    kept = all(sp.grad_buffers_kept for sp in pr.stages)
+    return (f"{n} gradient bucket{'s' if n > 1 else ''} of {format_bytes(p.get('bucket_bytes_min', 0.0))}"
+            f"-{format_bytes(p.get('bucket_bytes_max', 0.0))}, {how}: "
+            f"{p.get('sync_exposed', 0.0) * 1e3:.3f} ms of {p.get('sync', 0.0) * 1e3:.3f} ms of "
+            f"reduction exposed after the backward{where}; one bucket per gradient would expose "
+            f"{p.get('sync_exposed_per_gradient', 0.0) * 1e3:.3f} ms, one bucket for all "
+            f"{p.get('sync_exposed_one_bucket', 0.0) * 1e3:.3f} ms"
+            + ("; their buffers serve every step" if kept else "; new buffers each step")
+            + (" (keep_grad_buffers)" if cfg.keep_buffers is not None else
+               " (the memory fits)" if kept else " (keeping them does not fit)"))
+
+
+__all__ = ["ESTIMATED", "Context", "bucket_words", "decisions_why"]

@@ -1,0 +1,74 @@
+"""Reductions: a kept dim keeps its shard; a reduced sharded dim leaves a Partial
+sum (for ``mean`` the lowering scales the local mean by local/global count)."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from autopar.capture.ir import info
+from autopar.plan.placement import P, Shard, normalize_dim
+from autopar.sharding.rules import AxisStrategy, RuleCtx, arg, assign, ndim, register
+
+aten = torch.ops.aten
+
+SUM_LIKE = [aten.sum.dim_IntList, aten.mean.dim, aten.sum.default, aten.mean.default]
+MAX_LIKE = [aten.amax.default, aten.amin.default, aten.argmax.default, aten.argmin.default,
+            aten.cumsum.default, aten.any.dim, aten.all.dim]
+
+
+def reduced_dims(node: fx.Node) -> tuple[list[int], bool]:
+    """(reduced dims, keepdim) of a reduction node."""
+    n = ndim(node.args[0])
+    t = node.target
+    if t in (aten.sum.default, aten.mean.default):
+        return list(range(n)), False
+    if t is aten.cumsum.default:
+        return [normalize_dim(node.args[1], n)], True
+    dims = arg(node, 1, "dim", None)
+    if dims is None or dims == []:
+        return list(range(n)), bool(arg(node, 2, "keepdim", False))
+    if isinstance(dims, int):
+        dims = [dims]
+    return [normalize_dim(d, n) for d in dims], bool(arg(node, 2, "keepdim", False))
+
+
+def _kept_map(n: int, red: list[int], keepdim: bool) -> dict[int, int]:
+    out, j = {}, 0
+    for i in range(n):
+        if i in red:
+            j += keepdim
+            continue
+        out[i] = j
+        j += 1
+    return out
+
+
+@register(*SUM_LIKE)
+def sum_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
+    """Sum/mean: kept dims shard through; reduced dims give Partial; Partial passes."""
+    x = node.args[0]
+    red, keep = reduced_dims(node)
+    result = []
+    for i, o in _kept_map(ndim(x), red, keep).items():
+        s = assign(node, [(x, Shard(i))], [Shard(o)])
+        if s is not None:
+            result.append(s)
+    for d in red:
+        s = assign(node, [(x, Shard(d))], [P])
+        if s is not None:
+            result.append(s)
+    s = assign(node, [(x, P)], [P])
+    if s is not None:
+        result.append(s)
+    return result
+
+
+@register(*MAX_LIKE)
+def max_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
+    """Non-linear reductions: only kept dims shard."""
+    x = node.args[0]
+    red, keep = reduced_dims(node)
+    nout = len(info(node).outputs)
+    return [s for i, o in _kept_map(ndim(x), red, keep).items()
+            for s in [assign(node, [(x, Shard(i))], [Shard(o)] * nout)] if s is not None]
