@@ -9,6 +9,7 @@ import warnings
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+import autopar.report  # noqa: F401  (registers how a Plan prints and explains itself)
 from autopar.api import LazyParallel, ParallelModule, auto_parallel, plan
 from autopar.cost_models import MeshSpec
 from autopar.errors import (

@@ -48,7 +48,7 @@ from torch import nn
 
 from autopar.cost_models import MeshSpec
 from autopar.errors import AutoparError, ConfigError
-from autopar.plan.data import Plan
+from autopar.plan.data import Plan, register_reader
 
 PICKS = ("measured", "predicted")
 """What :func:`verify` picks: the measured fastest candidate, or the predicted fastest."""
@@ -490,6 +490,9 @@ def verify_plan(plan: Plan, model: nn.Module, example_inputs: tuple = (), **opti
             options.setdefault("precision", plan.decisions.precision)
     return verify(model, example_inputs, options.pop("mesh", None) or requested_mesh(plan),
                   include=(plan,), **options)
+
+
+register_reader("verify", verify_plan)
 
 
 __all__ = ["PICKS", "Candidate", "Row", "Shortlist", "VerifyReport", "candidate_key", "join",

@@ -18,7 +18,6 @@ from autopar.plan.placement import is_replicate, parse_placements
 from autopar.runtime import rng
 from autopar.runtime.inputs import BatchMode, InputBinder, data_parallel_axes, passthrough_inputs
 from autopar.runtime.mesh import activate
-from autopar.runtime.shards import gather_tensor, shard_tensor
 
 # attribute names of ParallelModule itself: a model's top-level submodule or parameter
 # of the same name could not be registered under its own name
@@ -281,51 +280,6 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
                     out.append((t, None))
         return out
 
-    def _local_wholes(self, grads: bool = False) -> list[tuple[str, torch.Tensor | None]]:
-        """(target, this rank's tensor in its planned placement) for every parameter and
-        buffer, or their gradients; collective under ZeRO (gathers shards)."""
-        zt = self.zero.targets() if self.zero is not None else set()
-        out = []
-        for t, p in self._targets():
-            if t in zt:
-                x = self.zero.local_whole(t, grad=grads)
-            elif grads:
-                x = p.grad if isinstance(p, nn.Parameter) else None
-            else:
-                x = p
-            if self.plan.decisions.pipeline_stages > 1 and self._mesh_rt is not None:
-                x = self._from_owner_stage(t, x, grads)
-            out.append((t, x))
-        return out
-
-    def _from_owner_stage(self, t: str, x: torch.Tensor | None, grads: bool) -> torch.Tensor | None:
-        """Broadcast ``t`` from the pipeline stage that holds it (collective over the
-        pipeline axis; every rank walks the targets in the same order)."""
-        m = self._mesh_rt
-        src = m.stage_rank(self._owner.get(t, 0))
-        mine = x is not None and self._mine(t)
-        # shape and dtype travel with the tensor: buffers the plan has no node for (a
-        # non-persistent rotary table) and integer buffers are broadcast too
-        meta = [(tuple(x.shape), x.dtype) if mine else None]
-        dist.broadcast_object_list(meta, src=src, group=m.device_mesh.get_group(0))
-        if meta[0] is None:
-            return None
-        shape, dtype = meta[0]
-        x = x.detach().contiguous().clone() if mine else torch.empty(shape, dtype=dtype, device=m.device)
-        dist.broadcast(x, src=src, group=m.device_mesh.get_group(0))
-        return x
-
-    def full_grads(self) -> dict[str, torch.Tensor]:
-        """Every parameter's whole gradient under its original names (collective)."""
-        out = {}
-        for t, g in self._local_wholes(grads=True):
-            if g is None or t not in self._placements:
-                continue
-            whole = gather_tensor(g, self._placements[t], self._mesh_rt.group)
-            for n in self.aliases[t]:
-                out[n] = whole
-        return out
-
     def _bind(self, args: tuple, kwargs: dict) -> list:
         if self._mesh_rt is None:
             raise RuntimeError("this ParallelModule is planning-only (no process group); "
@@ -385,85 +339,6 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
     def code(self) -> str:
         """The generated per-rank forward code, collectives included."""
         return self.inner.code
-
-    # ------------------------------------------------------------ checkpoints
-    def _load_targets(self, full_state: Mapping[str, torch.Tensor], coord) -> None:
-        pieces = {}
-        for t, _ in self._targets():
-            names = self.aliases[t]
-            src = next((full_state[n] for n in names if n in full_state), None)
-            if src is None:
-                raise KeyError(f"state dict has none of {names}")
-            pieces[t] = ("full", src)
-        self._load_pieces(pieces, coord)
-        with torch.no_grad():
-            for n, x in self._extra.items():
-                if n in full_state:
-                    (x.to_local() if hasattr(x, "to_local") else x).copy_(full_state[n])
-
-    def _load_pieces(self, pieces: Mapping[str, tuple[str, torch.Tensor]], coord=None) -> None:
-        """Set targets from ``("full", whole tensor)`` (sharded here) or ``("local",
-        this rank's tensor in its planned placement)``, in place once the module owns
-        its tensors (DTensor parameters and optimizers keep pointing at them)."""
-        coord = self._coord() if coord is None else coord
-        zt = self.zero.targets() if getattr(self, "zero", None) is not None else set()
-        for t, p in self._targets():
-            if t not in pieces:
-                continue
-            kind, src = pieces[t]
-            pl = self._placements.get(t, tuple(parse_placements("R" * len(coord))))
-            if p is None and t not in zt:
-                continue  # held by another pipeline stage
-            local = shard_tensor(src.detach(), pl, self.plan.mesh.shape, coord) if kind == "full" \
-                else src.detach()
-            if t in zt:
-                self.zero.load_whole(t, local)
-                continue
-            with torch.no_grad():
-                if p.shape == local.shape and getattr(self, "_owns_params", False):
-                    p.copy_(local)
-                else:
-                    self._replace(t, local.clone(), isinstance(p, nn.Parameter))
-        # the captured graph shares tensors with the user's model: from here on this
-        # module owns fresh ones, so the user's model is never modified
-        self._owns_params = True
-
-    def _replace(self, target: str, tensor: torch.Tensor, is_param: bool) -> None:
-        *path, leaf = target.split(".")
-        owner = self.inner.get_submodule(".".join(path)) if path else self.inner
-        if is_param:
-            owner.register_parameter(leaf, nn.Parameter(tensor, requires_grad=not self._frozen(target)))
-        else:
-            owner.register_buffer(leaf, tensor)
-
-    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Load an original-model state dict (whole tensors) by sharding it in."""
-        self._load_targets(state_dict, self._coord())
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The original model's state dict: original names, whole tensors.
-
-        Collective when running: every rank must call it."""
-        whole = {}
-        for t, p in self._local_wholes():
-            pl = self._placements.get(t)
-            if pl is None or self._mesh_rt is None:
-                whole[t] = p.detach().clone()
-            else:
-                whole[t] = gather_tensor(p, pl, self._mesh_rt.group)
-        out = {}
-        for key in self.state_keys:
-            t = self._target_of.get(key)
-            if t is not None:
-                out[key] = whole[t]
-            elif key in self._extra:  # never read by the forward: kept whole on every rank
-                x = self._extra[key].detach()
-                out[key] = (x.to_local() if hasattr(x, "to_local") else x).clone()
-        return out
-
-    def local_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's shards, keyed by graph target."""
-        return {t: p.detach().clone() for t, p in self._local_wholes()}
 
     def export(self, directory: str | Path) -> Path:
         """Write code, plan and weights so :func:`autopar.load` runs it without re-planning."""

@@ -11,14 +11,16 @@ re-plan or re-export), rejects keys this autopar does not know (a plan from a ne
 autopar) and checks every placement against the mesh and the tensor's shape, naming the
 file, the node and the field (:class:`~autopar.errors.LoadError`).
 
-The longest method bodies live beside this module: :mod:`autopar.report.explain`
-(:meth:`Plan.explain`, :meth:`Plan.diff`) and :mod:`autopar.plan.json` (reading JSON
-back and checking it).  The methods import them lazily, since both import this module.
+Reading JSON back and checking it is :mod:`autopar.plan.json`.  The methods that read
+a plan in words (``summary``, ``table``, ``explain``, ``diff``) and ``verify`` hand on to
+functions :mod:`autopar.report` and :mod:`autopar.verify` register
+(:func:`register_reader`): the plan data imports nothing above it.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
@@ -28,7 +30,7 @@ from autopar.cost_models import MeshSpec
 from autopar.errors import LoadError
 
 if TYPE_CHECKING:
-    from autopar.report.collectives import Collective
+    from autopar.plan.collectives import Collective
 
 SCHEMA_VERSION = 1
 """Version of the plan JSON layout; bumped whenever a field changes meaning or goes away."""
@@ -255,7 +257,7 @@ class Decisions:
     exactly these.  Empty in plans made before buckets were planned: the runtime then
     falls back to 4 MiB buckets."""
     collectives: list[dict[str, Any]] = field(default_factory=list)
-    """What :meth:`Plan.collectives` lists (:class:`autopar.report.collectives.Collective`
+    """What :meth:`Plan.collectives` lists (:class:`autopar.plan.collectives.Collective`
     in JSON form), computed from the captured graph when the plan is made."""
 
     @property
@@ -314,7 +316,7 @@ class Plan:
     def collectives(self, stage: int | None = None) -> list[Collective]:
         """Every collective one training step issues on a rank, forward, backward and
         once per step, with the bytes it puts in and how often it runs
-        (:class:`~autopar.report.collectives.Collective`): the edges' redistributions and
+        (:class:`~autopar.plan.collectives.Collective`): the edges' redistributions and
         their backward duals, the loss's sum, the distributed cross-entropy's, Ulysses'
         all-to-alls, the gradient buckets, ZeRO's gathers and reductions and a
         pipeline's messages, as the runtime issues them (compare with
@@ -322,7 +324,7 @@ class Plan:
         pipeline rank (they differ per stage).  Not listed yet: ring attention's shifts
         and the uneven expert dispatch of ``moe_experts``.  Empty for a plan made
         without a joint search (``make_plan``)."""
-        from autopar.report.collectives import Collective as C
+        from autopar.plan.collectives import Collective as C
 
         out = [C.from_dict(c) for c in self.decisions.collectives]
         return out if stage is None else [c for c in out if c.stage == stage]
@@ -371,17 +373,13 @@ class Plan:
         ``"zero"``, ``"micro_batches"``, ``"recompute"``, ``"buckets"`` (the gradient
         buckets), or a layer key such as
         ``"blocks.7"`` (is it recomputed, which stage holds it)."""
-        from autopar.report.explain import explain
-
-        return explain(self, name)
+        return _reader("explain")(self, name)
 
     def diff(self, other: Plan, max_nodes: int | None = None) -> str:
         """What differs between ``self`` (A) and ``other`` (B): layout, step time, memory
         and decisions first, then the nodes whose placements differ (at most
         ``max_nodes`` of them, all when None)."""
-        from autopar.report.explain import diff
-
-        return diff(self, other, max_nodes)
+        return _reader("diff")(self, other, max_nodes)
 
     # ------------------------------------------------------------ printing
     def table(self, max_rows: int | None = None, show_views: bool = False, *, nodes: bool = False,
@@ -390,27 +388,21 @@ class Plan:
         graph node (views and getitems hidden unless ``show_views``).  ``fmt="tsv"``
         gives the node rows tab-separated, for grep and spreadsheets; ``width`` overrides
         the terminal's width."""
-        from autopar.report.summary import layer_view
-        from autopar.report.table import node_table
-
         if nodes or fmt == "tsv":
-            return node_table(self, max_rows=max_rows, show_views=show_views, fmt=fmt, width=width)
-        return layer_view(self, width)
+            return _reader("node_table")(self, max_rows=max_rows, show_views=show_views, fmt=fmt,
+                                         width=width)
+        return _reader("layer_view")(self, width)
 
     def verify(self, model, example_inputs: tuple = (), **options):
         """Train this plan and its best variants for a few steps on the live job and
         report predicted against measured step time; every rank calls it
         (:func:`autopar.verify.verify`: ``k``, ``steps``, ``pick``, ``store``, ...)."""
-        from autopar.verify import verify_plan
-
-        return verify_plan(self, model, example_inputs, **options)
+        return _reader("verify")(self, model, example_inputs, **options)
 
     def summary(self) -> str:
         """The plan in words: layout per mesh axis, step time split, throughput and MFU,
         memory against the budget, decisions and why (:mod:`autopar.report.summary`)."""
-        from autopar.report.summary import summary
-
-        return summary(self)
+        return _reader("summary")(self)
 
     def __str__(self) -> str:
         return self.summary() + "\n\n" + self.table()
@@ -418,11 +410,9 @@ class Plan:
     # ------------------------------------------------------------ JSON
     def to_dict(self) -> dict:
         """Plain-data form (JSON-serialisable), with the writer's versions."""
-        from autopar.report.summary import summary_numbers
-
         d = versions() | asdict(self)
         d["mesh"] = self.mesh.to_dict()
-        d["summary"] = summary_numbers(self)
+        d["summary"] = _reader("summary_numbers")(self)
         return d
 
     @classmethod
@@ -457,6 +447,29 @@ class Plan:
         from autopar.plan.json import plan_from_json
 
         return plan_from_json(cls, path_or_text)
+
+
+_READERS: dict[str, Callable[..., Any]] = {}
+READERS = ("summary", "summary_numbers", "layer_view", "node_table", "explain", "diff", "verify")
+"""The ways a plan is read that its methods hand on: the plan data imports nothing above
+it, so :mod:`autopar.report` (and :mod:`autopar.verify` for ``"verify"``) registers
+these with :func:`register_reader` when ``autopar`` is imported, which importing any of
+its modules does first."""
+
+
+def register_reader(name: str, fn: Callable[..., Any]) -> None:
+    """Make ``fn`` what the :class:`Plan` method for ``name`` (one of :data:`READERS`) calls."""
+    if name not in READERS:
+        raise ValueError(f"unknown plan reader {name!r}; known: {', '.join(READERS)}")
+    _READERS[name] = fn
+
+
+def _reader(name: str) -> Callable[..., Any]:
+    fn = _READERS.get(name)
+    if fn is None:  # only while autopar itself is still being imported
+        raise RuntimeError(f"plan.{name} is not available yet: autopar is still importing "
+                           "(autopar.report registers it)")
+    return fn
 
 
 # Kept here rather than in plan_load (its only user) so it stays importable from

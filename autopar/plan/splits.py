@@ -9,13 +9,11 @@ import dataclasses
 import math
 
 import torch
-from torch import fx
 from torch.utils import _pytree as pytree
 
-from autopar.capture.ir import info
 from autopar.cost_models import MeshSpec
 from autopar.errors import PlanError
-from autopar.plan.data import Plan, Request
+from autopar.plan.data import Plan
 
 
 def batch_size(example_inputs) -> int:
@@ -137,25 +135,6 @@ def stage_ranks(mesh_shape: tuple[int, ...], stages: int, axis: int = 0) -> torc
     return full.reshape(stages, *(tuple(split[d] for d in order[1:]) or (1,))).contiguous()
 
 
-def request(gm: fx.GraphModule, micro_batches: int, mesh_shape: list[int],
-            budget: float) -> Request:
-    """The plan's :class:`~autopar.plan.Request` from the graph captured at the
-    micro-batch size: tokens are read from the first integer input of two or more dims
-    (token ids: batch x sequence), FLOPs from the annotated ops (x3: forward + backward)."""
-    tokens = 0
-    for n in gm.graph.nodes:
-        if n.op != "placeholder" or info(n).param or info(n).buffer or len(info(n).outputs) != 1:
-            continue
-        t = info(n).out
-        if t.ndim >= 2 and not t.dtype.is_floating_point and not t.dtype.is_complex \
-                and t.dtype != torch.bool:
-            tokens = t.shape[0] * t.shape[1] * micro_batches
-            break
-    flops = sum(info(n).flops for n in gm.graph.nodes if n.op == "call_function")
-    return Request(mesh_shape=mesh_shape, memory_budget_bytes=float(budget), tokens_per_step=tokens,
-                   model_flops_per_step=3.0 * flops * micro_batches)
-
-
 def micro_counts(batch: int, stages: int) -> list[int]:
     """The counts of micro-batches that divide ``batch``, ascending, those below
     ``stages`` left out (a pipeline needs a micro-batch per stage) unless none is left."""
@@ -163,5 +142,5 @@ def micro_counts(batch: int, stages: int) -> list[int]:
     return [m for m in opts if m >= stages] or opts[-1:]
 
 
-__all__ = ["batch_size", "micro_counts", "micro_inputs", "pipeline_mesh", "pipeline_splits", "plan_ranks", "request", "split_mesh",
+__all__ = ["batch_size", "micro_counts", "micro_inputs", "pipeline_mesh", "pipeline_splits", "plan_ranks", "split_mesh",
            "split_words", "stage_ranks"]

@@ -6,3 +6,13 @@ It reads plans and may import :mod:`autopar.sharding`, :mod:`autopar.capture`,
 :mod:`autopar.runtime`, :mod:`autopar.plan` and :mod:`autopar.cost_models`; it never
 imports :mod:`autopar.search` or :mod:`autopar.module`.
 """
+
+from autopar.plan.data import register_reader
+from autopar.report.explain import diff, explain
+from autopar.report.summary import layer_view, summary, summary_numbers
+from autopar.report.table import node_table
+
+for _name, _fn in (("summary", summary), ("summary_numbers", summary_numbers),
+                   ("layer_view", layer_view), ("node_table", node_table), ("explain", explain),
+                   ("diff", diff)):
+    register_reader(_name, _fn)

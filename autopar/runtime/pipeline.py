@@ -2,7 +2,7 @@
 one-stage case).
 
 :class:`PipelineRunner` runs this rank's
-:class:`~autopar.passes.split_stages.StageGraph` (one, or ``v`` model chunks under the
+:class:`~autopar.runtime.stage_graph.StageGraph` (one, or ``v`` model chunks under the
 interleaved schedule) over ``M`` micro-batches of the global batch in the order
 :func:`autopar.plan.schedules.actions` gives: GPipe, 1F1B, interleaved 1F1B or zero-bubble
 (see there; zero-bubble's backward is split by :mod:`autopar.runtime.split_backward`).
@@ -63,7 +63,6 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from autopar.passes.split_stages import StageGraph
 from autopar.plan.data import Schedule
 from autopar.plan.schedules import actions, virtual_stage
 from autopar.runtime.mesh import current
@@ -74,6 +73,7 @@ from autopar.runtime.split_backward import (
     leaves,
     splits_cleanly,
 )
+from autopar.runtime.stage_graph import StageGraph
 from autopar.runtime.tls import issue
 
 # dtypes a boundary value may have, by header code

@@ -10,12 +10,15 @@ from __future__ import annotations
 import re
 import time
 
-from torch import nn
+import torch
+from torch import fx, nn
 
 from autopar.capture.annotate import annotate
 from autopar.capture.batch import AnyBatch, capture_any_batch
+from autopar.capture.ir import info
 from autopar.capture.trace import Captured, capture
 from autopar.log import report
+from autopar.plan.data import Request
 from autopar.plan.splits import batch_size, micro_inputs
 from autopar.search.op_placement import PlanOptions
 from autopar.search.shallow import KEEP, homogeneous, repeated_list, shallow_copy
@@ -113,4 +116,24 @@ class JointCaptures:
         return True
 
 
-__all__ = ["JointCaptures"]
+def request(gm: fx.GraphModule, micro_batches: int, mesh_shape: list[int],
+            budget: float) -> Request:
+    """The plan's :class:`~autopar.plan.Request` from the graph captured at the
+    micro-batch size: tokens are read from the first integer input of two or more dims
+    (token ids: batch x sequence), FLOPs from the annotated ops (x3: forward + backward)."""
+    tokens = 0
+    for n in gm.graph.nodes:
+        if n.op != "placeholder" or info(n).param or info(n).buffer or len(info(n).outputs) != 1:
+            continue
+        t = info(n).out
+        if t.ndim >= 2 and not t.dtype.is_floating_point and not t.dtype.is_complex \
+                and t.dtype != torch.bool:
+            tokens = t.shape[0] * t.shape[1] * micro_batches
+            break
+    flops = sum(info(n).flops for n in gm.graph.nodes if n.op == "call_function")
+    return Request(mesh_shape=mesh_shape, memory_budget_bytes=float(budget), tokens_per_step=tokens,
+                   model_flops_per_step=3.0 * flops * micro_batches)
+
+
+
+__all__ = ["JointCaptures", "request"]

@@ -32,13 +32,12 @@ from autopar.plan.data import Decisions, Plan, Schedule, zero_words
 from autopar.plan.splits import (
     batch_size,
     micro_inputs,
-    request,
     split_mesh,
     split_words,
 )
-from autopar.report.collectives import list_collectives
 from autopar.search.budget import Phase, TimeBudget
-from autopar.search.captures import JointCaptures
+from autopar.search.captures import JointCaptures, request
+from autopar.search.collectives import list_collectives
 from autopar.search.forced import check_forced
 from autopar.search.node_prices import precision_warning
 from autopar.search.op_placement import PlanOptions, local_axes, make_weighted_plans

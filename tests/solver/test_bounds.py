@@ -55,7 +55,7 @@ def test_a_mip_without_an_answer_still_reports_a_gap(monkeypatch) -> None:
     # comes back, and before the star bound its gap was "unknown"
     p = _random(3, n=6, k=4, p_edge=1.0)
     opt = _optimum(p)
-    monkeypatch.setattr(ilp, "_solve_residual", lambda *a, **k: ilp._MipResult(None, False, None))
+    monkeypatch.setattr(ilp, "_solve_residual", lambda *a, **k: ilp.MipResult(None, False, None))
     sol = ilp.solve_ilp(p, time_limit=5)
     assert sol.status is SolveStatus.FEASIBLE
     assert sol.gap is not None and 0.0 <= sol.gap < 1.0
