@@ -18,6 +18,7 @@ from autopar.errors import ConfigError
 from autopar.module.parallel import ParallelModule
 from autopar.module.state import TensorInfo
 from autopar.plan.data import Plan
+from autopar.plan.decisions import SEARCH_KNOBS, decision_options
 from autopar.runtime.inputs import BatchMode, InputBinder
 from autopar.runtime.mesh import local_device
 from autopar.search.op_placement import PlanOptions
@@ -46,10 +47,9 @@ def _capture_and_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec,
     return joint_plan(model, example_inputs, mesh, opts, example_kwargs)
 
 
-_DECISION_KEYS = ("zero_stage", "zero_axes", "pipeline_stages", "pipeline_axis", "micro_batches", "schedule",
-                  "virtual_stages",
-                  "recompute", "explore", "blocks", "progress", "bucket_bytes", "precision",
-                  "context_parallel", "reshard_after_forward", "keep_grad_buffers")
+# what ``**decisions`` of plan() / auto_parallel() takes: the registry's forcing keywords
+# (autopar.plan.decisions.DECISIONS) and the search's own knobs
+_DECISION_KEYS = (*decision_options(), *SEARCH_KNOBS)
 
 
 def _options(memory_budget, optimizer, time_limit, pins, decisions: Mapping,
@@ -69,7 +69,7 @@ def _options(memory_budget, optimizer, time_limit, pins, decisions: Mapping,
     if d.get("recompute") is not None:
         d["recompute"] = tuple(d["recompute"])
     if d.get("zero_axes") is not None:
-        from autopar.plan.data import zero_axes
+        from autopar.plan.decisions import zero_axes
         d["zero_axes"] = zero_axes(d["zero_axes"])
     if "precision" in d:
         from autopar.capture.mixed_precision import Precision

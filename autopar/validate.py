@@ -13,9 +13,9 @@ from torch import nn
 from autopar.cost_models import MeshSpec
 from autopar.cost_models.mesh import PRESET_NAMES
 from autopar.errors import ConfigError
+from autopar.plan.decisions import check_options
 
 SEARCHES = ("auto", "ilp", "drec")
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 _PLACEMENT = re.compile(r"(R|P|S\(-?\d+\))")
 
 
@@ -105,48 +105,7 @@ def options(memory_budget, optimizer, time_limit, search, decisions: Mapping) ->
         raise ConfigError(f"search must be one of {', '.join(SEARCHES)}, got {search!r}")
     if not isinstance(optimizer, str):
         raise ConfigError(f"optimizer={optimizer!r}: expected a name such as 'adamw' or 'sgd'")
-    z = decisions.get("zero_stage")
-    if z is not None and (isinstance(z, bool) or z not in (0, 1, 2, 3)):
-        raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {z!r}")
-    za = decisions.get("zero_axes")
-    if za is not None:
-        items = [za] if isinstance(za, int) and not isinstance(za, bool) else za
-        ok = isinstance(items, (list, tuple)) and items and all(
-            isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in items) \
-            and len(set(items)) == len(items)
-        if not ok:
-            raise ConfigError(f"zero_axes must be a mesh axis or a list of distinct mesh axes "
-                              f"(integers >= 0), got {za!r}")
-    for key in ("pipeline_stages", "micro_batches", "virtual_stages", "blocks", "bucket_bytes"):
-        v = decisions.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ConfigError(f"{key} must be a positive integer, got {v!r}")
-    for key in ("reshard_after_forward", "keep_grad_buffers"):
-        ra = decisions.get(key)
-        if ra is not None and not isinstance(ra, bool):
-            raise ConfigError(f"{key} must be True, False or None, got {ra!r}")
-    pa = decisions.get("pipeline_axis")
-    if pa is not None and (isinstance(pa, bool) or not isinstance(pa, int) or pa < 0):
-        raise ConfigError(f"pipeline_axis must be a mesh axis (an integer >= 0), got {pa!r}")
-    s = decisions.get("schedule")
-    if s is not None and str(s).lower() not in SCHEDULES:
-        raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {s!r}")
-    p = decisions.get("precision")
-    if p is not None:
-        from autopar.capture.mixed_precision import Precision
-        try:
-            Precision.parse(p)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    cp = decisions.get("context_parallel")
-    if cp is not None:
-        from autopar.sharding.rules.attention import ContextParallel
-        if cp not in {c.value for c in ContextParallel}:
-            raise ConfigError(f"context_parallel must be one of "
-                              f"{', '.join(c.value for c in ContextParallel)} or None, got {cp!r}")
-    r = decisions.get("recompute")
-    if r is not None and (isinstance(r, str) or not all(isinstance(x, str) for x in r)):
-        raise ConfigError(f"recompute={r!r}: expected a list of layer names like ['blocks.0']")
+    check_options(dict(decisions))  # each forced decision's own check (its registry entry)
 
 
 def runnable_model(model: nn.Module) -> None:

@@ -35,8 +35,6 @@ After: ``linear(_to_copy(x, bf16), _to_copy(w, bf16), _to_copy(b, bf16))`` retur
 
 from __future__ import annotations
 
-import enum
-
 import torch
 from torch import fx
 from torch._guards import detect_fake_mode
@@ -44,32 +42,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
+from autopar.plan.decisions import Precision
+
 aten = torch.ops.aten
-
-
-class Precision(str, enum.Enum):
-    """How the planned module computes: the model's own dtypes, or bf16 / fp16 mixed
-    precision (fp16 needs loss scaling: ``ParallelModule.grad_scaler()``)."""
-
-    NATIVE = "native"
-    BF16_MIXED = "bf16-mixed"
-    FP16_MIXED = "fp16-mixed"
-
-    @property
-    def low(self) -> torch.dtype | None:
-        """The dtype low-precision ops compute in (None for :attr:`NATIVE`)."""
-        return {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(self.value)
-
-    @classmethod
-    def parse(cls, value: str | Precision | None) -> Precision:
-        """``None`` is :attr:`NATIVE`; anything other than a known name is a ValueError."""
-        if value is None:
-            return cls.NATIVE
-        try:
-            return cls(value)
-        except ValueError:
-            known = ", ".join(repr(p.value) for p in cls)
-            raise ValueError(f"unknown precision {value!r}; known: {known}") from None
 
 
 def _packets(*names: str) -> frozenset:

@@ -396,10 +396,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("autopar: interrupted", file=sys.stderr)
         return 130
 
-
-if __name__ == "__main__":
-    # ``python -m autopar.cli``: run the imported module's main, not this __main__ copy's,
-    # so the subcommands' CLIError (imported from autopar.cli) is the class main catches
-    from autopar.cli.main import main as _main
-
-    raise SystemExit(_main())

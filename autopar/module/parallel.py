@@ -10,19 +10,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from autopar.capture.grad_flow import named_loss
-from autopar.module.loop import LoopMixin, move_to_device
+from autopar.module.apply import apply_inputs, apply_plan
+from autopar.module.loop import LoopMixin
 from autopar.module.state import StateMixin, TensorInfo
 from autopar.plan.data import Plan
 from autopar.plan.placement import is_replicate, parse_placements
 from autopar.runtime import rng
-from autopar.runtime.inputs import BatchMode, InputBinder, data_parallel_axes, passthrough_inputs
+from autopar.runtime.inputs import BatchMode, InputBinder
 from autopar.runtime.mesh import activate
-
-# attribute names of ParallelModule itself: a model's top-level submodule or parameter
-# of the same name could not be registered under its own name
-_RESERVED = frozenset({"inner", "plan", "aliases", "state_keys", "rank", "runner", "zero", "rng",
-                       "grad_sync", "lowered_graph", "code", "binder", "info", "training"})
 
 
 class ParallelModule(LoopMixin, StateMixin, nn.Module):
@@ -49,16 +44,7 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         self.aliases = aliases
         self.info = info or TensorInfo()
         self._in_spec, self._out_spec = in_spec, out_spec
-        self.binder = binder or InputBinder(in_spec)
-        self.binder.mode = BatchMode(batch)
-        self.binder.dp_axes = data_parallel_axes(plan)
-        # the flat inputs the lowered graph takes as this rank's rows (passes/lower.py
-        # skips their slice; placeholders keep their names through export and load)
-        keep = passthrough_inputs(plan)
-        graph = getattr(inner, "graph", None)
-        self.binder.passthrough = frozenset(
-            i for i, n in enumerate(x for x in graph.nodes if x.op == "placeholder")
-            if n.name in keep) if graph is not None else frozenset()
+        apply_inputs(self, binder or InputBinder(in_spec), batch)
         self.state_keys = state_keys
         self._target_of = {n: t for t, names in aliases.items() for n in names}
         self._extra: dict[str, torch.Tensor] = {}
@@ -87,22 +73,8 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         self.zero = None
         if full_state is not None:
             self._load_targets(full_state, self._coord())
-        if runtime:
-            # one device per process (cuda:LOCAL_RANK under NCCL): weights, buffers and the
-            # graph's constants move there before anything views them
-            move_to_device(inner, self._mesh_rt.device)
-            from autopar.passes.device import set_device
-            set_device([m for m in inner.modules() if isinstance(m, torch.fx.GraphModule)],
-                       self._mesh_rt.device)
-            for t, p in self._targets():  # also for modules loaded from an export
-                if isinstance(p, nn.Parameter) and self._frozen(t):
-                    p.requires_grad_(False)
-            self._start_zero()
-            self._start_schedule()
-            self._start_grad_sync()
-            self._start_dparams(full_state if full_state is not None else extra)
-            self._start_rng()
-            self._start_call_check()
+        if runtime:  # every decision applied, in one readable order (module/apply.py)
+            apply_plan(self, full_state if full_state is not None else extra)
 
     # ------------------------------------------------------------ running
     def _coord(self) -> tuple[int, ...]:
@@ -112,159 +84,17 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         pl = self._placements[t]
         return tuple(a for a, x in enumerate(pl) if is_replicate(x) and self.plan.mesh.shape[a] > 1)
 
-    def _start_zero(self) -> None:
-        """Put replicated parameters under ZeRO when the plan says so."""
-        from autopar.runtime.zero import Zero
-        d = self.plan.decisions
-        z = tuple(a for a in d.zero_axes if self.plan.mesh.shape[a] > 1)
-        if not z:
-            return
-        params = []
-        for t, p in self._targets():
-            if not self._mine(t):
-                continue
-            # a parameter replicated on every ZeRO axis (one sharded on some of them by
-            # the plan keeps its placement and its gradient sync)
-            if t in self._placements and isinstance(p, nn.Parameter) and p.requires_grad \
-                    and set(z) <= set(self._replicated_axes(t)):
-                params.append((t, tuple(a for a in self._replicated_axes(t) if a not in z)))
-        layers = {n.param: n.layer for n in self.plan.nodes.values() if n.param and n.layer}
-        self.zero = Zero.install(self.inner, params, d.zero_stage, z, layers, frozenset(d.zero_kept))
-
     def _mine(self, t: str) -> bool:
         """True when this rank's pipeline stage holds target ``t``."""
         stage = self._mesh_rt.stage if self._mesh_rt is not None else 0
         return self._owner.get(t, 0) == stage
 
-    def _start_schedule(self) -> None:
-        """Recompute the planned layers; split pipeline stages; drop other stages' weights."""
-        d = self.plan.decisions
-        from autopar.plan.schedules import conflict
-        why = conflict(d.schedule, bool(d.recompute), d.zero_stage)
-        if why:  # a plan file edited or made elsewhere: the search never makes one
-            from autopar.errors import PlanError
-            raise PlanError(f"this plan runs schedule {d.schedule!r} with {why}; plan it again")
-        if d.zero_reduce_once and (d.zero_stage != 3 or d.pipeline_stages > 1):
-            # the runner turns sync on at a rank's last backward only: other pipeline
-            # chunks' sums would never be reduced
-            from autopar.errors import PlanError
-            raise PlanError("this plan reduces ZeRO-3 gradients once a step (zero_reduce_once) with "
-                            f"zero_stage={d.zero_stage} and {d.pipeline_stages} pipeline stages: it "
-                            "needs zero_stage=3 and no pipeline; plan it again")
-        if d.recompute:
-            from autopar.passes.recompute import recompute
-            recompute(self.inner, set(d.recompute))
-        if d.pipeline_stages == 1 and d.micro_batches == 1:
-            return
-        from autopar.passes.split_stages import split_stages
-        from autopar.runtime.pipeline import PipelineRunner
-        self._keep_loss_only()
-        # this rank's graph; under the interleaved schedule its chunks s, s + p, ..
-        graphs = split_stages(self.inner, self.plan)
-        mine = graphs[self._mesh_rt.stage::max(1, d.pipeline_stages)]
-        for t in list(self.aliases):
-            if not self._mine(t):
-                owner, leaf = self._owner_of(t)
-                if hasattr(owner, leaf):
-                    delattr(owner, leaf)
-        self.runner = PipelineRunner(mine, d.schedule, d.micro_batches, _Switches(self))
-
-    def _keep_loss_only(self) -> None:
-        """Micro-batched plans run ``train_step``, which returns the loss alone: keep only
-        the loss among the graph's outputs (a Hugging Face output's ``loss``), so the
-        schedule has one value to seed backward with and logits are not gathered."""
-        g = self.inner.graph
-        out = next(n for n in g.nodes if n.op == "output")
-        flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
-        if len(flat) == 1:
-            return
-        idx = named_loss(len(flat), self._out_spec)
-        if idx is None:
-            from autopar.errors import PlanError
-            raise PlanError(f"this plan runs {self.plan.decisions.micro_batches} micro-batches: "
-                            f"the model must return its loss (a scalar tensor, or an output with "
-                            f"a 'loss' field), but it returns {len(flat)} values")
-        out.args = ((flat[idx],),)
-        g.eliminate_dead_code()
-        self.inner.recompile()
-
     def _owner_of(self, t: str) -> tuple[nn.Module, str]:
         *path, leaf = t.split(".")
         return (self.inner.get_submodule(".".join(path)) if path else self.inner), leaf
 
-    def _start_grad_sync(self) -> None:
-        from autopar.runtime.grad_sync import GradSync
-        params = []
-        zt = self.zero.targets() if self.zero is not None else set()
-        for t, p in self._targets():
-            if not self._mine(t):
-                continue
-            if t in zt:
-                zp = self.zero._by_target[t]
-                if self.zero.stage == 3 and zp.other_axes:
-                    # stage 3: the shard's gradient is still Partial on the other axes
-                    params.append((t, zp.shard, zp.other_axes))
-                continue
-            if t in self._placements and isinstance(p, nn.Parameter) and p.requires_grad:
-                params.append((t, p, self._replicated_axes(t)))
-        self.grad_sync = GradSync(params, self.plan.decisions.grad_buckets,
-                                  keep=self.plan.decisions.grad_buffers_kept)
-
     def _frozen(self, t: str) -> bool:
         return all(n in self.info.frozen for n in self.aliases.get(t, [t]))
-
-    def _start_dparams(self, full_state: Mapping[str, torch.Tensor] | None) -> None:
-        """Register this stage's parameters as DTensors (and its buffers) under the
-        original names; see :mod:`autopar.runtime.dparams`."""
-        from torch.distributed.tensor import Replicate
-
-        from autopar.runtime import local_step
-        from autopar.runtime.dparams import DParams, flat_layout, register_tree
-        mesh = self._mesh_rt.param_mesh
-        zt = self.zero.targets() if self.zero is not None else set()
-        entries = []
-        for t, p in self._targets():
-            if not self._mine(t):
-                continue
-            names = self.aliases[t]
-            if t in zt:
-                zp = self.zero._by_target[t]
-                pl, shape = flat_layout(self._placements[t], self.zero.axes, zp.shard.numel(),
-                                        self.plan.mesh.shape)
-                e = DParams.make(t, zp.shard, mesh, pl, shape, True,
-                                 hook_on=zp.full if zp.full is not None else zp.shard)
-            elif t in self._placements and isinstance(p, nn.Parameter):
-                e = DParams.make(t, p, mesh, self._placements[t], tuple(self._param_nodes[t].shape[0]),
-                                 p.requires_grad)
-            else:
-                for n in names:
-                    if p is not None:
-                        register_tree(self, n, p, buffer=True, reserved=_RESERVED,
-                                      persistent=n not in self.info.nonpersistent)
-                continue
-            if t not in zt and all(isinstance(q, Replicate) for q in e.placements):
-                local_step.mark(e.param, e.local)  # replicated: steps run on the local tensor
-            entries.append(e)
-            self._entry[t] = e
-            for n in names:  # tied weights: one Parameter under every name
-                register_tree(self, n, e.param, reserved=_RESERVED)
-        # tensors the forward never reads: kept whole on every rank (replicated)
-        from autopar.runtime.dparams import as_dtensor
-        for n in sorted(self.info.unused):
-            if full_state is None or n not in full_state:
-                continue
-            x = full_state[n].detach().clone()
-            if n in self.info.buffers:
-                register_tree(self, n, x, buffer=True, reserved=_RESERVED,
-                              persistent=n not in self.info.nonpersistent)
-                self._extra[n] = x
-            else:
-                dt = nn.Parameter(as_dtensor(x, mesh, (Replicate(),) * mesh.ndim, x.shape),
-                                  requires_grad=n not in self.info.frozen)
-                register_tree(self, n, dt, reserved=_RESERVED)
-                local_step.mark(dt, dt._local_tensor)
-                self._extra[n] = dt
-        self._dparams = DParams(mesh, entries, getattr(self, "grad_sync", None))
 
     def _targets(self) -> list[tuple[str, torch.Tensor | None]]:
         """(graph target, tensor attribute) for every parameter and buffer; ``None`` for
@@ -358,38 +188,6 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         if self._mesh_rt is not None:
             release_groups(self._mesh_rt)
         reset()
-
-
-class _Switches:
-    """Turns gradient synchronisation (plain and ZeRO) on and off together; the
-    pipeline runner keeps it off except for a stage's last backward."""
-
-    def __init__(self, pm: ParallelModule) -> None:
-        self._pm = pm
-
-    @property
-    def enabled(self) -> bool:
-        """Whether gradient hooks reduce."""
-        return self._pm.grad_sync.enabled
-
-    @enabled.setter
-    def enabled(self, on: bool) -> None:
-        self._pm.grad_sync.enabled = on
-        if self._pm.zero is not None:
-            self._pm.zero.enabled = on
-            if self._pm.plan.decisions.zero_reduce_once:
-                # ZeRO-3 reduce-scatters in the backward where sync is on (the last)
-                from autopar.runtime.zero3 import defer
-                defer(self._pm.zero.group_keys, not on)
-
-    def flush(self) -> None:
-        """Reduce every gradient now (plain buckets, then ZeRO's), then point the
-        DTensor parameters' ``.grad`` at the results (what the hooks would have done)."""
-        self._pm.grad_sync.flush()
-        if self._pm.zero is not None:
-            self._pm.zero.flush()
-        if self._pm._dparams is not None:
-            self._pm._dparams.bridge()
 
 
 __all__ = ["ParallelModule"]

@@ -8,19 +8,17 @@ It may import only :mod:`autopar.cost_models` (the mesh a plan is made for) and
 """
 
 from autopar.plan.data import (
-    SCHEMA_VERSION,
-    Alternative,
-    Decisions,
-    NodePlan,
-    Plan,
-    Redistribution,
-    Request,
-    Schedule,
-    SolverInfo,
-    versions,
-    zero_axes,
-    zero_words,
+           SCHEMA_VERSION,
+           Alternative,
+           NodePlan,
+           Plan,
+           Redistribution,
+           Request,
+           SolverInfo,
+           versions,
+           zero_words,
 )
+from autopar.plan.decisions import Decisions, Schedule, zero_axes
 
 __all__ = ["SCHEMA_VERSION", "Alternative", "Decisions", "NodePlan", "Plan", "Redistribution",
            "Request", "Schedule", "SolverInfo", "versions", "zero_axes", "zero_words"]

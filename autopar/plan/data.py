@@ -22,12 +22,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
-from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autopar.cost_models import MeshSpec
 from autopar.errors import LoadError
+from autopar.plan.decisions import Decisions, zero_axes
 
 if TYPE_CHECKING:
     from autopar.plan.collectives import Collective
@@ -118,28 +118,6 @@ class SolverInfo:
     problem_edges: int = 0
 
 
-class Schedule(StrEnum):
-    """How micro-batches flow through pipeline stages."""
-
-    NONE = "none"
-    """No pipeline (one stage); micro-batches, if any, are gradient accumulation."""
-    GPIPE = "gpipe"
-    """All forwards, then all backwards: every stage holds all micro-batches' activations."""
-    ONE_F_ONE_B = "1f1b"
-    """Warm-up forwards, then one forward / one backward: stage ``s`` of ``p`` holds at
-    most ``p - s`` micro-batches' activations."""
-    ZERO_BUBBLE = "zero-bubble"
-    """1F1B with each backward split into ``B`` (input gradients, sent on at once) and
-    ``W`` (weight gradients, deferred into what would be bubbles; ZB-H1 of Qi et al.,
-    2023): a third of 1F1B's bubble, at up to ``2p - 1`` micro-batches in flight on the
-    first stage (a micro-batch's activations live until its ``W``)."""
-    INTERLEAVED = "interleaved-1f1b"
-    """1F1B over ``v`` model chunks per rank (Megatron's virtual stages): rank ``s`` runs
-    virtual stages ``s, s + p, .., s + (v - 1) p``, which divides the fill and drain by
-    ``v`` at the price of ``v`` times the point-to-point messages and more micro-batches
-    in flight (:mod:`autopar.plan.schedules`)."""
-
-
 @dataclass
 class Request:
     """What the plan was asked for and the work one training step does: the mesh as the
@@ -155,130 +133,12 @@ class Request:
     model_flops_per_step: float = 0.0
 
 
-def zero_axes(axis: int | list[int] | tuple[int, ...] | None) -> tuple[int, ...]:
-    """A ZeRO axis field (None, one axis, or several) as a sorted tuple of axes."""
-    if axis is None:
-        return ()
-    if isinstance(axis, int):
-        return (axis,)
-    return tuple(sorted(int(a) for a in axis))
-
-
 def zero_words(axis: int | list[int] | tuple[int, ...] | None) -> str:
     """``"mesh axis 1"`` or ``"mesh axes 0 and 1"``, for messages."""
     axes = zero_axes(axis)
     if len(axes) == 1:
         return f"mesh axis {axes[0]}"
     return "mesh axes " + ", ".join(map(str, axes[:-1])) + f" and {axes[-1]}"
-
-
-@dataclass
-class Decisions:
-    """Plan-level decisions beside the per-node placements (issue: ZeRO, pipeline,
-    recomputation, gradient accumulation), with the numbers that justify them.
-
-    ``pipeline_stages > 1`` adds a leading pipeline axis to the device mesh: the plan's
-    ``mesh`` is then each stage's sub-mesh and ``stages[s]`` lists the layer keys
-    (:mod:`autopar.capture.layers`) of stage ``s``.  Under the interleaved schedule,
-    ``stages`` lists ``pipeline_stages * virtual_stages`` virtual stages in model order
-    and virtual stage ``k`` runs on pipeline rank ``k % pipeline_stages``;
-    ``stage_seconds``, ``stage_memory`` and ``stage_parts`` are per rank (its chunks
-    summed).  ``micro_batches`` splits the global batch
-    (the graph was captured at the micro-batch size); without a pipeline it is the
-    number of gradient accumulation steps.  ``zero_stage`` 1/2/3 shards optimizer state
-    / gradients / parameters of replicated parameters over sub-mesh axis ``zero_axis``
-    (or over several axes at once).
-    ``recompute`` lists layer keys whose activations are recomputed in backward.
-    ``why`` maps each decision to a sentence with its memory and time effect.
-    """
-
-    pipeline_stages: int = 1
-    pipeline_axis: int = 0
-    """The axis of the requested mesh (``Plan.request.mesh_shape``) the stages were
-    carved from: 0, the outermost (across nodes), or a later one (inside a node); each
-    stage is a contiguous block of that axis (:func:`autopar.plan.splits.stage_ranks`)."""
-    schedule: str = Schedule.NONE.value
-    virtual_stages: int = 1
-    """Model chunks per pipeline rank (> 1 only under ``Schedule.INTERLEAVED``)."""
-    micro_batches: int = 1
-    stages: list[list[str]] = field(default_factory=list)
-    zero_stage: int = 0
-    zero_axis: int | list[int] | None = None
-    """The sub-mesh axis ZeRO shards over, or several (a list: one group spanning them,
-    ranks in row-major order); :attr:`zero_axes` reads either form."""
-    recompute: list[str] = field(default_factory=list)
-    zero_kept: list[str] = field(default_factory=list)
-    """Under ZeRO-3: layer keys whose whole parameters stay gathered from their forward
-    to their backward (FSDP2's ``reshard_after_forward=False``): no re-gather in
-    backward, for their bytes held at the activation peak (chosen per layer where the
-    memory budget allows, or ``reshard_after_forward=``)."""
-    grad_buffers_kept: bool = False
-    """The data-parallel gradient buckets keep their buffers between steps, as DDP's
-    (runtime/grad_sync.py): the gradients they reduce are counted whole from the start
-    of the step, chosen where that memory fits the budget (False: a new buffer per
-    bucket each backward, freed with the gradients at ``zero_grad()``; plans made
-    before this choice load so)."""
-    zero_reduce_once: bool = False
-    """Under ZeRO-3 with micro-batches and no pipeline: each rank accumulates the whole
-    gradients over the micro-batches and reduce-scatters them once, in the last
-    micro-batch's backward, instead of in every one (chosen where memory allows and it
-    is faster)."""
-    precision: str = "native"
-    """``"native"`` (the model's own dtypes), ``"bf16-mixed"`` or ``"fp16-mixed"``: the graph was captured
-    with :mod:`autopar.capture.mixed_precision`'s casts, which every rank re-applies."""
-    batch: str = "global"
-    """``"global"``: every rank passes the whole batch and gets outputs replicated;
-    ``"local"``: each data-parallel rank passes its part and gets its rows of every
-    batch-shaped output (:func:`autopar.plan.placement.returned_placement`)."""
-    local_axes: list[int] | None = None
-    """Under ``batch="local"``: the mesh axes that split the returned rows (the first
-    batch-shaped output's ``Shard(0)`` axes), which are then the data-parallel axes the
-    caller's sampler follows; None when no output is batch-shaped."""
-    global_batch: int = 0
-    stage_seconds: list[float] = field(default_factory=list)
-    stage_memory: list[float] = field(default_factory=list)
-    step_seconds: float = 0.0
-    why: dict[str, str] = field(default_factory=dict)
-    stage_parts: list[dict[str, float]] = field(default_factory=list)
-    """Per stage: its per-micro-batch ``stage_seconds`` split into ``compute``,
-    ``recompute`` and ``comm``, and the step's tail ``sync_exposed`` + ``gather_step``
-    (with ``sync``, all gradient reduction): what :mod:`autopar.report.timeline` draws."""
-    breakdown: dict[str, float] = field(default_factory=dict)
-    """``step_seconds`` on the slowest stage split into ``compute_seconds`` (forward,
-    backward and recomputation), ``exposed_comm_seconds`` (collectives on the critical
-    path: the ops' own, ZeRO gathers, pipeline sends, the gradient sync left after the
-    last backward), ``bubble_seconds`` (pipeline fill and drain) and ``optimizer_seconds``
-    (the optimizer's update of this device's parameters, memory-bound); these four sum to
-    the step.  ``hidden_comm_seconds`` is gradient sync overlapped with backward (not in
-    the sum)."""
-    grad_buckets: list[list[str]] = field(default_factory=list)
-    """Data-parallel gradient buckets in launch order (parameter targets), chosen by
-    :mod:`autopar.search.buckets` (or ``bucket_bytes=`` each); the runtime reduces
-    exactly these.  Empty in plans made before buckets were planned: the runtime then
-    falls back to 4 MiB buckets."""
-    collectives: list[dict[str, Any]] = field(default_factory=list)
-    """What :meth:`Plan.collectives` lists (:class:`autopar.plan.collectives.Collective`
-    in JSON form), computed from the captured graph when the plan is made."""
-
-    @property
-    def zero_axes(self) -> tuple[int, ...]:
-        """The ZeRO axes as a sorted tuple (empty without ZeRO)."""
-        return zero_axes(self.zero_axis) if self.zero_stage else ()
-
-    def rank_of(self, layer: str) -> int:
-        """Pipeline rank (stage of the mesh's pipeline axis) running ``layer``: its
-        virtual stage modulo the pipeline stages."""
-        return self.stage_of(layer) % max(1, self.pipeline_stages)
-
-    def stage_of(self, layer: str) -> int:
-        """Pipeline stage holding ``layer`` (0 without a pipeline); under the interleaved
-        schedule, its virtual stage."""
-        for s, keys in enumerate(self.stages):
-            if layer in keys:
-                return s
-        if self.pipeline_stages > 1:
-            raise KeyError(f"layer {layer!r} is in no pipeline stage")
-        return 0
 
 
 @dataclass

@@ -23,7 +23,6 @@ from autopar.plan.data import (
     _VERSION_KEYS,
     SCHEMA_VERSION,
     Alternative,
-    Decisions,
     NodePlan,
     Redistribution,
     Request,
@@ -31,6 +30,7 @@ from autopar.plan.data import (
     _known,
     versions,
 )
+from autopar.plan.decisions import Decisions
 
 if TYPE_CHECKING:
     from autopar.plan.data import Plan

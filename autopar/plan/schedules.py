@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from autopar.plan.data import Schedule
+from autopar.plan.decisions import Schedule
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from autopar.plan.data import Schedule
+from autopar.plan.decisions import Schedule
 from autopar.plan.schedules import Action, list_schedule
 
 if TYPE_CHECKING:

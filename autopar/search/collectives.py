@@ -253,7 +253,7 @@ class _Lister:
             self._rank_sync(self._params(rank))
 
     def _rank_sync(self, params: list[tuple[str, int, int, tuple[int, ...]]]) -> None:
-        # the ZeRO axes of more than one device, as ParallelModule._start_zero keeps them
+        # the ZeRO axes of more than one device, as module/apply.py's apply_zero keeps them
         z, stage = tuple(a for a in self.d.zero_axes if self.mesh[a] > 1), self.d.zero_stage
         zero = [(t, n, item, axes) for t, n, item, axes in params
                 if z and set(z) <= set(axes)]

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 from autopar.cost_models import MeshSpec
 from autopar.errors import PlanError
-from autopar.plan.data import Schedule
+from autopar.plan.decisions import Schedule
 from autopar.plan.schedules import conflict
 from autopar.plan.splits import pipeline_splits
 from autopar.search.op_placement import PlanOptions

@@ -28,7 +28,8 @@ from autopar.capture.trace import Captured
 from autopar.cost_models import MeshSpec, format_bytes
 from autopar.errors import AutoparWarning, PlanError, user_stacklevel
 from autopar.log import report, show
-from autopar.plan.data import Decisions, Plan, Schedule, zero_words
+from autopar.plan.data import Plan, zero_words
+from autopar.plan.decisions import Decisions, Schedule
 from autopar.plan.splits import (
     batch_size,
     micro_inputs,

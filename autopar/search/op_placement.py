@@ -13,7 +13,7 @@ import dataclasses
 import math
 import operator
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 
 import numpy as np
@@ -27,6 +27,7 @@ from autopar.cost_models import MeshSpec
 from autopar.errors import PlanError
 from autopar.log import report
 from autopar.plan.data import Plan
+from autopar.plan.decisions import PlanOptions
 from autopar.plan.placement import (
     Shard,
     graph_batch,
@@ -47,68 +48,6 @@ from autopar.search.solvers.problem import InfeasibleError, StrategyProblem, eva
 from autopar.sharding.rules import OpStrategy
 from autopar.sharding.rules.attention import restrict_attention
 from autopar.sharding.strategies import apply_pins, enumerate_strategies
-
-
-@dataclass(frozen=True)
-class PlanOptions:
-    """Knobs of the search.
-
-    ``memory_budget`` is bytes per device the plan may fill (default: the mesh's
-    :attr:`~autopar.cost_models.mesh.MeshSpec.usable_memory`, its capacity less the
-    preset's reserve; a budget given here is used as it is);
-    ``optimizer`` sizes optimizer state; ``time_limit`` bounds the search in seconds,
-    capture not counted (the best feasible plan is returned when it runs out, and the plan
-    says so; a joint search splits it between exploring and planning the chosen split at
-    full depth, :mod:`autopar.search.budget`); ``search`` is
-    ``"ilp"``, ``"drec"`` or ``"auto"`` (:class:`Searcher`).
-    """
-
-    memory_budget: float | None = None
-    optimizer: str = "adamw"
-    time_limit: float = 30.0
-    search: str = "ilp"
-    pins: dict = field(default_factory=dict)
-    # plan-level decisions (autopar/search/joint.py): None = searched, a value = forced
-    zero_stage: int | None = None
-    zero_axes: tuple[int, ...] | None = None  # the sub-mesh axes ZeRO shards over; None = searched
-    pipeline_stages: int | None = None
-    # the mesh axis the stages are carved from (0: across nodes); None = searched
-    pipeline_axis: int | None = None
-    micro_batches: int | None = None
-    schedule: str | None = None
-    # model chunks per pipeline rank under schedule="interleaved-1f1b"; None = searched
-    virtual_stages: int | None = None
-    recompute: tuple[str, ...] | None = None
-    explore: bool = False  # also try pipelines/micro-batches when the plain plan fits
-    bucket_bytes: int | None = None  # fixed gradient bucket size; None = chosen (MG-WFBP)
-    # ZeRO-3: True re-gathers every layer in backward, False keeps every layer gathered
-    # from forward to backward; None = chosen per layer under the memory budget
-    reshard_after_forward: bool | None = None
-    # the data-parallel gradient buckets' buffers kept between steps (as DDP's): True,
-    # False, or None = kept where the memory budget allows (Decisions.grad_buffers_kept)
-    keep_grad_buffers: bool | None = None
-    # the sequence split attention may use (autopar.sharding.rules.attention.ContextParallel:
-    # "off", "gather-kv", "exchange"); None = searched
-    context_parallel: str | None = None
-    # "native" (the model's dtypes), "bf16-mixed" or "fp16-mixed" (autopar/capture/mixed_precision.py): never
-    # searched, since it changes the numbers the model computes
-    precision: str = "native"
-    # "global": outputs returned replicated; "local": each data-parallel rank passes its
-    # part of the batch and gets its rows of batch-shaped outputs back (as with DDP)
-    batch: str = "global"
-    # plan as if the model's repeated block were stacked this many times (deep models
-    # planned from a shallow capture of identical blocks; planning only)
-    blocks: int | None = None
-    progress: bool = False  # print per-phase progress lines on stderr
-    # the limit ``search="auto"`` compares the ILP's predicted build time with: the user's
-    # whole time_limit even when a joint search passes what is left of it, so the
-    # searcher depends on the problem's size, never on how busy the machine is
-    choose_limit: float | None = None
-
-    def budget_for(self, mesh: MeshSpec) -> float:
-        """Bytes per device the plan may fill on ``mesh``: ``memory_budget`` as given,
-        else the device less its reserve (:attr:`MeshSpec.usable_memory`)."""
-        return self.memory_budget if self.memory_budget is not None else mesh.usable_memory
 
 
 @dataclass

@@ -16,7 +16,8 @@ from autopar.capture.layers import layer_keys
 from autopar.capture.trace import Captured
 from autopar.cost_models import MeshSpec
 from autopar.errors import PlanError
-from autopar.plan.data import Plan, Schedule
+from autopar.plan.data import Plan
+from autopar.plan.decisions import Schedule
 from autopar.plan.schedules import conflict
 from autopar.plan.splits import batch_size, micro_counts, pipeline_splits
 from autopar.search.forced import zero_groups

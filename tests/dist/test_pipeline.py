@@ -117,7 +117,8 @@ def plan_and_lower(model: nn.Module, batch: tuple, case: PipeCase, broadcast: bo
 
     from autopar.capture.annotate import annotate
     from autopar.capture.trace import capture
-    from autopar.plan.data import Decisions, Plan
+    from autopar.plan.data import Plan
+    from autopar.plan.decisions import Decisions
     from autopar.search.op_placement import PlanOptions, make_plan
 
     m = case.micro_batches

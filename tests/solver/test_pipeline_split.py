@@ -12,7 +12,7 @@ import random
 import pytest
 
 from autopar import MeshSpec
-from autopar.plan.data import Schedule
+from autopar.plan.decisions import Schedule
 from autopar.search.stages.dp import Config, price, price_stage
 from autopar.search.stages.layer_stats import LayerStat, ParamStat
 

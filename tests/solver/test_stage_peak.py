@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from autopar import MeshSpec
-from autopar.plan.data import Schedule
+from autopar.plan.decisions import Schedule
 from autopar.search.stages.dp import Config, price_stage
 from autopar.search.stages.layer_stats import LayerStat, ParamStat
 

@@ -28,7 +28,7 @@ import math
 
 from autopar.cost_models import MeshSpec, drift_after
 from autopar.plan import schedules as sched
-from autopar.plan.data import Schedule
+from autopar.plan.decisions import Schedule
 from autopar.search.stages.layer_stats import LayerStat, zero_price
 from autopar.search.stages.memory import gradient_arrivals, kept_layers, zero_flat_bytes
 from autopar.search.stages.priced import Config, Priced, StagePrice

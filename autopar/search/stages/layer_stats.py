@@ -34,7 +34,8 @@ from autopar.cost_models import (
     optimizer_step_time,
     reduce_scatter_time,
 )
-from autopar.plan.data import Plan, zero_axes
+from autopar.plan.data import Plan
+from autopar.plan.decisions import zero_axes
 from autopar.plan.placement import is_replicate, local_shape, parse_placements
 from autopar.search.node_prices import compute_floor
 from autopar.sharding.rules.losses import count_axes

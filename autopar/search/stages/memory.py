@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from autopar.cost_models import MeshSpec
-from autopar.plan.data import zero_axes
+from autopar.plan.decisions import zero_axes
 from autopar.runtime.grad_sync import fill_buckets
 from autopar.search.stages.layer_stats import LayerStat, grad_bytes, on_zero
 

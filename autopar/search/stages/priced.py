@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from autopar.plan.data import Schedule
+from autopar.plan.decisions import Schedule
 
 
 @dataclass(frozen=True)

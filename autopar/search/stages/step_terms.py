@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from autopar.cost_models import MeshSpec, send_recv_time
 from autopar.plan import schedules as sched
-from autopar.plan.data import Schedule
+from autopar.plan.decisions import Schedule
 from autopar.search import buckets as bk
 from autopar.search.stages.layer_stats import LayerStat
 

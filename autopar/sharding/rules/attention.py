@@ -28,6 +28,7 @@ import torch
 from torch import fx
 
 from autopar.capture.ir import tensor_inputs
+from autopar.plan.decisions import ContextParallel
 from autopar.plan.placement import Placement, Placements, R, Shard, local_shape
 from autopar.sharding.rules import AxisStrategy, OpStrategy, RuleCtx, arg, assign, register, shape
 
@@ -71,18 +72,6 @@ def sdpa_placements(node: fx.Node, inputs: Sequence[Placements]) -> tuple[
     by = dict(zip(tensor_inputs(node), inputs))
     a = sdpa_args(node)
     return by[a.q], by[a.k], by[a.v], (by[a.mask] if a.mask is not None else None)
-
-
-class ContextParallel(enum.StrEnum):
-    """``context_parallel=``: which sequence split attention may use (default: searched).
-
-    ``off``: attention never splits the sequence; ``gather-kv``: only query rows split,
-    keys and values gathered; ``exchange``: q, k and v split and exchanged inside the op
-    (Ulysses where the heads divide, ring attention otherwise)."""
-
-    OFF = "off"
-    GATHER_KV = "gather-kv"
-    EXCHANGE = "exchange"
 
 
 class CPImpl(enum.StrEnum):

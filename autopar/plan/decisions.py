@@ -1,0 +1,444 @@
+"""Every plan-level decision, declared once: the registry (:data:`DECISIONS`).
+
+A *decision* is something the plan decides for the whole model beside each node's
+placement: ZeRO, pipeline stages, micro-batches, recomputation, precision, gradient
+buckets, ... .  Its entry (:class:`Decision`) names
+
+* the ``auto_parallel`` / ``autopar.plan`` keywords that force it (:class:`Option`, with
+  the check of the value; a forced value travels in :class:`PlanOptions`),
+* the JSON fields of :class:`Decisions` that record what was decided,
+* where the search prices it and where the runtime applies it (``"module:function"``:
+  the plan data imports nothing above it, so these are names that
+  ``tests/unit/test_decisions.py`` resolves), and
+* the ``plan.explain(...)`` key that says why.
+
+``tests/unit/test_decisions.py`` checks the registry against the fields of
+:class:`Decisions` and :class:`PlanOptions` and the keywords the API accepts, so a
+decision cannot be half-added.  ``docs/architecture.md`` has the recipe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from autopar.errors import ConfigError
+
+if TYPE_CHECKING:
+    from autopar.cost_models import MeshSpec
+
+
+# ---------------------------------------------------------------- the values decisions take
+class Schedule(StrEnum):
+    """How micro-batches flow through pipeline stages."""
+
+    NONE = "none"
+    """No pipeline (one stage); micro-batches, if any, are gradient accumulation."""
+    GPIPE = "gpipe"
+    """All forwards, then all backwards: every stage holds all micro-batches' activations."""
+    ONE_F_ONE_B = "1f1b"
+    """Warm-up forwards, then one forward / one backward: stage ``s`` of ``p`` holds at
+    most ``p - s`` micro-batches' activations."""
+    ZERO_BUBBLE = "zero-bubble"
+    """1F1B with each backward split into ``B`` (input gradients, sent on at once) and
+    ``W`` (weight gradients, deferred into what would be bubbles; ZB-H1 of Qi et al.,
+    2023): a third of 1F1B's bubble, at up to ``2p - 1`` micro-batches in flight on the
+    first stage (a micro-batch's activations live until its ``W``)."""
+    INTERLEAVED = "interleaved-1f1b"
+    """1F1B over ``v`` model chunks per rank (Megatron's virtual stages): rank ``s`` runs
+    virtual stages ``s, s + p, .., s + (v - 1) p``, which divides the fill and drain by
+    ``v`` at the price of ``v`` times the point-to-point messages and more micro-batches
+    in flight (:mod:`autopar.plan.schedules`)."""
+
+
+class Precision(StrEnum):
+    """How the planned module computes: the model's own dtypes, or bf16 / fp16 mixed
+    precision (fp16 needs loss scaling: ``ParallelModule.grad_scaler()``)."""
+
+    NATIVE = "native"
+    BF16_MIXED = "bf16-mixed"
+    FP16_MIXED = "fp16-mixed"
+
+    @property
+    def low(self) -> torch.dtype | None:
+        """The dtype low-precision ops compute in (None for :attr:`NATIVE`)."""
+        return {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(self.value)
+
+    @classmethod
+    def parse(cls, value: str | Precision | None) -> Precision:
+        """``None`` is :attr:`NATIVE`; anything other than a known name is a ValueError."""
+        if value is None:
+            return cls.NATIVE
+        try:
+            return cls(value)
+        except ValueError:
+            known = ", ".join(repr(p.value) for p in cls)
+            raise ValueError(f"unknown precision {value!r}; known: {known}") from None
+
+
+class ContextParallel(StrEnum):
+    """``context_parallel=``: which sequence split attention may use (default: searched).
+
+    ``off``: attention never splits the sequence; ``gather-kv``: only query rows split,
+    keys and values gathered; ``exchange``: q, k and v split and exchanged inside the op
+    (Ulysses where the heads divide, ring attention otherwise)."""
+
+    OFF = "off"
+    GATHER_KV = "gather-kv"
+    EXCHANGE = "exchange"
+
+
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+"""What ``schedule=`` accepts (:attr:`Schedule.NONE` is no pipeline, not a choice)."""
+CONTEXT_PARALLEL: tuple[str, ...] = tuple(c.value for c in ContextParallel)
+
+
+@dataclass
+class Decisions:
+    """Plan-level decisions beside the per-node placements (issue: ZeRO, pipeline,
+    recomputation, gradient accumulation), with the numbers that justify them.
+
+    ``pipeline_stages > 1`` adds a leading pipeline axis to the device mesh: the plan's
+    ``mesh`` is then each stage's sub-mesh and ``stages[s]`` lists the layer keys
+    (:mod:`autopar.capture.layers`) of stage ``s``.  Under the interleaved schedule,
+    ``stages`` lists ``pipeline_stages * virtual_stages`` virtual stages in model order
+    and virtual stage ``k`` runs on pipeline rank ``k % pipeline_stages``;
+    ``stage_seconds``, ``stage_memory`` and ``stage_parts`` are per rank (its chunks
+    summed).  ``micro_batches`` splits the global batch
+    (the graph was captured at the micro-batch size); without a pipeline it is the
+    number of gradient accumulation steps.  ``zero_stage`` 1/2/3 shards optimizer state
+    / gradients / parameters of replicated parameters over sub-mesh axis ``zero_axis``
+    (or over several axes at once).
+    ``recompute`` lists layer keys whose activations are recomputed in backward.
+    ``why`` maps each decision to a sentence with its memory and time effect.
+    """
+
+    pipeline_stages: int = 1
+    pipeline_axis: int = 0
+    """The axis of the requested mesh (``Plan.request.mesh_shape``) the stages were
+    carved from: 0, the outermost (across nodes), or a later one (inside a node); each
+    stage is a contiguous block of that axis (:func:`autopar.plan.splits.stage_ranks`)."""
+    schedule: str = Schedule.NONE.value
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (> 1 only under ``Schedule.INTERLEAVED``)."""
+    micro_batches: int = 1
+    stages: list[list[str]] = field(default_factory=list)
+    zero_stage: int = 0
+    zero_axis: int | list[int] | None = None
+    """The sub-mesh axis ZeRO shards over, or several (a list: one group spanning them,
+    ranks in row-major order); :attr:`zero_axes` reads either form."""
+    recompute: list[str] = field(default_factory=list)
+    zero_kept: list[str] = field(default_factory=list)
+    """Under ZeRO-3: layer keys whose whole parameters stay gathered from their forward
+    to their backward (FSDP2's ``reshard_after_forward=False``): no re-gather in
+    backward, for their bytes held at the activation peak (chosen per layer where the
+    memory budget allows, or ``reshard_after_forward=``)."""
+    grad_buffers_kept: bool = False
+    """The data-parallel gradient buckets keep their buffers between steps, as DDP's
+    (runtime/grad_sync.py): the gradients they reduce are counted whole from the start
+    of the step, chosen where that memory fits the budget (False: a new buffer per
+    bucket each backward, freed with the gradients at ``zero_grad()``; plans made
+    before this choice load so)."""
+    zero_reduce_once: bool = False
+    """Under ZeRO-3 with micro-batches and no pipeline: each rank accumulates the whole
+    gradients over the micro-batches and reduce-scatters them once, in the last
+    micro-batch's backward, instead of in every one (chosen where memory allows and it
+    is faster)."""
+    precision: str = "native"
+    """``"native"`` (the model's own dtypes), ``"bf16-mixed"`` or ``"fp16-mixed"``: the graph was captured
+    with :mod:`autopar.capture.mixed_precision`'s casts, which every rank re-applies."""
+    batch: str = "global"
+    """``"global"``: every rank passes the whole batch and gets outputs replicated;
+    ``"local"``: each data-parallel rank passes its part and gets its rows of every
+    batch-shaped output (:func:`autopar.plan.placement.returned_placement`)."""
+    local_axes: list[int] | None = None
+    """Under ``batch="local"``: the mesh axes that split the returned rows (the first
+    batch-shaped output's ``Shard(0)`` axes), which are then the data-parallel axes the
+    caller's sampler follows; None when no output is batch-shaped."""
+    global_batch: int = 0
+    stage_seconds: list[float] = field(default_factory=list)
+    stage_memory: list[float] = field(default_factory=list)
+    step_seconds: float = 0.0
+    why: dict[str, str] = field(default_factory=dict)
+    stage_parts: list[dict[str, float]] = field(default_factory=list)
+    """Per stage: its per-micro-batch ``stage_seconds`` split into ``compute``,
+    ``recompute`` and ``comm``, and the step's tail ``sync_exposed`` + ``gather_step``
+    (with ``sync``, all gradient reduction): what :mod:`autopar.report.timeline` draws."""
+    breakdown: dict[str, float] = field(default_factory=dict)
+    """``step_seconds`` on the slowest stage split into ``compute_seconds`` (forward,
+    backward and recomputation), ``exposed_comm_seconds`` (collectives on the critical
+    path: the ops' own, ZeRO gathers, pipeline sends, the gradient sync left after the
+    last backward), ``bubble_seconds`` (pipeline fill and drain) and ``optimizer_seconds``
+    (the optimizer's update of this device's parameters, memory-bound); these four sum to
+    the step.  ``hidden_comm_seconds`` is gradient sync overlapped with backward (not in
+    the sum)."""
+    grad_buckets: list[list[str]] = field(default_factory=list)
+    """Data-parallel gradient buckets in launch order (parameter targets), chosen by
+    :mod:`autopar.search.buckets` (or ``bucket_bytes=`` each); the runtime reduces
+    exactly these.  Empty in plans made before buckets were planned: the runtime then
+    falls back to 4 MiB buckets."""
+    collectives: list[dict[str, Any]] = field(default_factory=list)
+    """What :meth:`Plan.collectives` lists (:class:`autopar.plan.collectives.Collective`
+    in JSON form), computed from the captured graph when the plan is made."""
+
+    @property
+    def zero_axes(self) -> tuple[int, ...]:
+        """The ZeRO axes as a sorted tuple (empty without ZeRO)."""
+        return zero_axes(self.zero_axis) if self.zero_stage else ()
+
+    def rank_of(self, layer: str) -> int:
+        """Pipeline rank (stage of the mesh's pipeline axis) running ``layer``: its
+        virtual stage modulo the pipeline stages."""
+        return self.stage_of(layer) % max(1, self.pipeline_stages)
+
+    def stage_of(self, layer: str) -> int:
+        """Pipeline stage holding ``layer`` (0 without a pipeline); under the interleaved
+        schedule, its virtual stage."""
+        for s, keys in enumerate(self.stages):
+            if layer in keys:
+                return s
+        if self.pipeline_stages > 1:
+            raise KeyError(f"layer {layer!r} is in no pipeline stage")
+        return 0
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """Knobs of the search.
+
+    ``memory_budget`` is bytes per device the plan may fill (default: the mesh's
+    :attr:`~autopar.cost_models.mesh.MeshSpec.usable_memory`, its capacity less the
+    preset's reserve; a budget given here is used as it is);
+    ``optimizer`` sizes optimizer state; ``time_limit`` bounds the search in seconds,
+    capture not counted (the best feasible plan is returned when it runs out, and the plan
+    says so; a joint search splits it between exploring and planning the chosen split at
+    full depth, :mod:`autopar.search.budget`); ``search`` is
+    ``"ilp"``, ``"drec"`` or ``"auto"`` (:class:`Searcher`).
+    """
+
+    memory_budget: float | None = None
+    optimizer: str = "adamw"
+    time_limit: float = 30.0
+    search: str = "ilp"
+    pins: dict = field(default_factory=dict)
+    # plan-level decisions (autopar/search/joint.py): None = searched, a value = forced
+    zero_stage: int | None = None
+    zero_axes: tuple[int, ...] | None = None  # the sub-mesh axes ZeRO shards over; None = searched
+    pipeline_stages: int | None = None
+    # the mesh axis the stages are carved from (0: across nodes); None = searched
+    pipeline_axis: int | None = None
+    micro_batches: int | None = None
+    schedule: str | None = None
+    # model chunks per pipeline rank under schedule="interleaved-1f1b"; None = searched
+    virtual_stages: int | None = None
+    recompute: tuple[str, ...] | None = None
+    explore: bool = False  # also try pipelines/micro-batches when the plain plan fits
+    bucket_bytes: int | None = None  # fixed gradient bucket size; None = chosen (MG-WFBP)
+    # ZeRO-3: True re-gathers every layer in backward, False keeps every layer gathered
+    # from forward to backward; None = chosen per layer under the memory budget
+    reshard_after_forward: bool | None = None
+    # the data-parallel gradient buckets' buffers kept between steps (as DDP's): True,
+    # False, or None = kept where the memory budget allows (Decisions.grad_buffers_kept)
+    keep_grad_buffers: bool | None = None
+    # the sequence split attention may use (autopar.sharding.rules.attention.ContextParallel:
+    # "off", "gather-kv", "exchange"); None = searched
+    context_parallel: str | None = None
+    # "native" (the model's dtypes), "bf16-mixed" or "fp16-mixed" (autopar/capture/mixed_precision.py): never
+    # searched, since it changes the numbers the model computes
+    precision: str = "native"
+    # "global": outputs returned replicated; "local": each data-parallel rank passes its
+    # part of the batch and gets its rows of batch-shaped outputs back (as with DDP)
+    batch: str = "global"
+    # plan as if the model's repeated block were stacked this many times (deep models
+    # planned from a shallow capture of identical blocks; planning only)
+    blocks: int | None = None
+    progress: bool = False  # print per-phase progress lines on stderr
+    # the limit ``search="auto"`` compares the ILP's predicted build time with: the user's
+    # whole time_limit even when a joint search passes what is left of it, so the
+    # searcher depends on the problem's size, never on how busy the machine is
+    choose_limit: float | None = None
+
+    def budget_for(self, mesh: MeshSpec) -> float:
+        """Bytes per device the plan may fill on ``mesh``: ``memory_budget`` as given,
+        else the device less its reserve (:attr:`MeshSpec.usable_memory`)."""
+        return self.memory_budget if self.memory_budget is not None else mesh.usable_memory
+
+
+def zero_axes(axis: int | list[int] | tuple[int, ...] | None) -> tuple[int, ...]:
+    """A ZeRO axis field (None, one axis, or several) as a sorted tuple of axes."""
+    if axis is None:
+        return ()
+    if isinstance(axis, int):
+        return (axis,)
+    return tuple(sorted(int(a) for a in axis))
+
+
+# ---------------------------------------------------------------- checks of forced values
+def _positive_int(name: str, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+
+
+def _axis(name: str, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ConfigError(f"{name} must be a mesh axis (an integer >= 0), got {v!r}")
+
+
+def _flag(name: str, v: Any) -> None:
+    if not isinstance(v, bool):
+        raise ConfigError(f"{name} must be True, False or None, got {v!r}")
+
+
+def _one_of(values: tuple[str, ...], none: bool = False,
+            fold_case: bool = False) -> Callable[[str, Any], None]:
+    def check(name: str, v: Any) -> None:
+        if (str(v).lower() if fold_case else v) not in values:
+            raise ConfigError(f"{name} must be one of {', '.join(values)}"
+                              f"{' or None' if none else ''}, got {v!r}")
+    return check
+
+
+def _zero_stage(name: str, v: Any) -> None:
+    if isinstance(v, bool) or v not in (0, 1, 2, 3):
+        raise ConfigError(f"{name} must be 0, 1, 2 or 3, got {v!r}")
+
+
+def _zero_axes(name: str, v: Any) -> None:
+    items = [v] if isinstance(v, int) and not isinstance(v, bool) else v
+    ok = isinstance(items, (list, tuple)) and items and all(
+        isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in items) \
+        and len(set(items)) == len(items)
+    if not ok:
+        raise ConfigError(f"{name} must be a mesh axis or a list of distinct mesh axes "
+                          f"(integers >= 0), got {v!r}")
+
+
+def _layers(name: str, v: Any) -> None:
+    if not isinstance(v, (list, tuple, set, frozenset)) or not all(isinstance(x, str) for x in v):
+        raise ConfigError(f"{name}={v!r}: expected a list of layer names like ['blocks.0']")
+
+
+def _precision(name: str, v: Any) -> None:
+    try:
+        Precision.parse(v)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+# ---------------------------------------------------------------- the registry
+@dataclass(frozen=True)
+class Option:
+    """A keyword of ``auto_parallel`` / ``autopar.plan`` that forces (part of) a decision;
+    ``None`` (the default) leaves it to the search."""
+
+    name: str
+    check: Callable[[str, Any], None]
+    """Raises :class:`~autopar.errors.ConfigError` naming the keyword for a bad value."""
+    doc: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One plan-level decision (see the module docstring)."""
+
+    name: str
+    doc: str
+    options: tuple[Option, ...]
+    fields: tuple[str, ...]
+    """The :class:`Decisions` fields (``plan.json``'s ``decisions``) that record it."""
+    price: str
+    """``"module:function"`` where the search prices it."""
+    apply: str
+    """``"module:function"`` where the runtime applies it to the module."""
+    explain: str | None = None
+    """What ``plan.explain(...)`` takes to say why (``None``: see the nodes' placements)."""
+
+
+DECISIONS: tuple[Decision, ...] = (
+    Decision("pipeline", "pipeline stages carved from one mesh axis, their layers and schedule",
+             (Option("pipeline_stages", _positive_int, "stages (1: no pipeline)"),
+              Option("pipeline_axis", _axis, "the mesh axis the stages are carved from"),
+              Option("schedule", _one_of(SCHEDULES, fold_case=True), "gpipe, 1f1b, interleaved-1f1b, zero-bubble"),
+              Option("virtual_stages", _positive_int, "model chunks per rank (interleaved)")),
+             ("pipeline_stages", "pipeline_axis", "schedule", "virtual_stages", "stages"),
+             "autopar.search.stages.dp:price", "autopar.module.apply:apply_pipeline", "pipeline"),
+    Decision("micro_batches", "micro-batches per step: gradient accumulation, or a pipeline's",
+             (Option("micro_batches", _positive_int, "micro-batches per step"),),
+             ("micro_batches",),
+             "autopar.search.stages.dp:price", "autopar.module.apply:apply_pipeline",
+             "micro_batches"),
+    Decision("recompute", "layers whose activations are recomputed in backward",
+             (Option("recompute", _layers, "layer keys, e.g. ['blocks.0']"),),
+             ("recompute",),
+             "autopar.search.stages.dp:price_stage", "autopar.module.apply:apply_recompute",
+             "recompute"),
+    Decision("zero", "ZeRO stage and the mesh axes it shards over",
+             (Option("zero_stage", _zero_stage, "0, 1, 2 or 3"),
+              Option("zero_axes", _zero_axes, "a mesh axis or several")),
+             ("zero_stage", "zero_axis"),
+             "autopar.search.stages.layer_stats:zero_price", "autopar.module.apply:apply_zero",
+             "zero"),
+    Decision("zero_kept", "ZeRO-3 layers kept gathered from forward to backward",
+             (Option("reshard_after_forward", _flag, "True: re-gather every layer in backward"),),
+             ("zero_kept",),
+             "autopar.search.stages.memory:kept_layers", "autopar.module.apply:apply_zero",
+             "zero"),
+    Decision("zero_reduce_once", "ZeRO-3 under accumulation reduce-scatters once a step",
+             (), ("zero_reduce_once",),
+             "autopar.search.stages.dp:price_stage", "autopar.module.apply:apply_zero", "zero"),
+    Decision("grad_buckets", "the data-parallel gradient buckets (MG-WFBP)",
+             (Option("bucket_bytes", _positive_int, "fixed-size buckets of this many bytes"),),
+             ("grad_buckets",),
+             "autopar.search.buckets:optimal", "autopar.module.apply:apply_grad_sync", "buckets"),
+    Decision("grad_buffers", "the gradient buckets' buffers kept between steps, as DDP's",
+             (Option("keep_grad_buffers", _flag, "True: keep; False: a new buffer each step"),),
+             ("grad_buffers_kept",),
+             "autopar.search.stages.dp:price_stage", "autopar.module.apply:apply_grad_sync",
+             "buckets"),
+    Decision("precision", "the dtypes the step computes in (autocast's casts in the graph)",
+             (Option("precision", _precision, "native, bf16-mixed or fp16-mixed"),),
+             ("precision",),
+             "autopar.search.node_prices:CostModel", "autopar.capture.mixed_precision:apply_mixed_precision"),
+    Decision("context_parallel", "attention on sequence chunks (its placements are the nodes')",
+             (Option("context_parallel", _one_of(CONTEXT_PARALLEL, none=True), "off, gather-kv or exchange"),),
+             (),
+             "autopar.sharding.rules.attention:restrict_attention",
+             "autopar.passes.localize:localize"),
+    Decision("batch", "who passes which samples: the whole batch everywhere, or each rank its part",
+             (), ("batch", "local_axes"),
+             "autopar.search.op_placement:make_plan", "autopar.module.apply:apply_inputs"),
+)
+"""Every plan-level decision."""
+
+RESULT_FIELDS: tuple[str, ...] = (
+    "global_batch", "stage_seconds", "stage_memory", "step_seconds", "why", "stage_parts",
+    "breakdown", "collectives")
+""":class:`Decisions` fields that are no decision: the numbers that justify them."""
+
+SEARCH_KNOBS: tuple[str, ...] = ("explore", "blocks", "progress")
+"""Keywords that steer the search without deciding anything of the plan."""
+
+
+def decision_options() -> dict[str, Option]:
+    """Every forcing keyword, by name."""
+    return {o.name: o for d in DECISIONS for o in d.options}
+
+
+def check_options(given: dict[str, Any]) -> None:
+    """Check the forced values in ``given`` (``None`` is "search it")."""
+    options = decision_options()
+    for name, value in given.items():
+        if value is not None and name in options:
+            options[name].check(name, value)
+    for name in ("blocks",):
+        if given.get(name) is not None:
+            _positive_int(name, given[name])
+
+
+__all__ = ["CONTEXT_PARALLEL", "DECISIONS", "RESULT_FIELDS", "SCHEDULES", "SEARCH_KNOBS",
+           "ContextParallel", "Decision", "Decisions", "Option", "PlanOptions", "Precision",
+           "Schedule", "check_options", "decision_options", "zero_axes"]

@@ -1,0 +1,60 @@
+"""The decision registry (autopar/plan/decisions.py) against everything that must agree
+with it: the JSON fields of ``Decisions``, the fields of ``PlanOptions``, the keywords
+``autopar.plan`` and ``auto_parallel`` take, and the functions each entry names.  A
+decision added to one of them and not to the registry fails here."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import fields
+
+import pytest
+
+import autopar
+from autopar.api import _DECISION_KEYS
+from autopar.errors import ConfigError
+from autopar.plan.decisions import (
+    DECISIONS,
+    RESULT_FIELDS,
+    SEARCH_KNOBS,
+    Decisions,
+    PlanOptions,
+    decision_options,
+)
+
+REQUEST = {"memory_budget", "optimizer", "time_limit", "search", "pins", "batch", "choose_limit"}
+"""PlanOptions fields that are what the plan is asked for, not a decision."""
+
+
+def test_every_decisions_field_belongs_to_one_entry() -> None:
+    declared = [f for d in DECISIONS for f in d.fields] + list(RESULT_FIELDS)
+    assert len(declared) == len(set(declared)), "a field is declared twice"
+    assert {f.name for f in fields(Decisions)} == set(declared)
+
+
+def test_every_forcing_option_is_a_plan_option_and_a_keyword() -> None:
+    options = set(decision_options())
+    assert {f.name for f in fields(PlanOptions)} == options | set(SEARCH_KNOBS) | REQUEST
+    assert set(_DECISION_KEYS) == options | set(SEARCH_KNOBS)
+    for fn in (autopar.plan, autopar.auto_parallel):
+        named = {p.name for p in inspect.signature(fn).parameters.values()
+                 if p.kind is p.KEYWORD_ONLY}
+        assert not named & options, f"{fn.__name__} names a decision outside **decisions"
+        assert REQUEST - {"choose_limit"} <= named | {"search", "time_limit"}
+
+
+@pytest.mark.parametrize("decision", DECISIONS, ids=lambda d: d.name)
+def test_entry_names_functions_that_exist(decision) -> None:
+    for ref in (decision.price, decision.apply):
+        module, name = ref.split(":")
+        assert callable(getattr(importlib.import_module(module), name)), ref
+    if decision.explain is not None:
+        assert decision.explain in ("pipeline", "zero", "micro_batches", "recompute", "buckets")
+
+
+@pytest.mark.parametrize("name", sorted(decision_options()))
+def test_every_option_checks_its_value(name) -> None:
+    option = decision_options()[name]
+    with pytest.raises(ConfigError, match=name):
+        option.check(name, object())
