@@ -122,6 +122,16 @@ def permute_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
     return dim_map_strategies(node, x, {perm[o]: o for o in range(n)})
 
 
+@register(aten.flip.default)
+def flip_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
+    """``flip(x, dims)``: a dim that is not flipped keeps its shard; a flipped one stays
+    whole (its shards would also swap ranks, which a local flip cannot do)."""
+    x = node.args[0]
+    n = ndim(x)
+    flipped = {normalize_dim(d, n) for d in node.args[1]}
+    return dim_map_strategies(node, x, {d: d for d in range(n) if d not in flipped})
+
+
 @register(aten.expand.default)
 def expand_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
     """Dims that keep their size keep their shards; broadcast dims stay whole."""
