@@ -69,17 +69,17 @@ def spawn_rows(worker: Callable, world: int, params: dict) -> tuple[list[dict], 
 
 
 def run_section(worker: Callable, world: int, a, ratios: Callable[[list[dict]], None],
-                section: Callable[..., str]) -> list[dict]:
+                section: Callable[..., str], command: str) -> list[dict]:
     """Run ``worker`` on ``world`` ranks with ``a``'s steps, seq and batch, add the
-    ratios, print the ``docs/benchmarks.md`` section and (unless ``a.no_write``) write it;
-    return the rows."""
+    ratios, print the ``docs/benchmarks.md`` section, ending with ``command`` (the line
+    ``plan_time.regenerate`` gives), and with ``a.write`` write it there; return the rows."""
     from plan_time import write_section
 
     rows, load = spawn_rows(worker, world, {"steps": a.steps, "seq": a.seq, "batch": a.batch})
     ratios(rows)
-    text = section(rows, a, load)
+    text = section(rows, a, load, command)
     print(text)
-    if not a.no_write:
+    if a.write:
         write_section(text)
     return rows
 

@@ -1,6 +1,6 @@
 """Context parallel against data and tensor parallelism: predicted vs measured step.
 
-    python benchmarks/context_parallel.py [--steps 16] [--seq 512] [--batch 4] [--no-write]
+    python benchmarks/context_parallel.py [--steps 16] [--seq 512] [--batch 4] [--write]
 
 On 4 gloo ranks of this machine (one thread each; one run, one process group),
 ``examples/gpt.py`` (2 layers, dim 96, fp32) with a long-ish sequence is planned with
@@ -163,9 +163,11 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def section(rows: list[dict], a: argparse.Namespace, load: tuple[float, float]) -> str:
-    """The markdown section for docs/benchmarks.md, with a paragraph read off the rows."""
-    from plan_time import machine
+def section(rows: list[dict], a: argparse.Namespace, load: tuple[float, float],
+            command: str = "") -> str:
+    """The markdown section for docs/benchmarks.md, with a paragraph read off the rows
+    (``command``: its last line, ``plan_time.regenerate``'s)."""
+    from plan_time import machine, regenerate
 
     ok = [r for r in rows if "error" not in r]
     by = {(r["plan"], r["heads"]): r for r in ok}
@@ -207,21 +209,23 @@ def section(rows: list[dict], a: argparse.Namespace, load: tuple[float, float]) 
                   f"{extra}At step {a.steps + 3} (after {a.steps + 2} AdamW updates) every "
                   f"plan's loss is within {loss_gap:.1e} of DP's on the same model. "
                   f"{failed}".rstrip(), ""]
-    lines += ["Regenerate with `python benchmarks/context_parallel.py`.", ""]
+    lines += [command or regenerate("context_parallel.py", []), ""]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    """Run every plan in one group, print the section and (unless --no-write) write it."""
+    """Run every plan in one group, print the section and (with --write) write it."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=4, help="DP needs it divisible by 4")
-    ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    ap.add_argument("--write", action="store_true",
+                    help="also rewrite this benchmark's table in docs/benchmarks.md")
     a = ap.parse_args(argv)
     from _ranks import run_section
+    from plan_time import regenerate
 
-    return run_section(_worker, WORLD, a, _ratios, section)
+    return run_section(_worker, WORLD, a, _ratios, section, regenerate("context_parallel.py", argv))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """How well the predicted step time ranks and matches measured steps, preset vs calibrated.
 
     python benchmarks/cost_fidelity.py [--steps 3] [--rounds 5] [--warmup 1] [--world 4]
-                                       [--resident 5] [--no-write] [--save DIR]
-    python benchmarks/cost_fidelity.py --reprice DIR [--no-write]
+                                       [--resident 5] [--write] [--save DIR]
+    python benchmarks/cost_fidelity.py --reprice DIR [--write]
 
 On ``--world`` gloo ranks of this machine (one thread each), each case plans and builds
 an autopar module (``auto_parallel``) for one model under one set of decisions and
@@ -20,8 +20,9 @@ tiny Hugging Face Llama (``examples/hf_llama.py``, GQA, called as ``model(**batc
 Reported per preset: Spearman rank correlation of predicted against measured, the
 median relative error ``|predicted - measured| / measured``, and the rank correlation of
 the even rounds' medians with the odd rounds' (how well the measurement agrees with
-itself: plans a few percent apart swap between halves too); the table goes into
-``docs/benchmarks.md`` with the machine's load.
+itself: plans a few percent apart swap between halves too).  It prints its section of
+``docs/benchmarks.md``, with the machine's load; ``--write`` also rewrites the
+section's table there.
 
 ``--save DIR`` keeps the run: the measured rows (``rows.json``), the calibrated mesh
 (``calibrated-mesh.json``) and the calibration's table.  ``--reprice DIR`` measures
@@ -54,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SECTION = "## Cost-model fidelity (benchmarks/cost_fidelity.py)"
-REGENERATE = "Regenerate with `python benchmarks/cost_fidelity.py`."
+REGENERATE = "Regenerate with `python benchmarks/cost_fidelity.py --write`."
 DP = {"*": "R", "input:0": "S(0)", "input:1": "S(0)"}
 MEGATRON = {"*q_proj.weight": "S(0)", "*k_proj.weight": "S(0)", "*v_proj.weight": "S(0)",
             "*out_proj.weight": "S(1)", "*fc1.weight": "S(0)", "*fc2.weight": "S(1)"}
@@ -259,9 +260,10 @@ def _pct(rows: list[dict], pick) -> int:
 
 def section(rows: list[dict], world: int, steps: int, load: tuple[float, float],
             calibration: str = "", repriced: str = "", when: str = "", warmup: int = 1,
-            resident: int = 0) -> str:
+            resident: int = 0, command: str = REGENERATE) -> str:
     """The markdown section for docs/benchmarks.md (``resident``: the cases built and
-    measured together, 0 for all of them)."""
+    measured together, 0 for all of them; ``command``: its last line,
+    ``plan_time.regenerate``'s)."""
     from plan_time import machine
 
     lines = [SECTION, "",
@@ -312,7 +314,7 @@ def section(rows: list[dict], world: int, steps: int, load: tuple[float, float],
     if calibration:
         lines += ["", "The calibration this run planned with (`autopar calibrate` prints the same):",
                   "", "```text", calibration, "```"]
-    lines += ["", REGENERATE, ""]
+    lines += ["", command, ""]
     return "\n".join(lines)
 
 
@@ -351,21 +353,9 @@ def reprice(keep: Path, presets: list[str] | None = None) -> tuple[list[dict], s
 def write_table(text: str, doc: Path | None = None) -> None:
     """Put :func:`section`'s ``text`` in ``doc`` (default docs/benchmarks.md) in place of
     the section's generated part, from its heading to the line that says how to
-    regenerate it, and keep what follows: the runs of earlier stops, written by hand
-    under the same heading (``plan_time.write_section`` replaces a whole section up to
-    the next heading, and took that history with it).  A doc without the section, or
-    whose section lacks that line, gets ``plan_time.write_section``'s handling."""
+    regenerate it, and keep what follows (``plan_time.write_section``)."""
     from plan_time import DOC, write_section
-    doc = doc or DOC
-    lines = doc.read_text().splitlines(keepends=True) if doc.exists() else []
-    start = next((i for i, ln in enumerate(lines) if ln.rstrip() == SECTION), None)
-    end = None if start is None else next(
-        (j for j in range(start, len(lines)) if lines[j].rstrip() == REGENERATE
-         or (j > start and lines[j].startswith("## "))), None)
-    if end is None or lines[end].rstrip() != REGENERATE:
-        write_section(text, doc)
-        return
-    doc.write_text("".join(lines[:start]) + text.rstrip("\n") + "\n" + "".join(lines[end + 1:]))
+    write_section(text, doc or DOC)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -378,7 +368,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="untimed steps of a case before its timed ones in every round")
     ap.add_argument("--resident", type=int, default=5,
                     help="cases built and measured together (interleaved), then freed; 0: all")
-    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--write", action="store_true",
+                    help="also rewrite this benchmark's table in docs/benchmarks.md")
     ap.add_argument("--cases", default="", help="comma-separated model:case names (default all)")
     ap.add_argument("--presets", default="", help="'cpu-gloo preset' and/or 'calibrated' (comma-separated)")
     ap.add_argument("-v", "--verbose", action="store_true", help="print each row as it is measured")
@@ -386,14 +377,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--reprice", metavar="DIR",
                     help="measure nothing: price DIR's stored cases again with the current cost model")
     a = ap.parse_args(argv)
+    from plan_time import regenerate
+    command = regenerate("cost_fidelity.py", argv)
     if a.reprice:
         stored = json.loads((Path(a.reprice) / "rows.json").read_text())
         rows, calibration, load = reprice(Path(a.reprice), [p for p in a.presets.split(",") if p])
         text = section(rows, stored["world"], stored["steps"], load, calibration,
                        repriced=Path(a.reprice).name, when=stored["when"],
-                       warmup=stored.get("warmup", 0), resident=stored.get("resident", 0))
+                       warmup=stored.get("warmup", 0), resident=stored.get("resident", 0),
+                       command=command)
         print(text)
-        if not a.no_write:
+        if a.write:
             write_table(text)
         return rows
 
@@ -419,9 +413,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             (keep / "calibration.txt").write_text(calibration)
             (keep / "calibrated-mesh.json").write_text(Path(out + ".mesh.json").read_text())
     text = section(rows, a.world, a.steps * a.rounds, load, calibration, warmup=a.warmup,
-                   resident=a.resident)
+                   resident=a.resident, command=command)
     print(text)
-    if not a.no_write:
+    if a.write:
         write_table(text)
     return rows
 

@@ -1,7 +1,7 @@
 """Expert parallel against data parallel and a Megatron-style expert split: predicted vs
 measured step.
 
-    python benchmarks/expert_parallel.py [--steps 20] [--seq 128] [--batch 4] [--no-write]
+    python benchmarks/expert_parallel.py [--steps 20] [--seq 128] [--batch 4] [--write]
 
 On 4 gloo ranks of this machine (one thread each; one run, one process group),
 ``examples/moe.py`` (GShard top-2 MoE GPT: 2 layers, dim 128, hidden 512, 8 experts,
@@ -202,10 +202,12 @@ def _ratios(rows: list[dict]) -> None:
                           r["predicted_ms"] / dp["predicted_ms"])
 
 
-def section(rows: list[dict], a: argparse.Namespace, load: tuple[float, float]) -> str:
-    """The markdown section for docs/benchmarks.md, with a paragraph read off the rows."""
+def section(rows: list[dict], a: argparse.Namespace, load: tuple[float, float],
+            command: str = "") -> str:
+    """The markdown section for docs/benchmarks.md, with a paragraph read off the rows
+    (``command``: its last line, ``plan_time.regenerate``'s)."""
     import moe
-    from plan_time import machine
+    from plan_time import machine, regenerate
 
     model, _ = moe.build(**MODEL, seq=a.seq, batch=a.batch)
     total = sum(p.numel() for p in model.parameters())
@@ -265,21 +267,23 @@ def section(rows: list[dict], a: argparse.Namespace, load: tuple[float, float]) 
                   "times run well above the `cpu-gloo` preset's and the ratios are what to "
                   f"compare. At step {a.steps + 4} (after {a.steps + 3} AdamW updates) every "
                   f"plan's loss is within {loss_gap:.1e} of DP's. {failed}".rstrip(), ""]
-    lines += ["Regenerate with `python benchmarks/expert_parallel.py`.", ""]
+    lines += [command or regenerate("expert_parallel.py", []), ""]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    """Run every plan in one group, print the section and (unless --no-write) write it."""
+    """Run every plan in one group, print the section and (with --write) write it."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=4, help="DP and EP need it divisible by 4")
-    ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    ap.add_argument("--write", action="store_true",
+                    help="also rewrite this benchmark's table in docs/benchmarks.md")
     a = ap.parse_args(argv)
     from _ranks import run_section
+    from plan_time import regenerate
 
-    return run_section(_worker, WORLD, a, _ratios, section)
+    return run_section(_worker, WORLD, a, _ratios, section, regenerate("expert_parallel.py", argv))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Measured per-rank peak memory vs the memory model, and the numerical errors, for
 every plan-level parallelism kind on real gloo ranks (the cases of
-tests/dist/test_parallelism_kinds.py); writes its section of docs/benchmarks.md.
+tests/dist/test_parallelism_kinds.py); prints its section of docs/benchmarks.md, and
+with ``--write`` rewrites the section's table there.
 
-Run: ``python benchmarks/memory_model.py`` (about a minute on 2 cores).
+Run: ``python benchmarks/memory_model.py [--write]`` (about a minute on 2 cores).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.plan_time import write_section  # noqa: E402
+from benchmarks.plan_time import regenerate, write_section  # noqa: E402
 from tests.dist.harness import run_cases  # noqa: E402
 from tests.dist.test_parallelism_kinds import FOUR, TWO, TWO_BF16  # noqa: E402
 
@@ -51,9 +52,10 @@ def table(results: dict[str, dict], meshes: dict[str, tuple]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the cases on 2 and 4 gloo ranks, print the table, update the docs."""
+    """Run the cases on 2 and 4 gloo ranks, print the section; ``--write``: update the docs."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    ap.add_argument("--write", action="store_true",
+                    help="also rewrite this benchmark's table in docs/benchmarks.md")
     args = ap.parse_args(argv)
     results = {**run_cases(2, TWO + TWO_BF16), **run_cases(4, FOUR)}
     meshes = {c.id: c.mesh for c in TWO + TWO_BF16 + FOUR}
@@ -71,11 +73,9 @@ def main(argv: list[str] | None = None) -> int:
             "tests/dist/test_mixed_precision.py's).\n\n"
             "The model's peak is the larger of two moments: during backward (the activations "
             "in flight and the gradients made so far) and at its end (every gradient and "
-            "ZeRO-1/2's flat buckets). Before it added every gradient to the activation peak "
-            "and the runtime kept two copies of the gradients until the end of backward "
-            f"(measured / predicted then ranged over 0.84-1.16).\n\n{tab}\n")
+            f"ZeRO-1/2's flat buckets).\n\n{tab}\n\n{regenerate('memory_model.py', argv)}\n")
     print(text)
-    if not args.no_write:
+    if args.write:
         write_section(text)
     return 0
 

@@ -1,11 +1,12 @@
 """What DTensor parameters cost the optimizer step: AdamW (foreach and fused) over a
 ParallelModule's DTensor parameters (through DTensor's dispatch, and as autopar steps
 them: replicated ones on their local tensors) vs over the same local shards as plain
-tensors, the way a hand-written sharded loop would step them.  Writes its section of
-docs/benchmarks.md.
+tensors, the way a hand-written sharded loop would step them.  Prints its section of
+docs/benchmarks.md; ``--write`` rewrites the section's table there.
 
 A and B are interleaved step by step on the same ranks (A B A B ...), medians are
-reported with the machine's load average.  Run: ``python benchmarks/optimizer_overhead.py``.
+reported with the machine's load average.
+Run: ``python benchmarks/optimizer_overhead.py [--write]``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.plan_time import machine, write_section  # noqa: E402
+from benchmarks.plan_time import machine, regenerate, write_section  # noqa: E402
 from tests.dist.harness import run_fn_cases  # noqa: E402
 
 SECTION = "## Optimizer step over DTensor parameters (benchmarks/optimizer_overhead.py)"
@@ -73,9 +74,10 @@ def measure(c: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Measure on 2 gloo ranks and write the section."""
+    """Measure on 2 gloo ranks and print the section; ``--write``: update the docs."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--write", action="store_true",
+                    help="also rewrite this benchmark's table in docs/benchmarks.md")
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args(argv)
     tp = {"*fc1.weight": "S(0)", "*fc2.weight": "S(1)", "*q_proj.weight": "S(0)",
@@ -110,9 +112,9 @@ def main(argv: list[str] | None = None) -> int:
             "dispatch, paid per parameter tensor whatever its size; FSDP2 and "
             "`parallelize_module` step DTensor parameters too, so a user pays it with them "
             "as well.\n\n"
-            + "\n".join(rows) + "\n")
+            + "\n".join(rows) + f"\n\n{regenerate('optimizer_overhead.py', argv)}\n")
     print(text)
-    if not args.no_write:
+    if args.write:
         write_section(text)
     return 0
 

@@ -3,11 +3,12 @@
 For GPT models (``examples/gpt.py``) of 4, 12, 24 and 48 layers on a 2x4 mesh
 (preset ``8xA100-nvlink``) this measures capture, annotate, enumerate+price, solve and
 lower (code generation) with :func:`autopar.api.build_parallel_module` and
-``runtime=False`` (lowering without a process group), then prints a table and writes the
-section "## Planning time (benchmarks/plan_time.py)" of ``docs/benchmarks.md``::
+``runtime=False`` (lowering without a process group) and prints a table; with
+``--write`` it also rewrites its table in the section
+"## Planning time (benchmarks/plan_time.py)" of ``docs/benchmarks.md``::
 
-    python benchmarks/plan_time.py                   # all sizes, updates the docs
-    python benchmarks/plan_time.py --layers 4 12 --no-write
+    python benchmarks/plan_time.py --layers 4 12     # prints
+    python benchmarks/plan_time.py --write           # all sizes, and updates the docs
 
 Each size runs in its own subprocess with a wall-clock limit (``--size-timeout``, default
 300 s).  A size that runs past it is recorded as a timeout together with the stack it was
@@ -24,6 +25,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -193,8 +195,23 @@ def machine() -> str:
             f"Python {platform.python_version()}, torch {torch.__version__}")
 
 
-def section(results: list[dict], time_limit: float) -> str:
-    """The markdown section for ``docs/benchmarks.md``."""
+REGENERATE = "Regenerate with `python benchmarks/"
+"""How the last line of every generated section starts (:func:`regenerate`): where
+:func:`write_section` stops replacing."""
+
+
+def regenerate(script: str, argv: list[str] | None = None) -> str:
+    """The line that ends a generated section: the command that writes it again,
+    ``script`` (a file of benchmarks/) with this run's arguments (``argv``, default
+    ``sys.argv[1:]``) and ``--write``."""
+    args = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--write"]
+    cmd = " ".join([f"python benchmarks/{script}", *map(shlex.quote, args), "--write"])
+    return f"Regenerate with `{cmd}`."
+
+
+def section(results: list[dict], time_limit: float, command: str = "") -> str:
+    """The markdown section for ``docs/benchmarks.md`` (``command``: its last line,
+    :func:`regenerate`'s)."""
     m = MODEL
     today = _dt.date.today().isoformat()
     lines = [
@@ -216,34 +233,51 @@ def section(results: list[dict], time_limit: float) -> str:
         "\"problem nodes/edges\" is the size of the strategy-selection problem handed to the "
         "solver before presolve; \"solver\" is `plan.solver.status` (a `feasible` status means "
         "the time limit ran out before optimality was proven; the gap is the remaining "
-        "relative gap) and the MIP backend. Regenerate with `python benchmarks/plan_time.py`.",
+        "relative gap) and the MIP backend.",
+        "",
+        command or regenerate("plan_time.py", []),
         "",
     ]
     return "\n".join(lines)
 
 
 def write_section(text: str, doc: Path = DOC) -> None:
-    """Replace (or append) the section whose heading is ``text``'s first line
-    (:data:`SECTION` for this benchmark) in ``doc``, leaving other sections intact."""
+    """Put a benchmark's generated block ``text`` in ``doc`` in place of the old one.
+
+    ``text`` starts with the section's heading and ends with its :func:`regenerate`
+    line.  The block replaced runs from that heading to the first line under it that
+    starts with :data:`REGENERATE`; what follows that line under the same heading
+    (notes written by hand) and every other section are kept.  A doc without the
+    heading gets ``text`` appended.  A section without such a line (written before
+    the blocks ended so) gets ``text`` under its heading and keeps its old text below
+    it, to be tidied by hand: nothing is removed that this function did not write."""
+    lines = text.rstrip("\n").splitlines()
+    if not lines or not lines[-1].startswith(REGENERATE):
+        raise ValueError(f"a generated section ends with a line starting {REGENERATE!r}")
     doc.parent.mkdir(parents=True, exist_ok=True)
     old = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    lines = old.splitlines(keepends=True)
-    heading = text.splitlines()[0].rstrip()
-    start = next((i for i, ln in enumerate(lines) if ln.rstrip() == heading), None)
+    have = old.splitlines(keepends=True)
+    heading = lines[0].rstrip()
+    start = next((i for i, ln in enumerate(have) if ln.rstrip() == heading), None)
     if start is None:
-        new = old.rstrip("\n") + "\n\n" + text
+        new = old.rstrip("\n") + "\n\n" + text.rstrip("\n") + "\n"
     else:
-        end = next((j for j in range(start + 1, len(lines))
-                    if re.match(r"#{1,2} ", lines[j])), len(lines))
-        rest = "".join(lines[end:])
-        new = "".join(lines[:start]) + text + ("\n" + rest if rest else "")
+        nxt = next((j for j in range(start + 1, len(have)) if re.match(r"#{1,2} ", have[j])),
+                   len(have))
+        end = next((j for j in range(start + 1, nxt) if have[j].startswith(REGENERATE)), None)
+        if end is None:
+            print(f"{doc.name}: {heading!r} had no {REGENERATE!r} line: its old text is kept "
+                  "below the new block", file=sys.stderr)
+            end = start
+        new = "".join(have[:start]) + text.rstrip("\n") + "\n" + "".join(have[end + 1:])
     doc.write_text(new.rstrip("\n") + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, nargs="+", default=list(DEFAULT_LAYERS))
-    ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    ap.add_argument("--write", action="store_true",
+                    help="also rewrite this benchmark's table in docs/benchmarks.md")
     ap.add_argument("--time-limit", type=float, default=30.0, help="solver time limit (s)")
     ap.add_argument("--size-timeout", type=float, default=300.0,
                     help="wall-clock limit per model size (s)")
@@ -264,8 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text_table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
-    if not args.no_write:
-        write_section(section(results, args.time_limit))
+    if args.write:
+        write_section(section(results, args.time_limit, regenerate("plan_time.py", argv)))
         print(f"updated {DOC.relative_to(ROOT)}", file=sys.stderr)
     return 0
 

@@ -32,11 +32,14 @@ tensor-core rate and 2-byte activations stand in, as Alpa trained in fp16):
 * **ours**: the joint search with nothing forced (``explore=True``) on the published
   mesh and on (nodes, 8) (one node: (GPUs,)); the fastest wins.
 
-Run as ``python benchmarks/reference_plans.py --suites alpa mist`` (or this file).
+Run as ``python benchmarks/reference_plans.py --suites alpa mist`` or
+``python benchmarks/published_suites.py``: both print the table; ``--write`` also
+rewrites the table of this benchmark's section of ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 import time
@@ -231,9 +234,12 @@ def markdown_row(row: dict) -> str:
                    f"{row['seconds']:.0f} |")
 
 
-def section(rows: list[dict], wall: float, workers: int, machine: str) -> str:
-    """The markdown section for ``docs/benchmarks.md``."""
+def section(rows: list[dict], wall: float, workers: int, machine: str, command: str = "") -> str:
+    """The markdown section for ``docs/benchmarks.md`` (``command``: its last line,
+    ``plan_time.regenerate``'s)."""
     import datetime as _dt
+
+    from plan_time import regenerate
 
     worse = [r["run"].key for r in rows if r["worse"]]
     over = [r["run"].key for r in rows if not r["fits"]]
@@ -277,6 +283,7 @@ def section(rows: list[dict], wall: float, workers: int, machine: str) -> str:
         "published row's predicted step. Mist's per-stage ZeRO levels are one level for all "
         "stages here. Alpa's 2.6B plan (3 stages on 2, 2 and 4 GPUs) is not expressible: our "
         "stages are equal sub-meshes.", "",
+        command or regenerate("published_suites.py", []), "",
     ]
     return "\n".join(lines)
 
@@ -287,9 +294,11 @@ def _progress(o: Outcome) -> None:
           f"({o.seconds:.1f} s)", file=sys.stderr, flush=True)
 
 
-def main_suites(suites: list[str], workers: int, time_limit: float, write: bool = True) -> list[str]:
-    """Plan Alpa's and/or Mist's runs (:mod:`published_suites`), print and write their
-    section; the runs where ours is worse, failed or does not fit."""
+def main_suites(suites: list[str], workers: int, time_limit: float, write: bool = False,
+                command: str = "") -> list[str]:
+    """Plan Alpa's and/or Mist's runs (:mod:`published_suites`), print their rows and,
+    with ``write``, write their section (``command``: the line saying how to regenerate
+    it); the runs where ours is worse, failed or does not fit."""
     from plan_time import machine, write_section
 
     runs = [r for r in RUNS if r.suite.lower() in suites]
@@ -299,15 +308,31 @@ def main_suites(suites: list[str], workers: int, time_limit: float, write: bool 
     results = run_jobs(run_job, jobs, workers, time_limit, _progress)
     wall = time.perf_counter() - t0
     rows = summarise(results, runs)
-    for r in rows:
-        print(markdown_row(r))
+    print("\n".join([HEADER, RULE, *(markdown_row(r) for r in rows)]))
     if write:
-        write_section(section(rows, wall, workers, machine()))
+        write_section(section(rows, wall, workers, machine(), command))
     return [r["run"].key for r in rows
             if r["worse"] or r["ours"] is None or not r["fits"]
             or (not r["run"].unsupported and (r["published"] is None or r["published"].error))]
 
 
+def main(argv: list[str] | None = None) -> int:
+    """Plan the suites and print their rows (``--write``: update the docs too); 1 when
+    ours is worse, failed or does not fit."""
+    from plan_time import regenerate
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--suites", nargs="+", default=["alpa", "mist"], choices=["alpa", "mist"])
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--time-limit", type=float, default=1800.0,
+                    help="limit of each joint search (s); the plan says when it ran out")
+    ap.add_argument("--write", action="store_true",
+                    help="also rewrite this benchmark's table in docs/benchmarks.md")
+    a = ap.parse_args(argv)
+    bad = main_suites(a.suites, a.workers, a.time_limit, a.write,
+                      regenerate("published_suites.py", argv))
+    return 1 if bad else 0
+
+
 if __name__ == "__main__":
-    bad = main_suites(["alpa", "mist"], workers=2, time_limit=1800.0)
-    raise SystemExit(1 if bad else 0)
+    raise SystemExit(main())

@@ -29,16 +29,18 @@ and plans it twice on the preset ``multinode-a100-ib``:
 
 Two blocks are captured and the joint search extrapolates to the full depth
 (``blocks=``).  Every planning call runs as one job in a pool of worker processes;
-the table lists each model's total planning seconds.  Results go to the section
-"## Reference plans (benchmarks/reference_plans.py)" of ``docs/benchmarks.md``::
+the table lists each model's total planning seconds.  It prints the table; ``--write``
+also rewrites the table of the section "## Reference plans
+(benchmarks/reference_plans.py)" of ``docs/benchmarks.md``::
 
-    python benchmarks/reference_plans.py                 # all five models, updates the docs
-    python benchmarks/reference_plans.py --models 1.7B --no-write
+    python benchmarks/reference_plans.py --models 1.7B   # prints the table
+    python benchmarks/reference_plans.py --write         # all five models, updates the docs
     python benchmarks/reference_plans.py --all-meshes    # (nodes, 2, 4), (nodes, 4, 2) everywhere
     python benchmarks/reference_plans.py --suites alpa mist   # benchmarks/published_suites.py
 
 Alpa's (OSDI'22) and Mist's (EuroSys'25) published GPT plans are planned the same way
-by :mod:`published_suites` (its own docs section); ``--suites`` picks the suites.
+by :mod:`published_suites` (its own docs section, also written only with ``--write``);
+``--suites`` picks the suites.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plan_time import machine, write_section  # noqa: E402  (same folder, shared helpers)
+from plan_time import machine, regenerate, write_section  # noqa: E402  (same folder, shared helpers)
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## Reference plans (benchmarks/reference_plans.py)"
@@ -471,8 +473,9 @@ def text_table(rows: list[dict]) -> str:
 
 
 
-def section(rows: list[dict], wall: float, workers: int) -> str:
-    """The markdown section for ``docs/benchmarks.md``."""
+def section(rows: list[dict], wall: float, workers: int, command: str = "") -> str:
+    """The markdown section for ``docs/benchmarks.md`` (``command``: its last line,
+    ``plan_time.regenerate``'s)."""
     today = _dt.date.today().isoformat()
     worse = [r["ref"]["name"] for r in rows if r["worse"]]
     gap = [r["ref"]["name"] for r in rows if r["worse_on_megatron_mesh"]]
@@ -533,8 +536,10 @@ def section(rows: list[dict], wall: float, workers: int) -> str:
         "fp32 weights and cast them per use as autocast does (4 bytes per replicated parameter "
         "more than Megatron's 2); our model keeps untied embedding and head weights "
         "(so slightly more parameters than published); only the factorisations listed were "
-        "searched. Regenerate with `python benchmarks/reference_plans.py` "
-        "(`--all-meshes` adds (nodes, 2, 4) and (nodes, 4, 2) for every model; slower).",
+        "searched. `--all-meshes` adds (nodes, 2, 4) and (nodes, 4, 2) for every model "
+        "(slower).",
+        "",
+        command or regenerate("reference_plans.py", []),
         "",
     ]
     return "\n".join(lines)
@@ -542,7 +547,8 @@ def section(rows: list[dict], wall: float, workers: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Plan every reference, print the table, update the docs; 1 when ours is worse."""
+    """Plan every reference and print the table (``--write``: update the docs too);
+    1 when ours is worse."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=[r.name for r in REFERENCES],
                     choices=[r.name for r in REFERENCES])
@@ -551,7 +557,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--time-limit", type=float, default=1800.0,
                     help="limit of each joint search (s); the plan says when it ran out")
-    ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    ap.add_argument("--write", action="store_true",
+                    help="also rewrite this benchmark's tables in docs/benchmarks.md")
     ap.add_argument("--json", help="also write the raw rows here")
     ap.add_argument("--suites", nargs="+", default=["megatron", "alpa", "mist"],
                     choices=["megatron", "alpa", "mist"])
@@ -562,7 +569,8 @@ def main(argv: list[str] | None = None) -> int:
         import published_suites
 
         bad += published_suites.main_suites(others, args.workers, args.time_limit,
-                                            write=not args.no_write)
+                                            write=args.write,
+                                            command=regenerate("reference_plans.py", argv))
     if "megatron" not in args.suites:
         return 1 if bad else 0
 
@@ -576,8 +584,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{wall:.0f} s wall, {args.workers} workers", file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-    if not args.no_write:
-        write_section(section(rows, wall, args.workers))
+    if args.write:
+        write_section(section(rows, wall, args.workers, regenerate("reference_plans.py", argv)))
         print("updated docs/benchmarks.md", file=sys.stderr)
     bad += [r["ref"]["name"] for r in rows if r["worse"] or r["megatron"] is None or r["ours"] is None]
     if bad:

@@ -7,8 +7,8 @@ device (no weights are allocated), on meshes of 8, 64, 256 and 1,024 devices: on
 side on the same captured graph, and for the ILP the clustered solve (repeated layers,
 ``autopar/search/solvers/cluster.py``) is compared with the flat one on the same problem::
 
-    python benchmarks/search_scaling.py                 # everything, updates the docs
-    python benchmarks/search_scaling.py --layers 12 24 --devices 8 64 --no-write
+    python benchmarks/search_scaling.py --layers 12 24 --devices 8 64   # prints the table
+    python benchmarks/search_scaling.py --write         # everything, and updates the docs
 
 Each model runs in its own subprocess: it is captured once (capture and annotate are
 timed separately from the search), then every (mesh, searcher) cell calls
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plan_time import machine, write_section  # noqa: E402  (same folder, shared helpers)
+from plan_time import machine, regenerate, write_section  # noqa: E402  (same folder, shared helpers)
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -212,8 +212,9 @@ def table(recs: list[dict]) -> list[str]:
     return rows
 
 
-def section(recs: list[dict], time_limit: float, budget: float | None) -> str:
-    """The markdown section for ``docs/benchmarks.md``."""
+def section(recs: list[dict], time_limit: float, budget: float | None, command: str = "") -> str:
+    """The markdown section for ``docs/benchmarks.md`` (``command``: its last line,
+    ``plan_time.regenerate``'s)."""
     models = ", ".join(f"{n} layers dim {d} ({h} heads)" for n, (d, h) in MODELS.items())
     lines = [
         SECTION,
@@ -238,7 +239,9 @@ def section(recs: list[dict], time_limit: float, budget: float | None) -> str:
         "(no assemble, so it skips the ~1 s of plan assembly a 96-layer cell pays; its time, "
         "and whether its optimum equals the clustered one); \"D-Rec / ILP cost\" is the ratio of predicted "
         "step times. A skipped cell was predicted (linearly in depth from the previous model) "
-        "to exceed the cell limit. Regenerate with `python benchmarks/search_scaling.py`.",
+        "to exceed the cell limit.",
+        "",
+        command or regenerate("search_scaling.py", []),
         "",
     ]
     return "\n".join(lines)
@@ -252,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="solver time limit and skip threshold per cell (s)")
     ap.add_argument("--memory-budget", default="none",
                     help="'none' (default), 'capacity' (the device's) or bytes per device")
-    ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    ap.add_argument("--write", action="store_true",
+                    help="also rewrite this benchmark's table in docs/benchmarks.md")
     ap.add_argument("--json", help="also write the raw results here")
     ap.add_argument("--_child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--_out", help=argparse.SUPPRESS)
@@ -260,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf", action="store_true",
                     help="Hugging Face Llama 8B/70B shapes instead (benchmarks/search_scaling_hf.py)")
     given = list(sys.argv[1:] if argv is None else argv)
-    if "--hf" in given:  # its own options (--models, --devices, --cell-limit, --no-write)
+    if "--hf" in given:  # its own options (--models, --devices, --cell-limit, --write)
         from search_scaling_hf import main as hf_main
         return hf_main([a for a in given if a != "--hf"])
     args = ap.parse_args(given)
@@ -289,8 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join([HEADER, RULE, *table(recs)]))
     if args.json:
         Path(args.json).write_text(json.dumps(recs, indent=1))
-    if not args.no_write:
-        write_section(section(recs, args.cell_limit, budget))
+    if args.write:
+        write_section(section(recs, args.cell_limit, budget, regenerate("search_scaling.py", argv)))
         print(f"updated {DOC.relative_to(ROOT)}", file=sys.stderr)
     return 0
 

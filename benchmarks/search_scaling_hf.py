@@ -7,8 +7,8 @@ the device's memory as the budget on meshes of 8, 64, 256 and 1,024 devices, bes
 flat ILP (no clustering, no shared pricing) on the same captured graph where it finishes
 within the cell limit::
 
-    python benchmarks/search_scaling.py --hf            # runs this file, updates the docs
-    python benchmarks/search_scaling_hf.py --models 8B --devices 8 64 --no-write
+    python benchmarks/search_scaling_hf.py --models 8B --devices 8 64   # prints the table
+    python benchmarks/search_scaling.py --hf --write    # runs this file, updates the docs
 
 Each (model, mesh) cell runs in its own subprocess with a wall-clock limit. Besides the
 intra-op ILP on one captured graph, each cell times the whole ``autopar.plan`` a user
@@ -31,7 +31,7 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plan_time import machine, write_section  # noqa: E402  (same folder, shared helpers)
+from plan_time import machine, regenerate, write_section  # noqa: E402  (same folder, shared helpers)
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## Search scaling on Hugging Face Llama (benchmarks/search_scaling_hf.py)"
@@ -227,21 +227,25 @@ def findings(recs: list[dict]) -> list[str]:
         out.append(f"The clustered ILP and the flat ILP prove the same optimum in {len(same)} of "
                    f"{len(flat)} cells where the flat one finishes; the clustered one takes "
                    f"{min(r['seconds'] for r in flat):.1f}-{max(r['seconds'] for r in flat):.1f} s.")
-    for r in ok:
-        j = r["joint"]
-        how = ("its splits estimated from a 4-layer copy and the chosen one planned at full depth"
-               if j.get("estimated") else "the plain plan fits, so no split is explored")
-        if j.get("stopped"):
-            how += (" (exploring stopped at its budget, 22.5 s of the 30 s limit, and the best"
-                    " estimate was planned at full depth in the rest)")
-        out.append(f"{r['model']} on {r['devices']} devices: the whole `autopar.plan` takes "
-                   f"{j['seconds']:.1f} s ({j['capture']:.1f} s of it capture), {how}; it "
-                   f"chooses {j['layout']} at {j['step_ms']:.0f} ms per step.")
+    joint = [r["joint"] for r in ok]
+    if joint:
+        est = [j for j in joint if j.get("estimated")]
+        stopped = [j for j in est if j.get("stopped")]
+        out.append(f"The whole `autopar.plan` takes {min(j['seconds'] for j in joint):.1f}-"
+                   f"{max(j['seconds'] for j in joint):.1f} s ({min(j['capture'] for j in joint):.1f}-"
+                   f"{max(j['capture'] for j in joint):.1f} s of it capture). Where the plain plan "
+                   f"fits ({len(joint) - len(est)} of {len(joint)} cells) no pipeline split is "
+                   f"explored; in the other {len(est)} the splits are estimated from a 4-layer copy "
+                   "and the chosen one planned at full depth"
+                   + (f" ({len(stopped)} of them stopped exploring at its budget, 22.5 s of the "
+                      "30 s limit)" if stopped else "") + ".")
     return out
 
 
-def section(recs: list[dict], time_limit: float, load: tuple[float, float] | None = None) -> str:
-    """The markdown section for ``docs/benchmarks.md``."""
+def section(recs: list[dict], time_limit: float, load: tuple[float, float] | None = None,
+            command: str = "") -> str:
+    """The markdown section for ``docs/benchmarks.md`` (``command``: its last line,
+    ``plan_time.regenerate``'s)."""
     return "\n".join([
         SECTION, "",
         "`transformers.LlamaForCausalLM` with the Llama-3 8B (32 layers) and 70B (80 layers) "
@@ -262,7 +266,7 @@ def section(recs: list[dict], time_limit: float, load: tuple[float, float] | Non
         "", f"Measured {_dt.date.today().isoformat()} on: {machine()}"
         + (f"; load average {load[0]:.2f} before, {load[1]:.2f} after." if load else "."), "",
         HEADER, RULE, *(row(r) for r in recs), "", *(f"- {f}" for f in findings(recs)), "",
-        "Regenerate with `python benchmarks/search_scaling.py --hf`.", ""])
+        command or regenerate("search_scaling_hf.py", []), ""])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--devices", type=int, nargs="+", default=list(MESHES))
     ap.add_argument("--cell-limit", type=float, default=120.0)
     ap.add_argument("--no-flat", action="store_true", help="skip the flat-ILP comparison")
-    ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    ap.add_argument("--write", action="store_true",
+                    help="also rewrite this benchmark's table in docs/benchmarks.md")
     ap.add_argument("--_cell", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args._cell:
@@ -289,8 +294,9 @@ def main(argv: list[str] | None = None) -> int:
             recs.append(r)
             print(row(r), file=sys.stderr, flush=True)
     print("\n".join([HEADER, RULE, *(row(r) for r in recs)]))
-    if not args.no_write:
-        write_section(section(recs, args.cell_limit, (load0, os.getloadavg()[0])))
+    if args.write:
+        write_section(section(recs, args.cell_limit, (load0, os.getloadavg()[0]),
+                              regenerate("search_scaling_hf.py", argv)))
     return 0
 
 
