@@ -93,7 +93,7 @@ def _collectives(step) -> int:
 
 def _sent(step) -> float:
     """Bytes this rank writes during one step: gloo's TCP sends are the process's only
-    writes meanwhile (/proc/self/io ``wchar``; design.md: within 0.3% of the ring bytes)."""
+    writes meanwhile (/proc/self/io ``wchar``; gloo sends the ring formula's bytes within 0.3%)."""
     dist.barrier()
     before = _wchar()
     step()

@@ -1,6 +1,6 @@
 """Alpha-beta cost of collectives on a :class:`~autopar.cost_models.mesh.MeshSpec`.
 
-Ring formulas for ``p`` ranks on one link (latency ``a``, bandwidth ``B``), design.md section 5:
+Ring formulas for ``p`` ranks on one link (latency ``a``, bandwidth ``B``):
 
 =================  ====================================  =========================
 collective         time                                  ``nbytes`` means

@@ -1,7 +1,7 @@
 """Roofline compute cost of one kernel on one device of a :class:`~autopar.cost_models.mesh.MeshSpec`.
 
-``time = straggler * max(flops / (peak_flops * flops_efficiency), bytes_moved / mem_bandwidth, kernel_floor)``
-(design.md section 3). A node that moves no bytes and does no FLOPs (a view) is free.
+``time = straggler * max(flops / (peak_flops * flops_efficiency), bytes_moved / mem_bandwidth, kernel_floor)``.
+A node that moves no bytes and does no FLOPs (a view) is free.
 """
 
 from __future__ import annotations

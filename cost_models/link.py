@@ -40,7 +40,7 @@ def _check_int(owner: str, name: str, value: object, minimum: int) -> None:
 
 @dataclass(frozen=True)
 class LinkSpec:
-    """The link one mesh axis communicates over (alpha-beta model, design.md section 5).
+    """The link one mesh axis communicates over (the alpha-beta model).
 
     ``alpha`` is the latency of one message step in seconds and ``beta`` the bandwidth in
     bytes/s of one rank's link. A hierarchical axis that spans nodes sets ``inter``: then

@@ -89,7 +89,7 @@ _PRESETS: dict[str, _NodePreset] = {
     # One CPU host running gloo over loopback: every rank is on the same host, so there is no
     # node boundary. Numbers are deliberately modest (a few cores per rank, fp32). The link
     # is optimistic for this project's 2-core machine (measured: about 0.5 ms per ring hop
-    # and 1 GB/s; design.md section 4), kept because at the measured latency the planner
+    # and 1 GB/s), kept because at the measured latency the planner
     # gathers the logits to skip the loss's reductions, a choice to be checked by measuring
     # (issue 12's plan.verify) before it becomes the default; calibrate() measures the real
     # link. A collective keeps 0.35 of its speed while the ranks compute (MeshSpec.overlap).

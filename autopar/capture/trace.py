@@ -2,7 +2,7 @@
 
 ``torch.export.export(strict=False)`` is the capture path: it handles hand-written
 models and Hugging Face models alike (``fx.symbolic_trace`` fails on the control flow
-of HF GPT-2 and Llama, design.md §4) and gives aten ops with shapes attached, which
+of HF GPT-2 and Llama) and gives aten ops with shapes attached, which
 keeps the rule registry to one op vocabulary.  ``fx.symbolic_trace`` is still tried
 first as a cheap check that reports *why* a model is dynamic when export also fails.
 """

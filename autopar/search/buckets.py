@@ -76,7 +76,7 @@ class BucketPlan:
 
 def _affine(mesh: MeshSpec, axes: tuple[int, ...]) -> tuple[float, float]:
     """(latency, seconds per byte) of an all-reduce over ``axes``: the price is affine
-    in the bytes for any non-empty message (design.md §5)."""
+    in the bytes for any non-empty message."""
     big = float(1 << 30)
     t1, tb = all_reduce_time(mesh, axes, 1.0), all_reduce_time(mesh, axes, big)
     per_byte = (tb - t1) / (big - 1.0)

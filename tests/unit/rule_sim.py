@@ -1,4 +1,4 @@
-"""Simulated ranks for the brute-force rule validator (design.md §7: DTensor's
+"""Simulated ranks for the brute-force rule validator (DTensor's
 ``strategy_validation`` habit).
 
 For one node of an annotated graph and one :class:`~autopar.sharding.rules.OpStrategy`:

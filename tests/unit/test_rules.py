@@ -1,4 +1,4 @@
-"""Brute-force validation of every sharding rule on simulated ranks (design.md §7).
+"""Brute-force validation of every sharding rule on simulated ranks (DTensor's strategy_validation habit).
 
 Each sample is a tiny model (captured with :func:`autopar.capture.trace.capture`) or, for
 ops that ``torch.export`` never emits, a hand-built single-op aten graph.  For every

@@ -99,7 +99,7 @@ __all__ = [
 
 FLAT_MIP_MAX_NODES = 600
 """Largest flat problem that still gets the budgeted MIP after a Lagrangian gap: above it
-the MIP was measured to find nothing better within the limit (design.md section 4)."""
+the MIP was measured to find nothing better within the limit."""
 STOP_GAP = 1e-3
 """Proven relative gap at which the Lagrangian bisection stops: further steps could win at
 most 0.1% of the step time, and each costs one solve per side-input layout."""

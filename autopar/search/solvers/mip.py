@@ -231,7 +231,7 @@ def solve_cpsat(problem: StrategyProblem, hint: list[int] | None, deadline: floa
                 model.add_hint(x[int(lay.s_start[i]) + j], j == a)
     solver = cp_model.CpSolver()
     # One worker runs the full LP-based search deterministically; linearization 2 gives it
-    # the LP relaxation that is nearly integral here (design.md section 4).
+    # the LP relaxation that is nearly integral here.
     solver.parameters.num_workers = 1
     solver.parameters.linearization_level = 2
     solver.parameters.max_time_in_seconds = max(

@@ -1,5 +1,5 @@
 """Stage boundaries, schedule, recomputation and ZeRO for one intra-op plan: the
-pipeline part of the joint search (design.md §6, Alpa's inter-op pass).
+pipeline part of the joint search (Alpa's inter-op pass).
 
 Given per-layer statistics (:mod:`autopar.search.stages.layer_stats`) of the intra-op plan
 for one micro-batch, a :class:`Config` (stages ``p``, micro-batches ``M``, schedule,

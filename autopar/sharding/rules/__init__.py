@@ -2,7 +2,7 @@
 
 A rule answers, for one node and ONE mesh axis, which placements its tensor inputs
 may have and which placement each output then has (an :class:`AxisStrategy`).  The
-registry expands rules over all mesh axes by product (design.md §7, DTensor's habit),
+registry expands rules over all mesh axes by product (DTensor's habit),
 always adds the all-replicate strategy, and drops combinations whose shards do not
 divide the tensor dims evenly.  An op without a rule is replicated, with a warning
 that names it.
