@@ -102,6 +102,20 @@ def stage_buckets(layers: list[LayerStat], zp: list, rc: set[str], cfg: Config, 
     return bp, bp.names(items), extremes
 
 
+ZERO_BUBBLE_SHARE = 1.0 / 3.0
+"""The zero-bubble schedule's bubble over 1F1B's: ``(F + B - W) / (F + B + W)`` with
+``B = W = F`` (:func:`autopar.plan.schedules.list_schedule` gives it for equal stages)."""
+
+
+def bubble_share(cfg: Config) -> float:
+    """The part of 1F1B's fill-and-drain the schedule leaves idle: zero-bubble fills
+    the drain with deferred weight gradients (a backward of twice the forward, half of
+    it for weights in matmul layers, leaves a third); interleaving divides it by ``v``."""
+    if cfg.schedule == Schedule.ZERO_BUBBLE.value:
+        return ZERO_BUBBLE_SHARE
+    return 1.0 / cfg.virtual
+
+
 def in_flight(cfg: Config, index: int) -> int:
     """Micro-batches whose activations stage ``index`` keeps at once: 1 without a
     pipeline, ``M`` under GPipe, ``min(p - s, M)`` under 1F1B; under zero-bubble and
@@ -128,5 +142,5 @@ def waiting_w(cfg: Config, index: int) -> int:
     return sched.waiting_w(cfg.stages, cfg.micro_batches)[index]
 
 
-__all__ = ["accumulation_seconds", "count_exposed", "in_flight", "split_seconds", "stage_buckets",
+__all__ = ["ZERO_BUBBLE_SHARE", "accumulation_seconds", "bubble_share", "count_exposed", "in_flight", "split_seconds", "stage_buckets",
            "stage_link", "waiting_w"]
