@@ -145,7 +145,12 @@ class JointSearch(JointCaptures, JointSpace):
                 if lb > cut * (1.0 + 1e-9):
                     self.priced.append((cand, Priced(cfg, [], math.inf, math.inf, bound=lb)))
                     continue
-            pr = price(cand.stats, cfg, cand.plan.mesh, link, self.budget, self.opts.optimizer)
+            # the split search drops partial splits that cannot beat the plan in hand and
+            # reports the config bounded when no split can (a config within the cut is
+            # priced as without it).  Not on one stage: the plain candidate's configs all
+            # priced say whether it fits without ZeRO or recomputation (_fits_plainly)
+            pr = price(cand.stats, cfg, cand.plan.mesh, link, self.budget, self.opts.optimizer,
+                       cut if cand.stages > 1 else math.inf)
             self.priced.append((cand, pr))
             if pr.feasible:
                 cut = min(cut, pr.step_seconds)
