@@ -159,3 +159,79 @@ def test_views_give_the_per_parameter_arrivals_bit_for_bit(zero: int) -> None:
             assert gradient_arrivals(layers, zp, cfg, mesh, views=views, **kw) == want
             assert gradient_arrivals(layers, zp, cfg, mesh, **kw) == want
     assert math.isfinite(sum(v.param_bytes for v in views))
+
+
+def test_a_config_that_cannot_fit_is_found_out_before_the_search() -> None:
+    """``_may_fit`` (a bound on every split's memory) says False only for configs the
+    full search finds no split for, and says it for some of them."""
+    from autopar.search.stages.split_search import _may_fit, zero_prices
+    from autopar.search.stages.step_terms import in_flight
+
+    rng = random.Random(11)
+    caught = none = 0
+    for n, alike in ((8, False), (12, True)):
+        stats = _stats(rng, n, alike)
+        for cfg in _configs():
+            for budget in (8 * GIB, 16 * GIB, 40 * GIB):
+                full = price(stats, cfg, MESH, LINK, budget, "adamw")
+                virt = Config(cfg.stages * cfg.virtual, cfg.micro_batches, cfg.schedule,
+                              cfg.zero_stage, cfg.zero_axis, virtual=cfg.virtual)
+                zps = zero_prices(stats, split_search.layer_classes(stats), virt, MESH, "adamw")
+                ok = _may_fit(stats, zps, [in_flight(virt, s) for s in range(virt.stages)],
+                              budget / cfg.virtual)
+                assert ok or not full.feasible, cfg
+                none += not full.feasible
+                caught += not ok
+    assert 0 < caught <= none
+
+
+def test_zero_bubble_stages_with_equal_in_flight_counts_are_priced_apart() -> None:
+    """Under zero-bubble two stages may hold as many micro-batches at once and still
+    differ in the gradients they keep from B to W (schedules.waiting_w): the split
+    search prices each range at each stage as pricing every range by position does
+    (the same slowest stage and stage boundaries, budgets that bind)."""
+    from autopar.search.stages.dp import price_stage
+    from autopar.search.stages.step_terms import in_flight, waiting_w
+
+    stats = _stats(random.Random(5), 10, alike=True)
+    for st in stats:
+        st.weight_grad_inputs = 2.0 * GIB
+    shared = fits = 0
+    for stages, micro in ((3, 4), (4, 5), (4, 6), (5, 6)):
+        cfg = Config(stages, micro, Schedule.ZERO_BUBBLE.value)
+        pairs = {(in_flight(cfg, s), s == 0, s == stages - 1) for s in range(stages)}
+        keys = {(*k, waiting_w(cfg, s)) for s, k in enumerate(
+            (in_flight(cfg, s), s == 0, s == stages - 1) for s in range(stages))}
+        shared += len(keys) > len(pairs)
+        for budget in (64 * GIB, 72 * GIB, 80 * GIB):
+            got = price(stats, cfg, MESH, LINK, budget, "adamw")
+            n, inf = len(stats), (math.inf, math.inf, [])
+            best = [[inf] * (n + 1) for _ in range(stages)]
+            for s in range(stages):
+                for j in range(s + 1, n + 1):
+                    for i in range(s, j) if s else (0,):
+                        prev = best[s - 1][i] if s else (0.0, 0.0, [])
+                        if not math.isfinite(prev[0]):
+                            continue
+                        sp = price_stage(stats[i:j], s, cfg, MESH, LINK, budget, "adamw", sync=False)
+                        if sp.total_memory > budget:
+                            continue
+                        cand = (max(prev[0], sp.seconds), prev[1] + sp.seconds, prev[2] + [(i, j)])
+                        if cand[:2] < best[s][j][:2]:
+                            best[s][j] = cand
+            slow, _, ranges = best[-1][n]
+            assert got.feasible == math.isfinite(slow), (stages, micro, budget)
+            if got.feasible:
+                fits += 1
+                assert [len(sp.layers) for sp in got.stages] == [j - i for i, j in ranges]
+    assert shared and fits  # stages that share an in-flight count, not a waiting one
+    # where nothing fits, the memory the message quotes is the balanced split's, each
+    # stage priced at its own place (before, a stage with the same in-flight count
+    # priced earlier stood in for it: 4 stages x 5 micro-batches quoted stage 1's)
+    for stages, micro in ((4, 5), (5, 6)):
+        cfg = Config(stages, micro, Schedule.ZERO_BUBBLE.value)
+        got = price(stats, cfg, MESH, LINK, 20 * GIB, "adamw")
+        cuts = [round(k * len(stats) / stages) for k in range(stages + 1)]
+        assert not got.feasible and got.min_memory == max(
+            price_stage(stats[cuts[k]:cuts[k + 1]], k, cfg, MESH, LINK, 20 * GIB, "adamw",
+                        sync=False).total_memory for k in range(stages))

@@ -67,6 +67,13 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     # Under interleaving a rank's other chunk runs backwards between this one's forwards.
     present = cfg.micro_batches > inflight or (cfg.virtual > 1 and cfg.micro_batches > 1)
     flats = zero_flat_bytes(layers, cfg, views)
+    # what peak() reads when no ZeRO-3 layer is kept gathered (most calls): the gathers
+    # at each layer's forward (it and its prefetched successor) and backward (it and
+    # its predecessor), and every layer's whole activations
+    n_layers = len(layers)
+    gathered_fwd = [0.0 + tr[k] + (tr[k + 1] if k + 1 < n_layers else 0.0) for k in range(n_layers)]
+    gathered_bwd = [0.0 + max(0.0, trb[k]) + (trb[k - 1] if k else 0.0) for k in range(n_layers)]
+    activations = [st.activations for st in layers]
     # recompute candidates: layers whose recomputation saves memory, best ratio first
     cands = sorted((st for st in layers if st.activations > st.out_bytes and st.forward > 0),
                    key=lambda st: -(st.activations - st.out_bytes) / st.forward)
@@ -85,36 +92,53 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
         # gradient, ZeRO-1/2's flat buckets and the largest gradient on its way into
         # its data-parallel bucket.  A kept ZeRO-3 layer (``kp``) holds its whole
         # parameters from its forward to its backward, in every micro-batch in flight.
+        # (written for speed: called ~7 times per stage price, the split search's inner
+        # loop; the sums are taken in the order the plain version took them, so every
+        # number is the same bit for bit)
         keys = {st.key for st in rc}
-        hold = [trb[k] if layers[k].key in kp else 0.0 for k in range(len(layers))]
-        held_before = [0.0]  # the kept layers' bytes before layer k: held_before[k]
-        ahead = [0.0] * len(layers)  # what layer k's backward prefetches: the nearest
-        last = 0.0  # layer before it that is not kept (runtime/zero3.py), kept ones skipped
-        for k, h in enumerate(hold):
-            held_before.append(held_before[-1] + h)
-            ahead[k], last = last, (last if h else trb[k])
-        kept = [st.out_bytes if st.key in keys else st.activations for st in layers]
         n = len(layers)
+        if kp:
+            hold = [trb[k] if layers[k].key in kp else 0.0 for k in range(n)]
+            held_before = [0.0]  # the kept layers' bytes before layer k: held_before[k]
+            ahead = [0.0] * n  # what layer k's backward prefetches: the nearest
+            last = 0.0  # layer before it that is not kept (runtime/zero3.py), kept ones skipped
+            for k, h in enumerate(hold):
+                held_before.append(held_before[-1] + h)
+                ahead[k], last = last, (last if h else trb[k])
+            g_fwd = [held_before[k] + tr[k] + (tr[k + 1] if k + 1 < n else 0.0) for k in range(n)]
+            g_bwd = [held_before[k] + max(hold[k], trb[k]) + ahead[k] for k in range(n)]
+            held_sum = sum(hold)
+        else:
+            g_fwd, g_bwd, held_sum = gathered_fwd, gathered_bwd, 0.0
+        kept = [st.out_bytes if st.key in keys else st.activations for st in layers] if keys \
+            else activations
         # kept gradient buffers are whole from the step's start (``persist``)
         grads_then = sum(grads) if present else persist
-        fwd, cum = (0.0, 0.0), 0.0
+        fa = fb = best = cum = 0.0
         for k in range(n):
             cum += kept[k]
-            gathered = held_before[k] + tr[k] + (tr[k + 1] if k + 1 < n else 0.0)
-            fwd = max(fwd, (cum, gathered), key=sum)
-        bwd, before, made = (sum(kept), grads_then, 0.0), sum(kept), grads_then
-        for k in reversed(range(n)):
+            if cum + g_fwd[k] > best:
+                fa, fb, best = cum, g_fwd[k], cum + g_fwd[k]
+        total_kept = sum(kept)
+        ba, bb, bc = total_kept, grads_then, 0.0
+        best, before, made = total_kept + grads_then, total_kept, grads_then
+        for k in range(n - 1, -1, -1):
             before -= kept[k]
             live = before + (layers[k].activations if layers[k].key in keys else kept[k])
-            gathered = held_before[k] + max(hold[k], trb[k]) + ahead[k]
-            bwd = max(bwd, (live, made, gathered), key=sum)
+            if live + made + g_bwd[k] > best:
+                ba, bb, bc, best = live, made, g_bwd[k], live + made + g_bwd[k]
             # layer k's gradients appear as its backward ends, freeing its activations
             made = grads_then if present else made + arrive[k]
-        extra = (inflight - 1) * (sum(kept) + sum(hold)) + held_w
-        forward = {"activations": fwd[0] + extra, "grads": grads_then, "transient": fwd[1]}
-        during = {"activations": bwd[0] + extra, "grads": bwd[1], "transient": bwd[2]}
-        end = {"activations": 0.0, "grads": sum(grads), "transient": (trb[0] if n else 0.0) + flats + spike}
-        return max((forward, during, end), key=lambda m: sum(m.values()))
+        extra = (inflight - 1) * (total_kept + held_sum) + held_w
+        fwd_a, bwd_a = fa + extra, ba + extra
+        end_g, end_t = sum(grads), (trb[0] if n else 0.0) + flats + spike
+        # the largest moment, the first of equals (as max over the three would)
+        sums = (fwd_a + grads_then + fb, bwd_a + bb + bc, 0.0 + end_g + end_t)
+        if sums[0] >= sums[1] and sums[0] >= sums[2]:
+            return {"activations": fwd_a, "grads": grads_then, "transient": fb}
+        if sums[1] >= sums[2]:
+            return {"activations": bwd_a, "grads": bb, "transient": bc}
+        return {"activations": 0.0, "grads": end_g, "transient": end_t}
 
     def mem(rc: list[LayerStat], kp: frozenset[str] = frozenset()) -> float:
         return held + sum(peak(rc, kp).values())

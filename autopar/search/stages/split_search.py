@@ -31,7 +31,7 @@ from autopar.search.stages.layer_stats import LayerStat, zero_price
 from autopar.search.stages.memory import param_views
 from autopar.search.stages.price import price_stage
 from autopar.search.stages.priced import Config, StagePrice
-from autopar.search.stages.step_terms import bubble_share, in_flight
+from autopar.search.stages.step_terms import bubble_share, in_flight, waiting_w
 
 # relative slack on the bound comparisons: a bound is summed in another order than the
 # value it bounds (as the joint search's own bounds compare)
@@ -109,6 +109,36 @@ def _step_floor(stats: list[LayerStat], zps: list, cfg: Config, mesh: MeshSpec, 
     return least
 
 
+def _may_fit(stats: list[LayerStat], zps: list, inflight: list[int], budget: float) -> bool:
+    """False when no split of ``stats`` into ``len(inflight)`` stages can fit ``budget``
+    (True says nothing).  A stage's memory (:func:`price_stage`) is at least what it
+    holds (parameters, optimizer state, buffers) plus the larger of two of its peak's
+    moments, each bounded from below by a sum over its layers: the forward's end, where
+    it keeps every layer's activations, or at least their smaller of activations and
+    output (recomputed), for each micro-batch in flight; and the end of backward, every
+    gradient.  These grow with the stage's range, so taking the longest range that fits
+    this bound for each stage in turn covers the most layers any split can: when that
+    leaves layers over, nothing fits (the full search would price every range to find
+    that out: two thirds of the configs Megatron 145.6B's search found not to fit)."""
+    held = [z.params + z.optimizer + st.buffers for st, z in zip(stats, zps)]
+    least = [min(st.activations, st.out_bytes) for st in stats]
+    n, i = len(stats), 0
+    for k in inflight:
+        h = a = g = 0.0
+        j = i
+        while j < n:
+            h2, a2, g2 = h + held[j], a + least[j], g + zps[j].grads
+            if (h2 + max(k * a2, g2)) * (1.0 - SLACK) > budget:
+                break
+            h, a, g, j = h2, a2, g2, j + 1
+        if j == i:
+            return False  # not even one layer fits this stage
+        i = j
+        if i == n:
+            return True
+    return False
+
+
 @dataclass
 class SplitResult:
     """What :func:`split` found: the chosen stages priced with their gradient buckets
@@ -135,6 +165,7 @@ def split(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget
     views = param_views(stats, cfg, mesh, cls)
     run_of, runs = _runs(cls)
     inflight = [in_flight(cfg, s) for s in range(p)]
+    waiting = [waiting_w(cfg, s) for s in range(p)]
     floors = stage_floors(stats, zps)
     pre, mag = [0.0], [0.0]  # prefix sums of the floors and of their magnitudes
     for f in floors:
@@ -162,7 +193,7 @@ def split(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget
         # identical Llama layers: ~330 stage prices per config instead of ~3,400); the
         # chosen split is priced by position, with its layers' names and buckets (sync)
         where = (i, j) if sync else shape_of(i, j)
-        key = (where, inflight[s], s == 0, s == p - 1, sync)
+        key = (where, inflight[s], waiting[s], s == 0, s == p - 1, sync)
         if key not in cache:
             cache[key] = price_stage(stats[i:j], s, cfg, mesh, pipe_link, budget, optimizer, zps[i:j],
                                      sync=sync, views=views[i:j])
@@ -191,6 +222,17 @@ def split(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget
                 lo = mid + 1
         return lo
 
+    if not _may_fit(stats, zps, inflight, budget):
+        return SplitResult(None, _min_split_memory(stats, cfg, stage, math.inf))
+    if p == 1:
+        # one stage holds every layer: only that range is priced (the program below
+        # would price every prefix first, and they fit whenever the whole does)
+        sp = stage(0, n, 0)
+        if sp.total_memory > budget:
+            return SplitResult(None, sp.total_memory)
+        if least(sp.seconds) > limit:
+            return SplitResult(None, math.inf, bound=least(sp.seconds))
+        return SplitResult([stage(0, n, 0, sync=True)], sp.total_memory)
     for j in range(1, n - p + 2):
         sp = stage(0, j, 0)
         if sp.total_memory > budget:

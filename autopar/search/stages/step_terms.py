@@ -6,6 +6,7 @@ reduction: the micro-batches it holds at once and its gradient buckets."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -30,7 +31,8 @@ def stage_link(mesh: MeshSpec, stages: int) -> Callable[[float], float]:
     it (docs/benchmarks.md, Cost-model fidelity)."""
     if stages <= 1:
         return lambda b: 0.0
-    return lambda b: send_recv_time(mesh, (0,), b)
+    # the split search asks the same few sizes (a layer's output) thousands of times
+    return functools.lru_cache(maxsize=256)(lambda b: send_recv_time(mesh, (0,), b))
 
 
 def split_seconds(layers: list[LayerStat], cfg: Config, mesh: MeshSpec, index: int) -> float:
