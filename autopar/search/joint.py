@@ -286,7 +286,7 @@ class JointSearch(JointCaptures, JointSpace):
             # axis) come after those across nodes at each depth: they rarely win (the
             # slow link then carries the sub-mesh's traffic), so a time limit cuts them first
             splits = [(i, a > 0, p, a, m) for p, a in self._stage_options()
-                      for i, m in enumerate(self._micro_order(p))]
+                      for i, m in enumerate(self._micro_order(p, a))]
             for _, _, p, a, m in sorted(splits):
                 if (p, m, a) != first:
                     self._try(p, m, math.inf, estimate=est, axis=a)
