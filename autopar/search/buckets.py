@@ -30,6 +30,7 @@ link in their turn but never merge with others.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,9 +75,11 @@ class BucketPlan:
                 if items[i].fixed is None]
 
 
+@functools.lru_cache(maxsize=4096)
 def _affine(mesh: MeshSpec, axes: tuple[int, ...]) -> tuple[float, float]:
     """(latency, seconds per byte) of an all-reduce over ``axes``: the price is affine
-    in the bytes for any non-empty message."""
+    in the bytes for any non-empty message.  Cached: every stage the split search
+    prices with its buckets asks it again for the same mesh."""
     big = float(1 << 30)
     t1, tb = all_reduce_time(mesh, axes, 1.0), all_reduce_time(mesh, axes, big)
     per_byte = (tb - t1) / (big - 1.0)

@@ -145,7 +145,12 @@ class JointSearch(JointCaptures, JointSpace):
                 if lb > cut * (1.0 + 1e-9):
                     self.priced.append((cand, Priced(cfg, [], math.inf, math.inf, bound=lb)))
                     continue
-            pr = price(cand.stats, cfg, cand.plan.mesh, link, self.budget, self.opts.optimizer)
+            # the split search drops partial splits that cannot beat the plan in hand and
+            # reports the config bounded when no split can (a config within the cut is
+            # priced as without it).  Not on one stage: the plain candidate's configs all
+            # priced say whether it fits without ZeRO or recomputation (_fits_plainly)
+            pr = price(cand.stats, cfg, cand.plan.mesh, link, self.budget, self.opts.optimizer,
+                       cut if cand.stages > 1 else math.inf)
             self.priced.append((cand, pr))
             if pr.feasible:
                 cut = min(cut, pr.step_seconds)
@@ -281,7 +286,7 @@ class JointSearch(JointCaptures, JointSpace):
             # axis) come after those across nodes at each depth: they rarely win (the
             # slow link then carries the sub-mesh's traffic), so a time limit cuts them first
             splits = [(i, a > 0, p, a, m) for p, a in self._stage_options()
-                      for i, m in enumerate(self._micro_order(p))]
+                      for i, m in enumerate(self._micro_order(p, a))]
             for _, _, p, a, m in sorted(splits):
                 if (p, m, a) != first:
                     self._try(p, m, math.inf, estimate=est, axis=a)

@@ -19,7 +19,7 @@ from autopar.errors import PlanError
 from autopar.plan.data import Plan
 from autopar.plan.decisions import Schedule
 from autopar.plan.schedules import conflict
-from autopar.plan.splits import batch_size, micro_counts, pipeline_splits
+from autopar.plan.splits import batch_size, micro_counts, pipeline_splits, split_mesh
 from autopar.search.forced import zero_groups
 from autopar.search.op_placement import PlanOptions
 from autopar.search.stages.dp import Config
@@ -123,20 +123,33 @@ class JointSpace:
             return [self.opts.micro_batches]
         return micro_counts(batch_size(self._call), stages)
 
-    def _micro_order(self, stages: int) -> list[int]:
+    def _micro_order(self, stages: int, axis: int = 0) -> list[int]:
         """:meth:`_micro_options` most promising first.  Without a pipeline the fewest
-        (more only trade speed for memory).  With one, the most micro-batches whose
-        micro-batch still has a sample per device of a stage (more shrink the bubble),
+        (more only trade speed for memory).  With one, first the most micro-batches whose
+        micro-batch still has a sample per data-parallel device of a stage when tensor
+        parallelism takes its last axis inside a node (Megatron's layout: 96 micro-batches
+        for 8 stages of 24 x 8 A100s, the fastest plan of Megatron 145.6B), then the most
+        whose micro-batch has a sample per device of a stage (more shrink the bubble),
         then the fewer, then those with smaller micro-batches, the larger first: every
         count dividing the batch goes down to one sample, which on a wide stage leaves
         the data-parallel devices nothing to split, and a time limit should not be
-        spent on those first."""
+        spent on those first (a search that runs to its end prices them all in any
+        order; the order decides which a time limit cuts, and how soon a good plan
+        bounds the others)."""
         opts = self._micro_options(stages)
         if stages <= 1:
             return opts
         b, per_stage = batch_size(self._call), math.prod(self.mesh.shape) // stages
         spans = [m for m in opts if b // m >= per_stage]
-        return sorted(spans, reverse=True) + [m for m in opts if b // m < per_stage]
+        order = sorted(spans, reverse=True) + [m for m in opts if b // m < per_stage]
+        sub = split_mesh(self.mesh, stages, axis)[1].shape
+        node = self.mesh.gpus_per_node
+        if len(sub) > 1 and node is not None and 1 < sub[-1] <= node:
+            per_rank = per_stage // sub[-1]
+            tp = [m for m in opts if b // m >= per_rank]
+            if tp:
+                order = [max(tp)] + [m for m in order if m != max(tp)]
+        return order
 
     def _configs(self, cand: _Candidate) -> list[Config]:
         sub = cand.plan.mesh

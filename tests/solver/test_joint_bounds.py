@@ -33,6 +33,11 @@ def _plan(**kw):
         return plan(model, ex, MESH, explore=True, **kw)
 
 
+def _uncut(stats, cfg, mesh, link, budget, optimizer, cut=math.inf):
+    """``price`` without the plan in hand: every split searched (no config bounded)."""
+    return price(stats, cfg, mesh, link, budget, optimizer)
+
+
 @pytest.fixture(scope="module")
 def unpruned():
     """Every config priced (the bound spied on and answered with 0), with each config's
@@ -48,6 +53,7 @@ def unpruned():
 
     mp = pytest.MonkeyPatch()
     mp.setattr(J, "step_lower_bound", spy)
+    mp.setattr(J, "price", _uncut)
     mp.setattr(J.JointSearch, "_bounded", lambda self, *a: False)  # every split searched
     try:
         p = _plan()
@@ -98,6 +104,7 @@ def test_split_bound_never_exceeds_a_priced_config(monkeypatch) -> None:
     model, ex = gpt.build(layers=4, dim=64, heads=4, vocab=256, seq=32, batch=16)
     monkeypatch.setattr(JointSearch, "_bounded", lambda self, *a: False)  # price them all
     monkeypatch.setattr(J, "step_lower_bound", lambda *a: 0.0)
+    monkeypatch.setattr(J, "price", _uncut)
     js = JointSearch(model, ex, MESH, PlanOptions(explore=True))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

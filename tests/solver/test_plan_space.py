@@ -140,6 +140,23 @@ def test_pipelines_try_micro_batches_that_span_a_stage_first() -> None:
     assert js._micro_order(4) == [16, 8, 4]  # 1 device per stage: one sample spans it
 
 
+def test_pipelines_with_tensor_parallelism_in_a_node_try_megatrons_micro_batches_first() -> None:
+    """A stage whose last axis lies inside a node (tensor parallelism there): first the
+    most micro-batches with a sample per data-parallel rank of the stage (Megatron's
+    layout), then the order above."""
+    from autopar.search.joint import JointSearch
+    from autopar.search.op_placement import PlanOptions
+
+    model, ex = gpt.build(layers=4, dim=64, heads=4, vocab=256, seq=16, batch=64)
+    js = JointSearch(model, ex, MeshSpec.preset("multinode-a100-ib", shape=(4, 8)), PlanOptions())
+    # 2 stages of (2, 8): 2 data-parallel ranks, so 32 micro-batches of 2 samples first,
+    # then those with a sample per device of the stage (16), the most first, then the rest
+    assert js._micro_order(2) == [32, 4, 2, 8, 16, 64]
+    js = JointSearch(model, ex, MeshSpec.preset("multinode-a100-ib", shape=(8, 4)), PlanOptions())
+    # stages inside a node (axis 1): 2 stages of (8, 2), 8 data-parallel ranks
+    assert js._micro_order(2, 1) == [8, 4, 2, 16, 32, 64]
+
+
 @pytest.mark.slow  # ~12 s on 2 cores: a search per schedule
 def test_each_pipeline_schedule_is_chosen_where_it_pays() -> None:
     """Four forced stages and four micro-batches of a 10-layer GPT, bf16-mixed:

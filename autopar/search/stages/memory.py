@@ -7,6 +7,7 @@ runtime/grad_sync.py), and ZeRO-1/2's flat reduce buckets at the end of backward
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from autopar.cost_models import MeshSpec
@@ -18,9 +19,67 @@ if TYPE_CHECKING:
     from autopar.search.stages.dp import Config
 
 
+@dataclass(frozen=True)
+class ParamView:
+    """One layer's parameters as a stage's gradient memory reads them under one config's
+    ZeRO stage, axes, micro-batches and ``reduce_once``, each list back to front (the
+    order backward makes and the buckets take them).  Computed once per class of equal
+    layers (:func:`autopar.search.stages.dp.layer_classes`) per config: the split search
+    prices ~150 stage ranges per config, each reading every parameter of its layers
+    (Megatron 145.6B on 192x8: 170 million ZeRO-membership tests before)."""
+
+    plain: tuple[int, ...]
+    """Positions (in the back-to-front list) of the parameters GradSync reduces outside
+    ZeRO (replicated somewhere, not under ZeRO)."""
+    plain_bytes: tuple[float, ...]
+    """Their gradient bytes (:func:`grad_bytes`), in the same order."""
+    shards: tuple[float, ...]
+    """Gradient bytes of the ZeRO-3 shards reduced over other replicated axes too."""
+    flat: tuple[float, ...]
+    """Local bytes of the parameters under ZeRO (ZeRO-1/2's flat reduce buckets)."""
+    spike: float | None
+    """The largest gradient GradSync reduces (None: none)."""
+    param_bytes: float
+    """:attr:`LayerStat.param_bytes`."""
+
+
+def param_view(layer: LayerStat, cfg: Config, mesh: MeshSpec) -> ParamView:
+    """``layer``'s :class:`ParamView` under ``cfg``."""
+    zax = zero_axes(cfg.zero_axis)
+    plain, plain_bytes, shards, flat = [], [], [], []
+    for k, q in enumerate(reversed(layer.params)):
+        on = on_zero(q.replicated, cfg.zero_stage, zax)
+        if on:
+            flat.append(q.bytes)
+        if q.replicated and not on:
+            plain.append(k)
+            plain_bytes.append(grad_bytes(q, mesh, cfg.zero_stage, zax, cfg.micro_batches,
+                                          cfg.reduce_once))
+        elif cfg.zero_stage == 3 and on and set(q.replicated) - set(zax):
+            shards.append(grad_bytes(q, mesh, cfg.zero_stage, zax, cfg.micro_batches,
+                                     cfg.reduce_once))
+    synced = plain_bytes + shards
+    return ParamView(tuple(plain), tuple(plain_bytes), tuple(shards), tuple(flat),
+                     max(synced) if synced else None, layer.param_bytes)
+
+
+def param_views(layers: list[LayerStat], cfg: Config, mesh: MeshSpec,
+                classes: list[int] | None = None) -> list[ParamView]:
+    """:func:`param_view` of each of ``layers``, once per class of ``classes`` (equal ids:
+    equal numbers) when given."""
+    if classes is None:
+        return [param_view(st, cfg, mesh) for st in layers]
+    per_class: dict[int, ParamView] = {}
+    for c, st in zip(classes, layers):
+        if c not in per_class:
+            per_class[c] = param_view(st, cfg, mesh)
+    return [per_class[c] for c in classes]
+
+
 def gradient_arrivals(layers: list[LayerStat], zp: list, cfg: Config, mesh: MeshSpec,
                       buckets: list[list[str]] | None = None,
-                      kept: bool = False) -> tuple[list[float], float, float]:
+                      kept: bool = False,
+                      views: list[ParamView] | None = None) -> tuple[list[float], float, float]:
     """Per layer, the gradient bytes that exist once its backward has run and not
     before: its own gradients (``zp``'s), except that ZeRO-3 shards reduced over other
     axes go in BUCKET_BYTES buckets, back to front, each allocated whole at its first
@@ -34,49 +93,58 @@ def gradient_arrivals(layers: list[LayerStat], zp: list, cfg: Config, mesh: Mesh
     bucket until it is copied in.  With ``kept`` (the buffers serve every step,
     :attr:`~autopar.plan.Decisions.grad_buffers_kept`) every gradient GradSync reduces
     exists from the start of the step, whole: returned third (0 without ``kept``) and
-    left out of the arrivals."""
+    left out of the arrivals.  ``views``: the layers' :func:`param_views` under ``cfg``
+    when already computed."""
+    if views is None:
+        views = param_views(layers, cfg, mesh)
     out = [z.grads for z in zp]
-    zax = zero_axes(cfg.zero_axis)
-
-    def nbytes(q) -> float:  # as zero_price counts the gradient
-        return grad_bytes(q, mesh, cfg.zero_stage, zax, cfg.micro_batches, cfg.reduce_once)
-
-    params = [(i, q) for i in reversed(range(len(layers))) for q in reversed(layers[i].params)]
+    back = range(len(layers) - 1, -1, -1)
+    spike = max((v.spike for v in views if v.spike is not None), default=0.0)
     # what GradSync reduces: replicated parameters outside ZeRO, and ZeRO-3 shards
     # replicated on other axes too (ZeRO-1/2 reduce those themselves, per bucket: runtime/zero.py)
-    plain = [(i, q) for i, q in params if q.replicated and not on_zero(q.replicated, cfg.zero_stage, zax)]
-    shards = [(i, q) for i, q in params if cfg.zero_stage == 3 and on_zero(q.replicated, 3, zax)
-              and set(q.replicated) - set(zax)]
-    synced = plain + shards
-    spike = max((nbytes(q) for _, q in synced), default=0.0)
     if kept:
-        for i, q in synced:
-            out[i] -= nbytes(q)
-        return out, spike, sum(nbytes(q) for _, q in synced)
-    groups = fill_buckets(shards, lambda iq: nbytes(iq[1]))
+        for i in back:
+            for x in views[i].plain_bytes + views[i].shards:
+                out[i] -= x
+        return out, spike, sum(x for part in ("plain_bytes", "shards") for i in back
+                               for x in getattr(views[i], part))
+    shards = [(i, x) for i in back for x in views[i].shards]
+    if not shards and not buckets:
+        return out, spike, 0.0  # every gradient counted in its own layer
+    groups = fill_buckets(shards, lambda ix: ix[1])
     if buckets:
-        where = {q.name: (i, q) for i, q in plain if q.name}
+        where = {}
+        for i in back:
+            rev = layers[i].params[::-1]
+            for k, x in zip(views[i].plain, views[i].plain_bytes):
+                if rev[k].name:
+                    where[rev[k].name] = (i, x)
         groups += [[where[n] for n in names if n in where] for names in buckets]
     for g in groups:
         if not g:
             continue
-        for i, q in g:
-            out[i] -= nbytes(q)
-        out[max(i for i, _ in g)] += sum(nbytes(q) for _, q in g)
+        for i, x in g:
+            out[i] -= x
+        out[max(i for i, _ in g)] += sum(x for _, x in g)
     return out, spike, 0.0
 
 
-def zero_flat_bytes(layers: list[LayerStat], cfg: Config) -> float:
+def zero_flat_bytes(layers: list[LayerStat], cfg: Config,
+                    views: list[ParamView] | None = None) -> float:
     """ZeRO-1/2: the most bytes of flat reduce buckets alive at once at the end of
     backward.  The runtime (runtime/zero.py) cuts the ZeRO axis's gradients, back to
     front, into buckets of BUCKET_BYTES and keeps two in flight: bucket ``i``'s flat
     copy exists beside bucket ``i - 1``'s, and with one micro-batch the whole gradients
     of bucket ``i`` too, until it launches (gradients are counted sharded then; under
-    accumulation they are whole until the last backward and counted so)."""
+    accumulation they are whole until the last backward and counted so).  ``views``:
+    the layers' :func:`param_views` under ``cfg`` when already computed."""
     if cfg.zero_stage not in (1, 2):
         return 0.0
-    sizes = [q.bytes for st in reversed(layers) for q in reversed(st.params)
-             if on_zero(q.replicated, cfg.zero_stage, cfg.zero_axis)]
+    if views is None:
+        sizes = [q.bytes for st in reversed(layers) for q in reversed(st.params)
+                 if on_zero(q.replicated, cfg.zero_stage, cfg.zero_axis)]
+    else:
+        sizes = [x for v in reversed(views) for x in v.flat]
     flat = [sum(b) for b in fill_buckets(sizes, float)]
     whole = 2.0 if cfg.micro_batches == 1 else 1.0
     return max((prev + whole * cur for prev, cur in zip([0.0, *flat], flat)), default=0.0)
@@ -108,4 +176,5 @@ def kept_layers(keys: list[str], saves: list[float], recomputed: set[str], resha
     return frozenset(cands[:lo])
 
 
-__all__ = ["gradient_arrivals", "kept_layers", "zero_flat_bytes"]
+__all__ = ["ParamView", "gradient_arrivals", "kept_layers", "param_view", "param_views",
+           "zero_flat_bytes"]

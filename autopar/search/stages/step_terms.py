@@ -6,6 +6,7 @@ reduction: the micro-batches it holds at once and its gradient buckets."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -30,7 +31,8 @@ def stage_link(mesh: MeshSpec, stages: int) -> Callable[[float], float]:
     it (docs/benchmarks.md, Cost-model fidelity)."""
     if stages <= 1:
         return lambda b: 0.0
-    return lambda b: send_recv_time(mesh, (0,), b)
+    # the split search asks the same few sizes (a layer's output) thousands of times
+    return functools.lru_cache(maxsize=256)(lambda b: send_recv_time(mesh, (0,), b))
 
 
 def split_seconds(layers: list[LayerStat], cfg: Config, mesh: MeshSpec, index: int) -> float:
@@ -102,6 +104,20 @@ def stage_buckets(layers: list[LayerStat], zp: list, rc: set[str], cfg: Config, 
     return bp, bp.names(items), extremes
 
 
+ZERO_BUBBLE_SHARE = 1.0 / 3.0
+"""The zero-bubble schedule's bubble over 1F1B's: ``(F + B - W) / (F + B + W)`` with
+``B = W = F`` (:func:`autopar.plan.schedules.list_schedule` gives it for equal stages)."""
+
+
+def bubble_share(cfg: Config) -> float:
+    """The part of 1F1B's fill-and-drain the schedule leaves idle: zero-bubble fills
+    the drain with deferred weight gradients (a backward of twice the forward, half of
+    it for weights in matmul layers, leaves a third); interleaving divides it by ``v``."""
+    if cfg.schedule == Schedule.ZERO_BUBBLE.value:
+        return ZERO_BUBBLE_SHARE
+    return 1.0 / cfg.virtual
+
+
 def in_flight(cfg: Config, index: int) -> int:
     """Micro-batches whose activations stage ``index`` keeps at once: 1 without a
     pipeline, ``M`` under GPipe, ``min(p - s, M)`` under 1F1B; under zero-bubble and
@@ -128,5 +144,5 @@ def waiting_w(cfg: Config, index: int) -> int:
     return sched.waiting_w(cfg.stages, cfg.micro_batches)[index]
 
 
-__all__ = ["accumulation_seconds", "count_exposed", "in_flight", "split_seconds", "stage_buckets",
+__all__ = ["ZERO_BUBBLE_SHARE", "accumulation_seconds", "bubble_share", "count_exposed", "in_flight", "split_seconds", "stage_buckets",
            "stage_link", "waiting_w"]

@@ -1,0 +1,233 @@
+"""One pipeline stage's price under a :class:`~autopar.search.stages.priced.Config`: its time
+per micro-batch, its step extras and its memory, with the layers it recomputes and the
+ZeRO-3 layers it keeps gathered (:func:`price_stage`; the model is described in
+:mod:`autopar.search.stages.dp`).  The split search (:mod:`autopar.search.stages.split_search`)
+calls it for every stage range it considers."""
+
+from __future__ import annotations
+
+from autopar.cost_models import MeshSpec, drift_after
+from autopar.plan import schedules as sched
+from autopar.search.stages.layer_stats import LayerStat, zero_price
+from autopar.search.stages.memory import (
+    ParamView,
+    gradient_arrivals,
+    kept_layers,
+    param_views,
+    zero_flat_bytes,
+)
+from autopar.search.stages.priced import Config, StagePrice
+from autopar.search.stages.step_terms import (
+    accumulation_seconds,
+    count_exposed,
+    in_flight,
+    split_seconds,
+    stage_buckets,
+    waiting_w,
+)
+
+
+def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec, pipe_link,
+                budget: float, optimizer: str, zp: list | None = None,
+                sync: bool = True, views: list[ParamView] | None = None) -> StagePrice:
+    """Price stage ``index`` holding ``layers`` (see :mod:`autopar.search.stages.dp`);
+    ``pipe_link(bytes)`` is the time of one point-to-point message between stages;
+    ``zp`` the layers' :func:`zero_price` when already computed; ``sync=False`` leaves
+    the gradient buckets out (the split search needs only ``seconds`` and memory);
+    ``views`` the layers' :func:`param_views` under ``cfg`` when already computed.
+    Under the interleaved schedule ``cfg`` counts virtual stages (:func:`price`).
+    The returned memory may exceed ``budget`` when nothing fits."""
+    inflight = in_flight(cfg, index)
+    # zero-bubble: gradients at the weights' consumers wait from each B to its W
+    held_w = waiting_w(cfg, index) * sum(st.weight_grad_inputs for st in layers)
+    if zp is None:
+        zp = [zero_price(st, mesh, cfg.zero_stage, cfg.zero_axis, optimizer, cfg.micro_batches,
+                         cfg.reduce_once)
+              for st in layers]
+    if views is None:
+        views = param_views(layers, cfg, mesh)
+    held = sum(z.params + z.optimizer for z in zp) + sum(st.buffers for st in layers)
+    grads = [z.grads for z in zp]  # per layer, as they are once the step's reduction ends
+    # gradient memory as backward allocates it (the same whether or not the buckets
+    # are priced, so the split search and the chosen split agree)
+    arrive, spike, persist = gradient_arrivals(layers, zp, cfg, mesh, views=views)
+    # stage 3: a layer's whole parameters live while it runs, and the next layer's
+    # prefetched gather lands meanwhile (runtime/zero3.py): two neighbours at once
+    # ZeRO-3: a layer's whole parameters while it runs (runtime/zero3.py gathers it and
+    # prefetches the next); under mixed precision backward keeps a weight's
+    # low-precision copy when the weight is only cast, so only the other weights are
+    # re-gathered in backward
+    tr = [z.transient for z in zp]
+    trb = [z.transient * (1.0 - min(1.0, st.cast_param_bytes / v.param_bytes)) if v.param_bytes
+           else z.transient for z, st, v in zip(zp, layers, views)]
+    # the gradients of earlier micro-batches are alive at the activation peak when the
+    # stage holds fewer micro-batches than there are: the peak count then recurs after
+    # a backward (accumulation, 1F1B's steady state); not when every forward the stage
+    # holds at once runs before its first backward (GPipe, 1F1B's first stage at M <= p).
+    # Under interleaving a rank's other chunk runs backwards between this one's forwards.
+    present = cfg.micro_batches > inflight or (cfg.virtual > 1 and cfg.micro_batches > 1)
+    flats = zero_flat_bytes(layers, cfg, views)
+    # what peak() reads when no ZeRO-3 layer is kept gathered (most calls): the gathers
+    # at each layer's forward (it and its prefetched successor) and backward (it and
+    # its predecessor), and every layer's whole activations
+    n_layers = len(layers)
+    gathered_fwd = [0.0 + tr[k] + (tr[k + 1] if k + 1 < n_layers else 0.0) for k in range(n_layers)]
+    gathered_bwd = [0.0 + max(0.0, trb[k]) + (trb[k - 1] if k else 0.0) for k in range(n_layers)]
+    activations = [st.activations for st in layers]
+    # recompute candidates: layers whose recomputation saves memory, best ratio first
+    cands = sorted((st for st in layers if st.activations > st.out_bytes and st.forward > 0),
+                   key=lambda st: -(st.activations - st.out_bytes) / st.forward)
+    if sched.conflict(cfg.schedule, True, None):
+        cands = []  # a schedule that cannot recompute (zero-bubble)
+    chosen: list[LayerStat] = []
+
+    def peak(rc: list[LayerStat], kp: frozenset[str] = frozenset()) -> dict[str, float]:
+        # The step's peak is the largest of three moments (autopar.runtime.memstats
+        # measures them): the forward, each layer's activations so far with ZeRO-3's
+        # gather of it and its prefetched successor; backward, swept back to front
+        # (it frees a layer's activations as it makes its gradients): the layers
+        # before ``k`` keep theirs, layer ``k``'s are whole (re-materialised when
+        # recomputed), the gradients of the layers after ``k`` exist, and ZeRO-3 has
+        # re-gathered ``k`` and prefetched ``k - 1``; the end of backward: every
+        # gradient, ZeRO-1/2's flat buckets and the largest gradient on its way into
+        # its data-parallel bucket.  A kept ZeRO-3 layer (``kp``) holds its whole
+        # parameters from its forward to its backward, in every micro-batch in flight.
+        # (written for speed: called ~7 times per stage price, the split search's inner
+        # loop; the sums are taken in the order the plain version took them, so every
+        # number is the same bit for bit)
+        keys = {st.key for st in rc}
+        n = len(layers)
+        if kp:
+            hold = [trb[k] if layers[k].key in kp else 0.0 for k in range(n)]
+            held_before = [0.0]  # the kept layers' bytes before layer k: held_before[k]
+            ahead = [0.0] * n  # what layer k's backward prefetches: the nearest
+            last = 0.0  # layer before it that is not kept (runtime/zero3.py), kept ones skipped
+            for k, h in enumerate(hold):
+                held_before.append(held_before[-1] + h)
+                ahead[k], last = last, (last if h else trb[k])
+            g_fwd = [held_before[k] + tr[k] + (tr[k + 1] if k + 1 < n else 0.0) for k in range(n)]
+            g_bwd = [held_before[k] + max(hold[k], trb[k]) + ahead[k] for k in range(n)]
+            held_sum = sum(hold)
+        else:
+            g_fwd, g_bwd, held_sum = gathered_fwd, gathered_bwd, 0.0
+        kept = [st.out_bytes if st.key in keys else st.activations for st in layers] if keys \
+            else activations
+        # kept gradient buffers are whole from the step's start (``persist``)
+        grads_then = sum(grads) if present else persist
+        fa = fb = best = cum = 0.0
+        for k in range(n):
+            cum += kept[k]
+            if cum + g_fwd[k] > best:
+                fa, fb, best = cum, g_fwd[k], cum + g_fwd[k]
+        total_kept = sum(kept)
+        ba, bb, bc = total_kept, grads_then, 0.0
+        best, before, made = total_kept + grads_then, total_kept, grads_then
+        for k in range(n - 1, -1, -1):
+            before -= kept[k]
+            live = before + (layers[k].activations if layers[k].key in keys else kept[k])
+            if live + made + g_bwd[k] > best:
+                ba, bb, bc, best = live, made, g_bwd[k], live + made + g_bwd[k]
+            # layer k's gradients appear as its backward ends, freeing its activations
+            made = grads_then if present else made + arrive[k]
+        extra = (inflight - 1) * (total_kept + held_sum) + held_w
+        fwd_a, bwd_a = fa + extra, ba + extra
+        end_g, end_t = sum(grads), (trb[0] if n else 0.0) + flats + spike
+        # the largest moment, the first of equals (as max over the three would)
+        sums = (fwd_a + grads_then + fb, bwd_a + bb + bc, 0.0 + end_g + end_t)
+        if sums[0] >= sums[1] and sums[0] >= sums[2]:
+            return {"activations": fwd_a, "grads": grads_then, "transient": fb}
+        if sums[1] >= sums[2]:
+            return {"activations": bwd_a, "grads": bb, "transient": bc}
+        return {"activations": 0.0, "grads": end_g, "transient": end_t}
+
+    def mem(rc: list[LayerStat], kp: frozenset[str] = frozenset()) -> float:
+        return held + sum(peak(rc, kp).values())
+
+    if cfg.recompute is not None:
+        chosen = [st for st in layers if st.key in cfg.recompute]
+    elif mem([]) > budget:
+        # the fewest best-ratio layers that fit: memory falls as layers are added, so
+        # bisect on the count instead of re-pricing every prefix
+        lo, hi = 1, len(cands)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if mem(cands[:mid]) <= budget:
+                hi = mid
+            else:
+                lo = mid + 1
+        chosen = cands[:lo]
+    # when nothing fits, every candidate stays recomputed: the memory reported is then
+    # the least this stage can reach, which the infeasible-budget message quotes
+    rc = {st.key for st in chosen}
+    # what keeping each layer saves: the re-gather of what backward would re-gather (not
+    # the weights only cast under mixed precision: their low-precision copies are saved)
+    saves = [z.regather * (b / t) if t else 0.0 for z, t, b in zip(zp, tr, trb)]
+    kp = kept_layers([st.key for st in layers], saves, rc, cfg.reshard,
+                     lambda ks: mem(chosen, ks) <= budget)
+    seconds = sum(st.seconds for st in layers) + sum(st.forward for st in chosen)
+    seconds += split_seconds(layers, cfg, mesh, index)
+    seconds += sum(z.gather_mb for z in zp)
+    # a kept layer's backward re-gathers nothing
+    seconds -= sum(x for st, x in zip(layers, saves) if st.key in kp)
+    accumulate = accumulation_seconds(grads, cfg.micro_batches, mesh)
+    seconds += accumulate + count_exposed(layers, cfg, mesh)
+    if cfg.stages > 1:
+        # receive the activations in and send them on in forward; the reverse in backward
+        if index > 0:
+            seconds += 2.0 * pipe_link(_in_bytes(layers))
+        if index < cfg.stages - 1:
+            seconds += 2.0 * pipe_link(layers[-1].out_bytes)
+    bp, names, extremes = stage_buckets(layers, zp, rc, cfg, mesh) if sync else (None, [], {})
+    if names:
+        bare = mem(chosen, kp)  # gradients counted per layer, as the split search counted them
+        # the memory reported: each chosen bucket allocated whole at its first gradient
+        # (``peak`` reads ``arrive`` when called, below)
+        arrive, spike, persist = gradient_arrivals(layers, zp, cfg, mesh, names, views=views)
+        if mem(chosen, kp) > budget >= bare:
+            # the buckets make gradients exist earlier than the per-layer count the
+            # split and recomputation were chosen by: a bucket per layer fits as they did
+            # (the 4-layer GPT recomputed whole on 4 A100s: 6.6 MB against 6.0 MB)
+            bp, names, extremes = stage_buckets(layers, zp, rc, cfg, mesh, per_layer=True)
+            arrive, spike, persist = gradient_arrivals(layers, zp, cfg, mesh, names, views=views)
+    # the gradient buffers serve every step where their memory fits (runtime/grad_sync.py:
+    # a new buffer and views per bucket, and a DTensor per gradient, cost ~1.5 ms of CPU a
+    # step for the 4-layer GPT); chosen last, so they never cost a recomputed layer
+    freed = arrive, spike, persist
+    arrive, spike, persist = gradient_arrivals(layers, zp, cfg, mesh, kept=True, views=views)
+    # (a stage with nothing to keep keeps vacuously: it does not veto the others)
+    buffers_kept = cfg.keep_buffers is not False and (
+        persist == 0 or cfg.keep_buffers is True or mem(chosen, kp) <= budget)
+    if not buffers_kept:
+        arrive, spike, persist = freed
+    exposed = bp.exposed if bp is not None else 0.0
+    gather_step = sum(z.gather_step for z in zp)
+    # the optimizer updates the stage's parameters once per step, after the gradients
+    # are reduced and before the next forward: nothing overlaps it
+    opt_step = sum(z.opt_step for z in zp)
+    copy_step = sum(z.copy_step for z in zp)  # gradients into buckets, ZeRO-1/2's layouts
+    # every rank waits for the last at the last bucket, after the step's forward and
+    # backward, and at ZeRO-1/2's gather of the updated shards, after the optimizer:
+    # the drift, as a blocking collective (docs/architecture.md)
+    last = drift_after(mesh, sum(st.seconds for st in layers) * cfg.micro_batches)
+    waits = last * (bp is not None and bp.busy > 0) + mesh.sync_seconds * (gather_step > 0)
+    extra = exposed + gather_step + opt_step + copy_step + waits
+    compute = sum(st.compute for st in layers)
+    recompute = sum(st.forward for st in chosen)
+    parts = {"compute": compute, "recompute": recompute, "accumulate": accumulate,
+             "comm": seconds - compute - recompute - accumulate,
+             "sync": bp.busy if bp is not None else 0.0, "sync_exposed": exposed,
+             "gather_step": gather_step, "optimizer_step": opt_step, "copy_step": copy_step, **extremes}
+    # what is alive at the peak: gradients only as far as backward has made them
+    memory = {"params": sum(z.params for z in zp), "optimizer": sum(z.optimizer for z in zp),
+              "buffers": sum(st.buffers for st in layers), **peak(chosen, kp)}
+    return StagePrice([st.key for st in layers], seconds, extra, memory, sorted(rc), parts, names,
+                      [st.key for st in layers if st.key in kp], buffers_kept)
+
+
+def _in_bytes(layers: list[LayerStat]) -> float:
+    # what enters the stage is what the previous layer sent; approximated by the
+    # first layer's own output size (layers of a stack have equal-sized interfaces)
+    return layers[0].out_bytes
+
+
+__all__ = ["price_stage"]

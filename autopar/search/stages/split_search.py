@@ -1,0 +1,302 @@
+"""The pipeline split search: the stage boundaries of one :class:`Config` that minimise
+the slowest stage (then the sum), every stage within the memory budget
+(:func:`split`, a dynamic program over layer ranges; :mod:`autopar.search.stages.dp`
+prices its answer).
+
+Two things keep it cheap without changing its answer:
+
+* ranges of equal layers (:func:`layer_classes`) share one stage price, and a stage's
+  least memory grows with its range, so the ranges that fit a stage ending at ``j`` are
+  found by bisection (the longer ones are never priced);
+* given the step time of a plan already in hand (``cut``), a partial split is dropped
+  before its stage is priced when a bound on every step it can lead to is over the cut
+  (:func:`_step_floor`): the step grows with the slowest stage, and the rest of it (the
+  bubble, the tail) is bounded from the layers' floors (:func:`stage_floors`), which no
+  stage goes below.  The bound depends on the partial split's slowest stage only, which
+  the program's order (slowest stage first, then the sum) ranks first, so each state
+  keeps either the partial split pricing every range gives it or none; a split within
+  the cut is therefore found exactly as without one (same boundaries, same ties), and
+  when every split is over it the config is reported bounded (:attr:`SplitResult.bound`)
+  instead of priced.  (A bound on the sum as well would be tighter but could leave a
+  state a partial split the full program does not keep there, and change its answer.)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from autopar.cost_models import MeshSpec
+from autopar.search.stages.layer_stats import LayerStat, zero_price
+from autopar.search.stages.memory import param_views
+from autopar.search.stages.price import price_stage
+from autopar.search.stages.priced import Config, StagePrice
+from autopar.search.stages.step_terms import bubble_share, in_flight, waiting_w
+
+# relative slack on the bound comparisons: a bound is summed in another order than the
+# value it bounds (as the joint search's own bounds compare)
+SLACK = 1e-9
+
+
+def layer_classes(stats: list[LayerStat]) -> list[int]:
+    """One id per layer, equal for layers with equal numbers (key and parameter names
+    aside): a stage's time and memory depend on its layers' numbers only."""
+    ids: dict[tuple, int] = {}
+    out = []
+    for st in stats:
+        k = (st.seconds, st.forward, st.compute, st.activations, st.out_bytes, st.buffers,
+             st.weight_grad_inputs,
+             tuple((q.bytes, q.replicated) for q in st.params))
+        out.append(ids.setdefault(k, len(ids)))
+    return out
+
+
+def _runs(cls: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
+    """(run index of each layer, (start, end) of each run of equal consecutive ids)."""
+    run_of, runs = [], []
+    for k, c in enumerate(cls):
+        if not runs or cls[runs[-1][0]] != c:
+            runs.append((k, k + 1))
+        else:
+            runs[-1] = (runs[-1][0], k + 1)
+        run_of.append(len(runs) - 1)
+    return run_of, runs
+
+
+def zero_prices(stats: list[LayerStat], cls: list[int], cfg: Config, mesh: MeshSpec,
+                optimizer: str) -> list:
+    """Each layer's :func:`zero_price` under ``cfg``; equal layers (``cls``, from
+    :func:`layer_classes`) have equal prices, so one per class (80 Llama layers: 3)."""
+    per_class: dict[int, object] = {}
+    for c, st in zip(cls, stats):
+        if c not in per_class:
+            per_class[c] = zero_price(st, mesh, cfg.zero_stage, cfg.zero_axis, optimizer,
+                                      cfg.micro_batches, cfg.reduce_once)
+    return [per_class[c] for c in cls]
+
+
+def stage_floors(stats: list[LayerStat], zps: list) -> list[float]:
+    """Per layer, the least it adds to any stage's seconds per micro-batch
+    (:func:`price_stage`): its own time, plus its ZeRO-3 gathers less the backward
+    re-gather (keeping the layer gathered saves at most that); recomputation,
+    accumulation, messages and the zero-bubble split only add."""
+    return [st.seconds + z.gather_mb - z.regather for st, z in zip(stats, zps)]
+
+
+def _step_floor(stats: list[LayerStat], zps: list, cfg: Config, mesh: MeshSpec, pipe_link,
+                total: float):
+    """The least step any split of ``cfg`` whose slowest stage takes ``x`` can have, as a
+    function of ``x`` (nondecreasing, so a partial split whose slowest stage is already
+    ``x`` bounds every split it extends).  :func:`autopar.search.stages.dp.price`'s step is
+    ``(M - c) x slowest rank + c x sum of the stages + the largest tail`` with ``c`` the
+    bubble's coefficient (at most 1, so at most ``M``): the stages sum to at least every
+    layer's floor (``total``) plus two messages each way at each boundary, a rank takes
+    at least its share of that sum, and the largest tail is at least the average
+    stage's ZeRO-1/2 gathers, optimizer update and copies.  Under the interleaved
+    schedule ``cfg.stages`` counts virtual stages and a rank takes at least its slowest
+    chunk."""
+    p, v, m = cfg.stages, cfg.virtual, cfg.micro_batches
+    ranks = p // v
+    if p > 1:
+        total += 4.0 * (p - 1) * pipe_link(min(st.out_bytes for st in stats)) * (1.0 - SLACK)
+    tail = sum(z.gather_step + z.opt_step + z.copy_step for z in zps) * (1.0 - SLACK) / ranks
+    c = (1.0 - mesh.idle_reuse) * bubble_share(cfg) if p > 1 else 0.0
+    share = total / ranks
+
+    def least(x: float) -> float:
+        return (m - c) * max(x, share) + c * total + tail
+
+    return least
+
+
+def _may_fit(stats: list[LayerStat], zps: list, inflight: list[int], budget: float) -> bool:
+    """False when no split of ``stats`` into ``len(inflight)`` stages can fit ``budget``
+    (True says nothing).  A stage's memory (:func:`price_stage`) is at least what it
+    holds (parameters, optimizer state, buffers) plus the larger of two of its peak's
+    moments, each bounded from below by a sum over its layers: the forward's end, where
+    it keeps every layer's activations, or at least their smaller of activations and
+    output (recomputed), for each micro-batch in flight; and the end of backward, every
+    gradient.  These grow with the stage's range, so taking the longest range that fits
+    this bound for each stage in turn covers the most layers any split can: when that
+    leaves layers over, nothing fits (the full search would price every range to find
+    that out: two thirds of the configs Megatron 145.6B's search found not to fit)."""
+    held = [z.params + z.optimizer + st.buffers for st, z in zip(stats, zps)]
+    least = [min(st.activations, st.out_bytes) for st in stats]
+    n, i = len(stats), 0
+    for k in inflight:
+        h = a = g = 0.0
+        j = i
+        while j < n:
+            h2, a2, g2 = h + held[j], a + least[j], g + zps[j].grads
+            if (h2 + max(k * a2, g2)) * (1.0 - SLACK) > budget:
+                break
+            h, a, g, j = h2, a2, g2, j + 1
+        if j == i:
+            return False  # not even one layer fits this stage
+        i = j
+        if i == n:
+            return True
+    return False
+
+
+@dataclass
+class SplitResult:
+    """What :func:`split` found: the chosen stages priced with their gradient buckets
+    (``None`` when no split fits or every split is over the cut), the least memory a
+    split reaches (for the message when none fits), and ``bound``, set when splits
+    within the budget may exist but each takes at least ``bound`` per step, over the cut."""
+
+    stages: list[StagePrice] | None
+    min_memory: float
+    bound: float | None = None
+
+
+def split(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget: float,
+          optimizer: str, cut: float = math.inf) -> SplitResult:
+    """The stage split (priced with its buckets) that minimises the slowest stage, then
+    the sum, every stage within ``budget`` (see the module docstring); splits whose step
+    must exceed ``cut`` are not searched."""
+    n, p = len(stats), cfg.stages
+    if p > n:
+        return SplitResult(None, math.inf)
+    cache: dict[tuple, StagePrice] = {}
+    cls = layer_classes(stats)
+    zps = zero_prices(stats, cls, cfg, mesh, optimizer)
+    views = param_views(stats, cfg, mesh, cls)
+    run_of, runs = _runs(cls)
+    inflight = [in_flight(cfg, s) for s in range(p)]
+    waiting = [waiting_w(cfg, s) for s in range(p)]
+    floors = stage_floors(stats, zps)
+    pre, mag = [0.0], [0.0]  # prefix sums of the floors and of their magnitudes
+    for f in floors:
+        pre.append(pre[-1] + f)
+        mag.append(mag[-1] + abs(f))
+    least = _step_floor(stats, zps, cfg, mesh, pipe_link, pre[n] - SLACK * mag[n])
+    limit = cut * (1.0 + SLACK)
+    pruned = math.inf  # the least slowest stage among the partial splits dropped
+
+    def floor(i: int, j: int) -> float:
+        # stage [i, j) takes at least this (less the prefix sums' rounding)
+        return pre[j] - pre[i] - SLACK * (mag[j] - mag[i])
+
+    def shape_of(i: int, j: int) -> tuple:
+        # the range's layers as runs of equal ones, without slicing: the partial first
+        # and last runs by (class, length), the full runs between by their index
+        r0, r1 = run_of[i], run_of[j - 1]
+        if r0 == r1:
+            return (cls[i], j - i)
+        return (cls[i], runs[r0][1] - i, r0 + 1, r1 - 1, cls[j - 1], j - runs[r1][0])
+
+    def stage(i: int, j: int, s: int, sync: bool = False) -> StagePrice:
+        # stages differ only by their in-flight count and whether they send/receive.  The
+        # split search reads only time and memory, which ranges of equal layers share (80
+        # identical Llama layers: ~330 stage prices per config instead of ~3,400); the
+        # chosen split is priced by position, with its layers' names and buckets (sync)
+        where = (i, j) if sync else shape_of(i, j)
+        key = (where, inflight[s], waiting[s], s == 0, s == p - 1, sync)
+        if key not in cache:
+            cache[key] = price_stage(stats[i:j], s, cfg, mesh, pipe_link, budget, optimizer, zps[i:j],
+                                     sync=sync, views=views[i:j])
+        return cache[key]
+
+    # best[s][j]: (slowest stage, sum, split as (start, end) ranges) covering layers
+    # [0, j) with s + 1 stages; the split's gradient buckets are priced once at the end
+    inf = (math.inf, math.inf, [])
+    best = [[inf] * (n + 1) for _ in range(p)]
+
+    def idle(sp: StagePrice) -> bool:
+        # a stage without compute (only an embedding lookup's inputs, say) leaves its
+        # devices idle: never a pipeline stage of its own
+        return p > 1 and sp.parts.get("compute", 0.0) <= 0.0
+
+    # a stage's least memory grows with its range (more parameters, more kept
+    # activations, a later peak), so the ranges that fit a stage ending at j are those
+    # starting at or after some i: found by bisection, the longer ones never priced
+    def first_fit(j: int, s: int) -> int:
+        lo, hi = s, j  # hi: nothing fits
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if stage(mid, j, s).total_memory <= budget:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    if not _may_fit(stats, zps, inflight, budget):
+        return SplitResult(None, _min_split_memory(stats, cfg, stage, math.inf))
+    if p == 1:
+        # one stage holds every layer: only that range is priced (the program below
+        # would price every prefix first, and they fit whenever the whole does)
+        sp = stage(0, n, 0)
+        if sp.total_memory > budget:
+            return SplitResult(None, sp.total_memory)
+        if least(sp.seconds) > limit:
+            return SplitResult(None, math.inf, bound=least(sp.seconds))
+        return SplitResult([stage(0, n, 0, sync=True)], sp.total_memory)
+    for j in range(1, n - p + 2):
+        sp = stage(0, j, 0)
+        if sp.total_memory > budget:
+            break  # longer first stages hold more
+        if idle(sp):
+            continue
+        if least(sp.seconds) > limit:
+            pruned = min(pruned, sp.seconds)
+            continue
+        best[0][j] = (sp.seconds, sp.seconds, [(0, j)])
+    for s in range(1, p):
+        row = best[s - 1]
+        reach = [i for i in range(s, n + 1) if math.isfinite(row[i][0])]
+        if not reach:
+            break  # no partial split reaches this stage: nothing fits (or all were cut)
+        for j in range(s + 1, n - (p - s - 1) + 1):
+            # the states this stage can extend within the cut (a state's slowest stage
+            # is within it already; the stage's floor may not be)
+            ext = []
+            for i in reach:
+                if i >= j:
+                    break
+                low = max(row[i][0], floor(i, j))
+                if least(low) > limit:
+                    pruned = min(pruned, low)
+                else:
+                    ext.append(i)
+            if not ext:
+                continue  # nothing to extend: the bisection's stage prices are not needed
+            start = first_fit(j, s)
+            for i in ext:
+                if i < start:
+                    continue
+                prev = row[i]
+                sp = stage(i, j, s)
+                if idle(sp):
+                    continue
+                cand = (max(prev[0], sp.seconds), prev[1] + sp.seconds, prev[2] + [(i, j)])
+                if least(cand[0]) > limit:
+                    pruned = min(pruned, cand[0])
+                    continue
+                if cand[:2] < best[s][j][:2]:
+                    best[s][j] = cand
+    slow, total, ranges = best[p - 1][n]
+    min_mem = min((sp.total_memory for sp in cache.values()), default=math.inf)
+    if not math.isfinite(slow):
+        if math.isfinite(pruned):
+            # every split within the budget was cut: each takes at least this
+            return SplitResult(None, math.inf, bound=least(pruned))
+        # report the smallest per-device memory any split could reach
+        return SplitResult(None, _min_split_memory(stats, cfg, stage, min_mem))
+    # priced with their gradient buckets, the stages still fit: price_stage falls back
+    # to a bucket per layer where the chosen buckets would not
+    return SplitResult([stage(i, j, s, sync=True) for s, (i, j) in enumerate(ranges)], min_mem)
+
+
+def _min_split_memory(stats, cfg: Config, stage, fallback: float) -> float:
+    """Smallest max-stage memory over balanced splits (for the infeasible message)."""
+    n, p = len(stats), cfg.stages
+    bounds = [round(k * n / p) for k in range(p + 1)]
+    try:
+        return max(stage(bounds[k], bounds[k + 1], k).total_memory for k in range(p))
+    except (ValueError, IndexError):
+        return fallback
+
+
+__all__ = ["SLACK", "SplitResult", "layer_classes", "split", "stage_floors", "zero_prices"]
