@@ -35,11 +35,15 @@ class Context:
 def _alt(ctx: Context, pred: Callable[[Config], bool]) -> Priced | None:
     ok = [p for _, p in ctx.priced if pred(p.config)]
     feas = [p for p in ok if p.feasible]
-    if feas:
-        return min(feas, key=lambda p: p.step_seconds)
     bounded = [p for p in ok if p.bound is not None]
-    if bounded:
-        return min(bounded, key=lambda p: p.bound)
+    # a config cut by its lower bound may be faster than every one priced in full: the
+    # alternative's best step is then only known to be at least the smallest bound
+    low = min(bounded, key=lambda p: p.bound) if bounded else None
+    if feas:
+        best = min(feas, key=lambda p: p.step_seconds)
+        return low if low is not None and low.bound < best.step_seconds else best
+    if low is not None:
+        return low
     return min(ok, key=lambda p: p.min_memory) if ok else None
 
 
