@@ -231,8 +231,12 @@ def _worker(rank: int, world: int, port: int, cases: list[dict], out: str,
 # 8-16 s of a 4-rank module's wall time.  A rank is still a fresh process: the server
 # ran nothing but these imports (no process group, no model), so each rank forks from
 # that and makes its own group, as a spawned one did.
+# imported once by the forkserver, so every rank forked from it has them: transformers
+# and the modelling modules the HF cases build cost a rank ~4 s of CPU to import (14
+# ranks of the default suite build an HF model)
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "autopar",
-            "tests.dist.harness"]
+            "tests.dist.harness", "transformers", "transformers.models.llama.modeling_llama",
+            "transformers.models.gpt2.modeling_gpt2", "transformers.models.mixtral.modeling_mixtral"]
 
 
 def _start(args: tuple, world: int) -> None:

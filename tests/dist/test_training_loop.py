@@ -61,7 +61,19 @@ def two(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def four(tmp_path_factory):
+def four():
+    """The default suite's 4-rank cases (accumulation and local steps on 2x2)."""
+    return run_fn_cases(4, FN, [
+        *[{"id": f"acc-{k}", "fn": "accumulated_backwards", "mesh": [2, 2], "kw": kw}
+          for k, kw in ACCUMULATE_2X2.items()],
+        {"id": "local-step-dp2x2", "fn": "local_steps", "mesh": [2, 2], "pins": ACCUMULATE_2X2["dp2x2"]["pins"]},
+    ])
+
+
+@pytest.fixture(scope="module")
+def four_more(tmp_path_factory):
+    """The slow step's 4-rank cases (checkpoint resharding, local batches on 2x2): a
+    group of their own, so the default suite does not run cases it does not check."""
     d = tmp_path_factory.mktemp("ckpt")
     return run_fn_cases(4, FN, [
         {"id": "dcp", "fn": "dcp_reshard", "dir": str(d)},
@@ -71,9 +83,6 @@ def four(tmp_path_factory):
          "pins": {k: "R" + v for k, v in TP_MLP.items()} | {"input:0": "S(0)R"}},
         {"id": "local-logits-2x2", "fn": "local_outputs", "mesh": [2, 2],
          "tp": True},
-        *[{"id": f"acc-{k}", "fn": "accumulated_backwards", "mesh": [2, 2], "kw": kw}
-          for k, kw in ACCUMULATE_2X2.items()],
-        {"id": "local-step-dp2x2", "fn": "local_steps", "mesh": [2, 2], "pins": ACCUMULATE_2X2["dp2x2"]["pins"]},
     ]), d
 
 
@@ -176,8 +185,8 @@ def test_local_batch_returns_this_ranks_rows_of_the_logits(two):
 
 
 @pytest.mark.slow  # a 4-rank process group
-def test_local_batch_returns_rows_under_dp_x_tp(four):
-    r = _ok(four[0]["local-logits-2x2"])
+def test_local_batch_returns_rows_under_dp_x_tp(four_more):
+    r = _ok(four_more[0]["local-logits-2x2"])
     # the data-parallel axes follow the first batch-shaped output (search.local_axes):
     # since the loss's reductions are off the step (runtime/pending.py) the planner
     # computes the head and loss with the rows split over both axes, so every rank is a
@@ -189,8 +198,8 @@ def test_local_batch_returns_rows_under_dp_x_tp(four):
 
 
 @pytest.mark.slow  # a 4-rank process group
-def test_local_batch_2x2(four):
-    r = _ok(four[0]["local-2x2"])
+def test_local_batch_2x2(four_more):
+    r = _ok(four_more[0]["local-2x2"])
     # tensor-parallel peers (axis 1) share a data-parallel rank
     assert sorted(r["dp"]) == [[0, 2], [0, 2], [1, 2], [1, 2]]
     for losses in r["losses"]:
@@ -198,9 +207,9 @@ def test_local_batch_2x2(four):
 
 
 @pytest.mark.slow  # a 4-rank process group (TP2 x DP2 -> DP4 needs four ranks)
-def test_dcp_round_trip_and_reshard(four):
+def test_dcp_round_trip_and_reshard(four_more):
     # before: DCP de-duplicated different shards saved under one key (silent corruption)
-    res, d = four
+    res, d = four_more
     r = _ok(res["dcp"])
     assert r["same"] and r["dp4"] and r["zero3"], r
     assert r["same_optim"] and r["dp4_optim"]
@@ -217,10 +226,10 @@ def test_dcp_round_trip_and_reshard(four):
 
 @pytest.mark.slow  # a 4-rank process group (every other user of it is slow already)
 @pytest.mark.parametrize("case", ["dcp-zero1-axes", "dcp-zero3-axes"])
-def test_dcp_round_trip_under_zero_over_two_axes(four, case):
+def test_dcp_round_trip_under_zero_over_two_axes(four_more, case):
     """ZeRO over both axes of a 2x2 mesh: the model and AdamW's flat state saved with DCP
     load bit-exactly into the same plan, and the next step agrees too."""
-    r = _ok(four[0][case])
+    r = _ok(four_more[0][case])
     assert r["zero_axes"] == [0, 1]
     assert r["loaded"] and r["stepped"], r
 
@@ -325,7 +334,7 @@ def test_backwards_accumulate_without_zero_grad(two, four, kind):
     with data parallel, tensor parallel's replicated bias and micro-batches; ZeRO was
     right). After zero_grad() one more. fp32 sums in another order: 1e-6 on values
     O(0.1-1)."""
-    r = _ok((two if kind in ACCUMULATE else four[0])[f"acc-{kind}"])
+    r = _ok((two if kind in ACCUMULATE else four)[f"acc-{kind}"])
     assert max(r["errs"]) < 1e-6, r
 
 
@@ -338,7 +347,7 @@ def test_optimizer_steps_replicated_parameters_locally(two, four, kind):
     the state still DTensors, the groups still the DTensor parameters. A replaced
     gradient, a step that raised and sharded parameters (tensor parallel) step on
     DTensors as before."""
-    r = _ok((four[0] if kind == "dp2x2" else two)[f"local-step-{kind}"])
+    r = _ok((four if kind == "dp2x2" else two)[f"local-step-{kind}"])
     swapped = kind != "tp"
     copies = r.pop("deepcopy")
     # deep copies of the parameters are not the module's: stepped as DTensors, they move
