@@ -218,7 +218,11 @@ def dcp_reshard(c: dict) -> dict:
     ruled out where optimizer state is resharded (its flat state loads only into the
     same plan; the zero3 load below checks the model alone)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
 
     path = Path(c["dir"])
     torch.manual_seed(0)
@@ -272,7 +276,11 @@ def dcp_zero_axes(c: dict) -> dict:
     DTensors sharded on both axes): save the model and AdamW's state after a step, load
     them into a fresh module with the same plan, and take one more step on both."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
 
     path = Path(c["dir"]) / f"zero-axes-{c['stage']}"
     torch.manual_seed(0)
@@ -385,7 +393,7 @@ def zero3_collectives(c: dict) -> dict:
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     losses = []
-    for i in range(3):
+    for _ in range(3):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             loss = pm(x, y)
             loss.backward()
@@ -499,7 +507,11 @@ def dcp_pipeline(c: dict) -> dict:
     moment bit-exactly, then trains on exactly like the saved one."""
     import gpt
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
 
     # pipeline ranks hold different parameters, so their optimizers' param_groups differ:
     # flattened, each parameter's hyperparameters are saved under its own name (as

@@ -79,7 +79,7 @@ def losses(c: dict) -> dict:
             err = max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters())
             out[kind] = {"losses": every, "ref": rl.item(), "grad_err": err,
                          "grad_scale": max(p.grad.abs().max().item() for p in ref.parameters())}
-        except Exception as e:  # noqa: BLE001 - reported per kind
+        except Exception:  # noqa: BLE001 - reported per kind
             import traceback
             out[kind] = {"error": traceback.format_exc()[-1500:]}
             print(kind, out[kind], file=sys.stderr)

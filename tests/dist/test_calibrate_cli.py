@@ -54,7 +54,6 @@ def test_calibrate_outside_torchrun_is_a_clear_error(tmp_path: Path) -> None:
 def _mesh_worker(rank: int, port: int, out_dir: str) -> None:
     """One of 4 ranks: calibrate a 2x2 mesh, write what this rank got."""
     import torch.distributed as dist
-
     from autopar.cost_models import measure_cluster
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

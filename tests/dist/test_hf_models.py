@@ -21,10 +21,14 @@ from __future__ import annotations
 
 import pytest
 
+from tests.dist import test_mixed_precision as bf16
 from tests.dist.harness import run_fn_cases
 
 FN = "tests.dist.hf_case:run_hf_case"
 ALLOWED_PP = {"llama", "mixtral", "vit"}  # no weights tied across the model's ends
+
+
+BF16_SLOW = bf16.SLOW
 
 
 def _cases(models, modes, mesh) -> list[dict]:
@@ -95,11 +99,31 @@ def test_hf_four_ranks(case, slow4_results):
     check(slow4_results[case])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c["id"] for c in BF16_SLOW])
+def test_bf16_mixed_two_ranks_more(case, slow2_results):
+    """tests/dist/test_mixed_precision.py's slow 2-rank cases, in this module's group."""
+    bf16.check(slow2_results[case])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c["id"] for c in bf16.FOUR])
+def test_bf16_mixed_four_ranks(slow4_results, case):
+    """tests/dist/test_mixed_precision.py's 4-rank cases, in this module's group."""
+    r = slow4_results[case]
+    bf16.check(r)
+    # the plan is the kind the case names
+    assert r["decisions"] == (3 if "-zero3-" in case else 0)
+    assert r["stages"] == (2 if "-pp2-" in case else 1)
+    if "-tp-" in case:
+        assert any("S(" in pl for pl in r["params"].values()), r["params"]
+
+
 @pytest.fixture(scope="module")
 def slow2_results():
-    return run_fn_cases(2, FN, SLOW2)
+    return run_fn_cases(2, FN, SLOW2 + BF16_SLOW)
 
 
 @pytest.fixture(scope="module")
 def slow4_results():
-    return run_fn_cases(4, FN, SLOW4)
+    return run_fn_cases(4, FN, SLOW4 + bf16.FOUR)
