@@ -81,3 +81,22 @@ def test_torch_own_functions_are_allowed() -> None:
     from autopar.capture.trace import capture
 
     capture(Ckpt(), (torch.randn(2, 8, requires_grad=True),))
+
+
+def test_capture_skips_stack_traces_and_puts_the_switch_back() -> None:
+    """Capture turns off export's per-op stack recording (nothing reads it) and leaves
+    torch's switch as it found it, whichever way that was."""
+    import torch
+
+    from autopar.capture.trace import capture
+
+    cfg = torch.fx.config
+    for before in (False, True):
+        cfg.do_not_emit_stack_traces = before
+        try:
+            cap = capture(torch.nn.Linear(4, 4), (torch.randn(2, 4),))
+        finally:
+            after, cfg.do_not_emit_stack_traces = cfg.do_not_emit_stack_traces, False
+        assert after is before
+        calls = [n for n in cap.gm.graph.nodes if n.op == "call_function"]
+        assert calls and not any(n.meta.get("stack_trace") for n in calls)
