@@ -90,13 +90,14 @@ def markdown_row(r: dict) -> str:
             f"{step(b)} | {b.seconds:.0f} | {ratio} |")
 
 
-def section(rows: list[dict], wall: float, workers: int, unlimited: float, command: str) -> str:
+def section(rows: list[dict], wall: float, workers: int, unlimited: float, command: str,
+            suites: tuple[str, ...] = ("megatron", "alpa", "mist")) -> str:
     """The docs section: what was run, the table, the command."""
     worst = max((r["ratio"] for r in rows if not math.isnan(r["ratio"])), default=math.nan)
     return "\n".join([
         SECTION, "",
-        "Every free search (`explore=True`) of the reference and published-suite benchmarks "
-        "(the models, presets and meshes of the two sections above), planned within "
+        "Every free search (`explore=True`) of the suites " + ", ".join(suites) + " (the models, "
+        "presets and meshes of the reference and published-suite sections above), planned within "
         f"`autopar.plan`'s default `time_limit` ({DEFAULT_LIMIT:g} s) and with "
         f"{unlimited:g} s (no search here comes near it). \"(cut)\" marks a search its limit "
         "stopped; the ratio is the predicted step of the limited plan over the unlimited one's.",
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{wall:.0f} s wall, {args.workers} workers", file=sys.stderr)
     if args.write:
         write_section(section(rows, wall, args.workers, args.unlimited,
-                              regenerate("time_limit.py", argv)))
+                              regenerate("time_limit.py", argv), tuple(args.suites)))
     bad = [r for r in rows if math.isnan(r["ratio"]) or r["ratio"] > 1 + TOLERANCE]
     return 1 if bad else 0
 
