@@ -28,9 +28,6 @@ FN = "tests.dist.hf_case:run_hf_case"
 ALLOWED_PP = {"llama", "mixtral", "vit"}  # no weights tied across the model's ends
 
 
-BF16_SLOW = bf16.SLOW
-
-
 def _cases(models, modes, mesh) -> list[dict]:
     return [{"id": f"{m}-{mode}-{'x'.join(map(str, mesh))}", "model": m, "mode": mode, "mesh": list(mesh)}
             for m in models for mode in modes if not mode.startswith("pp2") or m in ALLOWED_PP]
@@ -71,8 +68,7 @@ def check(r: dict) -> None:
 def default_results():
     # the bf16-mixed default case (tests/dist/test_mixed_precision.py) rides on this
     # process group: one group start less in the default suite
-    from tests.dist.test_mixed_precision import DEFAULT as BF16
-    return run_fn_cases(2, FN, DEFAULT + BF16)
+    return run_fn_cases(2, FN, DEFAULT + bf16.DEFAULT)
 
 
 @pytest.mark.parametrize("case", [c["id"] for c in DEFAULT])
@@ -81,10 +77,8 @@ def test_hf_two_ranks(default_results, case):
 
 
 def test_bf16_mixed_two_ranks(default_results):
-    from tests.dist.test_mixed_precision import DEFAULT as BF16
-    from tests.dist.test_mixed_precision import check as check_bf16
-    for c in BF16:
-        check_bf16(default_results[c["id"]])
+    for c in bf16.DEFAULT:
+        bf16.check(default_results[c["id"]])
 
 
 @pytest.mark.slow
@@ -100,7 +94,7 @@ def test_hf_four_ranks(case, slow4_results):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [c["id"] for c in BF16_SLOW])
+@pytest.mark.parametrize("case", [c["id"] for c in bf16.SLOW])
 def test_bf16_mixed_two_ranks_more(case, slow2_results):
     """tests/dist/test_mixed_precision.py's slow 2-rank cases, in this module's group."""
     bf16.check(slow2_results[case])
@@ -121,7 +115,7 @@ def test_bf16_mixed_four_ranks(slow4_results, case):
 
 @pytest.fixture(scope="module")
 def slow2_results():
-    return run_fn_cases(2, FN, SLOW2 + BF16_SLOW)
+    return run_fn_cases(2, FN, SLOW2 + bf16.SLOW)
 
 
 @pytest.fixture(scope="module")
