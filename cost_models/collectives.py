@@ -42,9 +42,10 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 from ._compat import StrEnum
+from .memo import IdentityMemo
 from .mesh import LinkSpec, MeshSpec
 
 __all__ = [
@@ -77,6 +78,17 @@ class CollectiveKind(StrEnum):
     SEND_RECV = "send_recv"
 
 
+# the search prices the same collectives millions of times (module memo.py): prices and
+# levels by the mesh's identity (frozen) and the other arguments' values
+_TIMES = IdentityMemo()
+_LEVELS = IdentityMemo(4096)
+
+
+def _axes_key(axes: Axes) -> Hashable:
+    """``axes`` as a memo key: one axis as it is, several as a tuple."""
+    return axes if isinstance(axes, (int, str)) else tuple(axes)
+
+
 def _levels(mesh: MeshSpec, axes: Axes) -> list[tuple[LinkSpec, int]]:
     """Flat ``(link, ranks)`` levels of the group spanned by ``axes``, fastest link first.
 
@@ -84,6 +96,11 @@ def _levels(mesh: MeshSpec, axes: Axes) -> list[tuple[LinkSpec, int]]:
     before its inter-node part) and then stably sorted by bandwidth, so the hierarchical
     composition gives the largest message to the fastest link. Single-rank levels are dropped.
     """
+    return _LEVELS.get((mesh,), _axes_key(axes), lambda: _levels_of(mesh, axes))
+
+
+def _levels_of(mesh: MeshSpec, axes: Axes) -> list[tuple[LinkSpec, int]]:
+    """:func:`_levels`, computed."""
     raw = [axes] if isinstance(axes, (numbers.Integral, str)) else list(axes)
     idx = [mesh.axis_index(a) for a in raw]
     if len(set(idx)) != len(idx):
@@ -139,6 +156,15 @@ def collective_time(kind: CollectiveKind | str, mesh: MeshSpec, axes: Axes, nbyt
     message bytes for send/recv (``axes`` = the axis the message crosses). Several axes are
     one flattened group priced by hierarchical composition; a single-rank group costs 0.0.
     """
+    if isinstance(nbytes, bool):  # True == 1 as a key: refused before the memo is asked
+        raise ValueError(f"nbytes must be a number, got {nbytes!r}")
+    # a key is stored only after its arguments passed the checks below (NaN never hits)
+    return _TIMES.get((mesh,), (str(kind), _axes_key(axes), nbytes),
+                      lambda: _collective_time(kind, mesh, axes, nbytes))
+
+
+def _collective_time(kind: CollectiveKind | str, mesh: MeshSpec, axes: Axes, nbytes: float) -> float:
+    """:func:`collective_time`, computed."""
     kind = CollectiveKind(kind)
     if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Real):
         raise ValueError(f"nbytes must be a number, got {nbytes!r}")

@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass
 
 from autopar.cost_models import MeshSpec
+from autopar.cost_models.memo import IdentityMemo
 from autopar.search.stages.layer_stats import LayerStat, zero_price
 from autopar.search.stages.memory import param_views
 from autopar.search.stages.price import price_stage
@@ -38,9 +39,21 @@ from autopar.search.stages.step_terms import bubble_share, in_flight, waiting_w
 SLACK = 1e-9
 
 
+# the search asks for the same statistics' classes and ZeRO prices for every config of
+# a candidate (Megatron 145.6B: 33k times for ~300 lists); the lists are not changed
+# once built, so they are remembered by identity (autopar.cost_models.memo)
+_CLASSES = IdentityMemo(1024)
+_ZERO_PRICES = IdentityMemo(4096)
+
+
 def layer_classes(stats: list[LayerStat]) -> list[int]:
     """One id per layer, equal for layers with equal numbers (key and parameter names
     aside): a stage's time and memory depend on its layers' numbers only."""
+    return _CLASSES.get((stats,), None, lambda: _layer_classes(stats))
+
+
+def _layer_classes(stats: list[LayerStat]) -> list[int]:
+    """:func:`layer_classes`, computed."""
     ids: dict[tuple, int] = {}
     out = []
     for st in stats:
@@ -67,6 +80,16 @@ def zero_prices(stats: list[LayerStat], cls: list[int], cfg: Config, mesh: MeshS
                 optimizer: str) -> list:
     """Each layer's :func:`zero_price` under ``cfg``; equal layers (``cls``, from
     :func:`layer_classes`) have equal prices, so one per class (80 Llama layers: 3)."""
+    axis = tuple(cfg.zero_axis) if isinstance(cfg.zero_axis, list) else cfg.zero_axis
+    return _ZERO_PRICES.get(
+        (stats, cls, mesh),
+        (cfg.zero_stage, axis, optimizer, cfg.micro_batches, cfg.reduce_once),
+        lambda: _zero_prices(stats, cls, cfg, mesh, optimizer))
+
+
+def _zero_prices(stats: list[LayerStat], cls: list[int], cfg: Config, mesh: MeshSpec,
+                 optimizer: str) -> list:
+    """:func:`zero_prices`, computed."""
     per_class: dict[int, object] = {}
     for c, st in zip(cls, stats):
         if c not in per_class:
