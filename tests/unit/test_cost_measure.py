@@ -287,6 +287,19 @@ def test_sync_estimate_pools_the_lone_collective() -> None:
     assert est["rounds"] == 5 and est["alone_samples"] == 20
 
 
+def _unpreempted(measure, plausible, tries: int = 3):
+    """``measure()`` again (at most ``tries`` times) while its wall-clock result is not
+    ``plausible``: the suite runs beside other tests (two pytest workers on 2 cores), and
+    a measurement the scheduler preempted throughout says nothing about the code (its
+    logic is what these tests check; the numbers' sizes only bound it).  The last
+    measurement is returned either way, and the test's own asserts judge it."""
+    for _ in range(tries):
+        est = measure()
+        if plausible(est):
+            break
+    return est
+
+
 def test_sync_penalty_runs_on_a_group() -> None:
     """The measurement itself on a real (1-rank) gloo group: the chunk is about the
     2 ms asked for, and what a chained collective adds is a part of one chained round
@@ -295,8 +308,9 @@ def test_sync_penalty_runs_on_a_group() -> None:
     compute waits for its worker thread's turn on a loaded host (8-43 ms beyond its
     price with three more busy processes on 2 cores, against a 2 ms chunk), which is
     what the penalty is for."""
-    est = measure_sync.sync_penalty(None, torch.device("cpu"), torch.float32, 64, 3, lambda: None,
-                               chunk_seconds=0.002, chain=4)
+    est = _unpreempted(lambda: measure_sync.sync_penalty(
+        None, torch.device("cpu"), torch.float32, 64, 3, lambda: None, chunk_seconds=0.002, chain=4),
+        lambda e: e["chunk"] < 0.05)
     assert set(est) == {"sync_seconds", "alone", "chunk", "chained", "rounds", "alone_samples"}
     assert est["rounds"] == 3 and est["alone_samples"] == 12  # 4 lone collectives a round
     assert 0.0005 < est["chunk"] < 0.05  # about the 2 ms asked for
@@ -314,15 +328,17 @@ def test_sync_chunk_is_sized_from_unpreempted_samples(monkeypatch) -> None:
         ts = real(fn, repeats, sync, barrier)
         return [t if t == min(ts) else 100 * t for t in ts]
     monkeypatch.setattr(measure_sync, "timed_samples", preempted)
-    est = measure_sync.sync_penalty(None, torch.device("cpu"), torch.float32, 64, 3, lambda: None,
-                                    chunk_seconds=0.002, chain=4)
+    est = _unpreempted(lambda: measure_sync.sync_penalty(
+        None, torch.device("cpu"), torch.float32, 64, 3, lambda: None, chunk_seconds=0.002, chain=4),
+        lambda e: e["chunk"] < 0.05)
     assert 0.0005 < est["chunk"] < 0.05, est  # about the 2 ms asked for
 
 
 def test_straggler_of_one_rank_is_one() -> None:
     """Nobody to wait for: the slowest rank is the mean, whatever the host's noise."""
-    est = measure_sync.straggler(None, torch.device("cpu"), torch.float32, 32, 64, 3, lambda: None,
-                            window=0.002)
+    est = _unpreempted(lambda: measure_sync.straggler(
+        None, torch.device("cpu"), torch.float32, 32, 64, 3, lambda: None, window=0.002),
+        lambda e: e["window"] < 0.05)
     assert est["straggler"] == 1.0
     assert 0 < est["window"] < 0.05
 

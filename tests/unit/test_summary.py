@@ -203,7 +203,10 @@ GPT = str(ROOT / "examples" / "gpt.py")
 SMALL = ["--factory-args", "layers=1", "dim=32", "heads=2", "vocab=64", "seq=8", "batch=4"]
 
 
-def test_cli_version_presets_explain_diff(capsys, tmp_path):
+def test_cli_version_presets_explain_diff(capsys, tmp_path, monkeypatch):
+    # the tables size themselves to COLUMNS (pytest-xdist's workers set 80, where the
+    # presets table wraps "989" and "80.0 GiB" inside their cells): a wide terminal here
+    monkeypatch.setenv("COLUMNS", "160")
     code, out, _ = run(capsys, "--version")
     assert code == 0 and re.match(r"autopar \S+ \(torch \S+, plan schema \d+\)", out)
     code, out, _ = run(capsys, "presets")
