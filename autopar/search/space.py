@@ -130,7 +130,7 @@ class JointSpace:
         parallelism takes its last axis inside a node (Megatron's layout: 96 micro-batches
         for 8 stages of 24 x 8 A100s, the fastest plan of Megatron 145.6B), then the most
         whose micro-batch has a sample per device of a stage (more shrink the bubble),
-        then the fewer, then those with smaller micro-batches, the larger first: every
+        then the first's halvings, then the fewer, then those with smaller micro-batches, the larger first: every
         count dividing the batch goes down to one sample, which on a wide stage leaves
         the data-parallel devices nothing to split, and a time limit should not be
         spent on those first (a search that runs to its end prices them all in any
@@ -149,7 +149,11 @@ class JointSpace:
             tp = [m for m in opts if b // m >= per_rank]
             if tp:
                 order = [max(tp)] + [m for m in order if m != max(tp)]
-        return order
+        # then the first's halvings (twice the samples per device each, half the
+        # micro-batches: the best count is mostly near the first; Megatron 145.6B's 12
+        # stages: 144 first, the best 72), then the rest as above
+        near = [m for m in (order[0] // 2 ** k for k in range(1, 64)) if m in opts and order[0] % m == 0]
+        return order[:1] + near + [m for m in order[1:] if m not in near]
 
     def _configs(self, cand: _Candidate) -> list[Config]:
         sub = cand.plan.mesh

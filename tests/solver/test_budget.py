@@ -103,3 +103,27 @@ def test_the_memory_lean_replan_runs_when_exploring_spent_its_share(one_second_s
     fastest = [b for b in budgets if b is None or b == float("inf")]
     assert len(fastest) == 3  # explore's 3 s, one second each
     assert len(budgets) > len(fastest)  # then at least one memory-lean re-plan
+
+
+def test_explore_may_take_the_whole_limit(clock):
+    b = TimeBudget(20.0)
+    b.explore_all()
+    assert b.deadline(Phase.EXPLORE) == 20.0 and b.allowance(Phase.EXPLORE) == 20.0
+    clock[0] += 16.0  # past the 15 s share: still exploring
+    assert not b.over() and b.left() == 4.0
+
+
+def test_a_search_with_nothing_to_confirm_explores_for_the_whole_limit(one_second_solves):
+    """Every candidate planned at full depth (``blocks=``: no shallow estimates): the
+    confirm phase would have nothing to plan, so exploring goes on to the whole limit
+    (before, it stopped at 75% and that share sat idle)."""
+    model, ex = gpt.build(layers=2, dim=64, heads=4, vocab=256, seq=32, batch=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = plan(model, ex, MeshSpec.preset("8xA100-nvlink", shape=(4, 2)), time_limit=8.0,
+                 explore=True, blocks=6)
+    limits = [o.time_limit for o in one_second_solves]
+    # each exact candidate's solver gets what is left of the whole budget; the last
+    # starts with 1 s left: 8 candidates where the 75% share stopped at 6
+    assert limits == [8.0 - i for i in range(8)]
+    assert p.timings["budget_explore"] == 8.0 and p.timings["search_explore"] == 8.0

@@ -143,15 +143,16 @@ def test_pipelines_try_micro_batches_that_span_a_stage_first() -> None:
 def test_pipelines_with_tensor_parallelism_in_a_node_try_megatrons_micro_batches_first() -> None:
     """A stage whose last axis lies inside a node (tensor parallelism there): first the
     most micro-batches with a sample per data-parallel rank of the stage (Megatron's
-    layout), then the order above."""
+    layout), then its halvings, then the order above."""
     from autopar.search.joint import JointSearch
     from autopar.search.op_placement import PlanOptions
 
     model, ex = gpt.build(layers=4, dim=64, heads=4, vocab=256, seq=16, batch=64)
     js = JointSearch(model, ex, MeshSpec.preset("multinode-a100-ib", shape=(4, 8)), PlanOptions())
     # 2 stages of (2, 8): 2 data-parallel ranks, so 32 micro-batches of 2 samples first,
-    # then those with a sample per device of the stage (16), the most first, then the rest
-    assert js._micro_order(2) == [32, 4, 2, 8, 16, 64]
+    # then its halvings (twice the samples each), then those with a sample per device of
+    # the stage (16: 4 and 2 are among the halvings), then the rest
+    assert js._micro_order(2) == [32, 16, 8, 4, 2, 64]
     js = JointSearch(model, ex, MeshSpec.preset("multinode-a100-ib", shape=(8, 4)), PlanOptions())
     # stages inside a node (axis 1): 2 stages of (8, 2), 8 data-parallel ranks
     assert js._micro_order(2, 1) == [8, 4, 2, 16, 32, 64]
@@ -231,3 +232,32 @@ def test_forced_virtual_stages_are_the_plans() -> None:
     assert (d.schedule, d.virtual_stages) == ("interleaved-1f1b", 2)
     d = plan(model, ex, MESH, virtual_stages=1, memory_budget=2**40, **kw).decisions
     assert d.schedule != "interleaved-1f1b" and d.virtual_stages == 1
+
+
+def test_later_rounds_visit_the_fastest_stage_counts_first(monkeypatch) -> None:
+    """The first round takes each stage count's first micro-batch count in the stage
+    counts' order; each later round starts with the stage counts whose plans so far were
+    fastest (a time limit then cuts the unpromising ones)."""
+    import math
+
+    from autopar.search.joint import JointSearch
+    from autopar.search.op_placement import PlanOptions
+    from autopar.search.space import _Candidate
+    from autopar.search.stages.priced import Config, Priced
+
+    model, ex = gpt.build(layers=4, dim=64, heads=4, vocab=256, seq=16, batch=16)
+    js = JointSearch(model, ex, MeshSpec.preset("cpu-gloo", shape=(4,)), PlanOptions())
+    step = {1: 5.0, 2: 3.0, 4: math.inf}  # 2 stages fastest, 4 stages fit nowhere
+    tried = []
+
+    def fake_try(p, m, budget, estimate=False, axis=0, **kw):
+        tried.append((p, m))
+        cand = _Candidate(p, m, None, None, [], js.mesh, axis=axis)
+        js.priced.append((cand, Priced(Config(p, m), [], step[p], 0.0)))
+
+    monkeypatch.setattr(js, "_try", fake_try)
+    js._explore(first=(1, 1, 0), est=False)
+    rounds = {p: js._micro_order(p) for p in (1, 2, 4)}
+    assert tried[:2] == [(2, rounds[2][0]), (4, rounds[4][0])]  # round 1 (1 x 1: done)
+    assert tried[2:5] == [(2, rounds[2][1]), (1, rounds[1][1]), (4, rounds[4][1])]
+    assert sorted(tried) == sorted((p, m) for p, ms in rounds.items() for m in ms if (p, m) != (1, 1))
