@@ -164,9 +164,9 @@ def collective_time(kind: CollectiveKind | str, mesh: MeshSpec, axes: Axes, nbyt
 
 
 def _collective_time(kind: CollectiveKind | str, mesh: MeshSpec, axes: Axes, nbytes: float) -> float:
-    """:func:`collective_time`, computed."""
+    """:func:`collective_time`, computed (``nbytes`` is no bool: checked there)."""
     kind = CollectiveKind(kind)
-    if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Real):
+    if not isinstance(nbytes, numbers.Real):
         raise ValueError(f"nbytes must be a number, got {nbytes!r}")
     if not math.isfinite(nbytes) or nbytes < 0:
         raise ValueError(f"nbytes must be finite and >= 0, got {nbytes!r}")

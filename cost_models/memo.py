@@ -40,9 +40,5 @@ class IdentityMemo:
         self._entries[key] = (objs, value)  # objs kept alive: their ids stay theirs
         return value
 
-    def clear(self) -> None:
-        """Forget every entry (and release the objects held)."""
-        self._entries.clear()
-
 
 __all__ = ["IdentityMemo"]

@@ -130,9 +130,10 @@ class JointSpace:
         parallelism takes its last axis inside a node (Megatron's layout: 96 micro-batches
         for 8 stages of 24 x 8 A100s, the fastest plan of Megatron 145.6B), then the most
         whose micro-batch has a sample per device of a stage (more shrink the bubble),
-        then the first's halvings, then the fewer, then those with smaller micro-batches, the larger first: every
-        count dividing the batch goes down to one sample, which on a wide stage leaves
-        the data-parallel devices nothing to split, and a time limit should not be
+        then the fewer, then those with smaller micro-batches, the larger first, except
+        that the first count's halvings come right after it: every count dividing the
+        batch goes down to one sample, which on a wide stage leaves the data-parallel
+        devices nothing to split, and a time limit should not be
         spent on those first (a search that runs to its end prices them all in any
         order; the order decides which a time limit cuts, and how soon a good plan
         bounds the others)."""
