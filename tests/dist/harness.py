@@ -233,10 +233,25 @@ def _worker(rank: int, world: int, port: int, cases: list[dict], out: str,
 # that and makes its own group, as a spawned one did.
 # imported once by the forkserver, so every rank forked from it has them: transformers
 # and the modelling modules the HF cases build cost a rank ~4 s of CPU to import (14
-# ranks of the default suite build an HF model)
+# ranks of the default suite build an HF model).  The second half are what a rank
+# imports lazily on its first plan, export and pipeline (torch.export's tracer, the
+# partitioner and its networkx, OR-Tools, autopar's search, passes and runtime): ~1 s
+# of CPU a rank, listed from the modules a default-suite rank had at its end
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "autopar",
             "tests.dist.harness", "transformers", "transformers.models.llama.modeling_llama",
-            "transformers.models.gpt2.modeling_gpt2", "transformers.models.mixtral.modeling_mixtral"]
+            "transformers.models.gpt2.modeling_gpt2", "transformers.models.mixtral.modeling_mixtral",
+            "torch.export._trace", "torch.export._unlift", "torch._functorch.aot_autograd",
+            "torch._functorch.partitioners", "torch.distributed.pipelining",
+            "ortools.sat.python.cp_model", "ortools.linear_solver.python.model_builder_helper",
+            "autopar.search.joint", "autopar.passes.lower", "autopar.passes.split_stages",
+            "autopar.module.export", "autopar.validate", "autopar.runtime.pipeline",
+            "autopar.runtime.zero3", "autopar.runtime.ring_attention",
+            "autopar.runtime.local_step", "autopar.runtime.memstats", "autopar.runtime.agree",
+            "autopar.runtime.dparams", "autopar.runtime.zero", "autopar.runtime.call_check",
+            "autopar.plan.json", "autopar.passes.device",
+            *(f"autopar.sharding.rules.{m}" for m in (
+                "conv", "embedding", "losses", "matmul", "moe", "norms", "pointwise",
+                "reductions", "views"))]
 
 
 def _start(args: tuple, world: int) -> None:

@@ -1,11 +1,12 @@
 """Every ```python and ```bash block in README.md and docs/*.md runs as written.
 
-Each block runs in a fresh process, in a scratch directory that holds a link to
-``examples/``, so files the block writes land there, and files written by earlier
-blocks of the same page (``plan.json`` from a python block, read by a shell block)
-are there too: a page's blocks run in order in one directory.  A python block whose
-first line is ``# torchrun --nproc-per-node N`` runs under ``torch.distributed.run``
-with N ranks (marked slow); others run with plain ``python``.
+Each block runs in a scratch directory that holds a link to ``examples/``, so files the
+block writes land there, and files written by earlier blocks of the same page
+(``plan.json`` from a python block, read by a shell block) are there too: a page's
+blocks run in order in one directory.  A python block whose first line is ``# torchrun
+--nproc-per-node N`` runs as torchrun runs it, with N ranks (marked slow); others as
+plain ``python`` runs them.  Both on processes forked from a server that imported torch
+and autopar once (:mod:`tests.dist.scripts`), each its own interpreter from there on.
 
 Shell blocks run with ``bash -e`` and this interpreter's ``bin`` first on ``PATH``
 (``autopar``, ``torchrun``).  Their environment set-up commands (``python3 -m venv``,
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist.harness import free_port
+from tests.dist.scripts import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 FENCE = re.compile(r"^```(python|bash)\n(.*?)^```", re.S | re.M)
@@ -73,24 +74,8 @@ def _param(where: str, lang: str, code: str):
     return pytest.param(where, lang, code, id=where, marks=marks)
 
 
-@pytest.fixture(scope="module")
-def page_dirs(tmp_path_factory) -> dict[str, Path]:
-    """One scratch directory per page, shared by its blocks (run in page order)."""
-    return {}
-
-
-def _workdir(page_dirs: dict[str, Path], where: str, factory) -> Path:
-    page = where.rsplit(":", 1)[0]
-    if page not in page_dirs:
-        d = factory.mktemp(page.replace("/", "_"))
-        (d / "examples").symlink_to(ROOT / "examples")
-        page_dirs[page] = d
-    return page_dirs[page]
-
-
-@pytest.mark.parametrize("where, lang, code", [_param(*b) for b in blocks()])
-def test_doc_block_runs(where: str, lang: str, code: str, page_dirs, tmp_path_factory) -> None:
-    cwd = _workdir(page_dirs, where, tmp_path_factory)
+def _run_block(where: str, lang: str, code: str, cwd: Path) -> None:
+    """Run one block in ``cwd`` (its page's directory) and fail with its output."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     if lang == "bash":
@@ -98,15 +83,47 @@ def test_doc_block_runs(where: str, lang: str, code: str, page_dirs, tmp_path_fa
         if not cmds:
             pytest.skip("only set-up commands, which .ci/run runs (test_setup_commands_...)")
         cmd = ["bash", "-e", "-c", "\n".join(cmds)]
-    else:
-        script = cwd / "block.py"
-        script.write_text(code)
-        m = TORCHRUN.match(code.splitlines()[0])
-        cmd = [sys.executable, str(script)] if m is None else [
-            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", m.group(1),
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script)]
-    p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env, timeout=400)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+        p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env, timeout=400)
+        assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+        return
+    script = cwd / "block.py"
+    script.write_text(code)
+    m = TORCHRUN.match(code.splitlines()[0])
+    # as `python block.py` / `torchrun --nproc-per-node N block.py`, on processes forked
+    # from a server that imported torch and autopar once (tests/dist/scripts.py)
+    status, out = run_script(script, cwd, env, nproc=None if m is None else int(m.group(1)))
+    assert status == 0, out[-4000:]
+
+
+def _page_class(page: str, params: list) -> type:
+    """A test class for one page: its blocks in page order, in one scratch directory
+    (made on the first block) that holds a link to ``examples/``.  A class, because
+    CI's ``--dist loadscope`` keeps a class on one worker (a page's blocks share files)
+    while different pages run on different workers."""
+
+    @pytest.mark.parametrize("where, lang, code", params)
+    def test_block_runs(self, where: str, lang: str, code: str, tmp_path_factory) -> None:
+        cls = type(self)
+        if cls.cwd is None:
+            cls.cwd = tmp_path_factory.mktemp(page.replace("/", "_"))
+            (cls.cwd / "examples").symlink_to(ROOT / "examples")
+        _run_block(where, lang, code, cls.cwd)
+
+    name = "TestPage" + "".join(w.capitalize() for w in re.split(r"[^A-Za-z0-9]+", page) if w)
+    return type(name, (), {"__doc__": f"The blocks of {page}, in order.", "cwd": None,
+                           "test_block_runs": test_block_runs})
+
+
+def _pages() -> dict[str, list]:
+    pages: dict[str, list] = {}
+    for where, lang, code in blocks():
+        pages.setdefault(where.rsplit(":", 1)[0], []).append(_param(where, lang, code))
+    return pages
+
+
+for _page, _params in _pages().items():
+    _cls = _page_class(_page, _params)
+    globals()[_cls.__name__] = _cls
 
 
 def test_setup_commands_are_what_ci_runs() -> None:
