@@ -211,8 +211,7 @@ def apply_dparams(pm: ParallelModule, full_state: Mapping[str, torch.Tensor] | N
                     register_tree(pm, n, p, buffer=True, reserved=_RESERVED,
                                   persistent=n not in pm.info.nonpersistent)
             continue
-        if t not in zt and all(isinstance(q, Replicate) for q in e.placements):
-            local_step.mark(e.param, e.local)  # replicated: steps run on the local tensor
+        local_step.mark(e.param, e.local)  # element-wise steps run on the local tensor
         entries.append(e)
         pm._entry[t] = e
         for n in names:  # tied weights: one Parameter under every name

@@ -1,4 +1,4 @@
-"""Optimizer steps over replicated DTensor parameters run on their local tensors.
+"""Optimizer steps over DTensor parameters run on their local tensors.
 
 A ParallelModule's parameters are DTensors (:mod:`autopar.runtime.dparams`), so every
 op of ``optimizer.step()`` goes through DTensor's dispatch: AdamW's eight foreach ops
@@ -6,24 +6,29 @@ cost ~2.9 ms more per step over a 69-tensor GPT's DTensors than over the same pl
 tensors on this repository's CPU host (``benchmarks/optimizer_overhead.py``).  DDP's
 parameters are plain tensors and do not pay it.
 
-A parameter replicated on every mesh axis *is* its local tensor: same shape, same
-values on every rank, and any optimizer's arithmetic on one is its arithmetic on the
-other.  So for an optimizer all of whose parameters are such (data parallelism, on any
-mesh), a process-wide step pre-hook (``torch.optim.optimizer.
-register_optimizer_step_pre_hook``) points its parameter groups and state at the local
-tensors for the step, and the post-hook points them back, wrapping any state the step
-created as a replicated DTensor (what ``zeros_like`` of the DTensor would have made).
-Outside ``step()`` the optimizer holds exactly what it held before: DTensor parameters
-and DTensor state, so ``state_dict()``, DCP and LR schedulers see no difference.
+The optimizers of :data:`KINDS` are element-wise: each element of a parameter is
+updated from the same element of its gradient and state, and from scalars (the step
+count, the learning rate).  A DTensor's local tensor is this rank's elements of it
+(all of them when replicated, its shard under tensor parallelism or ZeRO), and the
+runtime's gradient has the parameter's placements (:mod:`autopar.runtime.dparams`), so
+its local tensor holds this rank's elements of the gradient.  Stepping the local
+tensors is therefore the DTensor step, element for element: DTensor runs the same ops
+on the same local tensors (no op of these steps needs a collective).  So a
+process-wide step pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``)
+points the parameter groups and state at the local tensors for the step, and the
+post-hook points them back, wrapping any state the step created as a DTensor with the
+parameter's spec (what ``zeros_like`` of the DTensor would have made).  Outside
+``step()`` the optimizer holds exactly what it held before: DTensor parameters and
+DTensor state, so ``state_dict()``, DCP and LR schedulers see no difference.
 
 The hook steps aside (the step runs over DTensors as before) unless every parameter of
-every group is a replicated ParallelModule parameter whose ``.grad`` is the DTensor view
-of its local gradient the runtime made (a gradient the user replaced, or set on the
-DTensor only, is stepped as the user left it), and the optimizer is one of
-``torch.optim``'s element-wise classes listed in :data:`KINDS`, whose state is known to
-be per-element tensors of the parameter's shape and scalar steps.  A sharded parameter
-(tensor parallelism, ZeRO's flat shards) is never swapped: a per-tensor norm or a
-factored state of a shard is not the parameter's.
+every group is a ParallelModule parameter whose ``.grad`` is the DTensor view of its
+local gradient the runtime made, with the parameter's placements (a gradient the user
+replaced, or set on the DTensor only, is stepped as the user left it), and the
+optimizer is one of ``torch.optim``'s element-wise classes listed in :data:`KINDS`,
+whose state is known to be per-element tensors of the parameter's shape and scalar
+steps.  Optimizers with a per-tensor norm or factored state (LAMB, Adafactor) are not
+listed: on a shard those would differ from the parameter's.
 
 Nothing but the optimizer's own step body sees the local tensors: the step stays on
 DTensors when a closure is passed (it may replace a gradient after the pre-hook
@@ -44,7 +49,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-# id(replicated DTensor parameter) -> (a weak reference to it, the local tensor it
+# id(DTensor parameter) -> (a weak reference to it, the local tensor it
 # views).  Not an attribute on the parameter: deepcopy and pickle copy a tensor's
 # attributes, and a copied parameter would then step a copy of the local tensor.
 _REG: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
@@ -80,8 +85,8 @@ class _Swap:
 
 
 def mark(param: torch.Tensor, local: torch.Tensor) -> None:
-    """Let optimizer steps over ``param`` (a DTensor replicated on every mesh axis)
-    run on ``local``, the plain tensor it views; installs the hooks once."""
+    """Let optimizer steps over ``param`` (a DTensor parameter of a ParallelModule) run
+    on ``local``, the plain tensor it views; installs the hooks once."""
     global _installed
     key = id(param)
     _REG[key] = (weakref.ref(param, lambda _r, k=key: _REG.pop(k, None)), local)
@@ -109,7 +114,8 @@ def _pairs(opt: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor]
             if gr is None:
                 if loc.grad is not None:  # zero_grad() not yet mirrored: the DTensor's view rules
                     return None
-            elif type(gr) is not DTensor or gr._local_tensor is not loc.grad:
+            elif type(gr) is not DTensor or gr._local_tensor is not loc.grad \
+                    or gr._spec.placements != p._spec.placements:
                 return None
             out.append((p, loc))
     return out
@@ -208,16 +214,18 @@ def _restore(opt: torch.optim.Optimizer, sw: _Swap) -> None:
 
 def _back(name: str, v, old, p: torch.Tensor):
     """A state value as the DTensor step would have left it: the DTensor it was (its
-    local tensor updated in place), a new tensor wrapped as a replicated DTensor on
-    ``p``'s mesh, the scalar steps of :data:`_SCALARS` and non-tensors as they are."""
+    local tensor updated in place), a new tensor wrapped as a DTensor with ``p``'s mesh,
+    placements and global shape, the scalar steps of :data:`_SCALARS` and non-tensors
+    as they are."""
     if type(old) is DTensor and old._local_tensor is v:
         return old
     if type(v) is not torch.Tensor or name in _SCALARS:
         return v
     spec = p._spec
-    if v.shape == p.shape and v.dtype == p.dtype and v.is_contiguous():
+    if v.shape == p._local_tensor.shape and v.dtype == p.dtype and v.is_contiguous():
         return DTensor(v, spec, requires_grad=False)
-    return DTensor.from_local(v, spec.mesh, spec.placements, run_check=False)
+    return DTensor.from_local(v, spec.mesh, spec.placements, run_check=False,
+                              shape=p.shape, stride=p.stride())
 
 
 __all__ = ["KINDS", "enabled", "mark", "steps_local"]

@@ -1,4 +1,4 @@
-"""Optimizer steps on the local tensors of replicated parameters
+"""Optimizer steps on the local tensors of DTensor parameters, replicated or sharded
 (autopar/runtime/local_step.py), on real ranks: run by test_training_loop.py through
 loop_cases.py.  Every case steps the same module from the same weights twice, with
 the local path on and off, and returns both results to compare bit for bit (the same
@@ -45,7 +45,9 @@ def _state(opt, names: dict[int, str]) -> dict:
     for p, s in opt.state.items():
         for k, v in s.items():
             if isinstance(v, DTensor):
-                out[f"{names[id(p)]}.{k}"] = ("DTensor", str(v.placements), v.to_local().clone())
+                # placements and global shape: a wrapped shard must be the whole tensor's
+                out[f"{names[id(p)]}.{k}"] = ("DTensor", f"{v.placements} {tuple(v.shape)}",
+                                              v.to_local().clone())
             elif isinstance(v, torch.Tensor):
                 out[f"{names[id(p)]}.{k}"] = ("Tensor", None, v.clone())
             else:
@@ -115,13 +117,15 @@ def local_steps(c: dict) -> dict:
     torch.manual_seed(0)
     model = Net()
     x, y = _batch()
-    pm = auto_parallel(model, example_inputs=(x, y), mesh=_mesh(c["mesh"]), pins=c["pins"], zero_stage=0)
+    zero = c.get("zero_stage", 0)
+    pm = auto_parallel(model, example_inputs=(x, y), mesh=_mesh(c["mesh"]), pins=c["pins"],
+                       zero_stage=zero)
     adamw = OPTIMIZERS["adamw-foreach"]
     runs = [(k, pm, make, "plain") for k, make in OPTIMIZERS.items()]
     runs += [(how, pm, adamw, how) for how in ("replaced-grad", "closure", "own-hook", "late-state", "raised")]
     if all(set(v) <= {"R"} for k, v in c["pins"].items() if not k.startswith("input")):
         scaled = auto_parallel(Scaled(), example_inputs=(x, y), mesh=_mesh(c["mesh"]), pins=c["pins"],
-                               zero_stage=0)
+                               zero_stage=zero)
         runs += [("0-dim", scaled, adamw, "plain")]
     out = {}
     try:

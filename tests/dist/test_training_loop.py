@@ -52,6 +52,8 @@ def two(tmp_path_factory):
                                          "kw": kw, "local": k == "dp-local"} for k, kw in ACCUMULATE.items()],
                                       *[{"id": f"local-step-{k}", "fn": "local_steps", "mesh": [2], "pins": pins}
                                         for k, pins in (("dp", DP), ("tp", TP_MLP))],
+                                      *[{"id": f"local-step-zero{z}", "fn": "local_steps", "mesh": [2],
+                                         "pins": DP, "zero_stage": z} for z in (1, 3)],
                                       {"id": "two-meshes", "fn": "two_meshes"},
                                       {"id": "dcp-pipeline", "fn": "dcp_pipeline",
                                        "dir": str(d / "ckpt-pipeline")},
@@ -338,17 +340,17 @@ def test_backwards_accumulate_without_zero_grad(two, four, kind):
     assert max(r["errs"]) < 1e-6, r
 
 
-@pytest.mark.parametrize("kind", ["dp", "dp2x2", "tp"])
-def test_optimizer_steps_replicated_parameters_locally(two, four, kind):
+@pytest.mark.parametrize("kind", ["dp", "dp2x2", "tp", "zero1", "zero3"])
+def test_optimizer_steps_parameters_locally(two, four, kind):
     """torch.optim steps over DTensors paid DTensor's dispatch per op per tensor (2.9 ms
     a step for AdamW over a 69-tensor GPT here), which DDP's plain parameters do not.
-    Replicated parameters now step on their local tensors: parameters and every state
-    value must come out bit-identical to the DTensor step (the same local arithmetic),
-    the state still DTensors, the groups still the DTensor parameters. A replaced
-    gradient, a step that raised and sharded parameters (tensor parallel) step on
-    DTensors as before."""
+    Parameters now step on their local tensors, replicated (data parallel) or sharded
+    (tensor parallel, ZeRO's flat shards; before, only replicated ones): parameters and
+    every state value must come out bit-identical to the DTensor step (the same local
+    arithmetic), the state still DTensors with the parameter's placements, the groups
+    still the DTensor parameters. A replaced gradient and a closure step on DTensors as
+    before."""
     r = _ok((four if kind == "dp2x2" else two)[f"local-step-{kind}"])
-    swapped = kind != "tp"
     copies = r.pop("deepcopy")
     # deep copies of the parameters are not the module's: stepped as DTensors, they move
     assert copies == {"taken": 0, "moved": True}, copies
@@ -363,13 +365,13 @@ def test_optimizer_steps_replicated_parameters_locally(two, four, kind):
         assert o["order_equal"], (name, o)
         assert o["groups_hold_params"] and o["sd_keys_equal"], (name, o)
         assert o["taken_off"] == [0, 0, 0], (name, o)
-        assert o["taken_on"] == (expect.get(name, [1, 1, 1]) if swapped else [0, 0, 0]), (name, o)
+        assert o["taken_on"] == expect.get(name, [1, 1, 1]), (name, o)
     assert r["own-hook"]["seen_on"] == ["DTensor"] * 3
-    if swapped:
+    # a step that raised leaves the locals until state_dict() puts them back
+    assert r["raised"]["swapped"] == {"after_raise": True, "after_state_dict": False}
+    if "0-dim" in r:  # (replicated cases)
         # a 0-dim parameter's moments are DTensors, as zeros_like of the DTensor makes them
         assert r["0-dim"]["state_types"] == ["DTensor", "Tensor"]
-        # a step that raised leaves the locals until state_dict() puts them back
-        assert r["raised"]["swapped"] == {"after_raise": True, "after_state_dict": False}
 
 
 def test_shutdown_joins_gloo_threads(two):
