@@ -12,6 +12,10 @@ rank 0 hosts the store, as under torchrun's ``--no-agent-store`` path), its exit
 and its output.  As torchrun does, when a rank fails the others are stopped.  The real
 ``torchrun`` and ``autopar run`` are still what the docs' shell blocks start, and
 ``tests/dist/test_torchrun.py`` covers the launcher.
+
+What a forked process cannot show: a script that sets something torch reads when it is
+first imported (an environment variable such as ``TORCH_LOGS``) before its own ``import
+torch``.  No block of the docs does; one that did would run with ``python`` instead.
 """
 
 from __future__ import annotations

@@ -140,3 +140,13 @@ def test_blocks_are_found() -> None:
     found = [w for w, _, _ in blocks()]
     assert any(w.startswith("README.md") for w in found)
     assert any(w.startswith("docs/training.md") for w in found)
+
+
+def test_no_block_sets_the_environment() -> None:
+    """python blocks run forked from a process that imported torch already
+    (tests/dist/scripts.py): a block that set an environment variable torch reads at
+    import would not see it take effect there, so none may (it would need a fresh
+    ``python``)."""
+    for where, lang, code in blocks():
+        if lang == "python":
+            assert "os.environ" not in code and "putenv" not in code, where
