@@ -30,7 +30,8 @@ from pathlib import Path
 from tests.dist.harness import _PRELOAD, free_port
 
 
-def _rank_main(script: str, cwd: str, env: dict[str, str], log: str) -> None:
+def _rank_main(script: str, cwd: str, env: dict[str, str], log: str,
+               args: tuple[str, ...] = ()) -> None:
     """One process: output to ``log``, the script as ``__main__``, its status as the
     process's exit code."""
     import runpy
@@ -42,8 +43,8 @@ def _rank_main(script: str, cwd: str, env: dict[str, str], log: str) -> None:
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    sys.argv = [script]
-    sys.path[0:0] = [cwd]  # as python puts the script's directory first
+    sys.argv = [script, *args]
+    sys.path[0:0] = [os.path.dirname(os.path.abspath(script))]  # as python puts it first
     code = 0
     try:
         import torch
@@ -63,9 +64,9 @@ def _rank_main(script: str, cwd: str, env: dict[str, str], log: str) -> None:
 
 
 def run_script(script: Path, cwd: Path, env: dict[str, str], nproc: int | None = None,
-               timeout: float = 400.0) -> tuple[int, str]:
-    """Run ``script`` in ``cwd`` with ``env``: one plain process (``nproc`` None) or
-    ``nproc`` ranks set up as torchrun sets them up.  Returns the exit status (the first
+               timeout: float = 400.0, args: tuple[str, ...] = ()) -> tuple[int, str]:
+    """Run ``script`` in ``cwd`` with ``env`` and command-line ``args``: one plain
+    process (``nproc`` None) or ``nproc`` ranks set up as torchrun sets them up.  Returns the exit status (the first
     failing rank's, else 0) and the processes' output, rank by rank."""
     multiprocessing.set_forkserver_preload(_PRELOAD)
     ctx = multiprocessing.get_context("forkserver")
@@ -84,7 +85,8 @@ def run_script(script: Path, cwd: Path, env: dict[str, str], nproc: int | None =
         envs.append(e)
     with tempfile.TemporaryDirectory() as d:
         logs = [os.path.join(d, f"rank{r}.log") for r in range(world)]
-        procs = [ctx.Process(target=_rank_main, args=(str(script), str(cwd), envs[r], logs[r]))
+        procs = [ctx.Process(target=_rank_main,
+                             args=(str(script), str(cwd), envs[r], logs[r], tuple(args)))
                  for r in range(world)]
         for p in procs:
             p.start()

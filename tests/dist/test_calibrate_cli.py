@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from autopar.cost_models import MeshSpec
 
-from tests.dist.harness import ROOT, free_port
+from tests.dist.harness import ROOT, free_port, run_fn_cases
 
 
 def _env() -> dict[str, str]:
@@ -51,29 +51,26 @@ def test_calibrate_outside_torchrun_is_a_clear_error(tmp_path: Path) -> None:
     assert not (tmp_path / "m.json").exists()
 
 
-def _mesh_worker(rank: int, port: int, out_dir: str) -> None:
-    """One of 4 ranks: calibrate a 2x2 mesh, write what this rank got."""
+def measure_two_axes(_case: dict) -> list[str]:
+    """On each of 4 ranks (tests/dist/harness.py's group): calibrate a 2x2 mesh; every
+    rank's MeshSpec JSON, gathered."""
     import torch.distributed as dist
     from autopar.cost_models import measure_cluster
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=4)
-    try:
-        record = measure_cluster(sizes=(2**12, 2**16), repeats=2, shape=(2, 2))
-        Path(out_dir, f"r{rank}.json").write_text(record.spec.to_json())
-    finally:
-        dist.destroy_process_group()
+    record = measure_cluster(sizes=(2**12, 2**16), repeats=2, shape=(2, 2))
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, record.spec.to_json())
+    return out
 
 
-@pytest.mark.slow  # ~15 s: 4 ranks, two axes of two groups each
-def test_two_axis_calibration_is_the_same_on_every_rank(tmp_path: Path) -> None:
+@pytest.mark.slow  # 4 ranks, two axes of two groups each
+def test_two_axis_calibration_is_the_same_on_every_rank() -> None:
     """Each rank times its own axis group (for axis 0, ranks {0, 2} and {1, 3}); the
     numbers are still taken over the whole job, so every rank plans with the same mesh
     (a difference would make ranks plan differently and hang)."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(_mesh_worker, args=(free_port(), str(tmp_path)), nprocs=4, join=True)
-    specs = [MeshSpec.from_json(tmp_path / f"r{r}.json") for r in range(4)]
+    r = run_fn_cases(4, "tests.dist.test_calibrate_cli:measure_two_axes", [{"id": "m"}])["m"]
+    assert not (isinstance(r, dict) and "error" in r), r
+    specs = [MeshSpec.from_json(j) for j in r]
     assert all(s == specs[0] for s in specs[1:])
     assert specs[0].shape == (2, 2) and len(specs[0].links) == 2
     assert all(len(link.kinds) == 4 for link in specs[0].links)

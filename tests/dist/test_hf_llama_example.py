@@ -1,5 +1,9 @@
-"""examples/hf_llama.py under a real torchrun: trains a Hugging Face Llama with an
-ordinary loop, writes DCP checkpoints, and a second run resumes from the last one.
+"""examples/hf_llama.py as torchrun runs it (2 ranks, tests/dist/scripts.py: forked
+from a server that imported torch, autopar and transformers once, with torchrun's
+environment): trains a Hugging Face Llama with an ordinary loop, writes DCP
+checkpoints, and a second run resumes from the last one.  The real launcher starts it
+in docs/tutorial.md (``autopar run --nproc-per-node 2 examples/hf_llama.py``) and in
+tests/dist/test_torchrun.py.
 
 Resuming must be exact: steps 4-6 of a run that stopped after step 3 and resumed equal
 steps 4-6 of one uninterrupted run (same sampler order, LR schedule, optimizer state and
@@ -9,25 +13,21 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.dist.harness import ROOT, free_port
+from tests.dist.harness import ROOT
+from tests.dist.scripts import run_script
 
 
 def _run(steps: int, ckpt: Path) -> list[float]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(ROOT / "examples/hf_llama.py"), "--steps", str(steps), "--every", "3",
-           "--ckpt", str(ckpt)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
-    assert "eval loss" in p.stdout
-    return [float(x) for x in re.findall(r"^step \d+: loss ([0-9.]+)", p.stdout, re.M)]
+    status, out = run_script(ROOT / "examples/hf_llama.py", ROOT, env, nproc=2, timeout=300,
+                             args=("--steps", str(steps), "--every", "3", "--ckpt", str(ckpt)))
+    assert status == 0, out[-4000:]
+    assert "eval loss" in out
+    return [float(x) for x in re.findall(r"^step \d+: loss ([0-9.]+)", out, re.M)]
 
 
 @pytest.mark.slow
