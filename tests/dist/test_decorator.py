@@ -3,24 +3,15 @@ real gloo ranks like the single-process model."""
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-import tempfile
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.dist.harness import ROOT, free_port
+from tests.dist.harness import run_fn_cases
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    sys.path.insert(0, str(ROOT / "examples"))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def decorated(_case: dict) -> dict:
+    """Every rank of tests/dist/harness.py's 2-rank group: the decorated factory's
+    module and the plain model, two SGD steps each."""
     import mlp
 
     from autopar import auto_parallel
@@ -45,16 +36,12 @@ def _worker(rank: int, port: int, out: str) -> None:
                 p -= 0.1 * p.grad
                 p.grad = None
         losses.append((loss.item(), r.item()))
-    if rank == 0:
-        Path(out).write_text(json.dumps({"losses": losses, "planned": model.pmodel is not None}))
-    dist.destroy_process_group()
+    return {"losses": losses, "planned": model.pmodel is not None}
 
 
 def test_decorated_factory_trains_like_the_original() -> None:
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "r.json")
-        mp.spawn(_worker, args=(free_port(), out), nprocs=2, join=True)
-        res = json.loads(Path(out).read_text())
+    res = run_fn_cases(2, "tests.dist.test_decorator:decorated", [{"id": "d"}])["d"]
+    assert "error" not in res, res.get("error")
     assert res["planned"]
     for loss, ref in res["losses"]:
         assert loss == pytest.approx(ref, rel=1e-5)
