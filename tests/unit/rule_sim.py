@@ -362,16 +362,16 @@ def describe(node: fx.Node, strategy: OpStrategy, mesh: Sequence[int]) -> str:
 
 def check_strategy(node: fx.Node, strategy: OpStrategy, mesh: Sequence[int],
                    inputs: Sequence[torch.Tensor], seed: int = 0,
-                   shape_only: bool = False) -> None:
+                   shape_only: bool = False, ref: list[torch.Tensor] | None = None) -> None:
     """Raise ``AssertionError`` unless ``strategy`` of ``node`` computes the unsharded op.
 
     ``shape_only`` compares shapes and dtypes only (for ops whose values are undefined,
-    like ``empty_like``).
+    like ``empty_like``).  ``ref``: the unsharded op's outputs on ``inputs`` when the
+    caller has them (:func:`validate_node` computes them once for all strategies).
     """
     what = describe(node, strategy, mesh)
-    ref_gm, _ = single_op(node)
-    with torch.no_grad():
-        ref = as_list(ref_gm(*inputs))
+    if ref is None:
+        ref = unsharded(node, inputs)
     gen = torch.Generator().manual_seed(seed)
     coords = mesh_coords(mesh)
     local_inputs: dict[Coord, list[torch.Tensor]] = {c: [] for c in coords}
@@ -389,10 +389,18 @@ def check_strategy(node: fx.Node, strategy: OpStrategy, mesh: Sequence[int],
         assert_same(got, expected, f"{what}, output {j}")
 
 
+def unsharded(node: fx.Node, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``node``'s op on whole ``inputs``, in one process: what every strategy must give."""
+    ref_gm, _ = single_op(node)
+    with torch.no_grad():
+        return as_list(ref_gm(*inputs))
+
+
 def validate_node(node: fx.Node, mesh: Sequence[int], inputs: Sequence[torch.Tensor],
                   shape_only: bool = False) -> int:
     """Check every strategy the registry gives ``node`` on ``mesh``; return how many."""
     strategies = op_strategies(node, RuleCtx(tuple(mesh)))
+    ref = unsharded(node, inputs) if strategies else None
     for i, s in enumerate(strategies):
-        check_strategy(node, s, mesh, inputs, seed=i, shape_only=shape_only)
+        check_strategy(node, s, mesh, inputs, seed=i, shape_only=shape_only, ref=ref)
     return len(strategies)
