@@ -254,8 +254,15 @@ _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "autopar",
                 "reductions", "views"))]
 
 
-def _start(args: tuple, world: int) -> None:
+def forkserver() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context whose processes fork from the server that imported
+    :data:`_PRELOAD` (started on first use, one per test process)."""
     multiprocessing.set_forkserver_preload(_PRELOAD)
+    return multiprocessing.get_context("forkserver")
+
+
+def _start(args: tuple, world: int) -> None:
+    forkserver()
     mp.start_processes(_worker, args=args, nprocs=world, join=True, start_method="forkserver")
 
 

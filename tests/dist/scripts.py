@@ -4,7 +4,7 @@ script.py`` would, on ranks forked from the harness's fork server.
 The docs' blocks are scripts a user runs.  Started fresh, each process (and torchrun's
 launcher) spends 4-8 s of CPU importing torch, autopar and transformers before the
 block's first line; on CI's 2 cores that was most of the docs' time.  Here each process
-forks from the server that imported them once (:data:`tests.dist.harness._PRELOAD`) and
+forks from the server that imported them once (:func:`tests.dist.harness.forkserver`) and
 then is what torchrun makes: its own interpreter state from there on, ``__main__`` run
 from the file, the working directory, the environment torchrun sets (``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, ``TORCHELASTIC_*``;
@@ -20,14 +20,13 @@ torch``.  No block of the docs does; one that did would run with ``python`` inst
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from tests.dist.harness import _PRELOAD, free_port
+from tests.dist.harness import forkserver, free_port
 
 
 def _rank_main(script: str, cwd: str, env: dict[str, str], log: str,
@@ -66,10 +65,10 @@ def _rank_main(script: str, cwd: str, env: dict[str, str], log: str,
 def run_script(script: Path, cwd: Path, env: dict[str, str], nproc: int | None = None,
                timeout: float = 400.0, args: tuple[str, ...] = ()) -> tuple[int, str]:
     """Run ``script`` in ``cwd`` with ``env`` and command-line ``args``: one plain
-    process (``nproc`` None) or ``nproc`` ranks set up as torchrun sets them up.  Returns the exit status (the first
-    failing rank's, else 0) and the processes' output, rank by rank."""
-    multiprocessing.set_forkserver_preload(_PRELOAD)
-    ctx = multiprocessing.get_context("forkserver")
+    process (``nproc`` None) or ``nproc`` ranks set up as torchrun sets them up.
+    Returns the exit status (the first failing rank's, else 0) and the processes'
+    output, rank by rank."""
+    ctx = forkserver()
     world = nproc or 1
     envs = []
     port = str(free_port())
