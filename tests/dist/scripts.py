@@ -89,7 +89,7 @@ def run_script(script: Path, cwd: Path, env: dict[str, str], nproc: int | None =
                  for r in range(world)]
         for p in procs:
             p.start()
-        deadline, status = time.monotonic() + timeout, 0
+        deadline, status, note = time.monotonic() + timeout, 0, ""
         while any(p.is_alive() for p in procs):
             failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
             if failed and not status:
@@ -100,12 +100,15 @@ def run_script(script: Path, cwd: Path, env: dict[str, str], nproc: int | None =
                 for p in procs:
                     if p.is_alive():
                         p.kill()
-                status = status or -9
+                if not status:
+                    status, note = -9, f"[stopped: still running after {timeout:g} s]\n"
                 break
             time.sleep(0.05)
         for p in procs:
             p.join()
         status = status or next((p.exitcode for p in procs if p.exitcode), 0)
-        out = "".join((f"[rank {r}]\n" if nproc else "") + Path(log).read_text()
-                      for r, log in enumerate(logs))
+        # a process that died before it opened its log (its start failed) has none
+        out = "".join((f"[rank {r}]\n" if nproc else "")
+                      + (Path(log).read_text() if os.path.exists(log) else "(no output)\n")
+                      for r, log in enumerate(logs)) + note
     return status, out

@@ -56,3 +56,11 @@ def test_a_failing_rank_stops_the_others(tmp_path):
     status, _ = run_script(s, tmp_path, ENV, nproc=2)
     assert status == 5
     assert time.monotonic() - t0 < 60
+
+
+def test_a_script_past_its_timeout_is_stopped_and_said_so(tmp_path):
+    s = _script(tmp_path, "import time\nprint('started', flush=True)\ntime.sleep(600)\n")
+    t0 = time.monotonic()
+    status, out = run_script(s, tmp_path, ENV, timeout=3)
+    assert status == -9 and time.monotonic() - t0 < 60
+    assert "started" in out and "still running after 3 s" in out
