@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
+from autopar.capture.causal_mask import fold_causal_masks
 from autopar.capture.checks import custom_function_guard, data_dependent_error
 from autopar.capture.experts import experts_as_op
 from autopar.capture.grad_regions import inline_grad_regions, mark_tables
@@ -273,6 +274,8 @@ def finish(gm: fx.GraphModule, precision: Precision | str) -> None:
     # .item() reads the whole value on every rank, not its own shard or partial sum
     replicate_scalar_reads(gm)
     _strip_guards(gm)
+    # a mask built from shapes alone that is only causal: SDPA's is_causal, as in eager
+    fold_causal_masks(gm)
     apply_mixed_precision(gm, precision, recompile=False)
     # a layer's view of a shared input (rotary tables) copied per user: the layer stays a
     # chain link for the repeated-layer solver and each user picks its own layout

@@ -106,7 +106,8 @@ def _llama_problem(layers: int, shape: tuple[int, ...], preset: str = "8xA100-nv
                    precision: str = "native"):
     """A tiny HF Llama (GQA: 4 query heads, 2 key/value heads) on the meta device: its
     layers share the rotary cos/sin tables and the attention mask, which the one-entry
-    block rule used to refuse."""
+    block rule used to refuse.  The batch carries an ``attention_mask``: without one the
+    mask is built from shapes alone, and capture turns it into SDPA's ``is_causal``."""
     import transformers as tf
 
     cfg = tf.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
@@ -115,9 +116,10 @@ def _llama_problem(layers: int, shape: tuple[int, ...], preset: str = "8xA100-nv
     with torch.device("meta"):
         model = tf.LlamaForCausalLM(cfg)
     ids = torch.zeros(8, 64, dtype=torch.long, device="meta")
+    batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # replicated fallbacks of the rotary/mask ops
-        cap = capture(model, (), {"input_ids": ids, "labels": ids}, precision=precision)
+        cap = capture(model, (), batch, precision=precision)
         annotate(cap.gm)
         mesh = MeshSpec.preset(preset, shape=shape)
         st = enumerate_strategies(cap.gm, shape)
