@@ -8,6 +8,7 @@ import json
 import re
 from collections.abc import Mapping
 
+import torch
 from torch import nn
 
 from autopar.cost_models import MeshSpec
@@ -30,6 +31,9 @@ def mesh(value) -> MeshSpec:
         return value
     if value is None:
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+        if torch.cuda.is_available():  # the runtime computes on this rank's GPU (NCCL)
+            props = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0")))
+            return MeshSpec.for_device(props.name, props.total_memory, world)
         return MeshSpec.preset("cpu-gloo", shape=(world,))
     if isinstance(value, str) and (value.endswith(".json") or value.lstrip().startswith("{")):
         where = "the JSON text" if value.lstrip().startswith("{") else value

@@ -327,6 +327,25 @@ class MeshSpec:
             axis_names = self.axis_names if len(dims) == self.ndim else ()
         return replace(self, shape=dims, axis_names=tuple(axis_names), links=links)
 
+    @classmethod
+    def for_device(cls, device_name: str, total_memory: float, world: int) -> MeshSpec:
+        """The preset nearest a GPU (by its name, as ``torch.cuda.get_device_name`` gives
+        it) for ``world`` ranks as a 1-D mesh, with the device's own memory: what planning
+        uses on a GPU when no mesh is named.  A100 and V100 get their presets' figures;
+        any other GPU (H100, H200, newer) gets the H100's.  More than a node's 8 ranks get
+        the multinode preset of that family."""
+        upper = device_name.upper()
+        if "V100" in upper:
+            base = "p3.16xlarge"
+        elif "A100" in upper:
+            base = "multinode-a100-ib" if world > 8 else "8xA100-nvlink"
+        else:
+            base = "multinode-h100-ib" if world > 8 else "8xH100-nvlink"
+        spec = cls.preset(base, shape=(world,))
+        # the summary names the figures the plan used: the preset's, this device's memory
+        name = f"{base} figures, {device_name} with {total_memory / 2**30:.0f} GiB"
+        return replace(spec, mem_capacity=float(total_memory), name=name)
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-compatible dict (lists for tuples, nested dicts for links)."""
         return {

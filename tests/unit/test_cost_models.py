@@ -123,6 +123,20 @@ def test_multinode_h100_and_cpu_gloo() -> None:
     assert cpu.peak_flops == 5e10 and cpu.mem_bandwidth == 1e10 and cpu.gpus_per_node is None
 
 
+def test_for_device_takes_the_gpus_memory_and_the_nearest_figures() -> None:
+    # what planning uses on a GPU when no mesh is named (autopar.validate.mesh(None)):
+    # before, the cpu-gloo preset, whose 8 GiB found no plan for a 0.85B Llama on an H200
+    h200 = MeshSpec.for_device("NVIDIA H200", 143_771 * 2**20, 1)
+    h100 = MeshSpec.preset("8xH100-nvlink", shape=(1,))
+    assert h200.shape == (1,) and h200.mem_capacity == 143_771 * 2**20
+    assert h200.peak_flops == h100.peak_flops and h200.links == h100.links
+    assert "NVIDIA H200" in h200.name and h200.usable_memory > 120 * 2**30
+    a100 = MeshSpec.for_device("NVIDIA A100-SXM4-40GB", 40 * 2**30, 16)
+    assert a100.peak_flops == MeshSpec.preset("8xA100-nvlink").peak_flops
+    assert a100.links == MeshSpec.preset("multinode-a100-ib", shape=(16,)).links
+    assert MeshSpec.for_device("Tesla V100-SXM2-16GB", 16 * 2**30, 8).peak_flops == 125e12
+
+
 def test_with_shape_rederives_links() -> None:
     m = MeshSpec.preset("multinode-a100-ib", axis_names=("dp", "tp"))
     assert m.with_shape("16") == MeshSpec.preset("multinode-a100-ib", shape=(16,))
