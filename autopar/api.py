@@ -78,12 +78,17 @@ def _options(memory_budget, optimizer, time_limit, pins, decisions: Mapping,
                        pins=dict(pins or {}), search=search, batch=batch, **d)
 
 
-def plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec | str | tuple | None = None, *,
+def plan(model: nn.Module, example_inputs: tuple | None = None,
+         mesh: MeshSpec | str | tuple | None = None, *,
          example_kwargs: dict | None = None, pins: Mapping | None = None,
          memory_budget: float | None = None, optimizer: str = "adamw",
          time_limit: float = 30.0, search: str = "auto", batch: str = "global",
          **decisions) -> Plan:
     """Plan only: capture, cost and search; needs no process group and no real devices.
+
+    The model is captured called as ``model(*example_inputs, **example_kwargs)``; a
+    Hugging Face model takes ``plan(model, example_kwargs=batch, mesh=...)``, as
+    :func:`auto_parallel` does.
 
     ``search`` is ``"ilp"`` (exact), ``"drec"`` (fast, one mesh axis per round) or
     ``"auto"`` (the ILP when its problem fits the time limit, else D-Rec); the plan's
@@ -109,8 +114,12 @@ def plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec | str | tuple |
     unset ones are searched.  ``batch="local"`` plans for each data-parallel rank passing its part of the
     batch and getting its rows of batch-shaped outputs back, as :func:`auto_parallel`'s."""
     opts = _options(memory_budget, optimizer, time_limit, pins, decisions, search, batch)
+    if example_inputs is None and example_kwargs is None:
+        raise ConfigError("plan() needs the model's example call: example_inputs=(x,) "
+                          "and/or example_kwargs={...} (a Hugging Face model: "
+                          "example_kwargs=batch)")
     m = _mesh(mesh)
-    return _capture_and_plan(model, tuple(example_inputs), m, example_kwargs, opts)[1]
+    return _capture_and_plan(model, tuple(example_inputs or ()), m, example_kwargs, opts)[1]
 
 
 def _shared_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOptions,

@@ -126,6 +126,28 @@ def test_hf_gpt2_captures_with_shapes() -> None:
     assert "model.transformer.wte.weight" in {a for v in cap.aliases.values() for a in v}
 
 
+def test_plan_takes_keyword_inputs_alone() -> None:
+    # as auto_parallel does: before, plan(model, example_kwargs=...) raised TypeError for
+    # the missing positional example_inputs
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+    class Kw(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = model
+
+        def forward(self, x):
+            return self.m(x).sum()
+
+    x = torch.randn(4, 8)
+    by_kw = plan(Kw(), example_kwargs={"x": x}, mesh=(2,))
+    by_pos = plan(Kw(), (x,), (2,))
+    assert by_kw.params() == by_pos.params()
+    with pytest.raises(PlanError, match="example_inputs"):
+        plan(Kw(), mesh=(2,))
+
+
 def test_world_size_mismatch_without_group() -> None:
     from autopar.errors import MeshMismatchError
     from autopar.runtime.mesh import init_mesh
