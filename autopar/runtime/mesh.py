@@ -258,7 +258,11 @@ def release_groups(m: RuntimeMesh) -> None:
     # alive, and a copied mesh (unpickling re-resolves its groups) holds its own
     # registry.  After destroy_process_group() every group they name is dead anyway.
     gc.collect()
-    for dm in [m.device_mesh, *(o for o in gc.get_objects() if isinstance(o, DeviceMesh))]:
+    # by the type's MRO, not isinstance: DeviceMesh's metaclass hook reads attributes of
+    # every object asked about, and reading torch.distributed's deprecated ``reduce_op``
+    # printed a FutureWarning per rank after training
+    live = [o for o in gc.get_objects() if DeviceMesh in type(o).__mro__]
+    for dm in [m.device_mesh, *live]:
         registry = getattr(dm, "_pg_registry", None)  # on the root mesh (torch 2.13)
         if isinstance(registry, dict):
             registry.clear()
