@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         for r in rows[-2:]:
             t0 = time.perf_counter()
             try:
-                r.warm(args.warmup, None)
+                r.warm(args.warmup, r.model)  # shares its eager row's parameters and state
             except Exception as e:  # noqa: BLE001 - a row that cannot compile is reported
                 print(f"{r.name}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
                 rows.remove(r)
