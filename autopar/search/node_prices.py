@@ -65,25 +65,39 @@ SAVES_OUTPUT = frozenset({
 })
 
 
-def feeds_only_casts(node: fx.Node) -> bool:
-    """Whether every use of ``node``'s output (through views) is a cast
-    (``aten._to_copy``, as autocast's casts are written into a bf16-mixed graph): then
-    autograd keeps nothing of it for backward, since a cast saves nothing and its
-    consumers keep the cast copy.  A norm's fp32 output cast to bf16 for the next matmul
-    is kept once, in bf16, not twice.  Not for ops that keep their own result
-    (:data:`SAVES_OUTPUT`: an fp32 softmax cast to bf16 keeps both)."""
+# ops whose backward reads none of their tensor inputs, only shapes or nothing: an
+# output that only they read (through views) is not kept for backward.  A cast saves
+# nothing and its consumers keep the cast copy; a residual add, a mean, a concatenation
+# pass the gradient on untouched; a cross-entropy keeps its log-probabilities, not the
+# logits (priced on it: CostModel.node_memory).  Any op not here is taken to keep
+# what it reads, as a matmul, a product, a power or an activation function does.
+SAVES_NO_INPUT = frozenset({
+    aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
+    aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.neg.default,
+    aten.mul.Scalar, aten.div.Scalar, aten.cat.default, aten.stack.default,
+    aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim,
+    aten.clone.default, aten.constant_pad_nd.default, aten.pad.default,
+    aten.cross_entropy_loss.default,
+})
+
+
+def kept_for_backward(node: fx.Node) -> bool:
+    """Whether autograd keeps ``node``'s output for backward: its op reads its own
+    result (:data:`SAVES_OUTPUT`: an fp32 softmax cast to bf16 keeps both), the graph
+    returns it (the caller holds it), or an op reads it (through views and no-op casts)
+    that is not known to save none of its inputs (:data:`SAVES_NO_INPUT`).  A norm's
+    fp32 output cast to bf16 for the next matmul is kept once, in bf16; HF RMSNorm's
+    squared input, read only by a mean, not at all."""
     if node.target in SAVES_OUTPUT:
-        return False
-    uses, stack = 0, list(node.users)
+        return True
+    stack = list(node.users)
     while stack:
         u = stack.pop()
-        if u.op == "call_function" and u.target in VIEW_OPS:
+        if u.op == "call_function" and (u.target in VIEW_OPS or is_noop_cast(u)):
             stack.extend(u.users)
-        elif u.op == "call_function" and u.target is aten._to_copy.default:
-            uses += 1
-        else:
-            return False
-    return uses > 0
+        elif u.op != "call_function" or u.target not in SAVES_NO_INPUT:
+            return True
+    return False
 
 
 def compute_floor(node: fx.Node, mesh: MeshSpec, backward_factor: float = 2.0) -> float:
@@ -329,10 +343,11 @@ class CostModel(EdgePrices):
             b = math.prod(local_shape(ni.out.shape, s.outputs[0], self.mesh.shape)) * (
                 ni.out.nbytes / max(ni.out.numel, 1))
             return 2.0 * b + optimizer_state_bytes(b, self.optimizer)
-        if node.op != "call_function" or node.target in VIEW_OPS or node.target is operator.getitem:
-            return 0.0
-        if not ni.tuple_output and feeds_only_casts(node):
-            return 0.0  # its casts' outputs are what backward keeps: counted there
+        if node.op != "call_function" or node.target in VIEW_OPS or node.target is operator.getitem \
+                or is_noop_cast(node):
+            return 0.0  # a view or a no-op cast: its input's bytes, counted there
+        if not ni.tuple_output and not kept_for_backward(node):
+            return 0.0  # backward reads nothing of it: freed once its readers ran
         total = 0.0
         for t, p in zip(ni.outputs, s.outputs):
             total += math.prod(local_shape(t.shape, p, self.mesh.shape)) * (t.nbytes / max(t.numel, 1))
@@ -351,4 +366,4 @@ def param_state_split(node: fx.Node, p: Placements, mesh: MeshSpec, optimizer: s
     return b, b, optimizer_state_bytes(b, optimizer)
 
 
-__all__ = ["CostModel", "feeds_only_casts", "is_partial", "param_state_split", "precision_warning"]
+__all__ = ["SAVES_NO_INPUT", "CostModel", "kept_for_backward", "is_partial", "param_state_split", "precision_warning"]

@@ -103,9 +103,11 @@ def test_bf16_mixed_plans_differently_where_memory_decides() -> None:
     f32, b16 = (free[k].memory for k in ("native", "bf16-mixed"))
     # same fp32 parameters, gradients and AdamW state; bf16 activations are smaller: a
     # norm's fp32 output that only a cast to bf16 reads is not kept for backward (before,
-    # it was counted beside its bf16 copy, and bf16-mixed came out only 13% smaller)
+    # it was counted beside its bf16 copy, and bf16-mixed came out only 13% smaller).
+    # Autograd's saved tensors of this GPT at dim 256, sequence 256 measured 0.85 (bf16
+    # autocast against fp32, autopar.runtime.memstats); the model gives 0.82 here
     assert b16["params"] == f32["params"] and b16["optimizer"] == f32["optimizer"]
-    assert b16["activations"] < 0.8 * f32["activations"]
+    assert b16["activations"] < 0.86 * f32["activations"]
     budget = (f32["total"] + b16["total"]) / 2
     d32 = plan(model, ex, MESH, precision="native", pins=DP_PINS, memory_budget=budget,
                keep_grad_buffers=False).decisions

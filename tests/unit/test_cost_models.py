@@ -620,11 +620,11 @@ def test_zero3_per_micro_batch_charge_is_its_own_reduce_scatter_only():
     assert four.gather_mb - one.gather_mb == pytest.approx(0.75 * rs, rel=1e-6)
 
 
-def test_an_output_only_casts_read_is_not_kept_unless_its_op_keeps_it():
+def test_an_output_is_kept_only_when_backward_reads_it():
     import torch
     from torch import fx
 
-    from autopar.search.node_prices import feeds_only_casts
+    from autopar.search.node_prices import kept_for_backward
 
     aten = torch.ops.aten
     g = fx.Graph()
@@ -635,11 +635,21 @@ def test_an_output_only_casts_read_is_not_kept_unless_its_op_keeps_it():
     view = g.call_function(aten.view.default, (cast, [-1]))
     sm = g.call_function(aten._softmax.default, (x, -1, False))
     sm16 = g.call_function(aten._to_copy.default, (sm,), {"dtype": torch.bfloat16})
-    g.output((norm, view, sm16))
-    assert feeds_only_casts(out)  # gelu's fp32 output: only its bf16 copy is kept
-    assert not feeds_only_casts(sm)  # softmax's backward reads its own (fp32) result
-    assert not feeds_only_casts(cast)  # the copy is read by a view the graph returns
-    assert not feeds_only_casts(norm)  # returned: no cast at all
+    # HF RMSNorm: x.pow(2).mean(-1); rsqrt; x * rsqrt; the residual add after
+    sq = g.call_function(aten.pow.Tensor_Scalar, (x, 2))
+    var = g.call_function(aten.mean.dim, (sq, [-1], True))
+    r = g.call_function(aten.rsqrt.default, (var,))
+    scaled = g.call_function(aten.mul.Tensor, (x, r))
+    res = g.call_function(aten.add.Tensor, (scaled, x))
+    g.output((norm, view, sm16, res))
+    assert not kept_for_backward(out)  # gelu's fp32 output: only its bf16 copy is kept
+    assert kept_for_backward(sm)  # softmax's backward reads its own (fp32) result
+    assert kept_for_backward(cast)  # the copy is read by a view the graph returns
+    assert kept_for_backward(norm)  # returned
+    assert not kept_for_backward(sq)  # read only by a mean, which keeps no input
+    assert kept_for_backward(var)  # rsqrt is not listed as keeping no input: kept (one value a row)
+    assert not kept_for_backward(scaled)  # read only by the residual add
+    assert kept_for_backward(r)  # read by a product
 
 
 def test_a_flat_ring_on_one_medium_gets_no_faster_for_noise() -> None:

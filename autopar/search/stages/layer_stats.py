@@ -59,6 +59,9 @@ class LayerStat:
     forward: float = 0.0
     compute: float = 0.0  # the compute share of ``seconds`` (the rest is communication)
     activations: float = 0.0
+    largest: float = 0.0
+    """Bytes of the largest single op's kept activations: the size of the gradients
+    the layer's backward holds at once (a logits-sized one under a cross-entropy)."""
     out_bytes: float = 0.0
     params: list[ParamStat] = field(default_factory=list)
     buffers: float = 0.0
@@ -121,6 +124,7 @@ def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) ->
             st.compute += np_.compute
             st.forward += np_.compute / (1.0 + backward_factor) + np_.comm / 2.0
             st.activations += np_.memory
+            st.largest = max(st.largest, np_.memory)
             st.floor += compute_floor(n, mesh, backward_factor)
             # only a cross-entropy sums a count: parse no other op's placements (every
             # node of every candidate plan passes here)

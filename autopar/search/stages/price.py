@@ -72,7 +72,11 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     # its predecessor), and every layer's whole activations
     n_layers = len(layers)
     gathered_fwd = [0.0 + tr[k] + (tr[k + 1] if k + 1 < n_layers else 0.0) for k in range(n_layers)]
-    gathered_bwd = [0.0 + max(0.0, trb[k]) + (trb[k - 1] if k else 0.0) for k in range(n_layers)]
+    # and, in a layer's backward, two gradients at once as autograd passes one op's on
+    # to the next: the layer's widest (the logits' under a cross-entropy, the MLP's
+    # hidden in a block), or its output's when that is wider
+    flow = [2.0 * max(st.out_bytes, st.largest) for st in layers]
+    gathered_bwd = [flow[k] + max(0.0, trb[k]) + (trb[k - 1] if k else 0.0) for k in range(n_layers)]
     activations = [st.activations for st in layers]
     # recompute candidates: layers whose recomputation saves memory, best ratio first
     cands = sorted((st for st in layers if st.activations > st.out_bytes and st.forward > 0),
@@ -106,7 +110,7 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
                 held_before.append(held_before[-1] + h)
                 ahead[k], last = last, (last if h else trb[k])
             g_fwd = [held_before[k] + tr[k] + (tr[k + 1] if k + 1 < n else 0.0) for k in range(n)]
-            g_bwd = [held_before[k] + max(hold[k], trb[k]) + ahead[k] for k in range(n)]
+            g_bwd = [flow[k] + held_before[k] + max(hold[k], trb[k]) + ahead[k] for k in range(n)]
             held_sum = sum(hold)
         else:
             g_fwd, g_bwd, held_sum = gathered_fwd, gathered_bwd, 0.0
