@@ -15,6 +15,7 @@ from autopar.capture.annotate import annotate
 from autopar.capture.trace import Captured, capture, named_tensors
 from autopar.cost_models import MeshSpec
 from autopar.errors import ConfigError
+from autopar.log import log
 from autopar.module.parallel import ParallelModule
 from autopar.module.state import TensorInfo
 from autopar.plan.data import Plan
@@ -168,7 +169,8 @@ def _capture_for(model: nn.Module, example_inputs: tuple, example_kwargs: dict |
 def build_parallel_module(model: nn.Module, example_inputs: tuple, mesh: MeshSpec,
                           opts: PlanOptions, example_kwargs: dict | None = None,
                           runtime: bool | None = None, plan: Plan | None = None,
-                          batch: str = "global", timeout: float = DEFAULT_TIMEOUT) -> ParallelModule:
+                          batch: str = "global", timeout: float = DEFAULT_TIMEOUT,
+                          compile: bool | None = None) -> ParallelModule:
     """Capture, plan (or take ``plan``), lower and shard: the body of :func:`auto_parallel`."""
     from autopar.passes.lower import lower
 
@@ -210,7 +212,24 @@ def build_parallel_module(model: nn.Module, example_inputs: tuple, mesh: MeshSpe
     pm = ParallelModule(gm, p, cap.aliases, cap.in_spec, cap.out_spec, cap.state_keys, full,
                         runtime, info=info, binder=binder, batch=batch)
     pm.training = model.training  # the mode the graph was captured in
+    if runtime and _compiles(pm, compile):
+        pm.compile()
     return pm
+
+
+def _compiles(pm: ParallelModule, asked: bool | None) -> bool:
+    """``compile=`` as given; by default on a GPU, where the compiled graph measured
+    0.86x ``torch.compile`` of the plain model (docs/benchmarks.md, one GPU), and not on
+    a CPU, where inductor's compilation takes seconds for little gain.  A schedule of
+    stages or micro-batches runs eagerly either way (:meth:`ParallelModule.compile`)."""
+    if pm.runner is not None:
+        if asked:
+            log.info("compile=True: this plan's %d stage(s) x %d micro-batch(es) run eagerly",
+                     pm.plan.decisions.pipeline_stages, pm.plan.decisions.micro_batches)
+        return False
+    if asked is not None:
+        return asked
+    return pm._mesh_rt is not None and pm._mesh_rt.device.type == "cuda"
 
 
 def _from_rank0(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -255,7 +274,7 @@ def auto_parallel(model: nn.Module | Callable | None = None, *, example_inputs: 
                   memory_budget: float | None = None, optimizer: str = "adamw",
                   time_limit: float = 30.0, example_kwargs: dict | None = None,
                   plan: Plan | None = None, search: str = "auto", batch: str = "global",
-                  timeout: float = DEFAULT_TIMEOUT, **decisions):
+                  timeout: float = DEFAULT_TIMEOUT, compile: bool | None = None, **decisions):
     """Plan and shard ``model`` for ``mesh``.
 
     * ``auto_parallel(model, example_inputs=..., mesh=...)`` returns a
@@ -280,6 +299,10 @@ def auto_parallel(model: nn.Module | Callable | None = None, *, example_inputs: 
     ``timeout`` (seconds or a ``timedelta``; default 600) bounds every wait: the process
     group autopar creates uses it for collectives, other ranks wait that long for rank
     0's plan, and a rank that does not arrive ends the job with an error naming it.
+
+    ``compile=True`` runs the generated graph through ``torch.compile``
+    (:meth:`ParallelModule.compile`); unset, it does so when the module computes on a
+    GPU and not on a CPU.
     """
     opts = _options(memory_budget, optimizer, time_limit, pins, decisions, search, batch)
     if plan is not None and plan.decisions.batch != batch:
@@ -296,28 +319,31 @@ def auto_parallel(model: nn.Module | Callable | None = None, *, example_inputs: 
                           "auto_parallel(model, example_inputs=<global batch>, batch='local') "
                           "instead of the decorator form")
     if model is None:
-        return lambda target: _decorate(target, m, opts)
+        return lambda target: _decorate(target, m, opts, compile)
     if direct:
         return build_parallel_module(model, tuple(example_inputs or ()), plan.mesh if plan else m,
-                                     opts, example_kwargs, plan=plan, batch=batch, timeout=timeout)
-    return _decorate(model, m, opts)
+                                     opts, example_kwargs, plan=plan, batch=batch, timeout=timeout,
+                                     compile=compile)
+    return _decorate(model, m, opts, compile)
 
 
 class LazyParallel(nn.Module):
     """Plans on the first call: wraps a model until its first batch is seen."""
 
-    def __init__(self, model: nn.Module, mesh: MeshSpec, opts: PlanOptions) -> None:
+    def __init__(self, model: nn.Module, mesh: MeshSpec, opts: PlanOptions,
+                 compile: bool | None = None) -> None:
         super().__init__()
         self._model = model
         self._mesh = mesh
         self._opts = opts
+        self._compile = compile
         self.pmodel: ParallelModule | None = None
 
     def forward(self, *args, **kwargs):
         """First call: plan on this batch; every call: run the parallel module."""
         if self.pmodel is None:
             self.pmodel = build_parallel_module(self._model, args, self._mesh, self._opts,
-                                                kwargs or None)
+                                                kwargs or None, compile=self._compile)
             del self._model
         return self.pmodel(*args, **kwargs)
 
@@ -337,20 +363,20 @@ class LazyParallel(nn.Module):
             raise
 
 
-def _decorate(target, mesh: MeshSpec, opts: PlanOptions):
+def _decorate(target, mesh: MeshSpec, opts: PlanOptions, compile: bool | None = None):
     if isinstance(target, type) and issubclass(target, nn.Module):
         @functools.wraps(target, updated=())
         def make(*a, **k):
-            return LazyParallel(target(*a, **k), mesh, opts)
+            return LazyParallel(target(*a, **k), mesh, opts, compile)
         return make
     if isinstance(target, nn.Module):
-        return LazyParallel(target, mesh, opts)
+        return LazyParallel(target, mesh, opts, compile)
     if callable(target):
         @functools.wraps(target)
         def factory(*a, **k):
             out = target(*a, **k)
             model = out[0] if isinstance(out, tuple) else out
-            wrapped = LazyParallel(model, mesh, opts)
+            wrapped = LazyParallel(model, mesh, opts, compile)
             return (wrapped, *out[1:]) if isinstance(out, tuple) else wrapped
         return factory
     raise TypeError(f"auto_parallel cannot wrap {type(target).__name__}")

@@ -40,6 +40,7 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
                  extra: Mapping[str, torch.Tensor] | None = None) -> None:
         super().__init__()
         object.__setattr__(self, "inner", inner)  # not a submodule: users see DTensors only
+        object.__setattr__(self, "_compiled", None)  # torch.compile of inner (compile())
         self.plan = plan
         self.aliases = aliases
         self.info = info or TensorInfo()
@@ -137,11 +138,30 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
                 f"{self.plan.decisions.pipeline_stages} pipeline stage(s): forward and backward are "
                 "interleaved by the schedule, so call loss = module.train_step(*inputs) "
                 "(it runs forward and backward) and then optimizer.step()")
+        run = self._compiled if self._compiled is not None else self.inner
         if self.zero is not None and self.zero.stage == 3:
             from autopar.runtime.zero import free_gathered_params
             with free_gathered_params():
-                return self._outputs(self.grad_sync.watch(self.inner(*flat), self._dparams))
-        return self._outputs(self.grad_sync.watch(self.inner(*flat), self._dparams))
+                return self._outputs(self.grad_sync.watch(run(*flat), self._dparams))
+        return self._outputs(self.grad_sync.watch(run(*flat), self._dparams))
+
+    def compile(self, *args, **kwargs) -> None:
+        """Run this rank's generated graph through ``torch.compile`` (``args`` and
+        ``kwargs`` as it takes them: ``mode="max-autotune"``, ``backend=...``).
+
+        Only the graph is compiled: what runs around it (input binding, gradient
+        buckets and their collectives, ZeRO's gathers, the parameters' DTensor
+        gradients) stays as it is, so optimizers, ``clip_grad_norm_`` and DCP work
+        unchanged.  ``nn.Module.compile`` would compile the whole call, hooks included.
+        A plan with pipeline stages or micro-batches (:meth:`train_step`'s schedule)
+        keeps running its stages eagerly.  :func:`autopar.auto_parallel` calls this
+        by default when the module computes on a GPU (``compile=``)."""
+        object.__setattr__(self, "_compiled", torch.compile(self.inner, *args, **kwargs))
+
+    @property
+    def compiled(self) -> bool:
+        """Whether :meth:`forward` runs the graph through ``torch.compile``."""
+        return self._compiled is not None and self.runner is None
 
     def train_step(self, *args, **kwargs) -> torch.Tensor:
         """Forward and backward of one global batch (all micro-batches, every pipeline

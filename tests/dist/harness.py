@@ -58,6 +58,12 @@ def _max_err(a: dict, b: dict, keys) -> tuple[float, str]:
     return worst, where
 
 
+def _dynamo_graphs() -> int:
+    """Graphs torch.compile has made in this process so far."""
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])
+
+
 def run_case(case: Case) -> dict:
     """Plan, shard and train ``case`` on this rank; compare with the reference."""
     from autopar import MeshSpec, auto_parallel
@@ -75,7 +81,7 @@ def run_case(case: Case) -> dict:
                  # what the generated forward calls (collectives, local op forms)
                  "calls": sorted({getattr(n.target, "__name__", str(n.target))
                                   for n in pm.inner.graph.nodes if n.op == "call_function"}),
-                 "searcher": pm.plan.solver.searcher,
+                 "searcher": pm.plan.solver.searcher, "compiled": pm.compiled,
                  "decisions": {"zero": d.zero_stage, "stages": d.pipeline_stages,
                                "pipeline_axis": d.pipeline_axis, "schedule": d.schedule,
                                "virtual_stages": d.virtual_stages, "micro_batches": d.micro_batches, "recompute": d.recompute,
@@ -88,6 +94,7 @@ def run_case(case: Case) -> dict:
     rl = ref(*ex)
     rl.backward()
     res["loss"], res["ref_loss"] = loss.item(), rl.item()
+    graphs = _dynamo_graphs()
     grads = pm.full_grads()
     res["grad_err"], res["grad_worst"] = _max_err(grads, {n: p.grad for n, p in ref.named_parameters()}, names)
     res["grad_scale"] = max(p.grad.abs().max().item() for p in ref.parameters())
@@ -108,6 +115,8 @@ def run_case(case: Case) -> dict:
     full = pm.full_state_dict()
     res["adam_err"], res["adam_worst"] = _max_err(full, ref.state_dict(), names)
     res["state_keys_match"] = sorted(full) == sorted(ref.state_dict())
+    # graphs dynamo made after the first step (a recompile per step would add some)
+    res["dynamo_recompiled"] = _dynamo_graphs() - graphs
     if case.measure_memory:
         res["memory"] = _measure_memory(pm, opt, ex)
     return res

@@ -1,0 +1,44 @@
+"""Compiled modules: ``auto_parallel(..., compile=True)`` on real gloo ranks, inductor's
+CPU backend, against the single-process model (loss, every gradient, two SGD and two
+AdamW steps: tests/dist/harness.py's run_case).
+
+Only the per-rank graph is compiled (ParallelModule.compile); gradient buckets, ZeRO's
+gathers and the DTensor gradients run as in eager.  Tolerances are
+test_equivalence.py's (fp32): inductor fuses elementwise ops and may reorder a sum,
+the same few-ulp reordering the parallel module already does.  Each case also checks
+that the steps after the first made no new graph (dynamo did not recompile per step, as
+it would if the parameters it guards on changed identity every call).
+
+Slow CI step: compiling costs 10-30 s a case on 2 cores.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist.harness import Case, run_cases
+from tests.dist.test_equivalence import MEGATRON, check
+
+GPT2 = {"layers": 2}
+DP = {"*": "R", "input:0": "S(0)"}
+ONE = {"pipeline_stages": 1, "micro_batches": 1, "compile": True}
+
+CASES = [
+    Case("compiled-dp2", "gpt", (2,), DP, GPT2, options=ONE),
+    Case("compiled-tp2", "gpt", (2,), MEGATRON["gpt"], GPT2, options=ONE),
+    Case("compiled-zero3-dp2", "gpt", (2,), DP, GPT2, options={**ONE, "zero_stage": 3}),
+]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_cases(2, CASES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_compiled_module_is_exact(results, case):
+    res = results.get(case.id, {"error": "not run (an earlier case failed)"})
+    check(res)
+    assert res["compiled"]
+    assert res["dynamo_recompiled"] == 0, res["dynamo_recompiled"]
