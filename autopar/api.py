@@ -170,7 +170,7 @@ def build_parallel_module(model: nn.Module, example_inputs: tuple, mesh: MeshSpe
                           opts: PlanOptions, example_kwargs: dict | None = None,
                           runtime: bool | None = None, plan: Plan | None = None,
                           batch: str = "global", timeout: float = DEFAULT_TIMEOUT,
-                          compile: bool | None = None) -> ParallelModule:
+                          compile: bool = False) -> ParallelModule:
     """Capture, plan (or take ``plan``), lower and shard: the body of :func:`auto_parallel`."""
     from autopar.passes.lower import lower
 
@@ -217,19 +217,21 @@ def build_parallel_module(model: nn.Module, example_inputs: tuple, mesh: MeshSpe
     return pm
 
 
-def _compiles(pm: ParallelModule, asked: bool | None) -> bool:
-    """``compile=`` as given; by default on a GPU, where the compiled graph measured
-    0.86x ``torch.compile`` of the plain model (docs/benchmarks.md, one GPU), and not on
-    a CPU, where inductor's compilation takes seconds for little gain.  A schedule of
-    stages or micro-batches runs eagerly either way (:meth:`ParallelModule.compile`)."""
+def _compiles(pm: ParallelModule, asked: bool) -> bool:
+    """``compile=`` as given, except for a schedule of stages or micro-batches, which
+    runs eagerly (:meth:`ParallelModule.compile`).
+
+    Not the default, even on a GPU where the compiled graph measured 0.86x
+    ``torch.compile`` of the plain model (docs/benchmarks.md, one GPU): the plan's
+    step and memory are priced for the eager graph (the compiled one measured 0.68x
+    its step and 0.73x its peak there), and compiled context, expert and pipeline
+    parallelism are not tested yet."""
     if pm.runner is not None:
         if asked:
             log.info("compile=True: this plan's %d stage(s) x %d micro-batch(es) run eagerly",
                      pm.plan.decisions.pipeline_stages, pm.plan.decisions.micro_batches)
         return False
-    if asked is not None:
-        return asked
-    return pm._mesh_rt is not None and pm._mesh_rt.device.type == "cuda"
+    return asked
 
 
 def _from_rank0(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -274,7 +276,7 @@ def auto_parallel(model: nn.Module | Callable | None = None, *, example_inputs: 
                   memory_budget: float | None = None, optimizer: str = "adamw",
                   time_limit: float = 30.0, example_kwargs: dict | None = None,
                   plan: Plan | None = None, search: str = "auto", batch: str = "global",
-                  timeout: float = DEFAULT_TIMEOUT, compile: bool | None = None, **decisions):
+                  timeout: float = DEFAULT_TIMEOUT, compile: bool = False, **decisions):
     """Plan and shard ``model`` for ``mesh``.
 
     * ``auto_parallel(model, example_inputs=..., mesh=...)`` returns a
@@ -301,8 +303,7 @@ def auto_parallel(model: nn.Module | Callable | None = None, *, example_inputs: 
     0's plan, and a rank that does not arrive ends the job with an error naming it.
 
     ``compile=True`` runs the generated graph through ``torch.compile``
-    (:meth:`ParallelModule.compile`); unset, it does so when the module computes on a
-    GPU and not on a CPU.
+    (:meth:`ParallelModule.compile`); the plan is still priced for the eager graph.
     """
     opts = _options(memory_budget, optimizer, time_limit, pins, decisions, search, batch)
     if plan is not None and plan.decisions.batch != batch:
@@ -331,7 +332,7 @@ class LazyParallel(nn.Module):
     """Plans on the first call: wraps a model until its first batch is seen."""
 
     def __init__(self, model: nn.Module, mesh: MeshSpec, opts: PlanOptions,
-                 compile: bool | None = None) -> None:
+                 compile: bool = False) -> None:
         super().__init__()
         self._model = model
         self._mesh = mesh
@@ -363,7 +364,7 @@ class LazyParallel(nn.Module):
             raise
 
 
-def _decorate(target, mesh: MeshSpec, opts: PlanOptions, compile: bool | None = None):
+def _decorate(target, mesh: MeshSpec, opts: PlanOptions, compile: bool = False):
     if isinstance(target, type) and issubclass(target, nn.Module):
         @functools.wraps(target, updated=())
         def make(*a, **k):

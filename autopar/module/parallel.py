@@ -154,8 +154,8 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         gradients) stays as it is, so optimizers, ``clip_grad_norm_`` and DCP work
         unchanged.  ``nn.Module.compile`` would compile the whole call, hooks included.
         A plan with pipeline stages or micro-batches (:meth:`train_step`'s schedule)
-        keeps running its stages eagerly.  :func:`autopar.auto_parallel` calls this
-        by default when the module computes on a GPU (``compile=``)."""
+        keeps running its stages eagerly.  ``auto_parallel(..., compile=True)`` calls
+        this."""
         object.__setattr__(self, "_compiled", torch.compile(self.inner, *args, **kwargs))
 
     @property

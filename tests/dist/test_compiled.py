@@ -24,7 +24,7 @@ DP = {"*": "R", "input:0": "S(0)"}
 ONE = {"pipeline_stages": 1, "micro_batches": 1, "compile": True}
 
 CASES = [
-    # unset on a CPU: not compiled (inductor's compile takes seconds for little gain)
+    # not asked for: not compiled
     Case("default-dp2", "gpt", (2,), DP, GPT2, options={"pipeline_stages": 1, "micro_batches": 1}),
     Case("compiled-dp2", "gpt", (2,), DP, GPT2, options=ONE),
     Case("compiled-tp2", "gpt", (2,), MEGATRON["gpt"], GPT2, options=ONE),
