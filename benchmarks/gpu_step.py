@@ -8,7 +8,10 @@ Rows (each an AdamW step, ``fused=True`` on CUDA; bf16 autocast for the plain mo
 - ``plain-compiled``: ``torch.compile`` of it;
 - ``autopar``: ``auto_parallel(model, example_kwargs=batch, precision="bf16-mixed")`` as
   returned, the mesh named by ``--mesh`` (default: none, a user's default);
-- ``autopar-compiled``: ``torch.compile`` of that module;
+- ``autopar-compiled``: the same with ``compile=True`` (the generated graph through
+  ``torch.compile``);
+- ``autopar-user-compiled`` (``--user-compile``): ``torch.compile`` of the ``autopar``
+  module, as a user might write it;
 - ``autopar-unfolded`` (``--unfolded``): autopar with the attention mask kept as the
   tensor export builds (:mod:`autopar.capture.causal_mask` switched off), the module as
   it was before that pass.
@@ -135,11 +138,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--mesh", default=None, help="autopar's mesh= (default: none named)")
-    ap.add_argument("--predict-preset", default="8xH100-nvlink",
+    ap.add_argument("--predict-preset", default="",
                     help="also plan (only) on this preset, shape (world,), for its prediction")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--unfolded", action="store_true")
+    ap.add_argument("--user-compile", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args(argv)
@@ -162,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     dbatch = {k: v.to(dev) for k, v in batch.items()}
     rows: list[Row] = []
 
-    def planned(name: str, fold: bool) -> Row:
+    def planned(name: str, fold: bool = True, compiled: bool = False) -> Row:
         saved = trace.fold_causal_masks
         if not fold:
             trace.fold_causal_masks = lambda gm: 0
@@ -171,19 +175,25 @@ def main(argv: list[str] | None = None) -> None:
             mesh = (autopar.MeshSpec.preset(args.mesh, shape=(dist.get_world_size(),))
                     if args.mesh in PRESET_NAMES else args.mesh)
             pm = autopar.auto_parallel(copy.deepcopy(cpu_model), example_kwargs=batch,
-                                       mesh=mesh, precision="bf16-mixed")
+                                       mesh=mesh, precision="bf16-mixed", compile=compiled)
             plan_s = time.perf_counter() - t0
         finally:
             trace.fold_causal_masks = saved
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-4, **fused)
         row = Row(name, pm, lambda: pm(**dbatch).loss, opt, dev)
         row.plan_s = plan_s
+        t0 = time.perf_counter()
         row.warm(args.warmup, pm)  # before the other rows are on the device
-        print(f"{name}: planned in {plan_s:.1f} s, peak {row.peak / 2**30:.2f} GiB", flush=True)
+        if compiled:
+            row.compile_s = time.perf_counter() - t0
+        print(f"{name}: planned in {plan_s:.1f} s, warm-up {time.perf_counter() - t0:.1f} s, "
+              f"peak {row.peak / 2**30:.2f} GiB", flush=True)
         return row
 
-    ap_row = planned("autopar", fold=True)
+    ap_row = planned("autopar")
     rows.append(ap_row)
+    if not args.no_compile:
+        rows.append(planned("autopar-compiled", compiled=True))
     if args.unfolded:
         rows.append(planned("autopar-unfolded", fold=False))
     plain = copy.deepcopy(cpu_model).to(dev)
@@ -200,11 +210,13 @@ def main(argv: list[str] | None = None) -> None:
     rows.append(pl)
     if not args.no_compile:
         cplain = torch.compile(plain)
-        rows.append(Row("plain-compiled", plain, eager_call(cplain), popt, dev))
-        cpm = torch.compile(ap_row.model)
-        rows.append(Row("autopar-compiled", ap_row.model, lambda: cpm(**dbatch).loss,
-                        ap_row.opt, dev))
-        for r in rows[-2:]:
+        later = [Row("plain-compiled", plain, eager_call(cplain), popt, dev)]
+        if args.user_compile:
+            cpm = torch.compile(ap_row.model)
+            later.append(Row("autopar-user-compiled", ap_row.model,
+                             lambda: cpm(**dbatch).loss, ap_row.opt, dev))
+        rows += later
+        for r in later:
             t0 = time.perf_counter()
             try:
                 r.warm(args.warmup, r.model)  # shares its eager row's parameters and state
