@@ -116,7 +116,10 @@ class CallCheck:
         local = torch.tensor(mine, dtype=torch.int64, device=self.device)
         every = torch.empty(dist.get_world_size() * local.numel(), dtype=torch.int64,
                             device=self.device)
-        dist.all_gather_into_tensor(every, local)
+        # torch 2.13 renamed all_gather_into_tensor (deprecated there: a FutureWarning
+        # on every rank at the first call) to all_gather_single
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(every, local)
         every = every.cpu().view(dist.get_world_size(), -1)
         if bool(every[:, 2].any()):
             self._failed(every, failure)
