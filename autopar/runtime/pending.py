@@ -119,6 +119,9 @@ class _PendingSumFn(Function):
         return g * ctx.n, None
 
 
+# a compiled graph (ParallelModule.compile) stops here and runs it eagerly: dynamo cannot
+# trace the creation of a tensor subclass, and said so in a warning on every rank
+@torch.compiler.disable
 def pending_sum(x: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
     """P -> R of a scalar output over ``axes``, left in flight: a :class:`PendingSum`
     (forward), ``g * n`` locally (backward, ``n`` the ranks summed over)."""
