@@ -21,7 +21,10 @@ sequences from ``position_ids``, a sliding window narrower than the sequence.
 In a graph with a symbolic batch (:mod:`autopar.capture.batch`) the batch size is a
 shape read from an input; the mask is evaluated at two batch sizes there, since the
 graph is later copied at every micro-batch size.  A mask too large to evaluate cheaply
-(more than :data:`MAX_ELEMENTS` elements) is left as it is, and the log says so.
+(more than :data:`MAX_ELEMENTS` elements, as a global batch of many ranks makes it) is
+evaluated at batches of 2 and 3 instead (the capture's batch size read as those), and
+must come out causal at both; one too large even so is left as it is, and the log says
+so.
 """
 
 from __future__ import annotations
@@ -105,23 +108,33 @@ def _shape_value(n: fx.Node, extra: int) -> int | None:
     return None if hint is None else hint + extra
 
 
-def _evaluate(nodes: list[fx.Node], extra: int) -> torch.Tensor | None:
+def _evaluate(nodes: list[fx.Node], extra: int = 0,
+              batch: tuple[int | None, int] | None = None) -> torch.Tensor | None:
     """The last of ``nodes`` computed on the CPU; symbolic shapes at their example value
-    plus ``extra``.  ``None`` when a shape has no example value or a step fails."""
+    plus ``extra``.  ``batch=(b, k)`` computes it at batch ``k`` instead: symbolic shapes
+    are ``k``, and so is every integer argument equal to ``b``, the batch a fixed-size
+    graph was captured at.  ``None`` when a shape has no example value or a step fails."""
     env: dict[fx.Node, object] = {}
 
     def load(a: object) -> object:
         return env[a] if isinstance(a, fx.Node) else a
 
+    def literal(a: object) -> object:
+        return batch[1] if type(a) is int and a == batch[0] else a
+
     for n in nodes:
         if _is_shape_read(n):
-            v = _shape_value(n, extra)
+            symbolic = not isinstance(n.meta.get("val"), int)
+            v = batch[1] if batch is not None and symbolic else _shape_value(n, extra)
             if v is None:
                 return None
             env[n] = v
             continue
-        args = fx.node.map_aggregate(n.args, load)
-        kwargs = dict(fx.node.map_aggregate(n.kwargs, load))
+        args, kwargs = n.args, n.kwargs
+        if batch is not None and batch[0] is not None:
+            args, kwargs = fx.node.map_aggregate(args, literal), fx.node.map_aggregate(kwargs, literal)
+        args = fx.node.map_aggregate(args, load)
+        kwargs = dict(fx.node.map_aggregate(kwargs, load))
         if "device" in kwargs:  # a model captured on the meta device: the values here
             kwargs["device"] = torch.device("cpu")
         try:
@@ -168,15 +181,26 @@ def _mask_form(mask: fx.Node, q_len: int, kv_len: int) -> Form:
         return Form.TENSOR
     val = mask.meta.get("val")
     numel = _hinted(val.numel()) if isinstance(val, torch.Tensor) else None
-    if numel is None or numel > MAX_ELEMENTS:
+    rows = _hinted(val.shape[0]) if isinstance(val, torch.Tensor) and val.dim() == 4 else None
+    symbolic = _symbolic(nodes)
+    if numel is not None and numel <= MAX_ELEMENTS:
+        # a symbolic batch: the graph is later copied at other sizes, so check two of them
+        trials = [{"extra": e} for e in ((0, 1) if symbolic else (0,))]
+    elif numel is not None and rows is not None and rows > 3 and numel // rows * 3 <= MAX_ELEMENTS:
+        # a large batch (the global batch of many data-parallel ranks): the mask at
+        # batches of 2 and 3, its batch rows being what depends on the batch
+        trials = [{"batch": (None if symbolic else rows, k)} for k in (2, 3)]
+    else:
         log.info("attention mask %s (%s elements) kept as a tensor: too large to check at "
                  "capture; SDPA cannot use a fused kernel on it", mask.name, numel)
         return Form.TENSOR
-    # a symbolic batch: the graph is later copied at other sizes, so check two of them
     forms = set()
-    for extra in ((0, 1) if _symbolic(nodes) else (0,)):
-        value = _evaluate(nodes, extra)
-        forms.add(Form.TENSOR if value is None else _form(value, q_len, kv_len))
+    for trial in trials:
+        value = _evaluate(nodes, **trial)
+        k = trial.get("batch", (None, None))[1]
+        if value is None or (k is not None and (value.dim() != 4 or value.shape[0] != k)):
+            return Form.TENSOR  # the batch did not shrink where expected: do not guess
+        forms.add(_form(value, q_len, kv_len))
     return forms.pop() if len(forms) == 1 else Form.TENSOR
 
 

@@ -156,3 +156,26 @@ def test_a_buffer_mask_is_read_each_call():
     cap = _capture(model, (torch.randn(2, 6, 8),))
     (n,) = _sdpa(cap.gm)
     assert _has_mask(n) and not n.kwargs.get("is_causal", False)
+
+
+def test_a_large_batch_is_checked_at_batches_of_two_and_three(monkeypatch):
+    # the global batch of many data-parallel ranks makes the mask too large to build at
+    # capture; it is built at batches of 2 and 3 instead (here: 4 x 16 x 16 = 1,024
+    # elements against a limit of 800, 3 x 16 x 16 = 768 under it)
+    import autopar.capture.causal_mask as cm
+
+    monkeypatch.setattr(cm, "MAX_ELEMENTS", 800)
+    model, batch = hf_zoo.build("llama")
+    model.eval()
+    cap = _capture(model, (), batch)
+    calls = _sdpa(cap.gm)
+    assert calls and all(n.kwargs.get("is_causal") and not _has_mask(n) for n in calls)
+    torch.testing.assert_close(_run(cap, (), batch)[1], model(**batch).logits, **TOL)
+    ab = capture_any_batch(model, ((), batch), "native")
+    assert all(n.kwargs.get("is_causal") for n in _sdpa(ab.base.gm))
+    # a padding mask is still kept: it reads the input
+    kw = {**batch, "attention_mask": torch.ones_like(batch["input_ids"])}
+    assert all(_has_mask(n) for n in _sdpa(_capture(model, (), kw).gm))
+    # under the limit of 3 rows too: kept as a tensor, with a word in the log
+    monkeypatch.setattr(cm, "MAX_ELEMENTS", 700)
+    assert all(_has_mask(n) for n in _sdpa(_capture(model, (), batch).gm))
