@@ -221,10 +221,10 @@ def _compiles(pm: ParallelModule, asked: bool) -> bool:
     """``compile=`` as given, except for a schedule of stages or micro-batches, which
     runs eagerly (:meth:`ParallelModule.compile`).
 
-    Not the default, even on a GPU where the compiled graph measured 0.86x
+    Not the default, even on a GPU where the compiled graph measured 0.84x
     ``torch.compile`` of the plain model (docs/benchmarks.md, one GPU): the plan's
-    step and memory are priced for the eager graph (the compiled one measured 0.68x
-    its step and 0.73x its peak there), and compiled context, expert and pipeline
+    step and memory are priced for the eager graph (the compiled one measured 0.67x
+    its step and 0.85x its peak there), and compiled context, expert and pipeline
     parallelism are not tested yet."""
     if pm.runner is not None:
         if asked:
