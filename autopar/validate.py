@@ -21,8 +21,10 @@ _PLACEMENT = re.compile(r"(R|P|S\(-?\d+\))")
 
 
 def mesh(value) -> MeshSpec:
-    """A :class:`MeshSpec` from ``mesh=``: a MeshSpec, ``None`` (the world as a 1-D mesh),
-    a shape (``"2x4"``, ``8``, ``(2, 4)``), a preset name, JSON text or a JSON file."""
+    """A :class:`MeshSpec` from ``mesh=``: a MeshSpec, ``None`` (the world as a 1-D mesh,
+    priced as the nearest GPU preset with this GPU's memory (:meth:`MeshSpec.for_device`)
+    where CUDA is available, else as ``cpu-gloo``), a shape (``"2x4"``, ``8``, ``(2, 4)``),
+    a preset name, JSON text or a JSON file."""
     import os
 
     import torch.distributed as dist
