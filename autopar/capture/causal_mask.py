@@ -36,11 +36,13 @@ import enum
 import torch
 from torch import fx
 
+from autopar.capture.ir import arg
 from autopar.log import log
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
-MASK_ARG = 3  # SDPA's positional index of attn_mask (then dropout_p, is_causal)
+MASK_ARG = 3  # SDPA's positional index of attn_mask
+AFTER_QKV = ("attn_mask", "dropout_p", "is_causal")  # SDPA's positional ones, in order
 #: the most mask elements evaluated at capture (2**27 booleans: 128 MiB, a few tenths
 #: of a second on one core); a larger mask is evaluated at batches of 2 and 3
 MAX_ELEMENTS = 2 ** 27
@@ -52,18 +54,6 @@ class Form(enum.Enum):
     CAUSAL = "causal"  # SDPA's is_causal=True
     NONE = "none"  # blocks nothing: no mask
     TENSOR = "tensor"  # anything else, or not known: kept as it is
-
-
-def _mask_of(node: fx.Node) -> object:
-    if len(node.args) > MASK_ARG:
-        return node.args[MASK_ARG]
-    return node.kwargs.get("attn_mask")
-
-
-def _causal_flag(node: fx.Node) -> bool:
-    if len(node.args) > MASK_ARG + 2:
-        return bool(node.args[MASK_ARG + 2])
-    return bool(node.kwargs.get("is_causal", False))
 
 
 def _is_shape_read(n: fx.Node) -> bool:
@@ -221,9 +211,10 @@ def fold_causal_masks(gm: fx.GraphModule) -> int:
     for n in list(g.nodes):
         if n.op != "call_function" or n.target is not SDPA:
             continue
-        mask = _mask_of(n)
+        mask = arg(n, MASK_ARG, "attn_mask")
         q, k = _shape(n.args[0]), _shape(n.args[1])
-        if not isinstance(mask, fx.Node) or _causal_flag(n) or q is None or k is None:
+        causal = bool(arg(n, MASK_ARG + 2, "is_causal", False))
+        if not isinstance(mask, fx.Node) or causal or q is None or k is None:
             continue
         if not all(isinstance(d, int) for d in (q[-2], k[-2])):
             continue
@@ -231,14 +222,12 @@ def fold_causal_masks(gm: fx.GraphModule) -> int:
             verdict[mask] = _mask_form(mask, q[-2], k[-2])
         if verdict[mask] is Form.TENSOR:
             continue
-        args = list(n.args[:MASK_ARG])
-        kwargs = dict(n.kwargs)
+        # the arguments after q, k, v as keywords, less the mask
+        kwargs = {**dict(zip(AFTER_QKV, n.args[MASK_ARG:])), **n.kwargs}
         kwargs.pop("attn_mask", None)
-        if len(n.args) > MASK_ARG + 1:
-            kwargs["dropout_p"] = n.args[MASK_ARG + 1]
         if verdict[mask] is Form.CAUSAL:
             kwargs["is_causal"] = True
-        n.args, n.kwargs = tuple(args), kwargs
+        n.args, n.kwargs = tuple(n.args[:MASK_ARG]), kwargs
         changed += 1
     if changed:
         # the mask's ops now have no users; nothing else in a captured graph is dead

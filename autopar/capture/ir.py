@@ -79,6 +79,13 @@ def info(node: fx.Node) -> NodeInfo:
     return node.meta[META_KEY]
 
 
+def arg(node: fx.Node, idx: int, name: str, default: object = None) -> object:
+    """Argument ``idx`` (or keyword ``name``) of ``node``, or ``default``."""
+    if len(node.args) > idx:
+        return node.args[idx]
+    return node.kwargs.get(name, default)
+
+
 def is_tensor_node(node: object) -> bool:
     """True for a graph node whose value is exactly one tensor."""
     return (

@@ -125,13 +125,6 @@ def _load_families() -> None:
 
 
 # ---------------------------------------------------------------- rule helpers
-def arg(node: fx.Node, idx: int, name: str, default: object = None) -> object:
-    """Argument ``idx`` (or keyword ``name``) of ``node``, or ``default``."""
-    if len(node.args) > idx:
-        return node.args[idx]
-    return node.kwargs.get(name, default)
-
-
 def ndim(x: fx.Node) -> int:
     """Number of dims of a tensor node."""
     return info(x).out.ndim

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from autopar.capture.ir import tensor_inputs
+from autopar.capture.ir import arg, tensor_inputs
 from autopar.plan.decisions import ContextParallel
 from autopar.plan.placement import Placement, Placements, R, Shard, local_shape
-from autopar.sharding.rules import AxisStrategy, OpStrategy, RuleCtx, arg, assign, register, shape
+from autopar.sharding.rules import AxisStrategy, OpStrategy, RuleCtx, assign, register, shape
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default

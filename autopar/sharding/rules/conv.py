@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from autopar.capture.ir import arg
 from autopar.plan.placement import P, R, Shard
-from autopar.sharding.rules import AxisStrategy, RuleCtx, arg, assign, register
+from autopar.sharding.rules import AxisStrategy, RuleCtx, assign, register
 
 aten = torch.ops.aten
 

@@ -13,9 +13,9 @@ import string
 import torch
 from torch import fx
 
-from autopar.capture.ir import info
+from autopar.capture.ir import arg, info
 from autopar.plan.placement import P, Placement, R, Shard
-from autopar.sharding.rules import AxisStrategy, RuleCtx, arg, assign, ndim, register
+from autopar.sharding.rules import AxisStrategy, RuleCtx, assign, ndim, register
 
 aten = torch.ops.aten
 

@@ -17,12 +17,11 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from autopar.capture.ir import info
+from autopar.capture.ir import arg, info
 from autopar.plan.placement import P, Placement, R, Shard, normalize_dim
 from autopar.sharding.rules import (
     AxisStrategy,
     RuleCtx,
-    arg,
     assign,
     ndim,
     pointwise_axis,

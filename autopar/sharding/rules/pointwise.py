@@ -12,9 +12,9 @@ import operator
 import torch
 from torch import fx
 
-from autopar.capture.ir import info, is_tensor_node
+from autopar.capture.ir import arg, info, is_tensor_node
 from autopar.plan.placement import Shard
-from autopar.sharding.rules import AxisStrategy, RuleCtx, arg, pointwise_axis, register
+from autopar.sharding.rules import AxisStrategy, RuleCtx, pointwise_axis, register
 
 aten = torch.ops.aten
 

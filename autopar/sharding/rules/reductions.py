@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from autopar.capture.ir import info
+from autopar.capture.ir import arg, info
 from autopar.plan.placement import P, Shard, normalize_dim
-from autopar.sharding.rules import AxisStrategy, RuleCtx, arg, assign, ndim, register
+from autopar.sharding.rules import AxisStrategy, RuleCtx, assign, ndim, register
 
 aten = torch.ops.aten
 

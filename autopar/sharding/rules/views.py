@@ -13,9 +13,9 @@ import math
 import torch
 from torch import fx
 
-from autopar.capture.ir import info
+from autopar.capture.ir import arg, info
 from autopar.plan.placement import P, R, Shard, normalize_dim
-from autopar.sharding.rules import AxisStrategy, RuleCtx, arg, assign, ndim, register, shape
+from autopar.sharding.rules import AxisStrategy, RuleCtx, assign, ndim, register, shape
 
 aten = torch.ops.aten
 
