@@ -287,9 +287,12 @@ class JointSearch(JointCaptures, JointSpace):
         # fit, recomputation, or nothing fits): pipelines and micro-batches may then be the
         # cheaper way to fit.  ZeRO chosen for speed (ZeRO-3 keeping its layers gathered
         # saves a data-parallel bucket's copies; ZeRO-1 shards the optimizer's update)
-        # is no pressure.
-        pressed = best is None or any(sp.recompute for sp in best[1].stages) or (
-            best[1].config.zero_stage > 0 and not self._fits_plainly(best[0]))
+        # is no pressure, nor is what the user forced (zero_stage=, recompute=): before,
+        # a forced ZeRO looked like pressure, since no plain config was priced to fit,
+        # and sent every small model through every split (a capture and an ILP each)
+        pressed = best is None or (not self.opts.recompute and any(sp.recompute for sp in best[1].stages)) or (
+            self.opts.zero_stage is None and best[1].config.zero_stage > 0
+            and not self._fits_plainly(best[0]))
         if self.opts.explore or (pressed and not forced):
             est = self._shallow is not None or self._start_shallow()
             # breadth first, each stage count's most promising micro-batch count first:

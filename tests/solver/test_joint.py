@@ -259,3 +259,19 @@ def test_interleaved_chunks_keep_their_gradient_buffers():
              virtual_stages=2, zero_stage=0)
     assert p.decisions.virtual_stages == 2 and p.decisions.grad_buckets
     assert p.decisions.grad_buffers_kept
+
+
+@pytest.mark.parametrize("forced", [{"zero_stage": 3}, {"zero_stage": 1}, {"recompute": ["blocks.0"]}])
+def test_what_the_user_forced_is_not_memory_pressure(forced, caplog):
+    """A plan that fits with the user's zero_stage= or recompute= searches no other split:
+    before, a forced ZeRO looked like memory pressure (no plan without it was priced to
+    fit) and a forced recomputation like the search's own, so a model that fits plainly
+    was captured and solved again at every micro-batch count and stage split."""
+    model, ex = _gpt()
+    with caplog.at_level("INFO", logger="autopar"):
+        d = plan(model, ex, MESH, **forced).decisions
+    captures = [r.message for r in caplog.records if r.message.startswith("capturing the model")]
+    assert captures == ["capturing the model at micro-batch size 16"], captures
+    assert (d.pipeline_stages, d.micro_batches) == (1, 1)
+    assert d.zero_stage == forced.get("zero_stage", d.zero_stage)
+    assert d.recompute == forced.get("recompute", d.recompute)
