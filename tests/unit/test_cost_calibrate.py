@@ -8,59 +8,47 @@ import dataclasses
 import importlib
 import json
 import math
-import os
-import socket
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from autopar.cost_models import MeshSpec, calibrate, measure_cluster
 
 WORLD = 2
 
 
-def _free_port() -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def calibrations(_case: dict) -> list[dict[str, str]]:
+    """On each rank of tests/dist/harness.py's 2-rank group: calibrate a 1-D mesh (the
+    preset as base) and a 2x1 one; every rank's results, gathered."""
+    import torch.distributed as dist
 
-
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    """One rank: join the group, calibrate, write the result as JSON."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    base = MeshSpec.preset("cpu-gloo")
+    based = calibrate(sizes=(2**10, 2**18), repeats=2, base=base)
+    # a 2x1 mesh: axis 0 measured over its own groups, axis 1 (one rank) keeps base's
+    # link; with a straggler estimate far too high (4), whose drift must still be
+    # measured beyond the chain's own (mean) compute, never beyond more compute than
+    # the chain ran (the module patched: the package's ``calibrate`` is the function)
+    cal = importlib.import_module("autopar.cost_models.calibrate")
+    measured = cal.straggler
+    cal.straggler = lambda *a, **k: {"straggler": 4.0, "window": 0.05}
     try:
-        base = MeshSpec.preset("cpu-gloo")
-        mesh = calibrate(repeats=3)
-        based = calibrate(sizes=(2**10, 2**18), repeats=2, base=base)
-        Path(out_dir, f"rank{rank}.json").write_text(mesh.to_json())
-        Path(out_dir, f"based{rank}.json").write_text(based.to_json())
-        # a 2x1 mesh: axis 0 measured over its own groups, axis 1 (one rank) keeps base's
-        # link; with a straggler estimate far too high (4), whose drift must still be
-        # measured beyond the chain's own (mean) compute, never beyond more compute than
-        # the chain ran (the module patched: the package's ``calibrate`` is the function)
-        cal = importlib.import_module("autopar.cost_models.calibrate")
-        measured = cal.straggler
-        cal.straggler = lambda *a, **k: {"straggler": 4.0, "window": 0.05}
-        try:
-            record = measure_cluster(sizes=(2**10, 2**16), repeats=2, base=base, shape=(2, 1))
-        finally:
-            cal.straggler = measured
-        Path(out_dir, f"record{rank}.json").write_text(record.to_json())
-        Path(out_dir, f"table{rank}.txt").write_text(record.table())
+        record = measure_cluster(sizes=(2**10, 2**16), repeats=2, base=base, shape=(2, 1))
     finally:
-        dist.destroy_process_group()
+        cal.straggler = measured
+    mine = {"based": based.to_json(), "record": record.to_json(), "table": record.table()}
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return out
 
 
-@pytest.mark.slow  # ~35 s: full calibrations on 2 spawned ranks (the drift alone takes 24 rounds each)
-def test_calibrate_two_ranks_agree(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
-    meshes = [MeshSpec.from_json(tmp_path / f"rank{r}.json") for r in range(WORLD)]
-    assert meshes[0] == meshes[1]
-    m = meshes[0]
+@pytest.mark.slow  # two calibrations on 2 ranks (the drift alone takes 24 rounds each)
+def test_calibrate_two_ranks_agree() -> None:
+    from tests.dist.harness import run_fn_cases
+
+    ranks = run_fn_cases(WORLD, "tests.unit.test_cost_calibrate:calibrations", [{"id": "c"}])["c"]
+    assert not (isinstance(ranks, dict) and "error" in ranks), ranks
+    based = [MeshSpec.from_json(r["based"]) for r in ranks]
+    assert based[0] == based[1]
+    m = based[0]
     assert m.name == "calibrated" and m.shape == (WORLD,) and m.ndim == 1
     (link,) = m.links
     for v in (link.alpha, link.beta, m.peak_flops, m.mem_bandwidth, m.mem_capacity):
@@ -68,20 +56,15 @@ def test_calibrate_two_ranks_agree(tmp_path: Path) -> None:
     # communication beside compute keeps a measured fraction of its speed (2 ranks
     # computing on 2 cores: gloo's threads share them, measured 0.3-0.4 here)
     assert 0 < m.overlap <= 1
-    based = [MeshSpec.from_json(tmp_path / f"based{r}.json") for r in range(WORLD)]
-    assert based[0] == based[1]
     # base supplies what calibrate does not measure; the kernel floor and the optimizer's
     # bytes/s are measured
-    assert based[0].mem_capacity == MeshSpec.preset("cpu-gloo").mem_capacity
+    assert m.mem_capacity == MeshSpec.preset("cpu-gloo").mem_capacity
     assert 0 < m.kernel_floor < 1e-2 and 0 < m.optimizer_bandwidth < math.inf
-    # idle reuse is 1 - (mean rate, every rank busy) / (mean rate, half of them busy),
-    # clamped to [0, 0.95], from the rates the record keeps
-
     # every measured kind but the all-reduce (the link's own numbers) has its own fit
     assert [k for k, _, _ in link.kinds] == ["all_gather", "all_to_all", "reduce_scatter", "send_recv"]
     assert all(0 < a < math.inf and 0 < b < math.inf for _, a, b in link.kinds)
 
-    records = [(tmp_path / f"record{r}.json").read_text() for r in range(WORLD)]
+    records = [r["record"] for r in ranks]
     assert records[0].count('"axis0/') == 5 and '"axis1/' not in records[0]
     spec = MeshSpec.from_json(records[0])  # the record is a MeshSpec JSON
     assert spec == MeshSpec.from_json(records[1]) and spec.shape == (2, 1)
@@ -91,7 +74,7 @@ def test_calibrate_two_ranks_agree(tmp_path: Path) -> None:
     for samples in cal["curves"].values():
         assert [s["nbytes"] for s in samples] == [2**10, 2**16]
         assert all(s["seconds"] > 0 and s["spread"] >= 0 and s["fitted"] > 0 for s in samples)
-    assert "axis0/reduce_scatter" in (tmp_path / "table0.txt").read_text()
+    assert "axis0/reduce_scatter" in ranks[0]["table"]
     # idle reuse is 2 (1 - (mean rate, every rank busy) / (mean rate, half of them busy)),
     # clamped to [0, 0.95], from the rates the record keeps
     r = cal["compute"]["idle_reuse"]
