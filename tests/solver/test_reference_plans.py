@@ -99,10 +99,13 @@ def test_mist_22b_pins() -> None:
     assert pins["*"] == "RR" and pins["input:0"] == "S(0)R" and pins["*fc2.weight"] == "RS(1)"
 
 
-@pytest.mark.slow  # two joint searches at 39B width on 64 V100s: ~30 s
+@pytest.mark.slow  # two joint searches at 39B width on 64 V100s: ~20 s
 def test_ours_no_slower_than_alpa_39b() -> None:
     pub = ps.run_job("Alpa 39B", "published", (16, 4), 120.0)
-    ours = ps.run_job("Alpa 39B", "ours", (16, 4), 120.0)
+    # a 20 s limit (the search explored for ~50 s under 120 s and chose the same plan,
+    # 8 stages x 256 micro-batches, as under 15 or 30 s): beating the published plan
+    # within it is the stronger claim
+    ours = ps.run_job("Alpa 39B", "ours", (16, 4), 20.0)
     for o in (pub, ours):
         assert not o.error, o.error
         # V100 16 GB less the preset's reserve (1.5 GiB + 5%): 13.7 GiB
