@@ -8,20 +8,25 @@ blocks run in order in one directory.  A python block whose first line is ``# to
 plain ``python`` runs them.  Both on processes forked from a server that imported torch
 and autopar once (:mod:`tests.dist.scripts`), each its own interpreter from there on.
 
-Shell blocks run with ``bash -e`` and this interpreter's ``bin`` first on ``PATH``
-(``autopar``, ``torchrun``).  Their environment set-up commands (``python3 -m venv``,
-activating it, the pinned ``pip install`` lines) and the test command itself are what
-``.ci/run`` runs verbatim, which :func:`test_setup_commands_are_what_ci_runs` checks;
-they are taken out of the block, the rest runs.  A shell block that starts a
-multi-rank job (``torchrun``, ``--nproc-per-node``, ``autopar run``) is marked slow.
+Shell blocks run command by command, stopping at the first failure as ``bash -e``
+does, with this interpreter's ``bin`` first on ``PATH`` (``autopar``, ``torchrun``): an
+``autopar`` command, ``python X.py`` or ``torchrun --nproc-per-node N`` of either on
+forked processes too (:func:`forkable`), anything else with ``bash``.  Their
+environment set-up commands (``python3 -m venv``, activating it, the pinned ``pip
+install`` lines) and the test command itself are what ``.ci/run`` runs verbatim, which
+:func:`test_setup_commands_are_what_ci_runs` checks; they are taken out of the block,
+the rest runs.  A shell block that starts a multi-rank job (``torchrun``,
+``--nproc-per-node``, ``autopar run``) is marked slow.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -74,6 +79,51 @@ def _param(where: str, lang: str, code: str):
     return pytest.param(where, lang, code, id=where, marks=marks)
 
 
+_CLI: list[Path] = []
+
+
+def _cli_script() -> Path:
+    """A file that runs the ``autopar`` console script's entry point, named ``autopar``
+    (argparse names the program after it)."""
+    if not _CLI:
+        d = Path(tempfile.mkdtemp(prefix="autopar-cli-"))
+        (d / "autopar").write_text("import sys\nfrom autopar.cli import main\nsys.exit(main())\n")
+        _CLI.append(d / "autopar")
+    return _CLI[0]
+
+
+def forkable(cmd: str, cwd: Path) -> tuple[Path, int | None, tuple[str, ...]] | None:
+    """``(script, nproc, args)`` when shell command ``cmd`` is one plain process of
+    ``autopar`` (not ``autopar run``, which starts torchrun itself) or ``python X.py``, or
+    ``torchrun --nproc-per-node N`` of a script or (``--no-python``) of ``autopar``; it
+    then runs on processes forked from the preloaded server (:mod:`tests.dist.scripts`)
+    as it would from the shell.  Each fresh interpreter cost 5-8 s of CPU importing
+    torch and autopar: 17 in the docs' shell blocks.  ``None``: run it with bash (shell
+    syntax, other programs).  The launchers themselves are tested by
+    tests/dist/test_torchrun.py and the ``autopar run`` blocks."""
+    if any(ch in cmd for ch in "|<>;$`&*?()"):
+        return None
+    argv = shlex.split(cmd)
+    nproc = None
+    if argv[0] == "torchrun":
+        if len(argv) < 4 or argv[1] != "--nproc-per-node" or not argv[2].isdigit():
+            return None
+        nproc, argv = int(argv[2]), argv[3:]
+        if argv[0] == "--no-python":
+            argv = argv[1:]
+            if argv[0] != "autopar":
+                return None
+        elif argv[0].startswith("-"):
+            return None  # another torchrun option: the real launcher
+        else:
+            argv = ["python", *argv]
+    if argv[0] == "python" and len(argv) > 1 and argv[1].endswith(".py"):
+        return cwd / argv[1], nproc, tuple(argv[2:])
+    if argv[0] == "autopar" and argv[1:2] != ["run"]:
+        return _cli_script(), nproc, tuple(argv[1:])
+    return None
+
+
 def _run_block(where: str, lang: str, code: str, cwd: Path) -> None:
     """Run one block in ``cwd`` (its page's directory) and fail with its output."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
@@ -82,9 +132,15 @@ def _run_block(where: str, lang: str, code: str, cwd: Path) -> None:
         cmds = shell_commands(code)
         if not cmds:
             pytest.skip("only set-up commands, which .ci/run runs (test_setup_commands_...)")
-        cmd = ["bash", "-e", "-c", "\n".join(cmds)]
-        p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env, timeout=400)
-        assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+        for c in cmds:  # in order, stopping at the first failure, as bash -e does
+            forked = forkable(c, cwd)
+            if forked is not None:
+                status, out = run_script(forked[0], cwd, env, nproc=forked[1], args=forked[2])
+                assert status == 0, f"$ {c}\n{out[-4000:]}"
+                continue
+            p = subprocess.run(["bash", "-e", "-c", c], cwd=cwd, capture_output=True, text=True,
+                               env=env, timeout=400)
+            assert p.returncode == 0, f"$ {c}\n{(p.stdout + p.stderr)[-4000:]}"
         return
     script = cwd / "block.py"
     script.write_text(code)
@@ -150,3 +206,22 @@ def test_no_block_sets_the_environment() -> None:
     for where, lang, code in blocks():
         if lang == "python":
             assert "os.environ" not in code and "putenv" not in code, where
+
+
+def test_forkable_takes_only_plain_commands(tmp_path: Path) -> None:
+    """What runs forked and what still goes to bash (pipes, variables, other programs,
+    ``autopar run`` and torchrun options beyond the rank count)."""
+    cli = _cli_script()
+    assert forkable("autopar plan x.py:build --mesh 2 --json p.json", tmp_path) == (
+        cli, None, ("plan", "x.py:build", "--mesh", "2", "--json", "p.json"))
+    assert forkable("torchrun --nproc-per-node 2 --no-python autopar calibrate --out m.json",
+                    tmp_path) == (cli, 2, ("calibrate", "--out", "m.json"))
+    assert forkable("torchrun --nproc-per-node 4 examples/gpt.py --mesh 2x2", tmp_path) == (
+        tmp_path / "examples/gpt.py", 4, ("--mesh", "2x2"))
+    assert forkable('autopar launch --setup "source a b" -o j.sbatch', tmp_path)[2] == (
+        "launch", "--setup", "source a b", "-o", "j.sbatch")
+    for cmd in ("autopar run --plan p.json x.py", "autopar plan x | head", "cat job.yaml",
+                "bash -n job.sbatch", "torchrun --nnodes 2 --nproc-per-node 2 x.py",
+                "torchrun --nproc-per-node 2 --no-python echo hi", "autopar plan $X"):
+        assert forkable(cmd, tmp_path) is None, cmd
+    assert cli.name == "autopar" and "from autopar.cli import main" in cli.read_text()
