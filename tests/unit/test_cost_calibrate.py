@@ -19,8 +19,6 @@ WORLD = 2
 def calibrations(_case: dict) -> list[dict[str, str]]:
     """On each rank of tests/dist/harness.py's 2-rank group: calibrate a 1-D mesh (the
     preset as base) and a 2x1 one; every rank's results, gathered."""
-    import torch.distributed as dist
-
     base = MeshSpec.preset("cpu-gloo")
     based = calibrate(sizes=(2**10, 2**18), repeats=2, base=base)
     # a 2x1 mesh: axis 0 measured over its own groups, axis 1 (one rank) keeps base's

@@ -21,6 +21,7 @@ the rest runs.  A shell block that starts a multi-rank job (``torchrun``,
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shlex
@@ -79,17 +80,13 @@ def _param(where: str, lang: str, code: str):
     return pytest.param(where, lang, code, id=where, marks=marks)
 
 
-_CLI: list[Path] = []
-
-
+@functools.cache
 def _cli_script() -> Path:
     """A file that runs the ``autopar`` console script's entry point, named ``autopar``
-    (argparse names the program after it)."""
-    if not _CLI:
-        d = Path(tempfile.mkdtemp(prefix="autopar-cli-"))
-        (d / "autopar").write_text("import sys\nfrom autopar.cli import main\nsys.exit(main())\n")
-        _CLI.append(d / "autopar")
-    return _CLI[0]
+    (argparse names the program after it); made once per process."""
+    script = Path(tempfile.mkdtemp(prefix="autopar-cli-")) / "autopar"
+    script.write_text("import sys\nfrom autopar.cli import main\nsys.exit(main())\n")
+    return script
 
 
 def forkable(cmd: str, cwd: Path) -> tuple[Path, int | None, tuple[str, ...]] | None:

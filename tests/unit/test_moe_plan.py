@@ -4,7 +4,6 @@ picks on its own where the experts dominate (planned on the meta device)."""
 
 from __future__ import annotations
 
-import functools
 import math
 import sys
 import warnings
@@ -93,7 +92,6 @@ BIG = {"layers": 2, "dim": 1024, "heads": 16, "hidden": 4096, "experts": 8, "voc
        "seq": 1024, "batch": 16}
 
 
-@functools.cache
 def big(layers: int) -> tuple[torch.nn.Module, tuple]:
     with torch.device("meta"):
         return moe.build(**{**BIG, "layers": layers})
