@@ -50,14 +50,44 @@ def _lowering_fields(n: fx.Node, s: OpStrategy, mesh: MeshSpec, cm: CostModel,
     return {"lowering": lowering, "own_comm": float(cm.op_time(n, s)[1]) if lowering else 0.0}
 
 
+def _alternatives(n: fx.Node, pb: Problem, index: dict[fx.Node, int],
+                  incident: dict[fx.Node, list[tuple[int, np.ndarray, bool]]],
+                  chosen: dict[fx.Node, int]) -> tuple[float, list[Alternative]]:
+    """Every strategy's price with the neighbours' choices fixed (its own cost plus its
+    edges'), as one vector: the chosen one's (``local``) and the best five others (only
+    they are formatted: the rest is most of the work)."""
+    mine = chosen[n]
+    sec = np.array(pb.problem.node_costs[index[n]], dtype=np.float64)
+    for other, m, is_in in incident[n]:
+        oc = chosen[pb.nodes[other]]
+        sec += m[oc, :] if is_in else m[:, oc]
+    alts = []
+    for j in np.argsort(sec, kind="stable"):
+        if len(alts) == 5 or not math.isfinite(sec[j]):
+            break
+        if j != mine:
+            ins, outs = pb.strategies[n][j].formatted
+            alts.append(Alternative(list(ins), list(outs), float(sec[j])))
+    return float(sec[mine]), alts
+
+
 def assemble(gm: fx.GraphModule, mesh: MeshSpec, pb: Problem, choice: dict[fx.Node, OpStrategy],
-             cm: CostModel, sol, opts: PlanOptions, searcher: str = "ilp") -> Plan:
+             cm: CostModel, sol, opts: PlanOptions, searcher: str = "ilp",
+             chosen: dict[fx.Node, int] | None = None, detail: bool = True) -> Plan:
     """Turn the solver's choice into a Plan with per-node prices and alternatives
-    (``searcher`` names who chose: "ilp" or "drec")."""
+    (``searcher`` names who chose: "ilp" or "drec"; ``chosen``: each choice's index in
+    its node's strategies, when the caller has it).
+
+    ``detail=False`` leaves out what only a plan that is shown or lowered reads: each
+    input's redistribution steps, the alternatives and ``local_seconds``, the op's
+    lowering in words and ``own_comm``.  Prices, placements and memory are the same.
+    The joint search assembles its many candidates so (Megatron 145.6B: ~1,000 plans,
+    ~8% of its search) and :func:`complete` fills in the one it chooses."""
     index = {n: i for i, n in enumerate(pb.nodes)}
-    chosen = {n: pb.strategies[n].index(s) for n, s in choice.items()}
+    if chosen is None:
+        chosen = {n: pb.strategies[n].index(s) for n, s in choice.items()}
     incident: dict[fx.Node, list[tuple[int, np.ndarray, bool]]] = {n: [] for n in pb.nodes}
-    for (u, v, _), (_, _, m) in zip(pb.edge_src, pb.problem.edges):
+    for (u, v, _), (_, _, m) in zip(pb.edge_src, pb.problem.edges) if detail else ():
         incident[v].append((index[u], m, True))
         incident[u].append((index[v], m, False))
     nodes: dict[str, NodePlan] = {}
@@ -71,8 +101,9 @@ def assemble(gm: fx.GraphModule, mesh: MeshSpec, pb: Problem, choice: dict[fx.No
         own = pb.problem.node_costs[index[n]][chosen[n]]
         reds: list[Redistribution] = []
         edge_comm = 0.0
+        ins = tensor_inputs(n)
         if n.op == "call_function" and n.target is not operator.getitem:
-            for i, u in enumerate(tensor_inputs(n)):
+            for i, u in enumerate(ins):
                 if u not in choice:
                     continue
                 src, dst = choice[u].outputs[0], s.inputs[i]
@@ -80,24 +111,11 @@ def assemble(gm: fx.GraphModule, mesh: MeshSpec, pb: Problem, choice: dict[fx.No
                     # the forward alone where no gradient flows back, as searched
                     sec = cm.redistribution(src, dst, info(u).out, dual(u, n))
                     edge_comm += sec
-                    reds.append(Redistribution(u.name, fmt_placements(src), fmt_placements(dst),
-                                               [str(st) for st in plan_redistribution(src, dst, cm.mesh.shape)], sec))
-        # every strategy's price with the neighbours' choices fixed (its own cost plus its
-        # edges'), as one vector; the chosen one's is ``local``, the best five others
-        # are the alternatives (only they are formatted: the rest is most of the work)
-        mine = chosen[n]
-        sec = np.array(pb.problem.node_costs[index[n]], dtype=np.float64)
-        for other, m, is_in in incident[n]:
-            oc = chosen[pb.nodes[other]]
-            sec += m[oc, :] if is_in else m[:, oc]
-        local = float(sec[mine])
-        alts = []
-        for j in np.argsort(sec, kind="stable"):
-            if len(alts) == 5 or not math.isfinite(sec[j]):
-                break
-            if j != mine:
-                ins, outs = pb.strategies[n][j].formatted
-                alts.append(Alternative(list(ins), list(outs), float(sec[j])))
+                    if detail:
+                        reds.append(Redistribution(
+                            u.name, fmt_placements(src), fmt_placements(dst),
+                            [str(st) for st in plan_redistribution(src, dst, cm.mesh.shape)], sec))
+        local, alts = _alternatives(n, pb, index, incident, chosen) if detail else (0.0, [])
         memory = pb.problem.node_memory[index[n]][chosen[n]]
         if kind == "param":
             sync += own
@@ -114,16 +132,16 @@ def assemble(gm: fx.GraphModule, mesh: MeshSpec, pb: Problem, choice: dict[fx.No
         nodes[n.name] = NodePlan(
             name=n.name, op=_op_name(n), kind=kind,
             shape=[list(t.shape) for t in ni.outputs],
-            inputs=[u.name for u in tensor_inputs(n)],
+            inputs=[u.name for u in ins],
             in_placements=list(s.formatted[0]), out_placements=list(s.formatted[1]),
             compute=float(own if kind == "op" else 0.0), comm=float(edge_comm),
             memory=float(memory), param=ni.param, layer=layer_of.get(n, ""),
             flops=float(ni.flops), local_seconds=float(local),
             redistributions=reds, alternatives=alts,
-            **_lowering_fields(n, s, mesh, cm, kind),
+            **(_lowering_fields(n, s, mesh, cm, kind) if detail else {}),
         )
     mem["total"] = sum(mem.values())
-    return Plan(
+    plan = Plan(
         mesh=mesh, nodes=nodes, objective=float(sol.objective), compute_seconds=compute,
         comm_seconds=float(sol.objective) - compute - sync, grad_sync_seconds=sync, memory=mem,
         solver=SolverInfo(searcher=searcher, backend=sol.solver, status=str(sol.status),
@@ -131,6 +149,25 @@ def assemble(gm: fx.GraphModule, mesh: MeshSpec, pb: Problem, choice: dict[fx.No
                           problem_nodes=len(pb.nodes), problem_edges=len(pb.problem.edges)),
         pins={k: (v if isinstance(v, str) else fmt_placements(tuple(v))) for k, v in opts.pins.items()},
     )
+    if not detail:
+        # the same assembly with the details, for complete() (no other field differs)
+        setattr(plan, _DETAILS, lambda: assemble(gm, mesh, pb, choice, cm, sol, opts, searcher,
+                                                 chosen).nodes)
+    return plan
 
 
-__all__ = ["assemble"]
+# the attribute of a plan assembled with detail=False that fills in its nodes' details
+_DETAILS = "_autopar_node_details"
+
+
+def complete(plan: Plan) -> Plan:
+    """``plan`` with the per-node details a ``detail=False`` assembly left out, filled in
+    place (each node's redistribution steps, alternatives, ``local_seconds``, lowering
+    and ``own_comm``); any other plan as it is."""
+    fill = plan.__dict__.pop(_DETAILS, None)
+    if fill is not None:
+        plan.nodes = fill()
+    return plan
+
+
+__all__ = ["assemble", "complete"]

@@ -36,6 +36,7 @@ from autopar.plan.splits import (
     split_mesh,
     split_words,
 )
+from autopar.search.assemble import complete
 from autopar.search.budget import Phase, TimeBudget
 from autopar.search.captures import JointCaptures, request
 from autopar.search.collectives import list_collectives
@@ -113,8 +114,9 @@ class JointSearch(JointCaptures, JointSpace):
                f"{'x'.join(map(str, sub.shape))}")
         intra_opts = dataclasses.replace(self.opts, memory_budget=budget, time_limit=max(1.0, left),
                                          choose_limit=self.opts.time_limit)
+        # without per-node details: only the chosen plan is shown and lowered (_decorate)
         plans = make_weighted_plans(cap.gm, sub, cap.aliases, intra_opts, sync_variants=True,
-                                    weights=weights)
+                                    weights=weights, detail=False)
         self.timings["intra_op"] = self.timings.get("intra_op", 0.0) + time.perf_counter() - t0
         out = []
         if estimate and plans and not steady(layer_stats(cap.gm, plans[0][1])):
@@ -426,7 +428,7 @@ class JointSearch(JointCaptures, JointSpace):
     # ------------------------------------------------------------ the plan
     def _decorate(self, cand: _Candidate, pr: Priced) -> Plan:
         cfg = pr.config
-        plan = cand.plan
+        plan = complete(cand.plan)
         recompute = sorted({k for sp in pr.stages for k in sp.recompute})
         order = {st.key: i for i, st in enumerate(cand.stats)}
         kept = sorted({k for sp in pr.stages for k in sp.kept}, key=order.__getitem__)

@@ -358,11 +358,14 @@ def make_plans(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts: PlanOpti
 
 def make_weighted_plans(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts: PlanOptions,
                         sync_variants: bool = False,
-                        weights: tuple[float, ...] | None = None) -> list[tuple[float, Plan]]:
+                        weights: tuple[float, ...] | None = None,
+                        detail: bool = True) -> list[tuple[float, Plan]]:
     """(sync weight, plan) pairs: the plan as priced (weight 1.0) and, with
     ``sync_variants`` (ILP only), the distinct plans solved with the gradient
     all-reduces charged at :data:`SYNC_WEIGHTS` of their price.  ``weights`` keeps
-    only those (the joint search re-plans one estimate's variant at full depth).
+    only those (the joint search re-plans one estimate's variant at full depth);
+    ``detail=False``: plans without the per-node details only a shown or lowered plan
+    reads (:func:`autopar.search.assemble.complete` fills them in).
 
     The ILP charges each parameter's gradient sync in full, while the joint step model
     (:mod:`autopar.search.stages.dp`) overlaps the buckets with backward and exposes only
@@ -409,17 +412,19 @@ def make_weighted_plans(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts:
             sol.objective = evaluate(pb.problem, sol.choice)[0]  # the true, fully charged price
             sol.message += f"; solved with the gradient all-reduces charged at {w:g} of their price"
         plans.append((w, _finish(gm, mesh, pb, sol, cm, opts, why, t1 - t0,
-                                 time.perf_counter() - t3)))
+                                 time.perf_counter() - t3, detail)))
     return plans
 
 
 def _finish(gm: fx.GraphModule, mesh: MeshSpec, pb: Problem, sol, cm: CostModel, opts: PlanOptions,
-            why: str, price_s: float, solve_s: float) -> Plan:
-    """Assemble one ILP solution into a Plan (finite objective, timings, the searcher's why)."""
+            why: str, price_s: float, solve_s: float, detail: bool = True) -> Plan:
+    """Assemble one ILP solution into a Plan (finite objective, timings, the searcher's
+    why; ``detail``: :func:`autopar.search.assemble.assemble`'s)."""
     if not math.isfinite(sol.objective):
         raise PlanError("the search found no finite-cost plan (contradictory pins?)")
     choice = {n: pb.strategies[n][c] for n, c in zip(pb.nodes, sol.choice)}
-    plan = assemble(gm, mesh, pb, choice, cm, sol, opts)
+    plan = assemble(gm, mesh, pb, choice, cm, sol, opts, chosen=dict(zip(pb.nodes, sol.choice)),
+                    detail=detail)
     if why:
         plan.solver.message += f"; {why}"
     plan.timings.update(enumerate_and_price=price_s, solve=solve_s)
