@@ -50,7 +50,14 @@ from autopar.search.shallow import (
     steady,
 )
 from autopar.search.space import JointSpace, _Candidate
-from autopar.search.stages.dp import Config, Priced, price, stage_link, step_lower_bound
+from autopar.search.stages.dp import (
+    Config,
+    Priced,
+    price,
+    split_lower_bound,
+    stage_link,
+    step_lower_bound,
+)
 from autopar.search.stages.layer_stats import layer_stats
 from autopar.search.why import Context, decisions_why
 
@@ -242,28 +249,30 @@ class JointSearch(JointCaptures, JointSpace):
 
     def _bounded(self, stages: int, micro: int, estimate: bool, axis: int = 0) -> bool:
         """Skip a split before its intra-op search (a capture and an ILP: seconds each on
-        a deep model) when even its compute cannot beat the best plan priced so far: the
-        model's compute floor (:attr:`LayerStat.floor`, the same for every split: FLOPs
-        are linear in the batch) spread over every device, times the pipeline's
-        ``(micro + (stages - 1)(1 - idle_reuse)) / micro`` (the slowest stage runs ``micro``
-        micro-batches and the others fill and drain).  The split is recorded with its bound."""
+        a deep model) when even its compute cannot beat the best plan priced so far: each
+        layer's compute floor (:attr:`LayerStat.floor`, the same for every split: FLOPs
+        are linear in the batch) spread over a stage's devices, in
+        :func:`~autopar.search.stages.dp.split_lower_bound`'s pipeline (the slowest stage
+        runs ``micro`` micro-batches, the others fill and drain at the least share any
+        schedule of the split leaves).  The split is recorded with its bound."""
         best = self._best()
         known = self._with_stats()
         if best is None or known is None:
             return False
-        work = sum(st.floor for st in known.stats) * known.micro_batches
-        # the fill and drain less what ranks sharing cores win back (MeshSpec.idle_reuse),
-        # as pipeline.price charges it
-        fill = (stages - 1) * (1.0 - self.mesh.idle_reuse)
-        lb = work / math.prod(self.mesh.shape) * (micro + fill) / micro
+        # per layer, device-seconds of the whole batch, over a stage's devices, per micro-batch
+        per = known.micro_batches * stages / (math.prod(self.mesh.shape) * micro)
+        floors = [st.floor * per for st in known.stats]
+        lb = split_lower_bound(floors, stages, micro, self.mesh.idle_reuse,
+                               self._schedule_shapes(stages, micro, len(floors)))
         if lb <= best[1].step_seconds * (1.0 + 1e-9):
             return False
         cand = _Candidate(stages, micro, None, None, [], self.mesh, estimate, axis=axis)  # type: ignore[arg-type]
         self.priced.append((cand, Priced(Config(stages, micro, pipeline_axis=axis), [], math.inf,
                                          math.inf, bound=lb)))
-        self._say(f"{split_words(stages, axis, 'stages')}, micro-batches {micro}: not searched, its compute alone takes "
-                  f"at least {lb * 1e3:.3f} ms per step, over the best "
-                  f"{best[1].step_seconds * 1e3:.3f} ms")
+        self._say(f"{split_words(stages, axis, 'stages')}, micro-batches {micro}: not searched, "
+                  + (f"its compute alone takes at least {lb * 1e3:.3f} ms per step, over the best "
+                     f"{best[1].step_seconds * 1e3:.3f} ms" if math.isfinite(lb) else
+                     f"{len(floors)} layers cannot fill {stages} stages (a layer per stage at least)"))
         return True
 
     def run(self) -> tuple[Captured, Plan]:

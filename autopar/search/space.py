@@ -22,7 +22,7 @@ from autopar.plan.schedules import conflict
 from autopar.plan.splits import batch_size, micro_counts, pipeline_splits, split_mesh
 from autopar.search.forced import zero_groups
 from autopar.search.op_placement import PlanOptions
-from autopar.search.stages.dp import Config
+from autopar.search.stages.dp import Config, bubble_share
 from autopar.search.stages.layer_stats import LayerStat
 
 
@@ -196,16 +196,35 @@ class JointSpace:
                                           self.opts.keep_grad_buffers) for o in once)
         return out
 
+    def _schedule_shapes(self, stages: int, micro: int, layers: int) -> list[tuple[float, int]]:
+        """(bubble share, model chunks per rank) of every schedule :meth:`_configs` may
+        price on a split of ``stages`` stages and ``micro`` micro-batches over ``layers``
+        layers (what a bound on all of them must allow for)."""
+        if stages <= 1:
+            return [(1.0, 1)]
+        scheds = [self.opts.schedule] if self.opts.schedule else [
+            Schedule.ONE_F_ONE_B.value, Schedule.ZERO_BUBBLE.value, Schedule.INTERLEAVED.value]
+        out = []
+        for s in scheds:
+            if s == Schedule.INTERLEAVED.value:
+                out += [(1.0 / v, v) for v in self._chunks(stages, micro, layers)]
+            else:
+                out.append((bubble_share(Config(stages, micro, s)), 1))
+        return out
+
     def _virtual(self, cand: _Candidate) -> list[int]:
         """Model chunks per rank the interleaved schedule tries on ``cand``: the forced
         count, else 2 and 4 where each virtual stage still gets a layer; none when the
         micro-batches are not a multiple of the stages (the schedule's groups: other
         counts may be, and a forced count that is not fails in ``check_forced``)."""
-        p = cand.stages
-        if cand.micro_batches % p:
+        return self._chunks(cand.stages, cand.micro_batches, len(cand.stats))
+
+    def _chunks(self, p: int, micro: int, layers: int) -> list[int]:
+        """:meth:`_virtual` of ``p`` stages, ``micro`` micro-batches over ``layers`` layers."""
+        if micro % p:
             return []
         want = [self.opts.virtual_stages] if self.opts.virtual_stages else [2, 4]
-        return [v for v in want if v > 1 and p * v <= len(cand.stats)]
+        return [v for v in want if v > 1 and p * v <= layers]
 
 
 __all__ = ["JointSpace"]

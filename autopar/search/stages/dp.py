@@ -32,7 +32,13 @@ from autopar.search.stages.layer_stats import LayerStat
 # the stage's own price and the terms it adds, importable from here as before
 from autopar.search.stages.price import price_stage as price_stage
 from autopar.search.stages.priced import Config, Priced, StagePrice
-from autopar.search.stages.split_search import layer_classes, split, zero_prices
+from autopar.search.stages.split_search import (
+    balanced_floor,
+    layer_classes,
+    slowest_floor,
+    split,
+    zero_prices,
+)
 from autopar.search.stages.step_terms import ZERO_BUBBLE_SHARE as ZERO_BUBBLE_SHARE
 from autopar.search.stages.step_terms import accumulation_seconds as accumulation_seconds
 from autopar.search.stages.step_terms import bubble_share as bubble_share
@@ -51,25 +57,54 @@ def step_lower_bound(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_l
     the split search's O(stages x layers^2): every split's stage times sum to at least
     the layers' own time plus stage-3 gathers plus, per stage boundary, two messages each
     way of the smallest layer output (``total``); the slowest stage takes at least
-    ``total / p``; the step's tail at least the average stage's ZeRO-1/2 gather and
-    optimizer update; the bubble is what is left of ``total`` less what
-    ``mesh.idle_reuse`` wins back.  Recomputation, idle stages and the memory budget only
-    add."""
+    ``total / p`` and at least the best balance of whole layers
+    (:func:`~autopar.search.stages.split_search.slowest_floor`); the step's tail at least
+    the average stage's ZeRO-1/2 gather and optimizer update; the bubble is what is left
+    of ``total`` less what ``mesh.idle_reuse`` wins back.  Recomputation, idle stages and
+    the memory budget only add."""
     p, m, v = cfg.stages, cfg.micro_batches, cfg.virtual
     if p * v > len(stats):
         return math.inf
     total = tail = 0.0
-    for st, z in zip(stats, zero_prices(stats, layer_classes(stats), cfg, mesh, optimizer)):
+    zps = zero_prices(stats, layer_classes(stats), cfg, mesh, optimizer)
+    for st, z in zip(stats, zps):
         total += st.seconds + z.gather_mb - z.regather  # at best the layer is kept gathered
         tail += z.gather_step + z.opt_step + z.copy_step
     if p > 1:
         total += 4.0 * (p * v - 1) * pipe_link(min(st.out_bytes for st in stats))
     # the step grows with the slowest stage (m >= 1 >= (1 - idle_reuse) x share), so
     # slow = total / p bounds it from below; interleaving divides the fill and drain by
-    # v, zero-bubble leaves a third of it
-    slow = total / p
+    # v, zero-bubble leaves a third of it; whole layers rarely balance, so the slowest
+    # stage (chunk) takes at least slowest_floor
+    slow = max(total / p, slowest_floor(stats, zps, p * v))
     return m * slow + (total - slow) * (1.0 - mesh.idle_reuse) * bubble_share(cfg) + tail / p
 
+
+
+def split_lower_bound(floors: list[float], stages: int, micro: int, idle_reuse: float,
+                      shapes: list[tuple[float, int]]) -> float:
+    """A lower bound on the step of every config of one split (``stages`` stages, ``micro``
+    micro-batches) whatever its placement: ``floors``, per layer, the seconds per
+    micro-batch no placement on a stage's devices goes below (the compute floor);
+    ``shapes``, per schedule the split may run, its :func:`bubble_share` and model chunks
+    per rank.  As :func:`price`'s step, ``micro`` times the slowest rank plus the others'
+    fill and drain at the schedule's share: the slowest rank takes at least the average
+    and, for contiguous stages, the best balance of whole layers
+    (:func:`~autopar.search.stages.split_search.slowest_floor`; an interleaved rank's
+    chunks are not contiguous, only its slowest chunk is bounded so).  The least over
+    ``shapes``: before, the bound charged 1F1B's whole fill to every schedule, which
+    zero-bubble and interleaving shrink."""
+    total = sum(floors)
+    if stages <= 1:
+        return micro * total
+    out = math.inf
+    for share, v in shapes:
+        parts = stages * v
+        if parts > len(floors):
+            continue  # a chunk per layer at least: no such config
+        slow = max(total / stages, balanced_floor(floors, parts))
+        out = min(out, micro * slow + (total - slow) * (1.0 - idle_reuse) * share)
+    return out
 
 
 def price(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget: float,
@@ -142,4 +177,4 @@ def _merge(chunks: list[StagePrice]) -> StagePrice:
 
 __all__ = ["ZERO_BUBBLE_SHARE", "Config", "Priced", "StagePrice", "accumulation_seconds", "bubble_share", "count_exposed",
            "in_flight", "layer_classes", "price", "price_stage", "split_seconds", "stage_buckets",
-           "stage_link", "step_lower_bound", "waiting_w"]
+           "split_lower_bound", "stage_link", "step_lower_bound", "waiting_w"]

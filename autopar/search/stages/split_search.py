@@ -44,6 +44,7 @@ SLACK = 1e-9
 # once built, so they are remembered by identity (autopar.cost_models.memo)
 _CLASSES = IdentityMemo(1024)
 _ZERO_PRICES = IdentityMemo(4096)
+_SLOWEST = IdentityMemo(4096)
 
 
 def layer_classes(stats: list[LayerStat]) -> list[int]:
@@ -106,6 +107,49 @@ def stage_floors(stats: list[LayerStat], zps: list) -> list[float]:
     return [st.seconds + z.gather_mb - z.regather for st, z in zip(stats, zps)]
 
 
+def slowest_floor(stats: list[LayerStat], zps: list, parts: int) -> float:
+    """A lower bound on the slowest stage of any split of ``stats`` into ``parts``
+    stages: the least largest sum of layer floors (:func:`stage_floors`) over the splits
+    into at most ``parts`` ranges.  Whole layers rarely balance: 80 equal layers on 24
+    stages put 4 on some stage, 20% over the average that ``total / parts`` bounds
+    (Megatron 145.6B's deep pipelines were priced in full only to lose by that).
+    Remembered per ``zps`` (:func:`zero_prices`' lists are built once per config)."""
+    return _SLOWEST.get((stats, zps), parts, lambda: balanced_floor(stage_floors(stats, zps), parts))
+
+
+def balanced_floor(floors: list[float], parts: int) -> float:
+    """Just under the least largest sum of any split of ``floors`` into at most ``parts``
+    contiguous ranges (``-inf`` when a floor is negative): bisection on that sum, a
+    greedy count of the ranges it needs (the fewest for nonnegative floors), the
+    infeasible end returned less :data:`SLACK` (the greedy sums in another order than
+    the stages do)."""
+    if not floors or min(floors) < 0.0:
+        return -math.inf  # the greedy count is not the fewest: no bound
+
+    def ranges(x: float) -> int:
+        count, run = 1, 0.0
+        for f in floors:
+            if f > x:
+                return parts + 1
+            if run + f > x:
+                count, run = count + 1, f
+            else:
+                run += f
+        return count
+
+    lo, hi = max(max(floors), sum(floors) / parts), sum(floors)
+    if ranges(lo) > parts:
+        for _ in range(64):  # lo: too small for ``parts`` ranges; hi: enough
+            mid = 0.5 * (lo + hi)
+            if ranges(mid) <= parts:
+                hi = mid
+            else:
+                lo = mid
+            if hi - lo <= 1e-12 * hi:
+                break
+    return lo * (1.0 - SLACK)
+
+
 def _step_floor(stats: list[LayerStat], zps: list, cfg: Config, mesh: MeshSpec, pipe_link,
                 total: float):
     """The least step any split of ``cfg`` whose slowest stage takes ``x`` can have, as a
@@ -115,16 +159,16 @@ def _step_floor(stats: list[LayerStat], zps: list, cfg: Config, mesh: MeshSpec, 
     bubble's coefficient (at most 1, so at most ``M``): the stages sum to at least every
     layer's floor (``total``) plus two messages each way at each boundary, a rank takes
     at least its share of that sum, and the largest tail is at least the average
-    stage's ZeRO-1/2 gathers, optimizer update and copies.  Under the interleaved
-    schedule ``cfg.stages`` counts virtual stages and a rank takes at least its slowest
-    chunk."""
+    stage's ZeRO-1/2 gathers, optimizer update and copies, and the slowest stage at
+    least :func:`slowest_floor`.  Under the interleaved schedule ``cfg.stages`` counts
+    virtual stages and a rank takes at least its slowest chunk."""
     p, v, m = cfg.stages, cfg.virtual, cfg.micro_batches
     ranks = p // v
     if p > 1:
         total += 4.0 * (p - 1) * pipe_link(min(st.out_bytes for st in stats)) * (1.0 - SLACK)
     tail = sum(z.gather_step + z.opt_step + z.copy_step for z in zps) * (1.0 - SLACK) / ranks
     c = (1.0 - mesh.idle_reuse) * bubble_share(cfg) if p > 1 else 0.0
-    share = total / ranks
+    share = max(total / ranks, slowest_floor(stats, zps, p))
 
     def least(x: float) -> float:
         return (m - c) * max(x, share) + c * total + tail
@@ -322,4 +366,4 @@ def _min_split_memory(stats, cfg: Config, stage, fallback: float) -> float:
         return fallback
 
 
-__all__ = ["SLACK", "SplitResult", "layer_classes", "split", "stage_floors", "zero_prices"]
+__all__ = ["SLACK", "SplitResult", "balanced_floor", "layer_classes", "slowest_floor", "split", "stage_floors", "zero_prices"]
