@@ -115,3 +115,16 @@ def test_ours_no_slower_than_alpa_39b() -> None:
     # covers the published split, so it can only be faster (1e-9: summation order)
     assert ours.micro_batches > 32
     assert ours.step_seconds <= pub.step_seconds * (1 + 1e-9), (ours, pub)
+
+
+def test_published_summary_breaks_ties_by_mesh() -> None:
+    """Two meshes planned at the same step: the row names the same one whatever order
+    the workers finished in (Alpa 1.3B plans 38.105 s on 2x2 and on 4)."""
+    from reference_plans import Outcome
+
+    run = ps.RUNS[0]
+    a = Outcome(run.key, "ours", (4,), step_seconds=38.0)
+    b = Outcome(run.key, "ours", (2, 2), step_seconds=38.0)
+    for results in ([a, b], [b, a]):
+        (row,) = ps.summarise(results, [run])
+        assert row["ours"].shape == (2, 2)
