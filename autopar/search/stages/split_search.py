@@ -7,7 +7,7 @@ Two things keep it cheap without changing its answer:
 
 * ranges of equal layers (:func:`layer_classes`) share one stage price, and a stage's
   least memory grows with its range, so the ranges that fit a stage ending at ``j`` are
-  found by bisection (the longer ones are never priced);
+  found from the shortest down (the longer ones are never priced);
 * given the step time of a plan already in hand (``cut``), a partial split is dropped
   before its stage is priced when a bound on every step it can lead to is over the cut
   (:func:`_step_floor`): the step grows with the slowest stage, and the rest of it (the
@@ -173,7 +173,22 @@ def _step_floor(stats: list[LayerStat], zps: list, cfg: Config, mesh: MeshSpec, 
     def least(x: float) -> float:
         return (m - c) * max(x, share) + c * total + tail
 
-    return least
+    return least, m - c, c * total + tail, share
+
+
+def _sure(least, slope: float, base: float, share: float, limit: float) -> tuple[float, float]:
+    """``(lo, hi)``: ``least(x) <= limit`` for every ``x <= lo`` and ``> limit`` for every
+    ``x > hi`` (between them, ask ``least``): the split search asks millions of times,
+    mostly far from the limit, where a comparison answers for the call."""
+    if not math.isfinite(limit):
+        return math.inf, math.inf
+    if slope <= 0.0:
+        return -math.inf, math.inf
+    if least(share) > limit:
+        return -math.inf, -math.inf  # every x is over
+    x = (limit - base) / slope
+    eps = 1e-12 * (abs(x) + (abs(limit) + abs(base)) / slope)  # far over any rounding
+    return x - eps, x + eps
 
 
 def _may_fit(stats: list[LayerStat], zps: list, inflight: list[int], budget: float) -> bool:
@@ -238,13 +253,10 @@ def split(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget
     for f in floors:
         pre.append(pre[-1] + f)
         mag.append(mag[-1] + abs(f))
-    least = _step_floor(stats, zps, cfg, mesh, pipe_link, pre[n] - SLACK * mag[n])
+    least, slope, base, share = _step_floor(stats, zps, cfg, mesh, pipe_link, pre[n] - SLACK * mag[n])
     limit = cut * (1.0 + SLACK)
+    lo, hi = _sure(least, slope, base, share, limit)
     pruned = math.inf  # the least slowest stage among the partial splits dropped
-
-    def floor(i: int, j: int) -> float:
-        # stage [i, j) takes at least this (less the prefix sums' rounding)
-        return pre[j] - pre[i] - SLACK * (mag[j] - mag[i])
 
     def shape_of(i: int, j: int) -> tuple:
         # the range's layers as runs of equal ones, without slicing: the partial first
@@ -276,19 +288,6 @@ def split(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget
         # devices idle: never a pipeline stage of its own
         return p > 1 and sp.parts.get("compute", 0.0) <= 0.0
 
-    # a stage's least memory grows with its range (more parameters, more kept
-    # activations, a later peak), so the ranges that fit a stage ending at j are those
-    # starting at or after some i: found by bisection, the longer ones never priced
-    def first_fit(j: int, s: int) -> int:
-        lo, hi = s, j  # hi: nothing fits
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if stage(mid, j, s).total_memory <= budget:
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
-
     if not _may_fit(stats, zps, inflight, budget):
         return SplitResult(None, _min_split_memory(stats, cfg, stage, math.inf))
     if p == 1:
@@ -319,26 +318,30 @@ def split(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget
             # the states this stage can extend within the cut (a state's slowest stage
             # is within it already; the stage's floor may not be)
             ext = []
+            pj, mj = pre[j], mag[j]
             for i in reach:
                 if i >= j:
                     break
-                low = max(row[i][0], floor(i, j))
-                if least(low) > limit:
+                low = max(row[i][0], pj - pre[i] - SLACK * (mj - mag[i]))  # the stage floor(i, j)
+                if low > lo and (low > hi or least(low) > limit):
                     pruned = min(pruned, low)
                 else:
                     ext.append(i)
-            if not ext:
-                continue  # nothing to extend: the bisection's stage prices are not needed
-            start = first_fit(j, s)
-            for i in ext:
-                if i < start:
-                    continue
+            # a stage's least memory grows with its range (more parameters, more kept
+            # activations, a later peak), so the ranges that fit a stage ending at j are
+            # those starting at or after some i: found from the shortest down, the longer
+            # ones never priced (a bisection over every start, as before, priced ranges
+            # no state within the cut extends: half of Megatron 145.6B's split search)
+            fit = len(ext)
+            while fit and stage(ext[fit - 1], j, s).total_memory <= budget:
+                fit -= 1
+            for i in ext[fit:]:
                 prev = row[i]
                 sp = stage(i, j, s)
                 if idle(sp):
                     continue
                 cand = (max(prev[0], sp.seconds), prev[1] + sp.seconds, prev[2] + [(i, j)])
-                if least(cand[0]) > limit:
+                if cand[0] > lo and (cand[0] > hi or least(cand[0]) > limit):
                     pruned = min(pruned, cand[0])
                     continue
                 if cand[:2] < best[s][j][:2]:
