@@ -203,14 +203,34 @@ def _eliminate_leaf(g: Graph, red: Reduction, v: int) -> None:
     g.remove_node(v)
 
 
+# elements of one block of the (a, b, v) sums below: ~256 KiB, inside a core's cache
+_BLOCK = 1 << 15
+
+
+def _min_over_middle(av: np.ndarray, vb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each (a, b): the ``v`` minimising ``av[a, v] + vb[v, b]`` (the lowest on ties)
+    and that sum.  Summed a block of rows of ``a`` at a time with ``v`` last: the whole
+    (a, v, b) array of a 3-axis mesh's chain (116 x 330 x 330 strategies: 100 MB) cost
+    ~8x as much, reduced across its middle axis out of cache."""
+    ka, (kv, kb) = av.shape[0], vb.shape
+    bv = np.ascontiguousarray(vb.T)
+    best = np.empty((ka, kb), dtype=np.intp)
+    merged = np.empty((ka, kb), dtype=np.result_type(av, vb))
+    step = max(1, _BLOCK // max(1, kv * kb))
+    for r in range(0, ka, step):
+        total = av[r:r + step, None, :] + bv[None, :, :]
+        pick = np.argmin(total, axis=2)
+        best[r:r + step] = pick
+        merged[r:r + step] = np.take_along_axis(total, pick[:, :, None], axis=2)[:, :, 0]
+    return best, merged
+
+
 def _eliminate_chain(g: Graph, red: Reduction, v: int) -> None:
     """Degree-2 node between a and b: replace it by an a-b edge of min-over-v costs."""
     (a, r_va), (b, r_vb) = sorted(g.nbrs[v].items())
-    total = r_va.T[:, :, None] + g.cost[v][None, :, None] + r_vb[None, :, :]
-    best = np.argmin(total, axis=1)  # (k_a, k_b), lowest index on ties
+    best, merged = _min_over_middle(r_va.T + g.cost[v][None, :], r_vb)
     table = np.full((g.orig_k[a], g.orig_k[b]), -1)
     table[np.ix_(g.keep[a], g.keep[b])] = g.keep[v][best]
-    merged = np.take_along_axis(total, best[:, None, :], axis=1)[:, 0, :]
     red.records.append((v, a, b, table))
     g.remove_node(v)
     g.add_edge(a, b, merged)
