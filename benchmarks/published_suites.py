@@ -185,11 +185,12 @@ def summarise(results: list[Outcome], runs: list[Run] | None = None) -> list[dic
         pub = next((o for o in mine if o.kind == "published"), None)
         # in mesh order, not the order the workers finished in: a tie then names the
         # same mesh every run (Alpa 1.3B plans 38.105 s on both 2x2 and 4)
-        ours = best(sorted((o for o in mine if o.kind == "ours"), key=lambda o: o.shape))
+        by_mesh = sorted((o for o in mine if o.kind == "ours"), key=lambda o: o.shape)
+        ours = best(by_mesh)
         budget = MeshSpec.preset(run.preset, shape=run.our_shapes()[-1]).usable_memory / GIB
         ok = pub is not None and not pub.error and math.isfinite(pub.step_seconds)
         row = {"run": run, "published": pub, "ours": ours, "budget_gib": budget,
-               "ours_by_mesh": sorted((o for o in mine if o.kind == "ours"), key=lambda o: o.shape),
+               "ours_by_mesh": by_mesh,
                "errors": [f"{o.kind} {_shape(o.shape)}: {o.error}" for o in mine if o.error],
                "seconds": sum(o.seconds for o in mine)}
         row["speedup"] = pub.step_seconds / ours.step_seconds if ok and ours else None

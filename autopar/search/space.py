@@ -164,15 +164,7 @@ class JointSpace:
             zs = [0, 1, 2, 3]
         params = [(q.replicated, q.bytes) for st in cand.stats for q in st.params]
         axes = zero_groups(tuple(sub.shape), self.opts.zero_axes, params) if any(zs) else []
-        if cand.stages > 1:
-            scheds = [self.opts.schedule] if self.opts.schedule else [
-                Schedule.ONE_F_ONE_B.value, Schedule.GPIPE.value, Schedule.INTERLEAVED.value,
-                Schedule.ZERO_BUBBLE.value]
-            v = self.opts.virtual_stages
-            if v is not None:  # forced chunks decide whether the schedule interleaves
-                scheds = [s for s in scheds if (s == Schedule.INTERLEAVED.value) == (v > 1)]
-        else:
-            scheds = [Schedule.NONE.value]
+        scheds = self._schedules(cand.stages)
         if self.opts.recompute:
             known = {st.key for st in cand.stats}
             bad = sorted(set(self.opts.recompute) - known)
@@ -196,16 +188,27 @@ class JointSpace:
                                           self.opts.keep_grad_buffers) for o in once)
         return out
 
+    def _schedules(self, stages: int) -> list[str]:
+        """The schedules :meth:`_configs` prices on ``stages`` stages: the forced one, else
+        all four, those a forced chunk count rules out left out; none without a pipeline."""
+        if stages <= 1:
+            return [Schedule.NONE.value]
+        scheds = [self.opts.schedule] if self.opts.schedule else [
+            Schedule.ONE_F_ONE_B.value, Schedule.GPIPE.value, Schedule.INTERLEAVED.value,
+            Schedule.ZERO_BUBBLE.value]
+        v = self.opts.virtual_stages
+        if v is not None:  # forced chunks decide whether the schedule interleaves
+            scheds = [s for s in scheds if (s == Schedule.INTERLEAVED.value) == (v > 1)]
+        return scheds
+
     def _schedule_shapes(self, stages: int, micro: int, layers: int) -> list[tuple[float, int]]:
         """(bubble share, model chunks per rank) of every schedule :meth:`_configs` may
         price on a split of ``stages`` stages and ``micro`` micro-batches over ``layers``
         layers (what a bound on all of them must allow for)."""
         if stages <= 1:
             return [(1.0, 1)]
-        scheds = [self.opts.schedule] if self.opts.schedule else [
-            Schedule.ONE_F_ONE_B.value, Schedule.ZERO_BUBBLE.value, Schedule.INTERLEAVED.value]
         out = []
-        for s in scheds:
+        for s in self._schedules(stages):
             if s == Schedule.INTERLEAVED.value:
                 out += [(1.0 / v, v) for v in self._chunks(stages, micro, layers)]
             else:

@@ -151,7 +151,7 @@ def balanced_floor(floors: list[float], parts: int) -> float:
 
 
 def _step_floor(stats: list[LayerStat], zps: list, cfg: Config, mesh: MeshSpec, pipe_link,
-                total: float):
+                total: float, limit: float):
     """The least step any split of ``cfg`` whose slowest stage takes ``x`` can have, as a
     function of ``x`` (nondecreasing, so a partial split whose slowest stage is already
     ``x`` bounds every split it extends).  :func:`autopar.search.stages.dp.price`'s step is
@@ -161,7 +161,12 @@ def _step_floor(stats: list[LayerStat], zps: list, cfg: Config, mesh: MeshSpec, 
     at least its share of that sum, and the largest tail is at least the average
     stage's ZeRO-1/2 gathers, optimizer update and copies, and the slowest stage at
     least :func:`slowest_floor`.  Under the interleaved schedule ``cfg.stages`` counts
-    virtual stages and a rank takes at least its slowest chunk."""
+    virtual stages and a rank takes at least its slowest chunk.
+
+    Returned with ``(lo, hi)``: the function is ``<= limit`` for every ``x <= lo`` and
+    ``> limit`` for every ``x > hi`` (between them, ask it).  The split search asks
+    millions of times, mostly far from the limit, where a comparison answers for the
+    call."""
     p, v, m = cfg.stages, cfg.virtual, cfg.micro_batches
     ranks = p // v
     if p > 1:
@@ -173,22 +178,17 @@ def _step_floor(stats: list[LayerStat], zps: list, cfg: Config, mesh: MeshSpec, 
     def least(x: float) -> float:
         return (m - c) * max(x, share) + c * total + tail
 
-    return least, m - c, c * total + tail, share
+    slope, base = m - c, c * total + tail  # the thresholds' terms; least sums as it did
 
-
-def _sure(least, slope: float, base: float, share: float, limit: float) -> tuple[float, float]:
-    """``(lo, hi)``: ``least(x) <= limit`` for every ``x <= lo`` and ``> limit`` for every
-    ``x > hi`` (between them, ask ``least``): the split search asks millions of times,
-    mostly far from the limit, where a comparison answers for the call."""
     if not math.isfinite(limit):
-        return math.inf, math.inf
+        return least, math.inf, math.inf
     if slope <= 0.0:
-        return -math.inf, math.inf
+        return least, -math.inf, math.inf
     if least(share) > limit:
-        return -math.inf, -math.inf  # every x is over
+        return least, -math.inf, -math.inf  # every x is over
     x = (limit - base) / slope
     eps = 1e-12 * (abs(x) + (abs(limit) + abs(base)) / slope)  # far over any rounding
-    return x - eps, x + eps
+    return least, x - eps, x + eps
 
 
 def _may_fit(stats: list[LayerStat], zps: list, inflight: list[int], budget: float) -> bool:
@@ -253,9 +253,8 @@ def split(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget
     for f in floors:
         pre.append(pre[-1] + f)
         mag.append(mag[-1] + abs(f))
-    least, slope, base, share = _step_floor(stats, zps, cfg, mesh, pipe_link, pre[n] - SLACK * mag[n])
     limit = cut * (1.0 + SLACK)
-    lo, hi = _sure(least, slope, base, share, limit)
+    least, lo, hi = _step_floor(stats, zps, cfg, mesh, pipe_link, pre[n] - SLACK * mag[n], limit)
     pruned = math.inf  # the least slowest stage among the partial splits dropped
 
     def shape_of(i: int, j: int) -> tuple:
