@@ -132,6 +132,18 @@ def flip_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
     return dim_map_strategies(node, x, {d: d for d in range(n) if d not in flipped})
 
 
+@register(aten.roll.default)
+def roll_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
+    """``roll(x, shifts, dims)``: a dim that is not rolled keeps its shard; a rolled one
+    stays whole (elements cross shard boundaries).  No ``dims`` rolls the flattened
+    tensor: every dim stays whole."""
+    x = node.args[0]
+    n = ndim(x)
+    dims = arg(node, 2, "dims", [])
+    rolled = {normalize_dim(d, n) for d in dims} if dims else set(range(n))
+    return dim_map_strategies(node, x, {d: d for d in range(n) if d not in rolled})
+
+
 @register(aten.expand.default)
 def expand_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
     """Dims that keep their size keep their shards; broadcast dims stay whole."""
