@@ -47,7 +47,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reference_plans import GIB, PRECISION, Outcome, best, plan_outcome, run_jobs, tp_pins  # noqa: E402
+from reference_plans import (  # noqa: E402
+    GIB,
+    PRECISION,
+    Outcome,
+    best,
+    longest_first,
+    plan_outcome,
+    run_jobs,
+    tp_pins,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## Published plans of Alpa and Mist (benchmarks/published_suites.py)"
@@ -302,14 +311,26 @@ def main_suites(suites: list[str], workers: int, time_limit: float, write: bool 
     """Plan Alpa's and/or Mist's runs (:mod:`published_suites`), print their rows and,
     with ``write``, write their section (``command``: the line saying how to regenerate
     it); the runs where ours is worse, failed or does not fit."""
-    from plan_time import machine, write_section
-
-    runs = [r for r in RUNS if r.suite.lower() in suites]
-    jobs = [j for r in runs for j in jobs_for(r)]
-    jobs.sort(key=lambda j: (j[1] != "ours", -math.prod(j[2])))  # the long ones first
+    runs, jobs = suite_jobs(suites)
     t0 = time.perf_counter()
     results = run_jobs(run_job, jobs, workers, time_limit, _progress)
-    wall = time.perf_counter() - t0
+    return suite_report(runs, results, time.perf_counter() - t0, workers, write, command)
+
+
+def suite_jobs(suites: list[str]) -> tuple[list[Run], list[tuple]]:
+    """The runs of ``suites`` and their planning jobs, the longest first."""
+    runs = [r for r in RUNS if r.suite.lower() in suites]
+    tasks = sorted(((run_job, j) for r in runs for j in jobs_for(r)), key=longest_first)
+    return runs, [j for _, j in tasks]
+
+
+def suite_report(runs: list[Run], results: list[Outcome], wall: float, workers: int,
+                 write: bool = False, command: str = "") -> list[str]:
+    """Print the rows of ``runs`` from their jobs' ``results`` (``wall``: the seconds
+    they took) and, with ``write``, write their section; the runs where ours is worse,
+    failed or does not fit."""
+    from plan_time import machine, write_section
+
     rows = summarise(results, runs)
     print("\n".join([HEADER, RULE, *(markdown_row(r) for r in rows)]))
     if write:

@@ -314,32 +314,45 @@ def jobs_for(ref: Reference, all_meshes: bool) -> list[tuple[str, str, tuple[int
     return jobs
 
 
+def longest_first(task: tuple) -> tuple:
+    """Sort key of a ``(job function, (model, kind, mesh shape, ...))`` task: free
+    searches before pinned ones, 3-axis meshes, then the most devices: the order their
+    planning times fall in, so a pool of workers ends together."""
+    _, (_, kind, shape, *_) = task
+    return (kind not in ("ours",), -len(shape), -math.prod(shape))
+
+
 def run_all(refs: list[Reference], all_meshes: bool, workers: int, time_limit: float,
             log=print) -> list[Outcome]:
     """Every job of every reference, ``workers`` at a time; slowest-looking first."""
-    jobs = [j for r in refs for j in jobs_for(r, all_meshes)]
-    # 3-axis meshes and free searches take longest: start them first
-    jobs.sort(key=lambda j: (j[1] != "ours", -len(j[2]), -math.prod(j[2])))
-    return run_jobs(run_job, jobs, workers, time_limit, lambda o: log(_progress(o)))
+    tasks = sorted(((run_job, j) for r in refs for j in jobs_for(r, all_meshes)), key=longest_first)
+    return run_tasks(tasks, workers, time_limit, lambda o: log(_progress(o)))
 
 
 def run_jobs(fn, jobs: list[tuple], workers: int, time_limit: float, done) -> list[Outcome]:
-    """``fn(*job, time_limit)`` for every job, ``workers`` at a time in spawned worker
-    processes (in this one when ``workers <= 1``); ``done(outcome)`` as each finishes."""
-    results: list[Outcome] = []
+    """``fn(*job, time_limit)`` for every job: :func:`run_tasks` of one function."""
+    return run_tasks([(fn, j) for j in jobs], workers, time_limit, done)
+
+
+def run_tasks(tasks: list[tuple], workers: int, time_limit: float, done) -> list[Outcome]:
+    """``fn(*job, time_limit)`` for every ``(fn, job)`` task, ``workers`` at a time in
+    spawned worker processes (in this one when ``workers <= 1``), in the tasks' order;
+    ``done(outcome)`` as each finishes.  The outcomes come back in the tasks' order."""
     if workers <= 1:
-        for j in jobs:
+        results = []
+        for fn, j in tasks:
             results.append(fn(*j, time_limit))
             done(results[-1])
         return results
     import multiprocessing as mp
 
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-        futs = [pool.submit(fn, *j, time_limit) for j in jobs]
+        futs = {pool.submit(fn, *j, time_limit): i for i, (fn, j) in enumerate(tasks)}
+        out: list[Outcome | None] = [None] * len(tasks)
         for f in as_completed(futs):
-            results.append(f.result())
-            done(results[-1])
-    return results
+            out[futs[f]] = f.result()
+            done(out[futs[f]])
+    return out  # type: ignore[return-value]
 
 
 def _progress(o: Outcome) -> str:
@@ -473,7 +486,8 @@ def text_table(rows: list[dict]) -> str:
 
 
 
-def section(rows: list[dict], wall: float, workers: int, command: str = "") -> str:
+def section(rows: list[dict], wall: float, workers: int, command: str = "",
+            pooled: bool = False) -> str:
     """The markdown section for ``docs/benchmarks.md`` (``command``: its last line,
     ``plan_time.regenerate``'s)."""
     today = _dt.date.today().isoformat()
@@ -504,7 +518,8 @@ def section(rows: list[dict], wall: float, workers: int, command: str = "") -> s
         "factorisation (first table: the fastest; second: each mesh).",
         "",
         f"Measured {today} on: {machine()}; {workers} worker processes, {wall:.0f} s wall in "
-        "all (planning s = CPU seconds of all planning calls for that model).",
+        + ("all, with the Alpa and Mist suites below in the same pool " if pooled else "all ")
+        + "(planning s = CPU seconds of all planning calls for that model).",
         "",
         HEADER,
         RULE,
@@ -563,29 +578,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--suites", nargs="+", default=["megatron", "alpa", "mist"],
                     choices=["megatron", "alpa", "mist"])
     args = ap.parse_args(argv)
+    import published_suites as ps
+
     bad = []
+    command = regenerate("reference_plans.py", argv)
     others = [s for s in args.suites if s != "megatron"]
-    if others:
-        import published_suites
-
-        bad += published_suites.main_suites(others, args.workers, args.time_limit,
-                                            write=args.write,
-                                            command=regenerate("reference_plans.py", argv))
-    if "megatron" not in args.suites:
-        return 1 if bad else 0
-
-    refs = [BY_NAME[n] for n in args.models]
+    runs, pjobs = ps.suite_jobs(others)
+    refs = [BY_NAME[n] for n in args.models] if "megatron" in args.suites else []
+    # every suite's jobs in one pool, the longest first: run suite after suite, each
+    # suite's last long search ran beside an idle worker
+    tasks = sorted([(ps.run_job, j) for j in pjobs]
+                   + [(run_job, j) for r in refs for j in jobs_for(r, args.all_meshes)],
+                   key=longest_first)
     t0 = time.perf_counter()
-    results = run_all(refs, args.all_meshes, args.workers, args.time_limit,
-                      log=lambda s: print(s, file=sys.stderr, flush=True))
+    outcomes = run_tasks(tasks, args.workers, args.time_limit,
+                         lambda o: print(_progress(o), file=sys.stderr, flush=True))
     wall = time.perf_counter() - t0
+    print(f"{wall:.0f} s wall in all, {args.workers} workers", file=sys.stderr)
+    if others:
+        bad += ps.suite_report(runs, [o for (fn, _), o in zip(tasks, outcomes) if fn is ps.run_job],
+                               wall, args.workers, args.write, command)
+    if not refs:
+        return 1 if bad else 0
+    results = [o for (fn, _), o in zip(tasks, outcomes) if fn is run_job]
     rows = summarise(refs, results)
     print(text_table(rows))
-    print(f"{wall:.0f} s wall, {args.workers} workers", file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     if args.write:
-        write_section(section(rows, wall, args.workers, regenerate("reference_plans.py", argv)))
+        write_section(section(rows, wall, args.workers, command, pooled=bool(others)))
         print("updated docs/benchmarks.md", file=sys.stderr)
     bad += [r["ref"]["name"] for r in rows if r["worse"] or r["megatron"] is None or r["ours"] is None]
     if bad:
