@@ -29,6 +29,24 @@ def _load():
 rp = _load()
 
 
+def _job(name: str, kind: str, shape: tuple, time_limit: float) -> tuple:
+    return (name, kind, shape, time_limit)
+
+
+def test_one_pool_runs_the_longest_first_and_returns_outcomes_in_task_order() -> None:
+    # both suites' jobs go to one pool (reference_plans.main): free searches on 3-axis
+    # meshes first, then the most devices, pinned plans last
+    tasks = [(_job, ("a", "megatron", (192, 8))), (_job, ("b", "ours", (4, 8))),
+             (_job, ("c", "ours", (4, 2, 4))), (_job, ("d", "ours", (192, 8))),
+             (_job, ("e", "published", (2, 2, 4)))]
+    order = [j[0] for _, j in sorted(tasks, key=rp.longest_first)]
+    assert order == ["c", "d", "b", "e", "a"]
+    seen = []
+    out = rp.run_tasks(tasks, 1, 9.0, seen.append)
+    assert [o[0] for o in out] == [j[0] for _, j in tasks] and all(o[3] == 9.0 for o in out)
+    assert seen == out
+
+
 def test_megatron_pins_put_tp_on_the_last_axis() -> None:
     ref = rp.BY_NAME["7.5B"]
     assert ref.megatron_shape() == (16, 2, 4) and ref.dp == 32
