@@ -356,7 +356,8 @@ def run_tasks(tasks: list[tuple], workers: int, time_limit: float, done) -> list
 
 
 def _progress(o: Outcome) -> str:
-    what = f"M={o.micro_batches}" if o.kind == "megatron" else "free"
+    # a published suite's plan (published_suites.py) is pinned too: its count is its own
+    what = "free" if o.kind == "ours" else f"M={o.micro_batches}"
     res = o.error or f"{o.step_seconds:.3f} s/step, {o.memory_gib:.1f} GiB"
     return f"  {o.model:>6} {o.kind:>8} {_shape(o.shape):>8} {what:>6}: {res} ({o.seconds:.1f} s)"
 
@@ -585,8 +586,8 @@ def main(argv: list[str] | None = None) -> int:
     others = [s for s in args.suites if s != "megatron"]
     runs, pjobs = ps.suite_jobs(others)
     refs = [BY_NAME[n] for n in args.models] if "megatron" in args.suites else []
-    # every suite's jobs in one pool, the longest first: run suite after suite, each
-    # suite's last long search ran beside an idle worker
+    # every suite's jobs in one pool, the longest first (run one suite after the other,
+    # each suite's last long search ran beside an idle worker)
     tasks = sorted([(ps.run_job, j) for j in pjobs]
                    + [(run_job, j) for r in refs for j in jobs_for(r, args.all_meshes)],
                    key=longest_first)
