@@ -246,7 +246,8 @@ def markdown_row(row: dict) -> str:
                    f"{row['seconds']:.0f} |")
 
 
-def section(rows: list[dict], wall: float, workers: int, machine: str, command: str = "") -> str:
+def section(rows: list[dict], wall: float, workers: int, machine: str, command: str = "",
+            pooled: bool = False) -> str:
     """The markdown section for ``docs/benchmarks.md`` (``command``: its last line,
     ``plan_time.regenerate``'s)."""
     import datetime as _dt
@@ -275,7 +276,7 @@ def section(rows: list[dict], wall: float, workers: int, machine: str, command: 
         "placements: that can only make the published plan faster under our model. "
         "**Ours** searches the published mesh and (nodes, 8) with nothing forced.", "",
         f"Measured {_dt.date.today().isoformat()} on: {machine}; {workers} worker processes, "
-        f"{wall:.0f} s wall.", "",
+        f"{wall:.0f} s wall" + (" in one pool with the Megatron suite above." if pooled else "."), "",
         HEADER, RULE, *(markdown_row(r) for r in rows), "",
         "Plan columns as in the Megatron table above; GiB = predicted peak per GPU of the "
         "fullest stage; budget = the device less the preset's reserve (1.5 GiB + 5%). "
@@ -325,16 +326,16 @@ def suite_jobs(suites: list[str]) -> tuple[list[Run], list[tuple]]:
 
 
 def suite_report(runs: list[Run], results: list[Outcome], wall: float, workers: int,
-                 write: bool = False, command: str = "") -> list[str]:
+                 write: bool = False, command: str = "", pooled: bool = False) -> list[str]:
     """Print the rows of ``runs`` from their jobs' ``results`` (``wall``: the seconds
-    they took) and, with ``write``, write their section; the runs where ours is worse,
-    failed or does not fit."""
+    they took; ``pooled``: beside the Megatron suite's) and, with ``write``, write their
+    section; the runs where ours is worse, failed or does not fit."""
     from plan_time import machine, write_section
 
     rows = summarise(results, runs)
     print("\n".join([HEADER, RULE, *(markdown_row(r) for r in rows)]))
     if write:
-        write_section(section(rows, wall, workers, machine(), command))
+        write_section(section(rows, wall, workers, machine(), command, pooled))
     return [r["run"].key for r in rows
             if r["worse"] or r["ours"] is None or not r["fits"]
             or (not r["run"].unsupported and (r["published"] is None or r["published"].error))]

@@ -598,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{wall:.0f} s wall in all, {args.workers} workers", file=sys.stderr)
     if others:
         bad += ps.suite_report(runs, [o for (fn, _), o in zip(tasks, outcomes) if fn is ps.run_job],
-                               wall, args.workers, args.write, command)
+                               wall, args.workers, args.write, command, pooled=bool(refs))
     if not refs:
         return 1 if bad else 0
     results = [o for (fn, _), o in zip(tasks, outcomes) if fn is run_job]
