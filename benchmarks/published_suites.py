@@ -321,8 +321,7 @@ def main_suites(suites: list[str], workers: int, time_limit: float, write: bool 
 def suite_jobs(suites: list[str]) -> tuple[list[Run], list[tuple]]:
     """The runs of ``suites`` and their planning jobs, the longest first."""
     runs = [r for r in RUNS if r.suite.lower() in suites]
-    tasks = sorted(((run_job, j) for r in runs for j in jobs_for(r)), key=longest_first)
-    return runs, [j for _, j in tasks]
+    return runs, sorted((j for r in runs for j in jobs_for(r)), key=longest_first)
 
 
 def suite_report(runs: list[Run], results: list[Outcome], wall: float, workers: int,

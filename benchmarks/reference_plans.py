@@ -314,19 +314,12 @@ def jobs_for(ref: Reference, all_meshes: bool) -> list[tuple[str, str, tuple[int
     return jobs
 
 
-def longest_first(task: tuple) -> tuple:
-    """Sort key of a ``(job function, (model, kind, mesh shape, ...))`` task: free
+def longest_first(job: tuple) -> tuple:
+    """Sort key of a ``(model, kind, mesh shape, ...)`` job of either suite: free
     searches before pinned ones, 3-axis meshes, then the most devices: the order their
     planning times fall in, so a pool of workers ends together."""
-    _, (_, kind, shape, *_) = task
-    return (kind not in ("ours",), -len(shape), -math.prod(shape))
-
-
-def run_all(refs: list[Reference], all_meshes: bool, workers: int, time_limit: float,
-            log=print) -> list[Outcome]:
-    """Every job of every reference, ``workers`` at a time; slowest-looking first."""
-    tasks = sorted(((run_job, j) for r in refs for j in jobs_for(r, all_meshes)), key=longest_first)
-    return run_tasks(tasks, workers, time_limit, lambda o: log(_progress(o)))
+    _, kind, shape, *_ = job
+    return (kind != "ours", -len(shape), -math.prod(shape))
 
 
 def run_jobs(fn, jobs: list[tuple], workers: int, time_limit: float, done) -> list[Outcome]:
@@ -590,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
     # each suite's last long search ran beside an idle worker)
     tasks = sorted([(ps.run_job, j) for j in pjobs]
                    + [(run_job, j) for r in refs for j in jobs_for(r, args.all_meshes)],
-                   key=longest_first)
+                   key=lambda task: longest_first(task[1]))
     t0 = time.perf_counter()
     outcomes = run_tasks(tasks, args.workers, args.time_limit,
                          lambda o: print(_progress(o), file=sys.stderr, flush=True))

@@ -39,7 +39,7 @@ def test_one_pool_runs_the_longest_first_and_returns_outcomes_in_task_order() ->
     tasks = [(_job, ("a", "megatron", (192, 8))), (_job, ("b", "ours", (4, 8))),
              (_job, ("c", "ours", (4, 2, 4))), (_job, ("d", "ours", (192, 8))),
              (_job, ("e", "published", (2, 2, 4)))]
-    order = [j[0] for _, j in sorted(tasks, key=rp.longest_first)]
+    order = [j[0] for _, j in sorted(tasks, key=lambda t: rp.longest_first(t[1]))]
     assert order == ["c", "d", "b", "e", "a"]
     seen = []
     out = rp.run_tasks(tasks, 1, 9.0, seen.append)
