@@ -41,7 +41,8 @@ class TensorInfo:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()
+    # (was a meta tensor per call: 2.7% of a deep model's search)
+    return dtype.itemsize
 
 
 @dataclass

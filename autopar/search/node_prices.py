@@ -30,6 +30,7 @@ from autopar.plan.placement import (
     Shard,
     is_partial,
     is_replicate,
+    is_shard,
     local_shape,
     returned_placement,
 )
@@ -192,7 +193,7 @@ class CostModel(EdgePrices):
         ni = info(node)
         div = 1
         for a, n in enumerate(self.mesh.shape):
-            if any(isinstance(p[a], Shard) for p in (*s.inputs, *s.outputs)):
+            if any(is_shard(p[a]) for p in (*s.inputs, *s.outputs)):
                 div *= n
         local_bytes = sum(
             math.prod(local_shape(x.shape, p, self.mesh.shape)) * (x.nbytes / max(x.numel, 1))
