@@ -10,6 +10,7 @@ layers with ZeRO-able parameters, budgets that bind, every schedule."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -105,6 +106,34 @@ def test_a_low_cut_prices_fewer_stages(monkeypatch) -> None:
     calls.clear()
     cut = price(stats, cfg, MESH, LINK, 40 * GIB, "adamw", 0.7 * full.step_seconds)
     assert cut.bound is not None and len(calls) < n_full / 2
+
+
+def test_a_split_over_the_cut_plans_no_buckets(monkeypatch) -> None:
+    """Just under a config's step, the chosen split's step without its buckets is
+    already over the cut: the config comes back bounded and no stage is priced with
+    its buckets (before, every such split had its buckets planned, then lost).  No
+    parameter is replicated, so the buckets expose nothing and that step is the step."""
+    stats = [dataclasses.replace(st, params=[dataclasses.replace(q, replicated=()) for q in st.params])
+             for st in _stats(random.Random(0), 8)]
+    synced: list[bool] = []
+    real = split_search.price_stage
+
+    def counting(*a, **k):
+        synced.append(k.get("sync", True))
+        return real(*a, **k)
+
+    monkeypatch.setattr(split_search, "price_stage", counting)
+    checked = 0
+    for cfg in _configs():
+        full = price(stats, cfg, MESH, LINK, 40 * GIB, "adamw")
+        if not full.feasible:
+            continue
+        synced.clear()
+        got = price(stats, cfg, MESH, LINK, 40 * GIB, "adamw", (1 - 1e-6) * full.step_seconds)
+        assert got.bound is not None and got.bound <= full.step_seconds * (1 + 1e-12)
+        assert not any(synced)
+        checked += 1
+    assert checked > 20
 
 
 def _arrivals_per_parameter(layers, zp, cfg, mesh, buckets=None, kept=False):

@@ -116,7 +116,8 @@ def price(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget
     is within ``cut`` is priced exactly as without it."""
     if cfg.virtual > 1:
         return _price_interleaved(stats, cfg, mesh, pipe_link, budget, optimizer, cut)
-    res = split(stats, cfg, mesh, pipe_link, budget, optimizer, cut)
+    res = split(stats, cfg, mesh, pipe_link, budget, optimizer, cut,
+                step=lambda ranks: _step(ranks, cfg, mesh))
     if res.stages is None:
         return Priced(cfg, [], math.inf, res.min_memory, bound=res.bound)
     return Priced(cfg, res.stages, _step(res.stages, cfg, mesh),
@@ -144,7 +145,7 @@ def _price_interleaved(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe
     A rank's time is at least its slowest chunk's, so ``cut`` prunes chunks as stages."""
     p, v = cfg.stages, cfg.virtual
     res = split(stats, dataclasses.replace(cfg, stages=p * v), mesh, pipe_link, budget / v,
-                optimizer, cut)
+                optimizer, cut, step=lambda chunks: _step([_merge(chunks[r::p]) for r in range(p)], cfg, mesh))
     if res.stages is None:
         return Priced(cfg, [], math.inf, res.min_memory * v, bound=res.bound)
     chunks = res.stages

@@ -24,6 +24,7 @@ Two things keep it cheap without changing its answer:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from autopar.cost_models import MeshSpec
@@ -234,10 +235,15 @@ class SplitResult:
 
 
 def split(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget: float,
-          optimizer: str, cut: float = math.inf) -> SplitResult:
+          optimizer: str, cut: float = math.inf,
+          step: Callable[[list[StagePrice]], float] | None = None) -> SplitResult:
     """The stage split (priced with its buckets) that minimises the slowest stage, then
     the sum, every stage within ``budget`` (see the module docstring); splits whose step
-    must exceed ``cut`` are not searched."""
+    must exceed ``cut`` are not searched.  ``step``: the step of a split's stages (as
+    :func:`autopar.search.stages.dp.price` takes it); the chosen split's step without
+    its gradient buckets, which only add exposed sync to a stage's tail, bounds it, so
+    a split over the cut is bounded before its buckets are planned (planning them was
+    half of pricing an interleaved config that then lost)."""
     n, p = len(stats), cfg.stages
     if p > n:
         return SplitResult(None, math.inf)
@@ -353,6 +359,10 @@ def split(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget
             return SplitResult(None, math.inf, bound=least(pruned))
         # report the smallest per-device memory any split could reach
         return SplitResult(None, _min_split_memory(stats, cfg, stage, min_mem))
+    if step is not None and math.isfinite(limit):
+        bare = step([stage(i, j, s) for s, (i, j) in enumerate(ranges)])
+        if bare > limit:
+            return SplitResult(None, min_mem, bound=bare)
     # priced with their gradient buckets, the stages still fit: price_stage falls back
     # to a bucket per layer where the chosen buckets would not
     return SplitResult([stage(i, j, s, sync=True) for s, (i, j) in enumerate(ranges)], min_mem)
