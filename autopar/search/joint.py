@@ -54,7 +54,6 @@ from autopar.search.stages.dp import (
     Config,
     Priced,
     price,
-    split_lower_bound,
     stage_link,
     step_lower_bound,
 )
@@ -251,28 +250,23 @@ class JointSearch(JointCaptures, JointSpace):
         """Skip a split before its intra-op search (a capture and an ILP: seconds each on
         a deep model) when even its compute cannot beat the best plan priced so far: each
         layer's compute floor (:attr:`LayerStat.floor`, the same for every split: FLOPs
-        are linear in the batch) spread over a stage's devices, in
+        are linear in the batch) spread over a stage's devices, or more where its ops'
+        launches and weight reads say so (:func:`~autopar.search.stages.layer_stats.kernel_floor`), in
         :func:`~autopar.search.stages.dp.split_lower_bound`'s pipeline (the slowest stage
         runs ``micro`` micro-batches, the others fill and drain at the least share any
         schedule of the split leaves).  The split is recorded with its bound."""
         best = self._best()
-        known = self._with_stats()
-        if best is None or known is None:
-            return False
-        # per layer, device-seconds of the whole batch, over a stage's devices, per micro-batch
-        per = known.micro_batches * stages / (math.prod(self.mesh.shape) * micro)
-        floors = [st.floor * per for st in known.stats]
-        lb = split_lower_bound(floors, stages, micro, self.mesh.idle_reuse,
-                               self._schedule_shapes(stages, micro, len(floors)))
-        if lb <= best[1].step_seconds * (1.0 + 1e-9):
+        lb = self._split_floor(stages, micro)
+        if best is None or lb is None or lb <= best[1].step_seconds * (1.0 + 1e-9):
             return False
         cand = _Candidate(stages, micro, None, None, [], self.mesh, estimate, axis=axis)  # type: ignore[arg-type]
         self.priced.append((cand, Priced(Config(stages, micro, pipeline_axis=axis), [], math.inf,
                                          math.inf, bound=lb)))
         self._say(f"{split_words(stages, axis, 'stages')}, micro-batches {micro}: not searched, "
-                  + (f"its compute alone takes at least {lb * 1e3:.3f} ms per step, over the best "
+                  + (f"its compute and kernel launches alone take at least {lb * 1e3:.3f} ms per step, over the best "
                      f"{best[1].step_seconds * 1e3:.3f} ms" if math.isfinite(lb) else
-                     f"{len(floors)} layers cannot fill {stages} stages (a layer per stage at least)"))
+                     f"{len(self._with_stats().stats)} layers cannot fill {stages} stages "
+                     "(a layer per stage at least)"))
         return True
 
     def run(self) -> tuple[Captured, Plan]:

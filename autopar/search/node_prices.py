@@ -115,6 +115,28 @@ def compute_floor(node: fx.Node, mesh: MeshSpec, backward_factor: float = 2.0) -
     return flops / (mesh.peak_for(op_dtype(node)) * mesh.flops_efficiency) * (1.0 + backward_factor)
 
 
+def kernel_terms(node: fx.Node, mesh: MeshSpec, backward_factor: float = 2.0
+                 ) -> tuple[float, list[float]] | None:
+    """What :meth:`CostModel.op_time` prices ``node`` from, on one device with whole
+    tensors: (its FLOPs at the dtype's peak times ``flops_efficiency``, in seconds, and
+    the bytes of each tensor input, then of its outputs), forward + backward; ``None``
+    when the op launches no kernel (views, no-op casts, nothing to compute or move).  A
+    placement over ``d`` devices divides each at most by ``d`` and
+    :func:`~autopar.cost_models.compute_time` takes the max of the two and the launch
+    floor, so the sum of those maxima over a layer bounds its time below
+    (:func:`autopar.search.stages.layer_stats.kernel_floor`)."""
+    if node.op != "call_function" or node.target in VIEW_OPS or node.target is operator.getitem \
+            or is_noop_cast(node):
+        return None
+    ni = info(node)
+    sizes = [float(info(u).out.nbytes) for u in tensor_inputs(node)] + [float(o.nbytes) for o in ni.outputs]
+    if not ni.flops and not any(sizes):
+        return None
+    scale = 1.0 + backward_factor
+    flops = ni.flops / (mesh.peak_for(op_dtype(node)) * mesh.flops_efficiency) * scale if ni.flops else 0.0
+    return flops, [b * scale / mesh.mem_bandwidth for b in sizes]
+
+
 def precision_warning(gm, mesh: MeshSpec, precision: str) -> str | None:
     """A warning when the model runs most of its FLOPs in fp32 (``precision="native"``
     on an fp32 model) on a mesh whose peak is for another dtype (GPU presets: bf16

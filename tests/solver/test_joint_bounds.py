@@ -117,3 +117,13 @@ def test_split_bound_never_exceeds_a_priced_config(monkeypatch) -> None:
     for c, p in priced:
         lb = work / MESH.size * (c.stages + c.micro_batches - 1) / c.micro_batches
         assert lb <= p.step_seconds * (1 + 1e-12), (c.stages, c.micro_batches)
+    # the bound the search skips splits by: below every config priced for the split,
+    # and above the compute floor alone where many micro-batches of small ops launch
+    # more kernels than they compute (could be false: launches this model's ops do not pay)
+    above = 0
+    for c, p in priced:
+        lb = js._split_floor(c.stages, c.micro_batches)
+        assert lb <= p.step_seconds * (1 + 1e-12), (c.stages, c.micro_batches)
+        flops = work / MESH.size * (c.stages + c.micro_batches - 1) / c.micro_batches
+        above += lb > 1.5 * flops
+    assert above > len(priced) // 2

@@ -83,11 +83,11 @@ def test_an_estimate_prices_what_the_full_depth_plan_prices(split: tuple[int, in
     js._try(1, 1, math.inf, strict=True)
     assert js._start_shallow(), "GPT's blocks after the first are alike"
     n = len(js.priced)
-    js._try(*split, math.inf, estimate=True)
+    js._try(*split, math.inf, estimate=True, force=True)  # priced, not bounded
     est = {p.config: p.step_seconds for c, p in js.priced[n:]}
     assert all(c.estimate and c.cap.gm is not js.captures[(16, False)].gm for c, _ in js.priced[n:])
     n = len(js.priced)
-    js._try(*split, math.inf)
+    js._try(*split, math.inf, force=True)
     exact = {p.config: p.step_seconds for c, p in js.priced[n:]}
     assert est.keys() == exact.keys()
     for cfg, s in exact.items():

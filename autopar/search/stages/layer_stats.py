@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from autopar.capture.ir import info
+from autopar.capture.ir import info, tensor_inputs
 from autopar.cost_models import (
     MeshSpec,
     all_gather_time,
@@ -37,7 +37,7 @@ from autopar.cost_models import (
 from autopar.plan.data import Plan
 from autopar.plan.decisions import zero_axes
 from autopar.plan.placement import is_replicate, local_shape, parse_placements
-from autopar.search.node_prices import compute_floor
+from autopar.search.node_prices import compute_floor, kernel_terms
 from autopar.sharding.rules.losses import count_axes
 
 
@@ -68,6 +68,11 @@ class LayerStat:
     floor: float = 0.0
     """Device-seconds of forward + backward compute no placement goes below
     (:func:`autopar.search.node_prices.compute_floor` summed over the layer's ops)."""
+    kernels: tuple[tuple[float, float, float], ...] = ()
+    """Per op that launches a kernel, forward + backward on one device with whole tensors
+    (:func:`autopar.search.node_prices.kernel_terms`): its compute-bound seconds, and the
+    memory-bound seconds of what it reads from the weights (the same at any micro-batch
+    size) and of the rest (at most proportional to it): :func:`kernel_floor`."""
     weight_grad_inputs: float = 0.0
     """Bytes of the outputs of ops that read a weight (through views and casts): the
     gradients a split backward keeps from ``B`` to ``W`` (the zero-bubble schedule)."""
@@ -134,6 +139,7 @@ def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) ->
                     st.behind += all_reduce_time(mesh, count, 8.0)  # int64 count
     # ops reading a weight, through single-input views and casts of it
     from_weight: set[fx.Node] = set()
+    kernels: dict[str, list[tuple[float, float, float]]] = {}
     for n in layer_of:
         np_ = plan.nodes[n.name]
         ins = n.all_input_nodes
@@ -142,6 +148,16 @@ def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) ->
         elif np_.kind == "op" and any(a in from_weight for a in ins) and info(n).outputs \
                 and not info(n).tuple_output:
             stats[layer_of[n]].weight_grad_inputs += _local_bytes(n, np_.out_placements[0], mesh)
+        terms = kernel_terms(n, mesh, backward_factor) if np_.kind == "op" else None
+        if terms is not None:
+            flops, sizes = terms
+            if n in from_weight:  # a cast or view of a weight: all of it is the weight's
+                weight = sum(sizes)
+            else:
+                weight = sum(b for u, b in zip(tensor_inputs(n), sizes) if u in from_weight)
+            kernels.setdefault(layer_of[n], []).append((flops, weight, sum(sizes) - weight))
+    for key, ks in kernels.items():
+        stats[key].kernels = tuple(ks)
     # bytes leaving each layer: values used by a later layer (each value once)
     for n, key in layer_of.items():
         if n.op in ("placeholder", "get_attr") or n.target is operator.getitem:
@@ -153,6 +169,30 @@ def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) ->
     keys = [k for k in order if k == "pre"] + [k for k in order if k not in ("pre", "post")] + \
         [k for k in order if k == "post"]
     return [stats[k] for k in keys]
+
+
+def kernel_floor(stats: list[LayerStat], mesh: MeshSpec, devices: int, flop_scale: float,
+                 act_scale: float, backward_factor: float = 2.0) -> list[float]:
+    """Per layer, seconds per micro-batch no placement on ``devices`` devices goes below,
+    the layers captured at another micro-batch size: FLOPs scaled by ``flop_scale``
+    (linear in the batch), bytes not read from a weight by ``act_scale`` (at most
+    that: some tensors have no batch dim), weight bytes as they are.  Each op takes
+    the largest of its compute-bound time, its memory-bound time (each at most divided
+    by ``devices``) and the launch floor, as :func:`~autopar.cost_models.compute_time`
+    prices it (times the straggler), so many micro-batches of small ops cost at least
+    their launches.  Layers sharing their op list (blocks extrapolated from one) are
+    summed once."""
+    launch = mesh.kernel_floor * (1.0 + backward_factor)
+    seen: dict[int, float] = {}
+    out = []
+    for st in stats:
+        t = seen.get(id(st.kernels))
+        if t is None:
+            t = mesh.straggler * sum(max(f * flop_scale / devices, (w + a * act_scale) / devices, launch)
+                                     for f, w, a in st.kernels)
+            seen[id(st.kernels)] = t
+        out.append(t)
+    return out
 
 
 @dataclass(frozen=True)
