@@ -74,7 +74,7 @@ def build_problem(gm: fx.GraphModule, mesh: MeshSpec, strategies: dict[fx.Node, 
     costs, mems = [], []
     priced: dict[fx.Node, tuple[np.ndarray, np.ndarray]] = {}
     matrices: dict[tuple[fx.Node, fx.Node, int], np.ndarray] = {}
-    tables: dict = {}
+    tables = cm.matrix_tables()
     for n in nodes:
         if share.get(n) in priced:
             c, m = priced[share[n]]
