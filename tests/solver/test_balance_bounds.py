@@ -54,6 +54,16 @@ def test_balanced_floor_is_the_best_balance_from_below() -> None:
             # of it (could be false: a bound of the average alone is up to 2x under)
             assert got <= exact
             assert got >= exact * (1 - 1e-8) - 1e-12, (floors, parts, got, exact)
+    # stacks of identical layers between a first and a last one (the greedy packs a
+    # run of equal floors at once): the same guarantees
+    for _ in range(60):
+        k = rng.randint(1, 30)
+        floors = [rng.uniform(0.0, 3.0)] + [rng.choice([0.1, 1.0 / 3, rng.uniform(0.0, 1.0)])] * k \
+            + [rng.uniform(0.0, 3.0)]
+        for parts in range(1, len(floors) + 1):
+            exact = _least_largest(floors, parts)
+            got = balanced_floor(floors, parts)
+            assert exact * (1 - 1e-8) - 1e-12 <= got <= exact, (floors, parts, got, exact)
     # 80 equal layers on 24 stages: some stage holds 4 (the average is 3.33)
     assert math.isclose(balanced_floor([1.0] * 80, 24), 4.0, rel_tol=1e-8)
     assert balanced_floor([1.0, -0.5], 2) == -math.inf  # no bound from negative floors

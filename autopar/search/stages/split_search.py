@@ -126,16 +126,35 @@ def balanced_floor(floors: list[float], parts: int) -> float:
     the stages do)."""
     if not floors or min(floors) < 0.0:
         return -math.inf  # the greedy count is not the fewest: no bound
+    # runs of equal floors (a stack of identical layers is one run): the greedy packs a
+    # run's layers into a range at once, O(runs + ranges) per count instead of O(layers)
+    # (the bisection counts ~40 times per call, and the search calls it per config)
+    runs: list[list] = []
+    for f in floors:
+        if runs and runs[-1][0] == f:
+            runs[-1][1] += 1
+        else:
+            runs.append([f, 1])
 
     def ranges(x: float) -> int:
         count, run = 1, 0.0
-        for f in floors:
+        for f, c in runs:
             if f > x:
                 return parts + 1
-            if run + f > x:
-                count, run = count + 1, f
-            else:
-                run += f
+            if f <= 0.0:
+                continue  # nothing to add
+            # as many as fit on top of the open range, then whole ranges of ``m`` each
+            # and the rest in a new one (products round unlike the sums, by far less
+            # than SLACK)
+            k = min(c, max(1, int((x - run) / f))) if run + f <= x else 0
+            run, c = run + k * f, c - k
+            if c:
+                m = max(1, int(x / f))
+                full, rest = divmod(c, m)
+                count += full + (rest > 0)
+                run = (rest or m) * f
+                if count > parts:
+                    return count
         return count
 
     lo, hi = max(max(floors), sum(floors) / parts), sum(floors)
@@ -283,9 +302,9 @@ def split(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget
                                      sync=sync, views=views[i:j])
         return cache[key]
 
-    # best[s][j]: (slowest stage, sum, split as (start, end) ranges) covering layers
+    # best[s][j]: (slowest stage, sum, where the last stage starts) covering layers
     # [0, j) with s + 1 stages; the split's gradient buckets are priced once at the end
-    inf = (math.inf, math.inf, [])
+    inf = (math.inf, math.inf, -1)
     best = [[inf] * (n + 1) for _ in range(p)]
 
     def idle(sp: StagePrice) -> bool:
@@ -313,7 +332,7 @@ def split(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget
         if least(sp.seconds) > limit:
             pruned = min(pruned, sp.seconds)
             continue
-        best[0][j] = (sp.seconds, sp.seconds, [(0, j)])
+        best[0][j] = (sp.seconds, sp.seconds, 0)
     for s in range(1, p):
         row = best[s - 1]
         reach = [i for i in range(s, n + 1) if math.isfinite(row[i][0])]
@@ -345,13 +364,19 @@ def split(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget
                 sp = stage(i, j, s)
                 if idle(sp):
                     continue
-                cand = (max(prev[0], sp.seconds), prev[1] + sp.seconds, prev[2] + [(i, j)])
+                cand = (max(prev[0], sp.seconds), prev[1] + sp.seconds, i)
                 if cand[0] > lo and (cand[0] > hi or least(cand[0]) > limit):
                     pruned = min(pruned, cand[0])
                     continue
                 if cand[:2] < best[s][j][:2]:
                     best[s][j] = cand
-    slow, total, ranges = best[p - 1][n]
+    slow, total, _ = best[p - 1][n]
+    ranges, j = [], n
+    for s in range(p - 1, -1, -1) if math.isfinite(slow) else ():
+        i = best[s][j][2]
+        ranges.append((i, j))
+        j = i
+    ranges.reverse()
     min_mem = min((sp.total_memory for sp in cache.values()), default=math.inf)
     if not math.isfinite(slow):
         if math.isfinite(pruned):
