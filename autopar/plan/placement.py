@@ -91,13 +91,23 @@ def shard_factor(placements: Placements, mesh_shape: Sequence[int], dim: int) ->
 
 def valid_for_shape(placements: Placements, shape: Sequence[int], mesh_shape: Sequence[int]) -> bool:
     """True when every sharded dim exists and is divided evenly by its mesh axes."""
-    factors: dict[int, int] = {}
+    factors: dict[int, int] | None = None
     for p, n in zip(placements, mesh_shape):
-        if _kind(p) is Shard:
-            if not 0 <= p.dim < len(shape):
+        k = _KINDS.get(type(p)) or _kind(p)  # (inlined: the search calls this ~2M times)
+        if k is Shard:
+            d = p.dim
+            if not 0 <= d < len(shape):
                 return False
-            factors[p.dim] = factors.get(p.dim, 1) * n
-    return all(shape[d] % f == 0 for d, f in factors.items())
+            if factors is None:
+                factors = {d: n}
+            else:
+                factors[d] = factors.get(d, 1) * n
+    if factors is None:
+        return True
+    for d, f in factors.items():
+        if shape[d] % f:
+            return False
+    return True
 
 
 def local_shape(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int]) -> tuple[int, ...]:
