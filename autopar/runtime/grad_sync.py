@@ -74,6 +74,23 @@ def fill_buckets(items: Iterable[T], nbytes: Callable[[T], int], cap: int = BUCK
     return out
 
 
+def fill_sums(sizes: Iterable[float], cap: int = BUCKET_BYTES) -> list[float]:
+    """The bytes of each bucket :func:`fill_buckets` cuts ``sizes`` into (summed in the
+    same order), without building the buckets: the split search asks for them for
+    every stage range it prices."""
+    out: list[float] = []
+    size, n = 0, 0
+    for x in sizes:
+        size += x
+        n += 1
+        if size >= cap:
+            out.append(size)
+            size, n = 0, 0
+    if n:
+        out.append(size)
+    return out
+
+
 def runs_by_axes(items: Iterable[T], axes_of: Callable[[T], tuple[int, ...]]) -> list[tuple[tuple[int, ...], list[T]]]:
     """``items`` grouped by their (non-empty) ``axes_of``, the groups in order of first
     appearance and the items in order within each: a planned bucket mixing axes is split

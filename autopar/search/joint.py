@@ -74,6 +74,7 @@ class JointSearch(JointCaptures, JointSpace):
         self.captures: dict[tuple[int, bool], Captured] = {}
         self._generic: AnyBatch | bool | None = None  # the shallow copy's any-batch capture
         self.priced: list[tuple[_Candidate, Priced]] = []
+        self._config_lists: dict[tuple, list[Config]] = {}  # _configs' lists by what they depend on
         # _best's answer so far, per ``exact``: (the list it read, how much of it, best, its key)
         self._best_seen: dict[bool, tuple[list, int, tuple | None, tuple | None]] = {}
         # (the model with its layer list cut to KEEP, the list's depth and path) while

@@ -49,6 +49,7 @@ class JointSpace:
     _call: tuple
     captures: dict
     priced: list
+    _config_lists: dict
 
     def _say(self, msg: str) -> None:  # JointSearch reports progress
         raise NotImplementedError
@@ -171,6 +172,14 @@ class JointSpace:
             if bad:
                 raise PlanError(f"recompute names unknown layer(s) {bad}; the model's layers are "
                                 f"{[st.key for st in cand.stats]}")
+        virtual = self._virtual(cand)
+        # the same list for every plan of a split whose parameters group alike (its
+        # ~150 configs were built ~1,000 times in Megatron 145.6B's search)
+        key = (cand.stages, cand.micro_batches, cand.axis, tuple(zs), tuple(axes),
+               tuple(scheds), tuple(virtual))
+        known_configs = self._config_lists.get(key)
+        if known_configs is not None:
+            return known_configs
         out = []
         for z in zs:
             # ZeRO needs a sub-mesh axis to shard over: no config when there is none
@@ -181,11 +190,12 @@ class JointSpace:
                     # ZeRO-3 under plain accumulation: reduce-scatter in every
                     # micro-batch, or once a step from whole gradients (more memory)
                     once = [False, True] if z == 3 and cand.micro_batches > 1 and cand.stages == 1 else [False]
-                    for v in (self._virtual(cand) if s == Schedule.INTERLEAVED.value else [1]):
+                    for v in (virtual if s == Schedule.INTERLEAVED.value else [1]):
                         out.extend(Config(cand.stages, cand.micro_batches, s, z, a,
                                           self.opts.recompute, self.opts.bucket_bytes, v,
                                           cand.axis, self.opts.reshard_after_forward, o,
                                           self.opts.keep_grad_buffers) for o in once)
+        self._config_lists[key] = out
         return out
 
     def _schedules(self, stages: int) -> list[str]:

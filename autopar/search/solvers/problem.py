@@ -72,8 +72,12 @@ class StrategyProblem:
             )
         if self.names is not None and len(self.names) != n:
             raise ValueError(f"names has {len(self.names)} entries for {n} nodes")
-        for i, (cost, mem) in enumerate(zip(self.node_costs, self.node_memory)):
-            cost, mem = np.asarray(cost), np.asarray(mem)
+        # shapes entry by entry, values all at once (numpy per entry was most of the
+        # check, and the joint search solves ~1,000 problems); the first offending entry
+        # is named either way
+        costs = [np.asarray(c) for c in self.node_costs]
+        mems = [np.asarray(m) for m in self.node_memory]
+        for i, (cost, mem) in enumerate(zip(costs, mems)):
             if cost.ndim != 1 or cost.size == 0:
                 raise ValueError(
                     f"{self.name(i)}: node_costs must be a non-empty 1-D array, got shape {cost.shape}"
@@ -82,10 +86,13 @@ class StrategyProblem:
                 raise ValueError(
                     f"{self.name(i)}: node_memory shape {mem.shape} != node_costs shape {cost.shape}"
                 )
-            if not np.all(np.isfinite(cost)):
-                raise ValueError(f"{self.name(i)}: node_costs must be finite, got {cost}")
-            if not np.all(np.isfinite(mem)):
-                raise ValueError(f"{self.name(i)}: node_memory must be finite, got {mem}")
+        if n and not np.isfinite(np.concatenate(costs + mems)).all():
+            for i, (cost, mem) in enumerate(zip(costs, mems)):
+                if not np.all(np.isfinite(cost)):
+                    raise ValueError(f"{self.name(i)}: node_costs must be finite, got {cost}")
+                if not np.all(np.isfinite(mem)):
+                    raise ValueError(f"{self.name(i)}: node_memory must be finite, got {mem}")
+        mats = []
         for idx, edge in enumerate(self.edges):
             if len(edge) != 3:
                 raise ValueError(f"edge {idx}: expected (u, v, R), got {len(edge)} items")
@@ -97,17 +104,23 @@ class StrategyProblem:
                 # into the node cost rather than have every backend special-case it.
                 raise ValueError(f"edge {idx}: self-loop on {self.name(u)}")
             mat = np.asarray(mat)
-            want = (len(self.node_costs[u]), len(self.node_costs[v]))
+            want = (len(costs[u]), len(costs[v]))
             if mat.shape != want:
                 raise ValueError(
                     f"edge {idx} ({self.name(u)} -> {self.name(v)}): R has shape {mat.shape}, "
                     f"expected {want}"
                 )
-            if np.any(np.isnan(mat)) or np.any(mat == -np.inf):
-                raise ValueError(
-                    f"edge {idx} ({self.name(u)} -> {self.name(v)}): R entries must be finite "
-                    "or +inf (forbidden)"
-                )
+            mats.append(mat.ravel())
+        if mats:
+            flat = np.concatenate(mats)
+            if np.isnan(flat).any() or (flat == -np.inf).any():
+                for idx, (u, v, mat) in enumerate(self.edges):
+                    mat = np.asarray(mat)
+                    if np.any(np.isnan(mat)) or np.any(mat == -np.inf):
+                        raise ValueError(
+                            f"edge {idx} ({self.name(u)} -> {self.name(v)}): R entries must be "
+                            "finite or +inf (forbidden)"
+                        )
         if self.memory_budget is not None and math.isnan(self.memory_budget):
             raise ValueError("memory_budget is NaN")
 

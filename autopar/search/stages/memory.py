@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from autopar.cost_models import MeshSpec
 from autopar.plan.decisions import zero_axes
-from autopar.runtime.grad_sync import fill_buckets
+from autopar.runtime.grad_sync import fill_buckets, fill_sums
 from autopar.search.stages.layer_stats import LayerStat, grad_bytes, on_zero
 
 if TYPE_CHECKING:
@@ -145,7 +145,7 @@ def zero_flat_bytes(layers: list[LayerStat], cfg: Config,
                  if on_zero(q.replicated, cfg.zero_stage, cfg.zero_axis)]
     else:
         sizes = [x for v in reversed(views) for x in v.flat]
-    flat = [sum(b) for b in fill_buckets(sizes, float)]
+    flat = fill_sums(sizes)
     whole = 2.0 if cfg.micro_batches == 1 else 1.0
     return max((prev + whole * cur for prev, cur in zip([0.0, *flat], flat)), default=0.0)
 
