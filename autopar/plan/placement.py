@@ -114,7 +114,7 @@ def local_shape(shape: Sequence[int], placements: Placements, mesh_shape: Sequen
     """The shape each rank holds (even sharding, so the same on every rank)."""
     out = list(shape)
     for p, n in zip(placements, mesh_shape):
-        if _kind(p) is Shard:
+        if (_KINDS.get(type(p)) or _kind(p)) is Shard:
             if out[p.dim] % n:
                 raise ValueError(
                     f"mesh axis of size {n} does not divide tensor dim {p.dim} of size "

@@ -101,7 +101,7 @@ def assemble(gm: fx.GraphModule, mesh: MeshSpec, pb: Problem, choice: dict[fx.No
         own = pb.problem.node_costs[index[n]][chosen[n]]
         reds: list[Redistribution] = []
         edge_comm = 0.0
-        ins = tensor_inputs(n)
+        ins = pb.inputs.get(n) or tensor_inputs(n)
         if n.op == "call_function" and n.target is not operator.getitem:
             for i, u in enumerate(ins):
                 if u not in choice:

@@ -13,7 +13,7 @@ import dataclasses
 import math
 import operator
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 import numpy as np
@@ -58,6 +58,9 @@ class Problem:
     strategies: dict[fx.Node, list[OpStrategy]]
     problem: StrategyProblem
     edge_src: list[tuple[fx.Node, fx.Node, int]]  # (producer, consumer, input index)
+    # each node's tensor inputs, read once here for every plan assembled from this problem
+    # (the joint search assembles up to four per candidate)
+    inputs: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
 
 
 def build_problem(gm: fx.GraphModule, mesh: MeshSpec, strategies: dict[fx.Node, list[OpStrategy]],
@@ -86,6 +89,7 @@ def build_problem(gm: fx.GraphModule, mesh: MeshSpec, strategies: dict[fx.Node, 
         mems.append(np.array([cm.node_memory(n, s) for s in strategies[n]], dtype=np.float64))
         priced[n] = (c, mems[-1])
     edges, edge_src = [], []
+    inputs = {v: tensor_inputs(v) for v in nodes}
     for v in nodes:
         if v.op == "call_function" and v.target is operator.getitem:
             u = v.args[0]
@@ -95,7 +99,7 @@ def build_problem(gm: fx.GraphModule, mesh: MeshSpec, strategies: dict[fx.Node, 
             edges.append((index[u], index[v], m))
             edge_src.append((u, v, -1))
             continue
-        for i, u in enumerate(tensor_inputs(v)):
+        for i, u in enumerate(inputs[v]):
             if u not in index:
                 continue
             back = dual(u, v)
@@ -109,7 +113,7 @@ def build_problem(gm: fx.GraphModule, mesh: MeshSpec, strategies: dict[fx.Node, 
             edge_src.append((u, v, i))
     prob = StrategyProblem(node_costs=costs, node_memory=mems, edges=edges,
                            memory_budget=budget, names=[n.name for n in nodes])
-    return Problem(nodes, strategies, prob, edge_src)
+    return Problem(nodes, strategies, prob, edge_src, inputs)
 
 
 def edge_matrix(src: list, dst: list, t, cm: CostModel, tables: dict | None = None,
