@@ -126,8 +126,9 @@ def plan(model: nn.Module, example_inputs: tuple | None = None,
 def _shared_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOptions,
                  example_kwargs: dict | None, given: Plan | None,
                  timeout: float = DEFAULT_TIMEOUT) -> tuple[Captured | None, Plan]:
-    """Capture and search on rank 0 only and share the plan; the other ranks' capture
-    is ``None`` (they capture for the plan: :func:`_capture_for`).
+    """Capture and search on rank 0 only and share the plan; the other ranks capture
+    while they wait, and their capture is ``None`` when the plan needs another one
+    (they capture for the plan then: :func:`_capture_for`).
 
     A solver stopped by its time limit may return different incumbents on different
     ranks; sharing makes every rank lower the identical plan, so all ranks issue the
@@ -149,19 +150,37 @@ def _shared_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: 
         if multi:
             agree.publish({"plan": p.to_json()}, timeout)
         return cap, p
+    # while rank 0 plans, capture what the plan most likely needs (the whole batch unless
+    # micro-batches are forced): the capture that followed the plan's arrival was on
+    # every other rank's path to its first step.  A failure here is left to rank 0 to
+    # report (it captures the same model) and the plan's own capture is taken instead
+    micro = opts.micro_batches or 1
+    try:
+        early = _capture_at(model, example_inputs, example_kwargs, micro, opts.precision)
+    except Exception:  # noqa: BLE001 - rank 0's error is the one every rank raises
+        early = None
     payload = agree.wait(timeout)
     if "error" in payload:
         raise agree.rebuild(payload)
-    return None, Plan.from_json(payload["plan"])
+    p = Plan.from_json(payload["plan"])
+    same = (p.decisions.micro_batches, p.decisions.precision) == (micro, opts.precision)
+    return (early if same else None), p
 
 
 def _capture_for(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None,
                  p: Plan) -> Captured:
     """Capture ``model`` for plan ``p``: its graph is the micro-batch's."""
+    return _capture_at(model, example_inputs, example_kwargs, p.decisions.micro_batches,
+                       p.decisions.precision)
+
+
+def _capture_at(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None,
+                micro_batches: int, precision: str) -> Captured:
+    """Capture and annotate ``model`` at the size of one of ``micro_batches`` micro-batches."""
     from autopar.plan.splits import micro_inputs
     cap = capture(model, *micro_inputs((tuple(example_inputs), dict(example_kwargs or {})),
-                                       p.decisions.micro_batches),
-                  precision=p.decisions.precision)
+                                       micro_batches),
+                  precision=precision)
     annotate(cap.gm)
     return cap
 
