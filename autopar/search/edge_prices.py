@@ -133,6 +133,7 @@ class _Programs:
 
 _TABLES: OrderedDict[MeshSpec, MeshTables] = OrderedDict()
 _TABLES_KEPT = 16  # meshes whose redistribution prices are kept (a joint search's sub-meshes: ~11 on 192x8)
+_MATRICES_KEPT = 50_000  # edge matrices kept per mesh (Megatron 145.6B's search: ~6,000)
 _NO_PROGRAM = ()  # a pair no redistribution turns one into the other (S -> P)
 # the steps that communicate, by the collective that prices them (slices and
 # Replicate -> Partial are local: free)
@@ -275,8 +276,12 @@ class EdgePrices:
 
     def matrix_tables(self) -> dict:
         """The mesh's whole edge matrices (:attr:`MeshTables.matrices`), for
-        :func:`autopar.search.op_placement.edge_matrix`."""
-        return self._tables.matrices
+        :func:`autopar.search.op_placement.edge_matrix`; emptied when it holds
+        :data:`_MATRICES_KEPT` (a session that plans many models does not grow)."""
+        m = self._tables.matrices
+        if len(m) >= _MATRICES_KEPT:
+            m.clear()
+        return m
 
     def _layout_id(self, p: Placements) -> int:
         """The int standing for placements ``p`` in this mesh's tables."""
