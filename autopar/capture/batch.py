@@ -10,7 +10,8 @@ shapes propagated again with fake tensors.
 
 The joint search uses it for its estimates (the shallow copy of the model,
 :mod:`autopar.search.shallow`); the plan it returns is planned on a graph exported at its own
-size.  A size's copy is not the same graph as an export at that size: it keeps a few
+size.  Under ``blocks=`` (the user's model is the shallow stand-in, and its plans are never
+lowered) every size after the first comes from it.  A size's copy is not the same graph as an export at that size: it keeps a few
 no-op slices (whole-dim ``slice`` ops that a fixed-size export drops), which the rules
 shard like their input.  A test checks that it prices exactly like that export (input
 shapes, and every layer's time, compute, activations and parameter bytes under the

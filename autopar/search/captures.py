@@ -37,14 +37,18 @@ class JointCaptures:
     # candidates are estimated from it; _exact: never again
     _shallow: tuple[nn.Module, int, str] | None
     _exact: bool
-    _generic: AnyBatch | bool | None  # the shallow copy's any-batch capture
+    _generic: AnyBatch | bool | None  # the shallow copy's (or blocks= model's) any-batch capture
 
     def _capture(self, micro: int, shallow: bool = False) -> Captured:
         size = batch_size(self._call) // micro
         key = (size, shallow)
         if key not in self.captures:
             copy = shallow and self._shallow is not None
-            cap = self._any_batch(size) if copy else None
+            # blocks=: the model is a shallow stand-in already and its plans are never
+            # lowered, so every size after the first comes from one symbolic-batch
+            # capture too (it prices exactly as an export at that size)
+            cap = self._any_batch(size) if copy else \
+                self._any_batch(size, self.model) if self.opts.blocks is not None else None
             if cap is None:
                 model = self._shallow[0] if copy else self.model
                 report(f"capturing the model{f' ({KEEP} layers)' if shallow else ''} at "
@@ -57,27 +61,30 @@ class JointCaptures:
             self.timings["annotate"] = self.timings.get("annotate", 0.0) + time.perf_counter() - t0
         return self.captures[key]
 
-    def _any_batch(self, size: int) -> Captured | None:
-        """The shallow copy at batch ``size`` from its one symbolic-batch capture
-        (:mod:`autopar.capture.batch`), or ``None``: then it is exported at that size.
-        Estimates only: the chosen split is exported at full depth at its own size.  The
-        first size is exported as it is (the symbolic export costs ~2.5 of those, and a
-        search that is not short of memory never prices a second size)."""
-        if not any(shallow for _, shallow in self.captures):
+    def _any_batch(self, size: int, model: nn.Module | None = None) -> Captured | None:
+        """The shallow copy (or ``model``: the user's, under ``blocks=``) at batch ``size``
+        from its one symbolic-batch capture (:mod:`autopar.capture.batch`), or ``None``:
+        then it is exported at that size.  The shallow copy's are estimates only: the
+        chosen split is exported at full depth at its own size; a ``blocks=`` plan is
+        never lowered.  The first size is exported as it is (the symbolic export costs
+        ~2.5 of those, and a search that is not short of memory never prices a second
+        size)."""
+        if not any(shallow == (model is None) for _, shallow in self.captures):
             return None
         if self._generic is None:
-            report(f"capturing the model ({KEEP} layers) once for every micro-batch size")
+            report(f"capturing the model{f' ({KEEP} layers)' if model is None else ''} once for "
+                   "every micro-batch size")
             # traced at the whole batch: the size asked for may be 1, which export fixes
             t0 = time.perf_counter()
-            self._generic = capture_any_batch(self._shallow[0], self._call, self.opts.precision) \
-                or False
+            self._generic = capture_any_batch(model if model is not None else self._shallow[0],
+                                              self._call, self.opts.precision) or False
             # capture time, as any export (a failed attempt too: not the search's)
             self.timings["capture"] = self.timings.get("capture", 0.0) + time.perf_counter() - t0
         if not self._generic:
             return None
         cap = self._generic.at(size)
         if cap is not None:
-            report(f"the model ({KEEP} layers) at micro-batch size {size} from that capture "
+            report(f"the model{f' ({KEEP} layers)' if model is None else ''} at micro-batch size {size} from that capture "
                    f"({cap.seconds:.2f} s)")
         return cap
 

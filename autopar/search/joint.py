@@ -72,7 +72,7 @@ class JointSearch(JointCaptures, JointSpace):
         self._call = (self.inputs, dict(example_kwargs or {}))
         self.budget = opts.budget_for(mesh)
         self.captures: dict[tuple[int, bool], Captured] = {}
-        self._generic: AnyBatch | bool | None = None  # the shallow copy's any-batch capture
+        self._generic: AnyBatch | bool | None = None  # the shallow copy's (or blocks= model's) any-batch capture
         self.priced: list[tuple[_Candidate, Priced]] = []
         self._config_lists: dict[tuple, list[Config]] = {}  # _configs' lists by what they depend on
         # _best's answer so far, per ``exact``: (the list it read, how much of it, best, its key)
