@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -56,21 +56,28 @@ BUCKET_BYTES = 4 << 20
 ZeRO-1/2's reduction)."""
 
 
+def _fills(sizes: Iterable[float], cap: int) -> Iterator[tuple[int, float]]:
+    """(where each bucket ends, its bytes) for ``sizes`` in launch order: a bucket closes
+    as soon as its bytes reach ``cap``; the rule of :func:`fill_buckets` and :func:`fill_sums`."""
+    size, start, end = 0, 0, 0
+    for end, x in enumerate(sizes, 1):
+        size += x
+        if size >= cap:
+            yield end, size
+            size, start = 0, end
+    if end > start:
+        yield end, size
+
+
 def fill_buckets(items: Iterable[T], nbytes: Callable[[T], int], cap: int = BUCKET_BYTES) -> list[list[T]]:
     """``items`` (in launch order: back to front) cut into consecutive buckets, each
     closed as soon as its bytes reach ``cap``; the rule :class:`GradSync`,
     ``runtime/zero.py`` and ``plan.collectives()`` share."""
-    out: list[list[T]] = []
-    cur: list[T] = []
-    size = 0
-    for it in items:
-        cur.append(it)
-        size += nbytes(it)
-        if size >= cap:
-            out.append(cur)
-            cur, size = [], 0
-    if cur:
-        out.append(cur)
+    items = list(items)
+    out, start = [], 0
+    for end, _ in _fills(map(nbytes, items), cap):
+        out.append(items[start:end])
+        start = end
     return out
 
 
@@ -78,17 +85,7 @@ def fill_sums(sizes: Iterable[float], cap: int = BUCKET_BYTES) -> list[float]:
     """The bytes of each bucket :func:`fill_buckets` cuts ``sizes`` into (summed in the
     same order), without building the buckets: the split search asks for them for
     every stage range it prices."""
-    out: list[float] = []
-    size, n = 0, 0
-    for x in sizes:
-        size += x
-        n += 1
-        if size >= cap:
-            out.append(size)
-            size, n = 0, 0
-    if n:
-        out.append(size)
-    return out
+    return [size for _, size in _fills(sizes, cap)]
 
 
 def runs_by_axes(items: Iterable[T], axes_of: Callable[[T], tuple[int, ...]]) -> list[tuple[tuple[int, ...], list[T]]]:
