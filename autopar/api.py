@@ -6,6 +6,7 @@ import functools
 import os
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -189,8 +190,9 @@ def build_parallel_module(model: nn.Module, example_inputs: tuple, mesh: MeshSpe
                           opts: PlanOptions, example_kwargs: dict | None = None,
                           runtime: bool | None = None, plan: Plan | None = None,
                           batch: str = "global", timeout: float = DEFAULT_TIMEOUT,
-                          compile: bool = False) -> ParallelModule:
-    """Capture, plan (or take ``plan``), lower and shard: the body of :func:`auto_parallel`."""
+                          compile: bool = False, calibrate: Calibrate | None = None) -> ParallelModule:
+    """Capture, plan (or take ``plan``), lower and shard: the body of :func:`auto_parallel`.
+    ``calibrate`` (:func:`_calibration`): plan on the running job's measured numbers."""
     from autopar.passes.lower import lower
 
     if runtime is None:
@@ -204,6 +206,9 @@ def build_parallel_module(model: nn.Module, example_inputs: tuple, mesh: MeshSpe
             init_plan_mesh(plan, timeout=timeout)
         else:
             init_mesh(tuple(mesh.shape), timeout=timeout)
+            if calibrate is not None:
+                from autopar.cost_models.live import live_mesh
+                mesh = live_mesh(mesh.shape, base=calibrate.base)
     cap, p = _shared_plan(model, example_inputs, mesh, opts, example_kwargs, plan, timeout)
     try:
         if cap is None:
@@ -234,6 +239,33 @@ def build_parallel_module(model: nn.Module, example_inputs: tuple, mesh: MeshSpe
     if runtime and _compiles(pm, compile):
         pm.compile()
     return pm
+
+
+@dataclass(frozen=True)
+class Calibrate:
+    """Plan on a live calibration of the running job (:func:`autopar.cost_models.live.live_mesh`);
+    ``base`` supplies what is not measured (memory capacity where given, the reserve)."""
+
+    base: MeshSpec | None = None
+
+
+def _calibration(calibrate: bool | None, mesh_arg, m: MeshSpec) -> Calibrate | None:
+    """Whether ``auto_parallel`` plans on a live calibration: ``calibrate`` when given
+    (True calibrates even with a described mesh, which then supplies what is not
+    measured); by default (None) when the mesh names no machine (no mesh, or a shape:
+    :func:`autopar.validate.describes_machine`) and ``AUTOPAR_CALIBRATE`` is not ``0``.
+    Only in a process group: planning without one prices the presets."""
+    from autopar import validate
+    from autopar.cost_models.live import default_on
+    if calibrate is not None and not isinstance(calibrate, bool):
+        raise ConfigError(f"calibrate={calibrate!r}: expected True, False or None (default: "
+                          "calibrate when no mesh description is named)")
+    described = validate.describes_machine(mesh_arg)
+    if calibrate is False or (calibrate is None and (described or not default_on())):
+        return None
+    # on a CPU host without a description, calibration measures the host's memory; a GPU
+    # (MeshSpec.for_device) or a named description keeps its device memory and reserve
+    return Calibrate(base=m if described or torch.cuda.is_available() else None)
 
 
 def _compiles(pm: ParallelModule, asked: bool) -> bool:
@@ -295,7 +327,8 @@ def auto_parallel(model: nn.Module | Callable | None = None, *, example_inputs: 
                   memory_budget: float | None = None, optimizer: str = "adamw",
                   time_limit: float = 30.0, example_kwargs: dict | None = None,
                   plan: Plan | None = None, search: str = "auto", batch: str = "global",
-                  timeout: float = DEFAULT_TIMEOUT, compile: bool = False, **decisions):
+                  timeout: float = DEFAULT_TIMEOUT, compile: bool = False,
+                  calibrate: bool | None = None, **decisions):
     """Plan and shard ``model`` for ``mesh``.
 
     * ``auto_parallel(model, example_inputs=..., mesh=...)`` returns a
@@ -323,6 +356,14 @@ def auto_parallel(model: nn.Module | Callable | None = None, *, example_inputs: 
 
     ``compile=True`` runs the generated graph through ``torch.compile``
     (:meth:`ParallelModule.compile`); the plan is still priced for the eager graph.
+
+    In a process group, with no mesh description named (``mesh`` is None or a shape),
+    the plan is priced on the running job: a quick calibration of its collectives,
+    compute, optimizer and host (about 10 s on a CPU host), kept on disk for the next run
+    on the same cluster and read by rank 0, whose numbers every rank plans on
+    (:mod:`autopar.cost_models.live`).  ``calibrate=False`` (or ``AUTOPAR_CALIBRATE=0``)
+    prices the presets instead; a named preset, JSON or MeshSpec is planned on as given
+    unless ``calibrate=True``.  ``plan.summary()`` says which numbers the plan used.
     """
     opts = _options(memory_budget, optimizer, time_limit, pins, decisions, search, batch)
     if plan is not None and plan.decisions.batch != batch:
@@ -330,6 +371,7 @@ def auto_parallel(model: nn.Module | Callable | None = None, *, example_inputs: 
                           f"batch={plan.decisions.batch!r}: plan again, or pass batch="
                           f"{plan.decisions.batch!r}")
     m = _mesh(mesh)
+    live = _calibration(calibrate, mesh, m)
     timeout = _seconds(timeout)
     direct = isinstance(model, nn.Module) and (example_inputs is not None or example_kwargs is not None)
     if not direct and batch != "global":
@@ -339,31 +381,33 @@ def auto_parallel(model: nn.Module | Callable | None = None, *, example_inputs: 
                           "auto_parallel(model, example_inputs=<global batch>, batch='local') "
                           "instead of the decorator form")
     if model is None:
-        return lambda target: _decorate(target, m, opts, compile)
+        return lambda target: _decorate(target, m, opts, compile, live)
     if direct:
         return build_parallel_module(model, tuple(example_inputs or ()), plan.mesh if plan else m,
                                      opts, example_kwargs, plan=plan, batch=batch, timeout=timeout,
-                                     compile=compile)
-    return _decorate(model, m, opts, compile)
+                                     compile=compile, calibrate=live)
+    return _decorate(model, m, opts, compile, live)
 
 
 class LazyParallel(nn.Module):
     """Plans on the first call: wraps a model until its first batch is seen."""
 
     def __init__(self, model: nn.Module, mesh: MeshSpec, opts: PlanOptions,
-                 compile: bool = False) -> None:
+                 compile: bool = False, calibrate: Calibrate | None = None) -> None:
         super().__init__()
         self._model = model
         self._mesh = mesh
         self._opts = opts
         self._compile = compile
+        self._calibrate = calibrate
         self.pmodel: ParallelModule | None = None
 
     def forward(self, *args, **kwargs):
         """First call: plan on this batch; every call: run the parallel module."""
         if self.pmodel is None:
             self.pmodel = build_parallel_module(self._model, args, self._mesh, self._opts,
-                                                kwargs or None, compile=self._compile)
+                                                kwargs or None, compile=self._compile,
+                                                calibrate=self._calibrate)
             del self._model
         return self.pmodel(*args, **kwargs)
 
@@ -383,20 +427,21 @@ class LazyParallel(nn.Module):
             raise
 
 
-def _decorate(target, mesh: MeshSpec, opts: PlanOptions, compile: bool = False):
+def _decorate(target, mesh: MeshSpec, opts: PlanOptions, compile: bool = False,
+              calibrate: Calibrate | None = None):
     if isinstance(target, type) and issubclass(target, nn.Module):
         @functools.wraps(target, updated=())
         def make(*a, **k):
-            return LazyParallel(target(*a, **k), mesh, opts, compile)
+            return LazyParallel(target(*a, **k), mesh, opts, compile, calibrate)
         return make
     if isinstance(target, nn.Module):
-        return LazyParallel(target, mesh, opts, compile)
+        return LazyParallel(target, mesh, opts, compile, calibrate)
     if callable(target):
         @functools.wraps(target)
         def factory(*a, **k):
             out = target(*a, **k)
             model = out[0] if isinstance(out, tuple) else out
-            wrapped = LazyParallel(model, mesh, opts, compile)
+            wrapped = LazyParallel(model, mesh, opts, compile, calibrate)
             return (wrapped, *out[1:]) if isinstance(out, tuple) else wrapped
         return factory
     raise TypeError(f"auto_parallel cannot wrap {type(target).__name__}")

@@ -63,6 +63,15 @@ def mesh(value) -> MeshSpec:
     return MeshSpec.preset("cpu-gloo", shape=shape)
 
 
+def describes_machine(value) -> bool:
+    """Whether ``mesh=`` describes the machine (a MeshSpec, a preset name, JSON text or a
+    JSON file) rather than only the layout (None or a shape): ``auto_parallel`` plans a
+    described machine as given and measures the running job otherwise."""
+    if isinstance(value, MeshSpec):
+        return True
+    return isinstance(value, str) and not re.fullmatch(r"[\d\sx*,-]+", value)
+
+
 def placement_string(key: str, value) -> None:
     """A pin value: a string of placements (``"S(0)R"``, one per mesh axis) or a sequence
     of ``Placement`` objects.  How many per mesh axis is the planner's check."""

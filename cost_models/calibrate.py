@@ -137,6 +137,8 @@ class Calibration:
     world: int = 1
     repeats: int = 0
     seconds: float = 0.0
+    quick: bool = False
+    """Measured with ``measure_cluster(quick=True)``, as ``auto_parallel`` does by default."""
 
     @property
     def noise(self) -> float:
@@ -149,7 +151,7 @@ class Calibration:
         d = self.spec.to_dict()
         d["calibration"] = {
             "when": self.when, "host": self.host, "backend": self.backend, "world": self.world,
-            "repeats": self.repeats, "seconds": self.seconds, "noise": self.noise,
+            "repeats": self.repeats, "seconds": self.seconds, "quick": self.quick, "noise": self.noise,
             "curves": self.curves, "compute": self.compute, "overlap": self.overlap,
             "optimizer_bandwidth": self.optimizer_bandwidth,
         }
@@ -244,7 +246,7 @@ def _link(kind_samples: dict[str, list[Sample]], p: int,
 
 def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repeats: int = 5,
                     base: MeshSpec | None = None, shape: Sequence[int] | None = None,
-                    kinds: Sequence[str] = FITTED_KINDS) -> Calibration:
+                    kinds: Sequence[str] = FITTED_KINDS, quick: bool = False) -> Calibration:
     """Measure the running group; see the module docstring.  Every rank calls it alike.
 
     ``group`` (default the world) is a 1-D mesh; ``shape`` (product = world size) measures
@@ -252,7 +254,14 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
     ``sizes`` are message bytes (default 4 KiB-4 MiB on CPU, 64 KiB-64 MiB on GPU),
     ``repeats`` the repetitions per point, ``kinds`` a subset of :data:`FITTED_KINDS`
     (all-reduce is always measured).  ``base`` supplies what cannot be measured here
-    (``mem_capacity``) and the link of an axis of one rank."""
+    (``mem_capacity``) and the link of an axis of one rank.
+
+    ``quick=True`` is the calibration ``auto_parallel`` runs by default (about 10 s on 4
+    ranks of a 2-core CPU host against 28 s): three message sizes, a third of each rate's
+    run time, and fixed rounds for the three probes that scale with ``repeats`` here
+    (overlap 9 rounds, straggler 10 windows, drift 10 rounds, against 15, 45 and 60 at
+    ``repeats=5``); their estimates are noisier (see each probe's count below), which
+    the cache (:mod:`~autopar.cost_models.live`) pays once per cluster."""
     import torch
     import torch.distributed as dist
 
@@ -269,7 +278,7 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
     if cuda:
         device = torch.device("cuda", torch.cuda.current_device())
         dtype, mm_sizes, copy_bytes, opt_elems, min_s = torch.bfloat16, (2048, 4096, 8192), 2**28, 2**26, 0.2
-        default_sizes = (2**16, 2**20, 2**24, 2**26)
+        default_sizes = (2**16, 2**20, 2**24, 2**26) if not quick else (2**16, 2**22, 2**26)
 
         def sync() -> None:
             torch.cuda.synchronize(device)
@@ -277,11 +286,15 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
         device = torch.device("cpu")
         # Small enough to keep a CPU calibration to a few seconds per rank.
         dtype, mm_sizes, copy_bytes, opt_elems, min_s = torch.float32, (128, 256, 512), 2**25, 2**20, 0.25
-        default_sizes = (2**12, 2**16, 2**20, 2**22)
+        default_sizes = (2**12, 2**16, 2**20, 2**22) if not quick else (2**12, 2**18, 2**22)
 
         def sync() -> None:
             pass
     sizes = tuple(default_sizes if sizes is None else sizes)
+    if quick:
+        min_s /= 3
+    rounds = {"overlap": 9, "straggler": 10, "sync": 10} if quick else \
+        {"overlap": 3 * repeats, "straggler": 9 * repeats, "sync": 12 * repeats}
     if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 4 for s in sizes):
         raise ValueError(f"sizes must be non-empty ints >= 4 bytes, got {sizes!r}")
     world = dist.get_world_size(group)
@@ -308,24 +321,24 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
                           dtype=dtype)
     opt_bw = opt["bandwidth"]
     widest = max(range(len(dims)), key=lambda i: dims[i])
-    # three times the repetitions: the fraction is a difference of times a few ms long, and
+    # three times the repetitions (9 rounds quick): the fraction is a difference of times a few ms long, and
     # at 5 it came out anywhere in 0.02-0.39 on the 2-core host (the median of 15: 0.12-0.47
     # in 4 of 10 on 2026-11-25, hence overlap_estimate's bound of two standard errors)
     ov = overlap_fraction(groups[widest], max(sizes), device, dtype, mm_sizes[len(mm_sizes) // 2],
-                          3 * repeats, sync, job=group) if dims[widest] > 1 else {"overlap": 1.0}
+                          rounds["overlap"], sync, job=group) if dims[widest] > 1 else {"overlap": 1.0}
     # over the whole job: a straggler exists only where ranks wait on one another, so a
-    # 1-rank job has none.  Nine times the repetitions (45 windows, about 2 s on CPU): it
+    # 1-rank job has none.  Nine times the repetitions (45 windows, about 5 s on CPU; 10 quick): it
     # multiplies every compute price, and over 15 windows eight estimates a few seconds
     # apart on the 2-core host spanned 1.07-1.28, over 45 1.12-1.22 (2026-11-26)
     lag = straggler(group, device, dtype, mm_sizes[len(mm_sizes) // 2], 4096 if cuda else 512,
-                    9 * repeats, sync) if world > 1 else {"straggler": 1.0}
-    # twelve times the repetitions (60 rounds, 12-18 s on CPU): a round's drift varies by
+                    rounds["straggler"], sync) if world > 1 else {"straggler": 1.0}
+    # twelve times the repetitions (60 rounds, 12-18 s on CPU; 10 quick): a round's drift varies by
     # 4-6 ms (one standard deviation) on the 2-core host with one more busy process, and
     # over 15 rounds six calibrations of it spanned 1.2-8.8 ms, over 60 4.4-6.3
     # (2026-11-26).  The drift beyond the ranks' mean compute, not beyond the
     # straggler's share of it (sync_penalty says why)
     sync_extra = sync_penalty(groups[widest], device, dtype, mm_sizes[len(mm_sizes) // 2],
-                              12 * repeats, sync, job=group, chain=4) \
+                              rounds["sync"], sync, job=group, chain=4) \
         if dims[widest] > 1 else {"sync_seconds": 0.0}
     # a GPU per rank: an idle stage's device is lost, whatever noise the rates show
     reuse = {"idle_reuse": 0.0} if cuda else \
@@ -355,7 +368,7 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
         compute={**rates, "idle_reuse": reuse, "optimizer": opt, "sync": sync_extra, "straggler": lag},
         optimizer_bandwidth=opt_bw, when=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         host=socket.gethostname(), backend=str(dist.get_backend(group)), world=world,
-        repeats=repeats, seconds=elapsed)
+        repeats=repeats, seconds=elapsed, quick=quick)
 
 
 def calibrate(group: Any = None, sizes: Sequence[int] | None = None, repeats: int = 5,

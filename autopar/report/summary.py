@@ -29,7 +29,7 @@ import shutil
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from autopar.cost_models import format_bytes
+from autopar.cost_models import PRESET_NAMES, format_bytes
 from autopar.plan.placement import is_shard, parse_placements
 
 if TYPE_CHECKING:
@@ -233,9 +233,15 @@ def summary(plan: Plan) -> str:
     n = summary_numbers(plan)
     d = plan.decisions
     asked = "x".join(map(str, n["mesh_shape_requested"]))
-    lines = [f"autopar plan for mesh {asked} ({plan.world_size} devices, preset {plan.mesh.name}, "
-             f"axes {', '.join(plan.mesh.axis_names)})",
-             f"  layout         {n['layout']}"]
+    # a preset's name says which numbers priced the plan; anything else (a live
+    # calibration, a GPU's preset figures, a custom MeshSpec) gets a line of its own
+    preset = plan.mesh.name in PRESET_NAMES
+    lines = [f"autopar plan for mesh {asked} ({plan.world_size} devices, "
+             + (f"preset {plan.mesh.name}, " if preset else "")
+             + f"axes {', '.join(plan.mesh.axis_names)})"]
+    if not preset:
+        lines.append(f"  priced on      {plan.mesh.name}")
+    lines.append(f"  layout         {n['layout']}")
     for a in axis_roles(plan):
         if a.size > 1:
             lines.append(f"    axis {a.name:<8} {a.words()}")
