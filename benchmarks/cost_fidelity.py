@@ -198,7 +198,9 @@ def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
     from autopar import MeshSpec
     join(rank, world, port)
     from autopar.cost_models import measure_cluster
-    record = measure_cluster()
+    # --quick: what auto_parallel measures by default (cost_models/live.py), else the
+    # full calibration of `autopar calibrate`
+    record = measure_cluster(repeats=3, quick=True) if args.get("quick") else measure_cluster()
     if rank == 0:
         print(record.table(), flush=True)
         Path(out + ".calibration").write_text(record.table())
@@ -260,7 +262,7 @@ def _pct(rows: list[dict], pick) -> int:
 
 def section(rows: list[dict], world: int, steps: int, load: tuple[float, float],
             calibration: str = "", repriced: str = "", when: str = "", warmup: int = 1,
-            resident: int = 0, command: str = REGENERATE) -> str:
+            resident: int = 0, command: str = REGENERATE, quick: bool = False) -> str:
     """The markdown section for docs/benchmarks.md (``resident``: the cases built and
     measured together, 0 for all of them; ``command``: its last line,
     ``plan_time.regenerate``'s)."""
@@ -276,8 +278,9 @@ def section(rows: list[dict], world: int, steps: int, load: tuple[float, float],
              "one thread each; spread = interquartile range / median) for "
              f"`examples/gpt.py` (4 layers, dim 192) and a tiny HF Llama (2 layers, hidden 128, "
              "GQA), each case planned on the shipped `cpu-gloo` preset and on the link "
-             "`autopar calibrate` (`cost_models.measure_cluster`) measured on the running "
-             "group: collectives per kind after a barrier, compute, the optimizer step, overlap "
+             + ("`auto_parallel` measures by default (`measure_cluster(quick=True)`, "
+                "`--quick`) " if quick else "`autopar calibrate` (`cost_models.measure_cluster`) ")
+             + "measured on the running group: collectives per kind after a barrier, compute, the optimizer step, overlap "
              "and idle reuse with every rank busy, the slowest rank's pace and the drift a "
              "blocking collective waits out.", "",
              f"Measured {when or _dt.date.today().isoformat()} on: {machine()}; load average "
@@ -373,6 +376,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--cases", default="", help="comma-separated model:case names (default all)")
     ap.add_argument("--presets", default="", help="'cpu-gloo preset' and/or 'calibrated' (comma-separated)")
     ap.add_argument("-v", "--verbose", action="store_true", help="print each row as it is measured")
+    ap.add_argument("--quick", action="store_true",
+                    help="calibrate as auto_parallel does by default (measure_cluster(quick=True), "
+                         "about 10 s), not the full `autopar calibrate` (about 30 s)")
     ap.add_argument("--save", metavar="DIR", help="keep the rows, the calibrated mesh and its table in DIR")
     ap.add_argument("--reprice", metavar="DIR",
                     help="measure nothing: price DIR's stored cases again with the current cost model")
@@ -398,7 +404,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         mp.spawn(_worker, args=(a.world, free_port(), {"steps": a.steps, "rounds": a.rounds, "warmup": a.warmup,
                                                   "resident": a.resident, "cases": [c for c in a.cases.split(",") if c],
                                                   "presets": [p for p in a.presets.split(",") if p],
-                                                  "verbose": a.verbose}, out),
+                                                  "verbose": a.verbose, "quick": a.quick}, out),
                  nprocs=a.world, join=True)
         rows = json.loads(Path(out).read_text())
         calibration = Path(out + ".calibration").read_text()
@@ -413,7 +419,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             (keep / "calibration.txt").write_text(calibration)
             (keep / "calibrated-mesh.json").write_text(Path(out + ".mesh.json").read_text())
     text = section(rows, a.world, a.steps * a.rounds, load, calibration, warmup=a.warmup,
-                   resident=a.resident, command=command)
+                   resident=a.resident, command=command, quick=a.quick)
     print(text)
     if a.write:
         write_table(text)

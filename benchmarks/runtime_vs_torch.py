@@ -208,6 +208,8 @@ ZERO3_TP = {"*": "RR", "input:0": "S(0)R", "input:1": "S(0)R",
 # passes the rows of its coordinate on the first ``ways`` ranks' axis, 1 = whole batch)
 CASES = {"dp": (_hand_dp, dict(pins=DP, batch="local"), "world"),
          "dp2x2": (_hand_dp, dict(pins=DP2X2, batch="local", mesh=(2, 2)), "world"),
+         # the planner's own choice, nothing pinned, against DDP (a user's first try)
+         "auto": (_hand_dp, dict(batch="local"), "world"),
          # no pipeline, as FSDP2 (on a measured link the planner adds 2 stages)
          "zero3": (_hand_zero3, dict(pins=DP, batch="local", zero_stage=3, pipeline_stages=1), "world"),
          # every layer re-gathered in backward, as FSDP2 re-gathers its blocks (the planner
@@ -223,8 +225,12 @@ CASES = {"dp": (_hand_dp, dict(pins=DP, batch="local"), "world"),
 
 
 def _case(name: str, rank: int, world: int, steps: int, optim: str, measured=None,
-          only: str | None = None) -> dict:
-    """Build both modules for one case, run them interleaved and measure."""
+          only: str | None = None, defaults: bool = False) -> dict:
+    """Build both modules for one case, run them interleaved and measure.  ``defaults``:
+    as a user first calls autopar: the whole batch on every rank (``batch="global"``; the
+    hand-written side still gets its rows, as from a DistributedSampler), no mesh
+    description (the job's live calibration, :mod:`autopar.cost_models.live`) and AdamW
+    as it comes on both sides."""
     import gpt
 
     import autopar
@@ -238,6 +244,10 @@ def _case(name: str, rank: int, world: int, steps: int, optim: str, measured=Non
     reset()
     opts = dict(opts)
     mesh = opts.pop("mesh", (world,))
+    if defaults:
+        opts.pop("batch", None)
+        mesh = None if mesh == (world,) else mesh
+        optim = "default"
     if measured is not None:
         # the measured 1-D mesh's link on every axis of the case's shape
         mesh = dataclasses.replace(measured, shape=tuple(mesh), axis_names=(),
@@ -248,21 +258,23 @@ def _case(name: str, rank: int, world: int, steps: int, optim: str, measured=Non
     ways, part = {"world": (world, rank), "first axis": (world // 2, rank // 2), "none": (1, 0)}[split]
     n = x.shape[0] // ways
     xs, ys = x[part * n:(part + 1) * n], y[part * n:(part + 1) * n]
+    xa, ya = (x, y) if defaults else (xs, ys)  # what autopar's side is passed
     local = ways > 1
     # foreach: on CPU torch's optimizers default to a per-parameter loop, which costs
     # ~1 ms per DTensor parameter per step under gloo (CUDA defaults to foreach); both
     # sides use the same implementation
     # (hand-written TP leaves embeddings and norms plain tensors beside DTensors, which
     # foreach refuses to mix: that case keeps the loop on both sides)
-    optim = "loop" if name in ("tp", "zero3tp2") else optim
-    kw = {"foreach": {"foreach": True}, "fused": {"fused": True}, "loop": {"foreach": False}}[optim]
+    optim = "loop" if name in ("tp", "zero3tp2") and optim != "default" else optim
+    kw = {"foreach": {"foreach": True}, "fused": {"fused": True}, "loop": {"foreach": False},
+          "default": {}}[optim]
     oa = torch.optim.AdamW(pm.parameters(), lr=1e-3, **kw)
     ob = torch.optim.AdamW(hand.parameters(), lr=1e-3, **kw)
     losses: dict[str, list[float]] = {"autopar": [], "hand": []}
 
     def step_a():
         oa.zero_grad()
-        loss = pm(xs, ys)
+        loss = pm(xa, ya)
         loss.backward()
         oa.step()
         losses["autopar"].append(loss.detach().item())  # float(loss) warns each step
@@ -346,7 +358,7 @@ def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
         from autopar.cost_models.calibrate import calibrate
         link = calibrate()
     rows = [_case(name, rank, world, args["steps"] or default_steps(name), args["optim"], link,
-                  args.get("only"))
+                  args.get("only"), args.get("defaults", False))
             for name in args["cases"]]
     finish(rank, rows, out)
 
@@ -364,14 +376,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="same as --optimizer loop")
     ap.add_argument("--calibrate", action="store_true",
                     help="plan on the link measured on the running group, not the cpu-gloo preset")
+    ap.add_argument("--defaults", action="store_true",
+                    help="a user's defaults: the whole batch to autopar, AdamW() as it comes, no "
+                         "mesh description (live calibration, in a fresh cache directory)")
     a = ap.parse_args(argv)
+    if a.defaults and a.calibrate:
+        ap.error("--defaults plans on the live calibration; --calibrate on its own link")
+    if a.defaults:
+        os.environ.pop("AUTOPAR_CALIBRATE", None)
+        os.environ["AUTOPAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-cache-")
+    else:  # the preset, or --calibrate's link: never the live calibration
+        os.environ.setdefault("AUTOPAR_CALIBRATE", "0")
     from tests.dist.harness import free_port
 
     cases = [c for c in a.cases.split(",") if c]
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "rows.json")
         load0 = os.getloadavg()[0]
-        run = {"steps": a.steps, "cases": cases, "optim": a.optim, "calibrate": a.calibrate}
+        run = {"steps": a.steps, "cases": cases, "optim": a.optim, "calibrate": a.calibrate,
+               "defaults": a.defaults}
         mp.spawn(_worker, args=(a.world, free_port(), run, out), nprocs=a.world, join=True)
         rows = json.loads(Path(out).read_text())
         for r in rows:  # peak RSS: one run per side, each in fresh processes
@@ -384,9 +407,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"autopar | MB sent per rank per step, hand / autopar / analytic minimum | "
           f"autopar MB planned (plan.collectives()) | "
           f"peak RSS MB per rank, hand / autopar | max loss difference |  (world {a.world}, "
-          f"{a.steps or 'dp cases 100, others 20'} interleaved steps, AdamW {a.optim} (tp cases: loop), "
-          f"{'calibrated link' if a.calibrate else 'cpu-gloo preset'}, "
-          f"load {load0:.2f} before)")
+          f"{a.steps or 'dp cases 100, others 20'} interleaved steps, "
+          + ("a user's defaults: whole batch, AdamW(), live calibration, " if a.defaults else
+             f"AdamW {a.optim} (tp cases: loop), "
+             f"{'calibrated link' if a.calibrate else 'cpu-gloo preset'}, ")
+          + f"load {load0:.2f} before)")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     layouts = "; ".join(f"{r['case']}: {r['layout']}" for r in rows)
     for r in rows:

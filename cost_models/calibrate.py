@@ -177,7 +177,8 @@ class Calibration:
         s = self.spec
         # the curve's rates, smallest kernels first
         mm = "/".join(f"{r / 1e9:.0f}" for _, r in s.matmul_curve) or f"{s.peak_flops / 1e9:.1f}"
-        lines = [f"calibrated {self.world} ranks ({self.backend}) on {self.host} at {self.when} "
+        lines = [f"calibrated {self.world} ranks ({self.backend}{', quick' if self.quick else ''}) "
+                 f"on {self.host} at {self.when} "
                  f"in {self.seconds:.1f} s; median spread {100 * self.noise:.0f}%",
                  f"  matmul {mm} GFLOP/s, elementwise {s.mem_bandwidth / 1e9:.1f} GB/s "
                  f"(copy {self.compute.get('copy_bandwidth', s.mem_bandwidth) / 1e9:.1f}), "

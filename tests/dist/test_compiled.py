@@ -1,6 +1,7 @@
 """Compiled modules: ``auto_parallel(..., compile=True)`` on real gloo ranks, inductor's
 CPU backend, against the single-process model (loss, every gradient, two SGD and two
-AdamW steps: tests/dist/harness.py's run_case).
+AdamW steps: tests/dist/harness.py's run_case): data, tensor and ZeRO-3 parallel, context
+parallel (Ulysses and ring attention) and expert parallel.
 
 Only the per-rank graph is compiled (ParallelModule.compile); gradient buckets, ZeRO's
 gathers and the DTensor gradients run as in eager.  Tolerances are
@@ -14,10 +15,14 @@ Slow CI step: compiling costs 10-30 s a case on 2 cores.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tests.dist.harness import Case, run_cases
+from tests.dist.test_context_parallel import _case as cp_case
 from tests.dist.test_equivalence import MEGATRON, check
+from tests.dist.test_expert_parallel import BUILD as MOE, LAYERS, moe
 
 GPT2 = {"layers": 2}
 DP = {"*": "R", "input:0": "S(0)"}
@@ -29,7 +34,15 @@ CASES = [
     Case("compiled-dp2", "gpt", (2,), DP, GPT2, options=ONE),
     Case("compiled-tp2", "gpt", (2,), MEGATRON["gpt"], GPT2, options=ONE),
     Case("compiled-zero3-dp2", "gpt", (2,), DP, GPT2, options={**ONE, "zero_stage": 3}),
+    # context parallel: Ulysses (all-to-all of heads and sequence) and ring attention
+    # (key/value blocks passed around), the sequence split over the two ranks
+    *(dataclasses.replace(c, id=f"compiled-{c.id}", options={**c.options, **ONE})
+      for c in (cp_case("ulysses-2", (2,), heads=4, dim=64, seq=32),
+                cp_case("ring-balanced-2", (2,), heads=3, dim=48, seq=32))),
+    # expert parallel: the experts split, the dispatched tokens all-to-all there and back
+    Case("compiled-moe-ep-2", "moe", (2,), moe.ep_pins(LAYERS, 1), MOE, options=ONE),
 ]
+CALLS = {"compiled-ulysses-2": "ulysses_attention", "compiled-ring-balanced-2": "ring_attention"}
 
 
 @pytest.fixture(scope="module")
@@ -43,4 +56,6 @@ def test_compiled_module_is_exact(results, case):
     res = results.get(case.id, {"error": "not run (an earlier case failed)"})
     check(res)
     assert res["compiled"] == ("compile" in case.options)
+    if case.id in CALLS:  # the attention really ran split
+        assert CALLS[case.id] in res["calls"], res["calls"]
     assert res["dynamo_recompiled"] == 0, res["dynamo_recompiled"]
