@@ -153,15 +153,22 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         buckets and their collectives, ZeRO's gathers, the parameters' DTensor
         gradients) stays as it is, so optimizers, ``clip_grad_norm_`` and DCP work
         unchanged.  ``nn.Module.compile`` would compile the whole call, hooks included.
-        A plan with pipeline stages or micro-batches (:meth:`train_step`'s schedule)
-        keeps running its stages eagerly.  ``auto_parallel(..., compile=True)`` calls
-        this."""
+        A plan with pipeline stages or micro-batches compiles each stage's graph and
+        runs its schedule, transfers and gradient sync eagerly around them, except under
+        the zero-bubble schedule, which runs eagerly
+        (:meth:`~autopar.runtime.pipeline.PipelineRunner.compile`).
+        ``auto_parallel(..., compile=True)`` calls this."""
+        if self.runner is not None:
+            if self.runner.compile(*args, **kwargs):
+                object.__setattr__(self, "_compiled", self.runner)
+            return
         object.__setattr__(self, "_compiled", torch.compile(self.inner, *args, **kwargs))
 
     @property
     def compiled(self) -> bool:
-        """Whether :meth:`forward` runs the graph through ``torch.compile``."""
-        return self._compiled is not None and self.runner is None
+        """Whether the graph runs through ``torch.compile`` (:meth:`forward`'s, or the
+        pipeline stages' under :meth:`train_step`)."""
+        return self._compiled is not None
 
     def train_step(self, *args, **kwargs) -> torch.Tensor:
         """Forward and backward of one global batch (all micro-batches, every pipeline

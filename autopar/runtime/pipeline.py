@@ -56,7 +56,7 @@ value is restored after the step.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -189,6 +189,19 @@ class PipelineRunner:
         # zero-bubble: per virtual stage, whether torch's B/W split covers its weights
         self._split: dict[int, bool] = {}
         self._leaves: dict[int, list[torch.Tensor]] = {}
+        # torch.compile of each chunk's graph by virtual stage (compile()); empty: eager
+        self._compiled: dict[int, Callable] = {}
+
+    def compile(self, *args, **kwargs) -> bool:
+        """Run every chunk's graph through ``torch.compile`` (``args``/``kwargs`` as it
+        takes them); the schedule, the point-to-point transfers and the gradient sync
+        around them stay eager.  Not under the zero-bubble schedule, whose split of each
+        backward into input and weight gradients walks the eager autograd graph
+        (:mod:`autopar.runtime.split_backward`): False there, and the chunks run eagerly."""
+        if self.schedule is Schedule.ZERO_BUBBLE:
+            return False
+        self._compiled = {ch.stage: torch.compile(ch.module, *args, **kwargs) for ch in self.chunks}
+        return True
 
     # ------------------------------------------------------------ inputs
     def split_inputs(self, inputs: Sequence, chunk: int = 0) -> list[list]:
@@ -310,7 +323,7 @@ class PipelineRunner:
         k = graph.stage
         if not graph.is_first and graph.recv:
             mb.received = self._take(("A", k, micro))
-        outs = graph.module(*inputs, *mb.received)
+        outs = self._compiled.get(k, graph.module)(*inputs, *mb.received)
         ns = len(graph.send)
         mb.sent = list(outs[:ns])
         if graph.is_last:
