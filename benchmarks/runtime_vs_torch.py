@@ -379,10 +379,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--defaults", action="store_true",
                     help="a user's defaults: the whole batch to autopar, AdamW() as it comes, no "
                          "mesh description (live calibration, in a fresh cache directory)")
+    ap.add_argument("--preset", action="store_true",
+                    help="with --defaults: AUTOPAR_CALIBRATE=0, the cpu-gloo preset instead of the "
+                         "live calibration (what the defaults gave before it)")
     a = ap.parse_args(argv)
     if a.defaults and a.calibrate:
         ap.error("--defaults plans on the live calibration; --calibrate on its own link")
-    if a.defaults:
+    if a.defaults and a.preset:
+        os.environ["AUTOPAR_CALIBRATE"] = "0"
+    elif a.defaults:
         os.environ.pop("AUTOPAR_CALIBRATE", None)
         os.environ["AUTOPAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-cache-")
     else:  # the preset, or --calibrate's link: never the live calibration
@@ -408,7 +413,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"autopar MB planned (plan.collectives()) | "
           f"peak RSS MB per rank, hand / autopar | max loss difference |  (world {a.world}, "
           f"{a.steps or 'dp cases 100, others 20'} interleaved steps, "
-          + ("a user's defaults: whole batch, AdamW(), live calibration, " if a.defaults else
+          + (f"a user's defaults: whole batch, AdamW(), {'cpu-gloo preset' if a.preset else 'live calibration'}, "
+             if a.defaults else
              f"AdamW {a.optim} (tp cases: loop), "
              f"{'calibrated link' if a.calibrate else 'cpu-gloo preset'}, ")
           + f"load {load0:.2f} before)")
