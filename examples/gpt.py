@@ -123,11 +123,13 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--mesh", default="4")
-    ap.add_argument("--preset", default="cpu-gloo")
+    ap.add_argument("--preset", default=None,
+                    help="price the plan on this preset (default: measure the running job)")
     ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args()
     model, (tokens, labels) = build()
-    mesh = MeshSpec.preset(args.preset, shape=MeshSpec.parse_shape(args.mesh))
+    # a shape alone: the plan is priced on a calibration of this job (kept on disk)
+    mesh = MeshSpec.preset(args.preset, shape=MeshSpec.parse_shape(args.mesh)) if args.preset else args.mesh
     pmodel = auto_parallel(model, example_inputs=(tokens, labels), mesh=mesh)
     if pmodel.rank == 0:
         print(pmodel.plan)
