@@ -21,10 +21,9 @@ _PLACEMENT = re.compile(r"(R|P|S\(-?\d+\))")
 
 
 def mesh(value) -> MeshSpec:
-    """A :class:`MeshSpec` from ``mesh=``: a MeshSpec, ``None`` (the world as a 1-D mesh,
-    priced as the nearest GPU preset with this GPU's memory (:meth:`MeshSpec.for_device`)
-    where CUDA is available, else as ``cpu-gloo``), a shape (``"2x4"``, ``8``, ``(2, 4)``),
-    a preset name, JSON text or a JSON file."""
+    """A :class:`MeshSpec` from ``mesh=``: a MeshSpec, ``None`` (the world as a 1-D mesh)
+    or a shape (``"2x4"``, ``8``, ``(2, 4)``), each priced as :func:`_this_machine` says
+    until ``auto_parallel`` calibrates the job, a preset name, JSON text or a JSON file."""
     import os
 
     import torch.distributed as dist
@@ -33,10 +32,7 @@ def mesh(value) -> MeshSpec:
         return value
     if value is None:
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
-        if torch.cuda.is_available():  # the runtime computes on this rank's GPU (NCCL)
-            props = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0")))
-            return MeshSpec.for_device(props.name, props.total_memory, world)
-        return MeshSpec.preset("cpu-gloo", shape=(world,))
+        return _this_machine((world,))
     if isinstance(value, str) and (value.endswith(".json") or value.lstrip().startswith("{")):
         where = "the JSON text" if value.lstrip().startswith("{") else value
         try:
@@ -60,6 +56,21 @@ def mesh(value) -> MeshSpec:
         raise ConfigError(f"mesh={value!r}: {e}; a shape is positive ints like 8, '2x4' or (2, 4)") from None
     if any(n < 1 for n in shape):
         raise ConfigError(f"mesh={value!r}: every mesh axis needs at least one device")
+    return _this_machine(shape)
+
+
+def _this_machine(shape: tuple[int, ...]) -> MeshSpec:
+    """The figures a mesh of ``shape`` is priced on when only its shape is named: the
+    nearest GPU preset with this GPU's memory (:meth:`MeshSpec.for_device`) where CUDA is
+    available, else ``cpu-gloo`` (a shape on a GPU was priced as ``cpu-gloo`` before,
+    memory included)."""
+    import math
+    import os
+
+    if torch.cuda.is_available():  # the runtime computes on this rank's GPU (NCCL)
+        props = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0")))
+        spec = MeshSpec.for_device(props.name, props.total_memory, math.prod(shape))
+        return spec if len(shape) == 1 else spec.with_shape(shape)
     return MeshSpec.preset("cpu-gloo", shape=shape)
 
 

@@ -52,3 +52,20 @@ def test_the_cache_key_names_the_cluster(monkeypatch, tmp_path) -> None:
     monkeypatch.delenv("AUTOPAR_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert cache_dir() == tmp_path / "autopar"
+
+
+def test_a_shape_on_a_gpu_is_priced_as_that_gpu(monkeypatch) -> None:
+    # a shape named on a CUDA host was priced on cpu-gloo (8 GiB, CPU rates), and live
+    # calibration kept that memory: now the GPU's preset figures with its memory, as None is
+    import types
+
+    import torch
+    monkeypatch.delenv("AUTOPAR_CALIBRATE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: types.SimpleNamespace(name="NVIDIA H200", total_memory=141 * 2**30))
+    for value, shape in (("2x4", (2, 4)), (8, (8,)), (None, (1,))):
+        m = mesh(value)
+        assert m.shape == shape and m.mem_capacity == 141 * 2**30, (value, m)
+        assert "H200" in m.name and m.name.startswith("8xH100-nvlink figures")
+    assert _calibration(None, "2x4", mesh("2x4")).base.mem_capacity == 141 * 2**30
