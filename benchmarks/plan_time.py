@@ -181,15 +181,9 @@ def text_table(results: list[dict]) -> str:
 def machine() -> str:
     """A one-line description of the machine the numbers were taken on."""
     import torch
+    from autopar.cost_models.live import cpu_model
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     n = os.cpu_count()
     return (f"{n}-core CPU ({cpu}), {platform.system()} {platform.release()}, "
             f"Python {platform.python_version()}, torch {torch.__version__}")

@@ -31,8 +31,8 @@ from typing import Any
 
 from .mesh import MeshSpec
 
-__all__ = ["ENV", "VERSION", "cache_dir", "cache_path", "cluster_key", "default_on", "key_digest",
-           "live_mesh"]
+__all__ = ["ENV", "VERSION", "cache_dir", "cache_path", "cluster_key", "cpu_model", "default_on",
+           "key_digest", "live_mesh"]
 
 VERSION = 1
 """Part of the cache key: raised when what calibration measures changes, so files written
@@ -58,21 +58,25 @@ def cache_dir() -> Path:
     return Path(base) / "autopar"
 
 
+def cpu_model() -> str:
+    """This host's CPU model (``/proc/cpuinfo``'s ``model name``, else what ``platform``
+    says)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:  # pragma: no cover - no procfs (macOS)
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _device_name() -> str:
     """This rank's device: the GPU's name under CUDA, else the CPU's model and cores."""
     import torch
 
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(torch.cuda.current_device())
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:  # pragma: no cover - no procfs (macOS)
-        pass
-    return f"{model} x{os.cpu_count()}"
+    return f"{cpu_model()} x{os.cpu_count()}"
 
 
 def cluster_key(shape: Sequence[int], group: Any = None) -> dict[str, Any]:
