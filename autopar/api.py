@@ -263,7 +263,11 @@ def _calibration(calibrate: bool | None, mesh_arg, m: MeshSpec) -> Calibrate | N
         raise ConfigError(f"calibrate={calibrate!r}: expected True, False or None (default: "
                           "calibrate when no mesh description is named)")
     described = validate.describes_machine(mesh_arg)
-    if calibrate is False or (calibrate is None and (described or not default_on())):
+    try:
+        on = default_on()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if calibrate is False or (calibrate is None and (described or not on)):
         return None
     # on a CPU host without a description, calibration measures the host's memory; a GPU
     # (MeshSpec.for_device) or a named description keeps its device memory and reserve

@@ -44,9 +44,19 @@ ENV = "AUTOPAR_CALIBRATE"
 _log = logging.getLogger("autopar")
 
 
+_OFF = ("0", "off", "false", "no")
+_ON = ("", "1", "on", "true", "yes", "refresh")
+
+
 def default_on() -> bool:
-    """Whether live calibration is on by default (``AUTOPAR_CALIBRATE`` is not ``0``/``off``)."""
-    return os.environ.get(ENV, "").strip().lower() not in ("0", "off", "false", "no")
+    """Whether live calibration is on by default (``AUTOPAR_CALIBRATE`` unset, ``1``/``on``
+    or ``refresh``; ``0``/``off`` turn it off).  Any other value is a ValueError: a typo
+    must not silently decide which numbers a plan is priced on."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if value not in _OFF + _ON:
+        raise ValueError(f"{ENV}={os.environ[ENV]!r}: expected 0/off (plan on the presets), "
+                         "1/on (the default) or refresh (measure again)")
+    return value not in _OFF
 
 
 def cache_dir() -> Path:

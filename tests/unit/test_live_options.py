@@ -40,6 +40,11 @@ def test_calibration_follows_the_argument_the_mesh_and_the_environment(monkeypat
         assert _calibration(True, None, shape) is not None  # the argument wins
     with pytest.raises(ConfigError, match="calibrate='yes'"):
         _calibration("yes", None, shape)
+    monkeypatch.setenv("AUTOPAR_CALIBRATE", "refresh")
+    assert default_on()
+    monkeypatch.setenv("AUTOPAR_CALIBRATE", "nope")  # a typo decides nothing silently
+    with pytest.raises(ConfigError, match="AUTOPAR_CALIBRATE='nope'"):
+        _calibration(None, None, shape)
 
 
 def test_the_cache_key_names_the_cluster(monkeypatch, tmp_path) -> None:
