@@ -10,7 +10,7 @@ After: the same graph where
   placement) is shared by all consumers that need it);
 * ops whose local form differs from the global one are rewritten
   (:mod:`autopar.passes.localize`);
-* each output is made replicated and wrapped in ``scale_grad(1/world)`` so the loss
+* each output is made replicated and wrapped in ``scale_grad(1/world)`` (more than one device) so the loss
   seeds of all ranks sum to one (see the dual-placement convention in
   :mod:`autopar.runtime.collectives`); under ``batch="local"`` a batch-shaped output is
   returned as this rank's rows instead (``Shard(0)`` on :attr:`Decisions.local_axes`),
@@ -156,7 +156,8 @@ def lower(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
                     y = _scalar_output(g, a, src, dst, 1.0 / plan.mesh.size, shape)
                 if y is None:
                     y = emit_redistribution(g, a, src, dst, shape)
-                    y = g.call_function(C.scale_grad, (y, 1.0 / plan.mesh.size))
+                    if plan.mesh.size > 1:  # one device: the seed is already 1 (no op a step)
+                        y = g.call_function(C.scale_grad, (y, 1.0 / plan.mesh.size))
             new_args.append(y)
         else:
             new_args.append(a)

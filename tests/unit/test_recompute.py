@@ -37,8 +37,8 @@ F32 = 4
 
 @pytest.fixture(scope="module")
 def lowered() -> tuple[fx.GraphModule, tuple[torch.Tensor, ...]]:
-    """GPT with 4 blocks lowered on a 1-device mesh (only ``scale_grad`` is inserted,
-    so it runs without a process group)."""
+    """GPT with 4 blocks lowered on a 1-device mesh (no collective is inserted, so it runs
+    without a process group)."""
     model, ex = gpt.build(layers=4)
     cap = capture(model, ex)
     annotate(cap.gm)
