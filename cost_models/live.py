@@ -32,7 +32,7 @@ from typing import Any
 from .mesh import MeshSpec
 
 __all__ = ["ENV", "VERSION", "cache_dir", "cache_path", "cluster_key", "cpu_model", "default_on",
-           "key_digest", "live_mesh"]
+           "keep", "key_digest", "live_mesh"]
 
 VERSION = 1
 """Part of the cache key: raised when what calibration measures changes, so files written
@@ -149,6 +149,29 @@ def _write(path: Path, record: dict[str, Any]) -> bool:
         return False
 
 
+def _record(record: Any, key: dict[str, Any]) -> dict[str, Any]:
+    """What is kept for ``key``: the :class:`~autopar.cost_models.calibrate.Calibration`'s
+    MeshSpec JSON with the key in its ``"calibration"`` record."""
+    d = record.to_dict()
+    d["calibration"]["key"] = key
+    return d
+
+
+def keep(record: Any, shape: Sequence[int], group: Any = None) -> Path | None:
+    """Keep ``record`` (a :class:`~autopar.cost_models.calibrate.Calibration`, e.g. the full
+    one ``autopar calibrate --keep`` measures) as this cluster's calibration for a mesh
+    of ``shape``: :func:`live_mesh`, and so ``auto_parallel``, then plans on it instead of
+    measuring its quick one.  Every rank calls it (:func:`cluster_key`); rank 0 writes and
+    gets the path back (None elsewhere, or where the file could not be written)."""
+    import torch.distributed as dist
+
+    key = cluster_key(MeshSpec.parse_shape(tuple(shape)), group)
+    if dist.get_rank(group) != 0:
+        return None
+    path = cache_path(key)
+    return path if _write(path, _record(record, key)) else None
+
+
 def live_mesh(shape: Sequence[int], base: MeshSpec | None = None, refresh: bool | None = None,
               group: Any = None) -> MeshSpec:
     """The MeshSpec of the running job for a mesh of ``shape``: rank 0's cached
@@ -184,9 +207,7 @@ def live_mesh(shape: Sequence[int], base: MeshSpec | None = None, refresh: bool 
                              base=base, quick=True)
     ours: list[Any] = [None]
     if rank0:
-        d = record.to_dict()
-        d["calibration"]["key"] = key
-        where = f", kept in {path}" if _write(path, d) else ""
+        where = f", kept in {path}" if _write(path, _record(record, key)) else ""
         _log.info("autopar: calibrated %d %s ranks in %.1f s%s", world, backend, record.seconds, where)
         ours = [{"mesh": record.spec.to_dict(),
                  "name": f"calibrated on this job's {world} {backend} ranks in "

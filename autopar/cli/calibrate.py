@@ -72,6 +72,12 @@ def cmd_calibrate(args) -> int:
             except OSError as e:
                 raise CLIError(f"cannot write {args.out}: {e.strerror or e}") from None
             print(f"mesh written to {args.out} (use it with --mesh-json {args.out})")
+        if args.keep:
+            from autopar.cost_models.live import keep
+            kept = keep(record, shape or (world,))
+            if kept is not None:
+                print(f"kept as this cluster's calibration in {kept}: auto_parallel plans on "
+                      "it when no mesh description is named")
     finally:
         leave()  # rank 0 may still be writing: every rank waits for it
     return 0
@@ -119,6 +125,10 @@ def add_parser(sub) -> None:
     p.add_argument("--sizes", metavar="B,B,...",
                    help="message sizes, e.g. 4KiB,1MiB,4MiB (default 4KiB-4MiB on CPU, 64KiB-64MiB on GPU)")
     p.add_argument("--preset", help="preset supplying what is not measured (memory capacity)")
+    p.add_argument("--keep", action="store_true",
+                   help="also keep it as this cluster's calibration (autopar.cost_models.live): "
+                        "auto_parallel with no mesh description then plans on it instead of "
+                        "measuring its quick one")
     p.add_argument("--refine", metavar="MESH.json",
                    help="no measuring: rescale this mesh's compute and communication to the steps "
                         "--measurements holds (autopar check --store with this mesh); no torchrun")

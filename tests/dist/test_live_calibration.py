@@ -84,6 +84,16 @@ def live_cases(case: dict) -> dict:
         os.environ["AUTOPAR_CALIBRATE"] = "0"
         names["env"] = auto_parallel(model, example_inputs=(x, y), mesh=2).plan.mesh.name
         out = {"names": names, "files": sorted(p.name for p in cache.glob("*")) if cache.exists() else []}
+    elif case["id"] == "kept":
+        # what `autopar calibrate --keep` keeps (measured here quick, for time) is what the
+        # default then plans on, without measuring
+        from autopar.cost_models import measure_cluster
+        from autopar.cost_models.live import keep
+        record = measure_cluster(repeats=1, quick=True)
+        path = keep(record, (2,))
+        spec = auto_parallel(model, example_inputs=(x, y)).plan.mesh
+        out = {"path": str(path), "name": spec.name,
+               "same": _numbers(spec) == _numbers(MeshSpec.from_dict(record.spec.to_dict()))}
     elif case["id"] == "corrupt":
         path = cache_path(cluster_key((2,)))
         if dist.get_rank() == 0:
@@ -99,6 +109,7 @@ def test_live_calibration(tmp_path) -> None:
     cases = [{"id": "default", "dir": str(tmp_path / "default")},
              {"id": "rank0", "dir": str(tmp_path / "rank0"), "per_rank": True},
              {"id": "opt-out", "dir": str(tmp_path / "opt-out")},
+             {"id": "kept", "dir": str(tmp_path / "kept")},
              {"id": "corrupt", "dir": str(tmp_path / "corrupt")}]
     out = run_fn_cases(2, "tests.dist.test_live_calibration:live_cases", cases)
     for c in cases:
@@ -126,6 +137,10 @@ def test_live_calibration(tmp_path) -> None:
     o = out["opt-out"]
     assert o["names"] == {"calibrate=False": "cpu-gloo", "preset": "cpu-gloo", "env": "cpu-gloo"}
     assert o["files"] == []  # nothing measured, nothing kept
+
+    k = out["kept"]
+    assert k["path"].startswith(str(tmp_path / "kept")) and k["same"]
+    assert k["name"].startswith("calibrated on this cluster's 2 gloo ranks at") and k["path"] in k["name"]
 
     c = out["corrupt"]
     # the unreadable file was measured again (not planned on, not fatal) and replaced
