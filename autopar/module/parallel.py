@@ -159,8 +159,7 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         (:meth:`~autopar.runtime.pipeline.PipelineRunner.compile`).
         ``auto_parallel(..., compile=True)`` calls this."""
         if self.runner is not None:
-            if self.runner.compile(*args, **kwargs):
-                object.__setattr__(self, "_compiled", self.runner)
+            self.runner.compile(*args, **kwargs)
             return
         object.__setattr__(self, "_compiled", torch.compile(self.inner, *args, **kwargs))
 
@@ -168,6 +167,8 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
     def compiled(self) -> bool:
         """Whether the graph runs through ``torch.compile`` (:meth:`forward`'s, or the
         pipeline stages' under :meth:`train_step`)."""
+        if self.runner is not None:
+            return self.runner.compiled
         return self._compiled is not None
 
     def train_step(self, *args, **kwargs) -> torch.Tensor:

@@ -203,6 +203,11 @@ class PipelineRunner:
         self._compiled = {ch.stage: torch.compile(ch.module, *args, **kwargs) for ch in self.chunks}
         return True
 
+    @property
+    def compiled(self) -> bool:
+        """Whether the chunks' graphs run through ``torch.compile`` (:meth:`compile`)."""
+        return bool(self._compiled)
+
     # ------------------------------------------------------------ inputs
     def split_inputs(self, inputs: Sequence, chunk: int = 0) -> list[list]:
         """Per micro-batch, the inputs model chunk ``chunk`` reads.
