@@ -200,7 +200,7 @@ def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
     from autopar.cost_models import measure_cluster
     # --quick: what auto_parallel measures by default (cost_models/live.py), else the
     # full calibration of `autopar calibrate`
-    record = measure_cluster(repeats=3, quick=True) if args.get("quick") else measure_cluster()
+    record = measure_cluster(quick=True) if args.get("quick") else measure_cluster()
     if rank == 0:
         print(record.table(), flush=True)
         Path(out + ".calibration").write_text(record.table())

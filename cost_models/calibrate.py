@@ -258,11 +258,14 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
     (``mem_capacity``) and the link of an axis of one rank.
 
     ``quick=True`` is the calibration ``auto_parallel`` runs by default (about 10 s on 4
-    ranks of a 2-core CPU host against 28 s): three message sizes, a third of each rate's
-    run time, and fixed rounds for the three probes that scale with ``repeats`` here
-    (overlap 9 rounds, straggler 10 windows, drift 10 rounds, against 15, 45 and 60 at
-    ``repeats=5``); their estimates are noisier (see each probe's count below), which
-    the cache (:mod:`~autopar.cost_models.live`) pays once per cluster."""
+    ranks of a 2-core CPU host against 28 s): a third of each rate's run time and fixed
+    rounds for the three probes that scale with ``repeats`` here (overlap 9 rounds,
+    straggler 10 windows, drift 10 rounds, against 15, 45 and 60 at ``repeats=5``);
+    their estimates are noisier (see each probe's count below), which the cache
+    (:mod:`~autopar.cost_models.live`) pays once per cluster.  The collective curves
+    keep every size and ``repeats`` (0.8 s of the 28 at 5): with three sizes at 3
+    repetitions one slow 4 MiB sample set a run's bandwidth 1.4-1.8x below the others'
+    (2026-11-28) and its predicted steps 25% over the measured ones."""
     import torch
     import torch.distributed as dist
 
@@ -279,7 +282,7 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
     if cuda:
         device = torch.device("cuda", torch.cuda.current_device())
         dtype, mm_sizes, copy_bytes, opt_elems, min_s = torch.bfloat16, (2048, 4096, 8192), 2**28, 2**26, 0.2
-        default_sizes = (2**16, 2**20, 2**24, 2**26) if not quick else (2**16, 2**22, 2**26)
+        default_sizes = (2**16, 2**20, 2**24, 2**26)
 
         def sync() -> None:
             torch.cuda.synchronize(device)
@@ -287,7 +290,7 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
         device = torch.device("cpu")
         # Small enough to keep a CPU calibration to a few seconds per rank.
         dtype, mm_sizes, copy_bytes, opt_elems, min_s = torch.float32, (128, 256, 512), 2**25, 2**20, 0.25
-        default_sizes = (2**12, 2**16, 2**20, 2**22) if not quick else (2**12, 2**18, 2**22)
+        default_sizes = (2**12, 2**16, 2**20, 2**22)
 
         def sync() -> None:
             pass

@@ -203,7 +203,7 @@ def live_mesh(shape: Sequence[int], base: MeshSpec | None = None, refresh: bool 
     dist.broadcast_object_list(found, src=src, group=group)
     if found[0] is not None:
         return _named(MeshSpec.from_dict(found[0]["mesh"]), found[0]["name"])
-    record = measure_cluster(group=group, shape=shape if len(shape) > 1 else None, repeats=3,
+    record = measure_cluster(group=group, shape=shape if len(shape) > 1 else None, repeats=5,
                              base=base, quick=True)
     ours: list[Any] = [None]
     if rank0:
