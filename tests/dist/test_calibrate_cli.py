@@ -24,8 +24,10 @@ def test_calibrate_under_torchrun_writes_a_mesh_plan_reads(tmp_path: Path) -> No
     out = tmp_path / "mesh.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "autopar.cli",
-           "calibrate", "--out", str(out), "--repeats", "2", "--sizes", "4KiB,256KiB"]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=240, cwd=tmp_path)
+           "calibrate", "--out", str(out), "--repeats", "2", "--sizes", "4KiB,256KiB", "--keep"]
+    cache = tmp_path / "cache"
+    p = subprocess.run(cmd, capture_output=True, text=True, env={**_env(), "AUTOPAR_CACHE_DIR": str(cache)},
+                       timeout=240, cwd=tmp_path)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     assert p.stdout.count("mesh written to") == 1, p.stdout  # rank 0 only
     spec = MeshSpec.from_json(out)
@@ -34,6 +36,12 @@ def test_calibrate_under_torchrun_writes_a_mesh_plan_reads(tmp_path: Path) -> No
     assert record["world"] == 2 and record["backend"] == "gloo"
     assert sorted(record["curves"]) == sorted(f"axis0/{k}" for k in (
         "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"))
+    # --keep: the same calibration kept as this cluster's, for auto_parallel's default
+    assert p.stdout.count("kept as this cluster's calibration") == 1, p.stdout
+    (kept,) = cache.glob("calibration-*.json")
+    kept_d = json.loads(kept.read_text())
+    assert kept_d["calibration"]["key"]["world"] == 2 and kept_d["calibration"]["quick"] is False
+    assert MeshSpec.from_dict(kept_d) == spec
     # the file plans: autopar plan --mesh-json takes it as it is
     plan = subprocess.run([sys.executable, "-m", "autopar.cli", "plan",
                            str(ROOT / "examples/gpt.py:build"), "--factory-args", "layers=1",
