@@ -236,7 +236,12 @@ def build_parallel_module(model: nn.Module, example_inputs: tuple, mesh: MeshSpe
     pm = ParallelModule(gm, p, cap.aliases, cap.in_spec, cap.out_spec, cap.state_keys, full,
                         runtime, info=info, binder=binder, batch=batch)
     pm.training = model.training  # the mode the graph was captured in
-    if runtime and _compiles(pm, compile):
+    # compile= is not the default, even on a GPU where the compiled graph measured 0.84x
+    # torch.compile of the plain model (docs/benchmarks.md, one GPU): the plan's step and
+    # memory are priced for the eager graph (the compiled one measured 0.67x its step and
+    # 0.85x its peak there).  Data, tensor, ZeRO-3, context, expert and pipeline
+    # parallelism are tested compiled (tests/dist/test_compiled.py)
+    if runtime and compile:
         pm.compile()
         if not pm.compiled:
             log.info("compile=True: the zero-bubble schedule's stages run eagerly")
@@ -272,18 +277,6 @@ def _calibration(calibrate: bool | None, mesh_arg, m: MeshSpec) -> Calibrate | N
     # on a CPU host without a description, calibration measures the host's memory; a GPU
     # (MeshSpec.for_device) or a named description keeps its device memory and reserve
     return Calibrate(base=m if described or torch.cuda.is_available() else None)
-
-
-def _compiles(pm: ParallelModule, asked: bool) -> bool:
-    """``compile=`` as given.
-
-    Not the default, even on a GPU where the compiled graph measured 0.84x
-    ``torch.compile`` of the plain model (docs/benchmarks.md, one GPU): the plan's
-    step and memory are priced for the eager graph (the compiled one measured 0.67x
-    its step and 0.85x its peak there).  Data, tensor, ZeRO-3, context, expert and
-    pipeline parallelism are tested compiled (tests/dist/test_compiled.py); the
-    zero-bubble schedule runs eagerly (:meth:`ParallelModule.compile`)."""
-    return asked
 
 
 def _from_rank0(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

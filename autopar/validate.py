@@ -18,6 +18,9 @@ from autopar.plan.decisions import check_options
 
 SEARCHES = ("auto", "ilp", "drec")
 _PLACEMENT = re.compile(r"(R|P|S\(-?\d+\))")
+_SHAPE_TEXT = re.compile(r"[\d\sx*,-]+")
+"""A ``mesh=`` string that can only be a shape ("8", "2x4", "2, 4"): anything else names a
+preset (what :func:`mesh` parses and :func:`describes_machine` tells apart)."""
 
 
 def mesh(value) -> MeshSpec:
@@ -45,7 +48,7 @@ def mesh(value) -> MeshSpec:
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"mesh={value!r}: {where} is not a mesh description ({e}); "
                               "see MeshSpec.to_json for the format") from None
-    if isinstance(value, str) and not re.fullmatch(r"[\d\sx*,-]+", value):
+    if isinstance(value, str) and not _SHAPE_TEXT.fullmatch(value):
         if value not in PRESET_NAMES:
             raise ConfigError(f"mesh={value!r}: unknown preset; presets: {', '.join(PRESET_NAMES)}; "
                               "or give a shape like '8' or '2x4', or a JSON file")
@@ -80,7 +83,7 @@ def describes_machine(value) -> bool:
     described machine as given and measures the running job otherwise."""
     if isinstance(value, MeshSpec):
         return True
-    return isinstance(value, str) and not re.fullmatch(r"[\d\sx*,-]+", value)
+    return isinstance(value, str) and not _SHAPE_TEXT.fullmatch(value)
 
 
 def placement_string(key: str, value) -> None:

@@ -26,6 +26,7 @@ import platform
 import socket
 import tempfile
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -48,15 +49,20 @@ _OFF = ("0", "off", "false", "no")
 _ON = ("", "1", "on", "true", "yes", "refresh")
 
 
-def default_on() -> bool:
-    """Whether live calibration is on by default (``AUTOPAR_CALIBRATE`` unset, ``1``/``on``
-    or ``refresh``; ``0``/``off`` turn it off).  Any other value is a ValueError: a typo
-    must not silently decide which numbers a plan is priced on."""
+def _setting() -> str:
+    """``AUTOPAR_CALIBRATE``, normalised; any value but those of ``_OFF`` and ``_ON`` is a
+    ValueError: a typo must not silently decide which numbers a plan is priced on."""
     value = os.environ.get(ENV, "").strip().lower()
     if value not in _OFF + _ON:
         raise ValueError(f"{ENV}={os.environ[ENV]!r}: expected 0/off (plan on the presets), "
                          "1/on (the default) or refresh (measure again)")
-    return value not in _OFF
+    return value
+
+
+def default_on() -> bool:
+    """Whether live calibration is on by default (``AUTOPAR_CALIBRATE`` unset, ``1``/``on``
+    or ``refresh``; ``0``/``off`` turn it off; anything else is a ValueError)."""
+    return _setting() not in _OFF
 
 
 def cache_dir() -> Path:
@@ -186,7 +192,7 @@ def live_mesh(shape: Sequence[int], base: MeshSpec | None = None, refresh: bool 
     from .calibrate import measure_cluster
 
     if refresh is None:
-        refresh = os.environ.get(ENV, "").strip().lower() == "refresh"
+        refresh = _setting() == "refresh"
     shape = MeshSpec.parse_shape(tuple(shape))
     key = cluster_key(shape, group)
     path = cache_path(key)
@@ -220,6 +226,4 @@ def live_mesh(shape: Sequence[int], base: MeshSpec | None = None, refresh: bool 
 
 def _named(spec: MeshSpec, source: str) -> MeshSpec:
     """``spec`` named for the summary (the plan says which numbers it was priced on)."""
-    from dataclasses import replace
-
     return replace(spec, name=source)
