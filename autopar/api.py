@@ -45,7 +45,7 @@ def _mesh(mesh: MeshSpec | str | tuple | None) -> MeshSpec:
 
 def _capture_and_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec,
                       example_kwargs: dict | None, opts: PlanOptions) -> tuple[Captured, Plan]:
-    from autopar.search.joint import joint_plan
+    from autopar.search.entry import joint_plan
     return joint_plan(model, example_inputs, mesh, opts, example_kwargs)
 
 

@@ -52,7 +52,13 @@ def mesh(value) -> MeshSpec:
         if value not in PRESET_NAMES:
             raise ConfigError(f"mesh={value!r}: unknown preset; presets: {', '.join(PRESET_NAMES)}; "
                               "or give a shape like '8' or '2x4', or a JSON file")
-        return MeshSpec.preset(value)
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 0))
+        # under torchrun a preset named without a shape is this job's device count, its
+        # shape searched; planning alone keeps the preset's default shape
+        try:
+            return MeshSpec.preset(value, devices=world) if world > 1 else MeshSpec.preset(value)
+        except ValueError as e:  # e.g. more ranks than a one-node preset's node
+            raise ConfigError(f"mesh={value!r} with {world} ranks: {e}") from None
     try:
         shape = MeshSpec.parse_shape(value)
     except (ValueError, TypeError) as e:

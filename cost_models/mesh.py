@@ -128,6 +128,10 @@ class MeshSpec:
     over); 1.0 on the GPU
     presets (not measured).  Calibration keeps its base preset's value: probes of one
     layer came out 1.02-1.63 on the same host, too noisy to plan with."""
+    search_shape: bool = False
+    """Only the device count is given (:meth:`preset` with ``devices=``): the planner
+    searches the mesh shape (:mod:`autopar.search.mesh_shapes`) and ``shape`` is the
+    count as one axis until then.  :meth:`with_shape` names a shape and clears it."""
 
     def __post_init__(self) -> None:
         """Normalise sequences to tuples and validate every field (ValueError on bad input)."""
@@ -270,16 +274,24 @@ class MeshSpec:
         name: str,
         shape: tuple[int, ...] | str | None = None,
         axis_names: Sequence[str] | None = None,
+        devices: int | None = None,
     ) -> MeshSpec:
         """A mesh for a known cluster (see :data:`PRESET_NAMES`), optionally reshaped.
 
         Single-node presets default to shape ``(8,)`` and reject shapes larger than a node;
-        multinode presets default to ``(4, 8)`` (nodes x GPUs per node).
+        multinode presets default to ``(4, 8)`` (nodes x GPUs per node).  ``devices``
+        instead of ``shape``: that many devices, whose mesh shape the planner searches
+        (:attr:`search_shape`).
         """
         if name not in _PRESETS:
             raise ValueError(f"unknown mesh preset {name!r}; known presets: {', '.join(PRESET_NAMES)}")
+        if devices is not None and (shape is not None or isinstance(devices, bool)
+                                    or not isinstance(devices, int) or devices < 1):
+            raise ValueError(f"devices={devices!r}: give a positive device count, and no shape "
+                             "with it (the shape is what the planner then searches)")
         p = _PRESETS[name]
-        dims = p.default_shape if shape is None else cls.parse_shape(shape)
+        dims = (devices,) if devices is not None else p.default_shape if shape is None \
+            else cls.parse_shape(shape)
         where = f"preset {name!r}" + (f" ({p.hint})" if p.hint else "")
         return cls(
             shape=dims,
@@ -299,6 +311,7 @@ class MeshSpec:
             reserve_fraction=p.reserve_fraction,
             flat_ring=p.flat_ring,
             split_backward=p.split_backward,
+            search_shape=devices is not None,
         )
 
     def with_shape(
@@ -325,7 +338,7 @@ class MeshSpec:
             )
         if axis_names is None:
             axis_names = self.axis_names if len(dims) == self.ndim else ()
-        return replace(self, shape=dims, axis_names=tuple(axis_names), links=links)
+        return replace(self, shape=dims, axis_names=tuple(axis_names), links=links, search_shape=False)
 
     @classmethod
     def for_device(cls, device_name: str, total_memory: float, world: int) -> MeshSpec:
@@ -374,6 +387,7 @@ class MeshSpec:
             "sync_seconds": self.sync_seconds,
             "sync_window": self.sync_window,
             "split_backward": self.split_backward,
+            "search_shape": self.search_shape,
         }
 
     @classmethod

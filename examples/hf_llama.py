@@ -32,14 +32,15 @@ FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def build(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, vocab: int = 128,
-          batch: int = 8, seq: int = 16, meta: bool = False):
+          batch: int = 8, seq: int = 16, meta: bool = False, ffn: int | None = None):
     """Factory for ``autopar plan examples/hf_llama.py:build``: a ``LlamaForCausalLM``
     (GQA) of the given size, no positional inputs, and a keyword batch
     ``{"input_ids", "labels"}``.  ``meta=True`` builds it on the meta device, so sizes
-    far beyond this machine's memory plan without allocating weights."""
+    far beyond this machine's memory plan without allocating weights; ``ffn``: the MLP's
+    width (default 2.75 x ``hidden``; Llama-3 8B's is 14336)."""
     import transformers as tf
 
-    cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 2.75),
+    cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn or int(hidden * 2.75),
                          num_hidden_layers=layers, num_attention_heads=heads,
                          num_key_value_heads=kv_heads, max_position_embeddings=max(64, seq))
     with torch.device("meta" if meta else "cpu"):

@@ -115,5 +115,17 @@ def decision_options(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-__all__ = ["CLIError", "decision_options", "parse_bytes", "parse_kv", "parse_pins",
+__all__ = ["CLIError", "decision_options", "device_counts", "parse_bytes", "parse_kv", "parse_pins",
            "parse_recompute"]
+
+
+def device_counts(text: str) -> list[int]:
+    """``--devices``: ``"64"`` or ``"8,16,32"`` as positive ints (CLIError otherwise)."""
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or any(n < 1 for n in counts):
+        raise CLIError(f"bad --devices {text!r}: expected a device count such as 64, or several "
+                       "such as 8,16,32")
+    return counts

@@ -37,6 +37,7 @@ from autopar.cli.args import (
     CLIError,
     _literal,
     decision_options,
+    device_counts,
     parse_bytes,
     parse_kv,
     parse_pins,
@@ -170,6 +171,13 @@ def make_mesh(args):
                                                        else "")
                        + f"; known presets: {', '.join(PRESET_NAMES)}")
     shape = None
+    if getattr(args, "devices", None):  # autopar plan's (autopar check has none)
+        if args.mesh:
+            raise CLIError("give --mesh (a shape) or --devices (a count, its shape searched), not both")
+        try:
+            return MeshSpec.preset(preset, devices=device_counts(args.devices)[0])
+        except ValueError as e:
+            raise CLIError(f"--devices {args.devices} with --preset {preset}: {e}") from None
     if args.mesh:
         try:
             shape = MeshSpec.parse_shape(args.mesh)
@@ -189,6 +197,8 @@ def cmd_plan(args) -> int:
     from autopar.cli.tools import format_timings, progress_wanted
 
     mesh = make_mesh(args)
+    if args.scaling and not args.devices:
+        raise CLIError("--scaling draws a curve over several counts: give --devices 8,16,32,...")
     pins = parse_pins(args.pin)
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
     if args.time_limit is not None and args.time_limit <= 0:
@@ -197,6 +207,10 @@ def cmd_plan(args) -> int:
     fargs = {k: _literal(v) for k, v in parse_kv(args.factory_args, "--factory-args").items()}
     module, factory = load_factory(args.target)
     model, inputs, kwargs = build_model(module, factory, fargs, args.target)
+    if args.devices and len(device_counts(args.devices)) > 1:
+        from autopar.cli.tools import run_scaling
+        return run_scaling(args, model, inputs, kwargs, device_counts(args.devices), mesh.name,
+                           dict(pins=pins, memory_budget=budget, search=args.search, **decisions))
 
     t0 = time.perf_counter()
     try:
@@ -274,6 +288,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "example_inputs()")
     p.add_argument("--mesh", help="mesh shape, e.g. 8 or 2x4 (default: the preset's)")
     p.add_argument("--preset", help="hardware preset (default: cpu-gloo)")
+    p.add_argument("--devices", metavar="N[,N...]",
+                   help="a device count whose mesh shape is searched with the plan; several "
+                   "(8,16,32) print a scaling curve: the best plan at each count, the example "
+                   "batch being the first count's and the rows per device kept")
+    p.add_argument("--scaling", metavar="OUT.png", help="with several --devices: draw the curve")
     p.add_argument("--mesh-json", help="mesh description written by MeshSpec.to_json "
                    "(--mesh then reshapes it)")
     p.add_argument("--json", metavar="OUT.json", help="write the plan as JSON")

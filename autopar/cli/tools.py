@@ -7,6 +7,8 @@
     autopar explain plan.json zero linear_3 model.layers.0
     autopar diff a.json b.json            # what differs: layout, step, memory, nodes
 
+``autopar plan ... --devices 8,16,32`` prints a scaling curve (:func:`run_scaling`).
+
 A plan is a JSON file written by ``autopar plan --json`` / ``plan.to_json`` or an
 export directory (its ``plan.json`` is read).
 """
@@ -15,9 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from autopar.cli.args import CLIError
+from autopar.log import show
 from autopar.search.budget import Phase
 
 if TYPE_CHECKING:
@@ -195,3 +200,32 @@ def cli_warnings():
 
 __all__ = ["add_parsers", "cli_warnings", "format_timings", "progress_wanted", "setup_logging", "cmd_diff", "cmd_explain", "cmd_presets", "presets_table", "read_plan"]
 
+
+def run_scaling(args, model, inputs: tuple, kwargs: dict | None, counts: list[int], preset: str,
+                options: dict) -> int:
+    """``autopar plan ... --devices 8,16,32``: the scaling curve
+    (:func:`autopar.scaling.scaling_curve`) as a table, ``--json`` and ``--scaling``."""
+    from autopar.scaling import draw_scaling, scaling_curve, scaling_json, scaling_table
+
+    t0 = time.perf_counter()
+    with show(progress_wanted(args), args.time_limit):
+        points = scaling_curve(model, inputs, example_kwargs=kwargs, preset=preset, devices=counts,
+                               time_limit=args.time_limit, progress=False, **options)
+    if args.format == "json":
+        print(scaling_json(points))
+    else:
+        print(f"scaling on {preset}: the best plan at each device count, the batch of "
+              f"{points[0].batch} at {counts[0]} devices kept per device; (est.): priced from the "
+              "model's shallow copy, as the search explores")
+        print(scaling_table(points))
+        if not args.quiet:
+            print(f"searched in {time.perf_counter() - t0:.1f} s")
+    for out, write in ((args.json, lambda path: Path(path).write_text(scaling_json(points) + "\n")),
+                       (args.scaling, lambda path: draw_scaling(points, path))):
+        if out:
+            try:
+                write(out)
+            except OSError as e:
+                raise CLIError(f"cannot write {out}: {e.strerror or e}") from None
+            print(f"scaling curve written to {out}", file=sys.stderr)
+    return 0

@@ -181,6 +181,12 @@ class Decisions:
     :mod:`autopar.search.buckets` (or ``bucket_bytes=`` each); the runtime reduces
     exactly these.  Empty in plans made before buckets were planned: the runtime then
     falls back to 4 MiB buckets."""
+    mesh_shapes: list[dict[str, Any]] = field(default_factory=list)
+    """When the mesh shape was searched (``MeshSpec.preset(name, devices=N)``): each shape
+    considered, fastest first, with its best plan's predicted ``step_seconds`` (None: no
+    plan fits or none could beat the chosen shape), ``memory``, ``layout``, whether it
+    was ``estimated`` from the shallow copy and a ``note`` (:mod:`autopar.search.mesh_shapes`).
+    Empty for a mesh given whole."""
     collectives: list[dict[str, Any]] = field(default_factory=list)
     """What :meth:`Plan.collectives` lists (:class:`autopar.plan.collectives.Collective`
     in JSON form), computed from the captured graph when the plan is made."""
@@ -416,8 +422,10 @@ DECISIONS: tuple[Decision, ...] = (
 
 RESULT_FIELDS: tuple[str, ...] = (
     "global_batch", "stage_seconds", "stage_memory", "step_seconds", "why", "stage_parts",
-    "breakdown", "collectives")
-""":class:`Decisions` fields that are no decision: the numbers that justify them."""
+    "breakdown", "collectives", "mesh_shapes")
+""":class:`Decisions` fields that are no decision: the numbers that justify them (the
+mesh shapes weighed justify ``Plan.request.mesh_shape``, which the ``mesh`` argument, not a
+keyword, forces)."""
 
 SEARCH_KNOBS: tuple[str, ...] = ("explore", "blocks", "progress")
 """Keywords that steer the search without deciding anything of the plan."""

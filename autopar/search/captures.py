@@ -94,6 +94,8 @@ class JointCaptures:
         only the chosen split is captured at full depth; True when on.  Not when the
         user's options name layers of that list (a pin, ``recompute=``), nor for
         ``blocks=`` (the model is shallow already)."""
+        if self._shallow is not None and not self._exact:
+            return True  # shared by another search of the same model (JointSearch.share)
         found = None if self._exact or self.opts.blocks is not None else repeated_list(self.model)
         if found is None:
             return False

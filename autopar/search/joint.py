@@ -19,14 +19,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-import warnings
 
 from torch import nn
 
 from autopar.capture.batch import AnyBatch
 from autopar.capture.trace import Captured
 from autopar.cost_models import MeshSpec, format_bytes
-from autopar.errors import AutoparWarning, PlanError, user_stacklevel
+from autopar.errors import PlanError
 from autopar.log import report, show
 from autopar.plan.data import Plan, zero_words
 from autopar.plan.decisions import Decisions, Schedule
@@ -41,7 +40,6 @@ from autopar.search.budget import Phase, TimeBudget
 from autopar.search.captures import JointCaptures, request
 from autopar.search.collectives import list_collectives
 from autopar.search.forced import check_forced
-from autopar.search.node_prices import precision_warning
 from autopar.search.op_placement import PlanOptions, local_axes, make_weighted_plans
 from autopar.search.shallow import (
     KEEP,
@@ -82,6 +80,9 @@ class JointSearch(JointCaptures, JointSpace):
         self._shallow: tuple[nn.Module, int, str] | None = None
         self._exact = False
         self._mismatch = False  # a confirmed split priced otherwise than its estimate
+        # the best step another search found (autopar/search/mesh_shapes.py: another mesh
+        # shape's): a split or config bounded above it cannot win here either
+        self.incumbent = math.inf
         self.timings: dict[str, float] = {}
         # time_limit split among the search's phases (autopar/search/budget.py); one per pass of _run
         self._clock = TimeBudget(opts.time_limit, self._uncharged)
@@ -146,7 +147,7 @@ class JointSearch(JointCaptures, JointSpace):
     def _price(self, cand: _Candidate) -> None:
         link = stage_link(cand.full, cand.stages)
         best = self._best()
-        cut = best[1].step_seconds if best is not None else math.inf
+        cut = min(best[1].step_seconds if best is not None else math.inf, self.incumbent)
         for cfg in self._configs(cand):
             if cand.stages > 1:
                 # a pipeline's split search is O(stages x layers^2) per config (80 layers
@@ -257,18 +258,24 @@ class JointSearch(JointCaptures, JointSpace):
         runs ``micro`` micro-batches, the others fill and drain at the least share any
         schedule of the split leaves).  The split is recorded with its bound."""
         best = self._best()
+        bar = min(best[1].step_seconds if best is not None else math.inf, self.incumbent)
         lb = self._split_floor(stages, micro)
-        if best is None or lb is None or lb <= best[1].step_seconds * (1.0 + 1e-9):
+        if lb is None or lb <= bar * (1.0 + 1e-9):
             return False
         cand = _Candidate(stages, micro, None, None, [], self.mesh, estimate, axis=axis)  # type: ignore[arg-type]
         self.priced.append((cand, Priced(Config(stages, micro, pipeline_axis=axis), [], math.inf,
                                          math.inf, bound=lb)))
         self._say(f"{split_words(stages, axis, 'stages')}, micro-batches {micro}: not searched, "
                   + (f"its compute and kernel launches alone take at least {lb * 1e3:.3f} ms per step, over the best "
-                     f"{best[1].step_seconds * 1e3:.3f} ms" if math.isfinite(lb) else
+                     f"{bar * 1e3:.3f} ms" if math.isfinite(lb) else
                      f"{len(self._with_stats().stats)} layers cannot fill {stages} stages "
                      "(a layer per stage at least)"))
         return True
+
+    def share(self, other: JointSearch) -> None:
+        """Use ``other``'s captures and shallow copy: the same model and call planned on
+        another mesh (:mod:`autopar.search.mesh_shapes`) captures nothing twice."""
+        self.captures, self._generic, self._shallow = other.captures, other._generic, other._shallow
 
     def run(self) -> tuple[Captured, Plan]:
         """Search and return the chosen capture (at the micro-batch size) and plan."""
@@ -277,7 +284,13 @@ class JointSearch(JointCaptures, JointSpace):
 
     def _run(self) -> tuple[Captured, Plan]:
         t0 = time.perf_counter()
-        # a budget per pass (a second one follows estimates that proved wrong)
+        first = self._begin()
+        self._widen(first)
+        return self._finish(t0)
+
+    def _begin(self) -> tuple[int, int, int]:
+        """A fresh budget (one per pass: a second follows estimates that proved wrong)
+        and the first candidate, the plain one or the forced split; returns its split."""
         self._clock = TimeBudget(self.opts.time_limit, self._uncharged)
         self._stopped = set()
         stages, axis = self._forced_splits()[0]
@@ -287,6 +300,10 @@ class JointSearch(JointCaptures, JointSpace):
             self._stage_options()  # forced stages: refuse tied weights across layers now
             for p, a in self._forced_splits()[1:]:  # the forced count from the other axes
                 self._try(p, first[1], math.inf, estimate=self._shallow is not None, axis=a)
+        return first
+
+    def _widen(self, first: tuple[int, int, int]) -> None:
+        """The other splits, when memory pressure or ``explore`` asks for them."""
         forced = self.opts.pipeline_stages is not None or self.opts.micro_batches is not None
         best = self._best()
         # memory pressure already costs time (ZeRO where the split without it does not
@@ -311,6 +328,9 @@ class JointSearch(JointCaptures, JointSpace):
             if not est and self._best() is not None:
                 self._clock.explore_all()  # nothing will be estimated: nothing to confirm
             self._explore(first, est)
+
+    def _finish(self, t0: float) -> tuple[Captured, Plan]:
+        """The confirm phase: the best estimates planned at full depth, then the plan."""
         self._clock.enter(Phase.CONFIRM)
         if self._best() is None:
             # no split fits with the fastest placements: let the budget shape them (in the
@@ -465,21 +485,5 @@ class JointSearch(JointCaptures, JointSpace):
         plan.memory["total"] = worst.total_memory
         return plan
 
-def joint_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOptions,
-               example_kwargs: dict | None = None) -> tuple[Captured, Plan]:
-    """Run :class:`JointSearch`; warnings raised while planning are kept on the plan."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        cap, p = JointSearch(model, example_inputs, mesh, opts, example_kwargs).run()
-    for w in caught:
-        if str(w.message) not in p.warnings:
-            p.warnings.append(str(w.message))
-    slow = precision_warning(cap.gm, mesh, opts.precision)
-    if slow:
-        p.warnings.append(slow)
-    for msg in p.warnings:  # shown with every plan, not once per process
-        warnings.warn(msg, AutoparWarning, stacklevel=user_stacklevel())
-    return cap, p
 
-
-__all__ = ["JointSearch", "batch_size", "joint_plan", "micro_inputs", "request", "split_mesh"]
+__all__ = ["JointSearch", "batch_size", "micro_inputs", "request", "split_mesh"]

@@ -1,0 +1,39 @@
+"""The search's entry point: one mesh's joint search (:mod:`autopar.search.joint`), or
+the mesh shape searched from a device count (:mod:`autopar.search.mesh_shapes`)."""
+
+from __future__ import annotations
+
+import warnings
+
+from torch import nn
+
+from autopar.capture.trace import Captured
+from autopar.cost_models import MeshSpec
+from autopar.errors import AutoparWarning, user_stacklevel
+from autopar.plan.data import Plan
+from autopar.search.joint import JointSearch
+from autopar.search.mesh_shapes import ShapeSearch
+from autopar.search.node_prices import precision_warning
+from autopar.search.op_placement import PlanOptions
+
+__all__ = ["joint_plan"]
+
+
+def joint_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOptions,
+               example_kwargs: dict | None = None) -> tuple[Captured, Plan]:
+    """Run :class:`~autopar.search.joint.JointSearch`, or
+    :class:`~autopar.search.mesh_shapes.ShapeSearch` when only the device count is given
+    (``mesh.search_shape``); warnings raised while planning are kept on the plan."""
+    search = ShapeSearch if mesh.search_shape else JointSearch
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cap, p = search(model, example_inputs, mesh, opts, example_kwargs).run()
+    for w in caught:
+        if str(w.message) not in p.warnings:
+            p.warnings.append(str(w.message))
+    slow = precision_warning(cap.gm, p.mesh, opts.precision)
+    if slow:
+        p.warnings.append(slow)
+    for msg in p.warnings:  # shown with every plan, not once per process
+        warnings.warn(msg, AutoparWarning, stacklevel=user_stacklevel())
+    return cap, p

@@ -1,0 +1,148 @@
+"""The mesh shape searched from a device count, and the scaling curve (issue 47).
+
+The search's promise is checked against what a user would otherwise do: plan each shape
+they could have named and keep the fastest.  Every shape's plan here is a real search on
+a small GPT; nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import autopar
+from autopar import MeshSpec
+from autopar.cli.main import main as cli_main
+from autopar.errors import ConfigError
+from autopar.plan import Plan
+from autopar.scaling import scaling_curve, scaling_table
+from autopar.search.mesh_shapes import _respects_nodes, shape_options
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "examples"))
+import gpt  # noqa: E402
+
+H100 = "multinode-h100-ib"
+
+
+def _gpt(batch: int = 16):
+    return gpt.build(layers=2, dim=64, heads=4, seq=32, batch=batch)
+
+
+def test_shapes_respect_nodes():
+    m = MeshSpec.preset(H100, devices=64)
+    assert m.search_shape and m.shape == (64,)
+    assert shape_options(m) == [(64,), (32, 2), (16, 4), (8, 8), (4, 16), (2, 32)]
+    # a node of 8 cuts through a group of 3 (4x3) or of 12: not shapes of this cluster
+    assert not _respects_nodes((4, 3), 8) and not _respects_nodes((12,), 8)
+    assert _respects_nodes((4, 16), 8) and _respects_nodes((2, 4), 8)
+    with pytest.raises(ConfigError, match="12 devices on nodes of 8"):
+        shape_options(MeshSpec.preset(H100, devices=12))
+    # one host (cpu-gloo): no node boundary, every factorisation
+    assert shape_options(MeshSpec.preset("cpu-gloo", devices=6)) == [(6,), (3, 2), (2, 3)]
+
+
+def test_preset_devices_flag_round_trips():
+    m = MeshSpec.preset(H100, devices=16)
+    assert MeshSpec.from_dict(json.loads(m.to_json())) == m
+    assert not m.with_shape((2, 8)).search_shape  # a named shape is not searched
+    for bad in (0, -8, True, 2.5):
+        with pytest.raises(ValueError, match="devices="):
+            MeshSpec.preset(H100, devices=bad)
+    with pytest.raises(ValueError, match="no shape with it"):
+        MeshSpec.preset(H100, shape=(2, 8), devices=16)
+
+
+def test_searched_shape_beats_every_named_one():
+    """The chosen plan is never predicted slower than the best plan of any shape the user
+    could have named (each planned by its own search), and the plan says which shapes it
+    weighed."""
+    model, inputs = _gpt()
+    p = autopar.plan(model, inputs, MeshSpec.preset(H100, devices=16), time_limit=10)
+    named = {s: autopar.plan(model, inputs, MeshSpec.preset(H100, shape=s), time_limit=10)
+             for s in shape_options(MeshSpec.preset(H100, devices=16))}
+    best = min(q.decisions.step_seconds for q in named.values())
+    assert p.decisions.step_seconds <= best * (1 + 1e-9)
+    chosen = tuple(p.request.mesh_shape)
+    assert chosen in named and math.prod(chosen) == 16
+    # the chosen shape's own search finds the same step: the plan is that shape's plan
+    assert p.decisions.step_seconds == pytest.approx(named[chosen].decisions.step_seconds, rel=1e-9)
+    rows = p.decisions.mesh_shapes
+    assert [tuple(r["shape"]) for r in rows if r["note"] == "chosen"] == [chosen]
+    assert {tuple(r["shape"]) for r in rows} == set(named)
+    steps = [r["step_seconds"] for r in rows if r["step_seconds"] is not None]
+    assert steps == sorted(steps) and steps[0] == p.decisions.step_seconds
+    text = p.explain("mesh")
+    assert f"of the {len(named)} shapes of 16 devices" in text
+    for s in named:
+        assert "x".join(map(str, s)) in text
+    # the record survives JSON
+    q = Plan.from_json(p.to_json())
+    assert q.decisions.mesh_shapes == rows and q.explain("mesh") == text
+
+
+def test_forced_split_skips_shapes_that_cannot_hold_it():
+    """pipeline_axis=1 has no meaning on the one-axis shape: that shape is skipped and
+    said so, the others are searched."""
+    model, inputs = _gpt()
+    p = autopar.plan(model, inputs, MeshSpec.preset(H100, devices=8), time_limit=10,
+                     pipeline_stages=2, pipeline_axis=1, micro_batches=2)
+    assert len(p.request.mesh_shape) == 2 and p.decisions.pipeline_stages == 2
+    notes = {tuple(r["shape"]): r["note"] for r in p.decisions.mesh_shapes}
+    assert notes[(8,)].startswith("not searched")
+
+
+def test_preset_without_shape_under_torchrun_is_the_world(monkeypatch):
+    from autopar import validate
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    m = validate.mesh("cpu-gloo")
+    assert m.search_shape and m.size == 4
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    with pytest.raises(ConfigError, match="with 16 ranks"):
+        validate.mesh("8xH100-nvlink")
+    monkeypatch.delenv("WORLD_SIZE")
+    assert not validate.mesh("cpu-gloo").search_shape  # planning alone: the preset's shape
+
+
+def test_scaling_curve_keeps_rows_per_device():
+    model, inputs = _gpt(batch=8)
+    pts = scaling_curve(model, inputs, preset=H100, devices=[8, 16, 32], time_limit=15)
+    assert [p.devices for p in pts] == [8, 16, 32]
+    assert [p.batch for p in pts] == [8, 16, 32]
+    assert all(math.prod(p.shape) == p.devices for p in pts)
+    assert pts[0].efficiency == 1.0 and all(0 < p.efficiency <= 1.5 for p in pts)
+    # tokens/s is the batch's tokens over the step, the first count planned at full depth
+    assert pts[0].tokens_per_second == pytest.approx(8 * 32 / pts[0].step_seconds)
+    assert not pts[0].estimated
+    table = scaling_table(pts)
+    assert all(f"{n:>7}" in table for n in (8, 16, 32))
+    with pytest.raises(ConfigError, match="whole number of rows"):
+        scaling_curve(model, inputs, preset=H100, devices=[16, 3], time_limit=5)
+    with pytest.raises(ConfigError, match="positive device counts"):
+        scaling_curve(model, inputs, preset=H100, devices=[], time_limit=5)
+
+
+def test_cli_devices(tmp_path, capsys):
+    target = f"{ROOT / 'examples' / 'gpt.py'}:build"
+    small = ["--factory-args", "layers=2", "dim=64", "batch=16", "--time-limit", "10", "-q"]
+    assert cli_main(["plan", target, "--preset", H100, "--devices", "16", "--explain", "mesh",
+                     *small]) == 0
+    assert "of the 4 shapes of 16 devices" in capsys.readouterr().out
+    assert cli_main(["plan", target, "--preset", H100, "--devices", "16", "--mesh", "2x8", *small]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert cli_main(["plan", target, "--preset", H100, "--devices", "8,x", *small]) == 2
+    out = tmp_path / "curve.json"
+    png = tmp_path / "curve.png"
+    assert cli_main(["plan", target, "--preset", H100, "--devices", "8,16", "--json", str(out),
+                     "--scaling", str(png), *small]) == 0
+    text = capsys.readouterr().out
+    assert "efficiency" in text
+    rows = json.loads(out.read_text())
+    assert [r["devices"] for r in rows] == [8, 16] and png.stat().st_size > 1000
+    assert torch.tensor([r["efficiency"] for r in rows])[0] == 1.0
