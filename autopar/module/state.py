@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.errors import AutoparError
 from autopar.plan.placement import parse_placements
+from autopar.runtime.dparams import as_dtensor
 from autopar.runtime.shards import gather_tensor, shard_tensor
 
 
@@ -59,6 +60,14 @@ class TensorInfo:
         return cls(**{k: frozenset(v) for k, v in (d or {}).items()})
 
 
+def _flat_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # each parameter's optimizer state under its own name: pipeline stages hold different
+    # parameters, and torch's default numbering would collide across them (docs/training.md)
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 class StateMixin:
     """``state_dict`` / ``load_state_dict`` under original names (see module docstring).
 
@@ -68,7 +77,6 @@ class StateMixin:
     def _state_tensor(self, t: str) -> torch.Tensor:
         e = self._entry.get(t)
         if self.zero is not None and t in self.zero.targets():
-            from autopar.runtime.dparams import as_dtensor
             zp = self.zero._by_target[t]
             whole = zp.full.detach() if zp.full is not None else self.zero.local_whole(t)
             pl = self._placements[t]
@@ -137,6 +145,54 @@ class StateMixin:
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     # ------------------------------------------------------------ checkpoints
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """(model, optimizer) state dicts to save with DCP that load into any plan, on
+        any number of ranks, ZeRO's included: torch's ``get_state_dict(self, optimizer,
+        flatten_optimizer_state_dict=True)``, with the optimizer state of every ZeRO
+        parameter in the parameter's own shape and placements instead of this plan's
+        flat slices.  Collective: that state is gathered over the ZeRO axes, so it
+        briefly takes the memory ZeRO saved.  To resume, take these as the target,
+        ``dcp.load`` into them and pass them to :meth:`load_checkpoint_state`
+        (docs/training.md)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(self, optimizer, options=_flat_options())
+        for key, t, v in self._zero_state(osd):
+            whole = self.zero.whole_of(t, v.to_local())
+            osd[key] = as_dtensor(whole, self._dparams.mesh, self._placements[t],
+                                  tuple(self._param_nodes[t].shape[0]))
+        return msd, osd
+
+    def load_checkpoint_state(self, optimizer: torch.optim.Optimizer, model_state: dict,
+                              optim_state: dict) -> None:
+        """Load what :meth:`checkpoint_state` gave (after ``dcp.load`` filled it) into
+        this module and ``optimizer``: ZeRO parameters' state is cut back to this plan's
+        flat slices."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        osd = dict(optim_state)
+        for key, t, v in self._zero_state(osd):
+            e = self._entry[t]
+            local = v.redistribute(self._dparams.mesh, self._placements[t]).to_local()
+            osd[key] = as_dtensor(self.zero.chunk_of(t, local).clone(), self._dparams.mesh,
+                                  e.placements, e.shape)
+        set_state_dict(self, optimizer, model_state_dict=model_state, optim_state_dict=osd, options=_flat_options())
+
+    def _zero_state(self, osd: dict) -> list[tuple[str, str, DTensor]]:
+        """(key, target, tensor) of every optimizer state tensor of a ZeRO parameter in
+        ``osd`` (flattened keys ``state.<name>.<kind>``; a DTensor: the step count is a
+        plain scalar), in key order, the same on every rank, so the gathers line up."""
+        if self.zero is None or self._dparams is None:
+            return []
+        owner = {n: t for t in self.zero.targets() for n in self.aliases[t] if t in self._entry}
+        out = []
+        for key in sorted(osd):
+            name = key[len("state."):].rsplit(".", 1)[0] if key.startswith("state.") else None
+            v, t = osd[key], owner.get(name)
+            if t is not None and isinstance(v, DTensor):
+                out.append((key, t, v))
+        return out
+
     def _load_targets(self, full_state: Mapping[str, torch.Tensor], coord) -> None:
         pieces = {}
         for t, _ in self._targets():

@@ -355,16 +355,29 @@ class Zero(OrderedBuckets):
         src = zp.shard.grad if grad else zp.shard.detach()
         if src is None:
             return None
-        return _all_gather_flat(src.detach(), self.axes)[: zp.numel].view(zp.shape).clone()
+        return self.whole_of(target, src)
 
-    def load_whole(self, target: str, whole: torch.Tensor) -> None:
-        """Set ``target`` from this rank's whole (TP-local) tensor."""
+    def whole_of(self, target: str, chunk: torch.Tensor) -> torch.Tensor:
+        """This rank's whole (TP-local) tensor from every rank's shard-shaped ``chunk`` of
+        ``target`` (the shard itself, its gradient or its optimizer state); collective over
+        the ZeRO axes."""
+        zp = self._by_target[target]
+        return _all_gather_flat(chunk.detach(), self.axes)[: zp.numel].view(zp.shape).clone()
+
+    def chunk_of(self, target: str, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's shard-shaped chunk of ``target``'s whole (TP-local) tensor: the
+        flattened whole, zero-padded, cut as the shard is (no collective)."""
         zp = self._by_target[target]
         d, r = current().size_of(self.axes), current().coord_of(self.axes)
         c = zp.shard.numel()
         flat = torch.nn.functional.pad(whole.reshape(-1), (0, c * d - zp.numel))
+        return flat[r * c:(r + 1) * c]
+
+    def load_whole(self, target: str, whole: torch.Tensor) -> None:
+        """Set ``target`` from this rank's whole (TP-local) tensor."""
+        zp = self._by_target[target]
         with torch.no_grad():
-            zp.shard.copy_(flat[r * c:(r + 1) * c])
+            zp.shard.copy_(self.chunk_of(target, whole))
             if zp.full is not None:
                 zp.full.copy_(whole.view(zp.shape))
         self._versions = [p.shard._version for p in self.params]

@@ -1,4 +1,5 @@
-"""A run checkpointed on 4 ranks resumes on 2 (issue 47's resume line, with today's API).
+"""A run checkpointed on 4 ranks resumes on 2, and one on 2 resumes on 4 (issue 47's
+resume line, with today's API).
 
 Four gloo ranks train examples/gpt.py (2 layers) data parallel with AdamW, save model
 and optimizer through DCP after step 5 (as docs/training.md shows) and go on to step 10
@@ -7,7 +8,7 @@ with the Megatron pins (another world and another layout), load the step-5 check
 and train steps 6-10 on the same global batches (``batch="global"``: every rank passes
 the whole batch, so a new world changes nothing the loop passes).  Parameters after step
 10 must equal the uninterrupted run's, and the optimizer's state must have come through
-(its step count and moments).  The plan fixes no ZeRO: ZeRO's flat optimizer slices load
+(its step count and moments).  The other way, 2 ranks (TP2) save and 4 (DP4) resume.  The plan fixes no ZeRO: ZeRO's flat optimizer slices load
 only into the same plan (docs/training.md).
 """
 
@@ -15,12 +16,15 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from tests.dist.harness import run_fn_cases
 from tests.dist.test_equivalence import MEGATRON
 
 DP = {"*": "R", "input:0": "S(0)", "input:1": "S(0)"}
+# what each run plans: auto_parallel's pins and forced decisions
+LAYOUTS = {"dp": {"pins": DP}, "tp": {"pins": MEGATRON["gpt"]}, "zero3": {"pins": DP, "zero_stage": 3}}
 STEPS, SAVE_AT = 10, 5
 
 
@@ -51,7 +55,8 @@ def _moments(pm, opt) -> dict:
 
 
 def train(case: dict) -> dict:
-    """Every rank: 4 ranks train 1-10 and save after 5; 2 ranks resume from it."""
+    """Every rank: the first world trains 1-10 and saves after 5; ``case["resume_world"]``
+    ranks resume from it.  4 ranks run data parallel, 2 Megatron tensor parallel."""
     import gpt
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -66,21 +71,26 @@ def train(case: dict) -> dict:
 
     reset()
     world = dist.get_world_size()
-    resumed = world == 2
+    resumed = world == case["then"]
     torch.manual_seed(1 if resumed else 0)  # the resumed run's own weights must be replaced
     model, _ = gpt.build(layers=2)
-    pins = MEGATRON["gpt"] if resumed else DP
-    pm = auto_parallel(model, example_inputs=_batch(1), mesh=(world,), pins=pins)
+    pm = auto_parallel(model, example_inputs=_batch(1), mesh=(world,),
+                       **LAYOUTS[case["then_layout" if resumed else "first_layout"]])
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    # torch's own calls (docs/training.md), or pm.checkpoint_state: the form ZeRO needs
+    ours = case["api"] == "autopar"
     out: dict = {"layout": next(ln for ln in pm.plan.summary().splitlines() if "layout" in ln)}
     first = 1
     if resumed:
-        msd, osd = get_state_dict(pm, opt, options=flat)
+        msd, osd = pm.checkpoint_state(opt) if ours else get_state_dict(pm, opt, options=flat)
         state = {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=case["ckpt"])
-        set_state_dict(pm, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=flat)
+        if ours:
+            pm.load_checkpoint_state(opt, state["model"], state["optim"])
+        else:
+            set_state_dict(pm, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                           options=flat)
         out["loaded"] = _moments(pm, opt)
         first = SAVE_AT + 1
     for step in range(first, STEPS + 1):
@@ -88,7 +98,7 @@ def train(case: dict) -> dict:
         pm(*_batch(step)).backward()
         opt.step()
         if step == SAVE_AT and not resumed:
-            msd, osd = get_state_dict(pm, opt, options=flat)
+            msd, osd = pm.checkpoint_state(opt) if ours else get_state_dict(pm, opt, options=flat)
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=case["ckpt"])
             out["saved"] = _moments(pm, opt)
     full = pm.full_state_dict()
@@ -99,20 +109,30 @@ def train(case: dict) -> dict:
     return out
 
 
-def test_resume_on_half_the_ranks(tmp_path) -> None:
-    case = {"id": "run", "ckpt": str(tmp_path / "ckpt"), "dir": str(tmp_path)}
-    four = run_fn_cases(4, "tests.dist.test_resume_world:train", [case])["run"]
-    assert "error" not in four, four.get("error")
-    two = run_fn_cases(2, "tests.dist.test_resume_world:train", [case])["run"]
-    assert "error" not in two, two.get("error")
-    assert "DP4" in four["layout"] and "TP2" in two["layout"], (four["layout"], two["layout"])
+@pytest.mark.parametrize("first,first_layout,then,then_layout,api", [
+    (4, "dp", 2, "tp", "torch"), (2, "tp", 4, "dp", "torch"),
+    # ZeRO-3's flat optimizer slices, through pm.checkpoint_state, into plain data
+    # parallelism on half the ranks, and from it back into ZeRO-3 on twice as many
+    (4, "zero3", 2, "dp", "autopar"), (2, "dp", 4, "zero3", "autopar"),
+], ids=["dp4-to-tp2", "tp2-to-dp4", "zero3x4-to-dp2", "dp2-to-zero3x4"])
+def test_resume_on_another_world(tmp_path, first: int, first_layout: str, then: int,
+                                 then_layout: str, api: str) -> None:
+    case = {"id": "run", "ckpt": str(tmp_path / "ckpt"), "dir": str(tmp_path), "then": then,
+            "first_layout": first_layout, "then_layout": then_layout, "api": api}
+    saved = run_fn_cases(first, "tests.dist.test_resume_world:train", [case])["run"]
+    assert "error" not in saved, saved.get("error")
+    resumed = run_fn_cases(then, "tests.dist.test_resume_world:train", [case])["run"]
+    assert "error" not in resumed, resumed.get("error")
+    words = {"dp": "DP", "tp": "TP", "zero3": "ZeRO-3"}
+    for layout, got in ((first_layout, saved["layout"]), (then_layout, resumed["layout"])):
+        assert words[layout] in got and (layout == "zero3" or "ZeRO" not in got), got
     # the optimizer's state came through: the step count and the moments as saved (the
     # loaded values are the saved bytes, summed in float64 in another placement's order)
-    assert four["saved"]["steps"] == two["loaded"]["steps"] == [float(SAVE_AT)]
+    assert saved["saved"]["steps"] == resumed["loaded"]["steps"] == [float(SAVE_AT)]
     for key in ("exp_avg", "exp_avg_sq"):
-        assert abs(two["loaded"][key] - four["saved"][key]) <= 1e-9 * max(1.0, abs(four["saved"][key]))
-    a = torch.load(four["params"])
-    b = torch.load(two["params"])
+        assert abs(resumed["loaded"][key] - saved["saved"][key]) <= 1e-9 * max(1.0, abs(saved["saved"][key]))
+    a = torch.load(saved["params"])
+    b = torch.load(resumed["params"])
     assert sorted(a) == sorted(b)
     # after step 10 the resumed run equals the uninterrupted one.  Tolerance: the two
     # worlds sum each gradient in another order (4 data-parallel shards all-reduced
