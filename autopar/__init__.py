@@ -22,6 +22,7 @@ from autopar.errors import (
     MeshMismatchError,
     PlanError,
 )
+from autopar.module.checkpoint import load_checkpoint, save_checkpoint
 from autopar.plan.data import Plan
 from autopar.verify import verify
 
@@ -48,5 +49,5 @@ def load(directory, batch: str = "global", timeout: float = 600.0) -> ParallelMo
 __all__ = [
     "AutoparError", "AutoparWarning", "CallMismatchError", "CaptureError", "ExportError", "LazyParallel", "LoadError", "MeshMismatchError",
     "MeshSpec", "ParallelModule", "Partial", "Plan", "PlanError", "Replicate", "Shard", "auto_parallel",
-    "load", "plan", "verify",
+    "load", "load_checkpoint", "plan", "save_checkpoint", "verify",
 ]

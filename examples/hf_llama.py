@@ -8,7 +8,8 @@ called as ``model(**batch)``.  The loop is the usual one: ``DistributedSampler``
 ``pm.data_parallel_rank`` / ``pm.data_parallel_size`` (``batch="local"``: each rank
 loads only its part), AdamW, a warm-up + cosine LR schedule, ``clip_grad_norm_``, and a
 ``torch.distributed.checkpoint`` checkpoint every ``--every`` steps that a second run
-resumes from (model, optimizer, scheduler and step).
+resumes from (model, optimizer, scheduler and step), on as many ranks as it finds: the
+global batch stays, each data-parallel rank's share follows the new world.
 """
 
 from __future__ import annotations
@@ -20,15 +21,10 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# optimizer state saved per parameter name: a pipelined plan's stages hold different
-# parameters, whose param_groups a nested state dict would merge (docs/training.md)
-FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def build(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, vocab: int = 128,
@@ -74,16 +70,10 @@ def main(argv: list[str] | None = None) -> list[float]:
     warmup, total = 2, max(args.steps, 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
-    step = 0
     ckpt = Path(args.ckpt)
-    if (ckpt / ".metadata").exists():  # resume: every rank loads its own shards
-        msd, osd = get_state_dict(pm, opt, options=FLAT)
-        state = {"model": msd, "optim": osd, "sched": sched.state_dict(), "step": 0}
-        dcp.load(state, checkpoint_id=ckpt)
-        set_state_dict(pm, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=FLAT)
-        sched.load_state_dict(state["sched"])
-        step = int(state["step"])
+    # resume from the last checkpoint, whatever plan and world saved it (None: none yet)
+    saved = autopar.load_checkpoint(pm, opt, ckpt, scheduler=sched)
+    step = saved["step"] if saved else 0
 
     sampler = DistributedSampler(TensorDataset(data), num_replicas=pm.data_parallel_size,
                                  rank=pm.data_parallel_rank, shuffle=True, seed=0, drop_last=True)
@@ -114,9 +104,7 @@ def main(argv: list[str] | None = None) -> list[float]:
                 print(f"step {step}: loss {loss.item():.4f}  grad-norm {float(norm):.3f}  "
                       f"lr {sched.get_last_lr()[0]:.2e}", flush=True)
             if step % args.every == 0:
-                msd, osd = get_state_dict(pm, opt, options=FLAT)
-                dcp.save({"model": msd, "optim": osd, "sched": sched.state_dict(), "step": step},
-                         checkpoint_id=ckpt)
+                autopar.save_checkpoint(pm, opt, ckpt, scheduler=sched, step=step)
     pm.eval()
     with torch.no_grad():
         ids = data[: args.batch // pm.data_parallel_size]
