@@ -146,3 +146,18 @@ def test_cli_devices(tmp_path, capsys):
     rows = json.loads(out.read_text())
     assert [r["devices"] for r in rows] == [8, 16] and png.stat().st_size > 1000
     assert torch.tensor([r["efficiency"] for r in rows])[0] == 1.0
+
+
+@pytest.mark.parametrize("devices", [8, 1024])
+def test_every_shape_of_a_cluster_is_weighed(devices):
+    """Plans only, as on the issue's 8 and 1,024 devices: every shape of the count is in
+    the record, each with a plan or a reason, and the chosen one is the fastest."""
+    model, inputs = _gpt(batch=devices)
+    p = autopar.plan(model, inputs, MeshSpec.preset(H100, devices=devices), time_limit=20)
+    rows = p.decisions.mesh_shapes
+    assert sorted(tuple(r["shape"]) for r in rows) == sorted(
+        shape_options(MeshSpec.preset(H100, devices=devices)))
+    assert math.prod(p.request.mesh_shape) == devices
+    finite = [r["step_seconds"] for r in rows if r["step_seconds"] is not None]
+    assert min(finite) == p.decisions.step_seconds
+    assert all(r["layout"] or r["note"] for r in rows)
