@@ -14,6 +14,19 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, torch.roll(tokens, -1, dims=1)
 
 
+def _losses(module) -> list[float]:
+    """Three AdamW steps of ``module`` (the parallel one or the plain model)."""
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    out = []
+    for step in range(3):
+        loss = module(*_batch(step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(float(loss.detach()))
+    return out
+
+
 def train(case: dict) -> dict:
     """Every rank: plan with mesh="cpu-gloo", train 3 AdamW steps, return rank 0's view."""
     import gpt
@@ -23,14 +36,7 @@ def train(case: dict) -> dict:
 
     model, _ = gpt.build(layers=2, dim=64, heads=4, seq=32, batch=8)
     pm = auto_parallel(model, example_inputs=_batch(0), mesh="cpu-gloo")
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
-    losses = []
-    for step in range(3):
-        loss = pm(*_batch(step))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
+    losses = _losses(pm)
     shapes = [None] * dist.get_world_size()
     dist.all_gather_object(shapes, list(pm.plan.request.mesh_shape))
     return {"shapes": shapes, "searched": [r["shape"] for r in pm.plan.decisions.mesh_shapes],
@@ -41,15 +47,7 @@ def _reference() -> list[float]:
     import gpt
 
     model, _ = gpt.build(layers=2, dim=64, heads=4, seq=32, batch=8)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    out = []
-    for step in range(3):
-        loss = model(*_batch(step))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(float(loss))
-    return out
+    return _losses(model)
 
 
 def test_preset_without_shape_searches_the_worlds_shape() -> None:
