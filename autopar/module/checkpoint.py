@@ -8,12 +8,20 @@ elastic ``torchrun --nnodes MIN:MAX``) plans for the world it finds and loads th
 checkpoint into that plan, ZeRO's optimizer state included.  The checkpoint also records
 how it was saved (world, layout, data-parallel ranks, global batch), and loading logs what
 changed, at WARNING so it shows without logging configured.
+
+A job can die while it saves (that is when nodes are lost), so a save never overwrites the
+checkpoint a restart would load: each goes into a numbered directory under ``path``
+(``000001``, ``000002``, ...), and only once DCP has written all of it does rank 0 point
+``path/latest`` at it (written to a temporary file and renamed: never half a pointer)
+and remove the ones before the last ``keep``.  Loading reads ``latest``; a directory
+holding a DCP checkpoint of its own (``.metadata``) loads as it is.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,18 +52,50 @@ def _record(pm: ParallelModule, extra: dict[str, Any]) -> str:
                        "micro_batches": d.micro_batches, "extra": extra})
 
 
+def _from_rank0(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (it alone reads the pointer: one answer)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _latest(path: Path) -> int | None:
+    """The number ``path/latest`` names, on every rank; None without one."""
+    n = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            n = int((path / "latest").read_text().strip())
+        except (OSError, ValueError):
+            n = None
+    return _from_rank0(n)
+
+
 def save_checkpoint(pm: ParallelModule, optimizer: torch.optim.Optimizer, path: str | os.PathLike,
-                    scheduler: Any = None, **extra: Any) -> None:
-    """Save ``pm``, ``optimizer`` (and ``scheduler``) with DCP into directory ``path``, in
-    the form any plan loads; ``extra``: plain JSON values (``step=100``) that
+                    scheduler: Any = None, keep: int = 2, **extra: Any) -> None:
+    """Save ``pm``, ``optimizer`` (and ``scheduler``) with DCP under directory ``path``, in
+    the form any plan loads, as the next numbered checkpoint, keeping the last ``keep``
+    (module docstring); ``extra``: plain JSON values (``step=100``) that
     :func:`load_checkpoint` returns.  Collective: every rank calls it."""
+    import torch.distributed.checkpoint as dcp
+
+    if keep < 1:
+        raise ValueError(f"keep={keep}: at least the checkpoint just saved is kept")
+    path = Path(path)
+    n = (_latest(path) or 0) + 1
     msd, osd = pm.checkpoint_state(optimizer)
     state: dict[str, Any] = {"model": msd, "optim": osd, _RECORD: _record(pm, extra)}
     if scheduler is not None:
         state["sched"] = scheduler.state_dict()
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save(state, checkpoint_id=str(path))
+    dcp.save(state, checkpoint_id=str(path / f"{n:06d}"))  # returns once the metadata is written
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        tmp = path / f".latest.{os.getpid()}"
+        tmp.write_text(f"{n}\n")
+        os.replace(tmp, path / "latest")
+        for old in path.iterdir():
+            if old.is_dir() and old.name.isdigit() and int(old.name) <= n - keep:
+                shutil.rmtree(old, ignore_errors=True)
 
 
 def load_checkpoint(pm: ParallelModule, optimizer: torch.optim.Optimizer, path: str | os.PathLike,
@@ -65,9 +105,14 @@ def load_checkpoint(pm: ParallelModule, optimizer: torch.optim.Optimizer, path: 
     ``extra`` values, or None when ``path`` holds no checkpoint (a first start).  When the
     world or the layout changed, says what changed (the ``autopar`` logger, WARNING).
     Collective."""
-    if not (Path(path) / ".metadata").exists():
-        return None
     import torch.distributed.checkpoint as dcp
+
+    given = path = Path(path)
+    if not (path / ".metadata").exists():
+        n = _latest(path)
+        if n is None:
+            return None
+        path = path / f"{n:06d}"
 
     msd, osd = pm.checkpoint_state(optimizer)
     state: dict[str, Any] = {"model": msd, "optim": osd, _RECORD: ""}
@@ -80,7 +125,7 @@ def load_checkpoint(pm: ParallelModule, optimizer: torch.optim.Optimizer, path: 
     saved = json.loads(state[_RECORD])
     message = changes(saved, json.loads(_record(pm, {})))
     if message and pm.rank == 0:
-        log.warning("resumed %s: %s", path, message)
+        log.warning("resumed %s from %s: %s", given, path.name, message)
     return saved["extra"]
 
 
