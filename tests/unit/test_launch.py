@@ -195,3 +195,31 @@ def test_autopar_run_checks_and_really_runs(plans, tmp_path):
     assert "--standalone --nproc-per-node 2" in p.stderr
     assert sorted((tmp_path / f"rank{r}.txt").read_text().split(" ")[:2] == ["2", "1.0"]
                   for r in range(2)) == [True, True]
+
+
+def test_elastic_jobs(plans, tmp_path):
+    """--elastic MIN: SLURM takes MIN-MAX nodes and keeps the job when one fails, torchrun
+    re-forms the job over what is left (tests/dist/test_elastic.py runs that), and the
+    PyTorchJob is the operator's elastic form, valid against its CRD."""
+    text = slurm_script(plans["h100"], "train.py", elastic=1)
+    assert "#SBATCH --nodes=1-2" in text and "#SBATCH --no-kill" in text
+    assert '--nnodes "1:$SLURM_NNODES" --max-restarts 3' in text
+    f = tmp_path / "job.sbatch"
+    f.write_text(text)
+    assert subprocess.run(["bash", "-n", str(f)]).returncode == 0
+    # outside its range the script refuses before srun
+    env = {**os.environ, "SLURM_NNODES": "3", "SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "127.0.0.1"}
+    bad = subprocess.run(["bash", str(f)], env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "runs on 1 to 2 nodes, this one has 3" in bad.stderr
+    job = pytorchjob(plans["h100"], "train.py", image="reg/train:1", elastic=1)
+    _validate(job)
+    assert job["spec"]["elasticPolicy"] == {"rdzvBackend": "c10d", "minReplicas": 1, "maxReplicas": 2,
+                                            "maxRestarts": 3}
+    assert list(job["spec"]["pytorchReplicaSpecs"]) == ["Worker"]
+    assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 2
+    for bad_min in (0, 3):
+        with pytest.raises(LaunchError, match="--elastic"):
+            slurm_script(plans["h100"], "train.py", elastic=bad_min)
+    # without it, nothing changes: a fixed job
+    assert "--no-kill" not in slurm_script(plans["h100"], "train.py")
+    assert "elasticPolicy" not in pytorchjob(plans["h100"], "train.py", image="i")["spec"]
