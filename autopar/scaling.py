@@ -20,14 +20,12 @@ import json
 import math
 from collections.abc import Sequence
 
-import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from autopar.api import _options
 from autopar.cost_models import MeshSpec, format_bytes
 from autopar.errors import ConfigError
-from autopar.plan.splits import batch_size
+from autopar.plan.splits import batch_rows, batch_size
 from autopar.report.summary import summary_numbers
 from autopar.search.mesh_shapes import ShapeSearch
 
@@ -64,16 +62,6 @@ class ScalePoint:
         return d
 
 
-def _scaled(call, batch: int, rows: int):
-    """``call`` (a pytree of inputs) with every tensor whose dim 0 is ``batch`` repeated
-    row by row to ``rows`` rows."""
-    def grow(x):
-        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch:
-            return x[torch.arange(rows, device=x.device) % batch]
-        return x
-    return pytree.tree_map(grow, call)
-
-
 def scaling_curve(model: nn.Module, example_inputs: tuple | None = None, *, preset: str,
                   devices: Sequence[int], example_kwargs: dict | None = None,
                   time_limit: float = 30.0, **options) -> list[ScalePoint]:
@@ -99,7 +87,7 @@ def scaling_curve(model: nn.Module, example_inputs: tuple | None = None, *, pres
     first_pace: float | None = None
     for n in counts:
         rows = b0 * n // counts[0]
-        args, kwargs = _scaled(call, b0, rows)
+        args, kwargs = batch_rows(call, rows)
         mesh = MeshSpec.preset(preset, devices=n)
         if first is None:
             search = ShapeSearch(model, args, mesh, opts, kwargs)
@@ -107,7 +95,7 @@ def scaling_curve(model: nn.Module, example_inputs: tuple | None = None, *, pres
             first = next(iter(search.searches.values()))
             nums = summary_numbers(p)
             per_row = (nums["model_flops_per_step"] / rows, nums["tokens_per_step"] / rows)
-            best = search._result(tuple(p.request.mesh_shape))
+            best = search.result(tuple(p.request.mesh_shape))
             best = dataclasses.replace(best, layout=nums["layout"], step_seconds=p.decisions.step_seconds,
                                        memory=p.memory.get("total", 0.0), estimated=False)
         else:

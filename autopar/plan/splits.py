@@ -32,10 +32,20 @@ def micro_inputs(example_inputs, micro_batches: int):
     b = batch_size(example_inputs)
     if b % micro_batches:
         raise PlanError(f"the batch of {b} does not split into {micro_batches} micro-batches")
-    m = b // micro_batches
-    return pytree.tree_map(
-        lambda x: x[:m] if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == b else x,
-        example_inputs)
+    return batch_rows(example_inputs, b // micro_batches)
+
+
+def batch_rows(example_inputs, rows: int):
+    """A pytree of inputs with every tensor whose dim 0 is the batch given ``rows`` rows:
+    its first ones (a view) when fewer, its rows repeated in turn when more (a scaling
+    curve's larger counts, :mod:`autopar.scaling`); the structure is kept."""
+    b = batch_size(example_inputs)
+
+    def resize(x):
+        if not (isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == b):
+            return x
+        return x[:rows] if rows <= b else x[torch.arange(rows, device=x.device) % b]
+    return pytree.tree_map(resize, example_inputs)
 
 
 def pipeline_splits(shape: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -142,5 +152,5 @@ def micro_counts(batch: int, stages: int) -> list[int]:
     return [m for m in opts if m >= stages] or opts[-1:]
 
 
-__all__ = ["batch_size", "micro_counts", "micro_inputs", "pipeline_mesh", "pipeline_splits", "plan_ranks", "split_mesh",
+__all__ = ["batch_rows", "batch_size", "micro_counts", "micro_inputs", "pipeline_mesh", "pipeline_splits", "plan_ranks", "split_mesh",
            "split_words", "stage_ranks"]
