@@ -73,7 +73,7 @@ class JointSearch(JointCaptures, JointSpace):
         self._generic: AnyBatch | bool | None = None  # the shallow copy's (or blocks= model's) any-batch capture
         self.priced: list[tuple[_Candidate, Priced]] = []
         self._config_lists: dict[tuple, list[Config]] = {}  # _configs' lists by what they depend on
-        # _best's answer so far, per ``exact``: (the list it read, how much of it, best, its key)
+        # best()'s answer so far, per ``exact``: (the list it read, how much of it, best, its key)
         self._best_seen: dict[bool, tuple[list, int, tuple | None, tuple | None]] = {}
         # (the model with its layer list cut to KEEP, the list's depth and path) while
         # candidates are estimated from it (autopar/search/shallow.py); _exact: never again
@@ -85,7 +85,7 @@ class JointSearch(JointCaptures, JointSpace):
         self.incumbent = math.inf
         self.timings: dict[str, float] = {}
         # time_limit split among the search's phases (autopar/search/budget.py); one per pass of _run
-        self._clock = TimeBudget(opts.time_limit, self._uncharged)
+        self._clock = TimeBudget(opts.time_limit, self.uncharged)
         self._stopped: set[Phase] = set()  # phases that ran out of their share
         self._validate()
 
@@ -146,7 +146,7 @@ class JointSearch(JointCaptures, JointSpace):
 
     def _price(self, cand: _Candidate) -> None:
         link = stage_link(cand.full, cand.stages)
-        best = self._best()
+        best = self.best()
         cut = min(best[1].step_seconds if best is not None else math.inf, self.incumbent)
         for cfg in self._configs(cand):
             if cand.stages > 1:
@@ -167,7 +167,7 @@ class JointSearch(JointCaptures, JointSpace):
             if pr.feasible:
                 cut = min(cut, pr.step_seconds)
 
-    def _best(self, exact: bool = False) -> tuple[_Candidate, Priced] | None:
+    def best(self, exact: bool = False) -> tuple[_Candidate, Priced] | None:
         """The fastest feasible config (``exact``: among those priced at full depth);
         on ties the first of the simplest (fewer stages, micro-batches, lower ZeRO).
         ``self.priced`` only grows between its reassignments, so the search asked so far
@@ -194,7 +194,7 @@ class JointSearch(JointCaptures, JointSpace):
         """One finished step for the progress display and the log (:mod:`autopar.log`)."""
         report(msg, done=True)
 
-    def _uncharged(self) -> float:
+    def uncharged(self) -> float:
         """Seconds not charged to the time limit: capture and annotation (they depend on
         the model and the machine's load, not on the search)."""
         return self.timings.get("capture", 0.0) + self.timings.get("annotate", 0.0)
@@ -257,7 +257,7 @@ class JointSearch(JointCaptures, JointSpace):
         :func:`~autopar.search.stages.dp.split_lower_bound`'s pipeline (the slowest stage
         runs ``micro`` micro-batches, the others fill and drain at the least share any
         schedule of the split leaves).  The split is recorded with its bound."""
-        best = self._best()
+        best = self.best()
         bar = min(best[1].step_seconds if best is not None else math.inf, self.incumbent)
         lb = self._split_floor(stages, micro)
         if lb is None or lb <= bar * (1.0 + 1e-9):
@@ -284,14 +284,14 @@ class JointSearch(JointCaptures, JointSpace):
 
     def _run(self) -> tuple[Captured, Plan]:
         t0 = time.perf_counter()
-        first = self._begin()
-        self._widen(first)
-        return self._finish(t0)
+        first = self.begin()
+        self.widen(first)
+        return self.finish(t0)
 
-    def _begin(self) -> tuple[int, int, int]:
+    def begin(self) -> tuple[int, int, int]:
         """A fresh budget (one per pass: a second follows estimates that proved wrong)
         and the first candidate, the plain one or the forced split; returns its split."""
-        self._clock = TimeBudget(self.opts.time_limit, self._uncharged)
+        self._clock = TimeBudget(self.opts.time_limit, self.uncharged)
         self._stopped = set()
         stages, axis = self._forced_splits()[0]
         first = (stages, self._micro_options(stages)[0], axis)
@@ -302,10 +302,14 @@ class JointSearch(JointCaptures, JointSpace):
                 self._try(p, first[1], math.inf, estimate=self._shallow is not None, axis=a)
         return first
 
-    def _widen(self, first: tuple[int, int, int]) -> None:
-        """The other splits, when memory pressure or ``explore`` asks for them."""
+    def widen(self, first: tuple[int, int, int], seconds: float | None = None) -> None:
+        """The other splits, when memory pressure or ``explore`` asks for them;
+        ``seconds``: all of them within that share of another search's budget (a mesh
+        shape's, :mod:`autopar.search.mesh_shapes`), captures charged."""
+        if seconds is not None:
+            self._clock = TimeBudget(seconds, explore_share=1.0)
         forced = self.opts.pipeline_stages is not None or self.opts.micro_batches is not None
-        best = self._best()
+        best = self.best()
         # memory pressure already costs time (ZeRO where the split without it does not
         # fit, recomputation, or nothing fits): pipelines and micro-batches may then be the
         # cheaper way to fit.  ZeRO chosen for speed (ZeRO-3 keeping its layers gathered
@@ -325,14 +329,17 @@ class JointSearch(JointCaptures, JointSpace):
             # trade speed for memory: the fewest first.  Stages inside a node (a later
             # axis) come after those across nodes at each depth: they rarely win (the
             # slow link then carries the sub-mesh's traffic), so a time limit cuts them first
-            if not est and self._best() is not None:
+            if not est and self.best() is not None:
                 self._clock.explore_all()  # nothing will be estimated: nothing to confirm
             self._explore(first, est)
 
-    def _finish(self, t0: float) -> tuple[Captured, Plan]:
-        """The confirm phase: the best estimates planned at full depth, then the plan."""
+    def finish(self, t0: float, seconds: float | None = None) -> tuple[Captured, Plan]:
+        """The confirm phase: the best estimates planned at full depth, then the plan;
+        ``seconds``: a budget of its own for it (the best mesh shape's)."""
+        if seconds is not None:
+            self._clock = TimeBudget(seconds, self.uncharged)
         self._clock.enter(Phase.CONFIRM)
-        if self._best() is None:
+        if self.best() is None:
             # no split fits with the fastest placements: let the budget shape them (in the
             # confirm phase, the first always: else a spent explore share would report
             # "no plan fits" without a memory-lean plan tried)
@@ -340,7 +347,7 @@ class JointSearch(JointCaptures, JointSpace):
             for k, (p, m, e, a) in enumerate(lean):
                 self._try(p, m, self.budget, estimate=e, force=k == 0, axis=a)
         self._confirm_estimates()
-        best = self._best(exact=True)
+        best = self.best(exact=True)
         if self._mismatch and not self._exact:
             # the estimates stood for layers that differ at full depth after all: their
             # ranking is not to be trusted, so every split is planned at full depth
@@ -424,7 +431,7 @@ class JointSearch(JointCaptures, JointSpace):
         appear in the summary as the road not taken)."""
         tried: set[tuple[int, int, int]] = set()
         while len(tried) < most and (not tried or not self._out_of_time()):
-            best, exact = self._best(), self._best(exact=True)
+            best, exact = self.best(), self.best(exact=True)
             if best is None or not best[0].estimate or (
                     exact is not None and exact[1].step_seconds <= best[1].step_seconds):
                 return

@@ -40,7 +40,7 @@ from autopar.log import report, show
 from autopar.plan.data import Plan, Request
 from autopar.plan.decisions import Decisions
 from autopar.plan.roles import layout
-from autopar.search.budget import SHARES, Phase, TimeBudget
+from autopar.search.budget import SHARES, Phase
 from autopar.search.joint import JointSearch
 from autopar.search.op_placement import PlanOptions
 
@@ -134,7 +134,7 @@ class ShapeSearch:
         return min((self._step(s) for s in self.searches), default=math.inf)
 
     def _step(self, shape: tuple[int, ...]) -> float:
-        best = self.searches[shape]._best()
+        best = self.searches[shape].best()
         return best[1].step_seconds if best is not None else math.inf
 
     def _start(self, shape: tuple[int, ...]) -> None:
@@ -144,7 +144,7 @@ class ShapeSearch:
             if self.searches or self.base is not None:
                 js.share(next(iter(self.searches.values())) if self.searches else self.base)
             js.incumbent = self._bound()
-            self.firsts[shape] = js._begin()
+            self.firsts[shape] = js.begin()
         except (PlanError, ConfigError) as e:  # e.g. a forced split this shape cannot hold
             self.errors[shape] = e
             report(f"mesh {_words(shape)}: skipped ({e})", done=True)
@@ -168,7 +168,7 @@ class ShapeSearch:
         """Rounds 1 and 2 only: every shape's best, fastest first, as estimated (nothing
         planned at full depth: what a scaling curve reads)."""
         self._explore(time.perf_counter())
-        return sorted((self._result(s) for s in self.shapes),
+        return sorted((self.result(s) for s in self.shapes),
                       key=lambda r: (r.step_seconds, self.shapes.index(r.shape)))
 
     def _explore(self, t0: float) -> None:
@@ -189,12 +189,11 @@ class ShapeSearch:
             js = self.searches[shape]
             spent = time.perf_counter() - t0 - first_captures
             share = max(0.0, total - spent) / (len(order) - k)
-            js._clock = TimeBudget(share, explore_share=1.0)
             js.incumbent = self._bound()
-            js._widen(self.firsts[shape])
+            js.widen(self.firsts[shape], share)
 
     def _captured(self) -> float:
-        return sum(js._uncharged() for js in self.searches.values())
+        return sum(js.uncharged() for js in self.searches.values())
 
     def _finish(self, t0: float) -> tuple[Captured, Plan, tuple[int, ...]]:
         """The best shape's best split at full depth; when that comes out slower than
@@ -215,10 +214,8 @@ class ShapeSearch:
                 break  # no estimate left beats a plan in hand
             if not fits and best_done < math.inf:
                 break  # the lean re-plans: the first shape that fits
-            js = self.searches[shape]
-            js._clock = TimeBudget(confirm, js._uncharged)
             try:
-                done[shape] = js._finish(t0)
+                done[shape] = self.searches[shape].finish(t0, confirm)
             except PlanError as e:
                 done[shape] = e
         plans = {s: r for s, r in done.items() if not isinstance(r, Exception)}
@@ -235,11 +232,13 @@ class ShapeSearch:
     def _need(self, shape: tuple[int, ...]) -> float:
         return min((p.min_memory for _, p in self.searches[shape].priced), default=math.inf)
 
-    def _result(self, shape: tuple[int, ...]) -> ShapeResult:
+    def result(self, shape: tuple[int, ...]) -> ShapeResult:
+        """``shape``'s best plan as searched so far (estimated where its split was), or
+        why it has none."""
         if shape in self.errors:
             return ShapeResult(shape, math.inf, 0.0, "", False, f"not searched: {self.errors[shape]}")
         js = self.searches[shape]
-        best = js._best()
+        best = js.best()
         if best is None:
             bounded = any(p.bound is not None for _, p in js.priced)
             note = "no split can beat the best shape" if bounded and not any(
@@ -268,7 +267,7 @@ class ShapeSearch:
 
     def _record(self, plan: Plan, shape: tuple[int, ...], seconds: float) -> None:
         """Every shape's best on the plan, and the reason in ``why["mesh"]``."""
-        results = [self._result(s) for s in self.shapes]
+        results = [self.result(s) for s in self.shapes]
         for i, r in enumerate(results):
             if r.shape == shape:  # the chosen shape: as planned at full depth
                 results[i] = dataclasses.replace(

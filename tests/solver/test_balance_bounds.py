@@ -124,7 +124,7 @@ def test_search_does_not_skip_a_split_only_zero_bubble_wins() -> None:
     assert zb.step_seconds < best < old
     js.priced = [(plain, Priced(Config(), [], best, 0.0))]
     js.priced[0][1].stages = zb.stages  # feasible: a plan in hand at ``best``
-    assert js._best() is not None
+    assert js.best() is not None
     assert not js._bounded(p, m, False)  # searched: zero-bubble may win
     # and a split whose compute alone is over the best is still skipped
     js.priced[0][1].step_seconds = zb.step_seconds * 0.5

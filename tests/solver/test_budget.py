@@ -45,7 +45,7 @@ def one_second_solves(clock, monkeypatch):
         return real(gm, mesh, aliases, opts, **k)
 
     monkeypatch.setattr(joint, "make_weighted_plans", one_second_each)
-    monkeypatch.setattr(joint.JointSearch, "_uncharged", lambda self: 0.0)
+    monkeypatch.setattr(joint.JointSearch, "uncharged", lambda self: 0.0)
     return seen
 
 
