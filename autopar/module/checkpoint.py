@@ -138,8 +138,7 @@ def changes(saved: dict[str, Any], now: dict[str, Any]) -> str:
     if saved["layout"] != now["layout"]:
         parts.append(f"layout {saved['layout']} -> {now['layout']}")
     if saved["data_parallel_size"] != now["data_parallel_size"]:
-        rows = [None if n is None else saved["global_batch"] // n
-                for n in (saved["data_parallel_size"], now["data_parallel_size"])]
+        rows = [saved["global_batch"] // n for n in (saved["data_parallel_size"], now["data_parallel_size"])]
         what = f"data-parallel ranks {saved['data_parallel_size']} -> {now['data_parallel_size']}"
         if now["batch"] == "local" and saved["global_batch"] == now["global_batch"]:
             what += (f": each passes {rows[1]} rows instead of {rows[0]}, keeping the global batch "
