@@ -164,6 +164,8 @@ def _keep_loss_only(pm: ParallelModule) -> None:
 
 
 def apply_grad_sync(pm: ParallelModule) -> None:
+    """Data-parallel gradient buckets (decisions ``grad_buckets``, ``grad_buffers``,
+    ``grad_compression``): the plan's buckets, reduced as they fill."""
     from autopar.runtime.grad_sync import GradSync
     params = []
     zt = pm.zero.targets() if pm.zero is not None else set()
@@ -178,8 +180,9 @@ def apply_grad_sync(pm: ParallelModule) -> None:
             continue
         if t in pm._placements and isinstance(p, nn.Parameter) and p.requires_grad:
             params.append((t, p, pm._replicated_axes(t)))
-    pm.grad_sync = GradSync(params, pm.plan.decisions.grad_buckets,
-                              keep=pm.plan.decisions.grad_buffers_kept)
+    d = pm.plan.decisions
+    pm.grad_sync = GradSync(params, d.grad_buckets, keep=d.grad_buffers_kept,
+                            compression=d.grad_compression, rank=d.compression_rank)
 
 
 def apply_dparams(pm: ParallelModule, full_state: Mapping[str, torch.Tensor] | None) -> None:

@@ -92,6 +92,29 @@ class ContextParallel(StrEnum):
     EXCHANGE = "exchange"
 
 
+class GradCompression(StrEnum):
+    """How data-parallel gradient buckets cross the link (``grad_compression=``).  Both
+    change the numbers the step computes, so the search weighs them only when the user
+    passes ``"auto"``."""
+
+    NONE = "none"
+    """Sent as they are (fp32 under mixed precision)."""
+    BF16 = "bf16"
+    """Sent in bf16 and summed in fp32: each rank's bucket is cast to bf16 and
+    exchanged (all-to-all), every rank sums its chunk of the bucket in fp32, and the
+    sums are gathered back in bf16 (:mod:`autopar.runtime.compression`)."""
+    POWERSGD = "powersgd"
+    """Low-rank (rank ``compression_rank``) with error feedback (Vogels et al., 2019):
+    torch's ``powerSGD_hook`` run on each bucket."""
+
+
+GRAD_COMPRESSIONS: tuple[str, ...] = ("none", "bf16", "powersgd", "auto")
+"""What ``grad_compression=`` accepts: a kind, or ``"auto"`` (the search picks one)."""
+POWERSGD_RANK = 4
+"""PowerSGD's rank when ``compression_rank`` is not given (the paper's default for
+language models trades 1-4)."""
+
+
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 """What ``schedule=`` accepts (:attr:`Schedule.NONE` is no pipeline, not a choice)."""
 CONTEXT_PARALLEL: tuple[str, ...] = tuple(c.value for c in ContextParallel)
@@ -181,6 +204,11 @@ class Decisions:
     :mod:`autopar.search.buckets` (or ``bucket_bytes=`` each); the runtime reduces
     exactly these.  Empty in plans made before buckets were planned: the runtime then
     falls back to 4 MiB buckets."""
+    grad_compression: str = GradCompression.NONE.value
+    """How the data-parallel gradient buckets are sent (:class:`GradCompression`); ZeRO's
+    own reduce-scatters are never compressed."""
+    compression_rank: int = 0
+    """PowerSGD's rank (0 without PowerSGD)."""
     mesh_shapes: list[dict[str, Any]] = field(default_factory=list)
     """When the mesh shape was searched (``MeshSpec.preset(name, devices=N)``): each shape
     considered, fastest first, with its best plan's predicted ``step_seconds`` (None: no
@@ -250,6 +278,10 @@ class PlanOptions:
     # the data-parallel gradient buckets' buffers kept between steps (as DDP's): True,
     # False, or None = kept where the memory budget allows (Decisions.grad_buffers_kept)
     keep_grad_buffers: bool | None = None
+    # data-parallel gradients sent compressed (GradCompression): None or "none" = never,
+    # "auto" = where the search prices it faster, "bf16" / "powersgd" = forced
+    grad_compression: str | None = None
+    compression_rank: int | None = None  # PowerSGD's rank; None = POWERSGD_RANK
     # the sequence split attention may use (autopar.sharding.rules.attention.ContextParallel:
     # "off", "gather-kv", "exchange"); None = searched
     context_parallel: str | None = None
@@ -405,6 +437,13 @@ DECISIONS: tuple[Decision, ...] = (
              ("grad_buffers_kept",),
              "autopar.search.stages.price:price_stage", "autopar.module.apply:apply_grad_sync",
              "buckets"),
+    Decision("grad_compression", "data-parallel gradients sent in bf16 or low rank (changes "
+             "the numbers: searched only under grad_compression='auto')",
+             (Option("grad_compression", _one_of(GRAD_COMPRESSIONS, none=True), "none, bf16, powersgd or auto"),
+              Option("compression_rank", _positive_int, f"PowerSGD's rank (default {POWERSGD_RANK})")),
+             ("grad_compression", "compression_rank"),
+             "autopar.search.compression:bucket_terms", "autopar.module.apply:apply_grad_sync",
+             "compression"),
     Decision("precision", "the dtypes the step computes in (autocast's casts in the graph)",
              (Option("precision", _precision, "native, bf16-mixed or fp16-mixed"),),
              ("precision",),
@@ -447,6 +486,6 @@ def check_options(given: dict[str, Any]) -> None:
             _positive_int(name, given[name])
 
 
-__all__ = ["CONTEXT_PARALLEL", "DECISIONS", "RESULT_FIELDS", "SCHEDULES", "SEARCH_KNOBS",
+__all__ = ["CONTEXT_PARALLEL", "DECISIONS", "GRAD_COMPRESSIONS", "POWERSGD_RANK", "GradCompression", "RESULT_FIELDS", "SCHEDULES", "SEARCH_KNOBS",
            "ContextParallel", "Decision", "Decisions", "Option", "PlanOptions", "Precision",
            "Schedule", "check_options", "decision_options", "zero_axes"]

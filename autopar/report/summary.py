@@ -92,6 +92,8 @@ def _decision_lines(plan: Plan) -> list[str]:
                        ("zero", "ZeRO"), ("recompute", "recompute"), ("buckets", "grad buckets")):
         if key in d.why:
             lines.append(f"  {label:<14} {d.why[key]}")
+    if d.grad_compression != "none" and "compression" in d.why:  # it changes the numbers: say so
+        lines.append(f"  {'compression':<14} {d.why['compression']}")
     return lines
 
 

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopar.runtime.compression import Bf16Pending, Bf16Sum, PowerSgd
 from autopar.runtime.mesh import current
 from autopar.runtime.tls import issue
 
@@ -233,7 +234,7 @@ class GradSync(OrderedBuckets):
 
     def __init__(self, params: list[tuple[str, nn.Parameter, tuple[int, ...]]],
                  planned: list[list[str]] | None = None, bucket_bytes: int = BUCKET_BYTES,
-                 keep: bool = True) -> None:
+                 keep: bool = True, compression: str = "none", rank: int = 0) -> None:
         """``params``: (name, parameter, axes it is replicated on), in forward order.
         ``planned``: the plan's buckets (parameter names in launch order,
         :attr:`autopar.plan.Decisions.grad_buckets`); names not on this rank are
@@ -241,8 +242,14 @@ class GradSync(OrderedBuckets):
         bucket (a plan made before buckets were planned, ZeRO-3 shards reduced over
         their other axes) follow in ``bucket_bytes`` buckets, back to front.  ``keep``:
         the buffers serve every step (:attr:`autopar.plan.Decisions.grad_buffers_kept`;
-        else each backward takes new ones, freed with the gradients)."""
+        else each backward takes new ones, freed with the gradients).  ``compression``:
+        ``"bf16"`` or ``"powersgd"`` (at ``rank``) reduce the buckets compressed
+        (:mod:`autopar.runtime.compression`, :attr:`autopar.plan.Decisions.grad_compression`)."""
         self.keep = keep
+        self.compression = compression
+        self._powersgd = None
+        if compression == "powersgd":
+            self._powersgd = PowerSgd(rank)
         self.buckets: list[Bucket] = []
         self.enabled = True
         by_name = {n: (p, axes) for n, p, axes in params if axes}
@@ -262,6 +269,7 @@ class GradSync(OrderedBuckets):
                                 fill_buckets(ps, lambda p: p.numel() * p.element_size(), bucket_bytes))
         # (bucket, index) per parameter: the hook's one lookup
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self._index = {id(b): k for k, b in enumerate(self.buckets)}  # PowerSGD's state key
         self._start_order(self.buckets)
         self._handles = [p.register_post_accumulate_grad_hook(self._hook)
                          for b in self.buckets for p in b.params]
@@ -314,13 +322,26 @@ class GradSync(OrderedBuckets):
                 self._fill(b, i, p)
         m = current()
         b.ranks = math.prod(m.shape[a] for a in b.axes)
-        # every replicated axis at once, asynchronously (one group spanning them)
-        b.work = issue(dist.all_reduce, b.flat, group=m.group_of(b.axes), async_op=True)
+        group = m.group_of(b.axes)
+        if self.compression == "bf16" and b.ranks > 1:
+            b.work = Bf16Sum.launch(b.flat, b.ranks, group)
+        elif self._powersgd is not None and b.ranks > 1:
+            self._powersgd.reduce(b.flat, b.views, self._index[id(b)], b.ranks, group)
+            b.work = None
+        else:
+            # every replicated axis at once, asynchronously (one group spanning them)
+            b.work = issue(dist.all_reduce, b.flat, group=group, async_op=True)
         b.launched = True
 
     def _complete(self) -> None:
+        # bf16: every bucket's sums gathered in bucket order, on every rank alike
+        gathers = {id(b): Bf16Sum.gather(b.work) for b in self.buckets
+                   if isinstance(b.work, Bf16Pending)}
         for b in self.buckets:
-            b.work.wait()
+            if id(b) in gathers:
+                Bf16Sum.finish(b.flat, *gathers[id(b)])
+            elif b.work is not None:
+                b.work.wait()
             for i in b.own:  # the others are views: the reduction landed in them
                 if b.params[i].grad is not None:
                     b.params[i].grad.copy_(b.view(i))

@@ -25,18 +25,24 @@ exact.
 
 Items whose time is fixed (a ZeRO layer's reduce-scatters, priced elsewhere) take the
 link in their turn but never merge with others.
+
+Under gradient compression (:mod:`autopar.search.compression`) a gradient puts its
+``wire`` bytes on the link and adds its ``work`` seconds to its bucket, and the kind
+scales the latency; bf16's gather half runs after the backward (``tail``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from autopar.cost_models import MeshSpec, all_reduce_time
-from autopar.search.stages.layer_stats import LayerStat, ZeroPrice, on_zero
+from autopar.search.compression import LATENCIES
+from autopar.search.stages.layer_stats import LayerStat, ParamStat, ZeroPrice, on_zero
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,10 @@ class GradItem:
     """Seconds after the last backward starts at which the gradient exists."""
     fixed: float | None = None
     """A reduction priced elsewhere (never merged): its time on the link."""
+    wire: float | None = None
+    """Bytes it puts on the link when compressed (None: ``bytes``)."""
+    work: float = 0.0
+    """Seconds of compression compute it adds to its bucket."""
 
 
 @dataclass
@@ -63,11 +73,14 @@ class BucketPlan:
     """When the backward ends; ``end - backward`` (at least 0) is exposed."""
     busy: float = 0.0
     """Seconds the reductions hold the link (hidden or not)."""
+    tail: float = 0.0
+    """Seconds of reduction that can only start once the backward has ended (bf16
+    compression's gathers): exposed whatever the buckets."""
 
     @property
     def exposed(self) -> float:
         """Reduction left after the backward: on the step's critical path."""
-        return max(0.0, self.end - self.backward)
+        return max(0.0, self.end - self.backward) + self.tail
 
     def names(self, items: list[GradItem]) -> list[list[str]]:
         """Gradient names per bucket, fixed-time items left out (they are not bucketed)."""
@@ -76,14 +89,19 @@ class BucketPlan:
 
 
 @functools.lru_cache(maxsize=4096)
-def _affine(mesh: MeshSpec, axes: tuple[int, ...]) -> tuple[float, float]:
+def _affine(mesh: MeshSpec, axes: tuple[int, ...], kind: str = "none") -> tuple[float, float]:
     """(latency, seconds per byte) of an all-reduce over ``axes``: the price is affine
-    in the bytes for any non-empty message.  Cached: every stage the split search
-    prices with its buckets asks it again for the same mesh."""
+    in the bytes for any non-empty message.  Under compression ``kind`` the latency
+    counts :data:`~autopar.search.compression.LATENCIES` of them, and bf16's bytes pay
+    half (its all-to-all; the gather's half is the bucket's tail).  Cached: every
+    stage the split search prices with its buckets asks it again for the same mesh."""
     big = float(1 << 30)
     t1, tb = all_reduce_time(mesh, axes, 1.0), all_reduce_time(mesh, axes, big)
     per_byte = (tb - t1) / (big - 1.0)
-    return t1 - per_byte, per_byte
+    lat = t1 - per_byte
+    if kind == "bf16":
+        return lat * LATENCIES[kind], per_byte / 2.0
+    return lat * LATENCIES.get(kind, 1.0), per_byte
 
 
 class _Prices:
@@ -91,16 +109,28 @@ class _Prices:
     all-reduce of its bytes over its axes (one price per set of axes, prefix sums of
     the bytes), shared by the recurrence, the merge pass and :func:`simulate`."""
 
-    def __init__(self, items: list[GradItem], mesh: MeshSpec) -> None:
+    def __init__(self, items: list[GradItem], mesh: MeshSpec, kind: str = "none") -> None:
         self.items = items
-        self.prefix = np.concatenate([[0.0], np.cumsum([it.bytes for it in items])])
-        self.affine = {it.axes: _affine(mesh, it.axes) for it in items if it.fixed is None}
+        self.kind = kind
+        self.prefix = np.concatenate([[0.0], np.cumsum(
+            [it.bytes if it.wire is None else it.wire for it in items])])
+        self.work = np.concatenate([[0.0], np.cumsum([it.work for it in items])])
+        self.affine = {it.axes: _affine(mesh, it.axes, kind) for it in items if it.fixed is None}
 
     def time(self, i: int, j: int) -> float:
         """Seconds the bucket ``[i, j)`` holds the link at full speed."""
         it = self.items[i]
         if it.fixed is not None:
             return it.fixed
+        lat, per = self.affine[it.axes]
+        return lat + per * float(self.prefix[j] - self.prefix[i]) + float(self.work[j] - self.work[i])
+
+    def tail(self, i: int, j: int) -> float:
+        """Seconds of the bucket ``[i, j)`` after the backward: bf16's gather, the
+        all-to-all's twin (the same latency and bytes)."""
+        it = self.items[i]
+        if self.kind != "bf16" or it.fixed is not None:
+            return 0.0
         lat, per = self.affine[it.axes]
         return lat + per * float(self.prefix[j] - self.prefix[i])
 
@@ -135,26 +165,29 @@ def _runs(items: list[GradItem]) -> list[int]:
 
 
 def simulate(items: list[GradItem], cuts: list[tuple[int, int]], mesh: MeshSpec,
-             backward: float) -> BucketPlan:
+             backward: float, kind: str = "none") -> BucketPlan:
     """Timing of given buckets: each starts when the link is free and its last
-    gradient is ready, and holds the link for its all-reduce."""
-    end = busy = 0.0
-    prices = _Prices(items, mesh)
+    gradient is ready, and holds the link for its all-reduce (compressed as ``kind``)."""
+    end = busy = tail = 0.0
+    prices = _Prices(items, mesh, kind)
     for i, j in cuts:
         t = prices.time(i, j)
         end = float(_end(max(end, items[j - 1].ready), t, backward, mesh.overlap))
         busy += t
-    return BucketPlan(list(cuts), end, backward, busy)
+        tail += prices.tail(i, j)
+    return BucketPlan(list(cuts), end, backward, busy + tail, tail)
 
 
-def optimal(items: list[GradItem], mesh: MeshSpec, backward: float) -> BucketPlan:
-    """The buckets that end the reduction earliest (the module's recurrence)."""
+def optimal(items: list[GradItem], mesh: MeshSpec, backward: float, kind: str = "none") -> BucketPlan:
+    """The buckets that end the reduction earliest (the module's recurrence; under
+    bf16 compression each bucket's tail is left out of the choice)."""
     n = len(items)
     if n == 0:
         return BucketPlan([], 0.0, backward)
     runs = _runs(items)
     ready = np.array([it.ready for it in items])
-    prices = _Prices(items, mesh)
+    prices = _Prices(items, mesh, kind)
+    work = prices.work
     prefix = prices.prefix
     f = np.zeros(n + 1)
     arg = np.zeros(n + 1, dtype=np.int64)
@@ -166,8 +199,8 @@ def optimal(items: list[GradItem], mesh: MeshSpec, backward: float) -> BucketPla
             continue
         s = runs[j - 1]
         lat, per = prices.affine[it.axes]
-        cand = _end(np.maximum(f[s:j], ready[j - 1]), lat + per * (prefix[j] - prefix[s:j]),
-                    backward, ov)
+        cand = _end(np.maximum(f[s:j], ready[j - 1]),
+                    lat + per * (prefix[j] - prefix[s:j]) + (work[j] - work[s:j]), backward, ov)
         k = int(np.argmin(cand))  # first minimum: the larger bucket on ties
         f[j], arg[j] = float(cand[k]), s + k
     cuts, j = [], n
@@ -175,7 +208,7 @@ def optimal(items: list[GradItem], mesh: MeshSpec, backward: float) -> BucketPla
         cuts.append((int(arg[j]), j))
         j = int(arg[j])
     return simulate(items, _coarsen(items, cuts[::-1], runs, prices, float(f[n]), backward,
-                                    mesh.overlap), mesh, backward)
+                                    mesh.overlap), mesh, backward, kind)
 
 
 def _coarsen(items: list[GradItem], cuts: list[tuple[int, int]], runs: list[int],
@@ -262,21 +295,27 @@ def one_bucket(items: list[GradItem]) -> list[tuple[int, int]]:
 
 def stage_items(layers: list[LayerStat], zp: list[ZeroPrice], recompute: set[str],
                 zero_stage: int, zero_axis: int | tuple[int, ...] | None,
-                deferred: bool = False) -> tuple[list[GradItem], float]:
+                deferred: bool = False,
+                terms: Callable[[ParamStat], tuple[float, float]] | None = None,
+                ) -> tuple[list[GradItem], float]:
     """The gradients of one pipeline stage in the order its last backward makes them,
     and when that backward ends.  Layers run backward last to first, each taking its
     backward time (plus its forward again when recomputed); inside a layer the
     gradients appear evenly spread, last parameter first.  A layer's ZeRO reduction
     (its own reduce-scatters, :mod:`autopar.runtime.zero`) is one fixed item.
     ``deferred``: every gradient is ready only when the backward ends (the zero-bubble
-    schedule reduces them all after its last ``W``), so nothing hides under it."""
+    schedule reduces them all after its last ``W``), so nothing hides under it.
+    ``terms``: a gradient's ``(wire, work)`` under compression
+    (:func:`autopar.search.compression.bucket_terms`)."""
     items: list[GradItem] = []
     t = 0.0
     for st, z in zip(reversed(layers), reversed(zp)):
         bwd = st.seconds - st.forward + (st.forward if st.key in recompute else 0.0)
         mine = [p for p in st.params if p.replicated and not on_zero(p.replicated, zero_stage, zero_axis)]
         for k, p in enumerate(reversed(mine)):
-            items.append(GradItem(p.name, p.bytes, p.replicated, t + bwd * (k + 1) / len(mine)))
+            wire, work = terms(p) if terms is not None else (None, 0.0)
+            items.append(GradItem(p.name, p.bytes, p.replicated, t + bwd * (k + 1) / len(mine),
+                                  wire=wire, work=work))
         t += bwd
         if z.zero_sync > 0:
             items.append(GradItem(f"zero:{st.key}", 0.0, (), t, fixed=z.zero_sync))

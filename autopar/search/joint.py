@@ -481,7 +481,11 @@ class JointSearch(JointCaptures, JointSpace):
             stage_seconds=[sp.seconds for sp in pr.stages],
             stage_memory=[sp.total_memory for sp in pr.stages], step_seconds=pr.step_seconds,
             stage_parts=[dict(sp.parts) for sp in pr.stages], breakdown=pr.breakdown(),
-            grad_buckets=[b for sp in pr.stages for b in sp.buckets])
+            grad_buckets=[b for sp in pr.stages for b in sp.buckets],
+            # compression only where something is all-reduced by GradSync
+            grad_compression=cfg.compression if any(sp.buckets for sp in pr.stages) else "none",
+            compression_rank=cfg.rank if cfg.compression == "powersgd"
+            and any(sp.buckets for sp in pr.stages) else 0)
         d.why = decisions_why(Context(self.priced, {id(p) for c, p in self.priced if c.estimate},
                                       self.budget, batch_size(self._call), self.opts.optimizer), pr)
         plan.decisions = d

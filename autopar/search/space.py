@@ -20,6 +20,7 @@ from autopar.plan.data import Plan
 from autopar.plan.decisions import Schedule
 from autopar.plan.schedules import conflict
 from autopar.plan.splits import batch_size, micro_counts, pipeline_splits, split_mesh
+from autopar.search.compression import kinds as compression_kinds
 from autopar.search.forced import zero_groups
 from autopar.search.op_placement import PlanOptions
 from autopar.search.stages.dp import Config, bubble_share, split_lower_bound
@@ -194,7 +195,8 @@ class JointSpace:
                         out.extend(Config(cand.stages, cand.micro_batches, s, z, a,
                                           self.opts.recompute, self.opts.bucket_bytes, v,
                                           cand.axis, self.opts.reshard_after_forward, o,
-                                          self.opts.keep_grad_buffers) for o in once)
+                                          self.opts.keep_grad_buffers, c, r)
+                                   for o in once for c, r in compression_kinds(self.opts))
         self._config_lists[key] = out
         return out
 

@@ -124,7 +124,35 @@ def decisions_why(ctx: Context, pr: Priced) -> dict[str, str]:
     else:
         why["recompute"] = "no layer is recomputed: the plan fits without it"
     why["buckets"] = bucket_words(pr, cfg)
+    why["compression"] = compression_words(ctx, pr, cfg)
     return why
+
+
+def compression_words(ctx: Context, pr: Priced, cfg: Config) -> str:
+    """One line on the gradient compression: what the buckets send, against the best
+    plan of each other kind the search priced (``grad_compression="auto"``)."""
+    kinds = {p.config.compression for _, p in ctx.priced}
+    if not any(sp.buckets for sp in pr.stages):
+        return "no gradient compression: nothing is all-reduced by data parallelism"
+    tail = max(pr.stages, key=lambda sp: sp.parts.get("sync_bytes", 0.0))
+    sent, whole = tail.parts.get("sync_wire_bytes", 0.0), tail.parts.get("sync_bytes", 0.0)
+    if cfg.compression == "none":
+        head = "gradients are all-reduced as they are" + (
+            "" if kinds - {"none"} else " (grad_compression='auto' lets the search weigh bf16 "
+            "and PowerSGD, which change the numbers the step computes)")
+    else:
+        how = "in bf16, summed in fp32" if cfg.compression == "bf16" else \
+            f"by PowerSGD at rank {cfg.rank} with error feedback"
+        head = (f"gradients are sent {how}: {format_bytes(sent)} instead of "
+                f"{format_bytes(whole)} a step; this changes the numbers the step computes")
+    others = [_versus(ctx, _alt(ctx, lambda c, k=k: c.compression == k and _same_but_compression(c, cfg)),
+                      "without compression" if k == "none" else k)
+              for k in sorted(kinds - {cfg.compression})]
+    return head + (f" ({pr.step_seconds * 1e3:.3f} ms per step); " + "; ".join(others) if others else "")
+
+
+def _same_but_compression(c: Config, cfg: Config) -> bool:
+    return dataclasses.replace(c, compression=cfg.compression, rank=cfg.rank) == cfg
 
 
 def bucket_words(pr: Priced, cfg: Config) -> str:
@@ -149,4 +177,4 @@ def bucket_words(pr: Priced, cfg: Config) -> str:
                " (the memory fits)" if kept else " (keeping them does not fit)"))
 
 
-__all__ = ["ESTIMATED", "Context", "bucket_words", "decisions_why"]
+__all__ = ["ESTIMATED", "Context", "bucket_words", "compression_words", "decisions_why"]

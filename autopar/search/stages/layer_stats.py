@@ -48,6 +48,13 @@ class ParamStat:
     bytes: float
     replicated: tuple[int, ...]
     name: str = ""  # the parameter's graph target (what the runtime's buckets name)
+    shape: tuple[int, ...] = ()
+    """Its local shape (empty when unknown): PowerSGD's matrix view of its gradient."""
+
+    @property
+    def numel(self) -> int:
+        """Local elements (0 when the shape is unknown)."""
+        return math.prod(self.shape) if self.shape else 0
 
 
 @dataclass
@@ -118,7 +125,8 @@ def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) ->
             pl = parse_placements(np_.out_placements[0])
             rep = tuple(a for a, p in enumerate(pl) if is_replicate(p) and mesh.shape[a] > 1)
             nbytes = _local_bytes(n, np_.out_placements[0], mesh)
-            st.params.append(ParamStat(nbytes, rep, np_.param or n.name))
+            shape = tuple(local_shape(info(n).out.shape, pl, mesh.shape))
+            st.params.append(ParamStat(nbytes, rep, np_.param or n.name, shape))
             if n.users and all(u.op == "call_function" and u.target is torch.ops.aten._to_copy.default
                                for u in n.users):
                 st.cast_param_bytes += nbytes

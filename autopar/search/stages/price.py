@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from autopar.cost_models import MeshSpec, drift_after
 from autopar.plan import schedules as sched
+from autopar.search.compression import persistent_bytes
 from autopar.search.stages.layer_stats import LayerStat, zero_price
 from autopar.search.stages.memory import (
     ParamView,
@@ -46,7 +47,10 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
               for st in layers]
     if views is None:
         views = param_views(layers, cfg, mesh)
-    held = sum(z.params + z.optimizer for z in zp) + sum(st.buffers for st in layers)
+    # PowerSGD's error feedback: one more copy of what GradSync reduces, all run long
+    comp = persistent_bytes(cfg.compression, sum(sum(v.plain_bytes) + sum(v.shards) for v in views)) \
+        if cfg.compression != "none" else 0.0
+    held = sum(z.params + z.optimizer for z in zp) + sum(st.buffers for st in layers) + comp
     grads = [z.grads for z in zp]  # per layer, as they are once the step's reduction ends
     # gradient memory as backward allocates it (the same whether or not the buckets
     # are priced, so the split search and the chosen split agree)
@@ -224,6 +228,8 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     # what is alive at the peak: gradients only as far as backward has made them
     memory = {"params": sum(z.params for z in zp), "optimizer": sum(z.optimizer for z in zp),
               "buffers": sum(st.buffers for st in layers), **peak(chosen, kp)}
+    if comp:
+        memory["compression"] = comp
     return StagePrice([st.key for st in layers], seconds, extra, memory, sorted(rc), parts, names,
                       [st.key for st in layers if st.key in kp], buffers_kept)
 

@@ -29,6 +29,9 @@ class Config:
     reduce_once: bool = False
     # the gradient buckets' buffers kept between steps: None = where the memory fits
     keep_buffers: bool | None = None
+    # data-parallel gradient buckets sent compressed (GradCompression) and PowerSGD's rank
+    compression: str = "none"
+    rank: int = 0
 
 
 @dataclass

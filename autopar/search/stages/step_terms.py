@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING
 
 from autopar.cost_models import MeshSpec, send_recv_time
 from autopar.plan import schedules as sched
-from autopar.plan.decisions import Schedule
+from autopar.plan.decisions import GradCompression, Schedule
 from autopar.search import buckets as bk
+from autopar.search.compression import bucket_terms
 from autopar.search.stages.layer_stats import LayerStat
 
 if TYPE_CHECKING:  # pipeline.py imports this module
@@ -87,19 +88,26 @@ def stage_buckets(layers: list[LayerStat], zp: list, rc: set[str], cfg: Config, 
     largest bytes."""
     # zero-bubble: W writes .grad without the hooks that launch buckets, so every bucket
     # is reduced after the step's last W (runtime/pipeline.py flushes them there)
-    deferred = cfg.schedule == Schedule.ZERO_BUBBLE.value and cfg.stages > 1
-    items, backward = bk.stage_items(layers, zp, rc, cfg.zero_stage, cfg.zero_axis, deferred)
+    # PowerSGD reduces a bucket as it launches, the backward waiting (search/compression.py)
+    deferred = (cfg.schedule == Schedule.ZERO_BUBBLE.value and cfg.stages > 1) or \
+        cfg.compression == GradCompression.POWERSGD.value
+    kind = cfg.compression
+    terms = None if kind == GradCompression.NONE.value else \
+        functools.partial(bucket_terms, kind=kind, rank=cfg.rank, mesh=mesh)
+    items, backward = bk.stage_items(layers, zp, rc, cfg.zero_stage, cfg.zero_axis, deferred, terms)
     if per_layer:
         layer_of = {q.name: k for k, st in enumerate(layers) for q in st.params}
-        bp = bk.simulate(items, bk.per_layer(items, layer_of), mesh, backward)
+        bp = bk.simulate(items, bk.per_layer(items, layer_of), mesh, backward, kind)
     elif cfg.bucket_bytes is None:
-        bp = bk.optimal(items, mesh, backward)
+        bp = bk.optimal(items, mesh, backward, kind)
     else:
-        bp = bk.simulate(items, bk.fixed_size(items, cfg.bucket_bytes), mesh, backward)
+        bp = bk.simulate(items, bk.fixed_size(items, cfg.bucket_bytes), mesh, backward, kind)
     sizes = [sum(x.bytes for x in items[i:j]) for i, j in bp.cuts if items[i].fixed is None]
     extremes = {
-        "sync_exposed_per_gradient": bk.simulate(items, bk.per_gradient(items), mesh, backward).exposed,
-        "sync_exposed_one_bucket": bk.simulate(items, bk.one_bucket(items), mesh, backward).exposed,
+        "sync_exposed_per_gradient": bk.simulate(items, bk.per_gradient(items), mesh, backward, kind).exposed,
+        "sync_exposed_one_bucket": bk.simulate(items, bk.one_bucket(items), mesh, backward, kind).exposed,
+        "sync_bytes": sum(x.bytes for x in items if x.fixed is None),
+        "sync_wire_bytes": sum(x.bytes if x.wire is None else x.wire for x in items if x.fixed is None),
         "bucket_bytes_min": min(sizes, default=0.0), "bucket_bytes_max": max(sizes, default=0.0)}
     return bp, bp.names(items), extremes
 
