@@ -132,16 +132,18 @@ def predicted_events(plan: Plan) -> list[Event]:
             events.append(Event(s, Lane.COMM, Kind.COMM, t.end - comm, comm, a.micro,
                                 f"{label} comm"))
         free[s] = t.end
+    # compressed buckets say how they cross (decision grad_compression)
+    how = {"bf16": " (bf16)", "powersgd": f" (PowerSGD r{d.compression_rank})"}.get(d.grad_compression, "")
     for s, (_, bwd, _, cb, parts) in enumerate(times):
         end = free[s]
         hidden = max(0.0, parts.get("sync", 0.0) - parts.get("sync_exposed", 0.0))
         if hidden > 0:  # under the last backward's compute (its own comm comes after)
             span = min(hidden, bwd - cb)
             events.append(Event(s, Lane.COMM, Kind.GRAD_SYNC_HIDDEN, max(0.0, end - cb - span),
-                                span, label="grad reduce (overlapped)"))
+                                span, label=f"grad reduce{how} (overlapped)"))
         exposed = parts.get("sync_exposed", 0.0)
         if exposed > 0:
-            events.append(Event(s, Lane.COMM, Kind.GRAD_SYNC, end, exposed, label="grad reduce"))
+            events.append(Event(s, Lane.COMM, Kind.GRAD_SYNC, end, exposed, label=f"grad reduce{how}"))
             end += exposed
         opt = parts.get("optimizer_step", 0.0)
         if opt > 0:  # updates the reduced gradients' shards; ZeRO-1/2 then gathers them

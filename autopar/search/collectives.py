@@ -45,6 +45,7 @@ from autopar.capture.grad_flow import dual, requires_grad
 from autopar.capture.ir import info
 from autopar.plan.collectives import Collective
 from autopar.plan.placement import R, Shard, graph_batch, local_shape, parse_placements
+from autopar.runtime.compression import low_rank
 from autopar.runtime.grad_sync import fill_buckets, folded_axes, runs_by_axes
 from autopar.sharding.redistribute import StepKind, plan_redistribution, step_shapes, sum_axes
 from autopar.sharding.rules.losses import count_axes
@@ -65,6 +66,8 @@ class _Lister:
         self.by_name = {n.name: n for n in gm.graph.nodes}
         self.ranks = max(1, self.d.pipeline_stages)
         self.at = 0  # the pipeline rank the collectives being listed run on
+        self._shapes: dict[str, tuple[int, ...]] = {}  # parameter target -> local shape
+        self._items: dict[str, int] = {}  # parameter target -> bytes per element
 
     # ------------------------------------------------------------ helpers
     def _param(self, target: str) -> torch.nn.Parameter | None:
@@ -242,6 +245,9 @@ class _Lister:
                 continue
             seen.add(n.target)
             pl = parse_placements(self.plan.nodes[n.name].out_placements[0])
+            # what runtime/compression.py reads of a bucket's gradients
+            self._shapes[n.target] = tuple(local_shape(p.shape, pl, self.mesh))
+            self._items[n.target] = p.element_size()
             axes = tuple(a for a, x in enumerate(pl) if x == R and self.mesh[a] > 1)
             out.append((n.target, math.prod(local_shape(p.shape, pl, self.mesh)), p.element_size(),
                         axes))
@@ -263,6 +269,8 @@ class _Lister:
         if stage == 3:
             synced += [(t, -(-n // d) * item, tuple(a for a in axes if a not in z))
                        for t, n, item, axes in zero]
+            for t, n, _, _ in zero:  # GradSync reduces the flat shard
+                self._shapes[t] = (-(-n // d),)
         self._buckets([s for s in synced if s[2]])
         if zero:
             self._zero(zero, z, d)
@@ -276,14 +284,41 @@ class _Lister:
             mine = [t for t in dict.fromkeys(names) if t in by and t not in placed]
             placed.update(mine)
             for axes, run in runs_by_axes(mine, lambda t: by[t][1]):
-                self.add("backward", "all_reduce", axes, sum(by[t][0] for t in run), f"gradient bucket {i}")
-        groups: dict[tuple[int, ...], list[int]] = {}
+                self._bucket(axes, run, sum(by[t][0] for t in run), f"gradient bucket {i}")
+        groups: dict[tuple[int, ...], list[tuple[str, int]]] = {}
         for t, b, axes in reversed(params):
             if t not in placed:
-                groups.setdefault(axes, []).append(b)
+                groups.setdefault(axes, []).append((t, b))
         for axes, sizes in groups.items():
-            for bucket in fill_buckets(sizes, int):
-                self.add("backward", "all_reduce", axes, sum(bucket), "gradient bucket (4 MiB)")
+            for bucket in fill_buckets(sizes, lambda tb: tb[1]):
+                self._bucket(axes, [t for t, _ in bucket], sum(b for _, b in bucket),
+                             "gradient bucket (4 MiB)")
+
+    def _bucket(self, axes: tuple[int, ...], targets: list[str], nbytes: int, what: str) -> None:
+        """One planned bucket's reduction as ``runtime/compression.py`` runs it under
+        the plan's ``grad_compression``: bf16's all-to-all and gather of the padded
+        bf16 bucket; PowerSGD's two all-reduces (the ``P`` factors with the gradients
+        sent whole, then the ``Q`` factors) once its first whole steps are over."""
+        kind, g = self.d.grad_compression, math.prod(self.mesh[a] for a in axes)
+        if kind == "bf16" and g > 1:
+            numel = sum(math.prod(self._shapes[t]) for t in targets)
+            chunk = -(-numel // g)
+            self.add("backward", "all_to_all", axes, chunk * g * 2, f"{what} (bf16)")
+            self.add("backward", "all_gather", axes, chunk * 2, f"{what} (bf16 sums)")
+        elif kind == "powersgd" and g > 1:
+            p_bytes = q_bytes = 0
+            for t in targets:
+                shape, item = self._shapes[t], self._items[t]
+                nmr = low_rank(shape, self.d.compression_rank)
+                if nmr is None:
+                    p_bytes += math.prod(shape) * item
+                else:
+                    p_bytes += nmr[0] * nmr[2] * item
+                    q_bytes += nmr[1] * nmr[2] * item
+            self.add("backward", "all_reduce", axes, p_bytes, f"{what} (PowerSGD P, whole vectors)")
+            self.add("backward", "all_reduce", axes, q_bytes, f"{what} (PowerSGD Q)")
+        else:
+            self.add("backward", "all_reduce", axes, nbytes, what)
 
     def _zero(self, zero: list, z: tuple[int, ...], d: int) -> None:
         stage = self.d.zero_stage

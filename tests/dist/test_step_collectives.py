@@ -36,6 +36,8 @@ CASES = [
     {"id": "ulysses-4", "mesh": (4,), "pins": SEQ, "options": {**ONE, "context_parallel": "exchange"}},
     # experts: groups split, expert weights split on the inner axis (all-to-all dispatch)
     {"id": "ep-2x2", "mesh": (2, 2), "model": "moe", "pins": "ep", "options": ONE},
+    # bf16 compression: each bucket's all-to-all and gather instead of its all-reduce
+    {"id": "bf16-dp4", "mesh": (4,), "pins": DP, "options": {**ONE, "grad_compression": "bf16"}},
 ]
 # more of the same kinds over other meshes and options, the combinations and ZeRO's
 # variants (slow CI step: a 4-rank spawn of their own, ~45 s on 2 cores): each repeats

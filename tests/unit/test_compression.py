@@ -74,6 +74,18 @@ def test_forced_kind_travels_with_the_plan() -> None:
     assert json.loads(p.to_json())["decisions"]["grad_compression"] == "powersgd"
 
 
+def test_listed_and_drawn_as_they_run() -> None:
+    p = _plan(256, 16, grad_compression="powersgd")
+    cs = p.collectives()
+    # P: a 256 x 4 factor per weight and the four biases whole; Q: a 256 x 4 factor per weight
+    assert sum(c.bytes for c in cs if "PowerSGD P" in c.what) == 4 * 256 * 4 * 4 + 4 * 256 * 4
+    assert sum(c.bytes for c in cs if "PowerSGD Q" in c.what) == 4 * 256 * 4 * 4
+    assert not [c for c in cs if c.kind == "all_reduce" and "PowerSGD" not in c.what
+                and "gradient bucket" in c.what]
+    from autopar.report.timeline import predicted_events
+    assert any("PowerSGD r4" in e.label for e in predicted_events(p))
+
+
 @pytest.mark.parametrize("kw", [{"grad_compression": "fp8"}, {"compression_rank": 0}])
 def test_bad_values_are_refused(kw) -> None:
     with pytest.raises(ConfigError):
