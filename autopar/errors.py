@@ -17,6 +17,10 @@ class PlanError(AutoparError):
     """No valid plan: contradictory pins, indivisible shapes, or an infeasible budget."""
 
 
+class NoFitError(PlanError):
+    """No plan fits the memory budget (the leanest one found is named in the message)."""
+
+
 class MeshMismatchError(AutoparError):
     """The running world does not match the plan's mesh."""
 

@@ -213,8 +213,13 @@ def _unmeasured(base: MeshSpec | None, cuda: bool, capacity: float) -> dict[str,
     (``MeshSpec.split_backward``: one layer's probes scatter too widely to plan with)."""
     ref = base if base is not None else MeshSpec.preset("8xH100-nvlink" if cuda else "cpu-gloo")
     fixed = min(ref.reserve_bytes, 0.5 * capacity * (1.0 - ref.reserve_fraction))
+    # host memory for offload: a GPU rank's share of this host's RAM (less 10% for the
+    # processes), a CPU rank's is its device memory; the link and sockets as the preset's
+    host = 0.9 * _host_memory_bytes() if cuda else capacity
     return {"reserve_bytes": fixed, "reserve_fraction": ref.reserve_fraction,
-            "flat_ring": ref.flat_ring, "split_backward": ref.split_backward}
+            "flat_ring": ref.flat_ring, "split_backward": ref.split_backward,
+            "host_memory": host, "host_bandwidth": ref.host_bandwidth,
+            "host_mem_bandwidth": ref.host_mem_bandwidth}
 
 
 def _axis_groups(group: Any, shape: tuple[int, ...] | None, device_type: str) -> list[Any]:

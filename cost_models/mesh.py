@@ -128,6 +128,17 @@ class MeshSpec:
     over); 1.0 on the GPU
     presets (not measured).  Calibration keeps its base preset's value: probes of one
     layer came out 1.02-1.63 on the same host, too noisy to plan with."""
+    host_bandwidth: float | None = None
+    """Bytes/s one device copies to or from host memory, each way (a GPU's share of its
+    PCIe link): what offloaded state pays per step (:mod:`autopar.search.offload`).
+    None: ``mem_bandwidth`` (a CPU rank's host memory is its device memory)."""
+    host_memory: float | None = None
+    """Host memory per device that offloaded parameters and optimizer state may fill
+    (the node's RAM over its devices, less what the processes need); None: unknown,
+    and offload is then taken only when forced (``offload=``), never chosen."""
+    host_mem_bandwidth: float | None = None
+    """Bytes/s of host memory bandwidth per device that an offloaded optimizer step
+    streams (the sockets' bandwidth over the node's devices); None: ``mem_bandwidth``."""
     search_shape: bool = False
     """Only the device count is given (:meth:`preset` with ``devices=``): the planner
     searches the mesh shape (:mod:`autopar.search.mesh_shapes`) and ``shape`` is the
@@ -155,7 +166,8 @@ class MeshSpec:
                 raise ValueError(f"MeshSpec.links[{i}] (axis {names[i]!r}): {e}") from None
         for attr in ("peak_flops", "mem_bandwidth", "mem_capacity", "flops_efficiency"):
             _check_positive_finite("MeshSpec", attr, getattr(self, attr))
-        for attr in ("fp32_peak_flops", "optimizer_bandwidth"):
+        for attr in ("fp32_peak_flops", "optimizer_bandwidth", "host_bandwidth", "host_memory",
+                     "host_mem_bandwidth"):
             if getattr(self, attr) is not None:
                 _check_positive_finite("MeshSpec", attr, getattr(self, attr))
         if self.flops_efficiency > 1:
@@ -311,6 +323,9 @@ class MeshSpec:
             reserve_fraction=p.reserve_fraction,
             flat_ring=p.flat_ring,
             split_backward=p.split_backward,
+            host_bandwidth=p.host_bandwidth,
+            host_memory=p.host_memory,
+            host_mem_bandwidth=p.host_mem_bandwidth,
             search_shape=devices is not None,
         )
 
@@ -387,6 +402,9 @@ class MeshSpec:
             "sync_seconds": self.sync_seconds,
             "sync_window": self.sync_window,
             "split_backward": self.split_backward,
+            "host_bandwidth": self.host_bandwidth,
+            "host_memory": self.host_memory,
+            "host_mem_bandwidth": self.host_mem_bandwidth,
             "search_shape": self.search_shape,
         }
 

@@ -28,6 +28,9 @@ class _NodePreset:
     reserve_fraction: float = 0.0
     flat_ring: tuple[str, ...] = ()
     split_backward: float = 1.0
+    host_bandwidth: float | None = None
+    host_memory: float | None = None
+    host_mem_bandwidth: float | None = None
 
 
 _GIB = 2**30
@@ -54,10 +57,21 @@ _NVLINK_A100 = LinkSpec(alpha=5e-6, beta=300e9)
 _NVLINK_H100 = LinkSpec(alpha=5e-6, beta=450e9)
 _IB_HDR = LinkSpec(alpha=1e-5, beta=25e9)
 _IB_NDR = LinkSpec(alpha=1e-5, beta=50e9)
+# Host memory for offload (MeshSpec.host_*), per GPU of an 8-GPU node: the node's RAM less
+# 10% for the processes and the OS, over its GPUs (DGX A100 1 TiB, DGX H100 2 TiB,
+# p3.16xlarge 488 GiB; the 40 GB A100 nodes of Mist's runs taken as DGX A100); a GPU's
+# share of its PCIe link each way (PCIe 4.0 x16 ~25 GB/s and 5.0 ~50 GB/s measured with
+# pinned buffers, halved: two GPUs share a switch's uplink with the NICs; V100's PCIe 3.0
+# ~12 GB/s halved), and the two sockets' memory bandwidth over the GPUs (DGX A100 2 x 8
+# DDR4-3200 channels ~410 GB/s, DGX H100 2 x 8 DDR5-4800 ~610 GB/s, p3's 2 x 6 DDR4-2666
+# ~250 GB/s).  Not measured here: no GPU node has run the offload benchmark yet.
+_HOST_A100 = {"host_bandwidth": 12.5e9, "host_memory": 0.9 * 1024 * _GIB / 8, "host_mem_bandwidth": 410e9 / 8}
+_HOST_H100 = {"host_bandwidth": 25e9, "host_memory": 0.9 * 2048 * _GIB / 8, "host_mem_bandwidth": 610e9 / 8}
+_HOST_V100 = {"host_bandwidth": 6e9, "host_memory": 0.9 * 488 * _GIB / 8, "host_mem_bandwidth": 250e9 / 8}
 _A100 = {"peak_flops": 312e12, "fp32_peak_flops": 19.5e12, "mem_bandwidth": 2.039e12,
-         "mem_capacity": 80.0 * _GIB, "flat_ring": _NCCL_FLAT, **_GPU_RESERVE}
+         "mem_capacity": 80.0 * _GIB, "flat_ring": _NCCL_FLAT, **_GPU_RESERVE, **_HOST_A100}
 _H100 = {"peak_flops": 989e12, "fp32_peak_flops": 67e12, "mem_bandwidth": 3.35e12,
-         "mem_capacity": 80.0 * _GIB, "flat_ring": _NCCL_FLAT, **_GPU_RESERVE}
+         "mem_capacity": 80.0 * _GIB, "flat_ring": _NCCL_FLAT, **_GPU_RESERVE, **_HOST_H100}
 
 # AWS p3.16xlarge (Alpa's OSDI'22 testbed): 8 V100-SXM2 16 GB on NVLink2 in a hybrid cube
 # mesh (6 links of 25 GB/s per GPU, not all-to-all: NCCL rings reach ~130 GB/s bus
@@ -68,7 +82,7 @@ _H100 = {"peak_flops": 989e12, "fp32_peak_flops": 67e12, "mem_bandwidth": 3.35e1
 _NVLINK_V100 = LinkSpec(alpha=5e-6, beta=130e9)
 _ETH_25G_PER_GPU = LinkSpec(alpha=5e-5, beta=25e9 / 8 / 8)
 _V100_16G = {"peak_flops": 125e12, "fp32_peak_flops": 15.7e12, "mem_bandwidth": 900e9,
-             "mem_capacity": 16.0 * _GIB, "flat_ring": _NCCL_FLAT, **_GPU_RESERVE}
+             "mem_capacity": 16.0 * _GIB, "flat_ring": _NCCL_FLAT, **_GPU_RESERVE, **_HOST_V100}
 # A100-SXM4 40 GB nodes as in Mist's EuroSys'25 runs: NVLink3 inside a node; between nodes
 # Mist's own profile (github Dazz993/Mist, tools/results-final/bandwidth-*-a100-sxm4-40gb)
 # measured ~10.7 GB/s all-gather with 8 GPUs per node on 2 and 4 nodes: 10.7e9/8 B/s
@@ -105,7 +119,10 @@ _PRESETS: dict[str, _NodePreset] = {
                                            kinds=(("reduce_scatter", 1e-4, 1e9),)), None, peak_flops=5e10,
                             mem_bandwidth=1e10, mem_capacity=8.0 * _GIB, default_shape=(2,),
                             kernel_floor=1e-5, overlap=0.35, reserve_bytes=0.5 * _GIB,
-                            split_backward=1.15, flat_ring=("all_reduce", "all_gather", "reduce_scatter")),
+                            split_backward=1.15, flat_ring=("all_reduce", "all_gather", "reduce_scatter"),
+                            # a rank's host memory is its device memory: offload moves state
+                            # within the same RAM (forced, to test it; the search never gains)
+                            host_memory=8.0 * _GIB),
 }
 
 PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)

@@ -4,7 +4,9 @@ things happen in is visible in one place.
 
 1. :func:`apply_inputs`: who passes which samples (decision ``batch``);
 2. :func:`apply_device`: weights, buffers and the graph's constants on the rank's device;
-3. :func:`apply_zero`: ZeRO 1/2/3 (decisions ``zero``, ``zero_kept``, ``zero_reduce_once``);
+3. :func:`apply_zero`: ZeRO 1/2/3 (decisions ``zero``, ``zero_kept``, ``zero_reduce_once``),
+   then :func:`apply_offload`: ZeRO-3's shards in host memory (decision ``offload``;
+   the optimizer level is applied with the DTensor parameters, step 7);
 4. :func:`apply_recompute`: recomputed layers (decision ``recompute``);
 5. :func:`apply_pipeline`: pipeline stages and micro-batches, run by the schedule's runner
    (decisions ``pipeline``, ``micro_batches``);
@@ -45,6 +47,7 @@ def apply_plan(pm: ParallelModule, full_state: Mapping[str, torch.Tensor] | None
     order (under a process group; a planning-only module gets :func:`apply_inputs` only)."""
     apply_device(pm)
     apply_zero(pm)
+    apply_offload(pm)
     apply_recompute(pm)
     apply_pipeline(pm)
     apply_grad_sync(pm)
@@ -100,6 +103,31 @@ def apply_zero(pm: ParallelModule) -> None:
             params.append((t, tuple(a for a in pm._replicated_axes(t) if a not in z)))
     layers = {n.param: n.layer for n in pm.plan.nodes.values() if n.param and n.layer}
     pm.zero = Zero.install(pm.inner, params, d.zero_stage, z, layers, frozenset(d.zero_kept))
+
+
+def apply_offload(pm: ParallelModule) -> None:
+    """Host memory (decision ``offload``).  ``"params"``: ZeRO-3's shards move there
+    (pinned on CUDA, so the gathers copy them up asynchronously), before the DTensor
+    parameters view them, so the optimizer steps them where they are.  ``"optimizer"``:
+    :func:`apply_dparams` gives each DTensor parameter a host copy to step
+    (:class:`~autopar.runtime.dparams.DParams`)."""
+    d = pm.plan.decisions
+    if d.offload != "params":
+        return
+    if pm.zero is None or pm.zero.stage != 3 or any(zp.other_axes for zp in pm.zero.params):
+        from autopar.errors import PlanError
+        raise PlanError("this plan keeps parameter shards in host memory (offload='params'), which "
+                        "needs ZeRO-3 over every replicated axis of the parameters; plan it again")
+    for zp in pm.zero.params:
+        zp.shard.data = to_host(zp.shard.data)
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in host memory (pinned when CUDA is there, for asynchronous copies); a CPU
+    tensor as it is."""
+    if t.device.type == "cpu":
+        return t
+    return t.to("cpu").pin_memory() if torch.cuda.is_available() else t.to("cpu")
 
 
 def apply_recompute(pm: ParallelModule) -> None:
@@ -214,7 +242,10 @@ def apply_dparams(pm: ParallelModule, full_state: Mapping[str, torch.Tensor] | N
                     register_tree(pm, n, p, buffer=True, reserved=_RESERVED,
                                   persistent=n not in pm.info.nonpersistent)
             continue
-        local_step.mark(e.param, e.local)  # element-wise steps run on the local tensor
+        if pm.plan.decisions.offload == "optimizer" and e.param.requires_grad:
+            DParams.hosted(e, mesh)  # the optimizer steps a host copy
+        # element-wise steps run on the local tensor (the host copy under offload)
+        local_step.mark(e.param, e.host if e.host is not None else e.local)
         entries.append(e)
         pm._entry[t] = e
         for n in names:  # tied weights: one Parameter under every name
@@ -278,4 +309,4 @@ class _Switches:
 
 
 __all__ = ["apply_checks", "apply_device", "apply_dparams", "apply_grad_sync", "apply_inputs",
-           "apply_pipeline", "apply_plan", "apply_recompute", "apply_zero"]
+           "apply_offload", "apply_pipeline", "apply_plan", "apply_recompute", "apply_zero", "to_host"]

@@ -233,6 +233,8 @@ class StateMixin:
         # the captured graph shares tensors with the user's model: from here on this
         # module owns fresh ones, so the user's model is never modified
         self._owns_params = True
+        if getattr(self, "_dparams", None) is not None:
+            self._dparams.pull()  # offload: the host copies the optimizer steps
 
     def _replace(self, target: str, tensor: torch.Tensor, is_param: bool) -> None:
         *path, leaf = target.split(".")
@@ -274,6 +276,8 @@ class StateMixin:
     def _local_wholes(self, grads: bool = False) -> list[tuple[str, torch.Tensor | None]]:
         """(target, this rank's tensor in its planned placement) for every parameter and
         buffer, or their gradients; collective under ZeRO (gathers shards)."""
+        if self._dparams is not None:
+            self._dparams.push()  # offload: what the optimizer stepped on the host
         zt = self.zero.targets() if self.zero is not None else set()
         out = []
         for t, p in self._targets():

@@ -21,103 +21,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from autopar.errors import ConfigError
+from autopar.plan.kinds import (  # re-exported: the values decisions take
+    CONTEXT_PARALLEL,
+    GRAD_COMPRESSIONS,
+    OFFLOADS,
+    POWERSGD_RANK,
+    SCHEDULES,
+    ContextParallel,
+    GradCompression,
+    Offload,
+    Precision,
+    Schedule,
+)
 
 if TYPE_CHECKING:
     from autopar.cost_models import MeshSpec
-
-
-# ---------------------------------------------------------------- the values decisions take
-class Schedule(StrEnum):
-    """How micro-batches flow through pipeline stages."""
-
-    NONE = "none"
-    """No pipeline (one stage); micro-batches, if any, are gradient accumulation."""
-    GPIPE = "gpipe"
-    """All forwards, then all backwards: every stage holds all micro-batches' activations."""
-    ONE_F_ONE_B = "1f1b"
-    """Warm-up forwards, then one forward / one backward: stage ``s`` of ``p`` holds at
-    most ``p - s`` micro-batches' activations."""
-    ZERO_BUBBLE = "zero-bubble"
-    """1F1B with each backward split into ``B`` (input gradients, sent on at once) and
-    ``W`` (weight gradients, deferred into what would be bubbles; ZB-H1 of Qi et al.,
-    2023): a third of 1F1B's bubble, at up to ``2p - 1`` micro-batches in flight on the
-    first stage (a micro-batch's activations live until its ``W``)."""
-    INTERLEAVED = "interleaved-1f1b"
-    """1F1B over ``v`` model chunks per rank (Megatron's virtual stages): rank ``s`` runs
-    virtual stages ``s, s + p, .., s + (v - 1) p``, which divides the fill and drain by
-    ``v`` at the price of ``v`` times the point-to-point messages and more micro-batches
-    in flight (:mod:`autopar.plan.schedules`)."""
-
-
-class Precision(StrEnum):
-    """How the planned module computes: the model's own dtypes, or bf16 / fp16 mixed
-    precision (fp16 needs loss scaling: ``ParallelModule.grad_scaler()``)."""
-
-    NATIVE = "native"
-    BF16_MIXED = "bf16-mixed"
-    FP16_MIXED = "fp16-mixed"
-
-    @property
-    def low(self) -> torch.dtype | None:
-        """The dtype low-precision ops compute in (None for :attr:`NATIVE`)."""
-        return {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(self.value)
-
-    @classmethod
-    def parse(cls, value: str | Precision | None) -> Precision:
-        """``None`` is :attr:`NATIVE`; anything other than a known name is a ValueError."""
-        if value is None:
-            return cls.NATIVE
-        try:
-            return cls(value)
-        except ValueError:
-            known = ", ".join(repr(p.value) for p in cls)
-            raise ValueError(f"unknown precision {value!r}; known: {known}") from None
-
-
-class ContextParallel(StrEnum):
-    """``context_parallel=``: which sequence split attention may use (default: searched).
-
-    ``off``: attention never splits the sequence; ``gather-kv``: only query rows split,
-    keys and values gathered; ``exchange``: q, k and v split and exchanged inside the op
-    (Ulysses where the heads divide, ring attention otherwise)."""
-
-    OFF = "off"
-    GATHER_KV = "gather-kv"
-    EXCHANGE = "exchange"
-
-
-class GradCompression(StrEnum):
-    """How data-parallel gradient buckets cross the link (``grad_compression=``).  Both
-    change the numbers the step computes, so the search weighs them only when the user
-    passes ``"auto"``."""
-
-    NONE = "none"
-    """Sent as they are (fp32 under mixed precision)."""
-    BF16 = "bf16"
-    """Sent in bf16 and summed in fp32: each rank's bucket is cast to bf16 and
-    exchanged (all-to-all), every rank sums its chunk of the bucket in fp32, and the
-    sums are gathered back in bf16 (:mod:`autopar.runtime.compression`)."""
-    POWERSGD = "powersgd"
-    """Low-rank (rank ``compression_rank``) with error feedback (Vogels et al., 2019):
-    torch's ``powerSGD_hook`` run on each bucket."""
-
-
-GRAD_COMPRESSIONS: tuple[str, ...] = ("none", "bf16", "powersgd", "auto")
-"""What ``grad_compression=`` accepts: a kind, or ``"auto"`` (the search picks one)."""
-POWERSGD_RANK = 4
-"""PowerSGD's rank when ``compression_rank`` is not given (the paper's default for
-language models trades 1-4)."""
-
-
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
-"""What ``schedule=`` accepts (:attr:`Schedule.NONE` is no pipeline, not a choice)."""
-CONTEXT_PARALLEL: tuple[str, ...] = tuple(c.value for c in ContextParallel)
 
 
 @dataclass
@@ -209,6 +130,11 @@ class Decisions:
     own reduce-scatters are never compressed."""
     compression_rank: int = 0
     """PowerSGD's rank (0 without PowerSGD)."""
+    offload: str = Offload.NONE.value
+    """What lives in host memory between steps (:class:`Offload`)."""
+    host_memory: float = 0.0
+    """Host bytes per device the offloaded state takes (the fullest stage's; 0 without
+    offload)."""
     mesh_shapes: list[dict[str, Any]] = field(default_factory=list)
     """When the mesh shape was searched (``MeshSpec.preset(name, devices=N)``): each shape
     considered, fastest first, with its best plan's predicted ``step_seconds`` (None: no
@@ -282,6 +208,9 @@ class PlanOptions:
     # "auto" = where the search prices it faster, "bf16" / "powersgd" = forced
     grad_compression: str | None = None
     compression_rank: int | None = None  # PowerSGD's rank; None = POWERSGD_RANK
+    # what lives in host memory (Offload): None = none, unless no plan fits the devices
+    # (then weighed as under "auto"); "auto" = weighed; a level = forced
+    offload: str | None = None
     # the sequence split attention may use (autopar.sharding.rules.attention.ContextParallel:
     # "off", "gather-kv", "exchange"); None = searched
     context_parallel: str | None = None
@@ -444,6 +373,11 @@ DECISIONS: tuple[Decision, ...] = (
              ("grad_compression", "compression_rank"),
              "autopar.search.compression:bucket_terms", "autopar.module.apply:apply_grad_sync",
              "compression"),
+    Decision("offload", "optimizer state (and ZeRO-3 parameter shards) kept in host memory",
+             (Option("offload", _one_of(OFFLOADS, none=True), "none, optimizer, params or auto"),),
+             ("offload",),
+             "autopar.search.offload:offload_price", "autopar.module.apply:apply_offload",
+             "offload"),
     Decision("precision", "the dtypes the step computes in (autocast's casts in the graph)",
              (Option("precision", _precision, "native, bf16-mixed or fp16-mixed"),),
              ("precision",),
@@ -461,7 +395,7 @@ DECISIONS: tuple[Decision, ...] = (
 
 RESULT_FIELDS: tuple[str, ...] = (
     "global_batch", "stage_seconds", "stage_memory", "step_seconds", "why", "stage_parts",
-    "breakdown", "collectives", "mesh_shapes")
+    "breakdown", "collectives", "mesh_shapes", "host_memory")
 """:class:`Decisions` fields that are no decision: the numbers that justify them (the
 mesh shapes weighed justify ``Plan.request.mesh_shape``, which the ``mesh`` argument, not a
 keyword, forces)."""
@@ -486,6 +420,6 @@ def check_options(given: dict[str, Any]) -> None:
             _positive_int(name, given[name])
 
 
-__all__ = ["CONTEXT_PARALLEL", "DECISIONS", "GRAD_COMPRESSIONS", "POWERSGD_RANK", "GradCompression", "RESULT_FIELDS", "SCHEDULES", "SEARCH_KNOBS",
+__all__ = ["CONTEXT_PARALLEL", "DECISIONS", "GRAD_COMPRESSIONS", "OFFLOADS", "POWERSGD_RANK", "GradCompression", "Offload", "RESULT_FIELDS", "SCHEDULES", "SEARCH_KNOBS",
            "ContextParallel", "Decision", "Decisions", "Option", "PlanOptions", "Precision",
            "Schedule", "check_options", "decision_options", "zero_axes"]

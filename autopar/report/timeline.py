@@ -146,7 +146,15 @@ def predicted_events(plan: Plan) -> list[Event]:
             events.append(Event(s, Lane.COMM, Kind.GRAD_SYNC, end, exposed, label=f"grad reduce{how}"))
             end += exposed
         opt = parts.get("optimizer_step", 0.0)
-        if opt > 0:  # updates the reduced gradients' shards; ZeRO-1/2 then gathers them
+        host = parts.get("host_optimizer_step", 0.0)
+        if opt > 0 and host > 0:  # offload: gradients down, the host's step, parameters up
+            moved = max(0.0, opt - host)
+            events.append(Event(s, Lane.COMPUTE, Kind.OPTIMIZER, end, host, label="optimizer step (host)"))
+            if moved > 0:
+                events.append(Event(s, Lane.COMM, Kind.COPY, end + host, moved,
+                                    label="host copies (gradients down, parameters up)"))
+            end += host + moved
+        elif opt > 0:  # updates the reduced gradients' shards; ZeRO-1/2 then gathers them
             events.append(Event(s, Lane.COMPUTE, Kind.OPTIMIZER, end, opt, label="optimizer step"))
             end += opt
         gather = parts.get("gather_step", 0.0)

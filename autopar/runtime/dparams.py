@@ -78,6 +78,16 @@ class Entry:
     """The DTensor view of ``local``'s gradient the bridge made last, kept for the next
     backward that leaves the gradient in the same tensor (a bucket reusing its buffer,
     :mod:`autopar.runtime.grad_sync`): one DTensor per parameter per step costs ~5 us."""
+    host: torch.Tensor | None = None
+    """Under ``offload="optimizer"``: the host copy the DTensor parameter views (what the
+    optimizer steps and checkpoints read); ``local`` is the device copy the graph reads."""
+    host_grad: torch.Tensor | None = None
+    """The host copy of the gradient the DTensor gradient views (``host`` entries)."""
+    seen: tuple[int, int] = (-1, -1)
+    """(``param._version``, ``host._version``) when ``local`` was last made equal to the
+    host copy: a step on the DTensors bumps the first (DTensor's dispatch writes the
+    local tensor below the version counter), a step on the local tensors
+    (:mod:`autopar.runtime.local_step`) or a copy into ``host`` the second."""
 
 
 class DParams:
@@ -86,9 +96,10 @@ class DParams:
     def __init__(self, mesh: DeviceMesh, entries: list[Entry], grad_sync=None) -> None:
         """``grad_sync``: the module's gradient buckets, told which of their tensors
         the DTensor gradients kept here hold (:meth:`holds`), so they reuse their
-        buffers across steps."""
+        buffers across steps.  Entries made :meth:`hosted` step host copies."""
         self.mesh = mesh
         self.entries = entries
+        self.host = [e for e in entries if e.host is not None]
         self._armed = False
         self._handles = [e.hook_on.register_post_accumulate_grad_hook(self._hook)
                          for e in entries if e.param.requires_grad]
@@ -111,19 +122,59 @@ class DParams:
         return Entry(target, param, local, local if hook_on is None else hook_on,
                      tuple(placements), tuple(shape))
 
+    @staticmethod
+    def hosted(e: Entry, mesh: DeviceMesh) -> Entry:
+        """``e`` with its DTensor parameter on a host copy of ``local`` (pinned under
+        CUDA; a copy also on a CPU device, so the two are kept apart as on a GPU):
+        ``offload="optimizer"``.  The optimizer steps the host copy; :meth:`push`
+        copies it to the device before the next forward, and the bridge copies the
+        device's gradient into :attr:`Entry.host_grad`."""
+        h = e.local.detach().to("cpu", copy=True)
+        if torch.cuda.is_available():
+            h = h.pin_memory()
+        e.host = h
+        e.param = nn.Parameter(as_dtensor(h, mesh, e.placements, e.shape),
+                               requires_grad=e.param.requires_grad)
+        e.seen = _versions(e)
+        return e
+
+    def push(self) -> None:
+        """Copy every host parameter the optimizer (or a load) changed since the last
+        copy to its device tensor (``offload="optimizer"``): torch bumps a tensor's
+        version on every in-place write, which is how an optimizer step, DCP and
+        ``load_state_dict`` write."""
+        with torch.no_grad():
+            for e in self.host:
+                if _versions(e) != e.seen:
+                    e.local.copy_(e.host, non_blocking=True)
+                    e.seen = _versions(e)
+
+    def pull(self) -> None:
+        """The device tensors into their host copies (after the module loaded state
+        into the device tensors)."""
+        with torch.no_grad():
+            for e in self.host:
+                e.host.copy_(e.local)
+                e.seen = _versions(e)
+
     # ------------------------------------------------------------ gradients
     def before_forward(self) -> None:
         """Mirror ``zero_grad(set_to_none=True)`` on the DTensors onto the local
-        tensors, which would otherwise keep accumulating into the old gradient."""
+        tensors, which would otherwise keep accumulating into the old gradient; and
+        bring host parameters the optimizer stepped to the device (:meth:`push`)."""
+        self.push()
         for e in self.entries:
             if e.param.grad is None:
                 if e.local.grad is not None:
                     e.local.grad = None
+                if e.host is not None:
+                    e.host.grad = None
                 # a gradient the user kept across zero_grad() (the attribute and
                 # getrefcount's argument are the others): never handed out again, so
                 # its local tensor counts as held elsewhere and keeps its values
                 if e.grad is not None and sys.getrefcount(e.grad) > 2:
                     e.grad = None
+                    e.host_grad = None  # offload: its host buffer is the user's now
 
     def holds(self, local: torch.Tensor, g: torch.Tensor) -> int:
         """References to ``g`` (``local``'s gradient tensor) this object holds: 1 when
@@ -150,6 +201,16 @@ class DParams:
             g = e.local.grad
             if g is None:
                 e.param.grad = None
+            elif e.host is not None:
+                # offload: the gradient goes down to the host copy the optimizer reads
+                if e.host_grad is None or e.host_grad.dtype != g.dtype:
+                    e.host_grad = torch.empty_like(e.host, dtype=g.dtype)
+                    e.grad = None
+                e.host_grad.copy_(g)
+                if e.grad is None:
+                    e.grad = _grad_view(e, e.host_grad, self.mesh)
+                e.param.grad = e.grad
+                e.host.grad = e.host_grad  # what a step on the local tensors reads
             elif not isinstance(e.param.grad, DTensor) or e.param.grad._local_tensor is not g:
                 if id(e.local) not in self._cached:
                     e.param.grad = _grad_view(e, g, self.mesh)
@@ -157,6 +218,10 @@ class DParams:
                 if e.grad is None or e.grad._local_tensor is not g:
                     e.grad = _grad_view(e, g, self.mesh)
                 e.param.grad = e.grad
+
+
+def _versions(e: Entry) -> tuple[int, int]:
+    return e.param._version, e.host._version
 
 
 def _grad_view(e: Entry, g: torch.Tensor, mesh: DeviceMesh) -> DTensor:

@@ -101,6 +101,8 @@ def _launch(g: Group, async_op: bool):
     m = current()
     d = m.size_of(g.axes)
     send = torch.cat([s.detach().reshape(-1) for s in g.shards])
+    if send.device != m.device:  # shards in host memory (offload="params"): up first
+        send = send.to(m.device, non_blocking=True)
     out = torch.empty(send.numel() * d, dtype=send.dtype, device=send.device)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     work = issue(fn, out, send, group=m.group_of(g.axes), async_op=async_op)
@@ -176,10 +178,14 @@ class _GatherGroup(Function):
             grads = tuple(a if gr is None else gr if a is None else a.add_(gr) for gr, a in zip(grads, acc))
         m = current()
         d = m.size_of(g.axes)
-        send = rank_major(list(grads), g.sizes, [math.prod(s) for s in g.shapes], d, g.shards[0])
+        like = g.shards[0] if g.shards[0].device == m.device else \
+            torch.empty(0, dtype=g.shards[0].dtype, device=m.device)
+        send = rank_major(list(grads), g.sizes, [math.prod(s) for s in g.shapes], d, like)
         out = torch.empty(send.numel() // d, dtype=send.dtype, device=send.device)
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         issue(fn, out, send, group=m.group_of(g.axes))
+        if g.shards[0].device != out.device:  # host shards: their gradients go down
+            out = out.to(g.shards[0].device)
         return (None, *out.split(g.sizes))
 
 

@@ -3,13 +3,14 @@ the mesh shape searched from a device count (:mod:`autopar.search.mesh_shapes`).
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 from torch import nn
 
 from autopar.capture.trace import Captured
 from autopar.cost_models import MeshSpec
-from autopar.errors import AutoparWarning, user_stacklevel
+from autopar.errors import AutoparWarning, NoFitError, user_stacklevel
 from autopar.plan.data import Plan
 from autopar.search.joint import JointSearch
 from autopar.search.mesh_shapes import ShapeSearch
@@ -27,7 +28,20 @@ def joint_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: Pl
     search = ShapeSearch if mesh.search_shape else JointSearch
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cap, p = search(model, example_inputs, mesh, opts, example_kwargs).run()
+        try:
+            cap, p = search(model, example_inputs, mesh, opts, example_kwargs).run()
+        except NoFitError as e:
+            # nothing fits the devices: weigh host offload unless the user ruled on it
+            # (or the mesh does not say how much host memory there is)
+            if opts.offload is not None or mesh.host_memory is None:
+                raise
+            try:
+                cap, p = search(model, example_inputs, mesh, dataclasses.replace(opts, offload="auto"),
+                                example_kwargs).run()
+            except NoFitError as again:
+                raise NoFitError(f"{again}, host offload considered too (without it: {e})") from None
+            p.decisions.why["offload"] = "nothing fits the devices without offload; " + \
+                p.decisions.why.get("offload", "")
     for w in caught:
         if str(w.message) not in p.warnings:
             p.warnings.append(str(w.message))

@@ -25,7 +25,7 @@ from torch import nn
 from autopar.capture.batch import AnyBatch
 from autopar.capture.trace import Captured
 from autopar.cost_models import MeshSpec, format_bytes
-from autopar.errors import PlanError
+from autopar.errors import NoFitError, PlanError
 from autopar.log import report, show
 from autopar.plan.data import Plan, zero_words
 from autopar.plan.decisions import Decisions, Schedule
@@ -366,7 +366,7 @@ class JointSearch(JointCaptures, JointSpace):
                 raise PlanError("the search found no plan within its time limit of "
                                 f"{self.opts.time_limit} s; raise time_limit")
             need = min(p.min_memory for _, p in self.priced)
-            raise PlanError(
+            raise NoFitError(
                 f"no plan fits the memory budget of {format_bytes(self.budget)} per device: the "
                 f"leanest plan found (ZeRO-3, recomputation, pipelining and micro-batches "
                 f"considered) needs {format_bytes(need)} per device")
@@ -482,10 +482,10 @@ class JointSearch(JointCaptures, JointSpace):
             stage_memory=[sp.total_memory for sp in pr.stages], step_seconds=pr.step_seconds,
             stage_parts=[dict(sp.parts) for sp in pr.stages], breakdown=pr.breakdown(),
             grad_buckets=[b for sp in pr.stages for b in sp.buckets],
-            # compression only where something is all-reduced by GradSync
-            grad_compression=cfg.compression if any(sp.buckets for sp in pr.stages) else "none",
-            compression_rank=cfg.rank if cfg.compression == "powersgd"
-            and any(sp.buckets for sp in pr.stages) else 0)
+            offload=cfg.offload, host_memory=max(sp.host_memory for sp in pr.stages),
+            # compression only where GradSync all-reduces something
+            **(dict(grad_compression=cfg.compression, compression_rank=cfg.rank)
+               if any(sp.buckets for sp in pr.stages) else {}))
         d.why = decisions_why(Context(self.priced, {id(p) for c, p in self.priced if c.estimate},
                                       self.budget, batch_size(self._call), self.opts.optimizer), pr)
         plan.decisions = d

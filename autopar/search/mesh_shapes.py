@@ -35,7 +35,7 @@ from torch import nn
 
 from autopar.capture.trace import Captured
 from autopar.cost_models import MeshSpec, format_bytes
-from autopar.errors import ConfigError, PlanError
+from autopar.errors import ConfigError, NoFitError, PlanError
 from autopar.log import report, show
 from autopar.plan.data import Plan, Request
 from autopar.plan.decisions import Decisions
@@ -221,7 +221,7 @@ class ShapeSearch:
         plans = {s: r for s, r in done.items() if not isinstance(r, Exception)}
         if not plans:
             need = min((self._need(s) for s in self.searches), default=math.inf)
-            raise PlanError(f"no plan fits the memory budget of {format_bytes(self.opts.budget_for(self.mesh))} "
+            raise NoFitError(f"no plan fits the memory budget of {format_bytes(self.opts.budget_for(self.mesh))} "
                             f"per device on any mesh shape of {self.mesh.size} devices "
                             f"({', '.join(_words(s) for s in self.shapes)}): the leanest plan found "
                             f"(ZeRO-3, recomputation, pipelining and micro-batches considered) needs "

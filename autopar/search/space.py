@@ -22,6 +22,7 @@ from autopar.plan.schedules import conflict
 from autopar.plan.splits import batch_size, micro_counts, pipeline_splits, split_mesh
 from autopar.search.compression import kinds as compression_kinds
 from autopar.search.forced import zero_groups
+from autopar.search.offload import kinds as offload_kinds
 from autopar.search.op_placement import PlanOptions
 from autopar.search.stages.dp import Config, bubble_share, split_lower_bound
 from autopar.search.stages.layer_stats import LayerStat, kernel_floor
@@ -162,6 +163,11 @@ class JointSpace:
         sub = cand.plan.mesh
         if self.opts.zero_stage is not None:
             zs = [self.opts.zero_stage]
+            if self.opts.offload == "params" and zs != [3]:
+                raise PlanError(f"offload='params' keeps ZeRO-3's parameter shards in host memory: "
+                                f"it needs zero_stage=3, not {self.opts.zero_stage}")
+        elif self.opts.offload == "params":
+            zs = [3]
         else:
             zs = [0, 1, 2, 3]
         params = [(q.replicated, q.bytes) for st in cand.stats for q in st.params]
@@ -195,8 +201,9 @@ class JointSpace:
                         out.extend(Config(cand.stages, cand.micro_batches, s, z, a,
                                           self.opts.recompute, self.opts.bucket_bytes, v,
                                           cand.axis, self.opts.reshard_after_forward, o,
-                                          self.opts.keep_grad_buffers, c, r)
-                                   for o in once for c, r in compression_kinds(self.opts))
+                                          self.opts.keep_grad_buffers, c, r, h)
+                                   for o in once for c, r in compression_kinds(self.opts)
+                                   for h in offload_kinds(self.opts, z, sub))
         self._config_lists[key] = out
         return out
 

@@ -125,7 +125,34 @@ def decisions_why(ctx: Context, pr: Priced) -> dict[str, str]:
         why["recompute"] = "no layer is recomputed: the plan fits without it"
     why["buckets"] = bucket_words(pr, cfg)
     why["compression"] = compression_words(ctx, pr, cfg)
+    why["offload"] = offload_words(ctx, pr, cfg)
     return why
+
+
+def offload_words(ctx: Context, pr: Priced, cfg: Config) -> str:
+    """One line on host offload: what lives in host memory, its host bytes and time,
+    against the best plan of each other level the search priced."""
+    kinds = {p.config.offload for _, p in ctx.priced}
+    if cfg.offload == "none":
+        head = "nothing is kept in host memory" + (
+            "" if kinds - {"none"} else " (offload='auto' weighs keeping the optimizer state, "
+            "or ZeRO-3's parameter shards, there)")
+    else:
+        host = max(sp.host_memory for sp in pr.stages)
+        tail = max(pr.stages, key=lambda sp: sp.parts.get("offload_step", 0.0))
+        what = ("the optimizer state, with a host copy of the parameters and gradients it steps,"
+                if cfg.offload == "optimizer" else
+                "ZeRO-3's parameter shards, their gradients and the optimizer state")
+        head = (f"{what} live in host memory: {format_bytes(host)} of host memory per device; "
+                f"the optimizer steps on the host ({tail.parts.get('host_optimizer_step', 0.0) * 1e3:.3f} ms)"
+                + (f" and each micro-batch copies the shards up twice and the gradients down "
+                   f"({tail.parts.get('offload_micro', 0.0) * 1e3:.3f} ms)" if cfg.offload == "params"
+                   else ", the gradients going down and the parameters up each step")
+                + f"; {pr.step_seconds * 1e3:.3f} ms per step, "
+                f"{format_bytes(max(sp.total_memory for sp in pr.stages))} per device")
+    others = [_versus(ctx, _alt(ctx, lambda c, k=k: c.offload == k), f"offload={k!r}")
+              for k in sorted(kinds - {cfg.offload})]
+    return head + ("; " + "; ".join(others) if others else "")
 
 
 def compression_words(ctx: Context, pr: Priced, cfg: Config) -> str:
@@ -177,4 +204,5 @@ def bucket_words(pr: Priced, cfg: Config) -> str:
                " (the memory fits)" if kept else " (keeping them does not fit)"))
 
 
-__all__ = ["ESTIMATED", "Context", "bucket_words", "compression_words", "decisions_why"]
+__all__ = ["ESTIMATED", "Context", "bucket_words", "compression_words", "decisions_why",
+           "offload_words"]

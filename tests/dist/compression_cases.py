@@ -44,7 +44,7 @@ def _task(width: int, rows: int, batch: int = 0, noise: float = 0.0) -> tuple[to
 _CALIBRATED: list[MeshSpec] = []
 
 
-def _mesh(c: dict) -> MeshSpec:
+def mesh_for(c: dict) -> MeshSpec:
     """The ``cpu-gloo`` preset, or with ``c["calibrate"]`` the running group's numbers
     (measured once per process)."""
     if not c.get("calibrate"):
@@ -56,7 +56,7 @@ def _mesh(c: dict) -> MeshSpec:
 
 
 def _plan(c: dict, model: nn.Module, ex: tuple, compression: str | None):
-    return auto_parallel(model, example_inputs=ex, mesh=_mesh(c), pins=DATA_PARALLEL,
+    return auto_parallel(model, example_inputs=ex, mesh=mesh_for(c), pins=DATA_PARALLEL,
                          zero_stage=0, grad_compression=compression, **c.get("options", {}))
 
 

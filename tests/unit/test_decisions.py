@@ -50,7 +50,8 @@ def test_entry_names_functions_that_exist(decision) -> None:
         module, name = ref.split(":")
         assert callable(getattr(importlib.import_module(module), name)), ref
     if decision.explain is not None:
-        assert decision.explain in ("pipeline", "zero", "micro_batches", "recompute", "buckets", "compression")
+        assert decision.explain in ("pipeline", "zero", "micro_batches", "recompute", "buckets", "compression",
+                                    "offload")
 
 
 @pytest.mark.parametrize("name", sorted(decision_options()))

@@ -6,9 +6,12 @@ calls it for every stage range it considers."""
 
 from __future__ import annotations
 
+import math
+
 from autopar.cost_models import MeshSpec, drift_after
 from autopar.plan import schedules as sched
 from autopar.search.compression import persistent_bytes
+from autopar.search.offload import offload_price
 from autopar.search.stages.layer_stats import LayerStat, zero_price
 from autopar.search.stages.memory import (
     ParamView,
@@ -50,7 +53,10 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     # PowerSGD's error feedback: one more copy of what GradSync reduces, all run long
     comp = persistent_bytes(cfg.compression, sum(sum(v.plain_bytes) + sum(v.shards) for v in views)) \
         if cfg.compression != "none" else 0.0
-    held = sum(z.params + z.optimizer for z in zp) + sum(st.buffers for st in layers) + comp
+    # offload: state held in host memory instead (search/offload.py)
+    off = offload_price(layers, zp, cfg.offload, cfg.zero_stage, cfg.zero_axis, mesh, optimizer,
+                        cfg.micro_batches)
+    held = sum(z.params + z.optimizer for z in zp) + sum(st.buffers for st in layers) + comp - off.params - off.optimizer
     grads = [z.grads for z in zp]  # per layer, as they are once the step's reduction ends
     # gradient memory as backward allocates it (the same whether or not the buckets
     # are priced, so the split search and the chosen split agree)
@@ -178,7 +184,7 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     # a kept layer's backward re-gathers nothing
     seconds -= sum(x for st, x in zip(layers, saves) if st.key in kp)
     accumulate = accumulation_seconds(grads, cfg.micro_batches, mesh)
-    seconds += accumulate + count_exposed(layers, cfg, mesh)
+    seconds += accumulate + count_exposed(layers, cfg, mesh) + off.per_micro
     if cfg.stages > 1:
         # receive the activations in and send them on in forward; the reverse in backward
         if index > 0:
@@ -211,7 +217,7 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     gather_step = sum(z.gather_step for z in zp)
     # the optimizer updates the stage's parameters once per step, after the gradients
     # are reduced and before the next forward: nothing overlaps it
-    opt_step = sum(z.opt_step for z in zp)
+    opt_step = sum(z.opt_step for z in zp) + off.step  # offload: the host's step and copies
     copy_step = sum(z.copy_step for z in zp)  # gradients into buckets, ZeRO-1/2's layouts
     # every rank waits for the last at the last bucket, after the step's forward and
     # backward, and at ZeRO-1/2's gather of the updated shards, after the optimizer:
@@ -230,8 +236,15 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
               "buffers": sum(st.buffers for st in layers), **peak(chosen, kp)}
     if comp:
         memory["compression"] = comp
+    memory["params"] -= off.params
+    memory["optimizer"] -= off.optimizer
+    if off.host > (mesh.host_memory if mesh.host_memory is not None else math.inf):
+        seconds = math.inf  # over the host's budget: no plan
+    parts["offload_step"] = off.step
+    parts["offload_micro"] = off.per_micro
+    parts["host_optimizer_step"] = off.host_opt
     return StagePrice([st.key for st in layers], seconds, extra, memory, sorted(rc), parts, names,
-                      [st.key for st in layers if st.key in kp], buffers_kept)
+                      [st.key for st in layers if st.key in kp], buffers_kept, off.host)
 
 
 def _in_bytes(layers: list[LayerStat]) -> float:

@@ -32,6 +32,7 @@ class Config:
     # data-parallel gradient buckets sent compressed (GradCompression) and PowerSGD's rank
     compression: str = "none"
     rank: int = 0
+    offload: str = "none"  # what lives in host memory (Offload)
 
 
 @dataclass
@@ -55,6 +56,8 @@ class StagePrice:
     """ZeRO-3 layers kept gathered from forward to backward (``Decisions.zero_kept``)."""
     grad_buffers_kept: bool = False
     """The gradient buckets' buffers serve every step (``Decisions.grad_buffers_kept``)."""
+    host_memory: float = 0.0
+    """Host bytes per device of the offloaded state (``Decisions.host_memory``)."""
 
     @property
     def total_memory(self) -> float:

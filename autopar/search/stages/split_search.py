@@ -312,7 +312,8 @@ def split(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget
         # devices idle: never a pipeline stage of its own
         return p > 1 and sp.parts.get("compute", 0.0) <= 0.0
 
-    if not _may_fit(stats, zps, inflight, budget):
+    # (the bound counts what the layers hold on the device: not under offload)
+    if cfg.offload == "none" and not _may_fit(stats, zps, inflight, budget):
         return SplitResult(None, _min_split_memory(stats, cfg, stage, math.inf))
     if p == 1:
         # one stage holds every layer: only that range is priced (the program below
