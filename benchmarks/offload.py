@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> dict:
           + f"; load {load0:.2f} -> {os.getloadavg()[0]:.2f}\n")
     print("| plan | offload | ZeRO | host MiB | device MiB | predicted ms | measured ms | measured / fits |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
+    if "error" in res:
+        raise SystemExit(f"the ranks failed: {res['error']}")
     base = res["fits"]["measured"]
     for name, r in res.items():
         print(f"| {name} | {r['offload']} | {r['zero']} | {r['host'] / 2**20:.1f} | {r['device'] / 2**20:.1f} | "

@@ -80,7 +80,10 @@ def offload_price(layers: list[LayerStat], zp: list[ZeroPrice], level: str, zero
             owned += p.bytes / d if on_zero(p.replicated, zero_stage, zax) else p.bytes
     state = sum(z.optimizer for z in zp)
     link = mesh.host_bandwidth or mesh.mem_bandwidth
-    host_mesh = dataclasses.replace(mesh, optimizer_bandwidth=mesh.host_mem_bandwidth or mesh.mem_bandwidth)
+    # the host's step: at its memory bandwidth; on a CPU (no host figure) at the rate the
+    # device's own optimizer step runs, calibrated or not
+    host_mesh = dataclasses.replace(mesh, optimizer_bandwidth=mesh.host_mem_bandwidth or mesh.optimizer_bandwidth
+                                    or mesh.mem_bandwidth)
     host_opt = optimizer_step_time(host_mesh, owned, optimizer_state_bytes(owned, optimizer))
     device_opt = sum(z.opt_step for z in zp)
     if level == Offload.OPTIMIZER.value:

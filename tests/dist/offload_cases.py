@@ -29,7 +29,7 @@ def timed(c: dict) -> dict:
 
     def step(pm, opt) -> None:
         opt.zero_grad()
-        pm(x, y).backward()
+        pm.train_step(x, y)  # forward and backward, whatever the plan's schedule
         opt.step()
 
     for pm, opt in runs.values():
