@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
     variants = {"fits": {}, "tight": {"memory_budget": a.budget_mib * 2 ** 20},
                 "optimizer": {"offload": "optimizer"}, "params": {"offload": "params"}}
     load0 = os.getloadavg()[0]
-    res = run_fn_cases(a.world, "tests.dist.offload_cases:timed", [
+    res = run_fn_cases(a.world, "tests.dist.timed_cases:timed", [
         {"id": "gpt", "build": {"layers": 4, "dim": 256, "heads": 4, "vocab": 512, "seq": 64, "batch": 16},
          "variants": variants, "rounds": a.rounds, "steps": a.steps, "calibrate": a.calibrate}])["gpt"]
     print(f"{a.world} gloo ranks, " + ("calibrated mesh" if a.calibrate else "cpu-gloo preset")

@@ -157,6 +157,15 @@ def apply_pipeline(pm: ParallelModule) -> None:
                         "needs zero_stage=3 and no pipeline; plan it again")
     if d.pipeline_stages == 1 and d.micro_batches == 1:
         return
+    if d.copies > 1:  # the micro-batches as copies interleaved in one graph
+        from autopar.passes.multi_copy import multi_copy
+        if d.pipeline_stages > 1 or d.micro_batches != d.copies:
+            from autopar.errors import PlanError
+            raise PlanError(f"this plan runs {d.copies} copies with {d.micro_batches} micro-batches "
+                            f"over {d.pipeline_stages} stages; plan it again")
+        _keep_loss_only(pm)
+        object.__setattr__(pm, "inner", multi_copy(pm.inner, d.copies))  # not a submodule
+        return
     from autopar.passes.split_stages import split_stages
     from autopar.runtime.pipeline import PipelineRunner
     _keep_loss_only(pm)

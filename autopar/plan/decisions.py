@@ -132,6 +132,10 @@ class Decisions:
     """PowerSGD's rank (0 without PowerSGD)."""
     offload: str = Offload.NONE.value
     """What lives in host memory between steps (:class:`Offload`)."""
+    copies: int = 1
+    """Multi-copy overlap: the step's ``micro_batches`` (then 2) halves of the batch run
+    as copies interleaved in one forward and backward, one copy's collectives running
+    while the other computes (:mod:`autopar.passes.multi_copy`); 1: none."""
     host_memory: float = 0.0
     """Host bytes per device the offloaded state takes (the fullest stage's; 0 without
     offload)."""
@@ -211,6 +215,8 @@ class PlanOptions:
     # what lives in host memory (Offload): None = none, unless no plan fits the devices
     # (then weighed as under "auto"); "auto" = weighed; a level = forced
     offload: str | None = None
+    # multi-copy overlap: None = off, 2 = forced, "auto" = searched (Decisions.copies)
+    copies: int | str | None = None
     # the sequence split attention may use (autopar.sharding.rules.attention.ContextParallel:
     # "off", "gather-kv", "exchange"); None = searched
     context_parallel: str | None = None
@@ -287,6 +293,11 @@ def _zero_axes(name: str, v: Any) -> None:
 def _layers(name: str, v: Any) -> None:
     if not isinstance(v, (list, tuple, set, frozenset)) or not all(isinstance(x, str) for x in v):
         raise ConfigError(f"{name}={v!r}: expected a list of layer names like ['blocks.0']")
+
+
+def _copies(name: str, v: Any) -> None:
+    if v != "auto" and (isinstance(v, bool) or v not in (1, 2)):
+        raise ConfigError(f"{name} must be 2 (two interleaved copies), 1, 'auto' or None, got {v!r}")
 
 
 def _precision(name: str, v: Any) -> None:
@@ -378,6 +389,12 @@ DECISIONS: tuple[Decision, ...] = (
              ("offload",),
              "autopar.search.offload:offload_price", "autopar.module.apply:apply_offload",
              "offload"),
+    Decision("copies", "each micro-batch as two copies interleaved, one's collectives beside "
+             "the other's compute (multi-copy overlap)",
+             (Option("copies", _copies, "2 or auto"),),
+             ("copies",),
+             "autopar.search.stages.step_terms:copies_hidden", "autopar.module.apply:apply_pipeline",
+             "copies"),
     Decision("precision", "the dtypes the step computes in (autocast's casts in the graph)",
              (Option("precision", _precision, "native, bf16-mixed or fp16-mixed"),),
              ("precision",),

@@ -94,6 +94,8 @@ def _decision_lines(plan: Plan) -> list[str]:
             lines.append(f"  {label:<14} {d.why[key]}")
     if d.grad_compression != "none" and "compression" in d.why:  # it changes the numbers: say so
         lines.append(f"  {'compression':<14} {d.why['compression']}")
+    if d.copies > 1 and "copies" in d.why:
+        lines.append(f"  {'copies':<14} {d.why['copies']}")
     if d.offload != "none" and "offload" in d.why:
         lines.append(f"  {'offload':<14} {d.why['offload']}")
     return lines

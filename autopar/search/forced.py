@@ -24,6 +24,10 @@ def check_forced(opts: PlanOptions, mesh: MeshSpec) -> None:
         v = getattr(o, name)
         if v is not None and (not isinstance(v, int) or v < 1):
             raise PlanError(f"{name} must be an int >= 1, got {v!r}")
+    if o.copies == 2 and (o.micro_batches not in (None, 2) or o.pipeline_stages not in (None, 1)):
+        raise PlanError(f"copies=2 runs the step as two interleaved halves of the batch, with no "
+                        f"pipeline: micro_batches={o.micro_batches!r} and "
+                        f"pipeline_stages={o.pipeline_stages!r} cannot go with it")
     piped = (Schedule.GPIPE.value, Schedule.ONE_F_ONE_B.value, Schedule.INTERLEAVED.value,
              Schedule.ZERO_BUBBLE.value)
     if o.schedule is not None:

@@ -65,8 +65,7 @@ class JointSearch(JointCaptures, JointSpace):
     def __init__(self, model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOptions,
                  example_kwargs: dict | None = None) -> None:
         self.model, self.inputs, self.mesh, self.opts = model, tuple(example_inputs), mesh, opts
-        self.kwargs = example_kwargs
-        # the whole call as one pytree: models called as model(**batch) have no positional input
+        self.kwargs = example_kwargs  # _call: one pytree (model(**batch) has no positional input)
         self._call = (self.inputs, dict(example_kwargs or {}))
         self.budget = opts.budget_for(mesh)
         self.captures: dict[tuple[int, bool], Captured] = {}
@@ -296,6 +295,7 @@ class JointSearch(JointCaptures, JointSpace):
         stages, axis = self._forced_splits()[0]
         first = (stages, self._micro_options(stages)[0], axis)
         self._try(stages, first[1], math.inf, strict=True, estimate=self._start_early(), axis=axis)
+        self._try_copies(first)
         if stages > 1:
             self._stage_options()  # forced stages: refuse tied weights across layers now
             for p, a in self._forced_splits()[1:]:  # the forced count from the other axes
@@ -482,7 +482,7 @@ class JointSearch(JointCaptures, JointSpace):
             stage_memory=[sp.total_memory for sp in pr.stages], step_seconds=pr.step_seconds,
             stage_parts=[dict(sp.parts) for sp in pr.stages], breakdown=pr.breakdown(),
             grad_buckets=[b for sp in pr.stages for b in sp.buckets],
-            offload=cfg.offload, host_memory=max(sp.host_memory for sp in pr.stages),
+            offload=cfg.offload, host_memory=max(sp.host_memory for sp in pr.stages), copies=cfg.copies,
             # compression only where GradSync all-reduces something
             **(dict(grad_compression=cfg.compression, compression_rank=cfg.rank)
                if any(sp.buckets for sp in pr.stages) else {}))

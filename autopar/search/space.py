@@ -121,9 +121,12 @@ class JointSpace:
     def _micro_options(self, stages: int) -> list[int]:
         """Micro-batch counts for ``stages``: every count that divides the batch (a deep
         pipeline needs many, 64-1,024 in published runs, to shrink its bubble; before,
-        only 1-32 in powers of two were tried), at least one per stage."""
+        only 1-32 in powers of two were tried), at least one per stage; two copies
+        forced (``copies=2``) run as two micro-batches."""
         if self.opts.micro_batches is not None:
             return [self.opts.micro_batches]
+        if self.opts.copies == 2:
+            return [2]
         return micro_counts(batch_size(self._call), stages)
 
     def _micro_order(self, stages: int, axis: int = 0) -> list[int]:
@@ -201,11 +204,33 @@ class JointSpace:
                         out.extend(Config(cand.stages, cand.micro_batches, s, z, a,
                                           self.opts.recompute, self.opts.bucket_bytes, v,
                                           cand.axis, self.opts.reshard_after_forward, o,
-                                          self.opts.keep_grad_buffers, c, r, h)
+                                          self.opts.keep_grad_buffers, c, r, h, k)
                                    for o in once for c, r in compression_kinds(self.opts)
-                                   for h in offload_kinds(self.opts, z, sub))
+                                   for h in offload_kinds(self.opts, z, sub)
+                                   for k in self._copies(cand))
         self._config_lists[key] = out
         return out
+
+    def _try_copies(self, first: tuple[int, int, int]) -> None:
+        """Under ``copies="auto"``: price the one-stage split of two micro-batches, where
+        two copies can run, whatever memory asks for (widening alone may skip it)."""
+        if self.opts.copies == "auto" and first[:2] != (1, 2) and self.opts.pipeline_stages in (None, 1) \
+                and self.opts.micro_batches in (None, 2) and 2 in self._micro_options(1):
+            self._try(1, 2, math.inf, estimate=self._shallow is not None)
+
+    def _copies(self, cand: _Candidate) -> list[int]:
+        """Multi-copy overlap's options on ``cand`` (decision ``copies``): off unless
+        asked; two copies need one stage, two micro-batches (captured at half the batch)
+        and a graph returning its loss alone (:mod:`autopar.passes.multi_copy`)."""
+        asked = self.opts.copies
+        if asked in (None, 1):
+            return [1]
+        out = next(n for n in cand.cap.gm.graph.nodes if n.op == "output")
+        flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+        ok = cand.stages == 1 and cand.micro_batches == 2 and len(flat) == 1
+        if asked == "auto":
+            return [1, 2] if ok else [1]
+        return [2] if ok else []
 
     def _schedules(self, stages: int) -> list[str]:
         """The schedules :meth:`_configs` prices on ``stages`` stages: the forced one, else

@@ -126,7 +126,29 @@ def decisions_why(ctx: Context, pr: Priced) -> dict[str, str]:
     why["buckets"] = bucket_words(pr, cfg)
     why["compression"] = compression_words(ctx, pr, cfg)
     why["offload"] = offload_words(ctx, pr, cfg)
+    why["copies"] = copies_words(ctx, pr, cfg)
     return why
+
+
+def copies_words(ctx: Context, pr: Priced, cfg: Config) -> str:
+    """One line on multi-copy overlap: the communication the copies hide, against the
+    same split run as plain micro-batches (and the reverse)."""
+    kinds = {p.config.copies for _, p in ctx.priced}
+
+    def same(c: Config) -> bool:
+        return dataclasses.replace(c, copies=cfg.copies) == cfg
+
+    if cfg.copies > 1:
+        hidden = max(sp.parts.get("copies_hidden", 0.0) for sp in pr.stages) * cfg.micro_batches
+        head = (f"the batch runs as {cfg.copies} interleaved copies of"
+                f" {1 / cfg.copies:.0%} of its rows: {hidden * 1e3:.3f} ms of collectives a step run beside the other "
+                f"copy's compute; {pr.step_seconds * 1e3:.3f} ms per step")
+        return head + "; " + _versus(ctx, _alt(ctx, lambda c: c.copies == 1 and same(c)),
+                                     "the same micro-batches one after the other")
+    if kinds == {1}:
+        return "no multi-copy overlap (copies='auto' weighs running two halves of the batch " \
+               "interleaved, one's collectives beside the other's compute)"
+    return "no multi-copy overlap: " + _versus(ctx, _alt(ctx, lambda c: c.copies > 1), "two copies")
 
 
 def offload_words(ctx: Context, pr: Priced, cfg: Config) -> str:

@@ -103,6 +103,31 @@ def converge(c: dict) -> dict:
     return out
 
 
+def interleaved(runs: dict, backward, warm: int, rounds: int, steps: int) -> dict[str, float]:
+    """Median seconds per step of each ``(module, optimizer)`` in ``runs``: ``warm``
+    steps each, then ``rounds`` rounds of ``steps`` steps of each in turn (zero_grad,
+    ``backward(module)``, step), each round timed as the slowest rank's."""
+    def step(pm, opt) -> None:
+        opt.zero_grad()
+        backward(pm)
+        opt.step()
+
+    for pm, opt in runs.values():
+        for _ in range(warm):
+            step(pm, opt)
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(rounds):
+        for name, (pm, opt) in runs.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step(pm, opt)
+            t = torch.tensor([(time.perf_counter() - t0) / steps])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            times[name].append(t.item())
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+
+
 def timed(c: dict) -> dict:
     """Measured and predicted steps of every kind in ``c["kinds"]`` on one model,
     interleaved (``c["rounds"]`` rounds of ``c["steps"]`` steps each, after PowerSGD's
@@ -117,25 +142,8 @@ def timed(c: dict) -> dict:
         runs[kind] = (pm, opt)
     auto = _plan(c, copy.deepcopy(base), ex, "auto").plan.decisions
 
-    def step(pm, opt) -> None:
-        opt.zero_grad()
-        pm(*ex).backward()
-        opt.step()
-
-    for pm, opt in runs.values():  # warm-up: PowerSGD's whole steps, first-call checks
-        for _ in range(12):
-            step(pm, opt)
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    for _ in range(c["rounds"]):
-        for kind, (pm, opt) in runs.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(c["steps"]):
-                step(pm, opt)
-            t = torch.tensor([(time.perf_counter() - t0) / c["steps"]])
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            times[kind].append(t.item())
-    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    # warm-up: PowerSGD's whole steps, first-call checks
+    med = interleaved(runs, lambda pm: pm(*ex).backward(), 12, c["rounds"], c["steps"])
     return {"measured": med,
             "predicted": {k: pm.plan.decisions.step_seconds for k, (pm, _) in runs.items()},
             "exposed": {k: pm.plan.decisions.breakdown.get("exposed_comm_seconds", 0.0)

@@ -87,6 +87,10 @@ class LayerStat:
     """Local bytes of the parameters read only through dtype casts (mixed precision):
     backward keeps their low-precision copy (an activation), so ZeRO-3 does not
     re-gather them."""
+    comm_drift: float = 0.0
+    """Seconds the layer's blocking collectives (its redistributions, forward and
+    backward) wait for the ranks' drift (``mesh.sync_seconds`` each): two copies' twin
+    collectives wait it out once (:func:`autopar.search.stages.step_terms.copies_hidden`)."""
     behind: float = 0.0
     """Seconds of collectives the layer leaves in flight beside the forward: the
     cross-entropy's token count (:func:`autopar.sharding.rules.losses.count_axes`), which the
@@ -135,6 +139,10 @@ def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) ->
         elif np_.kind == "op":
             st.seconds += np_.compute + np_.comm
             st.compute += np_.compute
+            if np_.comm > 0:
+                # one blocking collective each way (the search's candidates carry no
+                # per-edge steps to count): a tensor-parallel all-reduce, gather or scatter
+                st.comm_drift += min(np_.comm, 2.0 * mesh.sync_seconds)
             st.forward += np_.compute / (1.0 + backward_factor) + np_.comm / 2.0
             st.activations += np_.memory
             st.largest = max(st.largest, np_.memory)

@@ -23,6 +23,7 @@ from autopar.search.stages.memory import (
 from autopar.search.stages.priced import Config, StagePrice
 from autopar.search.stages.step_terms import (
     accumulation_seconds,
+    copies_hidden,
     count_exposed,
     in_flight,
     split_seconds,
@@ -185,6 +186,8 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     seconds -= sum(x for st, x in zip(layers, saves) if st.key in kp)
     accumulate = accumulation_seconds(grads, cfg.micro_batches, mesh)
     seconds += accumulate + count_exposed(layers, cfg, mesh) + off.per_micro
+    hidden = copies_hidden(layers, cfg, mesh)  # multi-copy: comm beside the other copy's compute
+    seconds -= hidden
     if cfg.stages > 1:
         # receive the activations in and send them on in forward; the reverse in backward
         if index > 0:
@@ -228,7 +231,7 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     compute = sum(st.compute for st in layers)
     recompute = sum(st.forward for st in chosen)
     parts = {"compute": compute, "recompute": recompute, "accumulate": accumulate,
-             "comm": seconds - compute - recompute - accumulate,
+             "comm": seconds - compute - recompute - accumulate,  # net of what copies hide
              "sync": bp.busy if bp is not None else 0.0, "sync_exposed": exposed,
              "gather_step": gather_step, "optimizer_step": opt_step, "copy_step": copy_step, **extremes}
     # what is alive at the peak: gradients only as far as backward has made them
@@ -240,6 +243,7 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     memory["optimizer"] -= off.optimizer
     if off.host > (mesh.host_memory if mesh.host_memory is not None else math.inf):
         seconds = math.inf  # over the host's budget: no plan
+    parts["copies_hidden"] = hidden
     parts["offload_step"] = off.step
     parts["offload_micro"] = off.per_micro
     parts["host_optimizer_step"] = off.host_opt

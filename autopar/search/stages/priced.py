@@ -33,6 +33,7 @@ class Config:
     compression: str = "none"
     rank: int = 0
     offload: str = "none"  # what lives in host memory (Offload)
+    copies: int = 1  # the two micro-batches run as interleaved copies (multi-copy overlap)
 
 
 @dataclass

@@ -63,6 +63,29 @@ def accumulation_seconds(grads: list[float], micro_batches: int, mesh: MeshSpec)
     return mesh.straggler * 3.0 * sum(grads) / mesh.mem_bandwidth * (micro_batches - 1) / micro_batches
 
 
+def copies_hidden(layers: list[LayerStat], cfg: Config, mesh: MeshSpec) -> float:
+    """Seconds per micro-batch that multi-copy overlap hides (``cfg.copies`` > 1, the
+    micro-batches running as interleaved copies, :mod:`autopar.passes.multi_copy`).  A
+    copy's collectives (the layers' edges', forward and backward) run while the other
+    copy computes, at ``mesh.overlap`` of their speed (1 on GPUs; on gloo the link
+    shares the cores); and a copy waits for its collective after the other copy's
+    segment, so the ranks' drift that a blocking collective waits out
+    (:attr:`LayerStat.comm_drift`) is waited once for twin collectives: of ``copies``
+    twins, ``copies - 1`` wait none.  Per micro-batch ``min(comm, overlap x compute +
+    drift x (copies - 1) / copies)`` leaves the critical path.  Latencies are not taken
+    as paired: NCCL runs a group's collectives one after the other.  Unpriced, the
+    drift: the 4-layer GPT in Megatron's layout on 4 calibrated gloo ranks measured
+    86-96 ms a step faster as two copies than as two micro-batches in turn, and was
+    predicted 3.5-3.9 ms faster (calibrated overlap 0.02; docs/benchmarks.md); pairing
+    latencies too predicted 146 ms against 93 measured."""
+    if cfg.copies < 2:
+        return 0.0
+    comm = sum(st.seconds - st.compute for st in layers)
+    compute = sum(st.compute for st in layers)
+    drift = sum(st.comm_drift for st in layers)
+    return max(0.0, min(comm, mesh.overlap * compute + drift * (cfg.copies - 1) / cfg.copies))
+
+
 def count_exposed(layers: list[LayerStat], cfg: Config, mesh: MeshSpec) -> float:
     """Seconds per micro-batch of the layers' in-flight collectives (``behind``: the
     cross-entropy's token count) that the forward does not hide.  Without a pipeline
@@ -152,5 +175,5 @@ def waiting_w(cfg: Config, index: int) -> int:
     return sched.waiting_w(cfg.stages, cfg.micro_batches)[index]
 
 
-__all__ = ["ZERO_BUBBLE_SHARE", "accumulation_seconds", "bubble_share", "count_exposed", "in_flight", "split_seconds", "stage_buckets",
+__all__ = ["ZERO_BUBBLE_SHARE", "accumulation_seconds", "bubble_share", "copies_hidden", "count_exposed", "in_flight", "split_seconds", "stage_buckets",
            "stage_link", "waiting_w"]
