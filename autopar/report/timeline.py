@@ -126,7 +126,9 @@ def predicted_events(plan: Plan) -> list[Event]:
         _, _, cf, cb, _ = times[s]
         comm = (cf if a.op == "F" else cb / halves) / v
         kind = Kind.FORWARD if a.op == "F" else Kind.BACKWARD
-        label = f"{a.op}{a.micro}" + (f".{a.chunk}" if v > 1 else "")
+        # multi-copy: the micro-batches are copies run interleaved (decision copies)
+        label = (f"{a.op} copy {a.micro}" if d.copies > 1 else f"{a.op}{a.micro}") + \
+            (f".{a.chunk}" if v > 1 else "")
         events.append(Event(s, Lane.COMPUTE, kind, t.start, t.end - t.start - comm, a.micro, label))
         if comm > 0:
             events.append(Event(s, Lane.COMM, Kind.COMM, t.end - comm, comm, a.micro,

@@ -38,6 +38,8 @@ CASES = [
     {"id": "ep-2x2", "mesh": (2, 2), "model": "moe", "pins": "ep", "options": ONE},
     # bf16 compression: each bucket's all-to-all and gather instead of its all-reduce
     {"id": "bf16-dp4", "mesh": (4,), "pins": DP, "options": {**ONE, "grad_compression": "bf16"}},
+    # two interleaved copies: each collective twice at half the rows, started and waited
+    {"id": "copies-tp4", "mesh": (4,), "pins": TP, "options": {**ONE, "copies": 2}},
 ]
 # more of the same kinds over other meshes and options, the combinations and ZeRO's
 # variants (slow CI step: a 4-rank spawn of their own, ~45 s on 2 cores): each repeats

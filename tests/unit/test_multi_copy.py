@@ -53,6 +53,8 @@ def test_copies_only_when_asked() -> None:
     assert "2 interleaved copies" in why and "one after the other takes" in why
     assert "  copies         " in auto.summary()
     assert autopar.Plan.from_json(auto.to_json()).decisions.copies == 2
+    from autopar.report.timeline import predicted_events
+    assert any(e.label == "F copy 1" for e in predicted_events(auto))
     with pytest.raises(PlanError, match="copies=2"):
         _plan(copies=2, micro_batches=4)
 
