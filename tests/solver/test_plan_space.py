@@ -190,7 +190,10 @@ def test_each_pipeline_schedule_is_chosen_where_it_pays() -> None:
     assert d.step_seconds < one.decisions.step_seconds
     assert d.breakdown["bubble_seconds"] < 0.6 * one.decisions.breakdown["bubble_seconds"]
     with pytest.raises(Exception, match="needs|fits|budget"):
-        plan(model, ex, MESH, memory_budget=budget, schedule="zero-bubble", **kw)
+        plan(model, ex, MESH, memory_budget=budget, schedule="zero-bubble", offload="none", **kw)
+    # left to the planner, zero-bubble fits with the optimizer's part in host memory
+    assert plan(model, ex, MESH, memory_budget=budget, schedule="zero-bubble",
+                **kw).decisions.offload != "none"
     link = dataclasses.replace(MESH.links[0], beta=1e9)
     slow = dataclasses.replace(MESH, links=(link,), intra=link)
     assert plan(model, ex, slow, memory_budget=budget, **kw).decisions.schedule == "1f1b"
