@@ -96,7 +96,9 @@ def main(argv: list[str] | None = None) -> dict:
     m = res["micro-batches"]["measured"] - res["copies"]["measured"]
     p = res["copies"]["hidden"]
     print(f"\noverlap: measured {m * 1e3:.1f} ms, predicted {p * 1e3:.1f} ms "
-          f"(predicted / measured {p / m if m else float('nan'):.2f})")
+          f"(predicted / measured {p / m if m else float('nan'):.2f}); the mesh's overlap "
+          f"{res['copies']['overlap']:.2f}, sync {res['copies']['sync_seconds'] * 1e3:.2f} ms, "
+          f"collective pairing {res['copies']['pairing']:.2f}")
     return res
 
 

@@ -51,7 +51,7 @@ from .measure import (
     max_over_ranks,
     optimizer_rates,
 )
-from .measure_sync import idle_reuse, overlap_fraction, straggler, sync_penalty
+from .measure_sync import collective_pairing, idle_reuse, overlap_fraction, straggler, sync_penalty
 from .mesh import LinkSpec, MeshSpec
 
 __all__ = ["FITTED_KINDS", "Calibration", "calibrate", "fit_alpha_beta", "kind_coefficients",
@@ -349,6 +349,9 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
     sync_extra = sync_penalty(groups[widest], device, dtype, mm_sizes[len(mm_sizes) // 2],
                               rounds["sync"], sync, job=group, chain=4) \
         if dims[widest] > 1 else {"sync_seconds": 0.0}
+    # twin collectives in flight at once (multi-copy overlap): 9 rounds, 5 quick, of a few ms each
+    pairing = collective_pairing(groups[widest], device, 5 if quick else 9, sync, job=group) \
+        if dims[widest] > 1 else {"collective_pairing": 0.0}
     # a GPU per rank: an idle stage's device is lost, whatever noise the rates show
     reuse = {"idle_reuse": 0.0} if cuda else \
         idle_reuse(group, device, dtype, mm_sizes[len(mm_sizes) // 2], min_s, sync)
@@ -368,7 +371,7 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
                     optimizer_bandwidth=opt_bw, optimizer_tensor_seconds=opt["tensor_seconds"],
                     idle_reuse=reuse["idle_reuse"], sync_seconds=sync_extra["sync_seconds"],
                     sync_window=sync_extra.get("chunk", 0.0),
-                    straggler=lag["straggler"],
+                    straggler=lag["straggler"], collective_pairing=pairing["collective_pairing"],
                     # the base preset's reserve and flat rings, else the preset kind's
                     **_unmeasured(base, cuda, capacity))
     elapsed = max_over_ranks([time.perf_counter() - t_start], group, device)[0]

@@ -27,7 +27,7 @@ from .measure import (
     timed_samples,
 )
 
-__all__ = ["idle_reuse", "overlap_estimate", "overlap_fraction", "straggler", "sync_estimate",
+__all__ = ["collective_pairing", "idle_reuse", "overlap_estimate", "overlap_fraction", "straggler", "sync_estimate",
            "sync_penalty"]
 
 
@@ -96,6 +96,42 @@ def overlap_fraction(group: Any, nbytes: int, device: Any, dtype: Any, mm_n: int
     a_t, c_t, t_t = worst[:n], worst[n:2 * n], worst[2 * n:]
     return {**overlap_estimate(a_t, c_t, t_t), "alone": median(a_t),
             "compute": median(c_t), "both": median(t_t)}
+
+
+def collective_pairing(group: Any, device: Any, repeats: int, sync: Sync, job: Any = None,
+                       nbytes: int = 4096) -> dict[str, float]:
+    """``MeshSpec.collective_pairing``: the share of a small collective's time that a
+    second one in flight on the same group at once saves.  Side by side in each of
+    ``repeats`` rounds: ``S``, two ``nbytes`` all-reduces one after the other; ``P``,
+    the two issued asynchronously and then waited.  Per round ``(S - P) / (S / 2)``,
+    the slowest rank's times, clamped to [0, 1]; the median over rounds.  A backend
+    that runs a group's collectives one at a time (NCCL's stream per communicator)
+    gives 0; gloo's worker threads run two at once (multi-copy overlap's twin
+    collectives, :func:`autopar.search.stages.step_terms.copies_hidden`)."""
+    import torch
+    import torch.distributed as dist
+
+    one = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    two = torch.ones_like(one)
+
+    def bar() -> None:
+        dist.barrier(group=group)
+
+    def seq() -> None:
+        dist.all_reduce(one, group=group)
+        dist.all_reduce(two, group=group)
+
+    def par() -> None:
+        w = dist.all_reduce(one, group=group, async_op=True)
+        dist.all_reduce(two, group=group, async_op=True).wait()
+        w.wait()
+
+    s_t, p_t = timed_rounds([seq, par], repeats, sync, bar)
+    worst = max_over_ranks([*s_t, *p_t], job, device)
+    n = len(s_t)
+    shares = sorted(min(1.0, max(0.0, (s - p) / (s / 2.0))) for s, p in zip(worst[:n], worst[n:]) if s > 0)
+    return {"collective_pairing": shares[len(shares) // 2] if shares else 0.0,
+            "sequential": median(worst[:n]), "paired": median(worst[n:])}
 
 
 def overlap_estimate(alone: Sequence[float], compute: Sequence[float],

@@ -128,6 +128,12 @@ class MeshSpec:
     over); 1.0 on the GPU
     presets (not measured).  Calibration keeps its base preset's value: probes of one
     layer came out 1.02-1.63 on the same host, too noisy to plan with."""
+    collective_pairing: float = 0.0
+    """The share of a small collective's time a second one in flight on the same group
+    at once saves (0: the backend runs them one at a time, as NCCL does on a
+    communicator's stream; calibration measures it,
+    :func:`autopar.cost_models.measure_sync.collective_pairing`): what multi-copy
+    overlap's twin collectives save of their latencies."""
     host_bandwidth: float | None = None
     """Bytes/s one device copies to or from host memory, each way (a GPU's share of its
     PCIe link): what offloaded state pays per step (:mod:`autopar.search.offload`).
@@ -402,6 +408,7 @@ class MeshSpec:
             "sync_seconds": self.sync_seconds,
             "sync_window": self.sync_window,
             "split_backward": self.split_backward,
+            "collective_pairing": self.collective_pairing,
             "host_bandwidth": self.host_bandwidth,
             "host_memory": self.host_memory,
             "host_mem_bandwidth": self.host_mem_bandwidth,

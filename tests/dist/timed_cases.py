@@ -35,6 +35,6 @@ def timed(c: dict) -> dict:
                      "optimizer": d.breakdown.get("optimizer_seconds", 0.0),
                      "copies": d.copies, "micro_batches": d.micro_batches,
                      "breakdown": dict(d.breakdown), "overlap": pm.plan.mesh.overlap,
-                     "sync_seconds": pm.plan.mesh.sync_seconds,
+                     "sync_seconds": pm.plan.mesh.sync_seconds, "pairing": pm.plan.mesh.collective_pairing,
                      "hidden": sum(p.get("copies_hidden", 0.0) for p in d.stage_parts) * d.micro_batches}
     return out

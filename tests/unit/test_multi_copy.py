@@ -33,6 +33,11 @@ def test_hidden_by_hand() -> None:
     assert copies_hidden(layers, Config(micro_batches=2), MESH) == 0.0
     gpu = MeshSpec.preset("8xH100-nvlink")  # the link runs beside the kernels: all 4 s
     assert copies_hidden(layers, Config(micro_batches=2, copies=2), gpu) == pytest.approx(4.0)
+    # no compute beside: the twins wait out one drift (1 s of 2) and share half their
+    # latencies (pairing 0.5 of 2 s), each half a pair's: (1 + 0.5 x 2) / 2
+    twins = [LayerStat("a", seconds=4.0, compute=0.0, comm_drift=1.0, comm_latency=2.0)]
+    paired = MeshSpec.from_dict({**MESH.to_dict(), "collective_pairing": 0.5})
+    assert copies_hidden(twins, Config(micro_batches=2, copies=2), paired) == pytest.approx(1.0)
 
 
 def _plan(**kw):

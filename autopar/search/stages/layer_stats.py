@@ -87,6 +87,10 @@ class LayerStat:
     """Local bytes of the parameters read only through dtype casts (mixed precision):
     backward keeps their low-precision copy (an activation), so ZeRO-3 does not
     re-gather them."""
+    comm_latency: float = 0.0
+    """Seconds of the layer's blocking collectives (one each way, forward and backward,
+    on the mesh's dearest axis) that do not grow with their bytes: what twin
+    collectives in flight at once share (``MeshSpec.collective_pairing``)."""
     comm_drift: float = 0.0
     """Seconds the layer's blocking collectives (its redistributions, forward and
     backward) wait for the ranks' drift (``mesh.sync_seconds`` each): two copies' twin
@@ -107,6 +111,12 @@ def _local_bytes(node: fx.Node, placement: str, mesh: MeshSpec) -> float:
     t = info(node).out
     return math.prod(local_shape(t.shape, parse_placements(placement), mesh.shape)) * (
         t.nbytes / max(t.numel, 1))
+
+
+def _latency(mesh: MeshSpec) -> float:
+    """One all-reduce's price at one byte on the mesh's dearest axis (its latencies)."""
+    return max((all_reduce_time(mesh, (a,), 1.0) for a, n in enumerate(mesh.shape) if n > 1),
+               default=0.0)
 
 
 def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) -> list[LayerStat]:
@@ -143,6 +153,8 @@ def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) ->
                 # one blocking collective each way (the search's candidates carry no
                 # per-edge steps to count): a tensor-parallel all-reduce, gather or scatter
                 st.comm_drift += min(np_.comm, 2.0 * mesh.sync_seconds)
+                if mesh.collective_pairing > 0:
+                    st.comm_latency += min(np_.comm, 2.0 * _latency(mesh))
             st.forward += np_.compute / (1.0 + backward_factor) + np_.comm / 2.0
             st.activations += np_.memory
             st.largest = max(st.largest, np_.memory)

@@ -71,19 +71,21 @@ def copies_hidden(layers: list[LayerStat], cfg: Config, mesh: MeshSpec) -> float
     shares the cores); and a copy waits for its collective after the other copy's
     segment, so the ranks' drift that a blocking collective waits out
     (:attr:`LayerStat.comm_drift`) is waited once for twin collectives: of ``copies``
-    twins, ``copies - 1`` wait none.  Per micro-batch ``min(comm, overlap x compute +
-    drift x (copies - 1) / copies)`` leaves the critical path.  Latencies are not taken
-    as paired: NCCL runs a group's collectives one after the other.  Unpriced, the
-    drift: the 4-layer GPT in Megatron's layout on 4 calibrated gloo ranks measured
-    86-96 ms a step faster as two copies than as two micro-batches in turn, and was
-    predicted 3.5-3.9 ms faster (calibrated overlap 0.02; docs/benchmarks.md); pairing
-    latencies too predicted 146 ms against 93 measured."""
+    twins, ``copies - 1`` wait none; and where the backend runs two collectives of a
+    group at once, the twins' latencies overlap by ``mesh.collective_pairing`` (0 on
+    NCCL, which runs a communicator's collectives one after the other; calibration
+    measures it).  Per micro-batch ``min(comm, overlap x compute + (drift + pairing x
+    latency) x (copies - 1) / copies)`` leaves the critical path.  The 4-layer GPT in
+    Megatron's layout on 4 calibrated gloo ranks measured 89-96 ms a step faster as two
+    copies than as two micro-batches in turn: with the compute alone hiding (calibrated
+    overlap 0.02) that was predicted 3.5-3.9 ms, with the drift 47-59 ms, with the
+    measured pairing (0.45-0.52) too 107-126 ms (docs/benchmarks.md)."""
     if cfg.copies < 2:
         return 0.0
     comm = sum(st.seconds - st.compute for st in layers)
     compute = sum(st.compute for st in layers)
-    drift = sum(st.comm_drift for st in layers)
-    return max(0.0, min(comm, mesh.overlap * compute + drift * (cfg.copies - 1) / cfg.copies))
+    twins = sum(st.comm_drift + mesh.collective_pairing * st.comm_latency for st in layers)
+    return max(0.0, min(comm, mesh.overlap * compute + twins * (cfg.copies - 1) / cfg.copies))
 
 
 def count_exposed(layers: list[LayerStat], cfg: Config, mesh: MeshSpec) -> float:
