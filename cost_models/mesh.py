@@ -194,6 +194,9 @@ class MeshSpec:
         ir = self.idle_reuse
         if isinstance(ir, bool) or not isinstance(ir, numbers.Real) or not 0 <= ir < 1:
             raise ValueError(f"MeshSpec.idle_reuse must be in [0, 1), got {ir!r}")
+        cp = self.collective_pairing
+        if isinstance(cp, bool) or not isinstance(cp, numbers.Real) or not 0 <= cp <= 1:
+            raise ValueError(f"MeshSpec.collective_pairing must be in [0, 1], got {cp!r}")
         ov = self.overlap
         if isinstance(ov, bool) or not isinstance(ov, numbers.Real) or not 0 < ov <= 1:
             raise ValueError(f"MeshSpec.overlap must be in (0, 1], got {ov!r}")

@@ -38,6 +38,8 @@ def test_hidden_by_hand() -> None:
     twins = [LayerStat("a", seconds=4.0, compute=0.0, comm_drift=1.0, comm_latency=2.0)]
     paired = MeshSpec.from_dict({**MESH.to_dict(), "collective_pairing": 0.5})
     assert copies_hidden(twins, Config(micro_batches=2, copies=2), paired) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="collective_pairing"):
+        MeshSpec.from_dict({**MESH.to_dict(), "collective_pairing": 1.5})
 
 
 def _plan(**kw):
