@@ -25,19 +25,19 @@ def joint_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: Pl
     """Run :class:`~autopar.search.joint.JointSearch`, or
     :class:`~autopar.search.mesh_shapes.ShapeSearch` when only the device count is given
     (``mesh.search_shape``); warnings raised while planning are kept on the plan."""
-    search = ShapeSearch if mesh.search_shape else JointSearch
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        first = _search(model, example_inputs, mesh, opts, example_kwargs)
         try:
-            cap, p = search(model, example_inputs, mesh, opts, example_kwargs).run()
+            cap, p = first.run()
         except NoFitError as e:
             # nothing fits the devices: weigh host offload unless the user ruled on it
             # (or the mesh does not say how much host memory there is)
             if opts.offload is not None or mesh.host_memory is None:
                 raise
             try:
-                cap, p = search(model, example_inputs, mesh, dataclasses.replace(opts, offload="auto"),
-                                example_kwargs).run()
+                cap, p = _search(model, example_inputs, mesh, dataclasses.replace(opts, offload="auto"),
+                                 example_kwargs, first).run()
             except NoFitError as again:
                 raise NoFitError(f"{again}, host offload considered too (without it: {e})") from None
             p.decisions.why["offload"] = "nothing fits the devices without offload; " + \
@@ -51,3 +51,17 @@ def joint_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: Pl
     for msg in p.warnings:  # shown with every plan, not once per process
         warnings.warn(msg, AutoparWarning, stacklevel=user_stacklevel())
     return cap, p
+
+
+def _search(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOptions,
+            example_kwargs: dict | None, after: JointSearch | ShapeSearch | None = None):
+    """The search for ``mesh`` (its shape searched when only a device count is given);
+    ``after``: an earlier search of the same model and call whose captures it reuses
+    (the retry with offload captures nothing again)."""
+    if mesh.search_shape:
+        base = next(iter(after.searches.values()), None) if after is not None else None
+        return ShapeSearch(model, example_inputs, mesh, opts, example_kwargs, base=base)
+    search = JointSearch(model, example_inputs, mesh, opts, example_kwargs)
+    if after is not None:
+        search.share(after)
+    return search

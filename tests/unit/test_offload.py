@@ -72,7 +72,27 @@ def test_offload_only_when_nothing_fits() -> None:
     budget = 3 * 2**20
     with pytest.raises(NoFitError):
         _plan(memory_budget=budget, offload="none")
-    tight = _plan(memory_budget=budget)
+    import autopar.search.captures as captures
+    calls = []
+    real = captures.capture
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    captures.capture = counted
+    try:
+        tight = _plan(memory_budget=budget)
+    finally:
+        captures.capture = real
+    alone = len(calls)
+    calls.clear()
+    captures.capture = counted
+    try:
+        _plan(memory_budget=budget, offload="auto")
+    finally:
+        captures.capture = real
+    assert alone == len(calls)  # the retry with offload reuses the first search's captures
     d = tight.decisions
     assert d.offload in ("optimizer", "params") and d.host_memory > 0
     assert tight.memory["total"] <= budget
