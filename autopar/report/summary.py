@@ -92,12 +92,11 @@ def _decision_lines(plan: Plan) -> list[str]:
                        ("zero", "ZeRO"), ("recompute", "recompute"), ("buckets", "grad buckets")):
         if key in d.why:
             lines.append(f"  {label:<14} {d.why[key]}")
-    if d.grad_compression != "none" and "compression" in d.why:  # it changes the numbers: say so
-        lines.append(f"  {'compression':<14} {d.why['compression']}")
-    if d.copies > 1 and "copies" in d.why:
-        lines.append(f"  {'copies':<14} {d.why['copies']}")
-    if d.offload != "none" and "offload" in d.why:
-        lines.append(f"  {'offload':<14} {d.why['offload']}")
+    # shown only where taken (compression changes the numbers: always said then)
+    for key, taken in (("compression", d.grad_compression != "none"), ("copies", d.copies > 1),
+                       ("offload", d.offload != "none")):
+        if taken and key in d.why:
+            lines.append(f"  {key:<14} {d.why[key]}")
     return lines
 
 

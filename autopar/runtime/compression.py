@@ -39,9 +39,8 @@ class Bf16Pending:
     """One bucket's all-to-all in flight and what its finish needs."""
 
     work: object
-    send: torch.Tensor
+    send: torch.Tensor  # kept alive until the all-to-all has read it
     recv: torch.Tensor
-    numel: int
     ranks: int
     group: object
 
@@ -59,7 +58,7 @@ class Bf16Sum:
         send[:n].copy_(flat.reshape(-1))
         recv = torch.empty_like(send)
         work = issue(dist.all_to_all_single, recv, send, group=group, async_op=True)
-        return Bf16Pending(work, send, recv, n, ranks, group)
+        return Bf16Pending(work, send, recv, ranks, group)
 
     @staticmethod
     def gather(p: Bf16Pending) -> tuple[object, torch.Tensor]:
@@ -158,15 +157,13 @@ class PowerSgd:
         qs = [mat.T @ p for mat, p in zip(ms, ps)]
         qbuf = torch.cat([q.reshape(-1) for q in qs]) if qs else flat.new_zeros(0)
         issue(dist.all_reduce, qbuf, group=group)
-        st.error.zero_()
-        errs = {id(v): e for (v, _), e in zip(mats, self._error_views(st.error, flat, [v for v, _ in mats]))}
-        for (v, _), mat, p, q in zip(mats, ms, ps, qbuf.split([q.numel() for q in qs])):
-            q = q.view(-1, p.shape[1])
+        st.error.zero_()  # the gradients sent whole leave none
+        errors = self._error_views(st.error, flat, [v for v, _ in mats])
+        st.qs = [q.view(-1, p.shape[1]) for q, p in zip(qbuf.split([q.numel() for q in qs]), ps)]
+        for mat, p, q, e in zip(ms, ps, st.qs, errors):
             approx = p @ q.T
-            e = errs[id(v)].view_as(mat)
-            torch.sub(mat, approx, alpha=1.0 / ranks, out=e)
+            torch.sub(mat, approx, alpha=1.0 / ranks, out=e.view_as(mat))
             mat.copy_(approx)
-        st.qs = [q.view(-1, p.shape[1]).clone() for q, p in zip(qbuf.split([q.numel() for q in qs]), ps)]
 
     @staticmethod
     def _error_views(error: torch.Tensor, flat: torch.Tensor,

@@ -134,16 +134,12 @@ def copies_words(ctx: Context, pr: Priced, cfg: Config) -> str:
     """One line on multi-copy overlap: the communication the copies hide, against the
     same split run as plain micro-batches (and the reverse)."""
     kinds = {p.config.copies for _, p in ctx.priced}
-
-    def same(c: Config) -> bool:
-        return dataclasses.replace(c, copies=cfg.copies) == cfg
-
     if cfg.copies > 1:
         hidden = max(sp.parts.get("copies_hidden", 0.0) for sp in pr.stages) * cfg.micro_batches
         head = (f"the batch runs as {cfg.copies} interleaved copies of"
                 f" {1 / cfg.copies:.0%} of its rows: {hidden * 1e3:.3f} ms of collectives a step run beside the other "
                 f"copy's compute; {pr.step_seconds * 1e3:.3f} ms per step")
-        return head + "; " + _versus(ctx, _alt(ctx, lambda c: c.copies == 1 and same(c)),
+        return head + "; " + _versus(ctx, _alt(ctx, lambda c: c.copies == 1 and _same_but(c, cfg, "copies")),
                                      "the same micro-batches one after the other")
     if kinds == {1}:
         return "no multi-copy overlap (copies='auto' weighs running two halves of the batch " \
@@ -194,14 +190,16 @@ def compression_words(ctx: Context, pr: Priced, cfg: Config) -> str:
             f"by PowerSGD at rank {cfg.rank} with error feedback"
         head = (f"gradients are sent {how}: {format_bytes(sent)} instead of "
                 f"{format_bytes(whole)} a step; this changes the numbers the step computes")
-    others = [_versus(ctx, _alt(ctx, lambda c, k=k: c.compression == k and _same_but_compression(c, cfg)),
+    others = [_versus(ctx, _alt(ctx, lambda c, k=k: c.compression == k
+                                and _same_but(c, cfg, "compression", "rank")),
                       "without compression" if k == "none" else k)
               for k in sorted(kinds - {cfg.compression})]
     return head + (f" ({pr.step_seconds * 1e3:.3f} ms per step); " + "; ".join(others) if others else "")
 
 
-def _same_but_compression(c: Config, cfg: Config) -> bool:
-    return dataclasses.replace(c, compression=cfg.compression, rank=cfg.rank) == cfg
+def _same_but(c: Config, cfg: Config, *fields: str) -> bool:
+    """``c`` is ``cfg`` but for ``fields``."""
+    return dataclasses.replace(c, **{f: getattr(cfg, f) for f in fields}) == cfg
 
 
 def bucket_words(pr: Priced, cfg: Config) -> str:

@@ -122,6 +122,10 @@ def _latency(mesh: MeshSpec) -> float:
 def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) -> list[LayerStat]:
     """Per-layer statistics of ``plan`` (made for ``gm``), in layer order."""
     mesh = plan.mesh
+    # what one blocking collective each way waits for the drift and pays in latency
+    # (the same for every node: priced once, not per node of every candidate plan)
+    drift2 = 2.0 * mesh.sync_seconds
+    latency2 = 2.0 * _latency(mesh) if mesh.collective_pairing > 0 else 0.0
     stats: dict[str, LayerStat] = {}
     order: list[str] = []
     layer_of: dict[fx.Node, str] = {}
@@ -152,9 +156,8 @@ def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) ->
             if np_.comm > 0:
                 # one blocking collective each way (the search's candidates carry no
                 # per-edge steps to count): a tensor-parallel all-reduce, gather or scatter
-                st.comm_drift += min(np_.comm, 2.0 * mesh.sync_seconds)
-                if mesh.collective_pairing > 0:
-                    st.comm_latency += min(np_.comm, 2.0 * _latency(mesh))
+                st.comm_drift += min(np_.comm, drift2)
+                st.comm_latency += min(np_.comm, latency2)
             st.forward += np_.compute / (1.0 + backward_factor) + np_.comm / 2.0
             st.activations += np_.memory
             st.largest = max(st.largest, np_.memory)
