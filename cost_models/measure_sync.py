@@ -129,8 +129,8 @@ def collective_pairing(group: Any, device: Any, repeats: int, sync: Sync, job: A
     s_t, p_t = timed_rounds([seq, par], repeats, sync, bar)
     worst = max_over_ranks([*s_t, *p_t], job, device)
     n = len(s_t)
-    shares = sorted(min(1.0, max(0.0, (s - p) / (s / 2.0))) for s, p in zip(worst[:n], worst[n:]) if s > 0)
-    return {"collective_pairing": shares[len(shares) // 2] if shares else 0.0,
+    shares = [min(1.0, max(0.0, (s - p) / (s / 2.0))) for s, p in zip(worst[:n], worst[n:]) if s > 0]
+    return {"collective_pairing": median(shares) if shares else 0.0,
             "sequential": median(worst[:n]), "paired": median(worst[n:])}
 
 

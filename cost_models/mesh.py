@@ -144,7 +144,8 @@ class MeshSpec:
     and offload is then taken only when forced (``offload=``), never chosen."""
     host_mem_bandwidth: float | None = None
     """Bytes/s of host memory bandwidth per device that an offloaded optimizer step
-    streams (the sockets' bandwidth over the node's devices); None: ``mem_bandwidth``."""
+    streams (the sockets' bandwidth over the node's devices); None: the rate the device's
+    own optimizer step streams (``optimizer_bandwidth``, else ``mem_bandwidth``)."""
     search_shape: bool = False
     """Only the device count is given (:meth:`preset` with ``devices=``): the planner
     searches the mesh shape (:mod:`autopar.search.mesh_shapes`) and ``shape`` is the
