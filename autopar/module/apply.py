@@ -84,9 +84,10 @@ def apply_device(pm: ParallelModule) -> None:
 
 
 def apply_zero(pm: ParallelModule) -> None:
-    """ZeRO (decisions ``zero``, ``zero_kept``, ``zero_reduce_once``): replicated parameters
-        sharded over the plan's ZeRO axes, their optimizer state (1), gradients (2) and
-        parameters (3, gathered per layer, the kept layers left gathered)."""
+    """ZeRO (decisions ``zero``, ``zero_kept``, ``zero_reduce_once``, ``gather_chunks``):
+        replicated parameters sharded over the plan's ZeRO axes, their optimizer state (1),
+        gradients (2) and parameters (3, gathered per layer, the kept layers left
+        gathered); stages 1-2 gather the updated parameters in the plan's chunks."""
     from autopar.runtime.zero import Zero
     d = pm.plan.decisions
     z = tuple(a for a in d.zero_axes if pm.plan.mesh.shape[a] > 1)
@@ -102,7 +103,12 @@ def apply_zero(pm: ParallelModule) -> None:
                 and set(z) <= set(pm._replicated_axes(t)):
             params.append((t, tuple(a for a in pm._replicated_axes(t) if a not in z)))
     layers = {n.param: n.layer for n in pm.plan.nodes.values() if n.param and n.layer}
-    pm.zero = Zero.install(pm.inner, params, d.zero_stage, z, layers, frozenset(d.zero_kept))
+    if d.gather_chunks and (d.zero_stage not in (1, 2) or d.pipeline_stages > 1):
+        from autopar.errors import PlanError
+        raise PlanError("this plan gathers ZeRO's parameters in chunks (gather_chunks), which runs "
+                        "with ZeRO-1 or 2 on one pipeline stage only; plan it again")
+    pm.zero = Zero.install(pm.inner, params, d.zero_stage, z, layers, frozenset(d.zero_kept),
+                           d.gather_chunks)
 
 
 def apply_offload(pm: ParallelModule) -> None:

@@ -123,7 +123,7 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         if self._dparams is not None:
             self._dparams.before_forward()
         if self.zero is not None:
-            self.zero.refresh()
+            self.zero.refresh(lazy=True)  # chunks (if planned) are fetched by the graph
         return flat
 
     def _outputs(self, out):

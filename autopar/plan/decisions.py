@@ -139,6 +139,11 @@ class Decisions:
     host_memory: float = 0.0
     """Host bytes per device the offloaded state takes (the fullest stage's; 0 without
     offload)."""
+    gather_chunks: list[list[str]] = field(default_factory=list)
+    """ZeRO-1/2's gathers of the updated parameters, in chunks of parameter targets in
+    forward order, one in flight at a time, each waited for where its first parameter
+    is read (:mod:`autopar.search.gathers`); empty: one blocking gather before the
+    forward."""
     mesh_shapes: list[dict[str, Any]] = field(default_factory=list)
     """When the mesh shape was searched (``MeshSpec.preset(name, devices=N)``): each shape
     considered, fastest first, with its best plan's predicted ``step_seconds`` (None: no
@@ -217,6 +222,9 @@ class PlanOptions:
     offload: str | None = None
     # multi-copy overlap: None = off, 2 = forced, "auto" = searched (Decisions.copies)
     copies: int | str | None = None
+    # ZeRO-1/2's gathers after the step in forward-order chunks (Decisions.gather_chunks):
+    # True, False (one blocking gather) or None = where the cost model prices them faster
+    split_gathers: bool | None = None
     # the sequence split attention may use (autopar.sharding.rules.attention.ContextParallel:
     # "off", "gather-kv", "exchange"); None = searched
     context_parallel: str | None = None
@@ -395,6 +403,11 @@ DECISIONS: tuple[Decision, ...] = (
              ("copies",),
              "autopar.search.stages.step_terms:copies_hidden", "autopar.module.apply:apply_pipeline",
              "copies"),
+    Decision("gather_chunks", "ZeRO-1/2's gathers after the step split into chunks sent in "
+             "forward order, each waited for by its own layers (the next forward's first layers first)",
+             (Option("split_gathers", _flag, "True: in chunks; False: one blocking gather"),),
+             ("gather_chunks",),
+             "autopar.search.gathers:stage_chunks", "autopar.module.apply:apply_zero", "gathers"),
     Decision("precision", "the dtypes the step computes in (autocast's casts in the graph)",
              (Option("precision", _precision, "native, bf16-mixed or fp16-mixed"),),
              ("precision",),

@@ -24,7 +24,8 @@ def explain(plan: Plan, name: str) -> str:
     d = plan.decisions
     aliases = {"stages": "pipeline", "schedule": "pipeline", "optimizer": "zero",
                "accumulation": "micro_batches", "gradient_accumulation": "micro_batches",
-               "grad_buckets": "buckets", "bucket_bytes": "buckets"}
+               "grad_buckets": "buckets", "bucket_bytes": "buckets",
+               "gather_chunks": "gathers", "split_gathers": "gathers"}
     key = aliases.get(name, name)
     if key in d.why:
         return d.why[key]

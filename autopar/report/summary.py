@@ -94,7 +94,7 @@ def _decision_lines(plan: Plan) -> list[str]:
             lines.append(f"  {label:<14} {d.why[key]}")
     # shown only where taken (compression changes the numbers: always said then)
     for key, taken in (("compression", d.grad_compression != "none"), ("copies", d.copies > 1),
-                       ("offload", d.offload != "none")):
+                       ("offload", d.offload != "none"), ("gathers", bool(d.gather_chunks))):
         if taken and key in d.why:
             lines.append(f"  {key:<14} {d.why[key]}")
     return lines

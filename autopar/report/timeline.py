@@ -160,10 +160,15 @@ def predicted_events(plan: Plan) -> list[Event]:
             events.append(Event(s, Lane.COMPUTE, Kind.OPTIMIZER, end, opt, label="optimizer step"))
             end += opt
         gather = parts.get("gather_step", 0.0)
+        chunked = bool(d.gather_chunks)  # the next forward's waits for its chunks
         if gather > 0:
             events.append(Event(s, Lane.COMM, Kind.PARAM_GATHER, end, gather,
-                                label="ZeRO param all-gather"))
+                                label="ZeRO param all-gather" + (" (chunks: the forward's waits)" if chunked else "")))
             end += gather
+        hidden_gather = parts.get("gather_hidden", 0.0)
+        if chunked and hidden_gather > 0:  # the chunks that arrive while the forward computes
+            events.append(Event(s, Lane.COMM, Kind.GRAD_SYNC_HIDDEN, 0.0, min(hidden_gather, times[s][0]),
+                                label="ZeRO param chunks (overlapped with the forward)"))
         copies = parts.get("copy_step", 0.0)
         if copies > 0:  # gradients into their buckets, ZeRO-1/2's flat layouts
             events.append(Event(s, Lane.COMPUTE, Kind.COPY, end, copies, label="runtime copies"))

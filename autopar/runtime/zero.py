@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -54,6 +53,8 @@ from autopar.runtime.tls import issue
 
 # stage 3 lives in autopar.runtime.zero3 (one gather per layer, prefetched)
 from autopar.runtime.zero3 import Group, free_gathered_params, rank_major, register, zero_gather
+from autopar.runtime.zero_chunks import Chunks, copy_out, new_key, replace_reads, zero_fetch
+from autopar.runtime.zero_chunks import register as register_chunks
 
 
 def _all_gather_flat(shard: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
@@ -167,18 +168,24 @@ class Zero(OrderedBuckets):
         self._steps = _STEPS[0]
         self._by_target = {zp.target: zp for zp in self.params}
         self.group_keys: list[str] = []  # stage 3: the groups _rewrite_gathers registered
+        self.chunks: Chunks | None = None  # stages 1-2: the gathers after the step in chunks
+        # stages 1-2: what the refresh gathers before the forward (every parameter
+        # without chunks), in 4 MiB buckets
+        self._whole: list[list[ZeroParam]] = [b.params for b in self._buckets]
 
     # ------------------------------------------------------------ set-up
     @classmethod
     def install(cls, gm: fx.GraphModule, params: list[tuple[str, tuple[int, ...]]], stage: int,
                 axes: tuple[int, ...], layers: dict[str, str] | None = None,
-                kept: frozenset[str] = frozenset()) -> Zero:
+                kept: frozenset[str] = frozenset(), chunks: list[list[str]] | None = None) -> Zero:
         """Move ``params`` (graph target, other replicated axes), in forward order, under
         ZeRO on ``gm``: register shards, demote (stages 1-2) or remove (stage 3) the
         whole parameters and, for stage 3, gather each layer's parameters (``layers``:
         target -> layer key; a target without one is its own group) before their first
         use; the layers in ``kept`` hold theirs from forward to backward
-        (:attr:`autopar.plan.Decisions.zero_kept`)."""
+        (:attr:`autopar.plan.Decisions.zero_kept`); stages 1-2 gather ``chunks`` (targets,
+        forward order: :attr:`autopar.plan.Decisions.gather_chunks`) one by one in the
+        forward."""
         m = current()
         d, r = m.size_of(axes), m.coord_of(axes)
         z = cls(stage, axes)
@@ -200,6 +207,8 @@ class Zero(OrderedBuckets):
             z._rewrite_gathers(gm, layers or {}, kept)
         else:
             z._make_buckets()
+        if stage < 3 and chunks:
+            z._install_chunks(gm, chunks)
         z._versions = [zp.shard._version for zp in z.params]
         return z
 
@@ -209,44 +218,22 @@ class Zero(OrderedBuckets):
         layer's first use of any of its parameters (so whole parameters are not all
         alive from the top of the forward); groups are chained in use order for
         prefetching."""
-        g = gm.graph
-        order = {n: i for i, n in enumerate(g.nodes)}
-        reads: dict[str, list[fx.Node]] = {}
-        for n in g.nodes:
-            if n.op == "get_attr" and n.target in self._by_target:
-                reads.setdefault(n.target, []).append(n)
         members: dict[str, list[str]] = {}
         for zp in self.params:
-            if zp.target in reads:
-                members.setdefault(layers.get(zp.target, zp.target), []).append(zp.target)
-
-        def first_use(targets: list[str]) -> fx.Node:
-            nodes = [u for t in targets for n in reads[t] for u in (n.users or [n])]
-            return min(nodes, key=order.__getitem__)
-
-        layer_of = {id(ts): k for k, ts in members.items()}
-        chain = sorted(members.values(), key=lambda ts: order[first_use(ts)])
+            members.setdefault(layers.get(zp.target, zp.target), []).append(zp.target)
+        layer_of = {t: k for k, ts in members.items() for t in ts}
         uid = next(_GROUP_IDS)
+
+        def call(i: int, targets: list[str], g: fx.Graph) -> fx.Node:
+            return g.call_function(zero_gather, (f"zero3.{uid}.{i}", *(g.get_attr(shard_name(t)) for t in targets)))
+
+        chain = replace_reads(gm, list(members.values()), call)
         keys = self.group_keys = [f"zero3.{uid}.{i}" for i in range(len(chain))]
         for i, (key, targets) in enumerate(zip(keys, chain)):
             zps = [self._by_target[t] for t in targets]
             register(Group(key, [zp.shard for zp in zps], [zp.shape for zp in zps], self.axes,
                            next=keys[i + 1] if i + 1 < len(keys) else None,
-                           prev=keys[i - 1] if i else None, keep=layer_of[id(targets)] in kept))
-            meta = reads[targets[0]][0].meta
-            with g.inserting_before(first_use(targets)):
-                shards = [g.get_attr(shard_name(t)) for t in targets]
-                call = g.call_function(zero_gather, (key, *shards))
-                for x in (*shards, call):
-                    x.meta.update(meta)
-                for j, t in enumerate(targets):
-                    full = g.call_function(operator.getitem, (call, j))
-                    full.meta.update(meta)
-                    for n in reads[t]:
-                        n.replace_all_uses_with(full)
-                        g.erase_node(n)
-        g.lint()
-        gm.recompile()
+                           prev=keys[i - 1] if i else None, keep=layer_of[targets[0]] in kept))
 
     def _make_buckets(self) -> None:
         d = current().size_of(self.axes)
@@ -257,6 +244,7 @@ class Zero(OrderedBuckets):
             reversed(self.params), lambda zp: zp.shard.numel() * zp.shard.element_size() * d,
             self.bucket_bytes))
         self._bucket_of = {id(zp.full): b for b in self._buckets for zp in b.params}
+        self._whole = [b.params for b in self._buckets]
         for b in self._buckets:
             for zp in b.params:
                 zp.full.register_post_accumulate_grad_hook(self._hook)
@@ -322,26 +310,44 @@ class Zero(OrderedBuckets):
         self._done = 0
 
     # ------------------------------------------------------------ stages 1-2: parameters
-    def refresh(self) -> None:
+    def refresh(self, lazy: bool = False) -> None:
         """All-gather updated shards into the whole parameters (stages 1-2), when the
-        optimizer changed any shard since the last gather."""
+        optimizer changed any shard since the last gather.  Under the plan's chunks
+        (``lazy``: at the forward's start) only the first chunk's gather is launched;
+        the graph fetches each chunk where it first reads it (:mod:`autopar.runtime.zero_chunks`)."""
         if self.stage == 3:
             return
         versions = [zp.shard._version for zp in self.params]
         if versions == self._versions and _STEPS[0] == self._steps:
+            if self.chunks is not None and not lazy:
+                self.chunks.settle()
             return
         d = current().size_of(self.axes)
-        with torch.no_grad():
-            for b in self._buckets:
-                flat = torch.cat([zp.shard.detach().reshape(-1) for zp in b.params])
-                full = _all_gather_flat(flat, self.axes).view(d, -1)
-                off = 0
-                for zp in b.params:
-                    c = zp.shard.numel()
-                    zp.full.copy_(full[:, off:off + c].reshape(-1)[: zp.numel].view(zp.shape))
-                    off += c
+        for b in self._whole:  # every bucket, or those no chunk holds
+            gathered = _all_gather_flat(torch.cat([zp.shard.detach().reshape(-1) for zp in b]), self.axes)
+            copy_out([zp.full for zp in b], [zp.shard.numel() for zp in b], gathered, d)
+        if self.chunks is not None:
+            self.chunks.start()
+            if not lazy:
+                self.chunks.settle()
         self._versions = [zp.shard._version for zp in self.params]
         self._steps = _STEPS[0]
+
+    def _install_chunks(self, gm: fx.GraphModule, chunks: list[list[str]]) -> None:
+        """Gather the parameters of ``chunks`` (targets, forward order) chunk by chunk at
+        their first read in the forward; the rest stay gathered before it."""
+        key = new_key()
+        order = replace_reads(gm, [[t for t in ts if t in self._by_target] for ts in chunks],
+                              lambda i, ts, g: g.call_function(zero_fetch, (key, i)))
+        zps = [[self._by_target[t] for t in ts] for ts in order]
+        self.chunks = Chunks(key, self.axes, [[zp.shard for zp in c] for c in zps],
+                             [[zp.full for zp in c] for c in zps])
+        register_chunks(self.chunks)
+        held = {zp.target for c in zps for zp in c}
+        rest = [zp for zp in self.params if zp.target not in held]
+        d = current().size_of(self.axes)
+        self._whole = fill_buckets(reversed(rest), lambda zp: zp.shard.numel() * zp.shard.element_size() * d,
+                                   self.bucket_bytes)
 
     # ------------------------------------------------------------ whole tensors
     def targets(self) -> set[str]:
@@ -376,6 +382,8 @@ class Zero(OrderedBuckets):
     def load_whole(self, target: str, whole: torch.Tensor) -> None:
         """Set ``target`` from this rank's whole (TP-local) tensor."""
         zp = self._by_target[target]
+        if self.chunks is not None:
+            self.chunks.settle()  # a gather left in flight would overwrite what is loaded
         with torch.no_grad():
             zp.shard.copy_(self.chunk_of(target, whole))
             if zp.full is not None:

@@ -352,9 +352,16 @@ class _Lister:
             for other, run in runs_by_axes(b, lambda s: s[3]):
                 self.add("backward", "all_reduce", other, sum(c * item for _, c, item, _ in run),
                          f"ZeRO-{stage} bucket {i} over {'+'.join(f'a{a}' for a in other)}")
-        for i, b in enumerate(buckets):
-            self.add("step", "all_gather", z, sum(c * item for _, c, item, _ in b),
-                     f"ZeRO-{stage} bucket {i}")
+        # the gathers after the step: every bucket, or the plan's chunks in forward order
+        # after those no chunk holds, in their buckets (runtime/zero.py's refresh)
+        chunked = {t for c in self.d.gather_chunks for t in c}
+        whole = fill_buckets([s for s in reversed(shards) if s[0] not in chunked],
+                             lambda s: s[1] * s[2] * d) if chunked else buckets
+        for i, b in enumerate(whole):
+            self.add("step", "all_gather", z, sum(c * item for _, c, item, _ in b), f"ZeRO-{stage} bucket {i}")
+        size = {t: c * item for t, c, item, _ in shards}
+        for i, c in enumerate(self.d.gather_chunks):
+            self.add("step", "all_gather", z, sum(size.get(t, 0) for t in c), f"ZeRO-{stage} chunk {i}")
 
 
 def list_collectives(gm: fx.GraphModule, plan) -> list[Collective]:

@@ -468,8 +468,7 @@ class JointSearch(JointCaptures, JointSpace):
             schedule=cfg.schedule, micro_batches=cfg.micro_batches,
             virtual_stages=cfg.virtual,
             stages=(pr.virtual or [sp.layers for sp in pr.stages]) if cfg.stages > 1 else [],
-            zero_stage=cfg.zero_stage, recompute=recompute, zero_kept=kept,
-            zero_reduce_once=cfg.reduce_once,
+            zero_stage=cfg.zero_stage, recompute=recompute, zero_kept=kept, zero_reduce_once=cfg.reduce_once,
             grad_buffers_kept=all(sp.grad_buffers_kept for sp in pr.stages),
             # one axis as an int (as plans always said), several as a list
             zero_axis=list(cfg.zero_axis) if isinstance(cfg.zero_axis, tuple) else cfg.zero_axis,
@@ -482,6 +481,7 @@ class JointSearch(JointCaptures, JointSpace):
             stage_memory=[sp.total_memory for sp in pr.stages], step_seconds=pr.step_seconds,
             stage_parts=[dict(sp.parts) for sp in pr.stages], breakdown=pr.breakdown(),
             grad_buckets=[b for sp in pr.stages for b in sp.buckets],
+            gather_chunks=[c for sp in pr.stages for c in sp.gather_chunks],
             offload=cfg.offload, host_memory=max(sp.host_memory for sp in pr.stages), copies=cfg.copies,
             # compression only where GradSync all-reduces something
             **(dict(grad_compression=cfg.compression, compression_rank=cfg.rank)

@@ -204,7 +204,8 @@ class JointSpace:
                         out.extend(Config(cand.stages, cand.micro_batches, s, z, a,
                                           self.opts.recompute, self.opts.bucket_bytes, v,
                                           cand.axis, self.opts.reshard_after_forward, o,
-                                          self.opts.keep_grad_buffers, c, r, h, k)
+                                          self.opts.keep_grad_buffers, c, r, h, k,
+                                          self.opts.split_gathers)
                                    for o in once for c, r in compression_kinds(self.opts)
                                    for h in offload_kinds(self.opts, z, sub)
                                    for k in self._copies(cand))

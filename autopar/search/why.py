@@ -127,7 +127,36 @@ def decisions_why(ctx: Context, pr: Priced) -> dict[str, str]:
     why["compression"] = compression_words(ctx, pr, cfg)
     why["offload"] = offload_words(ctx, pr, cfg)
     why["copies"] = copies_words(ctx, pr, cfg)
+    why["gathers"] = gather_words(pr, cfg)
     return why
+
+
+def gather_words(pr: Priced, cfg: Config) -> str:
+    """One line on ZeRO-1/2's gathers after the step: in chunks in forward order, or
+    one blocking gather, and why (:mod:`autopar.search.gathers`)."""
+    if cfg.zero_stage not in (1, 2):
+        return "nothing is gathered after the step (no ZeRO-1 or 2)"
+    n = sum(len(sp.gather_chunks) for sp in pr.stages)
+    p = max(pr.stages, key=lambda sp: sp.parts.get("gather_step", 0.0) + sp.parts.get("gather_hidden", 0.0)).parts
+    whole = p.get("gather_step", 0.0) + p.get("gather_hidden", 0.0)
+    if n:
+        return (f"ZeRO-{cfg.zero_stage}'s gathers of the updated parameters in {n} chunks sent in "
+                f"forward order, each waited for by its own layers: the forward waits "
+                f"{p['gather_step'] * 1e3:.3f} ms for them, where one blocking gather before it "
+                f"takes {whole * 1e3:.3f} ms"
+                + (f"; a chunk's buffers add {format_bytes(p['gather_split_bytes'])} to the step's peak"
+                   if p.get("gather_split_bytes", 0.0) > 0 else "")
+                + (" (split_gathers)" if cfg.split_gathers else ""))
+    head = f"one blocking gather of ZeRO-{cfg.zero_stage}'s updated parameters before the forward " \
+           f"({whole * 1e3:.3f} ms)"
+    if cfg.split_gathers is False:
+        return head + ", as split_gathers=False asks"
+    if "gather_split" not in p:
+        return head + ": a pipeline's stages gather in their own first forward, which chunks do not follow"
+    if p["gather_split"] < whole:
+        return head + (f": chunks would make the forward wait {p['gather_split'] * 1e3:.3f} ms, but their "
+                       f"buffers (the peak {format_bytes(p['gather_split_bytes'])} higher) do not fit the memory budget")
+    return head + f": chunks would make the forward wait {p['gather_split'] * 1e3:.3f} ms, no less"
 
 
 def copies_words(ctx: Context, pr: Priced, cfg: Config) -> str:
@@ -225,4 +254,4 @@ def bucket_words(pr: Priced, cfg: Config) -> str:
 
 
 __all__ = ["ESTIMATED", "Context", "bucket_words", "compression_words", "decisions_why",
-           "offload_words"]
+           "gather_words", "offload_words"]

@@ -86,6 +86,7 @@ def run_case(case: Case) -> dict:
                                "pipeline_axis": d.pipeline_axis, "schedule": d.schedule,
                                "virtual_stages": d.virtual_stages, "micro_batches": d.micro_batches, "recompute": d.recompute,
                                "zero_kept": list(d.zero_kept), "zero_reduce_once": d.zero_reduce_once,
+                               "gather_chunks": [list(c) for c in d.gather_chunks],
                                "precision": d.precision, "zero_axes": list(d.zero_axes),
                                "memory": {k: float(v) for k, v in pm.plan.memory.items()}}}
     names = [n for n, _ in ref.named_parameters()]

@@ -35,6 +35,9 @@ CASES = [
     Case("compiled-dp2", "gpt", (2,), DP, GPT2, options=ONE),
     Case("compiled-tp2", "gpt", (2,), MEGATRON["gpt"], GPT2, options=ONE),
     Case("compiled-zero3-dp2", "gpt", (2,), DP, GPT2, options={**ONE, "zero_stage": 3}),
+    # ZeRO-1's gathers in chunks: each fetch runs eagerly between compiled pieces
+    Case("compiled-zero1-chunks-dp2", "gpt", (2,), DP, GPT2,
+         options={**ONE, "zero_stage": 1, "split_gathers": True}),
     # context parallel: Ulysses (all-to-all of heads and sequence) and ring attention
     # (key/value blocks passed around), the sequence split over the two ranks
     *(dataclasses.replace(c, id=f"compiled-{c.id}", options={**c.options, **ONE})

@@ -1,5 +1,5 @@
-"""Plans of one GPT measured side by side, run by benchmarks/offload.py and
-benchmarks/multi_copy.py: planned once per variant (``auto_parallel`` options), trained
+"""Plans of one GPT measured side by side, run by benchmarks/offload.py,
+benchmarks/multi_copy.py and benchmarks/split_gathers.py: planned once per variant (``auto_parallel`` options), trained
 with AdamW as it comes, the steps interleaved."""
 
 from __future__ import annotations
@@ -36,5 +36,8 @@ def timed(c: dict) -> dict:
                      "copies": d.copies, "micro_batches": d.micro_batches,
                      "breakdown": dict(d.breakdown), "overlap": pm.plan.mesh.overlap,
                      "sync_seconds": pm.plan.mesh.sync_seconds, "pairing": pm.plan.mesh.collective_pairing,
-                     "hidden": sum(p.get("copies_hidden", 0.0) for p in d.stage_parts) * d.micro_batches}
+                     "hidden": sum(p.get("copies_hidden", 0.0) for p in d.stage_parts) * d.micro_batches,
+                     "chunks": len(d.gather_chunks),
+                     "gather_step": sum(p.get("gather_step", 0.0) for p in d.stage_parts),
+                     "gather_hidden": sum(p.get("gather_hidden", 0.0) for p in d.stage_parts)}
     return out

@@ -51,7 +51,7 @@ def test_entry_names_functions_that_exist(decision) -> None:
         assert callable(getattr(importlib.import_module(module), name)), ref
     if decision.explain is not None:
         assert decision.explain in ("pipeline", "zero", "micro_batches", "recompute", "buckets", "compression",
-                                    "offload", "copies")
+                                    "offload", "copies", "gathers")
 
 
 @pytest.mark.parametrize("name", sorted(decision_options()))

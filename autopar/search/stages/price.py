@@ -10,7 +10,9 @@ import math
 
 from autopar.cost_models import MeshSpec, drift_after
 from autopar.plan import schedules as sched
+from autopar.plan.decisions import zero_axes
 from autopar.search.compression import persistent_bytes
+from autopar.search.gathers import names_of, stage_chunks
 from autopar.search.offload import offload_price
 from autopar.search.stages.layer_stats import LayerStat, zero_price
 from autopar.search.stages.memory import (
@@ -218,6 +220,24 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
         arrive, spike, persist = freed
     exposed = bp.exposed if bp is not None else 0.0
     gather_step = sum(z.gather_step for z in zp)
+    chunks = _gather_chunks(layers, cfg, mesh, gather_step)
+    chunk_bytes = 0.0
+    if chunks is not None:
+        # a chunk's gathered and send buffers live from the fetch before it to its own,
+        # beside the activations of the layers before it (and kept gradient buffers):
+        # what that moment holds above the step's peak
+        d = math.prod(mesh.shape[a] for a in zero_axes(cfg.zero_axis))
+        before = [0.0]
+        for st in layers:
+            before.append(before[-1] + (st.out_bytes if st.key in rc else st.activations))
+        moment = held + persist + max(before[k] + b * (1.0 + 1.0 / d) for k, b in zip(chunks.starts, chunks.sizes))
+        chunk_bytes = max(0.0, moment - mem(chosen, kp))
+    split = {"gather_split": chunks.waits, "gather_split_bytes": chunk_bytes} if chunks else {}
+    if chunks is not None and (cfg.split_gathers or (
+            chunks.waits < gather_step and mem(chosen, kp) + chunk_bytes <= budget)):
+        gather_step = chunks.waits  # the forward's waits for its chunks
+    else:
+        chunks = None
     # the optimizer updates the stage's parameters once per step, after the gradients
     # are reduced and before the next forward: nothing overlaps it
     opt_step = sum(z.opt_step for z in zp) + off.step  # offload: the host's step and copies
@@ -239,16 +259,30 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
               "buffers": sum(st.buffers for st in layers), **peak(chosen, kp)}
     if comp:
         memory["compression"] = comp
+    if chunks is not None and chunk_bytes > 0:
+        memory["gathers"] = chunk_bytes
     memory["params"] -= off.params
     memory["optimizer"] -= off.optimizer
     if off.host > (mesh.host_memory if mesh.host_memory is not None else math.inf):
         seconds = math.inf  # over the host's budget: no plan
     parts["copies_hidden"] = hidden
+    parts["gather_hidden"] = sum(z.gather_step for z in zp) - gather_step
+    parts.update(split)
     parts["offload_step"] = off.step
     parts["offload_micro"] = off.per_micro
     parts["host_optimizer_step"] = off.host_opt
     return StagePrice([st.key for st in layers], seconds, extra, memory, sorted(rc), parts, names,
-                      [st.key for st in layers if st.key in kp], buffers_kept, off.host)
+                      [st.key for st in layers if st.key in kp], buffers_kept, off.host,
+                      names_of(chunks))
+
+
+def _gather_chunks(layers: list[LayerStat], cfg: Config, mesh: MeshSpec, whole: float):
+    """ZeRO-1/2's gathers after the step in chunks (:mod:`autopar.search.gathers`), or
+    ``None`` where they cannot run (a pipeline's stages gather in their own first
+    forward, which the model does not follow; ``split_gathers=False``)."""
+    if not whole or cfg.split_gathers is False or cfg.stages > 1 or cfg.zero_stage not in (1, 2):
+        return None
+    return stage_chunks(layers, cfg.zero_stage, cfg.zero_axis, mesh)
 
 
 def _in_bytes(layers: list[LayerStat]) -> float:

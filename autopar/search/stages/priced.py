@@ -34,6 +34,8 @@ class Config:
     rank: int = 0
     offload: str = "none"  # what lives in host memory (Offload)
     copies: int = 1  # the two micro-batches run as interleaved copies (multi-copy overlap)
+    # ZeRO-1/2's gathers after the step in chunks, forward order: None = where they win
+    split_gathers: bool | None = None
 
 
 @dataclass
@@ -59,6 +61,9 @@ class StagePrice:
     """The gradient buckets' buffers serve every step (``Decisions.grad_buffers_kept``)."""
     host_memory: float = 0.0
     """Host bytes per device of the offloaded state (``Decisions.host_memory``)."""
+    gather_chunks: list[list[str]] = field(default_factory=list)
+    """ZeRO-1/2's gathers after the step, parameter names per chunk in forward order
+    (``Decisions.gather_chunks``; empty: one blocking gather)."""
 
     @property
     def total_memory(self) -> float:
