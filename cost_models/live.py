@@ -35,7 +35,7 @@ from .mesh import MeshSpec
 __all__ = ["ENV", "VERSION", "cache_dir", "cache_path", "cluster_key", "cpu_model", "default_on",
            "keep", "key_digest", "live_mesh"]
 
-VERSION = 2
+VERSION = 3
 """Part of the cache key: raised when what calibration measures changes, so files written
 by an older autopar are measured again rather than planned on."""
 

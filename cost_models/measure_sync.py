@@ -99,12 +99,15 @@ def overlap_fraction(group: Any, nbytes: int, device: Any, dtype: Any, mm_n: int
 
 
 def collective_pairing(group: Any, device: Any, repeats: int, sync: Sync, job: Any = None,
-                       nbytes: int = 4096) -> dict[str, float]:
+                       nbytes: int = 4096, pairs: int = 8) -> dict[str, float]:
     """``MeshSpec.collective_pairing``: the share of a small collective's time that a
     second one in flight on the same group at once saves.  Side by side in each of
-    ``repeats`` rounds: ``S``, two ``nbytes`` all-reduces one after the other; ``P``,
-    the two issued asynchronously and then waited.  Per round ``(S - P) / (S / 2)``,
-    the slowest rank's times, clamped to [0, 1]; the median over rounds.  A backend
+    ``repeats`` rounds: ``S``, ``pairs`` times two ``nbytes`` all-reduces one after the
+    other; ``P``, ``pairs`` times the two issued asynchronously and then waited.  Per
+    round ``(S - P) / (S / 2)``, the slowest rank's times, clamped to [0, 1]; the median
+    over rounds.  One pair a round measured 0.0-0.86 over five runs of 9 rounds on 4
+    gloo ranks of the 2-core host; eight pairs a round, 15 rounds: 0.17-0.47, four of
+    the five within 0.38-0.47 (2026-11-28).  A backend
     that runs a group's collectives one at a time (NCCL's stream per communicator)
     gives 0; gloo's worker threads run two at once (multi-copy overlap's twin
     collectives, :func:`autopar.search.stages.step_terms.copies_hidden`)."""
@@ -118,13 +121,15 @@ def collective_pairing(group: Any, device: Any, repeats: int, sync: Sync, job: A
         dist.barrier(group=group)
 
     def seq() -> None:
-        dist.all_reduce(one, group=group)
-        dist.all_reduce(two, group=group)
+        for _ in range(pairs):
+            dist.all_reduce(one, group=group)
+            dist.all_reduce(two, group=group)
 
     def par() -> None:
-        w = dist.all_reduce(one, group=group, async_op=True)
-        dist.all_reduce(two, group=group, async_op=True).wait()
-        w.wait()
+        for _ in range(pairs):
+            w = dist.all_reduce(one, group=group, async_op=True)
+            dist.all_reduce(two, group=group, async_op=True).wait()
+            w.wait()
 
     s_t, p_t = timed_rounds([seq, par], repeats, sync, bar)
     worst = max_over_ranks([*s_t, *p_t], job, device)

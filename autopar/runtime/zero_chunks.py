@@ -98,14 +98,14 @@ class Chunks:
     axes: tuple[int, ...]
     shards: list[list[torch.Tensor]]
     fulls: list[list[torch.Tensor]]
-    sizes: list[list[int]] = field(default_factory=list)
-    _next: int = 0  # the next chunk to launch (len: none left this round)
-    _done: int = 0  # chunks [0, _done) are gathered this round
-    _flight: tuple[int, object, torch.Tensor] | None = None
+    sizes: list[list[int]] = field(init=False)
+    _next: int = field(init=False)  # the next chunk to launch (len: none left this round)
+    _done: int = field(init=False)  # chunks [0, _done) are gathered this round
+    _flight: tuple[int, object, torch.Tensor] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.sizes = [[s.numel() for s in ss] for ss in self.shards]
-        self._next = self._done = len(self.shards)
+        self._next = self._done = len(self.shards)  # no round yet: nothing to gather
 
     def start(self) -> None:
         """A new round (the shards changed): finish what an earlier round left, then

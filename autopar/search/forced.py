@@ -28,6 +28,10 @@ def check_forced(opts: PlanOptions, mesh: MeshSpec) -> None:
         raise PlanError(f"copies=2 runs the step as two interleaved halves of the batch, with no "
                         f"pipeline: micro_batches={o.micro_batches!r} and "
                         f"pipeline_stages={o.pipeline_stages!r} cannot go with it")
+    if o.split_gathers and ((o.pipeline_stages or 1) > 1 or o.zero_stage in (0, 3)):
+        raise PlanError(f"split_gathers=True sends ZeRO-1/2's gathers after the step in chunks, "
+                        f"on one pipeline stage: zero_stage={o.zero_stage!r} and "
+                        f"pipeline_stages={o.pipeline_stages!r} cannot go with it")
     piped = (Schedule.GPIPE.value, Schedule.ONE_F_ONE_B.value, Schedule.INTERLEAVED.value,
              Schedule.ZERO_BUBBLE.value)
     if o.schedule is not None:

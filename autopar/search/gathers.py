@@ -22,6 +22,12 @@ chunk finds the cuts with the earliest end: exact for this model, not a heuristi
 Few chunks pay few latencies but wait for more bytes before the first layer; one
 chunk per layer hides the most bytes behind the forward and pays every latency: the
 front weighs the two, merging as well as splitting.
+
+Gradients are not split: the backward makes each one whole at once, so its chunks
+would all be ready together, and the bucket recurrence (:mod:`autopar.search.buckets`)
+already ends their reduction earliest over whole gradients; splitting one would only
+add latencies.  Sending the first layers' gradients first pays off only when the
+optimizer steps them before the others, inside the user's ``optimizer.step()``.
 """
 
 from __future__ import annotations

@@ -130,3 +130,13 @@ def test_chunk_buffers_priced_where_they_raise_the_peak() -> None:
     assert chunked.parts["gather_step"] < whole.parts["gather_step"]
     lean = stage(None, budget=(chunked.total_memory + whole.total_memory) / 2)
     assert lean.gather_chunks == [] and lean.total_memory == whole.total_memory
+
+
+@pytest.mark.parametrize("bad", [{"zero_stage": 3}, {"zero_stage": 0}, {"pipeline_stages": 2}])
+def test_forced_chunks_that_cannot_run_are_refused(bad) -> None:
+    from autopar.errors import PlanError
+
+    model, ex = _gpt()
+    with pytest.raises(PlanError, match="split_gathers=True"):
+        autopar.plan(model, example_inputs=ex, mesh=MeshSpec.preset("8xA100-nvlink", shape=(4,)), pins=DP,
+                     split_gathers=True, **bad)
