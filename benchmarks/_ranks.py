@@ -4,6 +4,7 @@ back to the parent."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -106,3 +107,14 @@ def throttled_loopback(rate: str | None) -> Iterator[None]:
         yield
     finally:
         subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], check=True)
+
+
+def interleaved_args(doc: str, rounds: int = 7, steps: int = 3) -> argparse.ArgumentParser:
+    """The options of the benchmarks that time plans side by side on gloo ranks:
+    ``--world``, ``--rounds`` rounds of ``--steps`` steps, ``--calibrate``."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--calibrate", action="store_true")
+    return ap

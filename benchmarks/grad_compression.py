@@ -24,7 +24,6 @@ what ``grad_compression="auto"`` picks for the model.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -37,11 +36,8 @@ MODELS = {"comm": {"width": 1024, "rows": 16}, "compute": {"width": 128, "rows":
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--calibrate", action="store_true")
+    from _ranks import interleaved_args
+    ap = interleaved_args(__doc__, rounds=7, steps=4)
     ap.add_argument("--link-rate", default=None)
     a = ap.parse_args(argv)
     from _ranks import throttled_loopback

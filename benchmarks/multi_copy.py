@@ -19,7 +19,6 @@ against the predicted one on gloo.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -62,11 +61,8 @@ def megatron_row(name: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--calibrate", action="store_true")
+    from _ranks import interleaved_args
+    ap = interleaved_args(__doc__, rounds=7, steps=3)
     ap.add_argument("--models", nargs="*", default=["1.7B", "7.5B", "18.4B", "39.1B", "145.6B"])
     a = ap.parse_args(argv)
     if a.models:

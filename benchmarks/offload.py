@@ -18,7 +18,6 @@ and the host memory it states.  Prints markdown tables.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -47,12 +46,9 @@ def llama70b() -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=3)
+    from _ranks import interleaved_args
+    ap = interleaved_args(__doc__, rounds=5, steps=3)
     ap.add_argument("--budget-mib", type=float, default=12.0)
-    ap.add_argument("--calibrate", action="store_true")
     ap.add_argument("--no-llama", action="store_true")
     a = ap.parse_args(argv)
     from tests.dist.harness import run_fn_cases

@@ -21,7 +21,6 @@ the running group's measured numbers instead of the ``cpu-gloo`` preset.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import warnings
@@ -65,11 +64,8 @@ def planned_rows() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--calibrate", action="store_true")
+    from _ranks import interleaved_args
+    ap = interleaved_args(__doc__, rounds=7, steps=3)
     ap.add_argument("--link-rate", default=None)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--dim", type=int, default=256)
