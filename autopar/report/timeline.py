@@ -14,13 +14,14 @@ group: the ranks of one stage's sub-mesh) from the plan's own prices
   sends: the cost model runs them in line with compute, so they are drawn as the end
   of each box, on the *comm* lane);
 * after the stage's last backward, the gradient reduction left exposed and ZeRO-1/2's
-  parameter all-gather; the reduction hidden under backward is drawn on the comm lane
+  parameter all-gather (in chunks: the forward's waits for them, and the rest beside
+  the first forward); the reduction hidden under backward is drawn on the comm lane
   overlapping the last backward;
 * idle time on the compute lane as *bubble* events.
 
 The forward share of a stage's time is the cost model's: a third of its compute and
 half its communication (backward costs twice the forward; recomputation is in the
-backward).  The optimizer step is not priced by the cost model yet, so it is not drawn.
+backward).  The optimizer step and the runtime's copies come after the last backward.
 Without a pipeline, or with stages of equal time, the last event ends at
 ``plan.decisions.step_seconds``.  With unequal stages the search's formula (all stages'
 time plus ``m - 1`` times the slowest) and this dependency-driven layout differ a little
@@ -56,6 +57,7 @@ class Kind(StrEnum):
     GRAD_SYNC = "grad sync"
     GRAD_SYNC_HIDDEN = "grad sync (hidden)"
     PARAM_GATHER = "param all-gather"
+    PARAM_GATHER_HIDDEN = "param all-gather (hidden)"
     OPTIMIZER = "optimizer step"
     COPY = "copies"
     BUBBLE = "bubble"
@@ -167,7 +169,7 @@ def predicted_events(plan: Plan) -> list[Event]:
             end += gather
         hidden_gather = parts.get("gather_hidden", 0.0)
         if chunked and hidden_gather > 0:  # the chunks that arrive while the forward computes
-            events.append(Event(s, Lane.COMM, Kind.GRAD_SYNC_HIDDEN, 0.0, min(hidden_gather, times[s][0]),
+            events.append(Event(s, Lane.COMM, Kind.PARAM_GATHER_HIDDEN, 0.0, min(hidden_gather, times[s][0]),
                                 label="ZeRO param chunks (overlapped with the forward)"))
         copies = parts.get("copy_step", 0.0)
         if copies > 0:  # gradients into their buckets, ZeRO-1/2's flat layouts
@@ -232,7 +234,7 @@ def write_trace(plan: Plan, path: str | Path) -> Path:
 
 _COLOURS = {Kind.FORWARD: "#4c72b0", Kind.BACKWARD: "#dd8452", Kind.COMM: "#c44e52",
             Kind.GRAD_SYNC: "#8172b3", Kind.GRAD_SYNC_HIDDEN: "#b8acd9",
-            Kind.PARAM_GATHER: "#937860", Kind.OPTIMIZER: "#da8bc3", Kind.COPY: "#8c8c8c",
+            Kind.PARAM_GATHER: "#937860", Kind.PARAM_GATHER_HIDDEN: "#c9b8a6", Kind.OPTIMIZER: "#da8bc3", Kind.COPY: "#8c8c8c",
             Kind.BUBBLE: "#eeeeee"}
 
 
@@ -274,7 +276,7 @@ def draw_timeline(plan: Plan, path: str | Path, title: str | None = None) -> Pat
     ax.set_xlim(0, end * ms * 1.01)
     step = plan.decisions.step_seconds or plan.objective
     ax.set_title(title or f"{layout(plan)}\npredicted step {step * ms:.3g} ms (search's formula); "
-                 f"this layout ends at {end * ms:.3g} ms; optimizer step not priced", fontsize=9)
+                 f"this layout ends at {end * ms:.3g} ms", fontsize=9)
     used = [k for k in Kind if any(e.kind == k for e in events)]
     fig.legend(handles=[Patch(facecolor=_COLOURS[k], hatch="//" if k == Kind.BUBBLE else None,
                               edgecolor="#999999", label=k.value) for k in used],

@@ -98,6 +98,13 @@ def test_planner_takes_chunks_where_they_win_and_fit() -> None:
     assert off.decisions.step_seconds > d.step_seconds
     # the chunk's buffers live beside fewer activations than the step's peak: no more memory
     assert "gathers" not in plan.memory and plan.memory["total"] == off.memory["total"]
+    # the timeline: the chunks that arrive during the forward beside it, the waits after the step
+    from autopar.report.timeline import Kind, predicted_events
+    events = {e.kind: e for e in predicted_events(plan)}
+    assert events[Kind.PARAM_GATHER_HIDDEN].start == 0.0
+    assert events[Kind.PARAM_GATHER_HIDDEN].duration == pytest.approx(parts["gather_hidden"])
+    assert events[Kind.PARAM_GATHER].duration == pytest.approx(parts["gather_step"])
+    assert Kind.PARAM_GATHER_HIDDEN not in {e.kind for e in predicted_events(off)}
     # ZeRO-3 gathers per layer already: nothing to chunk
     z3 = autopar.plan(model, example_inputs=ex, mesh=mesh, pins=DP, zero_stage=3, pipeline_stages=1)
     assert z3.decisions.gather_chunks == []
