@@ -349,8 +349,9 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
     sync_extra = sync_penalty(groups[widest], device, dtype, mm_sizes[len(mm_sizes) // 2],
                               rounds["sync"], sync, job=group, chain=4) \
         if dims[widest] > 1 else {"sync_seconds": 0.0}
-    # twin collectives in flight at once (multi-copy overlap): 15 rounds, 7 quick, of 8 pairs each
-    pairing = collective_pairing(groups[widest], device, 7 if quick else 15, sync, job=group) \
+    # twin collectives in flight at once (multi-copy overlap): 21 rounds, 9 quick, of 16
+    # pairs each (about a second on 4 gloo ranks here)
+    pairing = collective_pairing(groups[widest], device, 9 if quick else 21, sync, job=group) \
         if dims[widest] > 1 else {"collective_pairing": 0.0}
     # a GPU per rank: an idle stage's device is lost, whatever noise the rates show
     reuse = {"idle_reuse": 0.0} if cuda else \

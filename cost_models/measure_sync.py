@@ -99,15 +99,15 @@ def overlap_fraction(group: Any, nbytes: int, device: Any, dtype: Any, mm_n: int
 
 
 def collective_pairing(group: Any, device: Any, repeats: int, sync: Sync, job: Any = None,
-                       nbytes: int = 4096, pairs: int = 8) -> dict[str, float]:
+                       nbytes: int = 4096, pairs: int = 16) -> dict[str, float]:
     """``MeshSpec.collective_pairing``: the share of a small collective's time that a
     second one in flight on the same group at once saves.  Side by side in each of
     ``repeats`` rounds: ``S``, ``pairs`` times two ``nbytes`` all-reduces one after the
     other; ``P``, ``pairs`` times the two issued asynchronously and then waited.  Per
     round ``(S - P) / (S / 2)``, the slowest rank's times, clamped to [0, 1]; the median
-    over rounds.  One pair a round measured 0.0-0.86 over five runs of 9 rounds on 4
-    gloo ranks of the 2-core host; eight pairs a round, 15 rounds: 0.17-0.47, four of
-    the five within 0.38-0.47 (2026-11-28).  A backend
+    over rounds.  On 4 gloo ranks of the 2-core host, five runs each (2026-11-28): one
+    pair a round over 9 rounds measured 0.0-0.86; eight over 15, 0.38-0.65; sixteen
+    over 21, 0.48-0.56.  A backend
     that runs a group's collectives one at a time (NCCL's stream per communicator)
     gives 0; gloo's worker threads run two at once (multi-copy overlap's twin
     collectives, :func:`autopar.search.stages.step_terms.copies_hidden`)."""
