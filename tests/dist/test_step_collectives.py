@@ -32,6 +32,10 @@ CASES = [
     {"id": "tp4", "mesh": (4,), "pins": TP, "options": ONE},
     {"id": "zero1-dp4", "mesh": (4,), "pins": DP, "options": {**ONE, "zero_stage": 1}},
     {"id": "zero3-dp4", "mesh": (4,), "pins": DP, "options": {**ONE, "zero_stage": 3}},
+    # ZeRO-2's gathers after the step in two chunks (the tiny default GPT takes one):
+    # the first launched by the refresh, the next by the fetch that waits for the first
+    {"id": "zero2-chunks-dp4", "mesh": (4,), "pins": DP, "build": {"layers": 4, "dim": 128},
+     "options": {**ONE, "zero_stage": 2}},
     # sequence split over the mesh: Ulysses all-to-alls
     {"id": "ulysses-4", "mesh": (4,), "pins": SEQ, "options": {**ONE, "context_parallel": "exchange"}},
     # experts: groups split, expert weights split on the inner axis (all-to-all dispatch)
@@ -202,6 +206,8 @@ def _same(r: dict) -> None:
 @pytest.mark.parametrize("case", [c["id"] for c in CASES])
 def test_plan_lists_what_runs(results: dict, case: str) -> None:
     _same(results[case])
+    if case == "zero2-chunks-dp4":
+        assert all(sum(" chunk " in line for line in r["listed"]) == 2 for r in results[case]["ranks"])
 
 
 @pytest.mark.slow
