@@ -2,7 +2,7 @@
 the gain it predicts on Megatron-LM's tensor-parallel layouts, and the overlap measured
 against the predicted one on gloo.
 
-    python benchmarks/multi_copy.py [--calibrate] [--rounds 7] [--steps 3] [--world 4]
+    python benchmarks/multi_copy.py [--calibrate] [--rounds 15] [--steps 3] [--world 4]
         [--models 1.7B 7.5B 18.4B 39.1B 145.6B]
 
 1. Planning only: each Megatron-LM run of ``benchmarks/reference_plans.py`` (its GPT
@@ -62,7 +62,7 @@ def megatron_row(name: str) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     from _ranks import interleaved_args
-    ap = interleaved_args(__doc__, rounds=7, steps=3)
+    ap = interleaved_args(__doc__, rounds=15, steps=3)
     ap.add_argument("--models", nargs="*", default=["1.7B", "7.5B", "18.4B", "39.1B", "145.6B"])
     a = ap.parse_args(argv)
     if a.models:
