@@ -52,7 +52,14 @@ from autopar.runtime.mesh import current
 from autopar.runtime.tls import issue
 
 # stage 3 lives in autopar.runtime.zero3 (one gather per layer, prefetched)
-from autopar.runtime.zero3 import Group, free_gathered_params, rank_major, register, zero_gather
+from autopar.runtime.zero3 import (
+    Group,
+    free_gathered_params,
+    launch_gather,
+    rank_major,
+    register,
+    zero_gather,
+)
 from autopar.runtime.zero_chunks import Chunks, copy_out, new_key, replace_reads, zero_fetch
 from autopar.runtime.zero_chunks import register as register_chunks
 
@@ -324,7 +331,7 @@ class Zero(OrderedBuckets):
             return
         d = current().size_of(self.axes)
         for b in self._whole:  # every bucket, or those no chunk holds
-            gathered = _all_gather_flat(torch.cat([zp.shard.detach().reshape(-1) for zp in b]), self.axes)
+            gathered = launch_gather([zp.shard for zp in b], self.axes, async_op=False)[1]
             copy_out([zp.full for zp in b], [zp.shard.numel() for zp in b], gathered, d)
         if self.chunks is not None:
             self.chunks.start()

@@ -97,27 +97,39 @@ def register(group: Group) -> None:
     _GROUPS[group.key] = group
 
 
-def _launch(g: Group, async_op: bool):
+def launch_gather(shards: list[torch.Tensor], axes: tuple[int, ...], async_op: bool):
+    """All-gather the concatenated ``shards`` over ``axes`` (copied up first when they
+    live in host memory: ``offload="params"``): (work, rank-major buffer, rank ``r``'s
+    shards first).  ZeRO-3's layer gathers and ZeRO-1/2's (:mod:`autopar.runtime.zero`,
+    :mod:`autopar.runtime.zero_chunks`) both send this way."""
     m = current()
-    d = m.size_of(g.axes)
-    send = torch.cat([s.detach().reshape(-1) for s in g.shards])
-    if send.device != m.device:  # shards in host memory (offload="params"): up first
+    send = torch.cat([s.detach().reshape(-1) for s in shards])
+    if send.device != m.device:
         send = send.to(m.device, non_blocking=True)
-    out = torch.empty(send.numel() * d, dtype=send.dtype, device=send.device)
+    out = torch.empty(send.numel() * m.size_of(axes), dtype=send.dtype, device=send.device)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    work = issue(fn, out, send, group=m.group_of(g.axes), async_op=async_op)
-    return work, out
+    return issue(fn, out, send, group=m.group_of(axes), async_op=async_op), out
+
+
+def wholes(gathered: torch.Tensor, d: int, sizes: list[int], shapes: list[torch.Size]) -> list[torch.Tensor]:
+    """The whole tensors in a buffer :func:`launch_gather` filled over ``d`` ranks: each
+    rank's ``sizes[i]``-element (zero-padded) chunk of tensor ``i``, cut back to
+    ``shapes[i]`` (a strided read that ``reshape`` copies)."""
+    rows = gathered.view(d, -1)
+    out, off = [], 0
+    for c, shape in zip(sizes, shapes):
+        out.append(rows[:, off:off + c].reshape(-1)[: math.prod(shape)].view(shape))
+        off += c
+    return out
+
+
+def _launch(g: Group, async_op: bool):
+    return launch_gather(g.shards, g.axes, async_op)
 
 
 def _split(g: Group, out: torch.Tensor) -> list[torch.Tensor]:
     """Whole parameters from the gathered buffer (rank-major: rank r's shards first)."""
-    d = current().size_of(g.axes)
-    rows = out.view(d, -1)
-    fulls, off = [], 0
-    for c, shape in zip(g.sizes, g.shapes):
-        fulls.append(rows[:, off:off + c].reshape(-1)[: math.prod(shape)].view(shape))
-        off += c
-    return fulls
+    return wholes(out, current().size_of(g.axes), g.sizes, g.shapes)
 
 
 def _gather(key: str, ahead: bool) -> list[torch.Tensor]:

@@ -25,31 +25,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import fx
 
 from autopar.runtime.mesh import current
-from autopar.runtime.tls import issue
-
-
-def launch_gather(shards: list[torch.Tensor], axes: tuple[int, ...], async_op: bool):
-    """All-gather the concatenated ``shards`` over ``axes``: (work, rank-major buffer)."""
-    m = current()
-    send = torch.cat([s.detach().reshape(-1) for s in shards])
-    out = torch.empty(send.numel() * m.size_of(axes), dtype=send.dtype, device=send.device)
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return issue(fn, out, send, group=m.group_of(axes), async_op=async_op), out
+from autopar.runtime.zero3 import launch_gather, wholes
 
 
 def copy_out(fulls: list[torch.Tensor], sizes: list[int], gathered: torch.Tensor, d: int) -> None:
     """Copy each whole tensor out of a rank-major gathered buffer (rank ``r``'s shards
     first, ``sizes[i]`` elements each, zero-padded) into ``fulls``."""
-    rows = gathered.view(d, -1)
-    off = 0
     with torch.no_grad():
-        for full, c in zip(fulls, sizes):
-            full.copy_(rows[:, off:off + c].reshape(-1)[: full.numel()].view(full.shape))
-            off += c
+        for full, whole in zip(fulls, wholes(gathered, d, sizes, [f.shape for f in fulls])):
+            full.copy_(whole)
 
 
 def replace_reads(gm: fx.GraphModule, groups: list[list[str]],
@@ -165,4 +152,4 @@ def zero_fetch(key: str, k: int) -> tuple[torch.Tensor, ...]:
     return _CHUNKS[key].fetch(k)
 
 
-__all__ = ["Chunks", "copy_out", "launch_gather", "new_key", "register", "replace_reads", "zero_fetch"]
+__all__ = ["Chunks", "copy_out", "new_key", "register", "replace_reads", "zero_fetch"]

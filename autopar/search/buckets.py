@@ -88,6 +88,16 @@ class BucketPlan:
                 if items[i].fixed is None]
 
 
+def affine_fit(price: Callable[[MeshSpec, tuple[int, ...], float], float], mesh: MeshSpec,
+               axes: tuple[int, ...]) -> tuple[float, float]:
+    """(latency, seconds per byte) of a collective whose ``price(mesh, axes, bytes)`` is
+    affine in the bytes for any non-empty message (the cost model's alpha-beta)."""
+    big = float(1 << 30)
+    t1, tb = price(mesh, axes, 1.0), price(mesh, axes, big)
+    per = (tb - t1) / (big - 1.0)
+    return t1 - per, per
+
+
 @functools.lru_cache(maxsize=4096)
 def _affine(mesh: MeshSpec, axes: tuple[int, ...], kind: str = "none") -> tuple[float, float]:
     """(latency, seconds per byte) of an all-reduce over ``axes``: the price is affine
@@ -95,10 +105,7 @@ def _affine(mesh: MeshSpec, axes: tuple[int, ...], kind: str = "none") -> tuple[
     counts :data:`~autopar.search.compression.LATENCIES` of them, and bf16's bytes pay
     half (its all-to-all; the gather's half is the bucket's tail).  Cached: every
     stage the split search prices with its buckets asks it again for the same mesh."""
-    big = float(1 << 30)
-    t1, tb = all_reduce_time(mesh, axes, 1.0), all_reduce_time(mesh, axes, big)
-    per_byte = (tb - t1) / (big - 1.0)
-    lat = t1 - per_byte
+    lat, per_byte = affine_fit(all_reduce_time, mesh, axes)
     if kind == "bf16":
         return lat * LATENCIES[kind], per_byte / 2.0
     return lat * LATENCIES.get(kind, 1.0), per_byte
@@ -324,5 +331,5 @@ def stage_items(layers: list[LayerStat], zp: list[ZeroPrice], recompute: set[str
     return items, t
 
 
-__all__ = ["BucketPlan", "GradItem", "fixed_size", "one_bucket", "optimal", "per_gradient", "per_layer", "simulate",
+__all__ = ["BucketPlan", "GradItem", "affine_fit", "fixed_size", "one_bucket", "optimal", "per_gradient", "per_layer", "simulate",
            "stage_items"]

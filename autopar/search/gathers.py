@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from autopar.cost_models import MeshSpec, all_gather_time
 from autopar.plan.decisions import zero_axes
-from autopar.search.buckets import _end
+from autopar.search.buckets import _end, affine_fit
 from autopar.search.stages.layer_stats import LayerStat, on_zero
 
 
@@ -108,10 +108,7 @@ def _plan(nbytes: tuple[float, ...], fwd: tuple[float, ...], lead: float, lat: f
 
 def affine(mesh: MeshSpec, axes: tuple[int, ...]) -> tuple[float, float]:
     """(latency, seconds per gathered byte) of an all-gather over ``axes``."""
-    big = float(1 << 30)
-    t1, tb = all_gather_time(mesh, axes, 1.0), all_gather_time(mesh, axes, big)
-    per = (tb - t1) / (big - 1.0)
-    return t1 - per, per
+    return affine_fit(all_gather_time, mesh, axes)
 
 
 def chunk_plan(nbytes: list[float], fwd: list[float], lead: float, mesh: MeshSpec,

@@ -219,10 +219,11 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     if not buffers_kept:
         arrive, spike, persist = freed
     exposed = bp.exposed if bp is not None else 0.0
-    gather_step = sum(z.gather_step for z in zp)
+    gather_step = whole_gather = sum(z.gather_step for z in zp)
     chunks = _gather_chunks(layers, cfg, mesh, gather_step)
     chunk_bytes = 0.0
     if chunks is not None:
+        total = mem(chosen, kp)  # the step's peak (peak() is the split search's inner loop)
         # a chunk's gathered and send buffers live from the fetch before it to its own,
         # beside the activations of the layers before it (and kept gradient buffers):
         # what that moment holds above the step's peak
@@ -231,10 +232,10 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
         for st in layers:
             before.append(before[-1] + (st.out_bytes if st.key in rc else st.activations))
         moment = held + persist + max(before[k] + b * (1.0 + 1.0 / d) for k, b in zip(chunks.starts, chunks.sizes))
-        chunk_bytes = max(0.0, moment - mem(chosen, kp))
+        chunk_bytes = max(0.0, moment - total)
     split = {"gather_split": chunks.waits, "gather_split_bytes": chunk_bytes} if chunks else {}
     if chunks is not None and (cfg.split_gathers or (
-            chunks.waits < gather_step and mem(chosen, kp) + chunk_bytes <= budget)):
+            chunks.waits < gather_step and total + chunk_bytes <= budget)):
         gather_step = chunks.waits  # the forward's waits for its chunks
     else:
         chunks = None
@@ -266,7 +267,7 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     if off.host > (mesh.host_memory if mesh.host_memory is not None else math.inf):
         seconds = math.inf  # over the host's budget: no plan
     parts["copies_hidden"] = hidden
-    parts["gather_hidden"] = sum(z.gather_step for z in zp) - gather_step
+    parts["gather_hidden"] = whole_gather - gather_step
     parts.update(split)
     parts["offload_step"] = off.step
     parts["offload_micro"] = off.per_micro
