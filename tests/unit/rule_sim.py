@@ -25,7 +25,7 @@ import itertools
 import math
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from unittest import mock
 
@@ -272,6 +272,39 @@ def _all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_s
     return _DoneWork() if async_op else None
 
 
+def _exchange(group: _Group, mine: object) -> list:
+    """Every rank of ``group`` posts ``mine``; each gets the list of all posts (rank order)."""
+    r = group.rank(_current().coord)
+    group.slots[r] = mine
+    group.barrier.wait()
+    got = list(group.slots)
+    group.barrier.wait()  # nobody refills the slots before every rank has read them
+    return got
+
+
+def _all_gather(parts: list[torch.Tensor], tensor: torch.Tensor, group: object = None,
+                async_op: bool = False) -> _DoneWork | None:
+    """In-memory all-gather: ``parts[j]`` becomes rank ``j``'s tensor."""
+    assert isinstance(group, _Group), f"all_gather needs a mesh-axis group, got {group!r}"
+    got = _exchange(group, tensor.detach().clone())
+    with torch.no_grad():
+        for out, t in zip(parts, got, strict=True):
+            out.copy_(t)
+    return _DoneWork() if async_op else None
+
+
+def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: object = dist.ReduceOp.SUM,
+                    group: object = None, async_op: bool = False) -> _DoneWork | None:
+    """In-memory reduce-scatter of flat tensors: rank ``r`` gets chunk ``r`` of the sum."""
+    assert isinstance(group, _Group), f"reduce_scatter needs a mesh-axis group, got {group!r}"
+    assert op == dist.ReduceOp.SUM, f"reduce op {op} not simulated"
+    got = _exchange(group, input.detach().clone())
+    total = torch.stack(got).sum(0)
+    with torch.no_grad():
+        output.copy_(total.chunk(group.n)[group.rank(_current().coord)].view_as(output))
+    return _DoneWork() if async_op else None
+
+
 class _SimRing:
     """What :func:`autopar.runtime.ring_attention.ring_of` returns on a simulated rank:
     point-to-point messages through queues keyed by (ring, source, destination, tag)."""
@@ -306,13 +339,12 @@ class _DoneWork:
         return True
 
 
-def _unsupported(*args: object, **kwargs: object) -> None:
-    raise AssertionError("a local op form issued a collective the simulator does not model")
-
-
-def run_ranks(gm: fx.GraphModule, local_inputs: dict[Coord, list[torch.Tensor]],
-              mesh: Sequence[int]) -> dict[Coord, list[torch.Tensor]]:
-    """Run ``gm`` on every simulated rank, one thread each, communicating in memory."""
+def on_ranks(body: Callable[[Coord], object], mesh: Sequence[int]) -> dict[Coord, object]:
+    """Call ``body(coord)`` on every simulated rank, one thread each, with the
+    collectives patched to meet in memory; returns each rank's result.  Autograd's
+    backward of CPU tensors runs on the calling thread, so a ``body`` that also runs
+    backward issues its collectives (autograd functions of
+    :mod:`autopar.runtime.collectives`) from its own rank's thread too."""
     mesh = tuple(mesh)
     coords = mesh_coords(mesh)
     # a group per set of axes (and coordinate on the others): group_of spans several
@@ -320,14 +352,13 @@ def run_ranks(gm: fx.GraphModule, local_inputs: dict[Coord, list[torch.Tensor]],
     groups = {(ax, tuple(x for a, x in enumerate(c) if a not in ax)): None
               for ax in subsets for c in coords}
     groups = {k: _Group(k[0], mesh) for k in groups}
-    results: dict[Coord, list[torch.Tensor]] = {}
+    results: dict[Coord, object] = {}
     errors: list[BaseException] = []
 
     def work(c: Coord) -> None:
         _TLS.mesh = _SimMesh(mesh, c, groups)
         try:
-            with torch.no_grad():
-                results[c] = as_list(gm(*local_inputs[c]))
+            results[c] = body(c)
         except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
             errors.append(e)
             for g in groups.values():
@@ -336,7 +367,9 @@ def run_ranks(gm: fx.GraphModule, local_inputs: dict[Coord, list[torch.Tensor]],
             _TLS.mesh = None
 
     with mock.patch.object(dist, "all_reduce", _all_reduce), \
-            mock.patch.object(dist, "all_gather", _unsupported), \
+            mock.patch.object(dist, "all_gather", _all_gather), \
+            mock.patch.object(dist, "reduce_scatter_tensor", _reduce_scatter), \
+            mock.patch.object(dist, "reduce_scatter_single", _reduce_scatter, create=True), \
             mock.patch.object(dist, "all_to_all_single", _all_to_all_single), \
             mock.patch.object(C, "current", _current), \
             mock.patch.object(CP, "current", _current), \
@@ -348,8 +381,19 @@ def run_ranks(gm: fx.GraphModule, local_inputs: dict[Coord, list[torch.Tensor]],
         for t in threads:
             t.join()
     if errors:
+        # the first rank to fail, not a rank whose barrier that failure broke
+        errors.sort(key=lambda e: isinstance(e, threading.BrokenBarrierError))
         raise errors[0]
     return results
+
+
+def run_ranks(gm: fx.GraphModule, local_inputs: dict[Coord, list[torch.Tensor]],
+              mesh: Sequence[int]) -> dict[Coord, list[torch.Tensor]]:
+    """Run ``gm`` on every simulated rank, one thread each, communicating in memory."""
+    def body(c: Coord) -> list[torch.Tensor]:
+        with torch.no_grad():
+            return as_list(gm(*local_inputs[c]))
+    return on_ranks(body, mesh)
 
 
 # ---------------------------------------------------------------- the check
