@@ -255,14 +255,21 @@ def _validate_node(case: Case, node: fx.Node, mesh: tuple[int, ...], inputs: lis
 
 def validate_opinfo(op_names: Sequence[str] | None = None,
                     meshes: Sequence[tuple[int, ...]] = MESHES, grads: bool = True,
-                    max_samples: int | None = None) -> Report:
+                    max_samples: int | None = None, verbose: bool = False) -> Report:
     """Validate the rules on the OpInfo samples (see the module docstring);
-    ``max_samples`` caps the samples taken per OpInfo and dtype."""
+    ``max_samples`` caps the samples taken per OpInfo and dtype; ``verbose`` prints
+    each OpInfo's running counts to stderr as it starts."""
     report = Report()
     t0 = time.perf_counter()
+    last = None
     for case in opinfo_cases(op_names):
         if max_samples is not None and case.index >= max_samples:
             continue
+        if verbose and case.name != last:
+            last = case.name
+            print(f"{time.perf_counter() - t0:7.0f}s {case.name}: {report.strategies} checked, "
+                  f"{len(report.wrong)} wrong, {len(report.crashed)} crashed",
+                  file=sys.stderr, flush=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             validate_case(case, meshes, grads, report)
@@ -277,8 +284,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-samples", type=int, default=None)
     ap.add_argument("--no-grads", action="store_true")
     ap.add_argument("--out", default=None, help="write the JSON report here")
+    ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
-    rep = validate_opinfo(a.ops or None, grads=not a.no_grads, max_samples=a.max_samples)
+    rep = validate_opinfo(a.ops or None, grads=not a.no_grads, max_samples=a.max_samples,
+                          verbose=a.verbose)
     s = rep.summary()
     print(json.dumps(s["counts"]))
     for line in [*rep.wrong[:20], *rep.crashed[:20]]:

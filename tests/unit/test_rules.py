@@ -201,6 +201,16 @@ direct("to_dtype_layout", aten.to.dtype_layout, [N(4, 6)], x0, dtype=torch.float
 direct("to_device", aten.to.device, [N(4, 6)], x0, torch.device("cpu"), torch.float32)
 direct("_to_copy_f32", aten._to_copy.default, [N(4, 6)], x0, dtype=torch.float32)
 direct("type_as", aten.type_as.default, [N(4, 6), N(2)], x0, x1)
+# casts to an integer dtype truncate each Partial piece: no Partial through them (issue
+# 64, cause 1); an integer cast of integers, or to a float, stays linear
+direct("_to_copy_int", aten._to_copy.default, [N(4, 6)], x0, dtype=torch.int64)
+direct("to_dtype_int8", aten.to.dtype, [N(4, 6)], x0, torch.int8)
+direct("to_dtype_bool", aten.to.dtype, [N(4, 6)], x0, torch.bool)
+direct("type_as_int", aten.type_as.default, [N(4, 6), Ints(3, 2)], x0, x1)
+direct("_to_copy_int_to_float", aten._to_copy.default, [Ints(5, 4, 6)], x0, dtype=F64)
+# booleans have no sum: add/mul of booleans (or, and) never Partial
+direct("add_bool", aten.add.Tensor, [B(4, 6), B(4, 6)], x0, x1)
+direct("mul_bool", aten.mul.Tensor, [B(4, 6), B(6)], x0, x1)
 direct("masked_fill_scalar", aten.masked_fill.Scalar, [N(2, 4, 4), B(4, 4)], x0, x1, -1.0)
 direct("masked_fill_tensor", aten.masked_fill.Tensor, [N(2, 4, 4), B(4, 1), N()], x0, x1, x2)
 for _op, _a, _b in [
@@ -243,6 +253,10 @@ cap("reshape_merge", lambda m, x: x.reshape(8, 6), N(2, 4, 6))
 cap("flatten", lambda m, x: x.flatten(1), N(2, 4, 6))
 cap("transpose", lambda m, x: x.transpose(0, 2), N(2, 4, 6))
 cap("t", lambda m, x: x.t(), N(4, 6))
+# 0-d and 1-d tensors (issue 64, cause 4: transpose of a 0-d tensor raised IndexError
+# while planning)
+cap("transpose_0d", lambda m, x: (x.transpose(0, -1), x.t()), N())
+cap("transpose_1d", lambda m, x: (x.transpose(0, -1), x.t()), N(4))
 cap("permute", lambda m, x: x.permute(2, 0, 1), N(2, 4, 6))
 cap("flip", lambda m, x: (x.flip(1), x.flip([0, -1])), N(2, 4, 6))
 cap("roll", lambda m, x: (x.roll(1, 1), x.roll((1, -2), (0, 2)), x.roll(3)), N(2, 4, 6))

@@ -181,9 +181,17 @@ def axis_strategies(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
             )
         return out
     for s in rule(node, ctx):
-        if s is not None and s not in out:
+        if s is not None and s not in out and not _partial_bool(node, s):
             out.append(s)
     return out
+
+
+def _partial_bool(node: fx.Node, s: AxisStrategy) -> bool:
+    """Whether ``s`` holds a boolean tensor as a Partial sum: booleans have no sum
+    (``True + True`` is ``True``, not 2), so no rule may keep one pending."""
+    ins = [info(x).out.dtype for x in tensor_inputs(node)]
+    outs = [t.dtype for t in info(node).outputs]
+    return any(p == P and d == torch.bool for p, d in [*zip(s.inputs, ins), *zip(s.outputs, outs)])
 
 
 def combine_axes(per_axis: Sequence[AxisStrategy]) -> OpStrategy:

@@ -2,7 +2,9 @@
 
 Partial inputs pass through only where the op is linear in them: ``add``/``sub`` of
 two tensors (both Partial), ``mul`` with one Partial factor, ``div`` with a Partial
-numerator, negation, dtype casts and copies.
+numerator, negation, copies and casts to a floating dtype (a cast to an integer dtype
+truncates each piece).  No boolean tensor is ever Partial (the registry drops such
+strategies: booleans have no sum).
 """
 
 from __future__ import annotations
@@ -76,10 +78,20 @@ def nonlinear_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
     return strats
 
 
+def linear_cast(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether a cast from ``src`` to ``dst`` is linear (sums of pieces cast alike): to a
+    floating or complex dtype, or to the same dtype.  A cast to an integer or boolean
+    dtype truncates each piece (0.6 and 0.6 cast to 0 and 0, their sum 1.2 to 1) or
+    wraps it, so a Partial sum does not pass through it."""
+    return src == dst or dst.is_floating_point or dst.is_complex
+
+
 @register(*LINEAR_UNARY)
 def linear_unary_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
-    """Shard alike, and Partial passes through."""
-    return pointwise_axis(node, _tensor_args(node), linear_in=[node.args[0]])
+    """Shard alike, and Partial passes through (casts: only where :func:`linear_cast`)."""
+    x = node.args[0]
+    linear = linear_cast(info(x).out.dtype, info(node).out.dtype)
+    return pointwise_axis(node, _tensor_args(node), linear_in=[x] if linear else [])
 
 
 @register(aten.add.Tensor, aten.sub.Tensor, operator.add, operator.sub)

@@ -97,9 +97,11 @@ def reshape_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
 
 @register(aten.transpose.int)
 def transpose_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
-    """Swap two dims."""
+    """Swap two dims (a 0-d tensor has none: ``transpose(x, 0, -1)`` returns it)."""
     x = node.args[0]
     n = ndim(x)
+    if n == 0:
+        return dim_map_strategies(node, x, {})
     a, b = normalize_dim(node.args[1], n), normalize_dim(node.args[2], n)
     perm = list(range(n))
     perm[a], perm[b] = perm[b], perm[a]
@@ -108,9 +110,9 @@ def transpose_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
 
 @register(aten.t.default)
 def t_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
-    """2-D transpose."""
+    """2-D transpose (a 1-D or 0-d tensor is returned as it is)."""
     x = node.args[0]
-    return dim_map_strategies(node, x, {0: 1, 1: 0} if ndim(x) == 2 else {0: 0})
+    return dim_map_strategies(node, x, {0: 1, 1: 0} if ndim(x) == 2 else {d: d for d in range(ndim(x))})
 
 
 @register(aten.permute.default)
