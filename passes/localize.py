@@ -104,8 +104,9 @@ def localize(gm: fx.GraphModule, plan: Plan) -> None:
         elif t is aten.embedding.default:
             vocab = tuple(a for a, p in enumerate(ins[0]) if isinstance(p, Shard) and p.dim == 0)
             if vocab:
+                pad = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
                 node.target = O.vocab_embedding
-                node.args = (node.args[0], node.args[1], vocab)
+                node.args = (node.args[0], node.args[1], vocab, pad)
                 node.kwargs = {}
         elif t is SDPA:
             _localize_attention(node, ins, mesh)

@@ -20,14 +20,18 @@ def shard_offset(axes: tuple[int, ...], local: int) -> int:
     return idx * local
 
 
-def vocab_embedding(weight: torch.Tensor, idx: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
+def vocab_embedding(weight: torch.Tensor, idx: torch.Tensor, axes: tuple[int, ...],
+                    padding_idx: int = -1) -> torch.Tensor:
     """Embedding with the vocabulary (weight dim 0) sharded over ``axes``: look up the
-    rows this rank owns, zeros elsewhere; the result is a Partial sum."""
+    rows this rank owns, zeros elsewhere; the result is a Partial sum.  ``padding_idx``
+    (global row, -1 for none, as aten takes it): the rank owning that row keeps its
+    gradient zero, as ``nn.Embedding(padding_idx=...)`` does."""
     vl = weight.shape[0]
     off = shard_offset(axes, vl)
     mine = (idx >= off) & (idx < off + vl)
     local = torch.where(mine, idx - off, torch.zeros_like(idx))
-    return F.embedding(local, weight) * mine.unsqueeze(-1).to(weight.dtype)
+    pad = padding_idx - off if 0 <= padding_idx - off < vl else -1
+    return torch.ops.aten.embedding(weight, local, pad) * mine.unsqueeze(-1).to(weight.dtype)
 
 
 def start_count(target: torch.Tensor, ignore_index: int, row_axes: tuple[int, ...]):

@@ -83,6 +83,8 @@ def _grads(outs: list[object], seeds: dict[int, torch.Tensor],
         return [None] * len(leaves)
     got = iter(torch.autograd.grad([o for o, _ in pairs], want, [g for _, g in pairs],
                                    allow_unused=True))
+    # a sparse gradient (embedding(sparse=True)) is compared by value
+    got = (g.to_dense() if g is not None and g.layout != torch.strided else g for g in got)
     return [next(got) if x.requires_grad else None for x in leaves]
 
 

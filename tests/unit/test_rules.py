@@ -335,6 +335,14 @@ cap("sdpa_shared_kv_mask", lambda m, q, kv, a: F.scaled_dot_product_attention(q,
 
 # ---------------------------------------------------------------- embedding and losses
 cap("embedding", lambda m, i: m.e(i), Ints(8, 4, 6), e=nn.Embedding(8, 4), meshes=WITH_4)
+# the padding row takes no gradient, also when the vocabulary is split (issue 64, cause
+# 5: the vocab-parallel form dropped padding_idx); row 0 (BERT's pad id) and a row
+# owned by the last of 4 ranks
+cap("embedding_padding", lambda m, i: (m.e(i), m.g(i)), Ints(8, 4, 6), meshes=WITH_4,
+    e=nn.Embedding(8, 4, padding_idx=0), g=nn.Embedding(8, 4, padding_idx=7),
+    fix=lambda xs: (xs[0].__setitem__((0, 0), 0), xs[0].__setitem__((1, 1), 7)))
+cap("embedding_freq", lambda m, i: F.embedding(i, m.e.weight, scale_grad_by_freq=True),
+    Ints(8, 4, 6), e=nn.Embedding(8, 4), meshes=WITH_4)
 cap("cross_entropy_mean", lambda m, x, t: F.cross_entropy(x, t), N(8, 6), Ints(6, 8),
     meshes=WITH_4, fix=_ignore(1, -100))
 cap("cross_entropy_sum", lambda m, x, t: F.cross_entropy(x, t, reduction="sum", ignore_index=2),

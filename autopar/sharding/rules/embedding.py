@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from autopar.capture.ir import arg
 from autopar.plan.placement import P, R, Shard
 from autopar.sharding.rules import AxisStrategy, RuleCtx, assign, ndim, register
 
@@ -19,10 +20,18 @@ aten = torch.ops.aten
 
 @register(aten.embedding.default)
 def embedding_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
-    """Index-dim, embedding-dim and vocabulary sharding."""
+    """Index-dim, embedding-dim and vocabulary sharding.
+
+    ``scale_grad_by_freq`` divides each row's gradient by how often the indices name
+    it: a rank holding part of the indices (index dims split) or a remapped part of the
+    vocabulary (whose foreign indices all read its row 0) would count wrong, so only the
+    embedding-dim split, which sees every index, stays."""
     w, idx = node.args[0], node.args[1]
     n = ndim(idx)
-    result = [assign(node, [(w, R), (idx, Shard(d))], [Shard(d)]) for d in range(n)]
+    by_freq = arg(node, 3, "scale_grad_by_freq", False)
+    result = [] if by_freq else [assign(node, [(w, R), (idx, Shard(d))], [Shard(d)])
+                                 for d in range(n)]
     result.append(assign(node, [(w, Shard(1)), (idx, R)], [Shard(n)]))
-    result.append(assign(node, [(w, Shard(0)), (idx, R)], [P]))
+    if not by_freq:
+        result.append(assign(node, [(w, Shard(0)), (idx, R)], [P]))
     return [s for s in result if s is not None]
