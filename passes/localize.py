@@ -91,7 +91,10 @@ def localize(gm: fx.GraphModule, plan: Plan) -> None:
                 node.target = O.cross_entropy
                 node.args = (node.args[0], node.args[1], ignore, reduction, rows, classes)
                 node.kwargs = {}
-                if rows and reduction == 1 and plan.decisions.pipeline_stages <= 1:
+                # class indices only: probability targets count rows, not labels, and
+                # a view of them may not keep the class dim the count divides out
+                soft = info(node.args[1]).out.dtype.is_floating_point
+                if rows and reduction == 1 and plan.decisions.pipeline_stages <= 1 and not soft:
                     node.args = (*node.args, _hoist_count(g, node.args[1], ignore, rows))
         elif t is aten.dropout.default:
             # the global mask, sliced: independent per batch shard, equal across

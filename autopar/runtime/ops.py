@@ -37,8 +37,14 @@ def vocab_embedding(weight: torch.Tensor, idx: torch.Tensor, axes: tuple[int, ..
 def start_count(target: torch.Tensor, ignore_index: int, row_axes: tuple[int, ...]):
     """Start summing the count of targets that are not ``ignore_index`` over
     ``row_axes``; returns the function that waits for it (what :func:`cross_entropy`
-    takes as ``count``)."""
-    return all_reduce_nograd_async((target != ignore_index).sum(), row_axes)
+    takes as ``count``).  Probability targets (floating, shaped like the input
+    ``[rows, classes, ...]``) ignore nothing: the mean divides by the number of rows
+    (times any trailing dims), not by the number of probabilities."""
+    if target.is_floating_point():
+        n = torch.tensor(target.numel() // target.shape[1], device=target.device)
+    else:
+        n = (target != ignore_index).sum()
+    return all_reduce_nograd_async(n, row_axes)
 
 
 def cross_entropy(x: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: int,
@@ -47,7 +53,8 @@ def cross_entropy(x: torch.Tensor, target: torch.Tensor, ignore_index: int, redu
     """Cross-entropy with rows sharded over ``row_axes`` and/or classes over ``class_axes``.
 
     Rows: the mean divides the local sum by the global count of non-ignored targets
-    (output Partial over ``row_axes``).  Classes (``x`` is 2-D ``[rows, classes]``):
+    (output Partial over ``row_axes``); probability targets (floating) count every
+    row.  Classes (``x`` is 2-D ``[rows, classes]``, class-index targets only):
     max, sum of exponentials and the target logit are all-reduced over ``class_axes``
     (output replicated there).  ``reduction`` uses aten's enum (0 none, 1 mean, 2 sum).
     ``count``: the wait of a :func:`start_count` issued earlier in the forward (the

@@ -351,6 +351,18 @@ cap("cross_entropy_none", lambda m, x, t: F.cross_entropy(x, t, reduction="none"
     Ints(4, 8), fix=_ignore(1, -100))
 cap("cross_entropy_3d", lambda m, x, t: F.cross_entropy(x, t), N(4, 6, 2), Ints(6, 4, 2),
     fix=_ignore(1, -100))
+# probability targets (issue 64, cause 2: the row split divided by N x C, the class
+# split crashed in gather); unbatched inputs, whose dim 0 is the classes
+cap("cross_entropy_soft", lambda m, x, t: (F.cross_entropy(x, t),
+                                          F.cross_entropy(x, t, reduction="sum"),
+                                          F.cross_entropy(x, t, reduction="none")),
+    N(8, 6), Pos(8, 6), meshes=WITH_4)
+cap("cross_entropy_soft_3d", lambda m, x, t: F.cross_entropy(x, t), N(4, 6, 2), Pos(4, 6, 2))
+cap("cross_entropy_unbatched", lambda m, x, t, p: (F.cross_entropy(x, t), F.cross_entropy(x, p)),
+    N(8), Ints(8), Pos(8), meshes=WITH_4)
+cap("cross_entropy_weight_smoothing", lambda m, x, t, w: (
+    F.cross_entropy(x, t, weight=w), F.cross_entropy(x, t, label_smoothing=0.1)),
+    N(8, 4), Ints(4, 8), Pos(4))
 cap("mse_loss", lambda m, x, y: (F.mse_loss(x, y), F.mse_loss(x, y, reduction="sum"),
                                  F.mse_loss(x, y, reduction="none")), N(4, 6), N(4, 6),
     meshes=WITH_4)

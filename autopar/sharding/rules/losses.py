@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from autopar.capture.ir import arg
+from autopar.capture.ir import arg, info
 from autopar.plan.placement import P, R, Shard
 from autopar.sharding.rules import AxisStrategy, RuleCtx, assign, ndim, register
 
@@ -20,17 +20,23 @@ NONE, MEAN, SUM = 0, 1, 2
 
 @register(aten.cross_entropy_loss.default)
 def cross_entropy_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
-    """``cross_entropy_loss(input[N, C, ...], target[N, ...], weight, reduction, ignore, smoothing)``."""
+    """``cross_entropy_loss(input[N, C, ...], target, weight, reduction, ignore, smoothing)``
+    with class-index targets ``[N, ...]`` or probability targets (floating, shaped like
+    the input).  Rows split either; the class split (vocab-parallel) takes class
+    indices only.  An unbatched input ``[C]`` has no row dim: its dim 0 is the classes.
+    Class weights and label smoothing run replicated (their local forms would need the
+    weights' sum over the rows, or the smoothing term over all classes)."""
     x, tgt = node.args[0], node.args[1]
     weight = arg(node, 2, "weight")
     reduction = arg(node, 3, "reduction", MEAN)
     smoothing = arg(node, 5, "label_smoothing", 0.0)
-    if weight is not None or smoothing:
+    if weight is not None or smoothing or ndim(x) < 2:
         return []
+    soft = info(tgt).out.dtype.is_floating_point
     result = []
     if reduction != NONE:
         result.append(assign(node, [(x, Shard(0)), (tgt, Shard(0))], [P]))
-        if ndim(x) == 2:
+        if ndim(x) == 2 and not soft:
             result.append(assign(node, [(x, Shard(1)), (tgt, R)], [R]))
     else:
         result.append(assign(node, [(x, Shard(0)), (tgt, Shard(0))], [Shard(0)]))
