@@ -1,0 +1,46 @@
+"""Every rule against PyTorch's OpInfo samples, forward values and gradients, on
+simulated (2,), (4,) and (2, 2) meshes (``opinfo_sim``).
+
+The default step checks a fixed sample of it: the first samples of OpInfos chosen to
+reach every rule family and the ops whose rules went wrong before (casts to integers,
+probability targets, 0-d transposes, embedding padding rows).  The slow step checks
+every sample of every OpInfo.
+"""
+
+from __future__ import annotations
+
+import pytest
+from opinfo_sim import MESHES, validate_opinfo
+
+# one or more OpInfos per rule family (pointwise, casts, views, reductions, matmul,
+# norms/softmax, losses, embedding, indexing, sorting)
+DEFAULT_OPS = [
+    "add", "mul", "div", "sub", "neg", "nn.functional.relu", "nn.functional.gelu", "where",
+    "masked_fill", "to", "type_as", "clone", "transpose", "t", "permute", "reshape", "view",
+    "squeeze", "unsqueeze", "cat", "stack", "split", "select", "flip", "expand", "sum",
+    "mean", "amax", "argmax", "cumsum", "softmax", "log_softmax", "nn.functional.layer_norm",
+    "mm", "bmm", "addmm", "matmul", "nn.functional.linear", "nn.functional.cross_entropy",
+    "nn.functional.mse_loss", "nn.functional.embedding", "gather", "index_select", "topk",
+    "sort",
+]
+
+
+def _check(report) -> None:
+    assert report.strategies > 0, "no strategy was checked"
+    problems = [*report.wrong[:10], *report.crashed[:10]]
+    assert not report.wrong and not report.crashed, (
+        f"{len(report.wrong)} wrong, {len(report.crashed)} crashed of {report.strategies} "
+        "strategies; first:\n" + "\n".join(p.splitlines()[0] for p in problems))
+
+
+def test_opinfo_rules_sample() -> None:
+    """The first sample of each DEFAULT_OPS OpInfo per dtype: 0 wrong, 0 crashed."""
+    report = validate_opinfo(DEFAULT_OPS, meshes=MESHES, grads=True, max_samples=1)
+    assert len(report.opinfos) >= len(DEFAULT_OPS) // 2, sorted(report.opinfos)
+    _check(report)
+
+
+@pytest.mark.slow
+def test_opinfo_rules_all() -> None:
+    """Every sample of every OpInfo whose graph holds an op with a rule."""
+    _check(validate_opinfo(None, meshes=MESHES, grads=True))
