@@ -8,11 +8,18 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from autopar.cost_models import blocking_time
 from torch import nn
 
 import autopar
+from autopar import MeshSpec
+from autopar.capture.annotate import annotate
+from autopar.capture.trace import capture
+from autopar.plan.placement import R, Shard
 from autopar.report.summary import unsupported_ops
-from autopar.sharding.rules import _RULES, has_rule
+from autopar.search.node_prices import CostModel
+from autopar.sharding.local_forms import describe
+from autopar.sharding.rules import _RULES, RuleCtx, has_rule, op_strategies
 from autopar.sharding.rules.pointwise import add_rule, linear_unary_rule, mul_rule
 from autopar.sharding.rules.tagged import (
     EXCLUDED,
@@ -81,3 +88,34 @@ def test_formerly_unsupported_ops_plan_without_warnings() -> None:
         p = autopar.plan(_Formerly(), (torch.randn(4, 8, 8),), (2,))
     assert not [str(w.message) for w in caught if "no sharding rule" in str(w.message)]
     assert unsupported_ops(p) == []
+
+
+class _Norms(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(16))  # so the reductions have a backward
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        x = x * self.w
+        return torch.linalg.vector_norm(x, dim=-1), x.var(-1), x.logsumexp(-1)
+
+
+def test_split_reduced_dim_only_with_a_local_form_and_priced() -> None:
+    """The 2-norm and the variance over a split dim lower to all-reduced sums
+    (runtime/reductions.py; values and gradients checked in test_rules.py): the
+    planner is offered that split, prices its all-reduces (one for the norm, two for
+    the variance, each again in the backward) and explain names them; logsumexp has
+    no such form and is not offered it."""
+    mesh = MeshSpec.preset("cpu-gloo", shape=(4,))
+    gm = annotate(capture(_Norms(), (torch.randn(4, 8, 16),)).gm)
+    nodes = {str(n.target): n for n in gm.graph.nodes if n.op == "call_function"}
+    cm = CostModel(mesh)
+    one = blocking_time("all_reduce", mesh, 0, 4 * 8 * 4.0)
+    for name, rounds in [("aten.linalg_vector_norm.default", 2), ("aten.var.dim", 4)]:
+        node = nodes[name]
+        split = [s for s in op_strategies(node, RuleCtx((4,))) if s.inputs[0] == (Shard(2),)]
+        assert [s.outputs for s in split] == [((R,),)], name
+        assert cm.own_comm(node, split[0]) == rounds * one, name
+        assert "all-reduced" in describe(node, split[0], mesh)
+    lse = nodes["aten.logsumexp.default"]
+    assert not [s for s in op_strategies(lse, RuleCtx((4,))) if s.inputs[0] == (Shard(2),)]
