@@ -167,7 +167,8 @@ def expand_as_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
         s = assign(node, [(x, Shard(d - off) if keeps else R), (other, Shard(d))], [Shard(d)])
         if s is not None:
             result.append(s)
-    s = assign(node, [(x, P), (other, R)], [P])
+    # a sum of booleans has no meaning: no Partial for them
+    s = assign(node, [(x, P), (other, R)], [P]) if info(x).out.dtype is not torch.bool else None
     return [*result, *([s] if s is not None else [])]
 
 
