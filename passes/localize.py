@@ -6,8 +6,9 @@ split in two becomes ``view(x, [4, 32, 64])``); means over sharded dims are resc
 to Partial sums; vocabulary-sharded embeddings and cross-entropies call the
 vocab-parallel forms in :mod:`autopar.runtime.ops`; row-sharded cross-entropy divides
 by the global count of non-ignored targets; dropout draws the global mask and keeps
-this rank's slice (:mod:`autopar.runtime.rng`); attention with its sequence split calls
-the row, Ulysses or ring form (:mod:`autopar.runtime.context`,
+this rank's slice (:mod:`autopar.runtime.rng`); a 2-norm or variance over a split
+dim all-reduces its sums (:mod:`autopar.runtime.reductions`); attention with its
+sequence split calls the row, Ulysses or ring form (:mod:`autopar.runtime.context`,
 :func:`autopar.sharding.rules.attention.context_layout`).
 """
 
@@ -28,6 +29,7 @@ from autopar.runtime.rng import sharded_dropout
 from autopar.sharding.rules.attention import SDPA, CPImpl, context_layout, sdpa_args
 from autopar.sharding.rules.experts import localize_experts
 from autopar.sharding.rules.reductions import reduced_dims
+from autopar.sharding.rules.statistics import SPLIT_REDUCTIONS, localize_statistics
 
 aten = torch.ops.aten
 
@@ -115,6 +117,8 @@ def localize(gm: fx.GraphModule, plan: Plan) -> None:
             _localize_attention(node, ins, mesh)
         elif t is MOE_EXPERTS:  # routed experts: expert parallel / Partial local forms
             localize_experts(node, ins, mesh)
+        elif t in SPLIT_REDUCTIONS:  # norm / variance over a split dim: all-reduced sums
+            localize_statistics(node, ins[0])
 
 
 # ops that move or reshape a tensor's elements without dropping or changing any: the

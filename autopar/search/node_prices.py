@@ -45,6 +45,7 @@ from autopar.sharding.rules.attention import (
     sdpa_args,
     sdpa_placements,
 )
+from autopar.sharding.rules.statistics import SPLIT_REDUCTIONS, split_all_reduces, split_axes
 
 aten = torch.ops.aten
 
@@ -240,6 +241,8 @@ class CostModel(EdgePrices):
             return self.attention_comm(node, s)
         if node.target is MOE_EXPERTS:
             return self.experts_comm(node, s)
+        if node.target in SPLIT_REDUCTIONS:
+            return self.split_reduction_comm(node, s)
         if node.target is not aten.cross_entropy_loss.default:
             return 0.0
         x = info(node.args[0]).out
@@ -250,6 +253,21 @@ class CostModel(EdgePrices):
                 # the vocabulary-split loss waits on each of its three reductions
                 total += 3 * blocking_time("all_reduce", self.mesh, a, rows * 4.0)
         return total
+
+    def split_reduction_comm(self, node: fx.Node, s: OpStrategy) -> float:
+        """A 2-norm or variance over a split dim (:mod:`autopar.runtime.reductions`):
+        per splitting axis, its all-reduces of output-sized sums in the forward, and as
+        many of their gradients in the backward."""
+        axes = split_axes(node, s.inputs[0])
+        if not axes:
+            return 0.0
+        out = info(node).outputs[0]
+        nbytes = self._local_bytes_of(out, s.outputs[0])
+        rounds = split_all_reduces(node) * (2 if info(node).backward else 1)
+        return rounds * sum(blocking_time("all_reduce", self.mesh, a, nbytes) for a in axes)
+
+    def _local_bytes_of(self, t: TensorInfo, p: Placements) -> float:
+        return math.prod(local_shape(t.shape, p, self.mesh.shape)) * (t.nbytes / max(t.numel, 1))
 
     def _local_bytes(self, x: fx.Node, p: Placements) -> float:
         t = info(x).out

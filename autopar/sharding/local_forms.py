@@ -3,10 +3,10 @@
 Most ops compute on their local shards and every collective sits on an edge (a
 redistribution that ``plan.explain`` lists).  A few lower to a form that exchanges
 data inside the op: attention on sequence chunks (Ulysses, ring, query rows), the
-experts of a mixture of experts (the token dispatch) and the distributed
-cross-entropy.  :func:`describe` says which form a strategy lowers to, read from the
-placements alone, just as ``passes/localize.py`` decides it, so ``explain`` and the
-generated code agree.
+experts of a mixture of experts (the token dispatch), the distributed
+cross-entropy, and a 2-norm or variance over a split dim.  :func:`describe` says which
+form a strategy lowers to, read from the placements alone, just as
+``passes/localize.py`` decides it, so ``explain`` and the generated code agree.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from autopar.runtime.experts import MOE_EXPERTS
 from autopar.sharding.rules import OpStrategy
 from autopar.sharding.rules.attention import SDPA, CPImpl, context_layout, sdpa_args
 from autopar.sharding.rules.experts import expert_axes
+from autopar.sharding.rules.statistics import SPLIT_REDUCTIONS, split_axes
 
 aten = torch.ops.aten
 
@@ -96,6 +97,11 @@ def describe(node: fx.Node, s: OpStrategy, mesh: MeshSpec) -> str:
         return _experts(s, mesh)
     if node.target is aten.cross_entropy_loss.default:
         return _cross_entropy(node, s, mesh)
+    if node.target in SPLIT_REDUCTIONS and split_axes(node, s.inputs[0]):
+        what = "sum of squares" if node.target is aten.linalg_vector_norm.default else \
+            "sum, then the sum of squared deviations,"
+        return (f"reduced dim split over {_axes(mesh, split_axes(node, s.inputs[0]))}: the "
+                f"{what} all-reduced; the result whole")
     return ""
 
 

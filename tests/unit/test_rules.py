@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rule_grad import validate_node_grads
 from rule_sim import check_strategy, node_values, validate_node
+from tagged_samples import sample_call, tagged_ops
 from torch import fx, nn
 
 from autopar.capture.annotate import annotate
@@ -40,7 +41,8 @@ WITH_4 = ((2,), (2, 2), (4,))
 # ---------------------------------------------------------------- input specs
 @dataclass(frozen=True)
 class T:
-    """An input tensor: ``kind`` n (normal), p (positive), b (bool), i (ints < high)."""
+    """An input tensor: ``kind`` n (normal), p (positive), b (bool), i (ints < high),
+    u (uniform in 0.1..0.9), g (uniform in 1.1..2.1)."""
 
     kind: str
     shape: tuple[int, ...]
@@ -51,6 +53,9 @@ class T:
             return torch.randn(self.shape, dtype=F64, generator=gen)
         if self.kind == "p":
             return torch.rand(self.shape, dtype=F64, generator=gen) + 0.5
+        if self.kind in ("u", "g"):
+            lo = 0.1 if self.kind == "u" else 1.1
+            return torch.rand(self.shape, dtype=F64, generator=gen) * 0.8 + lo
         if self.kind == "b":
             return torch.rand(self.shape, generator=gen) > 0.5
         return torch.randint(0, self.high, self.shape, generator=gen)
@@ -162,6 +167,16 @@ cap("mm_self", lambda m, x: torch.mm(x, x), N(4, 4))
 cap("bmm", lambda m, x, w: torch.bmm(x, w), N(2, 4, 8), N(2, 8, 6))
 cap("matmul_batched", lambda m, x, w: x @ w.transpose(-1, -2), N(2, 4, 8), N(2, 6, 8))
 cap("matmul_2d_rhs", lambda m, x, w: x @ w, N(2, 4, 8), N(8, 6))
+# baddbmm: a split k leaves the product Partial, and the input Partial beside it (beta
+# times each summand adds up to beta times the input); broadcast input dims stay whole
+direct("baddbmm", aten.baddbmm.default, [N(4, 4, 6), N(4, 4, 8), N(4, 8, 6)], x0, x1, x2,
+       meshes=WITH_4)
+direct("baddbmm_beta_alpha", aten.baddbmm.default, [N(6), N(4, 4, 8), N(4, 8, 6)], x0, x1, x2,
+       beta=2.0, alpha=0.5, meshes=WITH_4)
+direct("baddbmm_broadcast", aten.baddbmm.default, [N(4, 1, 6), N(4, 4, 8), N(4, 8, 6)],
+       x0, x1, x2, beta=3)
+direct("baddbmm_beta0", aten.baddbmm.default, [N(1, 4, 1), N(4, 4, 8), N(4, 8, 6)], x0, x1, x2,
+       beta=0.0)
 direct("matmul_broadcast_batch", aten.matmul.default, [N(2, 4, 8), N(1, 8, 6)], x0, x1)
 
 # ---------------------------------------------------------------- pointwise family
@@ -239,6 +254,20 @@ direct("mul_scalar", aten.mul.Scalar, [N(4, 6)], x0, 3.0)
 direct("div_scalar", aten.div.Scalar, [N(4, 6)], x0, 3.0)
 direct("broadcast_tensors", aten.broadcast_tensors.default, [N(4, 6), N(6), N(4, 1)], [x0, x1, x2])
 
+# every op the tag registers (autopar/sharding/rules/tagged.py), arguments off its schema
+for _op in tagged_ops():
+    _specs, _args, _kw = sample_call(_op, T, lambda i: Arg(i))
+    direct(f"tagged-{_op}", _op, _specs, *_args, **_kw)
+direct("hardswish_3d", aten.hardswish.default, [N(2, 4, 6)], x0, meshes=WITH_4)
+direct("mish_3d", aten.mish.default, [N(2, 4, 6)], x0, meshes=WITH_4)
+direct("clamp_tensor", aten.clamp.Tensor, [N(2, 4, 6), N(6), N(4, 1)], x0, x1, x2, meshes=WITH_4)
+direct("clamp_tensor_max", aten.clamp.Tensor, [N(4, 6), N()], x0, None, x1)
+direct("clamp_min", aten.clamp_min.default, [N(4, 6)], x0, 0.1, meshes=WITH_4)
+direct("clamp_max_tensor", aten.clamp_max.Tensor, [N(4, 6), N(4, 6)], x0, x1)
+direct("div_trunc", aten.div.Tensor_mode, [N(4, 8), N(8)], x0, x1, rounding_mode="trunc",
+       meshes=WITH_4)
+cap("normalize", lambda m, x: F.normalize(x, dim=-1), N(4, 2, 6), meshes=WITH_4)
+
 # ---------------------------------------------------------------- norms and softmax
 cap("layer_norm", lambda m, x: m.ln(x), N(2, 4, 8), ln=nn.LayerNorm(8))
 cap("layer_norm_2d", lambda m, x: m.ln(x), N(2, 4, 8), ln=nn.LayerNorm([4, 8]))
@@ -265,6 +294,7 @@ cap("squeeze_dim", lambda m, x: (x.squeeze(1), x.squeeze(0)), N(2, 1, 6))
 cap("squeeze_all", lambda m, x: x.squeeze(), N(2, 1, 4))
 direct("squeeze_dims", aten.squeeze.dims, [N(2, 1, 4, 1)], x0, [0, 1, 3])
 cap("expand", lambda m, x: x.unsqueeze(0).expand(2, 4, 6), N(4, 6))
+direct("expand_as", aten.expand_as.default, [N(4, 1, 6), N(2, 4, 4, 6)], x0, x1, meshes=WITH_4)
 cap("expand_bcast", lambda m, x: x.expand(4, 4, 6), N(4, 1, 6))
 cap("split", lambda m, x: (x.split(2, 1), x.split([1, 3], 1)), N(2, 4, 6))
 cap("chunk", lambda m, x: x.chunk(3, -1), N(2, 4, 6))
@@ -284,6 +314,14 @@ direct("reshape_direct", aten.reshape.default, [N(4, 6)], x0, [24])
 cap("pad", lambda m, x: (F.pad(x, (1, 2)), F.pad(x, (1, 1, 0, 2), value=0.5)), N(2, 4, 6))
 direct("pad_reflect", aten.pad.default, [N(2, 4, 6)], x0, [1, 1], "reflect")
 direct("constant_pad_nd", aten.constant_pad_nd.default, [N(2, 4, 6)], x0, [1, 1, 2, 0], 0.5)
+# factories: no tensor input, replicated (and no warning)
+for _op, _args, _kw in [(aten.arange.default, (8,), {}), (aten.arange.start, (2, 10), {}),
+                        (aten.arange.start_step, (0, 8, 2), {"dtype": F64}),
+                        (aten.full.default, ([4, 6], 2.0), {}), (aten.zeros.default, ([4, 6],), {}),
+                        (aten.ones.default, ([4, 6],), {}), (aten.scalar_tensor.default, (3.0,), {}),
+                        (aten.linspace.default, (0.0, 1.0, 8), {})]:
+    direct(str(_op), _op, [], *_args, **_kw)
+direct("empty", aten.empty.memory_format, [], [4, 6], shape_only=True)
 direct("new_zeros", aten.new_zeros.default, [N(4, 6)], x0, [3, 5])
 direct("new_ones", aten.new_ones.default, [N(4, 6)], x0, [3, 5])
 direct("new_full", aten.new_full.default, [N(4, 6)], x0, [3, 5], 2.0)
@@ -301,6 +339,26 @@ direct("argmax", aten.argmax.default, [N(2, 4, 6)], x0, 2, True)
 direct("argmin", aten.argmin.default, [N(2, 4, 6)], x0, 0)
 direct("cumsum", aten.cumsum.default, [N(2, 4, 6)], x0, 1)
 direct("any_dim", aten.any.dim, [B(2, 4, 6)], x0, 1)
+# non-linear reductions (rules/statistics.py): only the kept dims shard
+cap("var_std", lambda m, x: (x.var(1), x.std((0, 2), keepdim=True, correction=0),
+                             torch.var_mean(x, -1), torch.std_mean(x, 0, keepdim=True),
+                             x.var(), x.std()), N(4, 8, 4), meshes=WITH_4)
+direct("var_mean", aten.var_mean.correction, [N(4, 8, 4)], x0, [1], correction=2)
+direct("std_mean", aten.std_mean.correction, [N(4, 8, 4)], x0, [0, 2], keepdim=True)
+direct("var_dim", aten.var.dim, [N(4, 8, 4)], x0, [2], False, True)
+direct("std_dim", aten.std.dim, [N(4, 8, 4)], x0, [0], True, False)
+direct("var_default", aten.var.default, [N(4, 8)], x0)
+direct("std_default", aten.std.default, [N(4, 8)], x0, False)
+cap("logsumexp", lambda m, x: (x.logsumexp(1), x.logsumexp((0, 2), keepdim=True)), N(4, 8, 4),
+    meshes=WITH_4)
+cap("vector_norm", lambda m, x: (torch.linalg.vector_norm(x, dim=-1),
+                                 torch.linalg.vector_norm(x, 1, (0, 1), keepdim=True),
+                                 torch.linalg.vector_norm(x, float("inf"))), N(4, 8, 4),
+    meshes=WITH_4)
+direct("norm_scalar", aten.norm.Scalar, [N(4, 8)], x0, 3)
+direct("norm_dim", aten.norm.ScalarOpt_dim, [N(4, 8, 4)], x0, 2, [1])
+cap("max_min_dim", lambda m, x: (x.max(1), x.min(-1, keepdim=True), x.max(0)), N(4, 8, 4),
+    meshes=WITH_4)
 direct("all_dim", aten.all.dim, [B(2, 4, 6)], x0, 2, True)
 
 # ---------------------------------------------------------------- attention
@@ -402,6 +460,14 @@ direct("scatter_add", aten.scatter_add.default, [N(2, 4, 6), Ints(6, 2, 4, 3), N
        x0, 2, x1, x2)
 direct("scatter_add_short_src", aten.scatter_add.default, [N(4, 6), Ints(4, 2, 6), N(3, 6)],
        x0, 0, x1, x2)
+for _red, _self in [("sum", True), ("mean", False), ("amax", True), ("prod", False)]:
+    direct(f"scatter_reduce_{_red}", aten.scatter_reduce.two,
+           [N(4, 8), Ints(8, 4, 4), N(4, 6)], x0, 1, x1, x2, _red, include_self=_self,
+           meshes=WITH_4)
+direct("scatter_reduce_mean_int", aten.scatter_reduce.two,
+       [Ints(5, 4, 8), Ints(4, 4, 8), Ints(5, 4, 8)], x0, 0, x1, x2, "mean")
+direct("scatter_reduce_sum_int", aten.scatter_reduce.two,
+       [Ints(5, 4, 8), Ints(8, 4, 8), Ints(5, 4, 8)], x0, 1, x1, x2, "sum")
 direct("index_select", aten.index_select.default, [N(2, 4, 6), Ints(4, 4)], x0, 1, x1)
 # x[i0, i1] with broadcasting indices, as Hugging Face builds its masks
 direct("index_tensor", aten.index.Tensor, [N(4, 16), Ints(4, 4, 1, 1, 1), Ints(16, 1, 1, 16, 1)],

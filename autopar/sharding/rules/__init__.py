@@ -11,11 +11,14 @@ How to add an op: write ``@register(aten.my_op.default)`` on a function
 ``(node, RuleCtx) -> list[AxisStrategy]`` in the file of its family, import the file
 in :func:`_load_families`, and add a case to ``tests/unit/test_rules.py``, whose
 brute-force validator simulates the ranks and compares with the unsharded op.
+Ops tagged ``torch.Tag.pointwise`` need nothing: :mod:`.tagged` (loaded last) gives
+every one without a rule of its own the shard-alike rule.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import itertools
 import warnings
 from collections.abc import Callable, Sequence
@@ -114,14 +117,18 @@ def _load_families() -> None:
         conv,
         embedding,
         experts,
+        factories,
         losses,
         matmul,
         moe,
         norms,
         pointwise,
         reductions,
+        statistics,
         views,
     )
+    # last: the tag gives a rule only to the pointwise ops no family above registered
+    importlib.import_module("autopar.sharding.rules.tagged")
 
 
 # ---------------------------------------------------------------- rule helpers

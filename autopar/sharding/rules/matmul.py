@@ -94,6 +94,22 @@ def bmm_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
     return einsum_strategies(node, [node.args[0], node.args[1]], "bmk,bkn->bmn")
 
 
+@register(aten.baddbmm.default)
+def baddbmm_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
+    """``y = beta*input + alpha*(b1 @ b2)``, ``bmk,bkn->bmn`` with ``input`` broadcast
+    against the output.  A sharded ``k`` leaves the product Partial, and then ``input``
+    must be Partial too: each rank adds ``beta`` times its summand, and the summands add
+    up to ``beta*input`` (a replicated input would be added once per rank).  An input
+    dim broadcast from size 1 stays whole."""
+    inp, b1, b2 = node.args[0], node.args[1], node.args[2]
+    out = info(node).out.shape
+    ishape = info(inp).out.shape
+    off = len(out) - len(ishape)
+    spec = "".join(c if ishape[i - off] == out[i] else "_" for i, c in enumerate("bmn")
+                   if i >= off)
+    return einsum_strategies(node, [b1, b2], "bmk,bkn->bmn", [(inp, spec)])
+
+
 @register(aten.matmul.default)
 def matmul_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
     """Batched matmul with equal batch dims (broadcast batch dims are replicated)."""

@@ -1,6 +1,6 @@
 """Routing and indexing ops of mixture-of-experts layers: top-k, sort, one-hot,
-gather, scatter-add and index-select; ``diff``, which also works along one dim; and
-``index`` with every dim indexed.
+gather, scatter-add, scatter-reduce and index-select; ``diff``, which also works along
+one dim; and ``index`` with every dim indexed.
 
 Each of them works along one dim (``dim``: where it selects, sorts or scatters) and
 acts row by row on every other dim, so any other dim shards alike on every tensor
@@ -100,6 +100,22 @@ def scatter_add_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
     mapping: list[tuple[object, Placement]] = [(base, P), (src, P), (index, R)]
     s = assign(node, mapping, [P])
     return [*result, *([s] if s is not None else [])]
+
+
+@register(aten.scatter_reduce.two)
+def scatter_reduce_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
+    """``scatter_reduce(base, dim, index, src, reduce)``: rows other than ``dim`` shard
+    all three and the output alike.  ``sum`` (and ``mean`` of floats: the count per
+    target depends on the index alone) is linear in (base, src) together, as for
+    ``scatter_add``; ``prod``/``amax``/``amin`` are not."""
+    base, index, src = node.args[0], node.args[2], node.args[3]
+    d = normalize_dim(node.args[1], ndim(base))
+    result = _rowwise(node, [base, index, src], d)
+    reduce, dtype = node.args[4], info(node).out.dtype
+    if (reduce == "sum" and dtype is not torch.bool) or (reduce == "mean" and dtype.is_floating_point):
+        s = assign(node, [(base, P), (src, P), (index, R)], [P])
+        result.extend([s] if s is not None else [])
+    return result
 
 
 @register(aten.index_select.default)

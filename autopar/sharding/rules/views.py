@@ -155,6 +155,25 @@ def expand_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
     return dim_map_strategies(node, x, {i: i + off for i in range(len(xs)) if xs[i] == os_[i + off]})
 
 
+@register(aten.expand_as.default)
+def expand_as_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
+    """``expand_as(x, other)`` reads only ``other``'s shape, so ``other`` is split like
+    the output (the local op expands to the local shape): a dim of ``x`` that keeps its
+    size shards alike; a broadcast dim shards ``other`` and the output with ``x`` whole."""
+    x, other = node.args[0], node.args[1]
+    xs, os_ = shape(x), info(node).out.shape
+    off = len(os_) - len(xs)
+    result = []
+    for d in range(len(os_)):
+        keeps = d >= off and xs[d - off] == os_[d]
+        s = assign(node, [(x, Shard(d - off) if keeps else R), (other, Shard(d))], [Shard(d)])
+        if s is not None:
+            result.append(s)
+    # a sum of booleans has no meaning: no Partial for them
+    s = assign(node, [(x, P), (other, R)], [P]) if info(x).out.dtype is not torch.bool else None
+    return [*result, *([s] if s is not None else [])]
+
+
 @register(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
           aten.unbind.int)
 def split_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
