@@ -26,6 +26,7 @@ from autopar.runtime import ops as O
 from autopar.runtime.experts import MOE_EXPERTS
 from autopar.runtime.rng import sharded_dropout
 from autopar.sharding.rules.attention import SDPA, CPImpl, context_layout, sdpa_args
+from autopar.sharding.rules.conv import CONVS, conv_groups, local_groups
 from autopar.sharding.rules.experts import localize_experts
 from autopar.sharding.rules.reductions import reduced_dims
 
@@ -111,6 +112,16 @@ def localize(gm: fx.GraphModule, plan: Plan) -> None:
             _localize_attention(node, ins, mesh)
         elif t is MOE_EXPERTS:  # routed experts: expert parallel / Partial local forms
             localize_experts(node, ins, mesh)
+        elif t in CONVS and conv_groups(node) > 1:  # channels split by whole groups
+            _set_arg(node, 6, "groups", local_groups(node, ins, mesh))
+
+
+def _set_arg(node: fx.Node, idx: int, name: str, value: object) -> None:
+    """Replace argument ``idx`` (or keyword ``name``) of ``node`` with ``value``."""
+    if len(node.args) > idx:
+        node.args = (*node.args[:idx], value, *node.args[idx + 1:])
+    else:
+        node.kwargs = {**node.kwargs, name: value}
 
 
 # ops that move or reshape a tensor's elements without dropping or changing any: the

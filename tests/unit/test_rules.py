@@ -343,6 +343,63 @@ cap("pool2d", lambda m, x: (F.avg_pool2d(x, 2), F.max_pool2d(x, 2),
 direct("max_pool2d", aten.max_pool2d.default, [N(2, 4, 6, 6)], x0, [2, 2])
 direct("avg_pool1d", aten.avg_pool1d.default, [N(2, 4, 8)], x0, [2])
 direct("max_pool1d", aten.max_pool1d.default, [N(2, 4, 8)], x0, [2])
+# unbatched (C, H, W) / (C, L): dim 0 is the channel, dim 1 spatial
+cap("conv2d_unbatched", lambda m, x: m.c(x), N(4, 6, 6), c=nn.Conv2d(4, 2, 3, padding=1),
+    meshes=WITH_4)
+cap("conv1d_unbatched", lambda m, x: m.c(x), N(4, 8), c=nn.Conv1d(4, 2, 3, padding=1))
+cap("conv2d_unbatched_groups", lambda m, x: m.c(x), N(4, 6, 6), c=nn.Conv2d(4, 4, 3, groups=4))
+cap("pool2d_unbatched", lambda m, x: (F.avg_pool2d(x, 2), F.max_pool2d(x, 2),
+                                      F.adaptive_avg_pool2d(x, (2, 2))), N(4, 6, 6),
+    meshes=WITH_4)
+direct("avg_pool1d_unbatched", aten.avg_pool1d.default, [N(4, 8)], x0, [3], [1], [1])
+direct("max_pool1d_unbatched", aten.max_pool1d.default, [N(4, 8)], x0, [3], [1], [1])
+cap("conv2d_kwargs", lambda m, x: (m.c(x), F.conv2d(x, m.c.weight, padding="same")),
+    N(2, 4, 8, 8), c=nn.Conv2d(4, 4, 3, stride=2, padding=2, dilation=2, bias=False))
+cap("conv2d_depthwise", lambda m, x: m.c(x), N(2, 4, 6, 6), c=nn.Conv2d(4, 8, 3, groups=4),
+    meshes=WITH_4)
+cap("conv1d_groups_padding_same", lambda m, x: F.conv1d(x, m.c.weight, m.c.bias, 1, "same", 1, 2),
+    N(2, 4, 8), c=nn.Conv1d(4, 4, 3, groups=2))
+direct("conv1d_unbatched_same", aten.conv1d.padding, [N(4, 8), N(2, 4, 3)], x0, x1, None, [1], "same")
+cap("conv3d", lambda m, x: m.c(x), N(2, 4, 4, 4, 4), c=nn.Conv3d(4, 2, 3, padding=1))
+direct("conv3d_unbatched_same", aten.conv3d.padding, [N(4, 4, 4, 4), N(2, 2, 1, 3, 3), N(2)],
+       x0, x1, x2, [1], "same", [1], 2)
+cap("pool_indices", lambda m, x, y: (F.max_pool2d(x, 3, 1, 1, return_indices=True),
+                                     F.max_pool1d(y, 2, return_indices=True),
+                                     F.adaptive_max_pool2d(x, (2, 3)), F.adaptive_max_pool1d(y, 3),
+                                     F.adaptive_max_pool2d(x, 1, return_indices=True)),
+    N(2, 4, 6, 6), N(2, 4, 8), meshes=WITH_4)
+direct("adaptive_max_pool2d_unbatched", aten.adaptive_max_pool2d.default, [N(4, 6, 6)], x0, [2, 2])
+direct("max_pool2d_indices_unbatched", aten.max_pool2d_with_indices.default, [N(4, 6, 6)],
+       x0, [3], [2], [1], [1], True)
+cap("pool1d_3d", lambda m, x, z: (F.adaptive_avg_pool1d(x, 3), F.avg_pool3d(z, 2),
+                                  F.max_pool3d(z, 3, 1, 1), F.adaptive_avg_pool3d(z, (1, 2, 1))),
+    N(2, 4, 8), N(2, 4, 4, 4, 4))
+cap("pool2d_kwargs", lambda m, x: (F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False),
+                                   F.avg_pool2d(x, 2, divisor_override=3),
+                                   F.max_pool2d(x, 2, 1, 0, dilation=2, ceil_mode=True)),
+    N(2, 4, 7, 7))
+direct("avg_pool2d_unbatched_pad", aten.avg_pool2d.default, [N(4, 7, 7)], x0, [3], [2], [1],
+       True, False)
+cap("interpolate", lambda m, x, y, z: (
+    F.interpolate(x, scale_factor=2), F.interpolate(x, size=(7, 9), mode="bilinear"),
+    F.interpolate(x, size=(5, 5), mode="bilinear", align_corners=True),
+    F.interpolate(x, scale_factor=1.5, mode="bicubic"), F.interpolate(x, size=(9, 7), mode="nearest-exact"),
+    F.interpolate(y, scale_factor=2), F.interpolate(y, size=11, mode="linear"),
+    F.interpolate(y, scale_factor=3, mode="nearest-exact"),
+    F.interpolate(z, scale_factor=2), F.interpolate(z, size=(3, 5, 6), mode="trilinear")),
+    N(2, 4, 6, 6), N(2, 4, 8), N(2, 4, 2, 4, 4), meshes=WITH_4)
+for _op, _x, _extra in [
+    (aten.upsample_nearest1d.default, N(2, 4, 5), ([9],)),
+    (aten.upsample_linear1d.default, N(2, 4, 5), ([9], False)),
+    (aten._upsample_nearest_exact1d.default, N(2, 4, 5), ([9],)),
+    (aten.upsample_nearest2d.default, N(2, 4, 3, 5), ([6, 7],)),
+    (aten.upsample_bilinear2d.default, N(2, 4, 3, 5), ([6, 7], True)),
+    (aten.upsample_bicubic2d.default, N(2, 4, 3, 5), ([6, 7], False)),
+    (aten._upsample_nearest_exact2d.default, N(2, 4, 3, 5), ([6, 7],)),
+    (aten.upsample_nearest3d.default, N(2, 4, 2, 3, 2), ([3, 5, 4],)),
+    (aten.upsample_trilinear3d.default, N(2, 4, 2, 3, 2), ([3, 5, 4], False)),
+]:
+    direct(str(_op), _op, [_x], x0, *_extra)
 
 # ---------------------------------------------------------------- einsum and MoE routing
 cap("einsum_moe", lambda m, d, x, w: torch.einsum(
