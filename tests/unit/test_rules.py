@@ -20,7 +20,16 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rule_sim import check_strategy, node_values, validate_node
+from rule_sim import (
+    check_strategy,
+    local_form,
+    mesh_coords,
+    node_values,
+    run_ranks,
+    scatter,
+    unsharded,
+    validate_node,
+)
 from torch import fx, nn
 
 from autopar.capture.annotate import annotate
@@ -232,6 +241,35 @@ direct("broadcast_tensors", aten.broadcast_tensors.default, [N(4, 6), N(6), N(4,
 cap("layer_norm", lambda m, x: m.ln(x), N(2, 4, 8), ln=nn.LayerNorm(8))
 cap("layer_norm_2d", lambda m, x: m.ln(x), N(2, 4, 8), ln=nn.LayerNorm([4, 8]))
 cap("rms_norm", lambda m, x, w: F.rms_norm(x, (8,), w, 1e-6), N(2, 4, 8), N(8))
+
+
+def _stats(bn: nn.Module) -> nn.Module:
+    """``bn`` with running statistics that are not the defaults (eval reads them)."""
+    gen = torch.Generator().manual_seed(7)
+    bn.running_mean.copy_(torch.randn(bn.running_mean.shape, generator=gen))
+    bn.running_var.copy_(torch.rand(bn.running_var.shape, generator=gen) + 0.5)
+    return bn
+
+
+cap("batch_norm2d_train", lambda m, x: m.bn(x), N(4, 4, 2, 4), bn=nn.BatchNorm2d(4),
+    meshes=WITH_4)
+cap("batch_norm2d_eval", lambda m, x: m.bn(x), N(4, 4, 2, 4), bn=_stats(nn.BatchNorm2d(4)).eval(),
+    meshes=WITH_4)
+cap("batch_norm1d_train", lambda m, x, y: (m.bn(x), m.bn(y)), N(4, 4), N(4, 4, 6),
+    bn=nn.BatchNorm1d(4, momentum=0.3))
+cap("batch_norm1d_eval", lambda m, x, y: (m.bn(x), m.bn(y)), N(4, 4), N(4, 4, 6),
+    bn=_stats(nn.BatchNorm1d(4, affine=False)).eval())
+cap("batch_norm_no_stats", lambda m, x: m.bn(x), N(4, 4, 2, 2),
+    bn=nn.BatchNorm2d(4, track_running_stats=False))
+cap("group_norm", lambda m, x, y: (m.gn(x), F.group_norm(y, 4, eps=1e-3)), N(2, 4, 3, 4),
+    N(4, 8, 6), gn=nn.GroupNorm(2, 4), meshes=WITH_4)
+cap("group_norm_2d", lambda m, x: m.gn(x), N(4, 4), gn=nn.GroupNorm(4, 4))
+direct("native_group_norm", aten.native_group_norm.default, [N(4, 8, 6), N(8), N(8)],
+       x0, x1, x2, 4, 8, 6, 4, 1e-5, meshes=WITH_4)
+cap("instance_norm", lambda m, x, y: (m.inn(x), F.instance_norm(y)), N(2, 4, 3, 4), N(4, 4, 6),
+    inn=nn.InstanceNorm2d(4, affine=True), meshes=WITH_4)
+cap("instance_norm_stats", lambda m, x: m.inn(x), N(2, 4, 6),
+    inn=nn.InstanceNorm1d(4, track_running_stats=True))
 cap("softmax", lambda m, x: (x.softmax(-1), x.log_softmax(1)), N(2, 4, 6))
 direct("_softmax", aten._softmax.default, [N(2, 4, 6)], x0, 1, False)
 direct("_log_softmax", aten._log_softmax.default, [N(2, 4, 6)], x0, -1, False)
@@ -615,3 +653,30 @@ def test_linear_random(batch, k, n, bias, mesh, seed) -> None:
         xs.append(torch.randn(n, dtype=F64, generator=gen))
     node = _direct_node(aten.linear.default, xs, *[Arg(i) for i in range(len(xs))])
     validate_node(node, mesh, xs)
+
+
+# ---------------------------------------------------------------- batch norm's running statistics
+@pytest.mark.parametrize("mesh", WITH_4, ids=lambda m: "x".join(map(str, m)))
+@pytest.mark.parametrize("name", ["batch_norm2d_train", "batch_norm1d_train"])
+def test_batch_norm_running_stats(name: str, mesh: tuple[int, ...]) -> None:
+    """Every strategy of a training batch norm leaves every rank's running statistics
+    (buffers updated in place, whole on every rank) equal to the single process's."""
+    gm, _, env = built(name)
+    for node in [n for n in rule_nodes(gm) if n.target is aten.batch_norm.default]:
+        inputs = [env[x.name].detach().clone() for x in tensor_inputs(node)]
+        ref = [t.clone() for t in inputs]
+        unsharded(node, ref)  # updates ref's running statistics (inputs 3 and 4)
+        assert not torch.equal(ref[3], inputs[3])
+        for i, s in enumerate(op_strategies(node, RuleCtx(mesh))):
+            gen = torch.Generator().manual_seed(i)
+            local = {c: [] for c in mesh_coords(mesh)}
+            for x, p in zip(inputs, s.inputs):
+                for c, t in scatter(x, p, mesh, gen).items():
+                    local[c].append(t)
+            run_ranks(local_form(node, s, mesh), local, mesh)
+            for c, ts in local.items():
+                for j in (3, 4):
+                    # fp64 statistics of 32 values of order one: reordered sums move them
+                    # by ~1e-15; a rank that kept its own batch's statistics is off by ~0.1
+                    assert torch.allclose(ts[j], ref[j], rtol=1e-12, atol=1e-12), \
+                        f"{s.inputs[0]}, rank {c}, input {j}: {ts[j]} vs {ref[j]}"
