@@ -88,5 +88,6 @@ def batch_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
 
 
 batch_norm._autopar_train_arg = 5  # passes/train_mode.py flips it with the module's mode
+batch_norm._autopar_stats_arg = 3  # ... unless the running mean there is None (batch statistics)
 
 __all__ = ["batch_norm"]
