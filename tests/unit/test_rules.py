@@ -416,6 +416,9 @@ cap("pool2d_kwargs", lambda m, x: (F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, coun
                                    F.avg_pool2d(x, 2, divisor_override=3),
                                    F.max_pool2d(x, 2, 1, 0, dilation=2, ceil_mode=True)),
     N(2, 4, 7, 7))
+# an integer average rounds each rank's part (no Partial)
+direct("avg_pool2d_int", aten.avg_pool2d.default, [Ints(9, 2, 4, 4)], x0, [2])
+direct("avg_pool1d_int", aten.avg_pool1d.default, [Ints(9, 4, 6)], x0, [3])
 direct("avg_pool2d_unbatched_pad", aten.avg_pool2d.default, [N(4, 7, 7)], x0, [3], [2], [1],
        True, False)
 cap("interpolate", lambda m, x, y, z: (

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch import fx
 
-from autopar.capture.ir import arg
+from autopar.capture.ir import arg, info
 from autopar.plan.placement import P, Placements, R, Shard
 from autopar.sharding.rules import AxisStrategy, OpStrategy, RuleCtx, assign, ndim, register
 
@@ -114,7 +114,7 @@ def local_groups(node: fx.Node, ins: Sequence[Placements], mesh: Sequence[int]) 
 @register(*POOLS)
 def pool_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
     """Every dim before the spatial ones (batch and channel, or channel unbatched);
-    average pooling is linear, so Partial passes through.  Max pooling's indices
+    average pooling of floats is linear, so Partial passes through.  Max pooling's indices
     count within each (batch, channel) plane, so they shard alike."""
     x = node.args[0]
     lead = ndim(x) - POOLS[node.target]
@@ -123,7 +123,8 @@ def pool_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
                                 aten.adaptive_max_pool1d.default,
                                 aten.adaptive_max_pool2d.default) else 1
     result = [assign(node, [(x, Shard(d))], [Shard(d)] * nout) for d in range(lead)]
-    if node.target in LINEAR_POOLS:
+    # an integer average rounds each rank's part: not linear
+    if node.target in LINEAR_POOLS and info(x).out.dtype.is_floating_point:
         result.append(assign(node, [(x, P)], [P]))
     return [s for s in result if s is not None]
 
