@@ -259,6 +259,8 @@ cap("batch_norm1d_train", lambda m, x, y: (m.bn(x), m.bn(y)), N(4, 4), N(4, 4, 6
     bn=nn.BatchNorm1d(4, momentum=0.3))
 cap("batch_norm1d_eval", lambda m, x, y: (m.bn(x), m.bn(y)), N(4, 4), N(4, 4, 6),
     bn=_stats(nn.BatchNorm1d(4, affine=False)).eval())
+direct("batch_norm_1d_input", aten.batch_norm.default, [N(0), N(0), N(0)], x0, None, None, x1, x2,
+       True, 0.1, 1e-5, False)
 cap("batch_norm_no_stats", lambda m, x: m.bn(x), N(4, 4, 2, 2),
     bn=nn.BatchNorm2d(4, track_running_stats=False))
 cap("group_norm", lambda m, x, y: (m.gn(x), F.group_norm(y, 4, eps=1e-3)), N(2, 4, 3, 4),

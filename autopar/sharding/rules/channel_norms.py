@@ -35,6 +35,8 @@ def batch_norm_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
     non-channel dim (statistics synced), or the channels (weight and bias alike)."""
     x, w, b, rm, rv = (arg(node, i, n) for i, n in enumerate(
         ("input", "weight", "bias", "running_mean", "running_var")))
+    if ndim(x) < 2:  # no channel dim (aten takes a 1-D input): stays whole
+        return []
     stats = [(rm, R), (rv, R)]
     result = [assign(node, [(x, Shard(d)), (w, R), (b, R), *stats], [Shard(d)])
               for d in range(ndim(x)) if d != 1]
@@ -42,15 +44,21 @@ def batch_norm_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
     return [s for s in result if s is not None]
 
 
-def _axes_on(p: Placements, pred) -> tuple[int, ...]:
-    return tuple(a for a, q in enumerate(p) if isinstance(q, Shard) and pred(q.dim))
+def batch_norm_axes(xp: Placements) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(axes sharding a non-channel dim: statistics all-reduced over them, axes sharding
+    the channels) of a batch norm whose input is placed ``xp``."""
+    return (tuple(a for a, q in enumerate(xp) if isinstance(q, Shard) and q.dim != 1),
+            tuple(a for a, q in enumerate(xp) if isinstance(q, Shard) and q.dim == 1))
+
+
+def batch_norm_training(node: fx.Node) -> bool:
+    """The captured ``training`` flag of a ``batch_norm`` node."""
+    return bool(arg(node, 5, "training", True))
 
 
 def localize_batch_norm(node: fx.Node, ins: Sequence[Placements], mesh: Sequence[int]) -> None:
     """Rewrite a sharded ``batch_norm`` node into :func:`autopar.runtime.norms.batch_norm`."""
-    xp = ins[0]
-    stat_axes = _axes_on(xp, lambda d: d != 1)
-    channel_axes = _axes_on(xp, lambda d: d == 1)
+    stat_axes, channel_axes = batch_norm_axes(ins[0])
     if not stat_axes and not channel_axes:
         return
     shape = info(node.args[0]).out.shape
