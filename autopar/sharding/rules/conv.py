@@ -71,9 +71,8 @@ def conv_groups(node: fx.Node) -> int:
     return int(arg(node, 6, "groups", 1))
 
 
-def _channel_split(node: fx.Node, s: OpStrategy, mesh_shape: Sequence[int]) -> int:
-    """How many ranks share the output channels of a conv under ``s``."""
-    w = s.inputs[1]
+def _out_channel_split(w: Placements, mesh_shape: Sequence[int]) -> int:
+    """How many ranks share a conv's output channels when its weight is placed ``w``."""
     return math.prod(n for p, n in zip(w, mesh_shape) if isinstance(p, Shard) and p.dim == 0)
 
 
@@ -81,7 +80,7 @@ def _whole_groups(node: fx.Node, s: OpStrategy, mesh_shape: Sequence[int]) -> bo
     """A grouped conv's channels split only by whole groups (each rank convolves
     ``groups / n`` of them with the localized ``groups``)."""
     g = conv_groups(node)
-    return g == 1 or g % _channel_split(node, s, mesh_shape) == 0
+    return g == 1 or g % _out_channel_split(s.inputs[1], mesh_shape) == 0
 
 
 @register(*CONVS, mesh_check=_whole_groups)
@@ -106,9 +105,7 @@ def conv_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
 def local_groups(node: fx.Node, ins: Sequence[Placements], mesh: Sequence[int]) -> int:
     """The ``groups`` a rank's conv runs with: the global groups over the ranks that
     share the output channels (the registry's mesh check keeps this whole)."""
-    w = ins[1]
-    n = math.prod(k for p, k in zip(w, mesh) if isinstance(p, Shard) and p.dim == 0)
-    return conv_groups(node) // n
+    return conv_groups(node) // _out_channel_split(ins[1], mesh)
 
 
 @register(*POOLS)
