@@ -27,6 +27,8 @@ from autopar.runtime import ops as O
 from autopar.runtime.experts import MOE_EXPERTS
 from autopar.runtime.rng import sharded_dropout
 from autopar.sharding.rules.attention import SDPA, CPImpl, context_layout, sdpa_args
+from autopar.sharding.rules.channel_norms import localize_batch_norm, localize_group_norm
+from autopar.sharding.rules.conv import CONVS, conv_groups, local_groups
 from autopar.sharding.rules.experts import localize_experts
 from autopar.sharding.rules.reductions import reduced_dims
 from autopar.sharding.rules.statistics import SPLIT_REDUCTIONS, localize_statistics
@@ -119,6 +121,20 @@ def localize(gm: fx.GraphModule, plan: Plan) -> None:
             localize_experts(node, ins, mesh)
         elif t in SPLIT_REDUCTIONS:  # norm / variance over a split dim: all-reduced sums
             localize_statistics(node, ins[0])
+        elif t in CONVS and conv_groups(node) > 1:  # channels split by whole groups
+            _set_arg(node, 6, "groups", local_groups(node, ins, mesh))
+        elif t is aten.batch_norm.default:  # statistics synced over the batch (SyncBatchNorm)
+            localize_batch_norm(node, ins, mesh)
+        elif t in (aten.group_norm.default, aten.native_group_norm.default):
+            localize_group_norm(node, ins, mesh)
+
+
+def _set_arg(node: fx.Node, idx: int, name: str, value: object) -> None:
+    """Replace argument ``idx`` (or keyword ``name``) of ``node`` with ``value``."""
+    if len(node.args) > idx:
+        node.args = (*node.args[:idx], value, *node.args[idx + 1:])
+    else:
+        node.kwargs = {**node.kwargs, name: value}
 
 
 # ops that move or reshape a tensor's elements without dropping or changing any: the

@@ -30,10 +30,22 @@ TRAIN_ARG = {
 }
 
 
+# norms whose argument 3 is the running mean: without running statistics nn's modules
+# normalise by the batch's in eval too (they pass ``training=True`` in both modes), and
+# aten refuses eval mode without them
+_RUNNING_STATS_AT_3 = {aten.batch_norm.default, aten.instance_norm.default}
+
+
 def _train_arg(target) -> int | None:
     if target in TRAIN_ARG:
         return TRAIN_ARG[target]
     return getattr(target, "_autopar_train_arg", None)
+
+
+def _mode_free(n: fx.Node) -> bool:
+    """A norm without running statistics: its mode argument stays as captured."""
+    stats_at_3 = n.target in _RUNNING_STATS_AT_3 or getattr(n.target, "_autopar_stats_arg", None) == 3
+    return stats_at_3 and len(n.args) > 3 and n.args[3] is None
 
 
 def set_train_mode(graphs: Iterable[fx.GraphModule], mode: bool) -> None:
@@ -42,7 +54,7 @@ def set_train_mode(graphs: Iterable[fx.GraphModule], mode: bool) -> None:
         changed = False
         for n in gm.graph.nodes:
             i = _train_arg(n.target) if n.op == "call_function" else None
-            if i is None or len(n.args) <= i or n.args[i] == mode:
+            if i is None or len(n.args) <= i or n.args[i] == mode or _mode_free(n):
                 continue
             args = list(n.args)
             args[i] = bool(mode)

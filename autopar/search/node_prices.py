@@ -45,6 +45,7 @@ from autopar.sharding.rules.attention import (
     sdpa_args,
     sdpa_placements,
 )
+from autopar.sharding.rules.channel_norms import batch_norm_axes, batch_norm_training
 from autopar.sharding.rules.statistics import SPLIT_REDUCTIONS, split_all_reduces, split_axes
 
 aten = torch.ops.aten
@@ -243,6 +244,8 @@ class CostModel(EdgePrices):
             return self.experts_comm(node, s)
         if node.target in SPLIT_REDUCTIONS:
             return self.split_reduction_comm(node, s)
+        if node.target is aten.batch_norm.default:
+            return self.batch_norm_comm(node, s)
         if node.target is not aten.cross_entropy_loss.default:
             return 0.0
         x = info(node.args[0]).out
@@ -268,6 +271,22 @@ class CostModel(EdgePrices):
 
     def _local_bytes_of(self, t: TensorInfo, p: Placements) -> float:
         return math.prod(local_shape(t.shape, p, self.mesh.shape)) * (t.nbytes / max(t.numel, 1))
+    def batch_norm_comm(self, node: fx.Node, s: OpStrategy) -> float:
+        """Seconds per step of a training batch norm's own all-reduces
+        (:mod:`autopar.runtime.norms`): per mesh axis splitting the batch or a spatial
+        dim, the per-channel sums and squared deviations in the forward and their
+        gradients in the backward; with the channels split and running statistics, one
+        of each running statistic over the channel axes."""
+        if not batch_norm_training(node):
+            return 0.0
+        stat, chan = batch_norm_axes(s.inputs[0])
+        x = info(node.args[0]).out
+        item = x.nbytes / max(x.numel, 1)
+        per_channel = local_shape(x.shape, s.inputs[0], self.mesh.shape)[1] * item
+        t = 4 * sum(blocking_time("all_reduce", self.mesh, (a,), per_channel) for a in stat)
+        if chan and len(tensor_inputs(node)) == 5:  # running mean and variance, whole
+            t += 2 * blocking_time("all_reduce", self.mesh, chan, x.shape[1] * item)
+        return t
 
     def _local_bytes(self, x: fx.Node, p: Placements) -> float:
         t = info(x).out

@@ -3,10 +3,10 @@
 Most ops compute on their local shards and every collective sits on an edge (a
 redistribution that ``plan.explain`` lists).  A few lower to a form that exchanges
 data inside the op: attention on sequence chunks (Ulysses, ring, query rows), the
-experts of a mixture of experts (the token dispatch), the distributed
-cross-entropy, and a 2-norm or variance over a split dim.  :func:`describe` says which
-form a strategy lowers to, read from the placements alone, just as
-``passes/localize.py`` decides it, so ``explain`` and the generated code agree.
+experts of a mixture of experts (the token dispatch), the distributed cross-entropy,
+a 2-norm or variance over a split dim and batch norm's synced statistics.
+:func:`describe` says which form a strategy lowers to, read from the placements alone,
+just as ``passes/localize.py`` decides it, so ``explain`` and the generated code agree.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from autopar.plan.placement import Shard, local_shape
 from autopar.runtime.experts import MOE_EXPERTS
 from autopar.sharding.rules import OpStrategy
 from autopar.sharding.rules.attention import SDPA, CPImpl, context_layout, sdpa_args
+from autopar.sharding.rules.channel_norms import batch_norm_axes
 from autopar.sharding.rules.experts import expert_axes
 from autopar.sharding.rules.statistics import SPLIT_REDUCTIONS, split_axes
 
@@ -87,6 +88,20 @@ def _cross_entropy(node: fx.Node, s: OpStrategy, mesh: MeshSpec) -> str:
     return "; ".join(parts)
 
 
+def _batch_norm(node: fx.Node, s: OpStrategy, mesh: MeshSpec) -> str:
+    stat, chan = batch_norm_axes(s.inputs[0])
+    stat = tuple(a for a in stat if mesh.shape[a] > 1)
+    chan = tuple(a for a in chan if mesh.shape[a] > 1)
+    parts = []
+    if stat:
+        parts.append(f"batch statistics over {_axes(mesh, stat)} (SyncBatchNorm): in training "
+                     "the per-channel sums are all-reduced, their gradients too in backward")
+    if chan and len(s.inputs) == 5:
+        parts.append(f"channels split over {_axes(mesh, chan)}: each rank's running-statistics "
+                     "update is summed into the whole buffers")
+    return "; ".join(parts)
+
+
 def describe(node: fx.Node, s: OpStrategy, mesh: MeshSpec) -> str:
     """What ``node``'s local form under ``s`` exchanges by itself, or ``""``."""
     if node.op != "call_function":
@@ -102,6 +117,8 @@ def describe(node: fx.Node, s: OpStrategy, mesh: MeshSpec) -> str:
             "sum, then the sum of squared deviations,"
         return (f"reduced dim split over {_axes(mesh, split_axes(node, s.inputs[0]))}: the "
                 f"{what} all-reduced; the result whole")
+    if node.target is aten.batch_norm.default:
+        return _batch_norm(node, s, mesh)
     return ""
 
 

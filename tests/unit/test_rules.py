@@ -21,7 +21,16 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rule_grad import validate_node_grads
-from rule_sim import check_strategy, node_values, validate_node
+from rule_sim import (
+    check_strategy,
+    local_form,
+    mesh_coords,
+    node_values,
+    run_ranks,
+    scatter,
+    unsharded,
+    validate_node,
+)
 from tagged_samples import sample_call, tagged_ops
 from torch import fx, nn
 
@@ -272,6 +281,37 @@ cap("normalize", lambda m, x: F.normalize(x, dim=-1), N(4, 2, 6), meshes=WITH_4)
 cap("layer_norm", lambda m, x: m.ln(x), N(2, 4, 8), ln=nn.LayerNorm(8))
 cap("layer_norm_2d", lambda m, x: m.ln(x), N(2, 4, 8), ln=nn.LayerNorm([4, 8]))
 cap("rms_norm", lambda m, x, w: F.rms_norm(x, (8,), w, 1e-6), N(2, 4, 8), N(8))
+
+
+def _stats(bn: nn.Module) -> nn.Module:
+    """``bn`` with running statistics that are not the defaults (eval reads them)."""
+    gen = torch.Generator().manual_seed(7)
+    bn.running_mean.copy_(torch.randn(bn.running_mean.shape, generator=gen))
+    bn.running_var.copy_(torch.rand(bn.running_var.shape, generator=gen) + 0.5)
+    return bn
+
+
+cap("batch_norm2d_train", lambda m, x: m.bn(x), N(4, 4, 2, 4), bn=nn.BatchNorm2d(4),
+    meshes=WITH_4)
+cap("batch_norm2d_eval", lambda m, x: m.bn(x), N(4, 4, 2, 4), bn=_stats(nn.BatchNorm2d(4)).eval(),
+    meshes=WITH_4)
+cap("batch_norm1d_train", lambda m, x, y: (m.bn(x), m.bn(y)), N(4, 4), N(4, 4, 6),
+    bn=nn.BatchNorm1d(4, momentum=0.3))
+cap("batch_norm1d_eval", lambda m, x, y: (m.bn(x), m.bn(y)), N(4, 4), N(4, 4, 6),
+    bn=_stats(nn.BatchNorm1d(4, affine=False)).eval())
+direct("batch_norm_1d_input", aten.batch_norm.default, [N(0), N(0), N(0)], x0, None, None, x1, x2,
+       True, 0.1, 1e-5, False)
+cap("batch_norm_no_stats", lambda m, x: m.bn(x), N(4, 4, 2, 2),
+    bn=nn.BatchNorm2d(4, track_running_stats=False))
+cap("group_norm", lambda m, x, y: (m.gn(x), F.group_norm(y, 4, eps=1e-3)), N(2, 4, 3, 4),
+    N(4, 8, 6), gn=nn.GroupNorm(2, 4), meshes=WITH_4)
+cap("group_norm_2d", lambda m, x: m.gn(x), N(4, 4), gn=nn.GroupNorm(4, 4))
+direct("native_group_norm", aten.native_group_norm.default, [N(4, 8, 6), N(8), N(8)],
+       x0, x1, x2, 4, 8, 6, 4, 1e-5, meshes=WITH_4)
+cap("instance_norm", lambda m, x, y: (m.inn(x), F.instance_norm(y)), N(2, 4, 3, 4), N(4, 4, 6),
+    inn=nn.InstanceNorm2d(4, affine=True), meshes=WITH_4)
+cap("instance_norm_stats", lambda m, x: m.inn(x), N(2, 4, 6),
+    inn=nn.InstanceNorm1d(4, track_running_stats=True))
 cap("softmax", lambda m, x: (x.softmax(-1), x.log_softmax(1)), N(2, 4, 6))
 direct("_softmax", aten._softmax.default, [N(2, 4, 6)], x0, 1, False)
 direct("_log_softmax", aten._log_softmax.default, [N(2, 4, 6)], x0, -1, False)
@@ -436,6 +476,66 @@ cap("pool2d", lambda m, x: (F.avg_pool2d(x, 2), F.max_pool2d(x, 2),
 direct("max_pool2d", aten.max_pool2d.default, [N(2, 4, 6, 6)], x0, [2, 2])
 direct("avg_pool1d", aten.avg_pool1d.default, [N(2, 4, 8)], x0, [2])
 direct("max_pool1d", aten.max_pool1d.default, [N(2, 4, 8)], x0, [2])
+# unbatched (C, H, W) / (C, L): dim 0 is the channel, dim 1 spatial
+cap("conv2d_unbatched", lambda m, x: m.c(x), N(4, 6, 6), c=nn.Conv2d(4, 2, 3, padding=1),
+    meshes=WITH_4)
+cap("conv1d_unbatched", lambda m, x: m.c(x), N(4, 8), c=nn.Conv1d(4, 2, 3, padding=1))
+cap("conv2d_unbatched_groups", lambda m, x: m.c(x), N(4, 6, 6), c=nn.Conv2d(4, 4, 3, groups=4))
+cap("pool2d_unbatched", lambda m, x: (F.avg_pool2d(x, 2), F.max_pool2d(x, 2),
+                                      F.adaptive_avg_pool2d(x, (2, 2))), N(4, 6, 6),
+    meshes=WITH_4)
+direct("avg_pool1d_unbatched", aten.avg_pool1d.default, [N(4, 8)], x0, [3], [1], [1])
+direct("max_pool1d_unbatched", aten.max_pool1d.default, [N(4, 8)], x0, [3], [1], [1])
+cap("conv2d_kwargs", lambda m, x: (m.c(x), F.conv2d(x, m.c.weight, padding="same")),
+    N(2, 4, 8, 8), c=nn.Conv2d(4, 4, 3, stride=2, padding=2, dilation=2, bias=False))
+cap("conv2d_depthwise", lambda m, x: m.c(x), N(2, 4, 6, 6), c=nn.Conv2d(4, 8, 3, groups=4),
+    meshes=WITH_4)
+cap("conv1d_groups_padding_same", lambda m, x: F.conv1d(x, m.c.weight, m.c.bias, 1, "same", 1, 2),
+    N(2, 4, 8), c=nn.Conv1d(4, 4, 3, groups=2))
+direct("conv1d_unbatched_same", aten.conv1d.padding, [N(4, 8), N(2, 4, 3)], x0, x1, None, [1], "same")
+cap("conv3d", lambda m, x: m.c(x), N(2, 4, 4, 4, 4), c=nn.Conv3d(4, 2, 3, padding=1))
+direct("conv3d_unbatched_same", aten.conv3d.padding, [N(4, 4, 4, 4), N(2, 2, 1, 3, 3), N(2)],
+       x0, x1, x2, [1], "same", [1], 2)
+cap("pool_indices", lambda m, x, y: (F.max_pool2d(x, 3, 1, 1, return_indices=True),
+                                     F.max_pool1d(y, 2, return_indices=True),
+                                     F.adaptive_max_pool2d(x, (2, 3)), F.adaptive_max_pool1d(y, 3),
+                                     F.adaptive_max_pool2d(x, 1, return_indices=True)),
+    N(2, 4, 6, 6), N(2, 4, 8), meshes=WITH_4)
+direct("adaptive_max_pool2d_unbatched", aten.adaptive_max_pool2d.default, [N(4, 6, 6)], x0, [2, 2])
+direct("max_pool2d_indices_unbatched", aten.max_pool2d_with_indices.default, [N(4, 6, 6)],
+       x0, [3], [2], [1], [1], True)
+cap("pool1d_3d", lambda m, x, z: (F.adaptive_avg_pool1d(x, 3), F.avg_pool3d(z, 2),
+                                  F.max_pool3d(z, 3, 1, 1), F.adaptive_avg_pool3d(z, (1, 2, 1))),
+    N(2, 4, 8), N(2, 4, 4, 4, 4))
+cap("pool2d_kwargs", lambda m, x: (F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False),
+                                   F.avg_pool2d(x, 2, divisor_override=3),
+                                   F.max_pool2d(x, 2, 1, 0, dilation=2, ceil_mode=True)),
+    N(2, 4, 7, 7))
+# an integer average rounds each rank's part (no Partial)
+direct("avg_pool2d_int", aten.avg_pool2d.default, [Ints(9, 2, 4, 4)], x0, [2])
+direct("avg_pool1d_int", aten.avg_pool1d.default, [Ints(9, 4, 6)], x0, [3])
+direct("avg_pool2d_unbatched_pad", aten.avg_pool2d.default, [N(4, 7, 7)], x0, [3], [2], [1],
+       True, False)
+cap("interpolate", lambda m, x, y, z: (
+    F.interpolate(x, scale_factor=2), F.interpolate(x, size=(7, 9), mode="bilinear"),
+    F.interpolate(x, size=(5, 5), mode="bilinear", align_corners=True),
+    F.interpolate(x, scale_factor=1.5, mode="bicubic"), F.interpolate(x, size=(9, 7), mode="nearest-exact"),
+    F.interpolate(y, scale_factor=2), F.interpolate(y, size=11, mode="linear"),
+    F.interpolate(y, scale_factor=3, mode="nearest-exact"),
+    F.interpolate(z, scale_factor=2), F.interpolate(z, size=(3, 5, 6), mode="trilinear")),
+    N(2, 4, 6, 6), N(2, 4, 8), N(2, 4, 2, 4, 4), meshes=WITH_4)
+for _op, _x, _extra in [
+    (aten.upsample_nearest1d.default, N(2, 4, 5), ([9],)),
+    (aten.upsample_linear1d.default, N(2, 4, 5), ([9], False)),
+    (aten._upsample_nearest_exact1d.default, N(2, 4, 5), ([9],)),
+    (aten.upsample_nearest2d.default, N(2, 4, 3, 5), ([6, 7],)),
+    (aten.upsample_bilinear2d.default, N(2, 4, 3, 5), ([6, 7], True)),
+    (aten.upsample_bicubic2d.default, N(2, 4, 3, 5), ([6, 7], False)),
+    (aten._upsample_nearest_exact2d.default, N(2, 4, 3, 5), ([6, 7],)),
+    (aten.upsample_nearest3d.default, N(2, 4, 2, 3, 2), ([3, 5, 4],)),
+    (aten.upsample_trilinear3d.default, N(2, 4, 2, 3, 2), ([3, 5, 4], False)),
+]:
+    direct(str(_op), _op, [_x], x0, *_extra)
 
 # ---------------------------------------------------------------- einsum and MoE routing
 cap("einsum_moe", lambda m, d, x, w: torch.einsum(
@@ -659,3 +759,30 @@ def test_linear_random(batch, k, n, bias, mesh, seed) -> None:
         xs.append(torch.randn(n, dtype=F64, generator=gen))
     node = _direct_node(aten.linear.default, xs, *[Arg(i) for i in range(len(xs))])
     validate_node(node, mesh, xs)
+
+
+# ---------------------------------------------------------------- batch norm's running statistics
+@pytest.mark.parametrize("mesh", WITH_4, ids=lambda m: "x".join(map(str, m)))
+@pytest.mark.parametrize("name", ["batch_norm2d_train", "batch_norm1d_train"])
+def test_batch_norm_running_stats(name: str, mesh: tuple[int, ...]) -> None:
+    """Every strategy of a training batch norm leaves every rank's running statistics
+    (buffers updated in place, whole on every rank) equal to the single process's."""
+    gm, _, env = built(name)
+    for node in [n for n in rule_nodes(gm) if n.target is aten.batch_norm.default]:
+        inputs = [env[x.name].detach().clone() for x in tensor_inputs(node)]
+        ref = [t.clone() for t in inputs]
+        unsharded(node, ref)  # updates ref's running statistics (inputs 3 and 4)
+        assert not torch.equal(ref[3], inputs[3])
+        for i, s in enumerate(op_strategies(node, RuleCtx(mesh))):
+            gen = torch.Generator().manual_seed(i)
+            local = {c: [] for c in mesh_coords(mesh)}
+            for x, p in zip(inputs, s.inputs):
+                for c, t in scatter(x, p, mesh, gen).items():
+                    local[c].append(t)
+            run_ranks(local_form(node, s, mesh), local, mesh)
+            for c, ts in local.items():
+                for j in (3, 4):
+                    # fp64 statistics of 32 values of order one: reordered sums move them
+                    # by ~1e-15; a rank that kept its own batch's statistics is off by ~0.1
+                    assert torch.allclose(ts[j], ref[j], rtol=1e-12, atol=1e-12), \
+                        f"{s.inputs[0]}, rank {c}, input {j}: {ts[j]} vs {ref[j]}"

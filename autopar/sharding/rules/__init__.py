@@ -114,6 +114,7 @@ def _load_families() -> None:
     _LOADED = True
     from autopar.sharding.rules import (  # noqa: F401  (imports register the rules)
         attention,
+        channel_norms,
         conv,
         embedding,
         experts,
