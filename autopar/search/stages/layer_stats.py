@@ -25,6 +25,7 @@ import torch
 from torch import fx
 
 from autopar.capture.ir import info, tensor_inputs
+from autopar.capture.user_checkpoint import Coverage, coverage, region_of
 from autopar.cost_models import (
     MeshSpec,
     all_gather_time,
@@ -100,6 +101,9 @@ class LayerStat:
     cross-entropy's token count (:func:`autopar.sharding.rules.losses.count_axes`), which the
     intra-op plan prices hidden and the stage exposes as far as the forward cannot
     hide it (:func:`autopar.search.stages.dp.price_stage`)."""
+    checkpointed: Coverage = Coverage.NONE
+    """How much of the layer the model's own activation checkpointing covers
+    (:mod:`autopar.capture.user_checkpoint`): a covered layer is always recomputed."""
 
     @property
     def param_bytes(self) -> float:
@@ -128,6 +132,7 @@ def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) ->
     latency2 = 2.0 * _latency(mesh) if mesh.collective_pairing > 0 else 0.0
     stats: dict[str, LayerStat] = {}
     order: list[str] = []
+    ops: dict[str, list[int]] = {}  # per layer: ops, and those in a user's checkpoint
     layer_of: dict[fx.Node, str] = {}
     for n in gm.graph.nodes:
         np_ = plan.nodes.get(n.name)
@@ -151,6 +156,9 @@ def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) ->
         elif np_.kind == "buffer":
             st.buffers += np_.memory
         elif np_.kind == "op":
+            counts = ops.setdefault(key, [0, 0])
+            counts[0] += 1
+            counts[1] += region_of(n) is not None
             st.seconds += np_.compute + np_.comm
             st.compute += np_.compute
             if np_.comm > 0:
@@ -189,6 +197,8 @@ def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) ->
             kernels.setdefault(layer_of[n], []).append((flops, weight, sum(sizes) - weight))
     for key, ks in kernels.items():
         stats[key].kernels = tuple(ks)
+    for key, (total, marked) in ops.items():
+        stats[key].checkpointed = coverage(total, marked)
     # bytes leaving each layer: values used by a later layer (each value once)
     for n, key in layer_of.items():
         if n.op in ("placeholder", "get_attr") or n.target is operator.getitem:

@@ -1,0 +1,83 @@
+"""The user's own activation checkpointing, seen through capture.
+
+``torch.export`` (non-strict) runs ``torch.utils.checkpoint.checkpoint(fn, *args,
+use_reentrant=False)`` as a plain call: its saved-tensor hooks change nothing traced,
+so ``fn``'s ops enter the graph like any others and nothing in the graph says they were
+checkpointed (no ``tag_activation_checkpoint`` higher-order op: that is Dynamo's,
+strict export and ``torch.compile`` only).  Hugging Face's
+``model.gradient_checkpointing_enable()`` goes the same way: each decoder layer's
+``forward`` runs through ``functools.partial(checkpoint, use_reentrant=False)``.
+
+:func:`checkpoint_regions` marks them while exporting: every call of torch's
+non-reentrant checkpoint (found through ``torch.utils.checkpoint``'s own generator,
+which every such call reaches, however the user imported ``checkpoint``) runs its
+function under ``torch.fx.traceback.annotate``, so each op traced inside carries
+``node.meta["custom"][KEY]`` = the region's number.  :func:`region_of` reads it back;
+the search takes the layers those ops belong to as recomputed
+(:attr:`autopar.search.stages.layer_stats.LayerStat.checkpointed`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import itertools
+
+import torch.utils.checkpoint as torch_checkpoint
+from torch import fx
+from torch.fx import traceback as fx_traceback
+
+KEY = "autopar_user_checkpoint"
+"""Key in ``node.meta["custom"]``: the number of the user's checkpoint region the op ran in."""
+
+
+class Coverage(enum.Enum):
+    """How much of a layer's ops the user's checkpoint regions hold."""
+
+    NONE = "none"
+    WHOLE = "whole"  # every op of the layer (HF's gradient checkpointing, a block checkpointed)
+    PART = "part"  # some of them (e.g. only the MLP): autopar recomputes the whole layer
+
+
+@contextlib.contextmanager
+def checkpoint_regions():
+    """While exporting, mark the ops each non-reentrant ``torch.utils.checkpoint`` call
+    traces with its region's number (see the module docstring); torch's own generator is
+    put back afterwards."""
+    original = torch_checkpoint._checkpoint_without_reentrant_generator
+    numbers = itertools.count()
+
+    def marked(fn, *args, **kwargs):
+        inner = original(fn, *args, **kwargs)
+        next(inner)  # torch's set-up before the checkpointed function
+        # node meta (where annotate writes) is recorded only while preserved: within the
+        # region alone, so the rest of the capture is traced exactly as before
+        try:
+            with fx_traceback.preserve_node_meta(), fx_traceback.annotate({KEY: next(numbers)}):
+                yield  # checkpoint() calls the function here
+        except BaseException as e:  # noqa: BLE001 - torch's generator sees it, as without us
+            inner.throw(e)
+            raise
+        yield from inner  # torch's tear-down
+
+    torch_checkpoint._checkpoint_without_reentrant_generator = marked
+    try:
+        yield
+    finally:
+        torch_checkpoint._checkpoint_without_reentrant_generator = original
+
+
+def region_of(node: fx.Node) -> int | None:
+    """The number of the user's checkpoint region ``node`` was traced in, or ``None``."""
+    custom = node.meta.get("custom")
+    return custom.get(KEY) if isinstance(custom, dict) else None
+
+
+def coverage(ops: int, checkpointed: int) -> Coverage:
+    """A layer's :class:`Coverage` from its count of ops and of those in a region."""
+    if not checkpointed:
+        return Coverage.NONE
+    return Coverage.WHOLE if checkpointed == ops else Coverage.PART
+
+
+__all__ = ["KEY", "Coverage", "checkpoint_regions", "coverage", "region_of"]
