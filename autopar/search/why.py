@@ -124,7 +124,7 @@ def recompute_why(ctx: Context, pr: Priced, here: str) -> dict[str, str]:
     stats = {st.key: st for st in cand.stats}
     own = [k for k in rc if stats[k].checkpointed is not Coverage.NONE]
     part = [k for k in own if stats[k].checkpointed is Coverage.PART]
-    words = f"{len(rc)} layers recomputed ({', '.join(rc)}): {here}; "
+    words = f"{len(rc)} layer{'s' if len(rc) > 1 else ''} recomputed ({', '.join(rc)}): {here}; "
     if own:
         words += ("all of them" if len(own) == len(rc) else f"{len(own)} of them ({', '.join(own)})") + \
             (" kept as the model's own activation checkpointing asks (torch.utils.checkpoint, "
