@@ -9,10 +9,14 @@ strict export and ``torch.compile`` only).  Hugging Face's
 ``forward`` runs through ``functools.partial(checkpoint, use_reentrant=False)``.
 
 :func:`checkpoint_regions` marks them while exporting: every call of torch's
-non-reentrant checkpoint (found through ``torch.utils.checkpoint``'s own generator,
-which every such call reaches, however the user imported ``checkpoint``) runs its
-function under ``torch.fx.traceback.annotate``, so each op traced inside carries
-``node.meta["custom"][KEY]`` = the region's number.  :func:`region_of` reads it back;
+checkpoint (found through ``torch.utils.checkpoint``'s own generator and
+``CheckpointFunction``, which every call reaches, however the user imported
+``checkpoint``) runs its function under ``torch.fx.traceback.annotate``, so each op
+traced inside carries ``node.meta["custom"][KEY]`` = the region's number.  Reentrant
+checkpointing (``use_reentrant=True``, Hugging Face's default before transformers 5)
+runs its function under ``no_grad`` in the forward, which export would capture as it
+is (no gradient through the region, silently): while exporting it runs the function
+as a plain call instead, with reentrant checkpointing's gradients.  :func:`region_of` reads it back;
 the search takes the layers those ops belong to as recomputed
 (:attr:`autopar.search.stages.layer_stats.LayerStat.checkpointed`).
 """
@@ -23,6 +27,7 @@ import contextlib
 import enum
 import itertools
 
+import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import fx
 from torch.fx import traceback as fx_traceback
@@ -60,11 +65,32 @@ def checkpoint_regions():
             raise
         yield from inner  # torch's tear-down
 
+    class Reentrant:
+        """Stands in for ``CheckpointFunction`` (``use_reentrant=True``), whose forward
+        runs the function under ``no_grad``: exported as it is, the region's results
+        would come out detached and nothing before or inside it would get a gradient."""
+
+        @staticmethod
+        def apply(function, preserve_rng_state, *args):
+            del preserve_rng_state  # (no random draw is replayed while tracing)
+            # reentrant checkpointing's gradients: its outputs need one only when an
+            # input tensor does (else torch warns and the region's parameters get none)
+            needs = torch.is_grad_enabled() and any(
+                isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+            if not needs:
+                with torch.no_grad():
+                    return function(*args)
+            with fx_traceback.preserve_node_meta(), fx_traceback.annotate({KEY: next(numbers)}):
+                return function(*args)
+
+    reentrant = torch_checkpoint.CheckpointFunction
     torch_checkpoint._checkpoint_without_reentrant_generator = marked
+    torch_checkpoint.CheckpointFunction = Reentrant
     try:
         yield
     finally:
         torch_checkpoint._checkpoint_without_reentrant_generator = original
+        torch_checkpoint.CheckpointFunction = reentrant
 
 
 def region_of(node: fx.Node) -> int | None:

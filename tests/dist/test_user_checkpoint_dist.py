@@ -13,7 +13,8 @@ lost step or a wrong shard is off by ~1e-3).  Recomputation itself adds no diffe
 the layer runs the same ops on the same values twice.
 
 Before the fix the plan recomputed nothing (``decisions.recompute == []``) and kept
-every layer's activations, silently.
+every layer's activations, silently; under ``use_reentrant=True`` the captured layers ran
+under ``no_grad`` and the loss came out detached.
 """
 
 from __future__ import annotations
@@ -21,28 +22,29 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
+import torch.distributed as dist
+from autopar.passes.recompute import checkpoint
 
+from autopar import MeshSpec, auto_parallel
+from autopar.runtime.memstats import saved_activation_bytes
+from autopar.runtime.mesh import reset
 from tests.dist.harness import _max_err, run_fn_cases
 
 FN = "tests.dist.test_user_checkpoint_dist:case"
-CASES = [{"id": "llama-auto", "tp": False}, {"id": "llama-tp", "tp": True}]
+CASES = [{"id": "llama-auto", "tp": False}, {"id": "llama-tp", "tp": True},
+         # transformers 4's default, still common in training scripts
+         {"id": "llama-reentrant", "tp": False, "kwargs": {"use_reentrant": True}}]
 
 
 def case(c: dict) -> dict:
     """Run on every rank (see the module docstring); rank 0's dict is the result."""
-    import hf_zoo
-    import torch
-    import torch.distributed as dist
-
-    from autopar import MeshSpec, auto_parallel
-    from autopar.passes.recompute import checkpoint
-    from autopar.runtime.memstats import saved_activation_bytes
-    from autopar.runtime.mesh import reset
+    import hf_zoo  # examples/ is on the ranks' path (tests/dist/harness.py)
 
     model, batch = hf_zoo.build("llama")
     model.train()
     plain_model = copy.deepcopy(model)  # the same weights, not checkpointed
-    model.gradient_checkpointing_enable()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=c.get("kwargs"))
     ref = copy.deepcopy(model)
     mesh = MeshSpec.preset("cpu-gloo", shape=(2,))
     pins = hf_zoo.tp_pins("llama", (2,)) if c["tp"] else {}

@@ -9,6 +9,8 @@ recompute nothing more (nor less) than the memory budget asks on top.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -56,16 +58,17 @@ class Block(nn.Module):
 class Net(nn.Module):
     """Three blocks; ``whole`` lists the blocks the forward checkpoints whole."""
 
-    def __init__(self, whole: tuple[int, ...] = (), part: bool = False) -> None:
+    def __init__(self, whole: tuple[int, ...] = (), part: bool = False, reentrant: bool = False) -> None:
         super().__init__()
         self.emb, self.head, self.whole = nn.Linear(16, 32), nn.Linear(32, 1), whole
         self.blocks = nn.ModuleList(Block(part=part) for _ in range(3))
+        self.reentrant = reentrant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """A squared-output loss."""
         h = self.emb(x)
         for i, b in enumerate(self.blocks):
-            h = checkpoint(b, h, use_reentrant=False) if i in self.whole else b(h)
+            h = checkpoint(b, h, use_reentrant=self.reentrant) if i in self.whole else b(h)
         return self.head(h).pow(2).mean()
 
 
@@ -140,3 +143,25 @@ def test_a_memory_budget_recomputes_more_but_never_less() -> None:
     assert tight.memory["total"] <= budget
     assert "1 of them (blocks.0) kept" in tight.explain("recompute")
     assert _net_plan(Net(whole=(0,))).decisions.recompute == ["blocks.0"]
+
+
+def test_reentrant_checkpoint_is_captured_with_its_gradients() -> None:
+    """``use_reentrant=True`` runs the block under ``no_grad`` in the forward: captured as
+    it was, the loss came out detached.  Now the captured graph gives the eager model's
+    loss and gradients (the same ops in the same order: bitwise), and the plan
+    recomputes the blocks."""
+    torch.manual_seed(0)
+    net, x = Net(whole=(0, 1, 2), reentrant=True), torch.randn(8, 16)
+    eager = copy.deepcopy(net)  # the captured graph holds the model's own parameters
+    gm = capture(net, (x,)).gm
+    loss = gm(x)[0]
+    assert loss.requires_grad
+    loss.backward()
+    ref = eager(x)
+    ref.backward()
+    assert torch.equal(loss, ref)
+    graph_grads = dict(gm.named_parameters())
+    for name, p in eager.named_parameters():
+        assert torch.equal(graph_grads[name].grad, p.grad), name
+    assert _net_plan(Net(whole=(0, 1, 2), reentrant=True)).decisions.recompute == \
+        ["blocks.0", "blocks.1", "blocks.2"]
