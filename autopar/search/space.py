@@ -192,8 +192,14 @@ class JointSpace:
                                 f"{[st.key for st in cand.stats]}")
         virtual = self._virtual(cand)
         # recomputation asked for: by recompute=, or by the model's own checkpointing
-        recomputes = bool(self.opts.recompute) or any(st.checkpointed is not Coverage.NONE
-                                                      for st in cand.stats)
+        own = [st.key for st in cand.stats if st.checkpointed is not Coverage.NONE]
+        recomputes = bool(self.opts.recompute) or bool(own)
+        why = conflict(self.opts.schedule, bool(own), None)
+        if why:
+            raise PlanError(f"schedule={self.opts.schedule!r} cannot run the model's own activation "
+                            f"checkpointing of {', '.join(own)} ({why}): use another schedule, or "
+                            "turn the model's checkpointing off (Hugging Face: "
+                            "model.gradient_checkpointing_disable())")
         # the same list for every plan of a split whose parameters group alike (its
         # ~150 configs were built ~1,000 times in Megatron 145.6B's search)
         key = (cand.stages, cand.micro_batches, cand.axis, tuple(zs), tuple(axes),

@@ -165,3 +165,10 @@ def test_reentrant_checkpoint_is_captured_with_its_gradients() -> None:
         assert torch.equal(graph_grads[name].grad, p.grad), name
     assert _net_plan(Net(whole=(0, 1, 2), reentrant=True)).decisions.recompute == \
         ["blocks.0", "blocks.1", "blocks.2"]
+
+
+def test_a_schedule_that_cannot_recompute_is_refused_by_name() -> None:
+    """The zero-bubble schedule cannot recompute: forced with a checkpointing model it is
+    a clear error naming both (before: "no plan within its time limit")."""
+    with pytest.raises(autopar.errors.PlanError, match="schedule='zero-bubble' cannot run the model's own"):
+        _net_plan(Net(whole=(0, 1, 2)), pipeline_stages=2, micro_batches=2, schedule="zero-bubble")

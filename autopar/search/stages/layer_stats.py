@@ -132,7 +132,6 @@ def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) ->
     latency2 = 2.0 * _latency(mesh) if mesh.collective_pairing > 0 else 0.0
     stats: dict[str, LayerStat] = {}
     order: list[str] = []
-    ops: dict[str, list[int]] = {}  # per layer: ops, and those in a user's checkpoint
     layer_of: dict[fx.Node, str] = {}
     for n in gm.graph.nodes:
         np_ = plan.nodes.get(n.name)
@@ -156,9 +155,6 @@ def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) ->
         elif np_.kind == "buffer":
             st.buffers += np_.memory
         elif np_.kind == "op":
-            counts = ops.setdefault(key, [0, 0])
-            counts[0] += 1
-            counts[1] += region_of(n) is not None
             st.seconds += np_.compute + np_.comm
             st.compute += np_.compute
             if np_.comm > 0:
@@ -197,8 +193,7 @@ def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) ->
             kernels.setdefault(layer_of[n], []).append((flops, weight, sum(sizes) - weight))
     for key, ks in kernels.items():
         stats[key].kernels = tuple(ks)
-    for key, (total, marked) in ops.items():
-        stats[key].checkpointed = coverage(total, marked)
+    _mark_checkpointed(stats, layer_of, plan)
     # bytes leaving each layer: values used by a later layer (each value once)
     for n, key in layer_of.items():
         if n.op in ("placeholder", "get_attr") or n.target is operator.getitem:
@@ -210,6 +205,19 @@ def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) ->
     keys = [k for k in order if k == "pre"] + [k for k in order if k not in ("pre", "post")] + \
         [k for k in order if k == "post"]
     return [stats[k] for k in keys]
+
+
+def _mark_checkpointed(stats: dict[str, LayerStat], layer_of: dict[fx.Node, str], plan: Plan) -> None:
+    """Each layer's :attr:`LayerStat.checkpointed`, from how many of its ops ran in one
+    of the model's own checkpoint regions."""
+    ops: dict[str, list[int]] = {}
+    for n, key in layer_of.items():
+        if plan.nodes[n.name].kind == "op":
+            counts = ops.setdefault(key, [0, 0])
+            counts[0] += 1
+            counts[1] += region_of(n) is not None
+    for key, (total, marked) in ops.items():
+        stats[key].checkpointed = coverage(total, marked)
 
 
 def kernel_floor(stats: list[LayerStat], mesh: MeshSpec, devices: int, flop_scale: float,
