@@ -14,6 +14,10 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
 from torch.utils.checkpoint import checkpoint
 
 import autopar
@@ -25,11 +29,11 @@ from autopar.capture.user_checkpoint import region_of
 MESH = MeshSpec.preset("cpu-gloo", shape=(2,))
 
 
-def _llama(checkpointing: dict | None):
+def _llama(checkpointing: dict | None, layers: int = 2):
     tf = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=32)
     model = tf.LlamaForCausalLM(cfg).train()
     if checkpointing is not None:
@@ -102,6 +106,15 @@ def test_hf_every_other_layer_is_what_the_plan_keeps() -> None:
     assert plan.decisions.recompute == ["model.layers.0"]
 
 
+def test_every_third_of_eight_layers_through_the_shallow_estimates() -> None:
+    """Eight layers: the search estimates from a copy cut to a few layers
+    (autopar/search/shallow.py) and plans the chosen split at full depth; the plan
+    recomputes exactly the layers the model checkpoints."""
+    model, batch = _llama({"every_n_layers": 3}, layers=8)
+    plan = autopar.plan(model, example_kwargs=batch, mesh=MESH)
+    assert plan.decisions.recompute == ["model.layers.0", "model.layers.3", "model.layers.6"]
+
+
 def test_capture_marks_the_regions_ops_by_layer() -> None:
     """Every op of a checkpointed HF decoder layer carries its region (one per layer),
     and no op outside the layers does."""
@@ -172,3 +185,12 @@ def test_a_schedule_that_cannot_recompute_is_refused_by_name() -> None:
     a clear error naming both (before: "no plan within its time limit")."""
     with pytest.raises(autopar.errors.PlanError, match="schedule='zero-bubble' cannot run the model's own"):
         _net_plan(Net(whole=(0, 1, 2)), pipeline_stages=2, micro_batches=2, schedule="zero-bubble")
+
+
+def test_torch_checkpoint_wrapper_is_recomputed() -> None:
+    """torch's ``apply_activation_checkpointing`` (FSDP/torchtitan's habit) wraps each
+    block in ``checkpoint_wrapper``: the same non-reentrant checkpoint underneath."""
+    net = Net()
+    apply_activation_checkpointing(net, checkpoint_wrapper_fn=checkpoint_wrapper,
+                                   check_fn=lambda m: isinstance(m, Block))
+    assert _net_plan(net).decisions.recompute == ["blocks.0", "blocks.1", "blocks.2"]
