@@ -182,7 +182,7 @@ def test_reentrant_checkpoint_is_captured_with_its_gradients() -> None:
 
 def test_a_schedule_that_cannot_recompute_is_refused_by_name() -> None:
     """The zero-bubble schedule cannot recompute: forced with a checkpointing model it is
-    a clear error naming both (before: "no plan within its time limit")."""
+    a clear error naming both (before: planned without recomputing anything, silently)."""
     with pytest.raises(autopar.errors.PlanError, match="schedule='zero-bubble' cannot run the model's own"):
         _net_plan(Net(whole=(0, 1, 2)), pipeline_stages=2, micro_batches=2, schedule="zero-bubble")
 
