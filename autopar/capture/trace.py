@@ -241,7 +241,7 @@ def export_module(model: nn.Module, example_inputs: tuple, example_kwargs: dict 
         # the state check is outside catch_warnings: its own warning must show
         with _frozen_python_state(model), warnings.catch_warnings(), _no_kv_cache(model), \
                 custom_function_guard(), experts_as_op(model), _lazy_code(), _no_stack_traces(), \
-                checkpoint_regions():  # experts: one op per layer; the user's checkpoints marked
+                checkpoint_regions(model):  # experts: one op per layer; the user's checkpoints marked
             warnings.simplefilter("ignore")
             ep = torch.export.export(model, tuple(example_inputs), kwargs, strict=False,
                                      dynamic_shapes=dynamic_shapes)

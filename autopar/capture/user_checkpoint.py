@@ -16,7 +16,9 @@ traced inside carries ``node.meta["custom"][KEY]`` = the region's number.  Reent
 checkpointing (``use_reentrant=True``, Hugging Face's default before transformers 5)
 runs its function under ``no_grad`` in the forward, which export would capture as it
 is (no gradient through the region, silently): while exporting it runs the function
-as a plain call instead, with reentrant checkpointing's gradients.  :func:`region_of` reads it back;
+as a plain call instead, with reentrant checkpointing's gradients.  A Hugging Face
+model captured in eval mode (``from_pretrained`` returns it so) runs no checkpoint: the
+layers its training would checkpoint (:func:`idle_hf_layers`) are marked all the same.  :func:`region_of` reads it back;
 the search takes the layers those ops belong to as recomputed
 (:attr:`autopar.search.stages.layer_stats.LayerStat.checkpointed`).
 """
@@ -26,10 +28,11 @@ from __future__ import annotations
 import contextlib
 import enum
 import itertools
+from collections.abc import Iterator
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from torch import fx
+from torch import fx, nn
 from torch.fx import traceback as fx_traceback
 
 KEY = "autopar_user_checkpoint"
@@ -44,21 +47,38 @@ class Coverage(enum.Enum):
     PART = "part"  # some of them (e.g. only the MLP): autopar recomputes the whole layer
 
 
+def _marking(numbers: Iterator[int]) -> contextlib.ExitStack:
+    """Entered: the ops traced from now on carry the next region's number.  Node meta
+    (where annotate writes) is recorded only while preserved: within regions alone, so
+    the rest of the capture is traced exactly as before."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(fx_traceback.preserve_node_meta())
+    stack.enter_context(fx_traceback.annotate({KEY: next(numbers)}))
+    return stack
+
+
+def idle_hf_layers(model: nn.Module) -> list[nn.Module]:
+    """Hugging Face layers whose gradient checkpointing is on but idle because the model
+    is in eval mode (``from_pretrained`` leaves it there; HF checkpoints only while
+    ``training``): the training the plan is for will checkpoint them."""
+    return [m for m in model.modules()
+            if not m.training and getattr(m, "gradient_checkpointing", False) is True
+            and any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)]
+
+
 @contextlib.contextmanager
-def checkpoint_regions():
-    """While exporting, mark the ops each non-reentrant ``torch.utils.checkpoint`` call
-    traces with its region's number (see the module docstring); torch's own generator is
-    put back afterwards."""
+def checkpoint_regions(model: nn.Module):
+    """While exporting ``model``, mark the ops each ``torch.utils.checkpoint`` call
+    traces, and each of :func:`idle_hf_layers`, with its region's number (see the module
+    docstring); torch's own functions are put back afterwards."""
     original = torch_checkpoint._checkpoint_without_reentrant_generator
     numbers = itertools.count()
 
     def marked(fn, *args, **kwargs):
         inner = original(fn, *args, **kwargs)
         next(inner)  # torch's set-up before the checkpointed function
-        # node meta (where annotate writes) is recorded only while preserved: within the
-        # region alone, so the rest of the capture is traced exactly as before
         try:
-            with fx_traceback.preserve_node_meta(), fx_traceback.annotate({KEY: next(numbers)}):
+            with _marking(numbers):
                 yield  # checkpoint() calls the function here
         except BaseException as e:  # noqa: BLE001 - torch's generator sees it, as without us
             inner.throw(e)
@@ -80,9 +100,13 @@ def checkpoint_regions():
             if not needs:
                 with torch.no_grad():
                     return function(*args)
-            with fx_traceback.preserve_node_meta(), fx_traceback.annotate({KEY: next(numbers)}):
+            with _marking(numbers):
                 return function(*args)
 
+    open_regions: list[contextlib.ExitStack] = []
+    hooks = [h for m in idle_hf_layers(model) for h in (
+        m.register_forward_pre_hook(lambda *_: open_regions.append(_marking(numbers))),
+        m.register_forward_hook(lambda *_: open_regions.pop().close()))]
     reentrant = torch_checkpoint.CheckpointFunction
     torch_checkpoint._checkpoint_without_reentrant_generator = marked
     torch_checkpoint.CheckpointFunction = Reentrant
@@ -91,6 +115,10 @@ def checkpoint_regions():
     finally:
         torch_checkpoint._checkpoint_without_reentrant_generator = original
         torch_checkpoint.CheckpointFunction = reentrant
+        for h in hooks:
+            h.remove()
+        while open_regions:  # a forward that raised inside a layer
+            open_regions.pop().close()
 
 
 def region_of(node: fx.Node) -> int | None:
@@ -106,4 +134,4 @@ def coverage(ops: int, checkpointed: int) -> Coverage:
     return Coverage.WHOLE if checkpointed == ops else Coverage.PART
 
 
-__all__ = ["KEY", "Coverage", "checkpoint_regions", "coverage", "region_of"]
+__all__ = ["KEY", "Coverage", "checkpoint_regions", "coverage", "idle_hf_layers", "region_of"]

@@ -34,7 +34,9 @@ from tests.dist.harness import _max_err, run_fn_cases
 FN = "tests.dist.test_user_checkpoint_dist:case"
 CASES = [{"id": "llama-auto", "tp": False}, {"id": "llama-tp", "tp": True},
          # transformers 4's default, still common in training scripts
-         {"id": "llama-reentrant", "tp": False, "kwargs": {"use_reentrant": True}}]
+         {"id": "llama-reentrant", "tp": False, "kwargs": {"use_reentrant": True}},
+         # from_pretrained's eval mode at auto_parallel, pm.train() before the loop
+         {"id": "llama-eval", "tp": False, "eval": True}]
 
 
 def case(c: dict) -> dict:
@@ -42,7 +44,7 @@ def case(c: dict) -> dict:
     import hf_zoo  # examples/ is on the ranks' path (tests/dist/harness.py)
 
     model, batch = hf_zoo.build("llama")
-    model.train()
+    model.train(not c.get("eval"))
     plain_model = copy.deepcopy(model)  # the same weights, not checkpointed
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=c.get("kwargs"))
     ref = copy.deepcopy(model)
@@ -51,6 +53,8 @@ def case(c: dict) -> dict:
     reset()
     pm = auto_parallel(model, example_kwargs=batch, mesh=mesh, pins=pins)
     plain = auto_parallel(plain_model, example_kwargs=batch, mesh=mesh, pins=pins)
+    for m in (pm, plain, ref):
+        m.train()
     res: dict = {"recompute": pm.plan.decisions.recompute,
                  "plain_recompute": plain.plan.decisions.recompute,
                  "why": pm.plan.explain("recompute"),

@@ -92,6 +92,14 @@ def test_hf_gradient_checkpointing_recomputes_every_decoder_layer() -> None:
     assert "recompute" in plan.summary() and "model's own activation checkpointing" in plan.summary()
 
 
+def test_hf_in_eval_mode_still_plans_its_training_checkpoints() -> None:
+    """``from_pretrained`` returns the model in eval mode, where HF runs no checkpoint;
+    ``auto_parallel`` then ``pm.train()`` trains it with the plan captured in eval mode."""
+    model, batch = _llama({})
+    plan = autopar.plan(model.eval(), example_kwargs=batch, mesh=MESH)
+    assert plan.decisions.recompute == ["model.layers.0", "model.layers.1"]
+
+
 def test_hf_without_checkpointing_recomputes_nothing() -> None:
     model, batch = _llama(None)
     plan = autopar.plan(model, example_kwargs=batch, mesh=MESH)
