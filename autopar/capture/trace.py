@@ -24,6 +24,7 @@ from autopar.capture.grad_regions import inline_grad_regions, mark_tables
 from autopar.capture.mixed_precision import Precision, apply_mixed_precision
 from autopar.capture.scalar_reads import replicate_scalar_reads
 from autopar.capture.side_views import duplicate_side_views
+from autopar.capture.user_checkpoint import checkpoint_regions
 from autopar.errors import AutoparWarning, CaptureError, user_stacklevel
 
 _DROP_TARGETS = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size"}
@@ -239,7 +240,8 @@ def export_module(model: nn.Module, example_inputs: tuple, example_kwargs: dict 
     try:
         # the state check is outside catch_warnings: its own warning must show
         with _frozen_python_state(model), warnings.catch_warnings(), _no_kv_cache(model), \
-                custom_function_guard(), experts_as_op(model), _lazy_code(), _no_stack_traces():  # experts: one op per layer
+                custom_function_guard(), experts_as_op(model), _lazy_code(), _no_stack_traces(), \
+                checkpoint_regions(model):  # experts: one op per layer; the user's checkpoints marked
             warnings.simplefilter("ignore")
             ep = torch.export.export(model, tuple(example_inputs), kwargs, strict=False,
                                      dynamic_shapes=dynamic_shapes)

@@ -57,7 +57,9 @@ class Decisions:
     number of gradient accumulation steps.  ``zero_stage`` 1/2/3 shards optimizer state
     / gradients / parameters of replicated parameters over sub-mesh axis ``zero_axis``
     (or over several axes at once).
-    ``recompute`` lists layer keys whose activations are recomputed in backward.
+    ``recompute`` lists layer keys whose activations are recomputed in backward: the
+    layers the model checkpoints itself (``torch.utils.checkpoint``), and those the
+    memory budget asks for.
     ``why`` maps each decision to a sentence with its memory and time effect.
     """
 

@@ -317,7 +317,7 @@ class JointSearch(JointCaptures, JointSpace):
         # is no pressure, nor is what the user forced (zero_stage=, recompute=): before,
         # a forced ZeRO looked like pressure, since no plain config was priced to fit,
         # and sent every small model through every split (a capture and an ILP each)
-        pressed = best is None or (not self.opts.recompute and any(sp.recompute for sp in best[1].stages)) or (
+        pressed = best is None or (not self.opts.recompute and best[0].recomputes_more(best[1])) or (
             self.opts.zero_stage is None and best[1].config.zero_stage > 0
             and not self._fits_plainly(best[0]))
         if self.opts.explore or (pressed and not forced):
@@ -420,7 +420,7 @@ class JointSearch(JointCaptures, JointSpace):
         """True when a config priced for ``cand``'s split fits without ZeRO and without
         recomputation."""
         split = (cand.stages, cand.micro_batches, cand.axis)
-        return any(p.feasible and p.config.zero_stage == 0 and not any(sp.recompute for sp in p.stages)
+        return any(p.feasible and p.config.zero_stage == 0 and not c.recomputes_more(p)
                    for c, p in self.priced if (c.stages, c.micro_batches, c.axis) == split)
 
     def _confirm_estimates(self, most: int = 3) -> None:

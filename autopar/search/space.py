@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from autopar.capture.ir import info
 from autopar.capture.layers import layer_keys
 from autopar.capture.trace import Captured
+from autopar.capture.user_checkpoint import Coverage
 from autopar.cost_models import MeshSpec
 from autopar.errors import PlanError
 from autopar.plan.data import Plan
@@ -26,6 +27,7 @@ from autopar.search.offload import kinds as offload_kinds
 from autopar.search.op_placement import PlanOptions
 from autopar.search.stages.dp import Config, bubble_share, split_lower_bound
 from autopar.search.stages.layer_stats import LayerStat, kernel_floor
+from autopar.search.stages.priced import Priced
 
 
 @dataclass
@@ -41,6 +43,12 @@ class _Candidate:
     estimate: bool = False  # priced from the shallow copy (autopar/search/shallow.py)
     weight: float = 1.0  # the gradient-sync weight its placements were solved with
     axis: int = 0  # the mesh axis the pipeline stages are carved from
+
+    def recomputes_more(self, pr: Priced) -> bool:
+        """True when ``pr`` recomputes a layer the model does not checkpoint itself: what
+        the memory budget asked for (the model's own checkpointing is no pressure)."""
+        own = {st.key for st in self.stats if st.checkpointed is not Coverage.NONE}
+        return any(set(sp.recompute) - own for sp in pr.stages)
 
 
 class JointSpace:
@@ -183,10 +191,19 @@ class JointSpace:
                 raise PlanError(f"recompute names unknown layer(s) {bad}; the model's layers are "
                                 f"{[st.key for st in cand.stats]}")
         virtual = self._virtual(cand)
+        # recomputation asked for: by recompute=, or by the model's own checkpointing
+        own = [st.key for st in cand.stats if st.checkpointed is not Coverage.NONE]
+        recomputes = bool(self.opts.recompute) or bool(own)
+        why = conflict(self.opts.schedule, bool(own), None)
+        if why:
+            raise PlanError(f"schedule={self.opts.schedule!r} cannot run the model's own activation "
+                            f"checkpointing of {', '.join(own)} ({why}): use another schedule, or "
+                            "turn the model's checkpointing off (Hugging Face: "
+                            "model.gradient_checkpointing_disable())")
         # the same list for every plan of a split whose parameters group alike (its
         # ~150 configs were built ~1,000 times in Megatron 145.6B's search)
         key = (cand.stages, cand.micro_batches, cand.axis, tuple(zs), tuple(axes),
-               tuple(scheds), tuple(virtual))
+               tuple(scheds), tuple(virtual), recomputes)
         known_configs = self._config_lists.get(key)
         if known_configs is not None:
             return known_configs
@@ -195,7 +212,7 @@ class JointSpace:
             # ZeRO needs a sub-mesh axis to shard over: no config when there is none
             for a in (axes if z else [None]):
                 for s in scheds:
-                    if conflict(s, bool(self.opts.recompute), z):
+                    if conflict(s, recomputes, z):
                         continue  # a schedule that cannot run with these decisions
                     # ZeRO-3 under plain accumulation: reduce-scatter in every
                     # micro-batch, or once a step from whole gradients (more memory)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+from autopar.capture.user_checkpoint import Coverage
 from autopar.cost_models import format_bytes
 from autopar.plan.data import zero_words
 from autopar.search.stages.dp import Config, Priced, price, stage_link
@@ -102,27 +103,7 @@ def decisions_why(ctx: Context, pr: Priced) -> dict[str, str]:
         f"{ctx.global_batch // cfg.micro_batches}; " + _versus(
             ctx, _alt(ctx, lambda c: c.micro_batches != cfg.micro_batches),
             "other micro-batch counts (best of them)")
-    rc = [k for sp in pr.stages for k in sp.recompute]
-    if rc:
-        cand = next(c for c, p in ctx.priced if p is pr)
-        link = stage_link(cand.full, cfg.stages)
-        plain = price(cand.stats, dataclasses.replace(cfg, recompute=()), cand.plan.mesh, link,
-                      ctx.budget, ctx.optimizer)
-        why["recompute"] = f"{len(rc)} layers recomputed ({', '.join(rc)}): {here}; " + _versus(
-            ctx, plain, "the same plan without recomputation")
-        stats = {st.key: st for st in cand.stats}
-        for sp_i, sp in enumerate(pr.stages):
-            for k in sp.recompute:
-                st = stats[k]
-                why[f"layer:{k}"] = (
-                    f"{k} is recomputed in backward: it saves "
-                    f"{format_bytes(st.activations - st.out_bytes)} of activations per "
-                    f"micro-batch in flight on stage {sp_i} and costs "
-                    f"{st.forward * 1e3:.3f} ms of extra forward per micro-batch; without "
-                    f"recomputation stage {sp_i} would need more than the budget of "
-                    f"{format_bytes(ctx.budget)}")
-    else:
-        why["recompute"] = "no layer is recomputed: the plan fits without it"
+    why.update(recompute_why(ctx, pr, here))
     why["buckets"] = bucket_words(pr, cfg)
     why["compression"] = compression_words(ctx, pr, cfg)
     why["offload"] = offload_words(ctx, pr, cfg)
@@ -130,6 +111,50 @@ def decisions_why(ctx: Context, pr: Priced) -> dict[str, str]:
     why["gathers"] = gather_words(pr, cfg)
     return why
 
+
+def recompute_why(ctx: Context, pr: Priced, here: str) -> dict[str, str]:
+    """The ``recompute`` and ``layer:<key>`` texts of ``pr``: which layers are recomputed,
+    which of them the model's own activation checkpointing asked for (always kept), and
+    what the rest buy against the same plan without them."""
+    rc = [k for sp in pr.stages for k in sp.recompute]
+    if not rc:
+        return {"recompute": "no layer is recomputed: the plan fits without it"}
+    cfg = pr.config
+    cand = next(c for c, p in ctx.priced if p is pr)
+    stats = {st.key: st for st in cand.stats}
+    own = [k for k in rc if stats[k].checkpointed is not Coverage.NONE]
+    part = [k for k in own if stats[k].checkpointed is Coverage.PART]
+    words = f"{len(rc)} layer{'s' if len(rc) > 1 else ''} recomputed ({', '.join(rc)}): {here}; "
+    if own:
+        words += ("all of them" if len(own) == len(rc) else f"{len(own)} of them ({', '.join(own)})") + \
+            (" kept as the model's own activation checkpointing asks (torch.utils.checkpoint, "
+             "Hugging Face's gradient_checkpointing_enable)")
+        if part:
+            words += (f"; the model checkpoints only part of {', '.join(part)}: autopar "
+                      "recomputes each of those whole (a layer is its unit of recomputation)")
+        words += "; "
+    if len(own) < len(rc):
+        link = stage_link(cand.full, cfg.stages)
+        plain = price(cand.stats, dataclasses.replace(cfg, recompute=()), cand.plan.mesh, link,
+                      ctx.budget, ctx.optimizer)
+        words += _versus(ctx, plain, "the same plan without recomputation" if not own else
+                         "the same plan recomputing only the model's checkpointed layers")
+    else:
+        words += "the memory budget asks for no more"
+    why = {"recompute": words}
+    for sp_i, sp in enumerate(pr.stages):
+        for k in sp.recompute:
+            st = stats[k]
+            cost = (f"it saves {format_bytes(st.activations - st.out_bytes)} of activations per "
+                    f"micro-batch in flight on stage {sp_i} and costs {st.forward * 1e3:.3f} ms of "
+                    "extra forward per micro-batch")
+            why[f"layer:{k}"] = (
+                f"{k} is recomputed in backward, as the model's own checkpointing asks"
+                + (" (for part of it; recomputed whole)" if k in part else "") + f": {cost}"
+                if k in own else
+                f"{k} is recomputed in backward: {cost}; without recomputation stage {sp_i} "
+                f"would need more than the budget of {format_bytes(ctx.budget)}")
+    return why
 
 def gather_words(pr: Priced, cfg: Config) -> str:
     """One line on ZeRO-1/2's gathers after the step: in chunks in forward order, or

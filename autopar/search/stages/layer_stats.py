@@ -25,6 +25,7 @@ import torch
 from torch import fx
 
 from autopar.capture.ir import info, tensor_inputs
+from autopar.capture.user_checkpoint import Coverage, coverage, region_of
 from autopar.cost_models import (
     MeshSpec,
     all_gather_time,
@@ -100,6 +101,9 @@ class LayerStat:
     cross-entropy's token count (:func:`autopar.sharding.rules.losses.count_axes`), which the
     intra-op plan prices hidden and the stage exposes as far as the forward cannot
     hide it (:func:`autopar.search.stages.dp.price_stage`)."""
+    checkpointed: Coverage = Coverage.NONE
+    """How much of the layer the model's own activation checkpointing covers
+    (:mod:`autopar.capture.user_checkpoint`): a covered layer is always recomputed."""
 
     @property
     def param_bytes(self) -> float:
@@ -189,6 +193,7 @@ def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) ->
             kernels.setdefault(layer_of[n], []).append((flops, weight, sum(sizes) - weight))
     for key, ks in kernels.items():
         stats[key].kernels = tuple(ks)
+    _mark_checkpointed(stats, layer_of, plan)
     # bytes leaving each layer: values used by a later layer (each value once)
     for n, key in layer_of.items():
         if n.op in ("placeholder", "get_attr") or n.target is operator.getitem:
@@ -200,6 +205,19 @@ def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) ->
     keys = [k for k in order if k == "pre"] + [k for k in order if k not in ("pre", "post")] + \
         [k for k in order if k == "post"]
     return [stats[k] for k in keys]
+
+
+def _mark_checkpointed(stats: dict[str, LayerStat], layer_of: dict[fx.Node, str], plan: Plan) -> None:
+    """Each layer's :attr:`LayerStat.checkpointed`, from how many of its ops ran in one
+    of the model's own checkpoint regions."""
+    ops: dict[str, list[int]] = {}
+    for n, key in layer_of.items():
+        if plan.nodes[n.name].kind == "op":
+            counts = ops.setdefault(key, [0, 0])
+            counts[0] += 1
+            counts[1] += region_of(n) is not None
+    for key, (total, marked) in ops.items():
+        stats[key].checkpointed = coverage(total, marked)
 
 
 def kernel_floor(stats: list[LayerStat], mesh: MeshSpec, devices: int, flop_scale: float,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from autopar.capture.user_checkpoint import Coverage
 from autopar.cost_models import MeshSpec, drift_after
 from autopar.plan import schedules as sched
 from autopar.plan.decisions import zero_axes
@@ -91,12 +92,16 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     flow = [2.0 * max(st.out_bytes, st.largest) for st in layers]
     gathered_bwd = [flow[k] + max(0.0, trb[k]) + (trb[k - 1] if k else 0.0) for k in range(n_layers)]
     activations = [st.activations for st in layers]
-    # recompute candidates: layers whose recomputation saves memory, best ratio first
-    cands = sorted((st for st in layers if st.activations > st.out_bytes and st.forward > 0),
+    # the layers the model checkpoints itself stay recomputed (the user asked for that
+    # memory); recompute candidates: the other layers whose recomputation saves memory,
+    # best ratio first
+    floor = [st for st in layers if st.checkpointed is not Coverage.NONE]
+    cands = sorted((st for st in layers if st.activations > st.out_bytes and st.forward > 0
+                    and st.checkpointed is Coverage.NONE),
                    key=lambda st: -(st.activations - st.out_bytes) / st.forward)
     if sched.conflict(cfg.schedule, True, None):
-        cands = []  # a schedule that cannot recompute (zero-bubble)
-    chosen: list[LayerStat] = []
+        cands = floor = []  # a schedule that cannot recompute (zero-bubble): never chosen with a floor
+    chosen: list[LayerStat] = floor
 
     def peak(rc: list[LayerStat], kp: frozenset[str] = frozenset()) -> dict[str, float]:
         # The step's peak is the largest of three moments (autopar.runtime.memstats
@@ -161,18 +166,18 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
         return held + sum(peak(rc, kp).values())
 
     if cfg.recompute is not None:
-        chosen = [st for st in layers if st.key in cfg.recompute]
-    elif mem([]) > budget:
+        chosen = [st for st in layers if st.key in cfg.recompute or st in floor]
+    elif mem(floor) > budget:
         # the fewest best-ratio layers that fit: memory falls as layers are added, so
         # bisect on the count instead of re-pricing every prefix
         lo, hi = 1, len(cands)
         while lo < hi:
             mid = (lo + hi) // 2
-            if mem(cands[:mid]) <= budget:
+            if mem(floor + cands[:mid]) <= budget:
                 hi = mid
             else:
                 lo = mid + 1
-        chosen = cands[:lo]
+        chosen = floor + cands[:lo]
     # when nothing fits, every candidate stays recomputed: the memory reported is then
     # the least this stage can reach, which the infeasible-budget message quotes
     rc = {st.key for st in chosen}
