@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from autopar.errors import AutoparError
+from autopar.module.habits import check_loaded_state_dict, mark_state_dict
 from autopar.plan.placement import parse_placements
 from autopar.runtime.dparams import as_dtensor
 from autopar.runtime.shards import gather_tensor, shard_tensor
@@ -107,6 +108,7 @@ class StateMixin:
             t = self._target_of.get(name)
             x = self._extra[name] if t is None else self._state_tensor(t)
             out[prefix + name] = x if keep_vars else x.detach()
+        mark_state_dict(out, self._dparams.mesh)  # whose shards: checked by load_state_dict
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True,
@@ -117,6 +119,7 @@ class StateMixin:
         if self._dparams is None:
             self.load_full_state_dict(state_dict)
             return nn.modules.module._IncompatibleKeys([], [])
+        check_loaded_state_dict(state_dict, self._dparams.mesh)  # another rank's shards: every rank raises
         keys = set(self._held_keys())
         missing = sorted(keys - set(state_dict))
         unexpected = sorted(set(state_dict) - keys - set(self._target_of))
