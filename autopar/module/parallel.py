@@ -125,7 +125,8 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         if self._dparams is not None:
             self._dparams.before_forward()
         if self.zero is not None:
-            self._zero_writes()
+            if self.zero.stage < 3:  # stage 3 gathers from the shards at every use
+                self._zero_writes()
             self.zero.refresh(lazy=True)  # chunks (if planned) are fetched by the graph
         return flat
 

@@ -6,6 +6,7 @@ the same answer or the same clear error."""
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import tempfile
 import time
@@ -64,7 +65,7 @@ def optimizer_first(c: dict) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     pm = _module(model, c)
     before = _full(pm)
-    res = {"stale": _all(_outcome(lambda: _train(pm, opt, 1)))}
+    res = {"stale": _all(_outcome(lambda opt=opt: _train(pm, opt, 1)))}
     res["moved"] = _err(_full(pm), before)  # whatever the step did, pm's weights
     other = nn.Linear(4, 4)
     w = other.weight.detach().clone()
@@ -74,7 +75,7 @@ def optimizer_first(c: dict) -> dict:
     res["other_moved"] = (other.weight - w).abs().max().item()
     # the original model trained on its own (a reference): its fresh gradients say so
     own = torch.optim.SGD(model.parameters(), lr=0.1)
-    res["own"] = _outcome(lambda: _train(model, own, 1))
+    res["own"] = _outcome(lambda m=model, o=own: _train(m, o, 1))
     # the per-step cost of this check's process-wide step pre-hook on that optimizer
     from torch.optim.optimizer import _global_optimizer_pre_hooks as hooks
     ours = [h for h in hooks.values() if h.__module__ == "autopar.module.habits"]
@@ -83,6 +84,12 @@ def optimizer_first(c: dict) -> dict:
         for h in ours:
             h(other_opt, (), {})
     res["hook_us"] = (time.perf_counter() - t0) / 10000 * 1e6
+    # the records are weak: the model and its optimizers gone, so are they
+    from autopar.module import habits
+    n = len(habits._REPLACED)
+    del model, opt, own
+    gc.collect()
+    res["forgotten"] = n - len(habits._REPLACED)
     return res
 
 
