@@ -138,10 +138,10 @@ def hf_save(c: dict) -> dict:
     ref = copy.deepcopy(model)
     reset()
     # data parallel: every weight replicated, input_ids and labels split on the batch
-    pins = {"*": "R", "input:0": "S(0)", "input:1": "S(0)"} if c["plan"] == "dp" else \
-        {"*": "R", **hf_zoo.tp_pins("llama", (2,))}
+    pins = {"*": "R", **hf_zoo.tp_pins("llama", (2,))} if c["plan"] == "tp" else \
+        {"*": "R", "input:0": "S(0)", "input:1": "S(0)"}
     pm = auto_parallel(model, example_kwargs=batch, mesh=MeshSpec.preset("cpu-gloo", shape=(2,)),
-                       pins=pins, search="ilp", zero_stage=0)
+                       pins=pins, search="ilp", zero_stage=3 if c["plan"] == "zero3" else 0)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)  # as test_hf_models.py
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     for _ in range(2):
