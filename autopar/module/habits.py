@@ -25,7 +25,7 @@ plan that shards nothing (data parallel) loads them as before: they are right th
 The checks ride on one process-wide optimizer step pre-hook, registered when this
 module is imported (before :mod:`autopar.runtime.local_step`'s, which swaps in local
 tensors for the step).  An optimizer is looked at once per set of parameter groups
-(cached weakly); every later step costs a dict lookup.
+(remembered on the optimizer); every later step costs a tuple of their ids.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class _Replaced:
 _REPLACED: dict[int, _Replaced] = {}  # id(original parameter) -> record
 _OWNED: dict[int, weakref.ref] = {}  # id(ParallelModule parameter) -> the parameter
 _STALE_MODELS: dict[int, weakref.ref] = {}  # id(model) -> model, replaced by a module
-_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> groups seen
+_CHECKED = "_autopar_habits_seen"  # optimizer attribute: the parameter groups last looked at
 _MARKED: weakref.WeakSet = weakref.WeakSet()  # optimizers whose state_dict() is marked
 _BUILDING = threading.local()  # autopar reads the model while it builds a module
 
@@ -137,7 +137,7 @@ def _before_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     if not _REPLACED and not _OWNED:
         return
     seen = tuple(map(id, opt.param_groups))
-    if _CHECKED.get(opt) == seen:
+    if opt.__dict__.get(_CHECKED) == seen:
         return
     _check_stale(opt)
     owned = any(_is(_OWNED, p) for g in opt.param_groups for p in g["params"])
@@ -146,7 +146,7 @@ def _before_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
             opt.register_state_dict_post_hook(_mark_optimizer_state)
             _MARKED.add(opt)
         _check_loaded_optimizer(opt)
-    _CHECKED[opt] = seen
+    opt.__dict__[_CHECKED] = seen
 
 
 def _is(table: dict, p: torch.Tensor) -> bool:

@@ -57,7 +57,7 @@ def test_optimizer_built_before_auto_parallel_is_refused(two, plan):
     # the check's step pre-hook on an unrelated optimizer: a few dict lookups (~3 us
     # measured here under load, against the milliseconds of a step)
     assert r["hook_us"] < 10.0
-    assert r["forgotten"] == 8  # Three's 8 parameters: nothing keeps the replaced model alive
+    assert r["model_freed"]  # nothing keeps the replaced model alive
 
 
 @pytest.mark.parametrize("plan", ["dp", "tp", "zero2", "zero3"])
