@@ -74,8 +74,16 @@ class _Replaced:
     grad: weakref.ref | None
 
 
+@dataclass
+class _Owned:
+    """A parameter of a ParallelModule and the module (both weakly)."""
+
+    param: weakref.ref
+    module: weakref.ref
+
+
 _REPLACED: dict[int, _Replaced] = {}  # id(original parameter) -> record
-_OWNED: dict[int, weakref.ref] = {}  # id(ParallelModule parameter) -> the parameter
+_OWNED: dict[int, _Owned] = {}  # id(ParallelModule parameter) -> record
 _STALE_MODELS: dict[int, weakref.ref] = {}  # id(model) -> model, replaced by a module
 _CHECKED = "_autopar_habits_seen"  # optimizer attribute: the parameter groups last looked at
 _MARKED: weakref.WeakSet = weakref.WeakSet()  # optimizers whose state_dict() is marked
@@ -88,6 +96,15 @@ def _forget(table: dict, key: int):
         if entry is ref or getattr(entry, "param", None) is ref:
             del table[key]
     return drop
+
+
+def shards_state(pm: ParallelModule) -> bool:
+    """Whether some rank's state differs from another's under ``pm``'s plan (a sharded
+    placement on an axis of more than one rank, or ZeRO): the same answer on every rank,
+    so the ranks take part in the same collectives."""
+    shape = pm.plan.mesh.shape
+    return pm.zero is not None or any(
+        not p.is_replicate() and shape[a] > 1 for pl in pm._placements.values() for a, p in enumerate(pl))
 
 
 @contextmanager
@@ -111,7 +128,7 @@ def adopt(model: nn.Module, pm: ParallelModule) -> None:
         _REPLACED[key] = _Replaced(weakref.ref(p, _forget(_REPLACED, key)), name, grad)
     for p in pm.parameters():
         key = id(p)
-        _OWNED[key] = weakref.ref(p, _forget(_OWNED, key))
+        _OWNED[key] = _Owned(weakref.ref(p, _forget(_OWNED, key)), weakref.ref(pm))
     key = id(model)
     if key not in _STALE_MODELS:
         model.register_state_dict_pre_hook(_refuse_state_dict)
@@ -140,19 +157,19 @@ def _before_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     if opt.__dict__.get(_CHECKED) == seen:
         return
     _check_stale(opt)
-    owned = any(_is(_OWNED, p) for g in opt.param_groups for p in g["params"])
-    if owned:
+    owners = {id(m): m for g in opt.param_groups for p in g["params"] if _is(_OWNED, p)
+              and (m := _OWNED[id(p)].module()) is not None}
+    if owners:
         if opt not in _MARKED:
             opt.register_state_dict_post_hook(_mark_optimizer_state)
             _MARKED.add(opt)
-        _check_loaded_optimizer(opt)
+        _check_loaded_optimizer(opt, any(shards_state(m) for m in owners.values()))
     opt.__dict__[_CHECKED] = seen
 
 
 def _is(table: dict, p: torch.Tensor) -> bool:
     entry = table.get(id(p))
-    ref = getattr(entry, "param", entry)
-    return ref is not None and ref() is p
+    return entry is not None and entry.param() is p
 
 
 def _check_stale(opt: torch.optim.Optimizer) -> None:
@@ -177,12 +194,6 @@ def _check_stale(opt: torch.optim.Optimizer) -> None:
 # ---------------------------------------------------------------- one rank's state dicts
 def _coord(mesh) -> list[int]:
     return list(mesh.get_coordinate() or ())
-
-
-def _sharded(value: Any) -> bool:
-    """Whether ``value`` is a DTensor whose ranks hold different pieces."""
-    return isinstance(value, DTensor) and any(
-        not p.is_replicate() and value.device_mesh.size(a) > 1 for a, p in enumerate(value.placements))
 
 
 def _foreign(value: Any, coord: list[int], mine: list[int]) -> bool:
@@ -222,20 +233,17 @@ def _agree(problem: str | None) -> None:
         raise ForeignShardError(problem)
 
 
-def check_loaded_state_dict(state_dict: Mapping[str, Any], mesh) -> None:
-    """Before ``pm.load_state_dict`` (``mesh``: its parameters' mesh): a state dict
-    another rank wrote (its ``_metadata`` says so) whose shards are not this rank's
-    raises on every rank.  A
-    state dict without the record (made in this process, or not by autopar) is not
-    looked at, and no rank communicates."""
+def check_loaded_state_dict(state_dict: Mapping[str, Any], pm: ParallelModule) -> None:
+    """Before ``pm.load_state_dict``: a state dict another rank wrote (its ``_metadata``
+    says so) whose shards are not this rank's raises on every rank.  A state dict
+    without the record (made in this process, or not by autopar), or a plan whose ranks
+    all hold the same state (data parallel), is not looked at: no rank communicates."""
     meta = getattr(state_dict, "_metadata", None)
     rec = meta.get(SAVED_BY) if isinstance(meta, Mapping) else None
-    if not isinstance(rec, Mapping):
+    if not isinstance(rec, Mapping) or not shards_state(pm):
         return
-    if not any(_sharded(v) for v in state_dict.values()):
-        return  # every rank holds the same (data parallel): right on any rank, no collective
     me = dist.get_rank() if dist.is_initialized() else 0
-    coord, mine = list(rec.get("coord", [])), _coord(mesh)
+    coord, mine = list(rec.get("coord", [])), _coord(pm._dparams.mesh)
     bad = [k for k, v in state_dict.items() if _foreign(v, coord, mine)]
     problem = None
     if bad and rec.get("rank") != me:
@@ -273,13 +281,14 @@ def _sums(state: Mapping, keys: list) -> list[float]:
     return out
 
 
-def _check_loaded_optimizer(opt: torch.optim.Optimizer) -> None:
+def _check_loaded_optimizer(opt: torch.optim.Optimizer, sharded_plan: bool) -> None:
     """At the first step after ``opt.load_state_dict``: state another rank wrote with
     ``torch.save`` (its groups' record names another coordinate on an axis its state is
-    sharded on, and the state's sums are the writer's) raises on every rank."""
+    sharded on, and the state's sums are the writer's) raises on every rank.  Under a
+    plan whose ranks all hold the same state (``sharded_plan`` false) no rank communicates."""
     groups = [g for g in opt.param_groups if SAVED_BY in g]
-    if not any(_sharded(v) for g in groups for p in g["params"] for v in opt.state.get(p, {}).values()):
-        for g in groups:  # every rank holds the same state: right on any rank, no collective
+    if not groups or not sharded_plan:
+        for g in groups:  # every rank holds the same state: right on any rank
             g.pop(SAVED_BY, None)
         return
     me, problem = dist.get_rank() if dist.is_initialized() else 0, None
@@ -323,4 +332,4 @@ def save_pretrained(pm: ParallelModule, directory, **kwargs) -> None:
 register_optimizer_step_pre_hook(_before_step)
 
 __all__ = ["SAVED_BY", "adopt", "building", "check_loaded_state_dict", "mark_state_dict",
-           "save_pretrained", "saved_by"]
+           "save_pretrained", "saved_by", "shards_state"]

@@ -119,7 +119,7 @@ class StateMixin:
         if self._dparams is None:
             self.load_full_state_dict(state_dict)
             return nn.modules.module._IncompatibleKeys([], [])
-        check_loaded_state_dict(state_dict, self._dparams.mesh)  # another rank's shards: every rank raises
+        check_loaded_state_dict(state_dict, self)  # another rank's shards: every rank raises
         keys = set(self._held_keys())
         missing = sorted(keys - set(state_dict))
         unexpected = sorted(set(state_dict) - keys - set(self._target_of))
