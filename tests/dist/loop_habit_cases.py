@@ -126,6 +126,29 @@ def ema(c: dict) -> dict:
     return res
 
 
+def clone_pipeline(c: dict) -> dict:
+    """``copy.deepcopy`` of a pipelined module (two stages, two micro-batches): the copy
+    runs ``train_step`` to pm's loss; halving the copy's weights moves its loss only."""
+    import gpt
+
+    torch.manual_seed(0)
+    model, ex = gpt.build(layers=2)
+    reset()
+    pm = auto_parallel(model, example_inputs=ex, mesh=MeshSpec.preset("cpu-gloo", shape=(2,)),
+                       pipeline_stages=2, micro_batches=2)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    pm.train_step(*ex)
+    opt.step()
+    opt.zero_grad()
+    twin = copy.deepcopy(pm)
+    res = {"pm": pm.train_step(*ex).item(), "copy": twin.train_step(*ex).item()}
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+    res["copy_half"], res["pm_again"] = twin.train_step(*ex).item(), pm.train_step(*ex).item()
+    return res
+
+
 # ---------------------------------------------------------------- habit 10
 def hf_save(c: dict) -> dict:
     """Train a tiny HF Llama under ``auto_parallel``; ``model.save_pretrained`` raises

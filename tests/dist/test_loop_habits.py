@@ -25,6 +25,7 @@ FN = "tests.dist.loop_habit_cases:run"
 CASES = [
     *({"id": f"opt-{p}", "fn": "optimizer_first", "plan": p} for p in ("dp", "tp", "zero3")),
     *({"id": f"ema-{p}", "fn": "ema", "plan": p} for p in ("dp", "tp", "zero2", "zero3")),
+    {"id": "clone-pp", "fn": "clone_pipeline"},
     *({"id": f"file-{p}", "fn": "rank0_file", "plan": p} for p in ("dp", "tp", "zero2", "zero3")),
 ]
 HF = [{"id": f"hf-{p}", "fn": "hf_save", "plan": p} for p in ("dp", "tp", "zero3")]
@@ -73,6 +74,14 @@ def test_averaged_model_of_pm_is_the_single_process_ema(two, plan):
     assert r["ema_after"] != pytest.approx(r["ema"], rel=1e-3)
     assert r["pm_after"] == r["pm"]
     assert r["ema_after_pm_step"] == r["ema_after"]
+
+
+def test_deepcopy_of_a_pipelined_module_is_independent(two):
+    r = two["clone-pp"]
+    _ok(r)
+    assert r["copy"] == r["pm"]  # the same weights, the same schedule: the same sums
+    assert r["copy_half"] != pytest.approx(r["copy"], rel=1e-3)
+    assert r["pm_again"] == r["pm"]
 
 
 @pytest.mark.parametrize("plan", ["dp", "tp", "zero3"])
