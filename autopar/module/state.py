@@ -115,7 +115,10 @@ class StateMixin:
                         assign: bool = False):
         """Load a state dict from :meth:`state_dict` (DTensors, any plan: they are
         redistributed to this plan's placements) or from the original model (whole
-        tensors, sharded here).  With ``strict``, missing or unexpected keys raise."""
+        tensors, sharded here).  With ``strict``, missing or unexpected keys raise.  One
+        rank's :meth:`state_dict` written with ``torch.save`` and loaded on a rank whose
+        shards differ raises :class:`~autopar.errors.ForeignShardError` on every rank
+        (:mod:`autopar.module.habits`)."""
         if self._dparams is None:
             self.load_full_state_dict(state_dict)
             return nn.modules.module._IncompatibleKeys([], [])
