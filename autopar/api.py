@@ -17,6 +17,7 @@ from autopar.capture.trace import Captured, capture, named_tensors
 from autopar.cost_models import MeshSpec
 from autopar.errors import ConfigError
 from autopar.log import log
+from autopar.module import habits
 from autopar.module.parallel import ParallelModule
 from autopar.module.state import TensorInfo
 from autopar.plan.data import Plan
@@ -192,11 +193,24 @@ def build_parallel_module(model: nn.Module, example_inputs: tuple, mesh: MeshSpe
                           batch: str = "global", timeout: float = DEFAULT_TIMEOUT,
                           compile: bool = False, calibrate: Calibrate | None = None) -> ParallelModule:
     """Capture, plan (or take ``plan``), lower and shard: the body of :func:`auto_parallel`.
-    ``calibrate`` (:func:`_calibration`): plan on the running job's measured numbers."""
-    from autopar.passes.lower import lower
-
+    ``calibrate`` (:func:`_calibration`): plan on the running job's measured numbers.
+    Under a process group the module replaces ``model``'s parameters
+    (:func:`autopar.module.habits.adopt`)."""
     if runtime is None:
         runtime = dist.is_initialized() or "RANK" in os.environ
+    with habits.building():
+        pm = _build(model, example_inputs, mesh, opts, example_kwargs, runtime, plan, batch,
+                    timeout, compile, calibrate)
+    if runtime:
+        habits.adopt(model, pm)
+    return pm
+
+
+def _build(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOptions,
+           example_kwargs: dict | None, runtime: bool, plan: Plan | None, batch: str,
+           timeout: float, compile: bool, calibrate: Calibrate | None) -> ParallelModule:
+    from autopar.passes.lower import lower
+
     if runtime:
         from autopar import validate
         validate.runnable_model(model)  # before joining: the same error on every rank

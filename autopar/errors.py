@@ -53,6 +53,19 @@ class CallMismatchError(AutoparError, ValueError):
     dropout.  Every rank raises it with the same message on the same call."""
 
 
+class StaleModelError(AutoparError, RuntimeError):
+    """The model passed to :func:`autopar.auto_parallel` was used where the
+    ParallelModule is meant: its parameters were replaced by the module's, so an
+    optimizer over them, or its ``state_dict()``, never sees the training.  The message
+    names what to call on the ParallelModule instead."""
+
+
+class ForeignShardError(AutoparError, ValueError):
+    """A state dict holding one rank's shards (``pm.state_dict()`` or an optimizer's,
+    written with ``torch.save``) was loaded on a rank that holds other shards.  Every
+    rank raises it with the same message."""
+
+
 class AutoparWarning(UserWarning):
     """Something planned differently from what the user may expect (an op without a
     sharding rule runs replicated, ...).  Shown every time a plan is made: the same

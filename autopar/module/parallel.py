@@ -11,6 +11,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from autopar.module.apply import apply_inputs, apply_plan
+from autopar.module.clone import clone_module
+from autopar.module.habits import save_pretrained
 from autopar.module.loop import LoopMixin
 from autopar.module.state import StateMixin, TensorInfo
 from autopar.plan.data import Plan
@@ -123,8 +125,21 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         if self._dparams is not None:
             self._dparams.before_forward()
         if self.zero is not None:
+            if self.zero.stage < 3:  # stage 3 gathers from the shards at every use
+                self._zero_writes()
             self.zero.refresh(lazy=True)  # chunks (if planned) are fetched by the graph
         return flat
+
+    def _zero_writes(self) -> None:
+        """ZeRO-1/2 gathers its shards again after an optimizer step or when a shard's
+        version moved.  An in-place write to a DTensor parameter outside a step (an EMA's
+        ``lerp_``, ``p.mul_`` under ``no_grad``) moves only the DTensor's own version
+        (DTensor writes the local tensor below the counter): seen here, it forces the
+        gather too."""
+        seen = tuple(e.param._version for e in self._dparams.entries)
+        if seen != getattr(self, "_param_versions", None):
+            self._param_versions = seen
+            self.zero._steps = -1  # not the step count: refresh gathers
 
     def _outputs(self, out):
         return pytree.tree_unflatten(list(out), self._out_spec) if self._out_spec is not None else out
@@ -202,6 +217,19 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         """Write code, plan and weights so :func:`autopar.load` runs it without re-planning."""
         from autopar.module.export import export_module
         return export_module(self, Path(directory))
+
+    def __deepcopy__(self, memo: dict) -> ParallelModule:
+        """An independent working copy (:mod:`autopar.module.clone`): its forward reads its
+        own parameters, so ``torch.optim.swa_utils.AveragedModel(pm)`` keeps a working EMA.
+        Not collective."""
+        return clone_module(self, memo)
+
+    def save_pretrained(self, save_directory: str | Path, **kwargs) -> None:
+        """Hugging Face's ``save_pretrained`` of the model passed to ``auto_parallel``,
+        with the trained weights (``kwargs`` as it takes them).  Collective: every rank
+        calls it (the whole state is gathered), rank 0 writes.  That model's own
+        ``save_pretrained`` raises: it holds the weights from before ``auto_parallel``."""
+        save_pretrained(self, save_directory, **kwargs)
 
     def shutdown(self) -> None:
         """Destroy the process group (call once at the end of a torchrun script).

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from autopar.errors import AutoparError
+from autopar.module.habits import check_loaded_state_dict, mark_state_dict
 from autopar.plan.placement import parse_placements
 from autopar.runtime.dparams import as_dtensor
 from autopar.runtime.shards import gather_tensor, shard_tensor
@@ -107,16 +108,21 @@ class StateMixin:
             t = self._target_of.get(name)
             x = self._extra[name] if t is None else self._state_tensor(t)
             out[prefix + name] = x if keep_vars else x.detach()
+        mark_state_dict(out, self._dparams.mesh)  # whose shards: checked by load_state_dict
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True,
                         assign: bool = False):
         """Load a state dict from :meth:`state_dict` (DTensors, any plan: they are
         redistributed to this plan's placements) or from the original model (whole
-        tensors, sharded here).  With ``strict``, missing or unexpected keys raise."""
+        tensors, sharded here).  With ``strict``, missing or unexpected keys raise.  One
+        rank's :meth:`state_dict` written with ``torch.save`` and loaded on a rank whose
+        shards differ raises :class:`~autopar.errors.ForeignShardError` on every rank
+        (:mod:`autopar.module.habits`)."""
         if self._dparams is None:
             self.load_full_state_dict(state_dict)
             return nn.modules.module._IncompatibleKeys([], [])
+        check_loaded_state_dict(state_dict, self)  # another rank's shards: every rank raises
         keys = set(self._held_keys())
         missing = sorted(keys - set(state_dict))
         unexpected = sorted(set(state_dict) - keys - set(self._target_of))
