@@ -35,8 +35,10 @@ SCRIPT = textwrap.dedent("""
         return v.sum() * 2 + h.mean()
 
     torch.manual_seed(0)
-    x, w = torch.randn(4, 16, 32), torch.randn(128, 32)
+    x = torch.randn(4, 16, 32, requires_grad=True)
+    w = torch.randn(128, 32, requires_grad=True)  # a training graph: its views are replayed
     out = torch.compile(f)(x, w)
+    out.backward()
     print(json.dumps({"out": out.item(), "eager": f(x, w).item(),
                       "hits": counters["aot_autograd"]["autograd_cache_hit"]}))
 """)
