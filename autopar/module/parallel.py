@@ -18,6 +18,7 @@ from autopar.module.state import StateMixin, TensorInfo
 from autopar.plan.data import Plan
 from autopar.plan.placement import is_replicate, parse_placements
 from autopar.runtime import rng
+from autopar.runtime.compiled_cache import cache_safe_views
 from autopar.runtime.inputs import BatchMode, InputBinder
 from autopar.runtime.mesh import activate
 
@@ -145,7 +146,12 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         return pytree.tree_unflatten(list(out), self._out_spec) if self._out_spec is not None else out
 
     def forward(self, *args, **kwargs):
-        """Run this rank's part: same inputs and outputs as the original model."""
+        """Run this rank's part: same inputs and outputs as the original model.
+
+        Under ``torch.compile(pm)`` (as Hugging Face's ``Trainer`` calls it) the call
+        goes to :meth:`_forward_compiled`."""
+        if torch.compiler.is_compiling():
+            return self._forward_compiled(*args, **kwargs)
         flat = self._bind(args, kwargs)
         if self.runner is not None:
             raise RuntimeError(
@@ -160,6 +166,18 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
                 return self._outputs(self.grad_sync.watch(run(*flat), self._dparams))
         return self._outputs(self.grad_sync.watch(run(*flat), self._dparams))
 
+    @torch.compiler.disable
+    def _forward_compiled(self, *args, **kwargs):
+        """``torch.compile(pm)``'s call: :meth:`forward` as it runs after :meth:`compile`,
+        outside dynamo.  Dynamo then compiles the generated graph alone (as
+        :meth:`compile` does, with its defaults unless :meth:`compile` was called first);
+        the input binding, the ranks' first-call check and the gradient hooks are Python
+        dynamo cannot trace (it dies registering the backward hooks) or would guard on
+        every step."""
+        if not self.compiled:
+            self.compile()
+        return self.forward(*args, **kwargs)
+
     def compile(self, *args, **kwargs) -> None:
         """Run this rank's generated graph through ``torch.compile`` (``args`` and
         ``kwargs`` as it takes them: ``mode="max-autotune"``, ``backend=...``).
@@ -173,6 +191,7 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         the zero-bubble schedule, which runs eagerly
         (:meth:`~autopar.runtime.pipeline.PipelineRunner.compile`).
         ``auto_parallel(..., compile=True)`` calls this."""
+        cache_safe_views()  # torch's compile cache and the graph's views (compiled_cache.py)
         if self.runner is not None:
             self.runner.compile(*args, **kwargs)
             return
