@@ -142,10 +142,11 @@ def scatter(value: torch.Tensor, placements: Placements, mesh: Sequence[int],
 
 
 def assert_same(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """Equal up to :data:`TOL` (floats) or exactly (integers, booleans)."""
+    """Equal up to :data:`TOL` (floats) or exactly (integers, booleans).  A NaN must
+    stand where the unsharded op has one (a variance with no degrees of freedom left)."""
     if expected.is_floating_point():
         tol = TOL[expected.dtype]
-        torch.testing.assert_close(actual, expected, rtol=tol, atol=tol,
+        torch.testing.assert_close(actual, expected, rtol=tol, atol=tol, equal_nan=True,
                                    msg=lambda m: f"{what}: {m}")
     else:
         assert actual.dtype == expected.dtype and actual.shape == expected.shape, \
