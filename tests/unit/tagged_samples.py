@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from autopar.sharding.rules.tagged import TAG_REGISTERED
+from autopar.sharding.rules.tagged import tag_registered
 
 SHAPES = [(4, 8), (8,), (4, 1)]
 INT_OPS = ("gcd", "lcm", "bitwise_", "__lshift__", "__rshift__", "__xor__")
@@ -76,4 +76,4 @@ def sample_call(op: torch._ops.OpOverload, tensor: Callable, arg: Callable
 
 def tagged_ops() -> list[object]:
     """The ops registered by tag (and the untagged elementwise list)."""
-    return list(TAG_REGISTERED)
+    return tag_registered()

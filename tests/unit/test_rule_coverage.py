@@ -19,12 +19,12 @@ from autopar.plan.placement import R, Shard
 from autopar.report.summary import unsupported_ops
 from autopar.search.node_prices import CostModel
 from autopar.sharding.local_forms import describe
-from autopar.sharding.rules import _RULES, RuleCtx, has_rule, op_strategies
+from autopar.sharding.rules import RuleCtx, has_rule, op_strategies, rule_of
 from autopar.sharding.rules.pointwise import add_rule, linear_unary_rule, mul_rule
 from autopar.sharding.rules.tagged import (
     EXCLUDED,
-    TAG_REGISTERED,
     shard_alike_rule,
+    tag_registered,
     tagged_pointwise,
 )
 
@@ -53,12 +53,12 @@ def test_random_inplace_and_out_variants_get_no_rule() -> None:
 def test_explicit_rules_win_over_the_tag() -> None:
     """The tag's rule offers no Partial; the explicit rules of the ops Partial passes
     through (sums, products, casts) must stay theirs."""
-    assert _RULES[aten.add.Tensor] is add_rule
-    assert _RULES[aten.mul.Tensor] is mul_rule
-    assert _RULES[aten.neg.default] is linear_unary_rule
-    assert aten.add.Tensor not in TAG_REGISTERED
-    assert _RULES[aten.acos.default] is shard_alike_rule
-    assert _RULES[aten.hardswish.default] is shard_alike_rule  # untagged, listed
+    assert rule_of(aten.add.Tensor) is add_rule
+    assert rule_of(aten.mul.Tensor) is mul_rule
+    assert rule_of(aten.neg.default) is linear_unary_rule
+    assert aten.add.Tensor not in tag_registered()
+    assert rule_of(aten.acos.default) is shard_alike_rule
+    assert rule_of(aten.hardswish.default) is shard_alike_rule  # untagged, listed
 
 
 class _Formerly(nn.Module):

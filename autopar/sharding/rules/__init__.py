@@ -11,8 +11,8 @@ How to add an op: write ``@register(aten.my_op.default)`` on a function
 ``(node, RuleCtx) -> list[AxisStrategy]`` in the file of its family, import the file
 in :func:`_load_families`, and add a case to ``tests/unit/test_rules.py``, whose
 brute-force validator simulates the ranks and compares with the unsharded op.
-Ops tagged ``torch.Tag.pointwise`` need nothing: :mod:`.tagged` (loaded last) gives
-every one without a rule of its own the shard-alike rule.
+Ops tagged ``torch.Tag.pointwise`` need nothing: :mod:`.tagged` gives every one
+without a rule of its own the shard-alike rule (a :class:`Fallback`).
 """
 
 from __future__ import annotations
@@ -79,6 +79,26 @@ _RULES: dict[object, Rule] = {}
 _MESH_CHECKS: dict[object, MeshCheck] = {}
 
 
+@dataclass(frozen=True)
+class Fallback:
+    """Rules found by a property of the op rather than listed (:mod:`.tagged`: the
+    pointwise tag): ``rule_for(target)`` gives the rule or None, ``targets()`` lists
+    every op it covers.  Asked only for ops without a registered rule, so a listed
+    rule always wins; looked up per op as planning meets it (listing every aten
+    overload up front costs a quarter of a second a process)."""
+
+    rule_for: Callable[[object], Rule | None]
+    targets: Callable[[], list[object]]
+
+
+_FALLBACKS: list[Fallback] = []
+
+
+def register_fallback(fallback: Fallback) -> None:
+    """Add a :class:`Fallback` (asked in registration order)."""
+    _FALLBACKS.append(fallback)
+
+
 def register(*targets: object, mesh_check: MeshCheck | None = None) -> Callable[[Rule], Rule]:
     """Decorator: register a rule for the given aten overloads.  ``mesh_check`` (optional)
     vets each mesh strategy the per-axis product makes, for ops whose lowering depends
@@ -92,15 +112,31 @@ def register(*targets: object, mesh_check: MeshCheck | None = None) -> Callable[
     return deco
 
 
-def has_rule(target: object) -> bool:
-    """True when ``target`` has a registered rule."""
+def rule_of(target: object) -> Rule | None:
+    """The rule of ``target``: registered, else a fallback's (then remembered)."""
     _load_families()
-    return target in _RULES
+    rule = _RULES.get(target)
+    if rule is None:
+        for fb in _FALLBACKS:
+            rule = fb.rule_for(target)
+            if rule is not None:
+                _RULES[target] = rule
+                break
+    return rule
+
+
+def has_rule(target: object) -> bool:
+    """True when ``target`` has a rule (registered or a fallback's)."""
+    return rule_of(target) is not None
 
 
 def registered_ops() -> list[object]:
-    """Every op with a rule (for docs and the validator's coverage check)."""
+    """Every op with a rule, the fallbacks' included (for docs and the validator's
+    coverage check)."""
     _load_families()
+    for fb in _FALLBACKS:
+        for t in fb.targets():
+            rule_of(t)
     return list(_RULES)
 
 
@@ -128,7 +164,7 @@ def _load_families() -> None:
         statistics,
         views,
     )
-    # last: the tag gives a rule only to the pointwise ops no family above registered
+    # the tag's fallback: asked only for ops no family above registered
     importlib.import_module("autopar.sharding.rules.tagged")
 
 
@@ -175,8 +211,7 @@ def partial_through(node: fx.Node, partial_inputs: Sequence[object]) -> AxisStra
 # ---------------------------------------------------------------- expansion
 def axis_strategies(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
     """The 1-D strategies of ``node`` (rule output plus all-replicate, de-duplicated)."""
-    _load_families()
-    rule = _RULES.get(node.target)
+    rule = rule_of(node.target)
     out = [replicate_strategy(node)]
     if rule is None:
         name = str(node.target)

@@ -1,10 +1,11 @@
 """Pointwise ops found by PyTorch's own tag (DTensor's habit): every functional aten
-overload tagged ``torch.Tag.pointwise`` that no other family registers gets the
-shard-alike rule (any non-broadcast dim sharded alike on every tensor input and every
-output; no Partial, as for a non-linear op).
+overload tagged ``torch.Tag.pointwise`` that no family registers gets the shard-alike
+rule (any non-broadcast dim sharded alike on every tensor input and every output; no
+Partial, as for a non-linear op).
 
-This module loads last, so an explicit rule (``add``, ``mul``, casts: the ops Partial
-passes through) always wins.  Left out, each for a reason:
+The tag is read as planning meets an op without a rule (a
+:class:`~autopar.sharding.rules.Fallback`), so an explicit rule (``add``, ``mul``,
+casts: the ops Partial passes through) always wins.  Left out, each for a reason:
 
 - in-place (``relu_``) and ``out=`` overloads: the captured graph is functional;
 - random ops (tagged ``nondeterministic_seeded``, e.g. ``rrelu``): every rank would draw
@@ -12,7 +13,7 @@ passes through) always wins.  Left out, each for a reason:
 - :data:`EXCLUDED`: tagged pointwise, yet shard-alike is wrong for them.
 
 :data:`UNTAGGED` lists elementwise ops PyTorch does not tag that models use
-(``hardswish``): they get the same rule.
+(``hardswish``): they are registered with the same rule.
 """
 
 from __future__ import annotations
@@ -21,7 +22,15 @@ import torch
 from torch import fx
 
 from autopar.capture.ir import is_tensor_node
-from autopar.sharding.rules import AxisStrategy, RuleCtx, has_rule, pointwise_axis, register
+from autopar.sharding.rules import (
+    AxisStrategy,
+    Fallback,
+    RuleCtx,
+    pointwise_axis,
+    register,
+    register_fallback,
+    rule_of,
+)
 
 aten = torch.ops.aten
 
@@ -56,10 +65,18 @@ def _functional(s: torch._C.FunctionSchema) -> bool:
             and not s.overload_name.endswith("out"))
 
 
+def by_tag(op: object) -> bool:
+    """Whether the tag gives ``op`` the shard-alike rule: a functional, non-random aten
+    overload tagged pointwise, not :data:`EXCLUDED`."""
+    return (isinstance(op, torch._ops.OpOverload) and torch.Tag.pointwise in op.tags
+            and torch.Tag.nondeterministic_seeded not in op.tags
+            and _functional(op._schema) and op not in EXCLUDED)
+
+
 def tagged_pointwise() -> list[torch._ops.OpOverload]:
     """Every functional, non-random aten overload tagged pointwise (sorted by name).
     The schemas are filtered first: an overload object (which carries the tags) costs
-    tens of microseconds to make, and this runs once per process."""
+    tens of microseconds to make."""
     names = sorted({(s.name[len("aten::"):], s.overload_name or "default")
                     for s in torch._C._jit_get_all_schemas() if _functional(s)})
     ops = []
@@ -71,13 +88,13 @@ def tagged_pointwise() -> list[torch._ops.OpOverload]:
     return ops
 
 
-def _register_all() -> list[object]:
-    """Register the rule for every tagged or listed op no family registered; return them."""
-    added = [op for op in [*tagged_pointwise(), *UNTAGGED]
-             if not has_rule(op) and op not in EXCLUDED]
-    register(*added)(shard_alike_rule)
-    return added
+def tag_registered() -> list[object]:
+    """The ops this module gives a rule: the tag's (less those a family registers) and
+    :data:`UNTAGGED`; for docs and tests (planning never lists them)."""
+    return [op for op in [*tagged_pointwise(), *UNTAGGED]
+            if op not in EXCLUDED and rule_of(op) is shard_alike_rule]
 
 
-TAG_REGISTERED: list[object] = _register_all()
-"""The ops this module gave a rule (the tag's and :data:`UNTAGGED`), for docs and tests."""
+register(*UNTAGGED)(shard_alike_rule)
+register_fallback(Fallback(lambda op: shard_alike_rule if by_tag(op) else None,
+                           lambda: [op for op in tagged_pointwise() if op not in EXCLUDED]))
