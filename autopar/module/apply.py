@@ -98,9 +98,10 @@ def apply_zero(pm: ParallelModule) -> None:
         if not pm._mine(t):
             continue
         # a parameter replicated on every ZeRO axis (one sharded on some of them by
-        # the plan keeps its placement and its gradient sync)
+        # the plan keeps its placement and its gradient sync; so does a 0-d one:
+        # Shard(0) has no dim to cut)
         if t in pm._placements and isinstance(p, nn.Parameter) and p.requires_grad \
-                and set(z) <= set(pm._replicated_axes(t)):
+                and p.dim() > 0 and set(z) <= set(pm._replicated_axes(t)):
             params.append((t, tuple(a for a in pm._replicated_axes(t) if a not in z)))
     layers = {n.param: n.layer for n in pm.plan.nodes.values() if n.param and n.layer}
     if d.gather_chunks and (d.zero_stage not in (1, 2) or d.pipeline_stages > 1):

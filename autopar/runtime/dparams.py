@@ -1,7 +1,7 @@
 """Parameters as DTensors: what a ParallelModule shows its user.
 
-The generated graph computes on plain local tensors (this rank's shards, or ZeRO's
-flat shards), and the runtime pieces (gradient buckets, ZeRO, pipelines) work on
+The generated graph computes on plain local tensors (this rank's shards, ZeRO's
+included), and the runtime pieces (gradient buckets, ZeRO, pipelines) work on
 those.  Users instead see, under the original model's names, ``nn.Parameter``\\ s
 holding ``DTensor``\\ s on the plan's ``DeviceMesh`` with the plan's placements, each a
 *view of the same storage* as its local tensor.  So, unchanged:

@@ -56,12 +56,12 @@ class Cut:
     @classmethod
     def of(cls, shape: Sequence[int], sizes: Sequence[int]) -> Cut:
         """The layout of a local whole of ``shape`` over ZeRO axes of ``sizes``
-        (mesh order); ``shape`` has at least one dim."""
+        (mesh order); ``shape`` has at least one dim (0-d parameters stay out of ZeRO:
+        ``Shard(0)`` has no dim to cut)."""
         shape = torch.Size(shape)
         row = math.prod(shape[1:])
         spans = [_rows(shape[0], sizes, _coords(r, sizes)) for r in range(math.prod(sizes))]
-        size = max(1, max(n for _, n in spans) * row)
-        return cls(shape, size, tuple(s * row for s, _ in spans), tuple(n * row for _, n in spans))
+        return cls(shape, padded_size(shape, sizes), tuple(s * row for s, _ in spans), tuple(n * row for _, n in spans))
 
     @property
     def numel(self) -> int:
@@ -88,6 +88,20 @@ class Cut:
     def view(self, flat: torch.Tensor, r: int) -> torch.Tensor:
         """Rank ``r``'s rows, in their shape, viewing its flat buffer ``flat``."""
         return flat[: self.counts[r]].view(self.local_shape(r))
+
+
+def first_rows(rows: int, sizes: Sequence[int]) -> int:
+    """The first rank's rows (the most any rank holds) of ``rows`` over ZeRO axes of
+    ``sizes``."""
+    for k in sizes:
+        rows = -(-rows // k)
+    return rows
+
+
+def padded_size(shape: Sequence[int], sizes: Sequence[int]) -> int:
+    """:attr:`Cut.size` of a local whole of ``shape`` over ZeRO axes of ``sizes``,
+    without listing the ranks."""
+    return max(1, first_rows(shape[0], sizes) * math.prod(shape[1:]))
 
 
 def _coords(r: int, sizes: Sequence[int]) -> list[int]:
@@ -175,4 +189,4 @@ def check(target: str, local: torch.Tensor, mesh: DeviceMesh, zero_pl: tuple, tp
             "tensor-parallel axes, or without ZeRO for it")
 
 
-__all__ = ["Cut", "check", "pack", "placements", "unpack"]
+__all__ = ["Cut", "check", "first_rows", "pack", "padded_size", "placements", "unpack"]
