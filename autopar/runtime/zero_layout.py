@@ -52,6 +52,9 @@ class Cut:
     size: int  # padded elements every rank's flat buffer holds
     starts: tuple[int, ...]  # each rank's first element in the flattened whole
     counts: tuple[int, ...]  # each rank's real elements
+    prefix: bool = True
+    """Rank ``r``'s piece starts at ``r * size``: the buffers concatenated are the whole,
+    then padding (read on every gather, so computed once)."""
 
     @classmethod
     def of(cls, shape: Sequence[int], sizes: Sequence[int]) -> Cut:
@@ -61,18 +64,15 @@ class Cut:
         shape = torch.Size(shape)
         row = math.prod(shape[1:])
         spans = [_rows(shape[0], sizes, _coords(r, sizes)) for r in range(math.prod(sizes))]
-        return cls(shape, padded_size(shape, sizes), tuple(s * row for s, _ in spans), tuple(n * row for _, n in spans))
+        size, numel = padded_size(shape, sizes), math.prod(shape)
+        starts = tuple(s * row for s, _ in spans)
+        return cls(shape, size, starts, tuple(n * row for _, n in spans),
+                   all(s == min(r * size, numel) for r, s in enumerate(starts)))
 
     @property
     def numel(self) -> int:
         """Elements of the local whole."""
         return math.prod(self.shape)
-
-    @property
-    def prefix(self) -> bool:
-        """Rank ``r``'s piece starts at ``r * size``: the buffers concatenated are the
-        whole, then padding."""
-        return all(s == min(r * self.size, self.numel) for r, s in enumerate(self.starts))
 
     def local_shape(self, r: int) -> torch.Size:
         """Rank ``r``'s shard shape (its rows of the local whole)."""
