@@ -10,6 +10,7 @@ import gpt
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -37,6 +38,27 @@ def _model() -> nn.Module:
     return model
 
 
+class Odd(nn.Module):
+    """Dims 0 that divide by no rank count here (5, 7, 3 rows), and one of 1 row: ranks
+    hold different numbers of rows, the last ones none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 7)
+        self.fc2 = nn.Linear(7, 5)
+        self.fc3 = nn.Linear(5, 3)
+        self.scale = nn.Parameter(torch.ones(1, 3))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+        return F.mse_loss(h * self.scale, y)
+
+
+def _odd_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(200 + step)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 3, generator=g)
+
+
 def _groups(params, decay: bool = True) -> list[dict]:
     """The common grouping: no weight decay on biases and norms (``p.dim() < 2``)."""
     params = list(params)
@@ -44,12 +66,12 @@ def _groups(params, decay: bool = True) -> list[dict]:
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def _train(model: nn.Module, decay: bool = True) -> list[float]:
+def _train(model: nn.Module, decay: bool = True, batch=_batch) -> list[float]:
     opt = torch.optim.AdamW(_groups(model.parameters(), decay), lr=LR)
     losses = []
     for step in range(STEPS):
         opt.zero_grad()
-        loss = model(*_batch(step))
+        loss = model(*batch(step))
         loss.backward()
         opt.step()
         losses.append(float(loss))
@@ -66,16 +88,21 @@ def decay_groups(case: dict) -> dict:
     the single process; also what the single process gets when the grouping puts every
     tensor in the no-decay group (what flat 1-D shards did)."""
     reset()
-    model = _model()
+    odd = case.get("model") == "odd"
+    torch.manual_seed(0)
+    model, batch = (Odd(), _odd_batch) if odd else (_model(), _batch)
     ref, flat = copy.deepcopy(model), copy.deepcopy(model)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    pm = auto_parallel(model, example_inputs=_batch(0), mesh=(dist.get_world_size(),), pins=DP,
-                       zero_stage=case["stage"])
+    mesh = tuple(case.get("mesh", (dist.get_world_size(),)))
+    pins = {"*": "R" * len(mesh), "input:0": "S(0)" * len(mesh), "input:1": "S(0)" * len(mesh)}
+    pm = auto_parallel(model, example_inputs=batch(0), mesh=mesh, pins=pins,
+                       zero_stage=case["stage"], **case.get("options", {}))
     got = {n: (tuple(p.shape), p.dim(), p.numel(), type(p.data).__name__)
            for n, p in pm.named_parameters()}
-    losses = _train(pm)
-    ref_losses = _train(ref)
-    _train(flat, decay=False)
+    rows = {n: list(p.to_local().shape) for n, p in pm.named_parameters()}
+    losses = _train(pm, batch=batch)
+    ref_losses = _train(ref, batch=batch)
+    _train(flat, decay=False, batch=batch)
     full = pm.full_state_dict()
     want = ref.state_dict()
     err, worst = _err(full, want)
@@ -86,7 +113,13 @@ def decay_groups(case: dict) -> dict:
             "decayed": sum(1 for p in pm.parameters() if p.dim() >= 2),
             "ref_decayed": sum(1 for p in ref.parameters() if p.dim() >= 2),
             "losses": losses, "ref_losses": ref_losses, "err": err, "worst": worst,
-            "flat_err": flat_err}
+            "flat_err": flat_err, "rows": _all(rows)}
+
+
+def _all(x) -> list:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, x)
+    return out
 
 
 def _dtensors(sd: dict) -> dict:
