@@ -98,9 +98,10 @@ def apply_zero(pm: ParallelModule) -> None:
         if not pm._mine(t):
             continue
         # a parameter replicated on every ZeRO axis (one sharded on some of them by
-        # the plan keeps its placement and its gradient sync)
+        # the plan keeps its placement and its gradient sync; so does a 0-d one:
+        # Shard(0) has no dim to cut)
         if t in pm._placements and isinstance(p, nn.Parameter) and p.requires_grad \
-                and set(z) <= set(pm._replicated_axes(t)):
+                and p.dim() > 0 and set(z) <= set(pm._replicated_axes(t)):
             params.append((t, tuple(a for a in pm._replicated_axes(t) if a not in z)))
     layers = {n.param: n.layer for n in pm.plan.nodes.values() if n.param and n.layer}
     if d.gather_chunks and (d.zero_stage not in (1, 2) or d.pipeline_stages > 1):
@@ -124,8 +125,10 @@ def apply_offload(pm: ParallelModule) -> None:
         from autopar.errors import PlanError
         raise PlanError("this plan keeps parameter shards in host memory (offload='params'), which "
                         "needs ZeRO-3 over every replicated axis of the parameters; plan it again")
+    r = pm._mesh_rt.coord_of(pm.zero.axes)
     for zp in pm.zero.params:
-        zp.shard.data = to_host(zp.shard.data)
+        zp.flat.data = to_host(zp.flat.data)
+        zp.shard.data = zp.cut.view(zp.flat, r)  # the parameter still views what is sent
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
@@ -234,7 +237,9 @@ def apply_dparams(pm: ParallelModule, full_state: Mapping[str, torch.Tensor] | N
     from torch.distributed.tensor import Replicate
 
     from autopar.runtime import local_step
-    from autopar.runtime.dparams import DParams, flat_layout, register_tree
+    from autopar.runtime.dparams import DParams, register_tree
+    from autopar.runtime.zero_layout import check as check_layout
+    from autopar.runtime.zero_layout import placements as zero_placements
     mesh = pm._mesh_rt.param_mesh
     zt = pm.zero.targets() if pm.zero is not None else set()
     entries = []
@@ -244,8 +249,9 @@ def apply_dparams(pm: ParallelModule, full_state: Mapping[str, torch.Tensor] | N
         names = pm.aliases[t]
         if t in zt:
             zp = pm.zero._by_target[t]
-            pl, shape = flat_layout(pm._placements[t], pm.zero.axes, zp.shard.numel(),
-                                    pm.plan.mesh.shape)
+            pl = zero_placements(pm._placements[t], pm.zero.axes, pm.plan.mesh.shape)
+            shape = tuple(pm._param_nodes[t].shape[0])
+            check_layout(t, zp.shard, mesh, pl, pm._placements[t], shape, pm.zero.start_row(t))
             e = DParams.make(t, zp.shard, mesh, pl, shape, True,
                              hook_on=zp.full if zp.full is not None else zp.shard)
         elif t in pm._placements and isinstance(p, nn.Parameter):

@@ -4,10 +4,11 @@
 (frozen, buffer, persistent, used by the forward or not).  :class:`StateMixin` gives
 :class:`autopar.module.parallel.ParallelModule` the ``state_dict`` /
 ``load_state_dict`` pair ``torch.distributed.checkpoint`` expects: DTensors with the
-plan's placements, in the parameters' own shapes, under the original names, so a
-checkpoint saved under one plan loads exactly into another (DCP reshards) or into the
-plain model in one process.  It also gathers and shards whole tensors
-(``full_state_dict``, ``load_full_state_dict``, ``full_grads``).
+plan's placements (ZeRO's ``Shard(0)`` included), in the parameters' own shapes, under
+the original names, so a checkpoint saved under one plan loads exactly into another
+(DCP reshards) or into the plain model in one process.  ``state_dict`` issues no
+collective, as FSDP2's does not; gathering whole tensors is explicit and collective
+(``full_state_dict``, ``full_grads``; ``load_full_state_dict`` shards them in).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from torch.distributed.tensor import DTensor
 from autopar.errors import AutoparError
 from autopar.module.habits import check_loaded_state_dict, mark_state_dict
 from autopar.plan.placement import parse_placements
-from autopar.runtime.dparams import as_dtensor
 from autopar.runtime.shards import gather_tensor, shard_tensor
 
 
@@ -72,16 +72,11 @@ def _flat_options():
 class StateMixin:
     """``state_dict`` / ``load_state_dict`` under original names (see module docstring).
 
-    Both are collective under a ZeRO stage-3 plan (the parameter is gathered from its
-    shards) and with stages 1-2 (shards updated by the optimizer are gathered first)."""
+    ``state_dict`` is local (ZeRO parameters are their shards); ``load_state_dict`` is
+    collective where the loaded DTensors must be redistributed to this plan."""
 
     def _state_tensor(self, t: str) -> torch.Tensor:
         e = self._entry.get(t)
-        if self.zero is not None and t in self.zero.targets():
-            zp = self.zero._by_target[t]
-            whole = zp.full.detach() if zp.full is not None else self.zero.local_whole(t)
-            pl = self._placements[t]
-            return as_dtensor(whole, self._dparams.mesh, pl, tuple(self._param_nodes[t].shape[0]))
         if e is not None:
             return e.param
         return self.inner.get_buffer(t)  # a held target without a DTensor entry is a buffer
@@ -95,14 +90,13 @@ class StateMixin:
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """The original model's ``state_dict()`` keys; parameters are DTensors (this
-        rank's shard, the plan's placements, the parameter's own shape), buffers plain
-        tensors.  The tensors share storage with the module except ZeRO-3 parameters,
-        which are gathered copies: load them back with :meth:`load_state_dict`."""
+        rank's shard, the plan's placements, ZeRO's ``Shard(0)`` included, the
+        parameter's own shape), buffers plain tensors, all sharing storage with the
+        module.  No collective: one rank alone may call it (a whole-tensor state dict is
+        :meth:`full_state_dict`, collective)."""
         if self._dparams is None:
             return super().state_dict(*args, destination=destination, prefix=prefix,
                                       keep_vars=keep_vars)
-        if self.zero is not None:
-            self.zero.refresh()
         out = OrderedDict() if destination is None else destination
         for name in self._held_keys():
             t = self._target_of.get(name)
@@ -153,51 +147,23 @@ class StateMixin:
     # ------------------------------------------------------------ checkpoints
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
         """(model, optimizer) state dicts to save with DCP that load into any plan, on
-        any number of ranks, ZeRO's included: torch's ``get_state_dict(self, optimizer,
-        flatten_optimizer_state_dict=True)``, with the optimizer state of every ZeRO
-        parameter in the parameter's own shape and placements instead of this plan's
-        flat slices.  Collective: that state is gathered over the ZeRO axes, so it
-        briefly takes the memory ZeRO saved.  To resume, take these as the target,
-        ``dcp.load`` into them and pass them to :meth:`load_checkpoint_state`
-        (docs/training.md)."""
+        any number of ranks: torch's ``get_state_dict(self, optimizer,
+        flatten_optimizer_state_dict=True)`` (every parameter's state, ZeRO's included,
+        is a DTensor of the parameter's own shape, so DCP reshards it).  To resume, take
+        these as the target, ``dcp.load`` into them and pass them to
+        :meth:`load_checkpoint_state` (docs/training.md)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        msd, osd = get_state_dict(self, optimizer, options=_flat_options())
-        for key, t, v in self._zero_state(osd):
-            whole = self.zero.whole_of(t, v.to_local())
-            osd[key] = as_dtensor(whole, self._dparams.mesh, self._placements[t],
-                                  tuple(self._param_nodes[t].shape[0]))
-        return msd, osd
+        return get_state_dict(self, optimizer, options=_flat_options())
 
     def load_checkpoint_state(self, optimizer: torch.optim.Optimizer, model_state: dict,
                               optim_state: dict) -> None:
         """Load what :meth:`checkpoint_state` gave (after ``dcp.load`` filled it) into
-        this module and ``optimizer``: ZeRO parameters' state is cut back to this plan's
-        flat slices."""
+        this module and ``optimizer`` (torch's ``set_state_dict``)."""
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        osd = dict(optim_state)
-        for key, t, v in self._zero_state(osd):
-            e = self._entry[t]
-            local = v.redistribute(self._dparams.mesh, self._placements[t]).to_local()
-            osd[key] = as_dtensor(self.zero.chunk_of(t, local).clone(), self._dparams.mesh,
-                                  e.placements, e.shape)
-        set_state_dict(self, optimizer, model_state_dict=model_state, optim_state_dict=osd, options=_flat_options())
-
-    def _zero_state(self, osd: dict) -> list[tuple[str, str, DTensor]]:
-        """(key, target, tensor) of every optimizer state tensor of a ZeRO parameter in
-        ``osd`` (flattened keys ``state.<name>.<kind>``; a DTensor: the step count is a
-        plain scalar), in key order, the same on every rank, so the gathers line up."""
-        if self.zero is None or self._dparams is None:
-            return []
-        owner = {n: t for t in self.zero.targets() for n in self.aliases[t] if t in self._entry}
-        out = []
-        for key in sorted(osd):
-            name = key[len("state."):].rsplit(".", 1)[0] if key.startswith("state.") else None
-            v, t = osd[key], owner.get(name)
-            if t is not None and isinstance(v, DTensor):
-                out.append((key, t, v))
-        return out
+        set_state_dict(self, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                       options=_flat_options())
 
     def _load_targets(self, full_state: Mapping[str, torch.Tensor], coord) -> None:
         pieces = {}

@@ -1,7 +1,7 @@
 """Parameters as DTensors: what a ParallelModule shows its user.
 
-The generated graph computes on plain local tensors (this rank's shards, or ZeRO's
-flat shards), and the runtime pieces (gradient buckets, ZeRO, pipelines) work on
+The generated graph computes on plain local tensors (this rank's shards, ZeRO's
+included), and the runtime pieces (gradient buckets, ZeRO, pipelines) work on
 those.  Users instead see, under the original model's names, ``nn.Parameter``\\ s
 holding ``DTensor``\\ s on the plan's ``DeviceMesh`` with the plan's placements, each a
 *view of the same storage* as its local tensor.  So, unchanged:
@@ -18,11 +18,9 @@ collective of the runtime has finished, each DTensor parameter's ``.grad`` becom
 DTensor view of its local tensor's gradient.  ``optimizer.zero_grad()`` (set to None)
 is mirrored onto the local tensors before the next forward.
 
-ZeRO's flat shards (1-D, padded) are DTensors of a 1-D global tensor sharded on the
-ZeRO axis and on every axis the parameter is sharded on; their global shape is that
-flattened layout, not the parameter's, so optimizer state of ZeRO parameters reloads
-only into the same plan.  The model state dict (``ParallelModule.state_dict``) always
-uses the parameters' own shapes.
+ZeRO's shards are DTensors of the parameter's own global shape, ``Shard(0)`` on the
+ZeRO axes (:mod:`autopar.runtime.zero_layout`), as FSDP2's are: shapes, optimizer
+state and checkpoints are the parameter's, whatever the plan.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 Placements = tuple
 
@@ -47,20 +45,6 @@ def as_dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence,
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(local, mesh, tuple(placements), run_check=False, shape=shape,
                               stride=stride)
-
-
-def flat_layout(placements: Sequence, zero_axes: tuple[int, ...], shard_numel: int,
-                mesh_shape: Sequence[int]) -> tuple[tuple, tuple[int]]:
-    """(placements, global shape) of a ZeRO flat shard: different on the ZeRO axes and
-    on every axis the parameter is sharded on, identical on the other axes."""
-    pl, n = [], shard_numel
-    for a, p in enumerate(placements):
-        if a in zero_axes or isinstance(p, Shard):
-            pl.append(Shard(0))
-            n *= mesh_shape[a]
-        else:
-            pl.append(Replicate())
-    return tuple(pl), (n,)
 
 
 @dataclass
@@ -258,4 +242,4 @@ def register_tree(root: nn.Module, name: str, value: torch.Tensor, *, buffer: bo
         owner.register_parameter(leaf, value)
 
 
-__all__ = ["DParams", "Entry", "as_dtensor", "flat_layout", "register_tree"]
+__all__ = ["DParams", "Entry", "as_dtensor", "register_tree"]

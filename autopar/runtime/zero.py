@@ -1,10 +1,11 @@
 """Optimizer (ZeRO) parallelism over mesh axes, with the user's own ``torch.optim``.
 
 A parameter replicated on the ZeRO axes ``z`` (one or several: ``d`` ranks in all,
-one group spanning them) gets a *shard*: an
-``nn.Parameter`` holding this rank's ``1/d`` of its flattened (zero-padded) local
-tensor.  The shards are what ``ParallelModule.parameters()`` yields, so any
-element-wise optimizer (AdamW, SGD with momentum, ...) keeps state for its shard only.
+one group spanning them) gets a *shard*: an ``nn.Parameter`` holding this rank's rows
+of its local tensor (dim 0, as FSDP2 cuts: :mod:`autopar.runtime.zero_layout`), a view
+of a flat padded buffer the collectives move.  ``ParallelModule.parameters()`` yields
+them as DTensors of the parameter's own shape (``Shard(0)`` on the ZeRO axes), so any
+optimizer keeps state for its shard only and sees the parameter's shape.
 
 =========  ==========================  =================================  ==================
 stage      whole parameter             gradient                           after the step
@@ -56,12 +57,12 @@ from autopar.runtime.zero3 import (
     Group,
     free_gathered_params,
     launch_gather,
-    rank_major,
     register,
     zero_gather,
 )
 from autopar.runtime.zero_chunks import Chunks, copy_out, new_key, replace_reads, zero_fetch
 from autopar.runtime.zero_chunks import register as register_chunks
+from autopar.runtime.zero_layout import Cut, pack, unpack
 
 
 def _all_gather_flat(shard: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
@@ -73,14 +74,6 @@ def _all_gather_flat(shard: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor
     return out
 
 
-def _reduce_scatter_flat(flat: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
-    m = current()
-    out = torch.empty(flat.numel() // m.size_of(axes), dtype=flat.dtype, device=flat.device)
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    issue(fn, out, flat.contiguous(), group=m.group_of(axes))
-    return out
-
-
 def _reduce_other_axes(mine: torch.Tensor, params: list[ZeroParam]) -> None:
     """Sum ``mine`` (this rank's part of a bucket: each parameter's shard gradient, back
     to back in ``params`` order) over the parameters' other replicated axes, in place:
@@ -88,7 +81,7 @@ def _reduce_other_axes(mine: torch.Tensor, params: list[ZeroParam]) -> None:
     (:func:`~autopar.runtime.grad_sync.runs_by_axes`), in place when one set covers the
     whole bucket (HSDP: every parameter replicated on the same other axes)."""
     m = current()
-    offsets = list(itertools.accumulate((zp.shard.numel() for zp in params), initial=0))
+    offsets = list(itertools.accumulate((zp.cut.size for zp in params), initial=0))
     runs = runs_by_axes(range(len(params)), lambda i: params[i].other_axes)
     for axes, idx in runs:
         group = m.group_of(axes)
@@ -121,13 +114,20 @@ register_optimizer_step_post_hook(_count_step)
 
 @dataclass
 class ZeroParam:
-    """One parameter under ZeRO: its graph target, local whole shape and shard."""
+    """One parameter under ZeRO: its graph target, layout, flat padded buffer and shard
+    (this rank's rows, a view of ``flat``)."""
 
     target: str
-    shape: torch.Size
+    cut: Cut
+    flat: torch.Tensor
     shard: nn.Parameter
     other_axes: tuple[int, ...]
     full: torch.Tensor | None = None  # stages 1 and 2
+
+    @property
+    def shape(self) -> torch.Size:
+        """The local whole parameter's shape."""
+        return self.cut.shape
 
     @property
     def numel(self) -> int:
@@ -194,17 +194,20 @@ class Zero(OrderedBuckets):
         forward order: :attr:`autopar.plan.Decisions.gather_chunks`) one by one in the
         forward."""
         m = current()
-        d, r = m.size_of(axes), m.coord_of(axes)
+        r = m.coord_of(axes)
+        sizes = [m.shape[a] for a in sorted(axes)]
         z = cls(stage, axes)
         for target, other in params:
             owner, leaf = _owner(gm, target)
             whole = getattr(owner, leaf).detach()
-            chunk = -(-whole.numel() // d)
-            flat = torch.nn.functional.pad(whole.reshape(-1), (0, chunk * d - whole.numel()))
-            shard = nn.Parameter(flat[r * chunk:(r + 1) * chunk].clone())
+            cut = Cut.of(whole.shape, sizes)
+            flat = cut.chunk(whole, r)
+            # the parameter is a view of the flat buffer: the optimizer's in-place step
+            # writes what the gathers send
+            shard = nn.Parameter(cut.view(flat, r))
             gm.register_parameter(shard_name(target), shard)
             delattr(owner, leaf)
-            zp = ZeroParam(target, whole.shape, shard, other)
+            zp = ZeroParam(target, cut, flat, shard, other)
             if stage < 3:
                 zp.full = whole.clone().requires_grad_(True)
                 owner.register_buffer(leaf, zp.full, persistent=False)
@@ -238,9 +241,10 @@ class Zero(OrderedBuckets):
         keys = self.group_keys = [f"zero3.{uid}.{i}" for i in range(len(chain))]
         for i, (key, targets) in enumerate(zip(keys, chain)):
             zps = [self._by_target[t] for t in targets]
-            register(Group(key, [zp.shard for zp in zps], [zp.shape for zp in zps], self.axes,
+            register(Group(key, [zp.flat for zp in zps], [zp.cut for zp in zps], self.axes,
                            next=keys[i + 1] if i + 1 < len(keys) else None,
-                           prev=keys[i - 1] if i else None, keep=layer_of[targets[0]] in kept))
+                           prev=keys[i - 1] if i else None, keep=layer_of[targets[0]] in kept,
+                           views=[zp.shard for zp in zps]))
 
     def _make_buckets(self) -> None:
         d = current().size_of(self.axes)
@@ -248,7 +252,7 @@ class Zero(OrderedBuckets):
         # bucket's bytes are its padded whole gradients (what the reduction moves)
         self._buckets.extend(_Bucket(b, folded=folded_axes([zp.other_axes for zp in b]) if self.stage == 1 else ())
                              for b in fill_buckets(
-            reversed(self.params), lambda zp: zp.shard.numel() * zp.shard.element_size() * d,
+            reversed(self.params), lambda zp: zp.cut.size * zp.flat.element_size() * d,
             self.bucket_bytes))
         self._bucket_of = {id(zp.full): b for b in self._buckets for zp in b.params}
         self._whole = [b.params for b in self._buckets]
@@ -263,8 +267,8 @@ class Zero(OrderedBuckets):
     def _rank_major(self, b: _Bucket) -> torch.Tensor:
         """Gradients of a bucket laid out so rank ``r``'s part is contiguous: for each
         rank, the ``r``-th chunk of every parameter in the bucket (zero-padded)."""
-        return rank_major([zp.full.grad for zp in b.params], [zp.shard.numel() for zp in b.params],
-                          [zp.numel for zp in b.params], current().size_of(self.axes), b.params[0].full)
+        return pack([zp.full.grad for zp in b.params], [zp.cut for zp in b.params],
+                    current().size_of(self.axes), b.params[0].full)
 
     def _launch(self, b: _Bucket) -> None:
         # at most two buckets in flight: finishing the one before the previous here
@@ -305,8 +309,8 @@ class Zero(OrderedBuckets):
             _reduce_other_axes(mine, b.params)
         off = 0
         for zp in b.params:
-            c = zp.shard.numel()
-            g = mine[off:off + c].clone()
+            c = zp.cut.size
+            g = mine[off:off + zp.shard.numel()].view(zp.shard.shape).clone()
             zp.shard.grad = g if zp.shard.grad is None else zp.shard.grad + g
             off += c
         b.ready, b.flat, b.work = 0, None, None
@@ -331,8 +335,8 @@ class Zero(OrderedBuckets):
             return
         d = current().size_of(self.axes)
         for b in self._whole:  # every bucket, or those no chunk holds
-            gathered = launch_gather([zp.shard for zp in b], self.axes, async_op=False)[1]
-            copy_out([zp.full for zp in b], [zp.shard.numel() for zp in b], gathered, d)
+            gathered = launch_gather([zp.flat for zp in b], self.axes, async_op=False)[1]
+            copy_out([zp.full for zp in b], [zp.cut for zp in b], gathered, d)
         if self.chunks is not None:
             self.chunks.start()
             if not lazy:
@@ -347,13 +351,13 @@ class Zero(OrderedBuckets):
         order = replace_reads(gm, [[t for t in ts if t in self._by_target] for ts in chunks],
                               lambda i, ts, g: g.call_function(zero_fetch, (key, i)))
         zps = [[self._by_target[t] for t in ts] for ts in order]
-        self.chunks = Chunks(key, self.axes, [[zp.shard for zp in c] for c in zps],
-                             [[zp.full for zp in c] for c in zps])
+        self.chunks = Chunks(key, self.axes, [[zp.flat for zp in c] for c in zps],
+                             [[zp.cut for zp in c] for c in zps], [[zp.full for zp in c] for c in zps])
         register_chunks(self.chunks)
         held = {zp.target for c in zps for zp in c}
         rest = [zp for zp in self.params if zp.target not in held]
         d = current().size_of(self.axes)
-        self._whole = fill_buckets(reversed(rest), lambda zp: zp.shard.numel() * zp.shard.element_size() * d,
+        self._whole = fill_buckets(reversed(rest), lambda zp: zp.cut.size * zp.flat.element_size() * d,
                                    self.bucket_bytes)
 
     # ------------------------------------------------------------ whole tensors
@@ -370,21 +374,28 @@ class Zero(OrderedBuckets):
             return None
         return self.whole_of(target, src)
 
-    def whole_of(self, target: str, chunk: torch.Tensor) -> torch.Tensor:
-        """This rank's whole (TP-local) tensor from every rank's shard-shaped ``chunk`` of
-        ``target`` (the shard itself, its gradient or its optimizer state); collective over
-        the ZeRO axes."""
+    def whole_of(self, target: str, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's whole (TP-local) tensor from every rank's ``rows`` of ``target``
+        (the shard itself, its gradient or its optimizer state: the shard's shape);
+        collective over the ZeRO axes."""
         zp = self._by_target[target]
-        return _all_gather_flat(chunk.detach(), self.axes)[: zp.numel].view(zp.shape).clone()
+        d = current().size_of(self.axes)
+        flat = rows.new_zeros(zp.cut.size)
+        flat[: rows.numel()].copy_(rows.detach().reshape(-1))
+        return unpack(_all_gather_flat(flat, self.axes), d, [zp.cut])[0].clone()
+
+    def start_row(self, target: str) -> int:
+        """This rank's first row of ``target``'s local whole."""
+        zp = self._by_target[target]
+        row = math.prod(zp.shape[1:])
+        return zp.cut.starts[current().coord_of(self.axes)] // row if row else 0
 
     def chunk_of(self, target: str, whole: torch.Tensor) -> torch.Tensor:
-        """This rank's shard-shaped chunk of ``target``'s whole (TP-local) tensor: the
-        flattened whole, zero-padded, cut as the shard is (no collective)."""
+        """This rank's rows of ``target``'s whole (TP-local) tensor, in the shard's
+        shape (no collective)."""
         zp = self._by_target[target]
-        d, r = current().size_of(self.axes), current().coord_of(self.axes)
-        c = zp.shard.numel()
-        flat = torch.nn.functional.pad(whole.reshape(-1), (0, c * d - zp.numel))
-        return flat[r * c:(r + 1) * c]
+        r = current().coord_of(self.axes)
+        return zp.cut.view(zp.cut.chunk(whole, r), r)
 
     def load_whole(self, target: str, whole: torch.Tensor) -> None:
         """Set ``target`` from this rank's whole (TP-local) tensor."""

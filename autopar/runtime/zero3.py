@@ -1,7 +1,7 @@
 """ZeRO-3 parameter gathers, one collective per layer, prefetched (issue 11).
 
-Each parameter keeps its own shard (this rank's ``1/d`` of its flattened, padded local
-tensor: what the optimizer steps and ``parameters()`` yields), but the parameters of one
+Each parameter keeps its own shard (this rank's dim-0 rows of its local tensor, in a
+flat padded buffer: :mod:`autopar.runtime.zero_layout`), but the parameters of one
 layer form a *group* gathered together: their shards are concatenated into one send
 buffer, one ``all_gather_into_tensor`` brings every rank's buffer, and each whole
 parameter is cut out of it (FSDP2's copy-in / copy-out).  The group's backward
@@ -38,7 +38,6 @@ micro-batch.
 from __future__ import annotations
 
 import contextlib
-import math
 import weakref
 from dataclasses import dataclass, field
 
@@ -48,6 +47,7 @@ from torch.autograd import Function
 
 from autopar.runtime.mesh import current
 from autopar.runtime.tls import issue
+from autopar.runtime.zero_layout import Cut, pack, unpack
 
 
 @dataclass
@@ -55,16 +55,14 @@ class Group:
     """The parameters of one layer under ZeRO-3 (forward order), and its neighbours."""
 
     key: str
-    shards: list[torch.Tensor]
-    shapes: list[torch.Size]
+    shards: list[torch.Tensor]  # the flat padded buffers the gathers send
+    cuts: list[Cut]
     axes: tuple[int, ...]  # the ZeRO axes (one group spanning them)
     next: str | None = None  # the group whose forward use comes next
     prev: str | None = None  # the one before: needed next in backward
-    sizes: list[int] = field(default_factory=list)
     keep: bool = False  # whole parameters held from forward to backward (no re-gather)
-
-    def __post_init__(self) -> None:
-        self.sizes = [s.numel() for s in self.shards]
+    views: list[torch.Tensor] = field(default_factory=list)
+    """The parameters (this rank's rows, viewing ``shards``): their gradients' shapes."""
 
 
 _GROUPS: dict[str, Group] = {}
@@ -111,25 +109,13 @@ def launch_gather(shards: list[torch.Tensor], axes: tuple[int, ...], async_op: b
     return issue(fn, out, send, group=m.group_of(axes), async_op=async_op), out
 
 
-def wholes(gathered: torch.Tensor, d: int, sizes: list[int], shapes: list[torch.Size]) -> list[torch.Tensor]:
-    """The whole tensors in a buffer :func:`launch_gather` filled over ``d`` ranks: each
-    rank's ``sizes[i]``-element (zero-padded) chunk of tensor ``i``, cut back to
-    ``shapes[i]`` (a strided read that ``reshape`` copies)."""
-    rows = gathered.view(d, -1)
-    out, off = [], 0
-    for c, shape in zip(sizes, shapes):
-        out.append(rows[:, off:off + c].reshape(-1)[: math.prod(shape)].view(shape))
-        off += c
-    return out
-
-
 def _launch(g: Group, async_op: bool):
     return launch_gather(g.shards, g.axes, async_op)
 
 
 def _split(g: Group, out: torch.Tensor) -> list[torch.Tensor]:
     """Whole parameters from the gathered buffer (rank-major: rank r's shards first)."""
-    return wholes(out, current().size_of(g.axes), g.sizes, g.shapes)
+    return unpack(out, current().size_of(g.axes), g.cuts)
 
 
 def _gather(key: str, ahead: bool) -> list[torch.Tensor]:
@@ -192,38 +178,15 @@ class _GatherGroup(Function):
         d = m.size_of(g.axes)
         like = g.shards[0] if g.shards[0].device == m.device else \
             torch.empty(0, dtype=g.shards[0].dtype, device=m.device)
-        send = rank_major(list(grads), g.sizes, [math.prod(s) for s in g.shapes], d, like)
+        send = pack(list(grads), g.cuts, d, like)
         out = torch.empty(send.numel() // d, dtype=send.dtype, device=send.device)
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         issue(fn, out, send, group=m.group_of(g.axes))
         if g.shards[0].device != out.device:  # host shards: their gradients go down
             out = out.to(g.shards[0].device)
-        return (None, *out.split(g.sizes))
-
-
-def rank_major(grads: list[torch.Tensor | None], sizes: list[int], numels: list[int], d: int,
-               like: torch.Tensor) -> torch.Tensor:
-    """Whole gradients laid out for a reduce-scatter over ``d`` ranks: rank ``r``'s part
-    is the ``r``-th chunk (``sizes[i]`` elements, zero-padded) of every gradient, in
-    order.  Each gradient is copied once, straight into the buffer (padding each and
-    concatenating held two copies); a missing one is zeros; ``like`` gives the type."""
-    cols = sum(sizes)
-    flat = torch.empty(d, cols, dtype=like.dtype, device=like.device)
-    off = 0
-    for g, c, n in zip(grads, sizes, numels):
-        block = flat[:, off:off + c]
-        off += c
-        if g is None:
-            block.zero_()
-            continue
-        whole, rest = divmod(n, c)  # full rows, elements of the next one
-        src = g.reshape(-1)
-        block[:whole].copy_(src[:whole * c].view(whole, c))
-        if whole < d:
-            block[whole, :rest].copy_(src[whole * c:])
-            block[whole, rest:].zero_()
-            block[whole + 1:].zero_()
-    return flat.reshape(-1)
+        # each parameter's gradient: its real rows, in its shape (a view of ``out``)
+        parts = out.split([c.size for c in g.cuts])
+        return (None, *(p[: v.numel()].view(v.shape) for p, v in zip(parts, g.views)))
 
 
 def _regathered_before(key: str) -> str | None:
@@ -304,4 +267,4 @@ def _drop_ahead() -> None:
         work.wait()
 
 
-__all__ = ["Group", "defer", "free_gathered_params", "rank_major", "register", "zero_gather"]
+__all__ = ["Group", "defer", "free_gathered_params", "launch_gather", "register", "zero_gather"]

@@ -28,14 +28,15 @@ import torch
 from torch import fx
 
 from autopar.runtime.mesh import current
-from autopar.runtime.zero3 import launch_gather, wholes
+from autopar.runtime.zero3 import launch_gather
+from autopar.runtime.zero_layout import Cut, unpack
 
 
-def copy_out(fulls: list[torch.Tensor], sizes: list[int], gathered: torch.Tensor, d: int) -> None:
-    """Copy each whole tensor out of a rank-major gathered buffer (rank ``r``'s shards
-    first, ``sizes[i]`` elements each, zero-padded) into ``fulls``."""
+def copy_out(fulls: list[torch.Tensor], cuts: list[Cut], gathered: torch.Tensor, d: int) -> None:
+    """Copy each whole tensor out of a rank-major gathered buffer (rank ``r``'s flat
+    padded buffers first, laid out by ``cuts``) into ``fulls``."""
     with torch.no_grad():
-        for full, whole in zip(fulls, wholes(gathered, d, sizes, [f.shape for f in fulls])):
+        for full, whole in zip(fulls, unpack(gathered, d, cuts)):
             full.copy_(whole)
 
 
@@ -78,20 +79,20 @@ def replace_reads(gm: fx.GraphModule, groups: list[list[str]],
 
 @dataclass
 class Chunks:
-    """The chunks of one module's ZeRO-1/2 parameters: per chunk, the shards the
-    optimizer steps and the whole parameters the graph reads."""
+    """The chunks of one module's ZeRO-1/2 parameters: per chunk, the shards' flat
+    padded buffers (what the optimizer steps, through its views), their layouts and the
+    whole parameters the graph reads."""
 
     key: str
     axes: tuple[int, ...]
     shards: list[list[torch.Tensor]]
+    cuts: list[list[Cut]]
     fulls: list[list[torch.Tensor]]
-    sizes: list[list[int]] = field(init=False)
     _next: int = field(init=False)  # the next chunk to launch (len: none left this round)
     _done: int = field(init=False)  # chunks [0, _done) are gathered this round
     _flight: tuple[int, object, torch.Tensor] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        self.sizes = [[s.numel() for s in ss] for ss in self.shards]
         self._next = self._done = len(self.shards)  # no round yet: nothing to gather
 
     def start(self) -> None:
@@ -111,7 +112,7 @@ class Chunks:
         k, work, out = self._flight
         self._flight = None
         work.wait()
-        copy_out(self.fulls[k], self.sizes[k], out, current().size_of(self.axes))
+        copy_out(self.fulls[k], self.cuts[k], out, current().size_of(self.axes))
         self._done = k + 1
 
     def fetch(self, k: int) -> tuple[torch.Tensor, ...]:

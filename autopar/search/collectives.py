@@ -47,6 +47,7 @@ from autopar.plan.collectives import Collective
 from autopar.plan.placement import R, Shard, graph_batch, local_shape, parse_placements
 from autopar.runtime.compression import low_rank
 from autopar.runtime.grad_sync import fill_buckets, folded_axes, runs_by_axes
+from autopar.runtime.zero_layout import first_rows, padded_size
 from autopar.sharding.redistribute import StepKind, plan_redistribution, step_shapes, sum_axes
 from autopar.sharding.rules.losses import count_axes
 
@@ -261,16 +262,20 @@ class _Lister:
     def _rank_sync(self, params: list[tuple[str, int, int, tuple[int, ...]]]) -> None:
         # the ZeRO axes of more than one device, as module/apply.py's apply_zero keeps them
         z, stage = tuple(a for a in self.d.zero_axes if self.mesh[a] > 1), self.d.zero_stage
-        zero = [(t, n, item, axes) for t, n, item, axes in params
-                if z and set(z) <= set(axes)]
+        # 0-d parameters stay out of ZeRO (Shard(0) has no dim to cut); each ZeRO
+        # parameter moves its padded dim-0 rows (runtime/zero_layout.py)
+        zero = [(t, padded_size(self._shapes[t], [self.mesh[a] for a in sorted(z)]), item, axes)
+                for t, n, item, axes in params
+                if z and set(z) <= set(axes) and self._shapes[t] != ()]
         zt = {t for t, _, _, _ in zero}
         d = math.prod(self.mesh[a] for a in z) if zero else 1
         synced = [(t, n * item, axes) for t, n, item, axes in params if t not in zt]
         if stage == 3:
-            synced += [(t, -(-n // d) * item, tuple(a for a in axes if a not in z))
-                       for t, n, item, axes in zero]
-            for t, n, _, _ in zero:  # GradSync reduces the flat shard
-                self._shapes[t] = (-(-n // d),)
+            synced += [(t, c * item, tuple(a for a in axes if a not in z))
+                       for t, c, item, axes in zero]
+            for t, _, _, _ in zero:  # GradSync reduces the shard: the first rank's rows
+                shape = self._shapes[t]
+                self._shapes[t] = (first_rows(shape[0], [self.mesh[a] for a in sorted(z)]), *shape[1:])
         self._buckets([s for s in synced if s[2]])
         if zero:
             self._zero(zero, z, d)
@@ -322,8 +327,7 @@ class _Lister:
 
     def _zero(self, zero: list, z: tuple[int, ...], d: int) -> None:
         stage = self.d.zero_stage
-        shards = [(t, -(-n // d), item, tuple(a for a in axes if a not in z))
-                  for t, n, item, axes in zero]
+        shards = [(t, c, item, tuple(a for a in axes if a not in z)) for t, c, item, axes in zero]
         if stage == 3:
             layers = {n.param: n.layer for n in self.plan.nodes.values() if n.param and n.layer}
             groups: dict[str, int] = {}

@@ -295,7 +295,7 @@ def copied_bytes(nbytes: float, d: int) -> float:
       that ``reshape`` copies, twice (stage 3: forward and backward; stages 1-2: the
       refresh's reshape and its ``copy_`` into the parameter the graph reads):
       ``2 x 2 x nbytes``;
-    * the gradient laid out rank-major for the reduction (``rank_major``): ``2 x nbytes``.
+    * the gradient laid out rank-major for the reduction (``zero_layout.pack``): ``2 x nbytes``.
 
     Measured on the GPT of ``benchmarks/cost_fidelity.py`` (4 gloo ranks, ZeRO-3):
     ``aten::copy_`` and ``aten::cat`` took about 15 ms a step more than under data
