@@ -190,6 +190,12 @@ class JointSpace:
             if bad:
                 raise PlanError(f"recompute names unknown layer(s) {bad}; the model's layers are "
                                 f"{[st.key for st in cand.stats]}")
+            stateful = sorted(st.key for st in cand.stats
+                              if st.key in self.opts.recompute and st.updates_state)
+            if stateful:
+                raise PlanError(f"recompute names layer(s) {stateful} whose forward updates state in "
+                                "place (a training batch norm's running statistics): recomputing "
+                                "would update it twice; leave them out of recompute=")
         virtual = self._virtual(cand)
         # recomputation asked for: by recompute=, or by the model's own checkpointing
         own = [st.key for st in cand.stats if st.checkpointed is not Coverage.NONE]

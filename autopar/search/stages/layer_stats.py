@@ -104,6 +104,10 @@ class LayerStat:
     checkpointed: Coverage = Coverage.NONE
     """How much of the layer the model's own activation checkpointing covers
     (:mod:`autopar.capture.user_checkpoint`): a covered layer is always recomputed."""
+    updates_state: bool = False
+    """The layer's forward updates state in place (a training batch norm's running
+    statistics and step count): recomputing it would update that state twice, and
+    checkpoint's replay refuses the in-place write, so it is never recomputed."""
 
     @property
     def param_bytes(self) -> float:
@@ -193,7 +197,7 @@ def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) ->
             kernels.setdefault(layer_of[n], []).append((flops, weight, sum(sizes) - weight))
     for key, ks in kernels.items():
         stats[key].kernels = tuple(ks)
-    _mark_checkpointed(stats, layer_of, plan)
+    _mark_checkpointed_and_stateful(stats, layer_of, plan)
     # bytes leaving each layer: values used by a later layer (each value once)
     for n, key in layer_of.items():
         if n.op in ("placeholder", "get_attr") or n.target is operator.getitem:
@@ -207,12 +211,27 @@ def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) ->
     return [stats[k] for k in keys]
 
 
-def _mark_checkpointed(stats: dict[str, LayerStat], layer_of: dict[fx.Node, str], plan: Plan) -> None:
+def updates_state(n: fx.Node) -> bool:
+    """Whether op ``n`` writes state in place: a mutating overload (the step count's
+    ``add_``) or a batch norm in training with running statistics."""
+    if n.op != "call_function":
+        return False
+    if n.target is torch.ops.aten.batch_norm.default:
+        training = n.args[5] if len(n.args) > 5 else n.kwargs.get("training", True)
+        running = n.args[3] if len(n.args) > 3 else n.kwargs.get("running_mean")
+        return bool(training) and running is not None
+    schema = getattr(n.target, "_schema", None)
+    return schema is not None and schema.is_mutable
+
+
+def _mark_checkpointed_and_stateful(stats: dict[str, LayerStat], layer_of: dict[fx.Node, str],
+                                    plan: Plan) -> None:
     """Each layer's :attr:`LayerStat.checkpointed`, from how many of its ops ran in one
-    of the model's own checkpoint regions."""
+    of the model's own checkpoint regions, and its :attr:`LayerStat.updates_state`."""
     ops: dict[str, list[int]] = {}
     for n, key in layer_of.items():
         if plan.nodes[n.name].kind == "op":
+            stats[key].updates_state |= updates_state(n)
             counts = ops.setdefault(key, [0, 0])
             counts[0] += 1
             counts[1] += region_of(n) is not None

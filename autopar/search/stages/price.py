@@ -95,9 +95,9 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     # the layers the model checkpoints itself stay recomputed (the user asked for that
     # memory); recompute candidates: the other layers whose recomputation saves memory,
     # best ratio first
-    floor = [st for st in layers if st.checkpointed is not Coverage.NONE]
+    floor = [st for st in layers if st.checkpointed is not Coverage.NONE and not st.updates_state]
     cands = sorted((st for st in layers if st.activations > st.out_bytes and st.forward > 0
-                    and st.checkpointed is Coverage.NONE),
+                    and st.checkpointed is Coverage.NONE and not st.updates_state),
                    key=lambda st: -(st.activations - st.out_bytes) / st.forward)
     if sched.conflict(cfg.schedule, True, None):
         cands = floor = []  # a schedule that cannot recompute (zero-bubble): never chosen with a floor
