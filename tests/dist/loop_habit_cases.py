@@ -193,7 +193,7 @@ def hf_save(c: dict) -> dict:
 def rank0_file(c: dict) -> dict:
     """Rank 0 ``torch.save``s ``{"model": pm.state_dict(), "optim": opt.state_dict()}``,
     every rank loads it (the DDP tutorial).  Sharded state raises on every rank (the
-    model at ``load_state_dict``, the optimizer at its next step); replicated state loads
+    model's, tensor-parallel or ZeRO, at ``load_state_dict``; the optimizer's at its next step); replicated state loads
     and resumes exactly.  Each rank saving and loading its own file loads right."""
     torch.manual_seed(0)
     model = Three()

@@ -116,13 +116,11 @@ def test_rank0_file_of_shards_is_refused_on_every_rank(two, plan):
     r = two[f"file-{plan}"]
     _ok(r)
     one = r["rank0"]
-    if plan == "tp":  # the model's shards: refused at load_state_dict
-        a, b = one["model"]
-        assert a.get("error") == b.get("error") == "ForeignShardError", one["model"]
-        assert a["message"] == b["message"] and "autopar.save_checkpoint" in a["message"]
-        assert "pm.full_state_dict()" in a["message"]
-    else:  # ZeRO: the model state is whole (replicated), the optimizer's is sharded
-        assert all("value" in o for o in one["model"]) and one["model_err"] == 0.0
+    # the model's shards (tensor-parallel, and ZeRO's Shard(0) rows): refused at load_state_dict
+    a, b = one["model"]
+    assert a.get("error") == b.get("error") == "ForeignShardError", one["model"]
+    assert a["message"] == b["message"] and "autopar.save_checkpoint" in a["message"]
+    assert "pm.full_state_dict()" in a["message"]
     a, b = one["resume"]  # the optimizer's shards: refused at the next step
     assert a.get("error") == b.get("error") == "ForeignShardError", one["resume"]
     assert a["message"] == b["message"] and "rank 0" in a["message"]
