@@ -270,9 +270,13 @@ def validate_opinfo(op_names: Sequence[str] | None = None,
             print(f"{time.perf_counter() - t0:7.0f}s {case.name}: {report.strategies} checked, "
                   f"{len(report.wrong)} wrong, {len(report.crashed)} crashed",
                   file=sys.stderr, flush=True)
+        w0, c0 = len(report.wrong), len(report.crashed)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             validate_case(case, meshes, grads, report)
+        if verbose:
+            for line in [*report.wrong[w0:], *report.crashed[c0:]]:
+                print("   ", line.splitlines()[0][:300], file=sys.stderr, flush=True)
     report.seconds = time.perf_counter() - t0
     return report
 

@@ -294,6 +294,10 @@ cap("sum_dims", lambda m, x: (x.sum((0, 2), keepdim=True), x.sum(1), x.sum()), N
     meshes=WITH_4)
 cap("mean_dims", lambda m, x: (x.mean(1, keepdim=True), x.mean((0, 2)), x.mean()), N(2, 4, 6))
 direct("sum_default", aten.sum.default, [N(2, 4)], x0)
+# a 0-d input reduces no dim (its mean over dim 0 raised IndexError in the lowering); a
+# sum that casts to integers first keeps no Partial input
+cap("reduce_0d", lambda m, x: (x.mean(0), x.sum(-1), x.cumsum(0), x.amax(0)), N())
+direct("sum_dtype_int", aten.sum.dim_IntList, [N(4, 6)], x0, [1], dtype=torch.int64)
 direct("mean_default", aten.mean.default, [N(2, 4)], x0)
 cap("amax", lambda m, x: (x.amax(1), x.amax((0, 2), keepdim=True)), N(2, 4, 6))
 direct("amin", aten.amin.default, [N(2, 4, 6)], x0, [1])
