@@ -65,6 +65,14 @@ class Report:
     skipped: collections.Counter = field(default_factory=collections.Counter)
     seconds: float = 0.0
 
+    @classmethod
+    def load(cls, path: str) -> Report:
+        """A report written by ``--out``."""
+        with open(path) as f:
+            d = json.load(f)
+        return cls(set(d["opinfos"]), set(d["targets"]), d["samples"], d["strategies"],
+                   d["wrong"], d["crashed"], collections.Counter(d["skipped"]), d["seconds"])
+
     def summary(self) -> dict:
         """A JSON-able summary (counts, and the first lines of each failure)."""
         d = asdict(self)
@@ -75,6 +83,21 @@ class Report:
                        "wrong": len(self.wrong), "crashed": len(self.crashed),
                        "skipped": sum(self.skipped.values()), "seconds": round(self.seconds)}
         return d
+
+
+def merge(reports: Sequence[Report]) -> Report:
+    """One report for several runs (the shards of one run)."""
+    out = Report()
+    for r in reports:
+        out.opinfos |= r.opinfos
+        out.targets |= r.targets
+        out.samples += r.samples
+        out.strategies += r.strategies
+        out.wrong += r.wrong
+        out.crashed += r.crashed
+        out.skipped.update(r.skipped)
+        out.seconds = max(out.seconds, r.seconds)
+    return out
 
 
 @dataclass(frozen=True)
@@ -130,13 +153,17 @@ def _dtypes(op: object) -> list[torch.dtype]:
     return [d for d in dict.fromkeys((main, *EXTRA_DTYPES)) if d is not None and d in ok]
 
 
-def opinfo_cases(op_names: Sequence[str] | None = None) -> Iterator[Case]:
+def opinfo_cases(op_names: Sequence[str] | None = None,
+                 shard: tuple[int, int] = (0, 1)) -> Iterator[Case]:
     """The cases of every OpInfo (or of ``op_names``), in op_db order; samples are
-    made under :func:`even_sizes` with the global RNG seeded per OpInfo and dtype."""
+    made under :func:`even_sizes` with the global RNG seeded per OpInfo and dtype.
+    ``shard=(i, n)``: only every n-th OpInfo from the i-th (to run in n processes)."""
     from torch.testing._internal.common_methods_invocations import op_db
 
     wanted = set(op_names) if op_names is not None else None
-    for op in op_db:
+    for k, op in enumerate(op_db):
+        if k % shard[1] != shard[0]:
+            continue
         name = _full_name(op)
         if wanted is not None and name not in wanted and op.name not in wanted:
             continue
@@ -255,14 +282,15 @@ def _validate_node(case: Case, node: fx.Node, mesh: tuple[int, ...], inputs: lis
 
 def validate_opinfo(op_names: Sequence[str] | None = None,
                     meshes: Sequence[tuple[int, ...]] = MESHES, grads: bool = True,
-                    max_samples: int | None = None, verbose: bool = False) -> Report:
+                    max_samples: int | None = None, verbose: bool = False,
+                    shard: tuple[int, int] = (0, 1)) -> Report:
     """Validate the rules on the OpInfo samples (see the module docstring);
     ``max_samples`` caps the samples taken per OpInfo and dtype; ``verbose`` prints
     each OpInfo's running counts to stderr as it starts."""
     report = Report()
     t0 = time.perf_counter()
     last = None
-    for case in opinfo_cases(op_names):
+    for case in opinfo_cases(op_names, shard):
         if max_samples is not None and case.index >= max_samples:
             continue
         if verbose and case.name != last:
@@ -289,9 +317,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-grads", action="store_true")
     ap.add_argument("--out", default=None, help="write the JSON report here")
     ap.add_argument("-v", "--verbose", action="store_true")
+    ap.add_argument("--shard", default="0/1", help="i/n: every n-th OpInfo from the i-th")
+    ap.add_argument("--merge", nargs="*", help="merge these JSON reports instead of running")
     a = ap.parse_args(argv)
-    rep = validate_opinfo(a.ops or None, grads=not a.no_grads, max_samples=a.max_samples,
-                          verbose=a.verbose)
+    if a.merge:
+        rep = merge([Report.load(p) for p in a.merge])
+    else:
+        i, n = map(int, a.shard.split("/"))
+        rep = validate_opinfo(a.ops or None, grads=not a.no_grads, max_samples=a.max_samples,
+                              verbose=a.verbose, shard=(i, n))
     s = rep.summary()
     print(json.dumps(s["counts"]))
     for line in [*rep.wrong[:20], *rep.crashed[:20]]:
