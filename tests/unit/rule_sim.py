@@ -49,7 +49,11 @@ Coord = tuple[int, ...]
 # ~1e-14, while every wrong rule we have seen is off by >= 1e-2.  1e-9 keeps six
 # orders of magnitude on both sides.  fp32 appears only where a sample casts
 # (``_to_copy`` to float32): rounding each Partial summand separately costs ~1e-7.
-TOL = {torch.float64: 1e-9, torch.float32: 1e-5}
+# Half precision appears only in OpInfo's casts (``x.half()``, ``x.bfloat16()``): four
+# summands of magnitude up to ~4 rounded separately (eps 1e-3 and 8e-3) cost up to
+# ~8e-3 and ~6e-2.  Complex tensors take their real dtype's tolerance.
+TOL = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-1,
+       torch.complex128: 1e-9, torch.complex64: 1e-5}
 
 # A collective that not every rank of its group joins would hang: fail instead.
 BARRIER_TIMEOUT_S = 10.0
@@ -114,7 +118,7 @@ def as_list(out: object) -> list[torch.Tensor]:
 def _summands(t: torch.Tensor, n: int, gen: torch.Generator) -> list[torch.Tensor]:
     if t.dtype == torch.bool:
         raise AssertionError("a Partial boolean tensor has no meaning")
-    if t.is_floating_point():
+    if t.is_floating_point() or t.is_complex():
         parts = [torch.randn(t.shape, dtype=t.dtype, generator=gen) for _ in range(n - 1)]
     else:
         parts = [torch.randint(-3, 4, t.shape, dtype=t.dtype, generator=gen) for _ in range(n - 1)]
@@ -142,9 +146,9 @@ def scatter(value: torch.Tensor, placements: Placements, mesh: Sequence[int],
 
 
 def assert_same(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """Equal up to :data:`TOL` (floats) or exactly (integers, booleans).  A NaN must
-    stand where the unsharded op has one (a variance with no degrees of freedom left)."""
-    if expected.is_floating_point():
+    """Equal up to :data:`TOL` (floats, complex) or exactly (integers, booleans); NaN
+    equals NaN (``pow`` of a negative base, a median over nothing)."""
+    if expected.is_floating_point() or expected.is_complex():
         tol = TOL[expected.dtype]
         torch.testing.assert_close(actual, expected, rtol=tol, atol=tol, equal_nan=True,
                                    msg=lambda m: f"{what}: {m}")

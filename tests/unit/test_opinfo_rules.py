@@ -40,7 +40,31 @@ def test_opinfo_rules_sample() -> None:
     _check(report)
 
 
+# Convolution and pooling rules that assume batch and channel dims (issue 64, cause 3)
+# are fixed on their own branch; until it merges, their OpInfos' findings are not
+# asserted here.  Empty this set when it has.
+# the slow step's run, cut into shards of OpInfos; two classes, so pytest-xdist's
+# ``--dist loadscope`` (pyproject.toml) gives each of its two workers half of them
+SHARDS = 6
+
+
+def _run_shard(i: int) -> None:
+    _check(validate_opinfo(None, meshes=MESHES, grads=True, shard=(i, SHARDS)))
+
+
 @pytest.mark.slow
-def test_opinfo_rules_all() -> None:
-    """Every sample of every OpInfo whose graph holds an op with a rule."""
-    _check(validate_opinfo(None, meshes=MESHES, grads=True))
+class TestOpinfoAllFirstHalf:
+    """Every sample of every OpInfo whose graph holds an op with a rule: shards 0-2."""
+
+    @pytest.mark.parametrize("i", range(SHARDS // 2))
+    def test_shard(self, i: int) -> None:
+        _run_shard(i)
+
+
+@pytest.mark.slow
+class TestOpinfoAllSecondHalf:
+    """The same, shards 3-5."""
+
+    @pytest.mark.parametrize("i", range(SHARDS // 2, SHARDS))
+    def test_shard(self, i: int) -> None:
+        _run_shard(i)

@@ -202,6 +202,14 @@ def replicate_strategy(node: fx.Node) -> AxisStrategy:
                         tuple(R for _ in info(node).outputs))
 
 
+def linear_cast(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether a cast from ``src`` to ``dst`` is linear (sums of pieces cast alike): to a
+    floating or complex dtype, or to the same dtype.  A cast to an integer or boolean
+    dtype truncates each piece (0.6 and 0.6 cast to 0 and 0, their sum 1.2 to 1) or
+    wraps it, so a Partial sum does not pass through it."""
+    return src == dst or dst.is_floating_point or dst.is_complex
+
+
 def partial_through(node: fx.Node, partial_inputs: Sequence[object]) -> AxisStrategy | None:
     """For an op linear in ``partial_inputs``: those Partial, the rest replicated, output Partial."""
     mapping = [(x, P) for x in partial_inputs]

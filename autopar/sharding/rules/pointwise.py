@@ -16,7 +16,7 @@ from torch import fx
 
 from autopar.capture.ir import arg, info, is_tensor_node
 from autopar.plan.placement import Shard
-from autopar.sharding.rules import AxisStrategy, RuleCtx, pointwise_axis, register
+from autopar.sharding.rules import AxisStrategy, RuleCtx, linear_cast, pointwise_axis, register
 
 aten = torch.ops.aten
 
@@ -76,14 +76,6 @@ def nonlinear_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
         nd = info(node).out.ndim
         strats = _drop_dims(strats, node, {nd - 1, nd - 2})
     return strats
-
-
-def linear_cast(src: torch.dtype, dst: torch.dtype) -> bool:
-    """Whether a cast from ``src`` to ``dst`` is linear (sums of pieces cast alike): to a
-    floating or complex dtype, or to the same dtype.  A cast to an integer or boolean
-    dtype truncates each piece (0.6 and 0.6 cast to 0 and 0, their sum 1.2 to 1) or
-    wraps it, so a Partial sum does not pass through it."""
-    return src == dst or dst.is_floating_point or dst.is_complex
 
 
 @register(*LINEAR_UNARY)

@@ -8,7 +8,7 @@ from torch import fx
 
 from autopar.capture.ir import arg, info
 from autopar.plan.placement import P, Shard, normalize_dim
-from autopar.sharding.rules import AxisStrategy, RuleCtx, assign, ndim, register
+from autopar.sharding.rules import AxisStrategy, RuleCtx, assign, linear_cast, ndim, register
 
 aten = torch.ops.aten
 
@@ -18,13 +18,16 @@ MAX_LIKE = [aten.amax.default, aten.amin.default, aten.argmax.default, aten.argm
 
 
 def reduced_dims(node: fx.Node) -> tuple[list[int], bool]:
-    """(reduced dims, keepdim) of a reduction node."""
+    """(reduced dims, keepdim) of a reduction node (none for a 0-d input, which
+    ``x.sum(0)`` and ``x.cumsum(-1)`` accept)."""
     n = ndim(node.args[0])
     t = node.target
     if t in (aten.sum.default, aten.mean.default):
         return list(range(n)), False
     if t is aten.cumsum.default:
-        return [normalize_dim(node.args[1], n)], True
+        return [normalize_dim(node.args[1], n)] if n else [], True
+    if n == 0:
+        return [], bool(arg(node, 2, "keepdim", False))
     dims = arg(node, 1, "dim", None)
     if dims is None or dims == []:
         return list(range(n)), bool(arg(node, 2, "keepdim", False))
@@ -58,9 +61,12 @@ def sum_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
         s = assign(node, [(x, Shard(d))], [P])
         if s is not None:
             result.append(s)
-    s = assign(node, [(x, P)], [P])
-    if s is not None:
-        result.append(s)
+    # ``sum(x, dtype=torch.int64)`` of floats casts each element first: a Partial
+    # input's pieces would be truncated one by one
+    if linear_cast(info(x).out.dtype, info(node).out.dtype):
+        s = assign(node, [(x, P)], [P])
+        if s is not None:
+            result.append(s)
     return result
 
 

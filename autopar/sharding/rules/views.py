@@ -208,8 +208,10 @@ def select_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
 
 @register(aten.cat.default)
 def cat_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
-    """All inputs sharded alike on a dim other than the concatenated one."""
-    xs = [x for x in node.args[0] if isinstance(x, fx.Node) and math.prod(shape(x)) > 0]
+    """All inputs sharded alike on a dim other than the concatenated one.  ``cat``
+    skips only 1-D empty inputs (shape ``(0,)``, torch's legacy rule); an empty input
+    of full rank (``(0, 4)``) still needs its other dims to match, so it shards too."""
+    xs = [x for x in node.args[0] if isinstance(x, fx.Node) and shape(x) != (0,)]
     n = info(node).out.ndim
     d = normalize_dim(arg(node, 1, "dim", 0), n)
     result = []
