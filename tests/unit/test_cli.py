@@ -240,7 +240,7 @@ def test_forced_pipeline_micro_batches_and_recompute(capsys, tmp_path):
     # the summary states the layout and the stages, then the reasons (bare --explain)
     assert "layout         PP2 (one host; gpipe, 4 micro-batches)" in out
     assert "stages         0: pre, blocks.0; 1: blocks.1, post" in out
-    assert "1 layers recomputed (blocks.1)" in out
+    assert "1 layer recomputed (blocks.1)" in out
     why = out[out.index("why:"):]
     assert "  pipeline: " in why and "  layer:blocks.1: " in why
     # in the summary's decisions, in the bare --explain list, and for --explain pipeline

@@ -9,8 +9,9 @@ that names it.
 
 How to add an op: write ``@register(aten.my_op.default)`` on a function
 ``(node, RuleCtx) -> list[AxisStrategy]`` in the file of its family, import the file
-in :func:`_load_families`, and add a case to ``tests/unit/test_rules.py``, whose
-brute-force validator simulates the ranks and compares with the unsharded op.
+in :func:`_load_families`, and add a sample to ``tests/unit/rule_samples.py``:
+``tests/unit/test_rules.py``'s brute-force validator simulates the ranks and compares
+with the unsharded op.
 Ops tagged ``torch.Tag.pointwise`` need nothing: :mod:`.tagged` gives every one
 without a rule of its own the shard-alike rule (a :class:`Fallback`).
 """
@@ -227,7 +228,7 @@ def axis_strategies(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
             # every time (joint_plan de-duplicates per plan and keeps it in plan.warnings)
             warnings.warn(
                 f"autopar: no sharding rule for op {name}; it runs replicated (all inputs "
-                "gathered). Register a rule in autopar/rules/ to shard it.",
+                "gathered). Register a rule in autopar/sharding/rules/ to shard it.",
                 AutoparWarning, stacklevel=2,
             )
         return out
