@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 from autopar.cost_models import MeshSpec
+from rule_samples import WITH_4
 from rule_sim import local_form, mesh_coords, run_ranks, scatter, unsharded
-from test_rules import WITH_4, built, rule_nodes
+from test_rules import built, rule_nodes
 from torch import nn
 
 from autopar.capture.annotate import annotate
