@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -217,7 +218,6 @@ def mark_state_dict(sd: dict, mesh) -> None:
     """Record in ``sd._metadata`` (which ``torch.save`` keeps) whose shards it holds."""
     meta = getattr(sd, "_metadata", None)
     if meta is None:
-        from collections import OrderedDict
         meta = OrderedDict()
         sd._metadata = meta
     meta[SAVED_BY] = saved_by(mesh)
@@ -259,14 +259,13 @@ def _mark_optimizer_state(opt: torch.optim.Optimizer, sd: dict) -> dict:
     parameter group records the writer and the sums of its sharded state's local
     tensors, which tell its shards from the ones DCP reshards into a loading rank."""
     for group in sd["param_groups"]:
-        rec, mesh = None, None
+        mesh = None
         for i in group["params"]:
             for v in sd["state"].get(i, {}).values():
                 if isinstance(v, DTensor):
                     mesh = v.device_mesh
         if mesh is not None:
-            rec = saved_by(mesh) | {"sums": _sums(sd["state"], group["params"])}
-            group[SAVED_BY] = rec
+            group[SAVED_BY] = saved_by(mesh) | {"sums": _sums(sd["state"], group["params"])}
     return sd
 
 

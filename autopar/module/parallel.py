@@ -140,7 +140,7 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         seen = tuple(e.param._version for e in self._dparams.entries)
         if seen != getattr(self, "_param_versions", None):
             self._param_versions = seen
-            self.zero._steps = -1  # not the step count: refresh gathers
+            self.zero.invalidate()
 
     def _outputs(self, out):
         return pytree.tree_unflatten(list(out), self._out_spec) if self._out_spec is not None else out

@@ -27,7 +27,10 @@ from __future__ import annotations
 
 import copyreg
 
-from torch._functorch._aot_autograd.functional_utils import ViewMetaSequence
+try:  # torch releases before the ViewMeta chains (pyproject allows torch>=2.4) store none
+    from torch._functorch._aot_autograd.functional_utils import ViewMetaSequence
+except ImportError:
+    ViewMetaSequence = None
 
 _UNSAFE = ("_unsafe_view_ViewMeta", "resize__ViewMeta")
 """ViewMeta classes whose pickled sizes are read from freed memory (torch 2.13)."""
@@ -48,7 +51,8 @@ def _reduce(seq: ViewMetaSequence):
 def cache_safe_views() -> None:
     """Make the AOTAutograd cache store an output's view chain only when it pickles
     right (see the module docstring).  Idempotent; called before autopar compiles."""
-    copyreg.pickle(ViewMetaSequence, _reduce)
+    if ViewMetaSequence is not None:
+        copyreg.pickle(ViewMetaSequence, _reduce)
 
 
 __all__ = ["cache_safe_views"]

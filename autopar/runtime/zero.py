@@ -344,6 +344,12 @@ class Zero(OrderedBuckets):
         self._versions = [zp.shard._version for zp in self.params]
         self._steps = _STEPS[0]
 
+    def invalidate(self) -> None:
+        """Make the next :meth:`refresh` gather (stages 1-2): the shards were written in a
+        way their version counters do not show (an in-place write through the DTensor
+        parameter wrapping a shard moves only the DTensor's counter)."""
+        self._versions = []
+
     def _install_chunks(self, gm: fx.GraphModule, chunks: list[list[str]]) -> None:
         """Gather the parameters of ``chunks`` (targets, forward order) chunk by chunk at
         their first read in the forward; the rest stay gathered before it."""
