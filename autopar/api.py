@@ -250,6 +250,10 @@ def _build(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOp
     pm = ParallelModule(gm, p, cap.aliases, cap.in_spec, cap.out_spec, cap.state_keys, full,
                         runtime, info=info, binder=binder, batch=batch)
     pm.training = model.training  # the mode the graph was captured in
+    pm.routes.training = model.training  # new shapes are captured in it too
+    if runtime:  # a shape whose graph is not the planned one: planned again, parameters kept
+        pm.routes.replan = functools.partial(_replan, mesh=p.mesh, opts=opts, aliases=cap.aliases,
+                                             timeout=timeout)
     # compile= is not the default, even on a GPU where the compiled graph measured 0.84x
     # torch.compile of the plain model (docs/benchmarks.md, one GPU): the plan's step and
     # memory are priced for the eager graph (the compiled one measured 0.67x its step and
@@ -260,6 +264,23 @@ def _build(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOp
         if not pm.compiled:
             log.info("compile=True: the zero-bubble schedule's stages run eagerly")
     return pm
+
+
+def _replan(model: nn.Module, args: tuple, kwargs: dict, plan: Plan, mesh: MeshSpec,
+            opts: PlanOptions, aliases: Mapping[str, list[str]], timeout: float) -> tuple[Captured, Plan]:
+    """``plan`` made again at the shape of ``(args, kwargs)``, every parameter pinned to its
+    placement and ZeRO as planned, so the module's parameters serve it unchanged
+    (:mod:`autopar.module.shapes`); rank 0 searches, every rank captures."""
+    import dataclasses
+
+    d = plan.decisions
+    pins = {aliases.get(t, [t])[0]: pl for t, pl in plan.params().items()}
+    o = dataclasses.replace(opts, pins=pins, zero_stage=d.zero_stage,
+                            zero_axes=tuple(d.zero_axes) if d.zero_stage else None,
+                            pipeline_stages=1, micro_batches=1, copies=None,
+                            recompute=tuple(d.recompute), explore=False)
+    cap, p = _shared_plan(model, args, mesh, o, kwargs, None, timeout)
+    return (cap if cap is not None else _capture_for(model, args, kwargs, p)), p
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 # attribute names of ParallelModule itself: a model's top-level submodule or parameter
 # of the same name could not be registered under its own name
 _RESERVED = frozenset({"inner", "plan", "aliases", "state_keys", "rank", "runner", "zero", "rng",
-                       "grad_sync", "lowered_graph", "code", "binder", "info", "training"})
+                       "grad_sync", "lowered_graph", "code", "binder", "info", "training",
+                       "routes"})
 
 
 def apply_plan(pm: ParallelModule, full_state: Mapping[str, torch.Tensor] | None) -> None:
@@ -68,6 +69,13 @@ def apply_inputs(pm: ParallelModule, binder: InputBinder, batch: BatchMode | str
         i for i, n in enumerate(x for x in graph.nodes if x.op == "placeholder")
         if n.name in keep) if graph is not None else frozenset()
     pm.binder = binder
+    # other shapes than the planned one: a lowering of this plan per shape
+    # (autopar.module.shapes), for a module that runs (a loaded export has no model to
+    # capture again: ShapeRoutes says so when asked)
+    from autopar.module.shapes import Route, ShapeRoutes
+    pm.routes = ShapeRoutes(Route(None, list(binder.shapes), binder.passthrough))
+    pm._route = pm.routes.planned
+    binder.select = pm._select_route if pm._mesh_rt is not None else None
 
 
 def apply_device(pm: ParallelModule) -> None:

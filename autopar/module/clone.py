@@ -19,6 +19,7 @@ output as it was.  The copy runs eagerly (:meth:`ParallelModule.compile` it agai
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -73,7 +74,7 @@ def clone_module(pm: ParallelModule, memo: dict) -> ParallelModule:
     extra = {n: _local(x).detach().clone() for n, x in pm._extra.items()}
     new = cls(fx.GraphModule(root, graph), pm.plan, pm.aliases, pm._in_spec, pm._out_spec,
               list(pm.state_keys), None, runtime=True, info=pm.info,
-              binder=copy.deepcopy(pm.binder), batch=pm.binder.mode, extra=extra)
+              binder=copy.deepcopy(dataclasses.replace(pm.binder, select=None)), batch=pm.binder.mode, extra=extra)
     memo[id(pm)] = new
     _copy_values(pm, new)
     new.train(pm.training)

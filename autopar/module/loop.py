@@ -71,6 +71,7 @@ class LoopMixin:
         """Every generated graph this rank runs: the module's, and under a pipeline
         every chunk's stage graph (interleaved: several)."""
         graphs = [m for m in self.inner.modules() if isinstance(m, torch.fx.GraphModule)]
+        graphs += self.routes.graphs()
         if self.runner is not None:
             graphs += [m for ch in self.runner.chunks for m in ch.module.modules()
                        if isinstance(m, torch.fx.GraphModule)]

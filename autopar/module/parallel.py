@@ -44,11 +44,11 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         super().__init__()
         object.__setattr__(self, "inner", inner)  # not a submodule: users see DTensors only
         object.__setattr__(self, "_compiled", None)  # torch.compile of inner (compile())
+        self._compile_args: tuple[tuple, dict] = ((), {})
         self.plan = plan
         self.aliases = aliases
         self.info = info or TensorInfo()
         self._in_spec, self._out_spec = in_spec, out_spec
-        apply_inputs(self, binder or InputBinder(in_spec), batch)
         self.state_keys = state_keys
         self._target_of = {n: t for t, names in aliases.items() for n in names}
         self._extra: dict[str, torch.Tensor] = {}
@@ -68,6 +68,7 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
             from autopar.runtime.mesh import init_plan_mesh
             self._mesh_rt = init_plan_mesh(plan)
             self.rank = dist.get_rank()
+        apply_inputs(self, binder or InputBinder(in_spec), batch)
         # planning-only: keep the whole weights so export() can write every rank's shards
         self._full_state = dict(full_state) if (full_state is not None and not runtime) else None
         # the lowered graph before the runtime rewrites below (ZeRO-3 gathers, recompute,
@@ -159,12 +160,24 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
                 f"{self.plan.decisions.pipeline_stages} pipeline stage(s): forward and backward are "
                 "interleaved by the schedule, so call loss = module.train_step(*inputs) "
                 "(it runs forward and backward) and then optimizer.step()")
-        run = self._compiled if self._compiled is not None else self.inner
+        run = self._graph_to_run()
         if self.zero is not None and self.zero.stage == 3:
             from autopar.runtime.zero import free_gathered_params
             with free_gathered_params():
                 return self._outputs(self.grad_sync.watch(run(*flat), self._dparams))
         return self._outputs(self.grad_sync.watch(run(*flat), self._dparams))
+
+    def _select_route(self, flat: list):
+        """The lowering this call runs (:mod:`autopar.module.shapes`), kept for
+        :meth:`forward`."""
+        self._route = self.routes.select(self, flat)
+        return self._route
+
+    def _graph_to_run(self):
+        r = self._route
+        if r is None or r.graph is None:
+            return self._compiled if self._compiled is not None else self.inner
+        return r.compiled if r.compiled is not None else r.graph
 
     @torch.compiler.disable
     def _forward_compiled(self, *args, **kwargs):
@@ -192,6 +205,9 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         (:meth:`~autopar.runtime.pipeline.PipelineRunner.compile`).
         ``auto_parallel(..., compile=True)`` calls this."""
         cache_safe_views()  # torch's compile cache and the graph's views (compiled_cache.py)
+        self._compile_args = (args, kwargs)  # graphs lowered for new shapes compile alike
+        for r in self.routes.cache.values():
+            r.compiled = torch.compile(r.graph, *args, **kwargs)
         if self.runner is not None:
             self.runner.compile(*args, **kwargs)
             return

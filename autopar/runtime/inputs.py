@@ -64,6 +64,9 @@ class InputBinder:
     passthrough: frozenset[int] = frozenset()
     """Flat inputs taken as this rank's rows without a gather (:func:`passthrough_inputs`;
     the lowered graph does not slice them)."""
+    select: Callable[[list], object] | None = field(default=None, repr=False, compare=False)
+    """Chooses the lowering a call runs (its ``shapes`` and ``passthrough``) from the
+    flat inputs as passed; ``None``: the planned shapes only."""
 
     @classmethod
     def from_example(cls, args: Sequence, kwargs: dict | None, spec, mode: BatchMode | str = "global",
@@ -102,25 +105,31 @@ class InputBinder:
                                      f"{self.spec}: pass the same arguments the plan was made with")
         if device is not None:  # batches may come from a CPU DataLoader
             flat = [x.to(device) if isinstance(x, torch.Tensor) else x for x in flat]
+        # the shapes this call runs at: the planned ones, or another lowering's
+        # (autopar.module.shapes: chosen alike on every rank before any collective)
+        shapes, passthrough = self.shapes, self.passthrough
+        if self.select is not None:
+            route = self.select(flat)
+            shapes, passthrough = route.shapes, route.passthrough
         if given is not None:
             if self.mode is BatchMode.GLOBAL:  # refuse a wrong shape before the ranks compare
-                self.check_shapes(flat, local=False)
+                self.check_shapes(flat, local=False, shapes=shapes, passthrough=passthrough)
             given(flat)
         if self.mode is BatchMode.LOCAL:
-            flat = self._gather_local(flat)
-        elif self.passthrough:
+            flat = self._gather_local(flat, shapes, passthrough)
+        elif passthrough:
             # a plan made for local batches called with the global one (a loaded export):
             # the graph takes this rank's rows of these inputs, so cut them here
-            self.check_shapes(flat, local=False)
-            flat = self._own_rows(flat)
-        self.check_shapes(flat)
+            self.check_shapes(flat, local=False, shapes=shapes, passthrough=passthrough)
+            flat = self._own_rows(flat, passthrough)
+        self.check_shapes(flat, shapes=shapes, passthrough=passthrough)
         return flat
 
-    def _own_rows(self, flat: list) -> list:
+    def _own_rows(self, flat: list, passthrough: frozenset[int]) -> list:
         from autopar.runtime.shards import shard_tensor
 
         m, pl, _ = self._split()
-        return [shard_tensor(x, pl, m.shape, m.coord) if i in self.passthrough else x
+        return [shard_tensor(x, pl, m.shape, m.coord) if i in passthrough else x
                 for i, x in enumerate(flat)]
 
     def _split(self):
@@ -133,18 +142,21 @@ class InputBinder:
         pl = tuple(Shard(0) if a in self.dp_axes else None for a in range(len(m.shape)))
         return m, pl, math.prod(m.shape[a] for a in self.dp_axes)
 
-    def check_shapes(self, flat: list, local: bool = True) -> None:
-        """Refuse tensors whose shape is not the planned one (the graph's shapes are
-        static: another batch or sequence length would be cut or mis-sharded); with
-        ``local``, :attr:`passthrough` inputs are this rank's rows."""
-        dp = self._split()[2] if self.passthrough else 1
+    def check_shapes(self, flat: list, local: bool = True, shapes: list | None = None,
+                     passthrough: frozenset[int] | None = None) -> None:
+        """Refuse tensors whose shape is not ``shapes`` (the planned ones by default: a
+        lowered graph's shapes are static, another batch or sequence length would be cut
+        or mis-sharded); with ``local``, ``passthrough`` inputs are this rank's rows."""
+        shapes = self.shapes if shapes is None else shapes
+        passthrough = self.passthrough if passthrough is None else passthrough
+        dp = self._split()[2] if passthrough else 1
         for i, x in enumerate(flat):
-            want = self.shapes[i] if i < len(self.shapes) else None
-            if want is not None and local and i in self.passthrough:
+            want = shapes[i] if i < len(shapes) else None
+            if want is not None and local and i in passthrough:
                 want = (want[0] // dp, *want[1:])  # this rank's rows, as passed
             if want is not None and isinstance(x, torch.Tensor) and tuple(x.shape) != want:
                 name = self.names[i] if i < len(self.names) else f"input {i}"
-                if local and i in self.passthrough:
+                if local and i in passthrough:
                     note = " (this rank's rows)"
                 elif self.mode is BatchMode.LOCAL:
                     note = " (as the global batch gathered from every data-parallel rank)"
@@ -156,7 +168,7 @@ class InputBinder:
                     "size (DataLoader(drop_last=True), or pad the last batch and mask its "
                     "loss), or plan again for this shape with auto_parallel")
 
-    def _gather_local(self, flat: list) -> list:
+    def _gather_local(self, flat: list, shapes: list, passthrough: frozenset[int]) -> list:
         from autopar.runtime.shards import gather_tensor
 
         if not self.dp_axes:
@@ -164,8 +176,8 @@ class InputBinder:
         m, pl, dp = self._split()
         out = []
         for i, x in enumerate(flat):
-            want = self.shapes[i] if i < len(self.shapes) else None
-            if i in self.passthrough:  # the graph takes this rank's rows as they are
+            want = shapes[i] if i < len(shapes) else None
+            if i in passthrough:  # the graph takes this rank's rows as they are
                 out.append(x)
                 continue
             if isinstance(x, torch.Tensor) and want and x.dim() > 0 and x.shape[0] * dp == want[0]:

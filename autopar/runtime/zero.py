@@ -213,6 +213,7 @@ class Zero(OrderedBuckets):
                 owner.register_buffer(leaf, zp.full, persistent=False)
             z.params.append(zp)
         z.__post_init__()
+        z._layers, z._kept = dict(layers or {}), kept
         if stage == 3:
             z._rewrite_gathers(gm, layers or {}, kept)
         else:
@@ -245,6 +246,20 @@ class Zero(OrderedBuckets):
                            next=keys[i + 1] if i + 1 < len(keys) else None,
                            prev=keys[i - 1] if i else None, keep=layer_of[targets[0]] in kept,
                            views=[zp.shard for zp in zps]))
+
+    def rewrite(self, gm: fx.GraphModule) -> None:
+        """Apply this ZeRO's graph rewrites to another lowering of the same plan (the
+        model at another shape: :mod:`autopar.module.shapes`): stage 3 gathers each layer
+        from the same shards (groups of its own), stages 1-2 fetch the same chunks."""
+        if self.stage == 3:
+            keys = self.group_keys  # the planned graph's: what a pipeline's switches defer
+            self._rewrite_gathers(gm, getattr(self, "_layers", {}), getattr(self, "_kept", frozenset()))
+            self.group_keys = keys
+        elif self.chunks is not None:
+            # each chunk's targets in the order zero_fetch returns its whole parameters
+            target = {id(zp.full): zp.target for zp in self.params}
+            replace_reads(gm, [[target[id(f)] for f in c] for c in self.chunks.fulls],
+                          lambda i, ts, g: g.call_function(zero_fetch, (self.chunks.key, i)))
 
     def _make_buckets(self) -> None:
         d = current().size_of(self.axes)

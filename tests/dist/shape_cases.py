@@ -1,0 +1,127 @@
+"""One plan, many shapes (issue 65), on real gloo ranks; run by test_any_shape.py.
+
+A tiny Hugging Face Llama is planned at batch 4 x 16 tokens and trained by an ordinary
+loop (``pm(**batch)``, ``loss.backward()``, AdamW) on batches of other shapes: shorter and
+longer sequences, a global batch that does not divide by the data-parallel degree,
+fine-tuning batches padded to their own longest sequence (``attention_mask`` and labels
+of -100 on the padding); then evaluated under ``torch.no_grad()`` at batch 1.  The same
+loop on the unmodified model in one process is the reference.  Every rank returns what
+it saw; the test compares.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from autopar import MeshSpec, auto_parallel
+from autopar.runtime.mesh import reset
+
+VOCAB = 128
+
+
+def _model():
+    import transformers as tf
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=128)
+    return tf.LlamaForCausalLM(cfg)
+
+
+def padded(lengths: list[int], seed: int) -> dict[str, torch.Tensor]:
+    """Sequences of ``lengths`` padded on the right to the longest (what
+    ``DataCollatorWithPadding`` gives): ``attention_mask`` 0 and labels -100 there."""
+    g = torch.Generator().manual_seed(seed)
+    n, s = len(lengths), max(lengths)
+    ids = torch.randint(1, VOCAB, (n, s), generator=g)
+    mask = torch.zeros(n, s, dtype=torch.long)
+    for i, k in enumerate(lengths):
+        mask[i, :k] = 1
+    ids = ids * mask  # pad id 0
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+PLANS = {"dp": {}, "zero3": {"zero_stage": 3}}
+
+
+def build(c: dict, model, example: dict):
+    """The case's ParallelModule of ``model`` planned at ``example``."""
+    import hf_zoo
+
+    mesh = tuple(c["mesh"])
+    pins = hf_zoo.tp_pins("llama", mesh) if c["plan"] == "tp" else {}
+    opts = PLANS.get(c["plan"], {})
+    reset()
+    return auto_parallel(model, example_kwargs=example, mesh=MeshSpec.preset("cpu-gloo", shape=mesh),
+                         pins=pins, search="ilp", batch=c.get("batch", "global"), **opts)
+
+
+def _rows(batch: dict, lo: int, hi: int) -> dict:
+    return {k: v[lo:hi] for k, v in batch.items()}
+
+
+def train_shapes(c: dict) -> dict:
+    """Train on batches of every shape in ``c["steps"]`` (lists of lengths, global
+    batches) and evaluate at batch 1; losses, weights and eval logits against the
+    single process.  Under ``batch="local"`` each data-parallel rank passes its part of
+    each global batch: ``c["split"]`` rows to each (uneven splits allowed)."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    pm = build(c, model, padded([16] * 4, seed=0))
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    res: dict = {"loss": [], "ref": [], "built": 0}
+    for i, lengths in enumerate(c["steps"]):
+        batch = padded(lengths, seed=10 + i)
+        mine = batch
+        if c.get("batch") == "local":
+            cuts = c["split"][i]
+            r = pm.data_parallel_rank
+            lo = sum(cuts[:r])
+            mine = _rows(batch, lo, lo + cuts[r])
+            mine = {k: v[:, :max(1, int(mine["attention_mask"].sum(1).max()))] if c.get("trim") else v
+                    for k, v in mine.items()}
+        opt.zero_grad()
+        out = pm(**mine)
+        out.loss.backward()
+        opt.step()
+        ropt.zero_grad()
+        rout = ref(**batch)
+        rout.loss.backward()
+        ropt.step()
+        res["loss"].append(float(out.loss))
+        res["ref"].append(float(rout.loss))
+    full = pm.full_state_dict()
+    rstate = ref.state_dict()
+    res["weights"] = max((full[k].float() - rstate[k].float()).abs().max().item() for k in full
+                         if k in rstate)
+    pm.eval()
+    ref.eval()
+    with torch.no_grad():
+        one = padded([9], seed=99)
+        res["eval"] = (pm(**one).logits - ref(**one).logits).abs().max().item()
+    res["built"] = pm.routes.built
+    res["rank"] = dist.get_rank()
+    return res
+
+
+def run(c: dict) -> dict:
+    """Every rank runs case ``c``; rank 0's dict goes back (with every rank's losses)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    try:
+        res = {"ok": True, **train_shapes(c)}
+    except Exception as e:  # noqa: BLE001 - the test asserts on the error every rank saw
+        res = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, res)
+    return {"ranks": every}
