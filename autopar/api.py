@@ -278,7 +278,8 @@ def _replan(model: nn.Module, args: tuple, kwargs: dict, plan: Plan, mesh: MeshS
     o = dataclasses.replace(opts, pins=pins, zero_stage=d.zero_stage,
                             zero_axes=tuple(d.zero_axes) if d.zero_stage else None,
                             pipeline_stages=1, micro_batches=1, copies=None,
-                            recompute=tuple(d.recompute), explore=False)
+                            recompute=tuple(d.recompute), explore=False,
+                            context_parallel=None)
     cap, p = _shared_plan(model, args, mesh, o, kwargs, None, timeout)
     return (cap if cap is not None else _capture_for(model, args, kwargs, p)), p
 

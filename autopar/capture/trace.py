@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
+from autopar.capture.batch_index import rows_as_slices
 from autopar.capture.causal_mask import fold_causal_masks
 from autopar.capture.checks import custom_function_guard, data_dependent_error
 from autopar.capture.experts import experts_as_op
@@ -278,6 +279,8 @@ def finish(gm: fx.GraphModule, precision: Precision | str) -> None:
     _strip_guards(gm)
     # a mask built from shapes alone that is only causal: SDPA's is_causal, as in eager
     fold_causal_masks(gm)
+    # a padding mask's rows picked by their own numbers: a slice that splits like the batch
+    rows_as_slices(gm)
     apply_mixed_precision(gm, precision, recompile=False)
     # a layer's view of a shared input (rotary tables) copied per user: the layer stays a
     # chain link for the repeated-layer solver and each user picks its own layout

@@ -252,6 +252,8 @@ class Zero(OrderedBuckets):
         model at another shape: :mod:`autopar.module.shapes`): stage 3 gathers each layer
         from the same shards (groups of its own), stages 1-2 fetch the same chunks."""
         if self.stage == 3:
+            for zp in self.params:  # the graph reads the same shards
+                gm.register_parameter(shard_name(zp.target), zp.shard)
             keys = self.group_keys  # the planned graph's: what a pipeline's switches defer
             self._rewrite_gathers(gm, getattr(self, "_layers", {}), getattr(self, "_kept", frozenset()))
             self.group_keys = keys

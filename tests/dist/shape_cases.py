@@ -48,7 +48,8 @@ def padded(lengths: list[int], seed: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-PLANS = {"dp": {}, "zero3": {"zero_stage": 3}}
+PLANS = {"dp": {}, "zero3": {"zero_stage": 3}, "pp": {"pipeline_stages": 2, "micro_batches": 2},
+         "cp": {"context_parallel": "exchange"}}
 
 
 def build(c: dict, model, example: dict):
@@ -57,6 +58,11 @@ def build(c: dict, model, example: dict):
 
     mesh = tuple(c["mesh"])
     pins = hf_zoo.tp_pins("llama", mesh) if c["plan"] == "tp" else {}
+    if c["plan"] == "ddp":  # data parallel as DDP runs it: weights whole, rows split
+        pins = {"*": "R" * len(mesh), **{f"input:{i}": "S(0)" * len(mesh) for i in range(3)}}
+    if c["plan"] == "cp":  # the sequence split over the last axis, the batch over the others
+        data = "".join("S(1)" if a == len(mesh) - 1 else "S(0)" for a in range(len(mesh)))
+        pins = {"*": "R" * len(mesh), **{f"input:{i}": data for i in range(3)}}
     opts = PLANS.get(c["plan"], {})
     reset()
     return auto_parallel(model, example_kwargs=example, mesh=MeshSpec.preset("cpu-gloo", shape=mesh),
@@ -89,14 +95,17 @@ def train_shapes(c: dict) -> dict:
             mine = {k: v[:, :max(1, int(mine["attention_mask"].sum(1).max()))] if c.get("trim") else v
                     for k, v in mine.items()}
         opt.zero_grad()
-        out = pm(**mine)
-        out.loss.backward()
+        if pm.runner is not None:
+            loss = pm.train_step(**mine)
+        else:
+            loss = pm(**mine).loss
+            loss.backward()
         opt.step()
         ropt.zero_grad()
         rout = ref(**batch)
         rout.loss.backward()
         ropt.step()
-        res["loss"].append(float(out.loss))
+        res["loss"].append(float(loss))
         res["ref"].append(float(rout.loss))
     full = pm.full_state_dict()
     rstate = ref.state_dict()

@@ -149,9 +149,15 @@ def index_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
     """``x[i0, i1, ...]`` with every dim of ``x`` indexed by a tensor (Hugging Face's mask
     construction): the output has the indices' broadcast shape and each element depends
     on the indices at its position only, so the indices shard like a pointwise op's
-    inputs while ``x`` stays whole (the index values are global positions).  Other forms
-    (``None`` entries, fewer indices than dims) have no rule."""
+    inputs while ``x`` stays whole (the index values are global positions).
+    ``x[:, i1, ...]`` (a leading ``None``, every other dim indexed: the rows of a padding
+    mask, :mod:`autopar.capture.batch_index`): x's dim 0 passes through as the output's
+    dim 0 and shards alike, the indices whole.  Other forms have no rule."""
     x, idx = node.args[0], node.args[1]
+    tensors = [i for i in idx if isinstance(i, fx.Node)]
+    if len(idx) == ndim(x) and idx[0] is None and len(tensors) == len(idx) - 1:
+        return [s for s in (assign(node, [(x, Shard(0)), *((i, R) for i in tensors)], [Shard(0)]),)
+                if s is not None]
     if any(i is None for i in idx) or len(idx) != ndim(x):
         return []
-    return pointwise_axis(node, [i for i in idx if isinstance(i, fx.Node)])
+    return pointwise_axis(node, tensors)
