@@ -251,7 +251,10 @@ def _build(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOp
                         runtime, info=info, binder=binder, batch=batch)
     pm.training = model.training  # the mode the graph was captured in
     pm.routes.training = model.training  # new shapes are captured in it too
-    if runtime:  # a shape whose graph is not the planned one: planned again, parameters kept
+    if runtime:  # other shapes are captured from the model's structure (fake tensors)
+        from autopar.module.shapes import structure_copy
+        pm.routes.model, pm.routes.fake = structure_copy(model)
+        # a shape whose graph is not the planned one: planned again, parameters kept
         pm.routes.replan = functools.partial(_replan, mesh=p.mesh, opts=opts, aliases=cap.aliases,
                                              timeout=timeout)
     # compile= is not the default, even on a GPU where the compiled graph measured 0.84x

@@ -43,13 +43,19 @@ def _constant(node: fx.Node, seen: dict[fx.Node, object]) -> object:
     args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), load)
     if not ok:
         return None
-    seen[node] = node.target(*args, **kwargs)
+    if "device" in kwargs:  # a model captured on the meta device: the values here
+        kwargs = {**kwargs, "device": torch.device("cpu")}
+    args = fx.node.map_aggregate(args, lambda a: torch.device("cpu") if isinstance(a, torch.device) else a)
+    try:
+        seen[node] = node.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - a value it cannot compute: not rewritten
+        seen[node] = None
     return seen[node]
 
 
 def _is_rows(v: object, batch: int, ndim: int) -> bool:
-    return (isinstance(v, torch.Tensor) and v.dim() == ndim and v.shape[0] == batch
-            and v.numel() == batch
+    return (isinstance(v, torch.Tensor) and v.device.type != "meta" and v.dim() == ndim
+            and v.shape[0] == batch and v.numel() == batch
             and bool((v.reshape(-1) == torch.arange(batch, device=v.device)).all()))
 
 

@@ -35,6 +35,7 @@ lowering, paid once per shape; under ``compile=True`` one compilation per shape.
 
 from __future__ import annotations
 
+import copy
 import math
 import operator
 import time
@@ -46,6 +47,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from autopar.capture.annotate import annotate
@@ -72,8 +74,6 @@ class Route:
     graph: fx.GraphModule | None
     shapes: list[tuple[int, ...] | None]
     passthrough: frozenset[int]
-    cross_dp: bool = False
-    """It exchanges activations over the data-parallel axes (ranks need equal shapes)."""
     compiled: object = None
 
 
@@ -88,6 +88,11 @@ class ShapeRoutes:
     cache: OrderedDict = field(default_factory=OrderedDict)
     built: int = 0
     """Graphs built for new shapes (the log and the closing numbers read it)."""
+    _needs_agreement: bool | None = field(default=None, repr=False)
+    model: torch.nn.Module | None = field(default=None, repr=False)
+    """The model passed to ``auto_parallel`` with fake tensors (:func:`structure_copy`):
+    what a new shape is captured from, at no memory."""
+    fake: FakeTensorMode | None = field(default=None, repr=False)
     replan: Callable | None = field(default=None, repr=False)
     """``(model, args, kwargs, plan) -> (capture, plan)``: the plan made again at a shape
     whose graph is not the planned one (export elides ops at a batch of 1), every
@@ -96,7 +101,7 @@ class ShapeRoutes:
     def __deepcopy__(self, memo: dict) -> ShapeRoutes:
         # a copy of the module (an EMA) builds its own graphs on its own parameters
         return ShapeRoutes(Route(None, list(self.planned.shapes), self.planned.passthrough),
-                           self.training)
+                           self.training, model=self.model, fake=self.fake, replan=self.replan)
 
     def graphs(self) -> list[fx.GraphModule]:
         """The graphs built for new shapes (train/eval switches reach them too)."""
@@ -111,26 +116,38 @@ class ShapeRoutes:
         local = b.mode is BatchMode.LOCAL and bool(b.dp_axes)
         want = self._global(pm, mine) if local else mine
         route, error = self._route_or_error(pm, want, flat)
-        if not local or not (dist.is_initialized() and dist.get_world_size() > 1):
+        if not (local and self._agree(pm)):
             if error is not None:
                 raise error
             return route
-        every = _exchange(mine, error is not None, route is not None and route.cross_dp, pm)
-        ragged = len({s for s, _, _ in every}) > 1
-        failed = [r for r, (_, bad, _) in enumerate(every) if bad]
+        every = _exchange(mine, error is not None, self.planned.shapes, pm)
+        failed = [r for r, (_, bad) in enumerate(every) if bad]
         if failed:
             raise error if error is not None else InputMismatchError(
                 f"rank(s) {failed} cannot run the shape they were called with (their error "
                 "says why); no rank ran this step")
-        batch = _batch_inputs(b)
-        if ragged and any(cross or not batch <= route.passthrough for _, _, cross in every):
-            shapes = {r: s for r, (s, _, _) in enumerate(every)}
+        if len({s for s, _ in every}) > 1:
+            shapes = {r: s for r, (s, _) in enumerate(every)}
             raise InputMismatchError(
                 f"the ranks passed different shapes ({shapes}) under batch='local', and this "
                 "plan exchanges activations between the data-parallel ranks (a batch input "
-                "it gathers, or experts' all-to-all): pass equal shapes on every rank (pad "
-                "to a common length, equal rows per rank)")
+                "it gathers, experts' all-to-all, pipeline stages): pass equal shapes on "
+                "every rank (pad to a common length, equal rows per rank)")
         return route
+
+    def _agree(self, pm: ParallelModule) -> bool:
+        """Whether the ranks must agree on their shapes before a call: the plan exchanges
+        activations between data-parallel ranks (so their shapes must be equal), or runs
+        a schedule built for its shape.  A plan that exchanges only gradients and the
+        loss's sums (data parallel, ZeRO) needs no agreement, as DDP: each rank runs its
+        own shape, and the call costs no collective."""
+        if self._needs_agreement is None:
+            d = pm.plan.decisions
+            self._needs_agreement = (
+                pm.runner is not None or d.copies > 1
+                or not _batch_inputs(pm.binder) <= self.planned.passthrough
+                or _cross_dp(pm.inner, pm.binder.dp_axes))
+        return self._needs_agreement
 
     def _global(self, pm: ParallelModule, mine: Shapes) -> Shapes:
         """The global shapes for this rank's local ones: batch inputs' rows times the
@@ -165,13 +182,13 @@ class ShapeRoutes:
                 f"serves the planned shapes only ({_shapes_text(pm.binder, self.planned.shapes, '')}): "
                 "use batches of the planned shape, or plan without pipeline stages and "
                 "micro-batches to serve any shape")
-        model = pm._origin() if getattr(pm, "_origin", None) is not None else None
+        model = self.model
         if model is None:
             raise InputMismatchError(
                 f"{_shapes_text(pm.binder, want)}: serving a new shape captures the model passed "
-                "to auto_parallel at that shape, and this module has none (loaded from an "
-                "export, or the model is gone): call it with the planned shapes "
-                f"({_shapes_text(pm.binder, self.planned.shapes, '')})")
+                "to auto_parallel at that shape, and a module loaded from an export has none: "
+                f"call it with the planned shapes ({_shapes_text(pm.binder, self.planned.shapes, '')}), "
+                "or build it with auto_parallel(model, plan=...)")
         t0 = time.perf_counter()
         args, kwargs = self._example(pm, want, flat)
         cap = self._capture(pm, model, args, kwargs)
@@ -192,8 +209,7 @@ class ShapeRoutes:
         gm = _adopt(pm, lower(cap.gm, plan))
         keep = passthrough_inputs(plan)
         phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        route = Route(gm, list(want), frozenset(i for i, n in enumerate(phs) if n.name in keep),
-                      cross_dp=_cross_dp(gm, pm.binder.dp_axes))
+        route = Route(gm, list(want), frozenset(i for i, n in enumerate(phs) if n.name in keep))
         if pm.compiled:
             route.compiled = torch.compile(gm, *pm._compile_args[0], **pm._compile_args[1])
         self.built += 1
@@ -207,7 +223,10 @@ class ShapeRoutes:
         """A call at the global shapes ``want`` from this call's tensors (batch inputs
         repeated up to ``want``'s rows)."""
         def grow(x: object, s: tuple[int, ...] | None) -> object:
-            if not isinstance(x, torch.Tensor) or s is None or tuple(x.shape) == s:
+            if not isinstance(x, torch.Tensor):
+                return x
+            x = self.fake.from_tensor(x)  # captured with the model's fake tensors
+            if s is None or tuple(x.shape) == s:
                 return x
             reps = s[0] // max(1, x.shape[0])
             return torch.cat([x] * reps) if reps * x.shape[0] == s[0] else x
@@ -234,6 +253,24 @@ class ShapeRoutes:
                 return fn()
         finally:
             model.train(mode)
+
+
+def structure_copy(model: torch.nn.Module) -> tuple[torch.nn.Module, FakeTensorMode]:
+    """A copy of ``model`` whose parameters and buffers are fake tensors (same shapes,
+    dtypes, devices and strides, no storage), and their fake mode: what capture needs,
+    without the weights' memory.  Not the meta device: torch picks kernels by device
+    (SDPA's CPU kernel lays its output out so that no ``contiguous`` follows; on meta one
+    does), and the graph must be the planned one."""
+    from autopar.module.habits import building
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    memo: dict[int, object] = {}
+    for p in model.parameters():
+        memo[id(p)] = torch.nn.Parameter(mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = mode.from_tensor(b)
+    with building():
+        return copy.deepcopy(model, memo), mode
 
 
 def _same_graph(gm: fx.GraphModule, plan: Plan) -> bool:
@@ -364,34 +401,26 @@ def _cross_dp(gm: fx.GraphModule, dp_axes: tuple[int, ...]) -> bool:
     return False
 
 
-def _exchange(mine: Shapes, failed: bool, cross: bool, pm: ParallelModule
-              ) -> list[tuple[Shapes, bool, bool]]:
-    """Every rank's (shapes as passed, whether it cannot run them, whether its graph
-    moves activations over the data-parallel axes): one all-gather of a few integers."""
-    flat = [v for s in mine if s is not None for v in (len(s), *s)]
-    local = torch.tensor([int(failed), int(cross), len(flat), *flat], dtype=torch.int64)
-    n = torch.tensor([local.numel()], dtype=torch.int64)
-    world = dist.get_world_size()
-    dev = pm._mesh_rt.device
-    sizes = torch.empty(world, dtype=torch.int64, device=dev)
+def _exchange(mine: Shapes, failed: bool, planned: list, pm: ParallelModule
+              ) -> list[tuple[Shapes | None, bool]]:
+    """Every rank's (shapes as passed, whether it cannot run them): one all-gather of
+    a few integers, laid out like the planned shapes (a rank whose tensors have other
+    ranks is marked as failing: its own error says why)."""
+    dims = [len(s) if s is not None else -1 for s in planned]
+    fits = [len(s) if s is not None else -1 for s in mine] == dims
+    row = [int(failed or not fits)] + [v for s in mine if s is not None for v in s] if fits \
+        else [1] + [0] * sum(max(0, k) for k in dims)
+    world, dev = dist.get_world_size(), pm._mesh_rt.device
+    every = torch.empty(world * len(row), dtype=torch.int64, device=dev)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(sizes, n.to(dev))
-    width = int(sizes.max())
-    padded = torch.zeros(width, dtype=torch.int64)
-    padded[:local.numel()] = local
-    every = torch.empty(world * width, dtype=torch.int64, device=dev)
-    gather(every, padded.to(dev))
+    gather(every, torch.tensor(row, dtype=torch.int64, device=dev))
     out = []
-    for row in every.cpu().view(world, width).tolist():
-        vals, shapes, i = row[3:3 + row[2]], [], 0
-        for s in mine:
-            if s is None:
-                shapes.append(None)
-                continue
-            k = vals[i]
-            shapes.append(tuple(vals[i + 1:i + 1 + k]))
-            i += 1 + k
-        out.append((tuple(shapes), bool(row[0]), bool(row[1])))
+    for vals in every.cpu().view(world, len(row)).tolist():
+        shapes, i = [], 1
+        for k in dims:
+            shapes.append(None if k < 0 else tuple(vals[i:i + k]))
+            i += max(0, k)
+        out.append((tuple(shapes), bool(vals[0])))
     return out
 
 
@@ -401,4 +430,4 @@ def _shapes_text(binder, shapes, prefix: str = "called with ") -> str:
     return prefix + ", ".join(parts)
 
 
-__all__ = ["MAX_GRAPHS", "Route", "ShapeRoutes"]
+__all__ = ["MAX_GRAPHS", "Route", "ShapeRoutes", "structure_copy"]

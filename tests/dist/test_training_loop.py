@@ -137,9 +137,9 @@ def test_rank0_weights_and_shape_errors(two):
     r = _ok(two["seeds"])
     # before: each rank kept the weights of its own seed
     assert len(set(r["weights"])) == 1 and r["weights"][0] == pytest.approx(r["rank0_model"], rel=1e-6)
-    # before: torch.export's "specify dynamic_shapes" message
-    assert r["small_batch"].startswith("InputMismatchError")
-    assert "(6, 16)" in r["small_batch"] and "(8, 16)" in r["small_batch"]
+    # a batch of 6 where 8 was planned runs the same plan (before: InputMismatchError);
+    # the loss is the single process's up to the order of sums
+    assert r["small_batch"] < 1e-5
 
 
 def test_loaded_export_keeps_the_habits(two):

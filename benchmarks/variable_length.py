@@ -1,0 +1,198 @@
+"""Variable-length fine-tuning: one plan for every length, against padding to the
+maximum and against DDP.
+
+    python benchmarks/variable_length.py [--batches 32] [--rows 8] [--world 4]
+
+A Hugging Face Llama from a small config (2 layers, hidden 256, vocab 1024) trains with
+AdamW on ``--world`` gloo ranks of this machine (one thread each).  Sequence lengths
+come from a seeded log-normal (median 64 tokens, clipped to 8..512); ``--rows`` of them
+make a global batch, batches in random order, each padded on the right to its own
+longest sequence (``attention_mask`` 0 and labels -100 on the padding, what
+``DataCollatorWithPadding`` gives).  Every data-parallel rank passes its rows of each
+batch (``batch="local"``).  Three arms train copies of the same weights on the same
+batches, their steps interleaved (the order turned every step), each step timed as
+the slowest rank's:
+
+* ``autopar``: ``auto_parallel(model, batch="local")`` planned at one batch of the
+  median length, fed every batch as it is;
+* ``padded``: the same planned at 512 tokens, fed every batch padded to 512 (what a
+  plan for one shape asked of its user);
+* ``ddp``: ``DistributedDataParallel``, its loss over the global batch's real tokens
+  (``num_items_in_batch``: the per-rank sums over all ranks' tokens, as the Trainer does),
+  so all three optimise the same loss.
+
+autopar captures and lowers each new length once (its first epoch); a first pass over
+the batches, untimed, pays that, and is reported on its own.  Prints tokens per second
+(real tokens, not padding) per arm, the ratios, the first pass's seconds, and the
+largest difference between the arms' losses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
+
+MAX = 512
+VOCAB = 1024
+
+
+def lengths(n: int, seed: int = 0) -> list[int]:
+    """``n`` sequence lengths: log-normal, median 64, clipped to 8..512."""
+    rng = random.Random(seed)
+    return [min(MAX, max(8, round(math.exp(rng.gauss(math.log(64), 0.8))))) for _ in range(n)]
+
+
+def batches(count: int, rows: int, seed: int = 0) -> list[dict]:
+    """``count`` global batches of ``rows`` sequences, each padded to its longest."""
+    lens = lengths(count * rows, seed)
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for b in range(count):
+        mine = lens[b * rows:(b + 1) * rows]
+        s = max(mine)
+        mask = torch.zeros(rows, s, dtype=torch.long)
+        for i, k in enumerate(mine):
+            mask[i, :k] = 1
+        ids = torch.randint(1, VOCAB, (rows, s), generator=g) * mask
+        out.append({"input_ids": ids, "attention_mask": mask,
+                    "labels": ids.masked_fill(mask == 0, -100)})
+    random.Random(seed + 1).shuffle(out)
+    return out
+
+
+def pad_to(batch: dict, s: int) -> dict:
+    """``batch`` padded on the right to ``s`` tokens (masked, labels -100)."""
+    extra = s - batch["input_ids"].shape[1]
+    fill = {"input_ids": 0, "attention_mask": 0, "labels": -100}
+    return {k: torch.nn.functional.pad(v, (0, extra), value=fill[k]) for k, v in batch.items()}
+
+
+def model():
+    import transformers as tf
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=MAX)
+    return tf.LlamaForCausalLM(cfg)
+
+
+def _rows(batch: dict, rank: int, world: int) -> dict:
+    n = batch["input_ids"].shape[0] // world
+    return {k: v[rank * n:(rank + 1) * n] for k, v in batch.items()}
+
+
+def _tokens(batch: dict) -> int:
+    """Real tokens a step trains on (the shifted labels that are not -100)."""
+    return int((batch["labels"][:, 1:] != -100).sum())
+
+
+def _arms(rank: int, world: int, rows: int):
+    """The three modules and their optimizers, from the same weights."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from autopar import MeshSpec, auto_parallel
+
+    base = model()
+    mesh = MeshSpec.preset("cpu-gloo", shape=(world,))
+    # planned at a batch of the median length (the first batch's sequences cut or padded to 64)
+    first = batches(1, rows, seed=99)[0]
+    median = {k: v[:, :64] for k, v in pad_to(first, max(64, first["input_ids"].shape[1])).items()}
+    auto = auto_parallel(copy.deepcopy(base), example_kwargs=median, mesh=mesh, batch="local")
+    padded = auto_parallel(copy.deepcopy(base), example_kwargs=pad_to(median, MAX), mesh=mesh,
+                           batch="local")
+    ddp = DDP(copy.deepcopy(base))
+    return {name: (m, torch.optim.AdamW(m.parameters(), lr=1e-4))
+            for name, m in (("autopar", auto), ("padded", padded), ("ddp", ddp))}
+
+
+def _step(name: str, m, opt, batch: dict, rank: int, world: int) -> float:
+    mine = _rows(pad_to(batch, MAX) if name == "padded" else batch, rank, world)
+    opt.zero_grad()
+    if name == "ddp":  # sum over this rank's tokens / all ranks' tokens, times world (DDP averages)
+        n = _tokens(batch)
+        loss = m(**mine, num_items_in_batch=torch.tensor(n / world)).loss
+        loss.backward()
+        shown = loss.detach() / world
+        dist.all_reduce(shown)
+    else:
+        shown = m(**mine).loss
+        shown.backward()
+    opt.step()
+    return float(shown)
+
+
+def _worker(rank: int, world: int, port: int, params: dict, out: str) -> None:
+    from _ranks import finish, join, timed
+
+    join(rank, world, port)
+    data = batches(params["batches"], params["rows"])
+    arms = _arms(rank, world, params["rows"])
+    t0 = time.perf_counter()
+    for b in data:  # autopar's first pass: each new length captured and lowered once
+        m, opt = arms["autopar"]
+        _step("autopar", m, opt, b, rank, world)
+    first = time.perf_counter() - t0
+    for name in ("padded", "ddp"):  # the same updates, so the arms stay in step
+        for b in data:
+            _step(name, *arms[name], b, rank, world)
+    names = list(arms)
+    times = {n: [] for n in names}
+    losses = {n: [] for n in names}
+    for i, b in enumerate(data):
+        order = names[i % 3:] + names[:i % 3]
+        for n in order:
+            loss = []
+            times[n].append(timed(lambda n=n, b=b, loss=loss: loss.append(_step(n, *arms[n], b, rank, world))))
+            losses[n].append(loss[0])
+    tokens = sum(_tokens(b) for b in data)
+    rows = [{"arm": n, "tokens_per_s": tokens / sum(times[n]), "median_step": statistics.median(times[n]),
+             "first_pass_s": first if n == "autopar" else None,
+             "built": arms["autopar"][0].routes.built if n == "autopar" else None,
+             "loss_gap": max(abs(a - b) / abs(b) for a, b in zip(losses[n], losses["ddp"]))}
+            for n in names]
+    finish(rank, rows, out)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Run the arms and print the table."""
+    from _ranks import spawn_rows
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, default=32)
+    ap.add_argument("--rows", type=int, default=8, help="sequences per global batch")
+    ap.add_argument("--world", type=int, default=4)
+    a = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    rows, load = spawn_rows(_worker, a.world, {"batches": a.batches, "rows": a.rows})
+    by = {r["arm"]: r for r in rows}
+    print(f"{a.world} gloo ranks, {a.batches} batches of {a.rows} sequences "
+          f"(lengths: log-normal, median 64, max {MAX}); load {load[0]:.1f} -> {load[1]:.1f}")
+    print("| arm | tokens/s | median step (s) | vs autopar | loss vs ddp (rel) |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['arm']} | {r['tokens_per_s']:.0f} | {r['median_step']:.3f} | "
+              f"{by['autopar']['tokens_per_s'] / r['tokens_per_s']:.2f}x | {r['loss_gap']:.1e} |")
+    print(f"autopar's first pass: {by['autopar']['first_pass_s']:.1f} s, "
+          f"{by['autopar']['built']} lengths captured and lowered")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
