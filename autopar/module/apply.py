@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 # attribute names of ParallelModule itself: a model's top-level submodule or parameter
 # of the same name could not be registered under its own name
 _RESERVED = frozenset({"inner", "plan", "aliases", "state_keys", "rank", "runner", "zero", "rng",
-                       "grad_sync", "lowered_graph", "code", "binder", "info", "training"})
+                       "grad_sync", "lowered_graph", "code", "binder", "info", "training",
+                       "generate"})
 
 
 def apply_plan(pm: ParallelModule, full_state: Mapping[str, torch.Tensor] | None) -> None:
