@@ -18,7 +18,10 @@ optimizer step on the local tensors and ZeRO's loads write,
 own, so all of them are read.  The ranks agree on "changed" with one all-reduce of a
 flag (a rank's versions may move without another's: ZeRO shards of different sizes),
 so every rank gathers or none does, and a generate in an eval loop costs one gather per
-change of the weights, not one per call.
+change of the weights, not one per call.  The copy is a whole model on every rank, which
+the plan's memory budget does not hold during training: the next forward of the module
+with gradients enabled (training resumed) frees it
+(:meth:`~autopar.module.parallel.ParallelModule.forward`).
 """
 
 from __future__ import annotations

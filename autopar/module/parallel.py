@@ -121,6 +121,8 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
                                "launch under torchrun to run it, or export() it")
         # this module's groups, whatever module ran last (runtime.mesh.activate)
         activate(self._mesh_rt)
+        if torch.is_grad_enabled():  # training resumed: free generate()'s whole-model copy
+            self.__dict__.pop("_generation", None)
         generator = self._generator()
         flat = self._flatten_checked(args, kwargs, generator)
         rng.use(generator)
@@ -257,10 +259,12 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         max_new_tokens=16, do_sample=False``); returns its output, on this rank's device.
 
         Collective: every rank calls it.  Like FSDP's ``summon_full_params``, it
-        materializes the whole model on every rank: a working copy of that model, kept
-        and gathered again only after the weights changed, decodes with HF's own loop
-        and KV cache in eval mode under ``torch.no_grad`` (``pm.train()`` / ``eval()``
-        are left as they were).  The same inputs give the same output on every rank.
+        materializes the whole model on every rank: a working copy of that model
+        decodes with HF's own loop and KV cache in eval mode under ``torch.no_grad``
+        (``pm.train()`` / ``eval()`` are left as they were).  The copy is kept for the
+        next calls, gathered again only after the weights changed, until a forward of
+        ``pm`` runs with gradients enabled (training resumed) frees it.  The same
+        inputs give the same output on every rank.
         A model without ``generate`` raises :class:`~autopar.errors.GenerateError`
         (:mod:`autopar.module.generate`)."""
         return generate(self, *args, **kwargs)

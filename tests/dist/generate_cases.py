@@ -45,8 +45,9 @@ def _pins(plan: str) -> dict[str, str]:
 def hf_generate(c: dict) -> dict:
     """A tiny HF Llama trained 3 AdamW steps under ``auto_parallel`` and in one process:
     ``pm.generate`` (greedy, HF's KV cache) gives the single process's tokens on every
-    rank; a second call gathers nothing; after a 4th step, and after an in-place write
-    to a parameter, it gathers again and follows."""
+    rank; a second call gathers nothing; a training forward frees the copy; after an
+    optimizer step, and after an in-place write to a parameter, it gathers again and
+    follows."""
     import hf_zoo
 
     model, batch = hf_zoo.build("llama")
@@ -73,7 +74,15 @@ def hf_generate(c: dict) -> dict:
     pm.full_state_dict = lambda: gathers.append(1) or whole()  # counts the gathers
     res["again"] = pm.generate(**gen).tolist()
     res["gathers_again"] = len(gathers)
-    _step(pairs, steps[3])
+    res["kept"] = "_generation" in pm.__dict__
+    for m, o in pairs:  # the 4th step, its optimizer step after another generate
+        o.zero_grad()
+        m(**steps[3]).loss.backward()
+    res["freed"] = "_generation" not in pm.__dict__  # the training forward freed the copy
+    res["mid"] = pm.generate(**gen).tolist()
+    res["gathers_mid"] = len(gathers)
+    for _, o in pairs:
+        o.step()
     res["after_step"] = pm.generate(**gen).tolist()
     res["ref_after_step"] = ref.generate(**gen).tolist()
     res["gathers_after_step"] = len(gathers)

@@ -47,12 +47,15 @@ def test_generate_gives_the_single_process_tokens(two, plan):
     assert r["ref"] != r["untrained"]  # training moved the tokens: stale weights would fail
     assert r["pm_training"] is True and r["model_training"] is True  # modes left as they were
     # the weights did not change: the working copy is reused, nothing gathered
-    assert r["again"] == r["ref"] and r["gathers_again"] == 0
-    # a 4th step changed them: gathered once, the single process's tokens again
-    assert r["after_step"] == r["ref_after_step"] and r["gathers_after_step"] == 1
+    assert r["again"] == r["ref"] and r["gathers_again"] == 0 and r["kept"]
+    # a forward with gradients (training resumed) frees the whole-model copy; the next
+    # call gathers the unchanged weights again
+    assert r["freed"] and r["mid"] == r["ref"] and r["gathers_mid"] == 1
+    # an optimizer step (on the local tensors) changed them: gathered again
+    assert r["after_step"] == r["ref_after_step"] and r["gathers_after_step"] == 2
     assert r["ref_after_step"] != r["ref"]
     # lm_head negated in place through its DTensor, outside a step: gathered again
-    assert r["flipped"] == r["ref_flipped"] and r["gathers_flipped"] == 2
+    assert r["flipped"] == r["ref_flipped"] and r["gathers_flipped"] == 3
     assert r["ref_flipped"] != r["ref_after_step"]
 
 
