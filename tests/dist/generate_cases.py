@@ -26,20 +26,33 @@ def _batches(steps: int, seed: int) -> list[dict]:
     return out
 
 
+def _backward(m, batch: dict) -> None:
+    """Forward and backward of ``batch`` (a pipelined module runs its schedule)."""
+    if getattr(m, "runner", None) is not None:
+        m.train_step(**batch)
+    else:
+        m(**batch).loss.backward()
+
+
 def _step(pairs, batch: dict) -> None:
     """One AdamW step of every (module, optimizer) in ``pairs`` on ``batch``."""
     for m, o in pairs:
         o.zero_grad()
-        m(**batch).loss.backward()
+        _backward(m, batch)
         o.step()
 
 
-def _pins(plan: str) -> dict[str, str]:
+def _options(plan: str) -> dict:
+    """``auto_parallel``'s pins and options for ``plan``."""
     import hf_zoo
 
     if plan == "tp":  # Megatron-style: every projection split, inputs replicated
-        return {"*": "R", **hf_zoo.tp_pins("llama", (2,))}
-    return {"*": "R", "input:0": "S(0)", "input:1": "S(0)"}  # input_ids and labels split
+        return {"pins": {"*": "R", **hf_zoo.tp_pins("llama", (2,))}}
+    if plan == "pp":  # two stages, two micro-batches: each rank holds one stage's weights
+        return {"pipeline_stages": 2, "micro_batches": 2}
+    # input_ids and labels split
+    return {"pins": {"*": "R", "input:0": "S(0)", "input:1": "S(0)"},
+            "zero_stage": 3 if plan == "zero3" else 0}
 
 
 def hf_generate(c: dict) -> dict:
@@ -57,8 +70,7 @@ def hf_generate(c: dict) -> dict:
     res = {"untrained": ref.generate(**gen).tolist()}
     reset()
     pm = auto_parallel(model, example_kwargs=batch, mesh=MeshSpec.preset("cpu-gloo", shape=(2,)),
-                       pins=_pins(c["plan"]), search="ilp",
-                       zero_stage=3 if c["plan"] == "zero3" else 0)
+                       search="ilp", **_options(c["plan"]))
     pairs = [(pm, torch.optim.AdamW(pm.parameters(), lr=LR)),
              (ref, torch.optim.AdamW(ref.parameters(), lr=LR))]
     steps = _batches(4, seed=7)
@@ -77,7 +89,7 @@ def hf_generate(c: dict) -> dict:
     res["kept"] = "_generation" in pm.__dict__
     for m, o in pairs:  # the 4th step, its optimizer step after another generate
         o.zero_grad()
-        m(**steps[3]).loss.backward()
+        _backward(m, steps[3])
     res["freed"] = "_generation" not in pm.__dict__  # the training forward freed the copy
     res["mid"] = pm.generate(**gen).tolist()
     res["gathers_mid"] = len(gathers)
@@ -86,10 +98,13 @@ def hf_generate(c: dict) -> dict:
     res["after_step"] = pm.generate(**gen).tolist()
     res["ref_after_step"] = ref.generate(**gen).tolist()
     res["gathers_after_step"] = len(gathers)
-    # an in-place write through a DTensor parameter outside a step (an EMA's habit)
+    # an in-place write through a DTensor parameter outside a step (an EMA's habit); with
+    # a pipeline only the last stage's ranks hold lm_head, and all ranks gather anyway
     for m in (pm, ref):
-        with torch.no_grad():
-            m.get_parameter("lm_head.weight").mul_(-1.0)  # exact: negated twice is the same
+        held = dict(m.named_parameters())
+        if "lm_head.weight" in held:
+            with torch.no_grad():
+                held["lm_head.weight"].mul_(-1.0)  # exact: negated twice is the same
     res["flipped"] = pm.generate(**gen).tolist()
     res["ref_flipped"] = ref.generate(**gen).tolist()
     res["gathers_flipped"] = len(gathers)

@@ -1,6 +1,6 @@
 """``pm.generate`` (issue 65): Hugging Face's ``generate`` of the model passed to
 ``auto_parallel`` with the trained weights, on 2 gloo ranks against the single process,
-under data-parallel, tensor-parallel (pins) and ZeRO-3 plans.
+under data-parallel, tensor-parallel (pins), ZeRO-3 and 2-stage pipeline plans.
 
 Before: ``pm.generate`` was an ``AttributeError`` ('ParallelModule' object has no
 attribute 'generate') and ``model.generate`` decodes with the weights from before
@@ -20,7 +20,7 @@ import pytest
 from tests.dist.harness import run_fn_cases
 
 FN = "tests.dist.generate_cases:run"
-PLANS = ("dp", "tp", "zero3")
+PLANS = ("dp", "tp", "zero3", "pp")
 CASES = [*({"id": f"hf-{p}", "fn": "hf_generate", "plan": p} for p in PLANS),
          {"id": "not-hf", "fn": "not_generative"}]
 
@@ -38,7 +38,7 @@ def _ok(r: dict) -> None:
 def test_generate_gives_the_single_process_tokens(two, plan):
     r = two[f"hf-{plan}"]
     _ok(r)
-    assert r["dp_size"] == (1 if plan == "tp" else 2)
+    assert r["dp_size"] == (1 if plan in ("tp", "pp") else 2)
     assert r["use_cache"] is True
     a, b = r["pm"]
     assert "value" in a and "value" in b, r["pm"]
