@@ -5,9 +5,10 @@ that each rank got the same tokens or the same clear error."""
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import torch
-import torch.distributed as dist
 
 from autopar import MeshSpec, auto_parallel
 from autopar.runtime.mesh import reset
@@ -119,7 +120,8 @@ def hf_generate(c: dict) -> dict:
 
 
 def not_generative(c: dict) -> dict:
-    """A model without ``generate``: every rank raises the same clear error."""
+    """A model without ``generate``, and a model no longer held: every rank raises the
+    same clear error."""
     torch.manual_seed(0)
     model = Three()
     x, y = _batch()
@@ -128,7 +130,11 @@ def not_generative(c: dict) -> dict:
                        pins={"*": "R", "input:0": "S(0)", "input:1": "S(0)"}, search="ilp")
     res = {"generate": _all(_outcome(lambda: pm.generate(x)))}
     res["forward"] = _all(_outcome(lambda: pm(x, y).item()))  # the module still works after
-    res["rank"] = dist.get_rank()
+    gone = weakref.ref(model)
+    del model  # pm holds it weakly (as save_pretrained does): dropped, generate says so
+    gc.collect()
+    res["freed"] = gone() is None
+    res["gone"] = _all(_outcome(lambda: pm.generate(x)))
     return res
 
 

@@ -67,7 +67,7 @@ def test_generate_of_a_copy_uses_the_copys_weights(two):
     assert r["pm_after_twin"] == r["flipped"]  # pm's own weights are untouched
 
 
-def test_model_without_generate_raises_on_every_rank(two):
+def test_model_without_generate_or_gone_raises_on_every_rank(two):
     r = two["not-hf"]
     _ok(r)
     a, b = r["generate"]
@@ -75,3 +75,7 @@ def test_model_without_generate_raises_on_every_rank(two):
     assert a["message"] == b["message"]
     assert "Three" in a["message"] and "pm.full_state_dict()" in a["message"]
     assert all("value" in o for o in r["forward"]), r["forward"]
+    assert r["freed"]
+    a, b = r["gone"]
+    assert a.get("error") == b.get("error") == "GenerateError", r["gone"]
+    assert "is gone" in a["message"] and "pm.full_state_dict()" in a["message"]
