@@ -66,6 +66,13 @@ class ForeignShardError(AutoparError, ValueError):
     rank raises it with the same message."""
 
 
+class GenerateError(AutoparError, TypeError):
+    """``pm.generate`` cannot run: the module has no Hugging Face model to generate with
+    (the model passed to ``auto_parallel`` has no ``generate``, is gone, or the module
+    was loaded from an export or is planning-only).  Every rank raises it with the same
+    message, which names what works instead."""
+
+
 class AutoparWarning(UserWarning):
     """Something planned differently from what the user may expect (an op without a
     sharding rule runs replicated, ...).  Shown every time a plan is made: the same

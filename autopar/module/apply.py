@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 # of the same name could not be registered under its own name
 _RESERVED = frozenset({"inner", "plan", "aliases", "state_keys", "rank", "runner", "zero", "rng",
                        "grad_sync", "lowered_graph", "code", "binder", "info", "training",
-                       "routes"})
+                       "routes", "generate"})
 
 
 def apply_plan(pm: ParallelModule, full_state: Mapping[str, torch.Tensor] | None) -> None:

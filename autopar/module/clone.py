@@ -76,6 +76,8 @@ def clone_module(pm: ParallelModule, memo: dict) -> ParallelModule:
               list(pm.state_keys), None, runtime=True, info=pm.info,
               binder=copy.deepcopy(dataclasses.replace(pm.binder, select=None)), batch=pm.binder.mode, extra=extra)
     memo[id(pm)] = new
+    if "_origin" in pm.__dict__:  # the model passed to auto_parallel: save_pretrained, generate
+        object.__setattr__(new, "_origin", pm._origin)
     _copy_values(pm, new)
     new.train(pm.training)
     if pm.rng is not None:

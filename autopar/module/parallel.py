@@ -12,6 +12,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.module.apply import apply_inputs, apply_plan
 from autopar.module.clone import clone_module
+from autopar.module.generate import generate
 from autopar.module.habits import save_pretrained
 from autopar.module.loop import LoopMixin
 from autopar.module.state import StateMixin, TensorInfo
@@ -121,6 +122,8 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
                                "launch under torchrun to run it, or export() it")
         # this module's groups, whatever module ran last (runtime.mesh.activate)
         activate(self._mesh_rt)
+        if torch.is_grad_enabled():  # training resumed: free generate()'s whole-model copy
+            self.__dict__.pop("_generation", None)
         generator = self._generator()
         flat = self._flatten_checked(args, kwargs, generator)
         rng.use(generator)
@@ -265,6 +268,22 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         calls it (the whole state is gathered), rank 0 writes.  That model's own
         ``save_pretrained`` raises: it holds the weights from before ``auto_parallel``."""
         save_pretrained(self, save_directory, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        """Hugging Face's ``generate`` of the model passed to ``auto_parallel``, with the
+        trained weights (``args`` and ``kwargs`` as it takes them: ``input_ids=...,
+        max_new_tokens=16, do_sample=False``); returns its output, on this rank's device.
+
+        Collective: every rank calls it.  Like FSDP's ``summon_full_params``, it
+        materializes the whole model on every rank: a working copy of that model
+        decodes with HF's own loop and KV cache in eval mode under ``torch.no_grad``
+        (``pm.train()`` / ``eval()`` are left as they were).  The copy is kept for the
+        next calls, gathered again only after the weights changed, until a forward of
+        ``pm`` runs with gradients enabled (training resumed) frees it.  The same
+        inputs give the same output on every rank.
+        A model without ``generate`` raises :class:`~autopar.errors.GenerateError`
+        (:mod:`autopar.module.generate`)."""
+        return generate(self, *args, **kwargs)
 
     def shutdown(self) -> None:
         """Destroy the process group (call once at the end of a torchrun script).

@@ -11,6 +11,7 @@ from torch import nn
 
 import autopar
 from autopar import CaptureError, MeshSpec, Plan, PlanError, Shard, auto_parallel, plan
+from autopar.errors import GenerateError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import gpt  # noqa: E402
@@ -56,6 +57,8 @@ def test_planning_only_module_code_and_export(tmp_path: Path) -> None:
     assert "autopar_runtime_collectives" in pm.code
     with pytest.raises(RuntimeError, match="planning-only"):
         pm(*ex)
+    with pytest.raises(GenerateError, match="planning-only"):
+        pm.generate(*ex)
     out = pm.export(tmp_path / "exp")
     for f in ("plan.json", "module.py", "meta.json", "rank0.pt", "rank1.pt", "README.md"):
         assert (out / f).exists()
