@@ -242,9 +242,8 @@ def predict(plan: Plan, batch: int | None = None, seq: int | None = None) -> flo
       shape is over-priced by them, a smaller one under-priced; recomputed layers pay
       their forward share again;
     * parameter-sized terms are constant: gradient buckets, ZeRO's gathers and
-      reductions, the optimizer; the gradient sync the backward hides shrinks with the
-      backward (a shorter backward exposes more of it), and is never taken to hide
-      more than it did at the priced shape;
+      reductions, the optimizer; the gradient sync left after the backward stays as
+      planned, unless a shorter backward cannot hide the rest (:func:`_sync_delta`);
     * a batch that the batch-splitting axes do not divide runs replicated over them
       (as the module runs it): every rank computes the whole batch.
 
@@ -292,10 +291,24 @@ def _delta(plan: Plan, shape: PricedShape, b: int, s: int | None) -> float:
             d_re += c / (1.0 + BACKWARD_FACTOR) + m / 2.0
     parts = d.stage_parts[0] if d.stage_parts else {}
     sync, exposed = parts.get("sync", 0.0), parts.get("sync_exposed", 0.0)
-    # the backward hides the gradient sync in proportion to its length, up to what it did
-    shrink = max(0.0, -d_comp / compute) if compute > 0 else 0.0
-    d_sync = max(0.0, sync - exposed) * min(1.0, shrink)
-    return d_comp + d_comm + d_re + d_sync
+    share = BACKWARD_FACTOR / (1.0 + BACKWARD_FACTOR)
+    return d_comp + d_comm + d_re + _sync_delta(plan, sync, exposed, share * compute,
+                                                share * (compute + d_comp))
+
+
+def _sync_delta(plan: Plan, sync: float, exposed: float, backward: float, new_backward: float
+                ) -> float:
+    """What more of the gradient sync the step exposes after a backward of
+    ``new_backward`` seconds instead of ``backward``: the backward hides at most its
+    length times ``mesh.overlap`` of the sync, so at least ``sync - overlap x backward``
+    is left after it; the planned exposure (the last buckets' tail) is kept, never
+    less."""
+    overlap = plan.mesh.overlap
+
+    def least(bwd: float) -> float:
+        return max(0.0, sync - overlap * bwd)
+
+    return max(0.0, least(new_backward) - max(exposed, least(backward)))
 
 
 def explain_shapes(plan: Plan) -> str:
@@ -320,7 +333,7 @@ def explain_shapes(plan: Plan) -> str:
         lines.append("predicted at other shapes (plan.predict(batch=, seq=), no new search):")
         for b, s in _examples(shape):
             what = PricedShape(b, s).words()
-            lines.append(f"  {what:<34} {predict(plan, b, s) * 1e3:.4g} ms")
+            lines.append(f"  {what:<36} {predict(plan, b, s) * 1e3:.4g} ms")
     return "\n".join(lines)
 
 
