@@ -325,7 +325,7 @@ def explain_shapes(plan: Plan) -> str:
         if split > 1:
             names = ", ".join(plan.mesh.axis_names[a] for a in axes)
             lines.append(f"  a batch not divisible by {split} (mesh {'axes' if len(axes) > 1 else 'axis'} "
-                         f"{names}, which split the batch) runs replicated over "
+                         f"{names}, which split{'' if len(axes) > 1 else 's'} the batch) runs replicated over "
                          f"{'them' if len(axes) > 1 else 'it'}: every rank computes the whole "
                          "batch for that call")
         if d.batch == "local":
