@@ -14,17 +14,18 @@ search: see its docstring for what is scaled how.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from autopar.cost_models import kernel_rate
+from autopar.cost_models import blocking_time, kernel_rate
 from autopar.errors import ConfigError
 from autopar.plan.placement import Shard, is_shard, parse_placements
 
 if TYPE_CHECKING:
-    from autopar.plan.data import NodePlan, Plan
+    from autopar.plan.data import NodePlan, Plan, Redistribution
 
 BACKWARD_FACTOR = 2.0
 """Backward over forward compute, as the cost model prices every op
@@ -33,6 +34,7 @@ BACKWARD_FACTOR = 2.0
 
 _ATTENTION = ("scaled_dot_product_attention", "_scaled_dot_product")
 _MATMULS = frozenset({"matmul", "bmm", "baddbmm", "mm", "einsum"})
+_COLLECTIVES = frozenset({"all_reduce", "reduce_scatter", "all_gather", "all_to_all"})
 
 
 @dataclass(frozen=True)
@@ -214,10 +216,25 @@ def _op_delta(plan: Plan, n: NodePlan, grow: _Growth) -> tuple[float, float]:
         ratio = _roofline(plan, n, n.flops * g_flops, b_new, div) / _roofline(plan, n, n.flops, b_old, div)
         own = n.own_comm  # the op's own exchanges move its activations: they grow as they do
         d_comp = (n.compute - own) * (ratio - 1.0) + own * (most - 1.0)
-    d_comm = sum(r.seconds * (grow.of(r.input, r.src) - 1.0) for r in n.redistributions)
+    d_comm = sum(_edge_delta(plan, r, grow.of(r.input, r.src)) for r in n.redistributions)
     if n.comm and not n.redistributions:  # a plan assembled without the steps
         d_comm = n.comm * (most - 1.0)
     return d_comp, d_comm
+
+
+def _edge_delta(plan: Plan, r: Redistribution, growth: float) -> float:
+    """What a redistribution adds when its tensor grows by ``growth``: its bytes' share
+    of the price grows, each collective's latency (its price at one byte) does not.  The
+    edge is priced forward and backward (its dual) where a gradient flows back, which a
+    price under twice the latencies rules out."""
+    latency = 0.0
+    for step in r.steps:
+        kind, _, rest = step.partition("(")
+        axis = re.search(r"axis=(\d+)", rest)
+        if kind in _COLLECTIVES and axis:
+            latency += blocking_time(kind, plan.mesh, int(axis.group(1)), 1.0)
+    fixed = min(r.seconds, 2.0 * latency if r.seconds >= 2.0 * latency else latency)
+    return (r.seconds - fixed) * (growth - 1.0)
 
 
 def predict(plan: Plan, batch: int | None = None, seq: int | None = None) -> float:
@@ -236,11 +253,11 @@ def predict(plan: Plan, batch: int | None = None, seq: int | None = None) -> flo
       op at the launch floor stays there until its work passes it.  The ratio of the
       two prices scales the op's planned price, which keeps what the roofline leaves
       out (the context-parallel attention's imbalance);
-    * the redistributions on the ops' input edges, the ops' own exchanges and an
-      output's return to the caller (priced inside its op: the logits gathered under
-      ``batch="global"``) grow as the bytes they move, latencies included: a larger
-      shape is over-priced by them, a smaller one under-priced; recomputed layers pay
-      their forward share again;
+    * the redistributions on the ops' input edges grow as the bytes they move, their
+      collectives' latencies constant; the ops' own exchanges and an output's return to
+      the caller (priced inside its op: the logits gathered under ``batch="global"``)
+      grow as their bytes, latencies included (a larger shape is over-priced by them, a
+      smaller one under-priced); recomputed layers pay their forward share again;
     * parameter-sized terms are constant: gradient buckets, ZeRO's gathers and
       reductions, the optimizer; the gradient sync left after the backward stays as
       planned, unless a shorter backward cannot hide the rest (:func:`_sync_delta`);

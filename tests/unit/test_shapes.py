@@ -92,19 +92,19 @@ def test_predict_grows_with_batch_and_with_length(llama):
 def test_predict_matches_planning_at_that_shape(llama, shape):
     """predict at twice the batch (or length) against the step the planner prices when it
     plans the same model at that shape with the same decisions and placements forced.
-    Measured: predict over planned 1.0072 (batch x2) and 1.0069 (length x2); at half
-    the batch or length 1.0001, at four times the batch 1.0136 (the tutorial's 1B-wide
-    Llama on 2x8 H100s: 0.995-1.004 from half to four times).  The gap is latency:
-    predict grows every collective with its bytes (the logits' return to the caller, a
-    layer's input all-gather: ~10 us of latency each), where the cost model prices
-    latency once.  2% bounds it with room for bucket choices that differ between the two
-    shapes."""
+    Measured: predict over planned 1.0036 (batch x2) and 1.0034 (length x2); from half
+    to four times the batch or length 1.0032-1.0068 here, 0.997-1.003 for the
+    tutorial's 1B-wide Llama on 2x8 H100s, 0.999-1.001 at batch 8 x 128 on 2 gloo
+    ranks.  What is left is mostly latency: the logits' return to the caller is priced inside their op,
+    whose price predict grows whole (10 us of latency per doubling here), where the
+    cost model prices that latency once.  1% bounds it, with room for gradient buckets
+    the two plans may choose differently."""
     model, p = llama
     q = _plan_at(model, *shape, **_forced(p))
     assert [n.out_placements for n in q.nodes.values()] == \
         [p.nodes[k].out_placements for k in q.nodes]  # the same plan, at another shape
     planned, predicted = q.decisions.step_seconds, p.predict(*shape)
-    assert predicted == pytest.approx(planned, rel=0.02)
+    assert predicted == pytest.approx(planned, rel=0.01)
     # and it is a prediction: the step moved by far more than the tolerance
     assert planned > 1.3 * p.decisions.step_seconds
 
