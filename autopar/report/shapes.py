@@ -104,7 +104,7 @@ def served_words(plan: Plan, short: bool = False) -> str:
                 "raises InputMismatchError (plan again at it)")
     length = " and any length" if shape.seq else ""
     if short:
-        return f"any batch{length} (plan.predict(batch=, seq=) prices them)"
+        return f"any batch{length} (plan.predict(batch={', seq=' if shape.seq else ''}) prices them)"
     return (f"any batch >= 1{length}: each new shape is captured once and run with this plan, "
             "no new search")
 
@@ -213,7 +213,8 @@ def _op_delta(plan: Plan, n: NodePlan, grow: _Growth) -> tuple[float, float]:
             # an attention kernel's work is B x S x S while its tensors grow as tokens
             g_flops = most * grow.rs
         b_old, b_new = _bytes(plan, n, grow)
-        ratio = _roofline(plan, n, n.flops * g_flops, b_new, div) / _roofline(plan, n, n.flops, b_old, div)
+        old = _roofline(plan, n, n.flops, b_old, div)
+        ratio = _roofline(plan, n, n.flops * g_flops, b_new, div) / old if old > 0 else 1.0
         own = n.own_comm  # the op's own exchanges move its activations: they grow as they do
         d_comp = (n.compute - own) * (ratio - 1.0) + own * (most - 1.0)
     d_comm = sum(_edge_delta(plan, r, grow.of(r.input, r.src)) for r in n.redistributions)
@@ -347,7 +348,8 @@ def explain_shapes(plan: Plan) -> str:
                          "batch for that call")
         if d.batch == "local":
             lines.append("  batch=\"local\": ranks may pass different row counts and lengths")
-        lines.append("predicted at other shapes (plan.predict(batch=, seq=), no new search):")
+        lines.append(f"predicted at other shapes (plan.predict(batch={', seq=' if shape.seq else ''}), "
+                     "no new search):")
         for b, s in _examples(shape):
             what = PricedShape(b, s).words()
             lines.append(f"  {what:<36} {predict(plan, b, s) * 1e3:.4g} ms")
