@@ -102,6 +102,10 @@ class NodePlan:
     lowering: str = ""
     """What the op's local form does when it communicates itself, in words
     (:func:`autopar.sharding.local_forms.describe`); empty for ops that do not."""
+    dtype: str = ""
+    """The dtype of the node's (first) output, as torch names it (``"float32"``): what
+    :meth:`Plan.predict` prices its bytes and FLOP rate in; empty in plans written before
+    it was recorded (then read as float32)."""
 
 
 @dataclass
@@ -210,7 +214,7 @@ class Plan:
 
     def explainable(self) -> list[str]:
         """Every name :meth:`explain` accepts: decisions, layer keys, parameters, nodes."""
-        names = ["pipeline", "zero", "micro_batches", "recompute", "buckets"]
+        names = ["pipeline", "zero", "micro_batches", "recompute", "buckets", "shapes"]
         names += sorted({n.layer for n in self.nodes.values() if n.layer})
         names += [n.param for n in self.nodes.values() if n.param]
         return names + list(self.nodes)
@@ -222,7 +226,7 @@ class Plan:
         close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
         hint = f"did you mean {', '.join(close)}? " if close else ""
         return (f"no node, parameter, layer or decision named {name!r} in the plan; {hint}"
-                f"decisions: pipeline, zero, micro_batches, recompute, buckets; layers: "
+                f"decisions: pipeline, zero, micro_batches, recompute, buckets, shapes; layers: "
                 f"{', '.join(sorted({n.layer for n in self.nodes.values() if n.layer})) or 'none'}"
                 "; parameters and nodes: see plan.explainable()")
 
@@ -231,9 +235,20 @@ class Plan:
         """Why node ``name`` got its strategy (its price and the best alternatives), or
         why a plan-level decision was taken: ``"pipeline"`` (stages and schedule),
         ``"zero"``, ``"micro_batches"``, ``"recompute"``, ``"buckets"`` (the gradient
-        buckets), or a layer key such as
+        buckets), ``"shapes"`` (the shape the plan was priced at, the shapes it serves,
+        the step predicted at a few others), or a layer key such as
         ``"blocks.7"`` (is it recomputed, which stage holds it)."""
         return _reader("explain")(self, name)
+
+    def predict(self, batch: int | None = None, seq: int | None = None) -> float:
+        """Predicted seconds per training step at global ``batch`` and sequence length
+        ``seq`` (None: the shape the plan was priced at, whose step this then is
+        exactly), from the plan's own prices, without a new search: each op priced again
+        at the new shape, edge collectives grown with their bytes, parameter-sized terms
+        constant (:func:`autopar.report.shapes.predict` says what scales how).  A plan
+        with pipeline stages or micro-batches serves only its own shape: another raises
+        :class:`~autopar.errors.ConfigError`."""
+        return _reader("predict")(self, batch, seq)
 
     def diff(self, other: Plan, max_nodes: int | None = None) -> str:
         """What differs between ``self`` (A) and ``other`` (B): layout, step time, memory
@@ -310,7 +325,8 @@ class Plan:
 
 
 _READERS: dict[str, Callable[..., Any]] = {}
-READERS = ("summary", "summary_numbers", "layer_view", "node_table", "explain", "diff", "verify")
+READERS = ("summary", "summary_numbers", "layer_view", "node_table", "explain", "diff", "verify",
+           "predict")
 """The ways a plan is read that its methods hand on: the plan data imports nothing above
 it, so :mod:`autopar.report` (and :mod:`autopar.verify` for ``"verify"``) registers
 these with :func:`register_reader` when ``autopar`` is imported, which importing any of

@@ -1,5 +1,5 @@
 """Reading a plan: the summary in words (``summary``), ``explain`` (``explain``), the
-per-node table (``table``), the predicted timeline and trace (``timeline``) and every
+step at other shapes (``shapes``: ``predict``), the per-node table (``table``), the predicted timeline and trace (``timeline``) and every
 collective of a step (``collectives``, ``messages``).
 
 It reads plans and may import :mod:`autopar.sharding`, :mod:`autopar.capture`,
@@ -9,10 +9,11 @@ imports :mod:`autopar.search` or :mod:`autopar.module`.
 
 from autopar.plan.data import register_reader
 from autopar.report.explain import diff, explain
+from autopar.report.shapes import predict
 from autopar.report.summary import layer_view, summary, summary_numbers
 from autopar.report.table import node_table
 
 for _name, _fn in (("summary", summary), ("summary_numbers", summary_numbers),
                    ("layer_view", layer_view), ("node_table", node_table), ("explain", explain),
-                   ("diff", diff)):
+                   ("diff", diff), ("predict", predict)):
     register_reader(_name, _fn)

@@ -12,6 +12,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from autopar.cost_models import format_bytes
+from autopar.report.shapes import explain_shapes
 
 if TYPE_CHECKING:
     from autopar.plan.data import Plan
@@ -27,6 +28,8 @@ def explain(plan: Plan, name: str) -> str:
                "grad_buckets": "buckets", "bucket_bytes": "buckets",
                "gather_chunks": "gathers", "split_gathers": "gathers"}
     key = aliases.get(name, name)
+    if key in ("shapes", "shape"):
+        return explain_shapes(plan)
     if key in d.why:
         return d.why[key]
     layers = {n.layer for n in plan.nodes.values()}

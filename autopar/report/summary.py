@@ -6,6 +6,8 @@ bubble, throughput and MFU, memory per device by kind against the budget, each
 plan-level decision with its reason, and the ops that run replicated for want of a
 sharding rule.  :func:`layer_view` lists the layers with repeated ones folded
 (``model.layers.0-21 x22: q_proj/k_proj/v_proj col; o_proj row; ...``).
+The ``shapes`` line says the shape the step was priced at and the shapes the plan
+serves (:mod:`autopar.report.shapes`).
 :func:`summary_numbers` is the same content as plain data (units in the keys), written
 into ``plan.json`` under ``"summary"``.
 
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING
 from autopar.cost_models import PRESET_NAMES, format_bytes
 from autopar.plan.placement import is_shard, parse_placements
 from autopar.plan.roles import AxisRole, axis_roles, layout
+from autopar.report.shapes import priced_shape, served_words
 
 if TYPE_CHECKING:
     from autopar.plan.data import NodePlan, Plan
@@ -138,6 +141,8 @@ def summary(plan: Plan) -> str:
     lines.append(f"  throughput     {rate}{_rate(n['samples_per_second'])} samples/s (global batch "
                  f"{d.global_batch}); MFU {n['mfu'] * 100:.3g}% of {plan.mesh.peak_flops / 1e12:.4g} "
                  "TFLOP/s per device")
+    lines.append(f"  shapes         priced at {priced_shape(plan).words()}, the step above is per "
+                 f"that shape; serves {served_words(plan, short=True)}")
     mem = plan.memory
     kinds = ", ".join(f"{k} {format_bytes(mem[k])}" for k in
                       ("params", "grads", "optimizer", "activations", "buffers", "transient")

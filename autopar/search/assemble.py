@@ -45,9 +45,14 @@ def _op_name(n: fx.Node) -> str:
 def _lowering_fields(n: fx.Node, s: OpStrategy, mesh: MeshSpec, cm: CostModel,
                      kind: str) -> dict:
     """``NodePlan.lowering`` and ``own_comm`` (only ops that communicate themselves have
-    them: pricing every node again would cost a second per plan on a Llama)."""
+    them: pricing every node again would cost a second per plan on a Llama), and
+    ``dtype``: what only a plan that is shown or lowered reads."""
     lowering = describe(n, s, mesh) if kind == "op" else ""
-    return {"lowering": lowering, "own_comm": float(cm.op_time(n, s)[1]) if lowering else 0.0}
+    outs = info(n).outputs
+    # the dtype Plan.predict prices bytes and FLOPs in (an attribute read per node)
+    dtype = str(outs[0].dtype).removeprefix("torch.") if outs else ""
+    return {"lowering": lowering, "own_comm": float(cm.op_time(n, s)[1]) if lowering else 0.0,
+            "dtype": dtype}
 
 
 def _alternatives(n: fx.Node, pb: Problem, index: dict[fx.Node, int],

@@ -29,7 +29,7 @@ MEGATRON_GPT = {"*q_proj.weight": "S(0)", "*k_proj.weight": "S(0)", "*v_proj.wei
 
 # the structure of the summary: the label each line starts with, in order
 GOLDEN = ["autopar plan for mesh 2x8 (16 devices, preset multinode-h100-ib, axes a0, a1)",
-          "layout", "axis a0", "axis a1", "step time", "throughput", "memory", "decisions",
+          "layout", "axis a0", "axis a1", "step time", "throughput", "shapes", "memory", "decisions",
           "pipeline", "micro-batches", "ZeRO", "recompute", "grad buckets", "gathers", "unsupported", "search"]
 
 
