@@ -55,6 +55,7 @@ from autopar.capture.trace import capture
 from autopar.log import log
 from autopar.plan.data import Plan
 from autopar.plan.placement import Replicate, Shard, fmt_placements, is_replicate, parse_placements
+from autopar.plan.splits import unsplit_axes
 from autopar.runtime.inputs import BatchMode, InputMismatchError, passthrough_inputs
 
 if TYPE_CHECKING:
@@ -297,12 +298,36 @@ def _batch_inputs(b) -> frozenset[int]:
 
 def _fit(plan: Plan, gm: fx.GraphModule, binder, want: Shapes) -> tuple[Plan, set[int]]:
     """``plan`` for the graph ``gm`` captured at ``want``: as it is where every split dim
-    divides by its axes; else with the axes splitting a dim that does not divide dropped
-    from the activations (replicated there), when they split no parameter."""
+    divides by its axes; else with as few axes as make every split divide dropped from
+    the activations (replicated there: a batch of 8 on 2 x 8 ranks splits 8 ways on the
+    second axis), when they split no parameter."""
+    mesh = plan.mesh.shape
+    dropped: set[int] = set()
+    while True:
+        bad = _undivided(plan, gm, dropped)
+        if not bad:
+            break
+        dropped.update(unsplit_axes(*bad, mesh))
+    if not dropped:
+        return plan, dropped
+    split = sorted(a for a in dropped if any(not is_replicate(parse_placements(p)[a])
+                                              for p in plan.params().values()))
+    if split:
+        n = math.prod(mesh[a] for a in dropped)
+        raise InputMismatchError(
+            f"{_shapes_text(binder, want)}: a dim this plan splits over mesh axes "
+            f"{sorted(dropped)} does not divide by their {n} ranks, and axes {split} also split "
+            f"parameters, so they cannot compute it whole: pad the batch and the sequence to "
+            f"multiples of {n} (a collator's pad_to_multiple_of={n}), with the padding masked")
+    return _drop_axes(plan, dropped), dropped
+
+
+def _undivided(plan: Plan, gm: fx.GraphModule, dropped: set[int]) -> tuple[int, list[int]] | None:
+    """(size, axes) of the first activation dim that the axes not in ``dropped`` split
+    unevenly, or ``None``."""
     from autopar.capture.ir import info
 
     mesh = plan.mesh.shape
-    bad: set[int] = set()
     for n in gm.graph.nodes:
         np_ = plan.nodes.get(n.name)
         if np_ is None or np_.param or "autopar" not in n.meta:
@@ -311,22 +336,12 @@ def _fit(plan: Plan, gm: fx.GraphModule, binder, want: Shapes) -> tuple[Plan, se
         for k, text in enumerate(np_.out_placements[:len(outs)]):
             shape = outs[k].shape
             pl = parse_placements(text)
-            for dim in {p.dim for p in pl if isinstance(p, Shard)}:
-                axes = [a for a, p in enumerate(pl) if isinstance(p, Shard) and p.dim == dim]
-                if dim < len(shape) and shape[dim] % math.prod(mesh[a] for a in axes):
-                    bad.update(axes)
-    if not bad:
-        return plan, bad
-    split = sorted(a for a in bad if any(not is_replicate(parse_placements(p)[a])
-                                          for p in plan.params().values()))
-    if split:
-        n = math.prod(mesh[a] for a in bad)
-        raise InputMismatchError(
-            f"{_shapes_text(binder, want)}: a dim this plan splits over mesh axes "
-            f"{sorted(bad)} does not divide by {n}, and axes {split} also split parameters, "
-            f"so they cannot compute it whole: pad the batch and the sequence to multiples of "
-            f"{n} (a collator's pad_to_multiple_of={n}), with the padding masked")
-    return _drop_axes(plan, bad), bad
+            for dim in sorted({p.dim for p in pl if isinstance(p, Shard)}):
+                axes = [a for a, p in enumerate(pl)
+                        if isinstance(p, Shard) and p.dim == dim and a not in dropped]
+                if axes and dim < len(shape) and shape[dim] % math.prod(mesh[a] for a in axes):
+                    return shape[dim], axes
+    return None
 
 
 def _drop_axes(plan: Plan, axes: set[int]) -> Plan:

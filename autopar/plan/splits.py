@@ -152,5 +152,22 @@ def micro_counts(batch: int, stages: int) -> list[int]:
     return [m for m in opts if m >= stages] or opts[-1:]
 
 
+def unsplit_axes(size: int, axes: list[int] | tuple[int, ...], mesh_shape) -> list[int]:
+    """The mesh axes to take out of a split of a dim of ``size`` over ``axes`` so that it
+    divides by the rest: as few as can be, one at a time, each the one that leaves the
+    largest split (the smallest axis when none divides yet; ties: the outer axis).  A batch
+    of 8 on 2 x 8 ranks: the first axis (rows 8 ways on the second); of 3 on 2: the axis.
+    The runtime replicates a shape's activations over these axes
+    (:mod:`autopar.module.shapes`) and :meth:`Plan.predict` prices it so."""
+    left, out = list(axes), []
+    while left and size % math.prod(mesh_shape[a] for a in left):
+        def rest(a: int) -> int:
+            return math.prod(mesh_shape[x] for x in left if x != a)
+        drop = min(left, key=lambda a: (size % rest(a) != 0, -rest(a), a))
+        left.remove(drop)
+        out.append(drop)
+    return out
+
+
 __all__ = ["batch_rows", "batch_size", "micro_counts", "micro_inputs", "pipeline_mesh", "pipeline_splits", "plan_ranks", "split_mesh",
-           "split_words", "stage_ranks"]
+           "split_words", "stage_ranks", "unsplit_axes"]

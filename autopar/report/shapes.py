@@ -23,6 +23,7 @@ import torch
 from autopar.cost_models import blocking_time, kernel_rate
 from autopar.errors import ConfigError
 from autopar.plan.placement import Shard, is_shard, parse_placements
+from autopar.plan.splits import unsplit_axes
 
 if TYPE_CHECKING:
     from autopar.plan.data import NodePlan, Plan, Redistribution
@@ -293,7 +294,7 @@ def _delta(plan: Plan, shape: PricedShape, b: int, s: int | None) -> float:
     mesh = plan.mesh.shape
     axes = batch_axes(plan)
     split = math.prod(mesh[a] for a in axes)
-    unsplit = {a: mesh[a] for a in axes} if split > 1 and b % split else {}
+    unsplit = {a: mesh[a] for a in unsplit_axes(b, axes, mesh)} if split > 1 else {}
     grow = _Growth(_exponents(plan, shape), b / shape.batch,
                    (s / shape.seq) if s and shape.seq else 1.0, unsplit, mesh)
     recomputed = set(d.recompute)
@@ -344,8 +345,8 @@ def explain_shapes(plan: Plan) -> str:
             names = ", ".join(plan.mesh.axis_names[a] for a in axes)
             lines.append(f"  a batch not divisible by {split} (mesh {'axes' if len(axes) > 1 else 'axis'} "
                          f"{names}, which split{'' if len(axes) > 1 else 's'} the batch) runs replicated over "
-                         f"{'them' if len(axes) > 1 else 'it'}: every rank computes the whole "
-                         "batch for that call")
+                         f"as few of {'them' if len(axes) > 1 else 'it'} as make the rest divide it: the ranks "
+                         "along those compute the same rows for that call")
         if d.batch == "local":
             lines.append("  batch=\"local\": ranks may pass different row counts and lengths")
         lines.append(f"predicted at other shapes (plan.predict(batch={', seq=' if shape.seq else ''}), "
