@@ -5,13 +5,14 @@ maximum and against DDP.
 
 A Hugging Face Llama from a small config (2 layers, hidden 256, vocab 1024) trains with
 AdamW on ``--world`` gloo ranks of this machine (one thread each).  Sequence lengths
-come from a seeded log-normal (median 64 tokens, clipped to 8..512); ``--rows`` of them
+come from a seeded log-normal (median 64 tokens, 512 three standard deviations above it,
+clipped to 8..512); ``--rows`` of them
 make a global batch, batches in random order, each padded on the right to its own
-longest sequence (``attention_mask`` 0 and labels -100 on the padding, what
+longest sequence (``attention_mask`` 0 and labels -100 on the padding: what
 ``DataCollatorWithPadding`` gives).  Every data-parallel rank passes its rows of each
-batch (``batch="local"``).  Three arms train copies of the same weights on the same
-batches, their steps interleaved (the order turned every step), each step timed as
-the slowest rank's:
+batch (``batch="local"``, as a ``DistributedSampler`` gives them).  Three arms train
+copies of the same weights on the same batches, their steps interleaved (the order
+turned every step), each step timed as the slowest rank's:
 
 * ``autopar``: ``auto_parallel(model, batch="local")`` planned at one batch of the
   median length, fed every batch as it is;
@@ -50,10 +51,14 @@ MAX = 512
 VOCAB = 1024
 
 
+SIGMA = math.log(MAX / 64) / 3
+"""The log-normal's spread: the maximum, 512, three standard deviations above the median."""
+
+
 def lengths(n: int, seed: int = 0) -> list[int]:
     """``n`` sequence lengths: log-normal, median 64, clipped to 8..512."""
     rng = random.Random(seed)
-    return [min(MAX, max(8, round(math.exp(rng.gauss(math.log(64), 0.8))))) for _ in range(n)]
+    return [min(MAX, max(8, round(math.exp(rng.gauss(math.log(64), SIGMA))))) for _ in range(n)]
 
 
 def batches(count: int, rows: int, seed: int = 0) -> list[dict]:
@@ -94,6 +99,7 @@ def model():
 
 
 def _rows(batch: dict, rank: int, world: int) -> dict:
+    """This rank's rows of ``batch``."""
     n = batch["input_ids"].shape[0] // world
     return {k: v[rank * n:(rank + 1) * n] for k, v in batch.items()}
 
@@ -123,7 +129,9 @@ def _arms(rank: int, world: int, rows: int):
 
 
 def _step(name: str, m, opt, batch: dict, rank: int, world: int) -> float:
-    mine = _rows(pad_to(batch, MAX) if name == "padded" else batch, rank, world)
+    mine = _rows(batch, rank, world)
+    if name == "padded":
+        mine = pad_to(mine, MAX)
     opt.zero_grad()
     if name == "ddp":  # sum over this rank's tokens / all ranks' tokens, times world (DDP averages)
         n = _tokens(batch)
@@ -175,7 +183,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from _ranks import spawn_rows
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batches", type=int, default=32)
+    ap.add_argument("--batches", type=int, default=40)
     ap.add_argument("--rows", type=int, default=8, help="sequences per global batch")
     ap.add_argument("--world", type=int, default=4)
     a = ap.parse_args(argv)

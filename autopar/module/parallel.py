@@ -45,7 +45,6 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         super().__init__()
         object.__setattr__(self, "inner", inner)  # not a submodule: users see DTensors only
         object.__setattr__(self, "_compiled", None)  # torch.compile of inner (compile())
-        self._compile_args: tuple[tuple, dict] = ((), {})
         self.plan = plan
         self.aliases = aliases
         self.info = info or TensorInfo()
@@ -163,12 +162,11 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
                 f"{self.plan.decisions.pipeline_stages} pipeline stage(s): forward and backward are "
                 "interleaved by the schedule, so call loss = module.train_step(*inputs) "
                 "(it runs forward and backward) and then optimizer.step()")
-        run = self._graph_to_run()
         if self.zero is not None and self.zero.stage == 3:
             from autopar.runtime.zero import free_gathered_params
             with free_gathered_params():
-                return self._outputs(self.grad_sync.watch(run(*flat), self._dparams))
-        return self._outputs(self.grad_sync.watch(run(*flat), self._dparams))
+                return self._outputs(self.grad_sync.watch(self._run(flat), self._dparams))
+        return self._outputs(self.grad_sync.watch(self._run(flat), self._dparams))
 
     def _select_route(self, flat: list):
         """The lowering this call runs (:mod:`autopar.module.shapes`), kept for
@@ -176,11 +174,13 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         self._route = self.routes.select(self, flat)
         return self._route
 
-    def _graph_to_run(self):
+    def _run(self, flat: list):
+        """This call's graph on ``flat``: the planned one, or another shape's lowering
+        (:meth:`~autopar.module.shape_template.Templates.run`)."""
         r = self._route
-        if r is None or r.graph is None:
-            return self._compiled if self._compiled is not None else self.inner
-        return r.compiled if r.compiled is not None else r.graph
+        if r is None or r.shape is None:
+            return (self._compiled if self._compiled is not None else self.inner)(*flat)
+        return self.routes.templates.run(r.shape, flat)
 
     @torch.compiler.disable
     def _forward_compiled(self, *args, **kwargs):
@@ -208,9 +208,8 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         (:meth:`~autopar.runtime.pipeline.PipelineRunner.compile`).
         ``auto_parallel(..., compile=True)`` calls this."""
         cache_safe_views()  # torch's compile cache and the graph's views (compiled_cache.py)
-        self._compile_args = (args, kwargs)  # graphs lowered for new shapes compile alike
-        for r in self.routes.cache.values():
-            r.compiled = torch.compile(r.graph, *args, **kwargs)
+        # other shapes' lowerings: one compiled template per family of them
+        self.routes.templates.compile = (args, kwargs)
         if self.runner is not None:
             self.runner.compile(*args, **kwargs)
             return

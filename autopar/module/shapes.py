@@ -7,8 +7,9 @@ every fine-tuning batch padded to its own longest sequence) runs the same plan o
 model captured at that shape: :class:`ShapeRoutes` captures the model once per new
 global shape, lowers that graph with the plan (no new search), applies the runtime's
 graph rewrites (ZeRO-3 gathers, recomputation, device, train/eval mode) on the
-module's own parameters, and keeps it (the :data:`MAX_GRAPHS` most recent).  A shape
-seen before costs a dictionary lookup.
+module's own parameters, and keeps it as the numbers where its graph differs from the
+first of its kind (:mod:`autopar.module.shape_template`; the :data:`MAX_SHAPES` most
+recent).  A shape seen before costs a dictionary lookup.
 
 * **A dim that does not divide.**  A batch of 3 on 2 data-parallel ranks, a length of 17
   under context parallelism over 2: the axes that would split it are dropped from the
@@ -30,7 +31,9 @@ seen before costs a dictionary lookup.
   are built for it.  Another shape raises :class:`InputMismatchError` on every rank.
 
 A new shape costs one capture (an export: ~1 s for a small Hugging Face model) and a
-lowering, paid once per shape; under ``compile=True`` one compilation per shape.
+lowering, paid once per shape.  Under ``compile=True`` the lowerings share compiled
+templates (:mod:`autopar.module.shape_template`): a few compilations for any number
+of shapes.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from torch.utils import _pytree as pytree
 from autopar.capture.annotate import annotate
 from autopar.capture.trace import capture
 from autopar.log import log
+from autopar.module.shape_template import Shape, Templates
 from autopar.plan.data import Plan
 from autopar.plan.placement import Replicate, Shard, fmt_placements, is_replicate, parse_placements
 from autopar.plan.splits import unsplit_axes
@@ -61,21 +65,21 @@ from autopar.runtime.inputs import BatchMode, InputMismatchError, passthrough_in
 if TYPE_CHECKING:
     from autopar.module.parallel import ParallelModule
 
-MAX_GRAPHS = 32
-"""Lowered graphs kept per module besides the planned one (least recently used dropped)."""
+MAX_SHAPES = 4096
+"""Shapes kept per module besides the planned one (least recently used dropped); each
+is a few numbers (:class:`~autopar.module.shape_template.Shape`)."""
 
 Shapes = tuple[tuple[int, ...] | None, ...]
 
 
 @dataclass
 class Route:
-    """What runs one call: the lowered graph (``None``: the planned one), the global
-    shapes of the flat inputs it takes, and which of them it takes as this rank's rows."""
+    """What runs one call: the lowering (``None``: the planned graph), the global shapes
+    of the flat inputs it takes, and which of them it takes as this rank's rows."""
 
-    graph: fx.GraphModule | None
+    shape: Shape | None
     shapes: list[tuple[int, ...] | None]
     passthrough: frozenset[int]
-    compiled: object = None
 
 
 @dataclass
@@ -87,6 +91,7 @@ class ShapeRoutes:
     training: bool = True
     """The mode the planned graph was captured in: new shapes are captured in it too."""
     cache: OrderedDict = field(default_factory=OrderedDict)
+    templates: Templates = field(default_factory=Templates)
     built: int = 0
     """Graphs built for new shapes (the log and the closing numbers read it)."""
     _needs_agreement: bool | None = field(default=None, repr=False)
@@ -105,8 +110,8 @@ class ShapeRoutes:
                            self.training, model=self.model, fake=self.fake, replan=self.replan)
 
     def graphs(self) -> list[fx.GraphModule]:
-        """The graphs built for new shapes (train/eval switches reach them too)."""
-        return [r.graph for r in self.cache.values() if r.graph is not None]
+        """The graphs run for other shapes (train/eval switches reach them too)."""
+        return self.templates.modules()
 
     # ------------------------------------------------------------ choosing
     def select(self, pm: ParallelModule, flat: list) -> Route:
@@ -169,7 +174,7 @@ class ShapeRoutes:
         except InputMismatchError as e:
             return None, e
         self.cache[want] = route
-        if len(self.cache) > MAX_GRAPHS:
+        if len(self.cache) > MAX_SHAPES:
             self.cache.popitem(last=False)
         return route, None
 
@@ -210,9 +215,8 @@ class ShapeRoutes:
         gm = _adopt(pm, lower(cap.gm, plan))
         keep = passthrough_inputs(plan)
         phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        route = Route(gm, list(want), frozenset(i for i, n in enumerate(phs) if n.name in keep))
-        if pm.compiled:
-            route.compiled = torch.compile(gm, *pm._compile_args[0], **pm._compile_args[1])
+        route = Route(self.templates.add(gm, pm.training), list(want),
+                      frozenset(i for i, n in enumerate(phs) if n.name in keep))
         self.built += 1
         log.info("shape %s: captured and lowered with the plan in %.2f s%s", list(want),
                  time.perf_counter() - t0,
@@ -363,7 +367,6 @@ def _adopt(pm: ParallelModule, gm: fx.GraphModule) -> fx.GraphModule:
     """The lowered graph ``gm`` reading ``pm``'s own parameters, buffers and constants,
     with the runtime's graph rewrites applied as to the planned graph."""
     from autopar.passes.device import set_device
-    from autopar.passes.train_mode import set_train_mode
 
     if pm.zero is not None:
         pm.zero.rewrite(gm)
@@ -381,7 +384,6 @@ def _adopt(pm: ParallelModule, gm: fx.GraphModule) -> fx.GraphModule:
         from autopar.passes.recompute import recompute
         recompute(new, set(pm.plan.decisions.recompute))
     set_device([new], pm._mesh_rt.device)
-    set_train_mode([new], pm.training)
     new.recompile()
     return new
 
@@ -393,14 +395,18 @@ def _attr(m: torch.nn.Module, target: str) -> object:
 
 
 def _cross_dp(gm: fx.GraphModule, dp_axes: tuple[int, ...]) -> bool:
-    """Whether ``gm`` moves activations over a data-parallel axis (a sum of a scalar,
-    the loss or a token count, does not count)."""
+    """Whether ``gm`` moves activations (values computed from its inputs) over a
+    data-parallel axis.  A sum of a scalar (the loss, a token count) does not count, nor
+    a gathered parameter (its shape is the same at every batch)."""
     from autopar.runtime import collectives as C
     from autopar.runtime import experts as E
 
     moving = {C.all_gather: 2, C.reduce_scatter: 2, C.all_to_all: 3, C.all_reduce: 1}
+    data: set[fx.Node] = set()
     for n in gm.graph.nodes:
-        if n.op != "call_function":
+        if n.op == "placeholder" or any(u in data for u in n.all_input_nodes):
+            data.add(n)
+        if n.op != "call_function" or n not in data:
             continue
         if getattr(n.target, "__module__", "") == E.__name__:
             return True
@@ -445,4 +451,4 @@ def _shapes_text(binder, shapes, prefix: str = "called with ") -> str:
     return prefix + ", ".join(parts)
 
 
-__all__ = ["MAX_GRAPHS", "Route", "ShapeRoutes", "structure_copy"]
+__all__ = ["MAX_SHAPES", "Route", "ShapeRoutes", "structure_copy"]

@@ -128,9 +128,46 @@ def run(c: dict) -> dict:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
     try:
-        res = {"ok": True, **train_shapes(c)}
+        res = {"ok": True, **(compile_lengths(c) if c.get("compile") else train_shapes(c))}
     except Exception as e:  # noqa: BLE001 - the test asserts on the error every rank saw
         res = {"ok": False, "error": f"{type(e).__name__}: {e}"}
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, res)
     return {"ranks": every}
+
+
+def compile_lengths(c: dict) -> dict:
+    """``compile=True`` trained on ``c["n"]`` batches of random lengths: the loss of
+    every step against the single process, and how many times dynamo compiled."""
+    import random
+
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = _model()
+    ref = copy.deepcopy(model)
+    import hf_zoo
+
+    mesh = tuple(c["mesh"])
+    reset()
+    pm = auto_parallel(model, example_kwargs=padded([16] * 4, seed=0),
+                       mesh=MeshSpec.preset("cpu-gloo", shape=mesh), search="ilp", compile=True,
+                       pins=hf_zoo.tp_pins("llama", mesh) if c["plan"] == "tp" else {})
+    opt = torch.optim.SGD(pm.parameters(), lr=1e-2)
+    ropt = torch.optim.SGD(ref.parameters(), lr=1e-2)
+    rng = random.Random(5)
+    res: dict = {"loss": [], "ref": [], "lengths": []}
+    for i in range(c["n"]):
+        lengths = [rng.randint(3, 60) for _ in range(4)]
+        batch = padded(lengths, seed=200 + i)
+        for module, o, key in ((pm, opt, "loss"), (ref, ropt, "ref")):
+            o.zero_grad()
+            loss = module(**batch).loss
+            loss.backward()
+            o.step()
+            res[key].append(float(loss))
+        res["lengths"].append(max(lengths))
+    res["compiled"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    res["templates"] = pm.routes.templates.compilations
+    res["built"] = pm.routes.built
+    return res

@@ -119,11 +119,11 @@ def own_batch(c: dict) -> dict:
     # the first call is checked (and the first after train()/eval())
     res = {"own": _all(_outcome(lambda: pm(*mine).item())),
            "same": _outcome(lambda: pm(x, y).item())}  # the same batch on every rank runs
-    # one rank refused (another batch size): the others stop with an error naming it
-    # rather than wait in the step's collectives
-    n = 6 if dist.get_rank() == 1 else 8
+    # one rank refused (a keyword argument the plan was not made with): the others stop
+    # with an error naming it rather than wait in the step's collectives
+    extra = {"scale": 2.0} if dist.get_rank() == 1 else {}
     pm.eval()
-    res["one_refused"] = _all(_outcome(lambda: pm(*_batch(n)).item()))
+    res["one_refused"] = _all(_outcome(lambda: pm(*_batch(8), **extra).item()))
     return res
 
 

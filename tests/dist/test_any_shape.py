@@ -90,3 +90,23 @@ def test_pipeline_other_shape_refused_on_every_rank(two):
 @pytest.mark.parametrize("case", [c["id"] for c in FOUR])
 def test_any_shape_four_ranks(four, case):
     _check(four[case], 4)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return run_fn_cases(2, FN, [{"id": "compile", "plan": "dp", "mesh": [2], "compile": True, "n": 20}])
+
+
+@pytest.mark.slow
+def test_compile_twenty_lengths(compiled):
+    """compile=True over 20 batches of random lengths: every step's loss is the single
+    process's (rel 1e-5, test_compiled.py's tolerance: inductor reorders a few sums), and
+    the other shapes share compiled templates: a handful of dynamo graphs, not one (or,
+    forward and backward, two) per length."""
+    ranks = compiled["compile"]["ranks"]
+    for r in ranks:
+        assert r["ok"], r.get("error")
+        assert max(_rel(a, b) for a, b in zip(r["loss"], r["ref"])) < 1e-5, (r["loss"], r["ref"])
+        assert len(set(r["lengths"])) >= 15 and r["built"] >= 15  # that many new shapes
+        assert r["templates"] <= 3, r["templates"]
+        assert r["compiled"] <= 8, r["compiled"]

@@ -57,9 +57,9 @@ def test_own_batch_under_global_is_refused_on_every_rank(two):
 
 def test_a_refused_call_stops_every_rank(two):
     a, b = two["own-batch"]["one_refused"]
-    assert b["error"] == "InputMismatchError" and "(6, 16)" in b["message"]
+    assert b["error"] == "InputMismatchError" and "'scale'" in b["message"]
     assert a["error"] == "CallMismatchError" and "rank 1's call failed" in a["message"]
-    assert "(6, 16)" in a["message"]
+    assert "'scale'" in a["message"]
 
 
 def test_different_seeds_start_from_rank0s_replicated_tensors(two):
