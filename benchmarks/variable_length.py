@@ -3,7 +3,7 @@ maximum and against DDP.
 
     python benchmarks/variable_length.py [--batches 32] [--rows 8] [--world 4]
 
-A Hugging Face Llama from a small config (2 layers, hidden 256, vocab 1024) trains with
+A Hugging Face Llama from a small config (2 layers, hidden 128, 4 heads, vocab 1024) trains with
 AdamW on ``--world`` gloo ranks of this machine (one thread each).  Sequence lengths
 come from a seeded log-normal (median 64 tokens, 512 three standard deviations above it,
 clipped to 8..512); ``--rows`` of them
@@ -92,7 +92,7 @@ def model():
 
     logging.set_verbosity_error()
     torch.manual_seed(0)
-    cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512,
+    cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=MAX)
     return tf.LlamaForCausalLM(cfg)
@@ -109,20 +109,27 @@ def _tokens(batch: dict) -> int:
     return int((batch["labels"][:, 1:] != -100).sum())
 
 
-def _arms(rank: int, world: int, rows: int):
+DP = {"*": "R", "input:0": "S(0)", "input:1": "S(0)", "input:2": "S(0)"}
+"""``--dp``: data parallel pinned, DDP's layout (weights whole, rows split)."""
+
+
+def _arms(rank: int, world: int, rows: int, pins: dict):
     """The three modules and their optimizers, from the same weights."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from autopar import MeshSpec, auto_parallel
 
     base = model()
-    mesh = MeshSpec.preset("cpu-gloo", shape=(world,))
+    # a user's default: no mesh described, planned on the job's live calibration
+    # (--preset: the cpu-gloo preset's numbers instead)
+    mesh = MeshSpec.preset("cpu-gloo", shape=(world,)) if os.environ.get("AUTOPAR_CALIBRATE") == "0" else None
     # planned at a batch of the median length (the first batch's sequences cut or padded to 64)
     first = batches(1, rows, seed=99)[0]
     median = {k: v[:, :64] for k, v in pad_to(first, max(64, first["input_ids"].shape[1])).items()}
-    auto = auto_parallel(copy.deepcopy(base), example_kwargs=median, mesh=mesh, batch="local")
+    auto = auto_parallel(copy.deepcopy(base), example_kwargs=median, mesh=mesh, batch="local",
+                         pins=pins)
     padded = auto_parallel(copy.deepcopy(base), example_kwargs=pad_to(median, MAX), mesh=mesh,
-                           batch="local")
+                           batch="local", pins=pins)
     ddp = DDP(copy.deepcopy(base))
     return {name: (m, torch.optim.AdamW(m.parameters(), lr=1e-4))
             for name, m in (("autopar", auto), ("padded", padded), ("ddp", ddp))}
@@ -151,7 +158,7 @@ def _worker(rank: int, world: int, port: int, params: dict, out: str) -> None:
 
     join(rank, world, port)
     data = batches(params["batches"], params["rows"])
-    arms = _arms(rank, world, params["rows"])
+    arms = _arms(rank, world, params["rows"], DP if params["dp"] else {})
     t0 = time.perf_counter()
     for b in data:  # autopar's first pass: each new length captured and lowered once
         m, opt = arms["autopar"]
@@ -173,6 +180,9 @@ def _worker(rank: int, world: int, port: int, params: dict, out: str) -> None:
     rows = [{"arm": n, "tokens_per_s": tokens / sum(times[n]), "median_step": statistics.median(times[n]),
              "first_pass_s": first if n == "autopar" else None,
              "built": arms["autopar"][0].routes.built if n == "autopar" else None,
+             "layout": next((line.split(None, 1)[1] for line in arms["autopar"][0].plan.summary().splitlines()
+                             if line.strip().startswith("layout")), ""),
+             "ratio": statistics.median(a / b for a, b in zip(times[n], times["autopar"])),
              "loss_gap": max(abs(a - b) / abs(b) for a, b in zip(losses[n], losses["ddp"]))}
             for n in names]
     finish(rank, rows, out)
@@ -186,17 +196,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--batches", type=int, default=40)
     ap.add_argument("--rows", type=int, default=8, help="sequences per global batch")
     ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--dp", action="store_true", help="pin data parallel (DP) instead of the plan's choice")
+    ap.add_argument("--preset", action="store_true",
+                    help="plan on the cpu-gloo preset instead of the live calibration")
     a = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    rows, load = spawn_rows(_worker, a.world, {"batches": a.batches, "rows": a.rows})
+    if a.preset:
+        os.environ["AUTOPAR_CALIBRATE"] = "0"
+    else:  # measured once, in a fresh cache directory
+        import tempfile
+        os.environ.pop("AUTOPAR_CALIBRATE", None)
+        os.environ["AUTOPAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-cache-")
+    rows, load = spawn_rows(_worker, a.world, {"batches": a.batches, "rows": a.rows, "dp": a.dp})
     by = {r["arm"]: r for r in rows}
     print(f"{a.world} gloo ranks, {a.batches} batches of {a.rows} sequences "
           f"(lengths: log-normal, median 64, max {MAX}); load {load[0]:.1f} -> {load[1]:.1f}")
-    print("| arm | tokens/s | median step (s) | vs autopar | loss vs ddp (rel) |")
+    print("| arm | tokens/s | median step (s) | step / autopar's (median of the batches) | loss vs ddp (rel) |")
     print("|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['arm']} | {r['tokens_per_s']:.0f} | {r['median_step']:.3f} | "
-              f"{by['autopar']['tokens_per_s'] / r['tokens_per_s']:.2f}x | {r['loss_gap']:.1e} |")
+              f"{r['ratio']:.2f} | {r['loss_gap']:.1e} |")
+    print(f"layout: {by['autopar']['layout']}")
     print(f"autopar's first pass: {by['autopar']['first_pass_s']:.1f} s, "
           f"{by['autopar']['built']} lengths captured and lowered")
     return rows
