@@ -3,7 +3,7 @@ maximum and against DDP.
 
     python benchmarks/variable_length.py [--batches 32] [--rows 8] [--world 4]
 
-A Hugging Face Llama from a small config (2 layers, hidden 128, 4 heads, vocab 1024) trains with
+A Hugging Face Llama from a small config (2 layers, hidden 256, 4 heads, vocab 1024) trains with
 AdamW on ``--world`` gloo ranks of this machine (one thread each).  Sequence lengths
 come from a seeded log-normal (median 64 tokens, 512 three standard deviations above it,
 clipped to 8..512); ``--rows`` of them
@@ -92,7 +92,7 @@ def model():
 
     logging.set_verbosity_error()
     torch.manual_seed(0)
-    cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+    cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=MAX)
     return tf.LlamaForCausalLM(cfg)
