@@ -157,8 +157,9 @@ def compile_lengths(c: dict) -> dict:
     ropt = torch.optim.SGD(ref.parameters(), lr=1e-2)
     rng = random.Random(5)
     res: dict = {"loss": [], "ref": [], "lengths": []}
+    longest = rng.sample([k for k in range(4, 100) if k != 16], c["n"])  # all new lengths
     for i in range(c["n"]):
-        lengths = [rng.randint(3, 60) for _ in range(4)]
+        lengths = [longest[i]] + [rng.randint(1, longest[i]) for _ in range(3)]
         batch = padded(lengths, seed=200 + i)
         for module, o, key in ((pm, opt, "loss"), (ref, ropt, "ref")):
             o.zero_grad()
@@ -167,7 +168,7 @@ def compile_lengths(c: dict) -> dict:
             o.step()
             res[key].append(float(loss))
         res["lengths"].append(max(lengths))
-    res["compiled"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        res.setdefault("graphs", []).append(int(torch._dynamo.utils.counters["stats"]["unique_graphs"]))
     res["templates"] = pm.routes.templates.compilations
     res["built"] = pm.routes.built
     return res
