@@ -160,6 +160,11 @@ def precision_warning(gm, mesh: MeshSpec, precision: str) -> str | None:
             "precision='bf16-mixed' plans 16-bit matmuls with fp32 master weights")
 
 
+ARRIVAL_TIE = 1e-7
+"""Seconds that break a tie toward taking a local batch input as it arrives
+(:meth:`CostModel.arrival_cost`): far below any op's or collective's price."""
+
+
 @dataclass
 class CostModel(EdgePrices):
     """Prices for one mesh and optimizer; caches redistribution prices."""
@@ -205,7 +210,24 @@ class CostModel(EdgePrices):
         """Compute (forward + backward) plus the op's own communication."""
         if node.op == "get_attr" and info(node).param is not None:
             return self.grad_sync(s.outputs[0], info(node).out)
+        if node.op == "placeholder":
+            return self.arrival_cost(node, s)
         return sum(self.op_time(node, s))
+
+    def arrival_cost(self, node: fx.Node, s: OpStrategy) -> float:
+        """Under ``batch="local"`` a batch input arrives as each data-parallel rank's rows:
+        a layout that does not take it so is given the whole batch by an all-gather first,
+        and ties the ranks' shapes together (ranks holding different rows or lengths
+        cannot run it: :mod:`autopar.module.shapes`).  Priced at :data:`ARRIVAL_TIE` per
+        axis it does not split the rows on, so that among layouts of equal price the one
+        taking the rows as they arrive wins; not at the gather's latency, since on a
+        tensor-parallel axis, which shares the rows, nothing is gathered."""
+        t = info(node).out
+        if self.local_rows is None or not t.shape or t.shape[0] != self.local_rows:
+            return 0.0
+        pl = s.outputs[0]
+        return ARRIVAL_TIE * sum(1 for a, n in enumerate(self.mesh.shape)
+                                 if n > 1 and not (isinstance(pl[a], Shard) and pl[a].dim == 0))
 
     def op_time(self, node: fx.Node, s: OpStrategy) -> tuple[float, float]:
         """(compute forward + backward, the op's own communication) of an op under
