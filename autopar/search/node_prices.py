@@ -175,6 +175,9 @@ class CostModel(EdgePrices):
     local_rows: int | None = None
     """The global batch when outputs are returned per data-parallel rank (``batch="local"``,
     :func:`autopar.plan.placement.returned_placement`); None: outputs are returned replicated."""
+    arrival_tie: bool = True
+    """Break ties toward batch inputs taken as they arrive (:meth:`arrival_cost`); off
+    where the user pinned an input (a layout the user chose for the batch)."""
     _tables: MeshTables = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -223,7 +226,7 @@ class CostModel(EdgePrices):
         taking the rows as they arrive wins; not at the gather's latency, since on a
         tensor-parallel axis, which shares the rows, nothing is gathered."""
         t = info(node).out
-        if self.local_rows is None or not t.shape or t.shape[0] != self.local_rows:
+        if not self.arrival_tie or self.local_rows is None or not t.shape or t.shape[0] != self.local_rows:
             return 0.0
         pl = s.outputs[0]
         return ARRIVAL_TIE * sum(1 for a, n in enumerate(self.mesh.shape)

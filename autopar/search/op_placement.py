@@ -286,7 +286,8 @@ def choose_searcher(gm: fx.GraphModule, mesh: MeshSpec, opts: PlanOptions) -> tu
 def cost_model(gm: fx.GraphModule, mesh: MeshSpec, opts: PlanOptions) -> CostModel:
     """The cost model of one planning call: outputs priced as ``opts.batch`` returns them."""
     local = graph_batch(gm) if opts.batch == "local" else None
-    return CostModel(mesh, optimizer=opts.optimizer, local_rows=local)
+    pinned = any(str(k).startswith("input:") for k in opts.pins)
+    return CostModel(mesh, optimizer=opts.optimizer, local_rows=local, arrival_tie=not pinned)
 
 
 def local_axes(gm: fx.GraphModule, plan: Plan) -> list[int] | None:

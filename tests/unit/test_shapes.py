@@ -150,3 +150,27 @@ def test_bad_values_and_a_model_without_token_ids():
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ConfigError, match="batch must be a positive integer"):
             p.predict(batch=bad)
+
+
+def test_local_batch_inputs_taken_as_they_arrive() -> None:
+    """batch="local": the tiny Llama of the tutorial's variable-length loop, planned on 2
+    CPU ranks, takes every batch input as each rank's rows (no gather), so ranks whose
+    collators pad to different lengths run.  Before, the planner was indifferent and kept
+    them whole (sliced later): the module gathered the local batches, which needs equal
+    shapes on every rank."""
+    from autopar.runtime.inputs import passthrough_inputs
+
+    model = _tiny_llama()
+    ids = torch.randint(1, 128, (4, 12))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = autopar.plan(model, (), MeshSpec.preset("cpu-gloo", shape=(2,)), example_kwargs=batch,
+                         batch="local")
+    assert passthrough_inputs(p) == {"input_ids", "attention_mask", "labels"}
+
+
+def _tiny_llama():
+    import hf_zoo
+
+    return hf_zoo.build("llama")[0]
