@@ -229,9 +229,7 @@ class Zero(OrderedBuckets):
         layer's first use of any of its parameters (so whole parameters are not all
         alive from the top of the forward); groups are chained in use order for
         prefetching."""
-        members: dict[str, list[str]] = {}
-        for zp in self.params:
-            members.setdefault(layers.get(zp.target, zp.target), []).append(zp.target)
+        members = self._members(layers)
         layer_of = {t: k for k, ts in members.items() for t in ts}
         uid = next(_GROUP_IDS)
 
@@ -240,6 +238,7 @@ class Zero(OrderedBuckets):
 
         chain = replace_reads(gm, list(members.values()), call)
         keys = self.group_keys = [f"zero3.{uid}.{i}" for i in range(len(chain))]
+        self._key_of = {tuple(ts): k for k, ts in zip(keys, chain)}
         for i, (key, targets) in enumerate(zip(keys, chain)):
             zps = [self._by_target[t] for t in targets]
             register(Group(key, [zp.flat for zp in zps], [zp.cut for zp in zps], self.axes,
@@ -247,16 +246,25 @@ class Zero(OrderedBuckets):
                            prev=keys[i - 1] if i else None, keep=layer_of[targets[0]] in kept,
                            views=[zp.shard for zp in zps]))
 
+    def _members(self, layers: dict[str, str]) -> dict[str, list[str]]:
+        """Layer key -> its parameters' targets, in forward order (a target without a
+        layer is its own group)."""
+        members: dict[str, list[str]] = {}
+        for zp in self.params:
+            members.setdefault(layers.get(zp.target, zp.target), []).append(zp.target)
+        return members
+
     def rewrite(self, gm: fx.GraphModule) -> None:
         """Apply this ZeRO's graph rewrites to another lowering of the same plan (the
         model at another shape: :mod:`autopar.module.shapes`): stage 3 gathers each layer
-        from the same shards (groups of its own), stages 1-2 fetch the same chunks."""
+        from the same shards through the planned graph's groups (the same keys, so the
+        lowerings of every shape have the same code), stages 1-2 fetch the same chunks."""
         if self.stage == 3:
             for zp in self.params:  # the graph reads the same shards
                 gm.register_parameter(shard_name(zp.target), zp.shard)
-            keys = self.group_keys  # the planned graph's: what a pipeline's switches defer
-            self._rewrite_gathers(gm, getattr(self, "_layers", {}), getattr(self, "_kept", frozenset()))
-            self.group_keys = keys
+            members = self._members(getattr(self, "_layers", {}))
+            replace_reads(gm, list(members.values()), lambda i, ts, g: g.call_function(
+                zero_gather, (self._key_of[tuple(ts)], *(g.get_attr(shard_name(t)) for t in ts))))
         elif self.chunks is not None:
             # each chunk's targets in the order zero_fetch returns its whole parameters
             target = {id(zp.full): zp.target for zp in self.params}

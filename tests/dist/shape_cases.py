@@ -117,6 +117,7 @@ def train_shapes(c: dict) -> dict:
         one = padded([9], seed=99)
         res["eval"] = (pm(**one).logits - ref(**one).logits).abs().max().item()
     res["built"] = pm.routes.built
+    res["families"] = len(pm.routes.templates.families)
     res["rank"] = dist.get_rank()
     return res
 

@@ -60,6 +60,10 @@ def _check(res: dict, world: int) -> None:
     # the same loss on every rank, and new shapes were served by lowerings of this plan
     assert all(r["loss"] == ranks[0]["loss"] for r in ranks)
     assert max(r["built"] for r in ranks) >= 1
+    # the other shapes run as a few graphs, not one each: the plan's own layout, the
+    # one with an axis dropped (a batch that does not divide), the batch of 1 planned
+    # again (shape_template.py; ZeRO-3's gathers once named every shape's graph apart)
+    assert max(r["families"] for r in ranks) <= 3, [r["families"] for r in ranks]
 
 
 @pytest.fixture(scope="module")
