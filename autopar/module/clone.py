@@ -78,6 +78,9 @@ def clone_module(pm: ParallelModule, memo: dict) -> ParallelModule:
     memo[id(pm)] = new
     if "_origin" in pm.__dict__:  # the model passed to auto_parallel: save_pretrained, generate
         object.__setattr__(new, "_origin", pm._origin)
+    # other shapes: the copy lowers them on its own parameters, from the same structure copy
+    new.routes = copy.deepcopy(pm.routes)
+    new._route = new.routes.planned
     _copy_values(pm, new)
     new.train(pm.training)
     if pm.rng is not None:

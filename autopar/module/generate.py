@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
@@ -66,6 +67,11 @@ def _origin(pm: ParallelModule) -> nn.Module:
                             f"group), it holds no trained weights.  {_INSTEAD}")
     ref = getattr(pm, "_origin", None)
     model = ref() if ref is not None else None
+    routes = getattr(pm, "routes", None)
+    if model is None and routes is not None and routes.model is not None:
+        # the user's model is gone (auto_parallel(build_model(), ...)): its structure
+        # copy, holding fake tensors, gives the class, config and code
+        model = routes.model
     if model is None:
         why = ("is gone (nothing else holds it)" if ref is not None else
                "is not known to this module (it was loaded with autopar.load)")
@@ -101,9 +107,15 @@ def _any_rank(flag: bool, device: torch.device) -> bool:
 
 def _working_copy(model: nn.Module, device: torch.device) -> nn.Module:
     """A copy of ``model`` on ``device`` in eval mode, its gradients dropped; the
-    user's model is left as it was (its mode included)."""
+    user's model is left as it was (its mode included).  Tensors of a structure copy
+    (fake tensors) become uninitialized ones, which the gathered state then fills."""
+    memo: dict[int, object] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        if is_fake(t):
+            real = torch.empty(t.shape, dtype=t.dtype, device=device)
+            memo[id(t)] = nn.Parameter(real, requires_grad=False) if isinstance(t, nn.Parameter) else real
     with building(), torch.no_grad():
-        work = copy.deepcopy(model)
+        work = copy.deepcopy(model, memo)
     for p in work.parameters():
         p.grad = None
         p.requires_grad_(False)
@@ -121,6 +133,11 @@ def _refresh(pm: ParallelModule, model: nn.Module) -> nn.Module:
             work = Working(_working_copy(model, device), now)
         with torch.no_grad():
             work.model.load_state_dict(state)
+            # buffers no state dict holds (a structure copy's rotary tables): the module's
+            mine = dict(pm.named_buffers())
+            for name, b in work.model.named_buffers():
+                if name not in state and name in mine:
+                    b.copy_(mine[name])
         work.versions = versions(pm)  # gathering may move versions (offload's copies)
         object.__setattr__(pm, "_generation", work)  # not a submodule: not in pm's state
     return work.model

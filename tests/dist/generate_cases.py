@@ -109,6 +109,15 @@ def hf_generate(c: dict) -> dict:
     res["flipped"] = pm.generate(**gen).tolist()
     res["ref_flipped"] = ref.generate(**gen).tolist()
     res["gathers_flipped"] = len(gathers)
+    # the user's model gone (auto_parallel(build_model(), ...)): generate builds its copy
+    # from the module's structure copy (fake tensors) and the gathered weights
+    if c["plan"] in ("dp", "zero3"):
+        gone = weakref.ref(model)
+        del model, pairs
+        pm.__dict__.pop("_generation", None)
+        gc.collect()
+        res["model_freed"] = gone() is None
+        res["without_model"] = pm.generate(**gen).tolist()
     del pm.full_state_dict
     if c["plan"] == "dp":  # an independent copy (AveragedModel's) generates with its weights
         twin = copy.deepcopy(pm)
@@ -131,7 +140,7 @@ def not_generative(c: dict) -> dict:
     res = {"generate": _all(_outcome(lambda: pm.generate(x)))}
     res["forward"] = _all(_outcome(lambda: pm(x, y).item()))  # the module still works after
     gone = weakref.ref(model)
-    del model  # pm holds it weakly (as save_pretrained does): dropped, generate says so
+    del model  # pm holds it weakly: generate takes the module's structure copy, a Three
     gc.collect()
     res["freed"] = gone() is None
     res["gone"] = _all(_outcome(lambda: pm.generate(x)))
