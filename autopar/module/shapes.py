@@ -1,4 +1,4 @@
-"""Shapes other than the planned one: one plan, a lowered graph per shape.
+"""Shapes other than the planned one: one plan, lowered again per shape.
 
 A plan is searched and priced at the example's shape.  Its decisions (each node's
 placements, ZeRO, recomputation) do not depend on the batch size or the sequence
@@ -12,26 +12,29 @@ first of its kind (:mod:`autopar.module.shape_template`; the :data:`MAX_SHAPES` 
 recent).  A shape seen before costs a dictionary lookup.
 
 * **A dim that does not divide.**  A batch of 3 on 2 data-parallel ranks, a length of 17
-  under context parallelism over 2: the axes that would split it are dropped from the
-  activations for that shape (every rank on them computes the whole batch; parameters
-  and their gradient sync are as planned), which is exact.  Only axes that split no
+  under context parallelism over 2: as few of the axes that split it as make the rest
+  divide are dropped from the activations for that shape (the ranks along them compute
+  the same rows; parameters and their gradient sync are as planned), which is exact.  Only axes that split no
   parameter can be dropped; otherwise the call raises :class:`InputMismatchError` naming
   the multiple to pad to.
-* **``batch="local"`` with ranks holding different rows or lengths.**  Every call, the
-  ranks exchange their shapes (one all-gather of a few integers), so they all take the
-  same decision and none waits in a collective another rank refused.  Each rank runs
+* **``batch="local"`` with ranks holding different rows or lengths.**  Each rank runs
   the plan at its own shape (as if every data-parallel rank held rows like its own):
-  the ranks then exchange only gradients and the loss's sums.  Conventions: a
+  the ranks then exchange only gradients and the loss's sums, so a plan that exchanges
+  nothing else (data parallel, ZeRO) needs no agreement and issues no collective for it,
+  as DDP.  Where the plan moves activations between data-parallel ranks, or runs a
+  schedule, the ranks exchange their shapes every call (one all-gather of a few
+  integers) and all raise on a difference, so none waits in a collective another
+  refused.  Conventions: a
   token-mean cross-entropy (Hugging Face's loss) divides by the count of real tokens
   over all ranks, as one process on the whole batch would; a ``mean`` over rows is the
-  mean of the ranks' means, as DDP's gradient average is.  A plan that exchanges
-  activations across the data-parallel ranks (experts' all-to-all, a batch input it
-  gathers) raises on every rank instead.
+  mean of the ranks' means, as DDP's gradient average is.
 * **Pipelines and micro-batched copies** serve the planned shape only: their schedules
   are built for it.  Another shape raises :class:`InputMismatchError` on every rank.
 
-A new shape costs one capture (an export: ~1 s for a small Hugging Face model) and a
-lowering, paid once per shape.  Under ``compile=True`` the lowerings share compiled
+A new shape costs one capture (an export: ~0.8 s for benchmarks/variable_length.py's
+Llama on the 2-core VM) and a lowering, paid once per shape.  A graph that differs at a
+shape (export drops no-op ops at a batch of 1) is planned again with every parameter
+where it is (:attr:`ShapeRoutes.replan`).  Under ``compile=True`` the lowerings share compiled
 templates (:mod:`autopar.module.shape_template`): a few compilations for any number
 of shapes.
 """
