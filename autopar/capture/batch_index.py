@@ -20,37 +20,16 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from autopar.capture.causal_mask import constant_ancestors, drop_unused, evaluate_constant
+
 aten = torch.ops.aten
 
 
-def _constant(node: fx.Node, seen: dict[fx.Node, object]) -> object:
-    """The value of ``node`` when it is computed from literals alone, else ``None``."""
-    if node in seen:
-        return seen[node]
-    seen[node] = None
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-        return None
-    ok = True
-
-    def load(a: object) -> object:
-        nonlocal ok
-        if isinstance(a, fx.Node):
-            v = _constant(a, seen)
-            ok = ok and v is not None
-            return v
-        return a
-
-    args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), load)
-    if not ok:
-        return None
-    if "device" in kwargs:  # a model captured on the meta device: the values here
-        kwargs = {**kwargs, "device": torch.device("cpu")}
-    args = fx.node.map_aggregate(args, lambda a: torch.device("cpu") if isinstance(a, torch.device) else a)
-    try:
-        seen[node] = node.target(*args, **kwargs)
-    except Exception:  # noqa: BLE001 - a value it cannot compute: not rewritten
-        seen[node] = None
-    return seen[node]
+def _constant(node: fx.Node) -> torch.Tensor | None:
+    """The value of ``node`` when it is computed from shapes and literals alone, on the
+    CPU (:func:`~autopar.capture.causal_mask.evaluate_constant`), else ``None``."""
+    nodes = constant_ancestors(node)
+    return evaluate_constant(nodes) if nodes is not None else None
 
 
 def _is_rows(v: object, batch: int, ndim: int) -> bool:
@@ -63,7 +42,6 @@ def rows_as_slices(gm: fx.GraphModule) -> int:
     """Rewrite ``x[rows, i1, ..]`` as ``x[:, i1', ..]`` in place (see the module
     docstring); returns how many index ops changed (the caller recompiles)."""
     g = gm.graph
-    seen: dict[fx.Node, object] = {}
     changed = 0
     for n in list(g.nodes):
         if n.op != "call_function" or n.target is not aten.index.Tensor:
@@ -80,7 +58,7 @@ def rows_as_slices(gm: fx.GraphModule) -> int:
         batch = xv.shape[0]
         if not isinstance(batch, int) or any(v.dim() != k or v.shape[0] != 1 for v in vals[1:]):
             continue
-        if not _is_rows(_constant(idx[0], seen), batch, k):
+        if not _is_rows(_constant(idx[0]), batch, k):
             continue
         rest = []
         with g.inserting_before(n):
@@ -90,20 +68,8 @@ def rows_as_slices(gm: fx.GraphModule) -> int:
                 rest.append(s)
         n.args = (x, [None, *rest], *n.args[2:])
         changed += 1
-        _drop_unused(g, idx[0])
+        drop_unused(g, [idx[0]])
     return changed
-
-
-def _drop_unused(g: fx.Graph, root: fx.Node) -> None:
-    """Erase ``root`` and, transitively, the inputs it leaves without users."""
-    stack = [root]
-    while stack:
-        n = stack.pop()
-        if n.users or n.op != "call_function" or n.graph is not g:
-            continue
-        inputs = n.all_input_nodes
-        g.erase_node(n)
-        stack.extend(inputs)
 
 
 __all__ = ["rows_as_slices"]

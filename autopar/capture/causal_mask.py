@@ -62,7 +62,7 @@ def _is_shape_read(n: fx.Node) -> bool:
             and n.args[0].op == "placeholder")
 
 
-def _ancestors(mask: fx.Node) -> list[fx.Node] | None:
+def constant_ancestors(mask: fx.Node) -> list[fx.Node] | None:
     """The nodes ``mask`` is computed from, in graph order, or ``None`` when it reads
     any input, parameter or buffer value, or draws random numbers."""
     seen: set[fx.Node] = set()
@@ -100,7 +100,7 @@ def _shape_value(n: fx.Node, extra: int) -> int | None:
     return None if hint is None else hint + extra
 
 
-def _evaluate(nodes: list[fx.Node], extra: int = 0,
+def evaluate_constant(nodes: list[fx.Node], extra: int = 0,
               batch: tuple[int | None, int] | None = None) -> torch.Tensor | None:
     """The last of ``nodes`` computed on the CPU; symbolic shapes at their example value
     plus ``extra``.  ``batch=(b, k)`` computes it at batch ``k`` instead: symbolic shapes
@@ -168,7 +168,7 @@ def _symbolic(nodes: list[fx.Node]) -> bool:
 
 
 def _mask_form(mask: fx.Node, q_len: int, kv_len: int) -> Form:
-    nodes = _ancestors(mask)
+    nodes = constant_ancestors(mask)
     if nodes is None:
         return Form.TENSOR
     val = mask.meta.get("val")
@@ -188,7 +188,7 @@ def _mask_form(mask: fx.Node, q_len: int, kv_len: int) -> Form:
         return Form.TENSOR
     forms = set()
     for trial in trials:
-        value = _evaluate(nodes, **trial)
+        value = evaluate_constant(nodes, **trial)
         k = trial.get("batch", (None, None))[1]
         if value is None or (k is not None and (value.dim() != 4 or value.shape[0] != k)):
             return Form.TENSOR  # the batch did not shrink where expected: do not guess
@@ -232,11 +232,11 @@ def fold_causal_masks(gm: fx.GraphModule) -> int:
     if changed:
         # the mask's ops now have no users; nothing else in a captured graph is dead
         # code that matters, and the op is pure, so eliminate them
-        _drop_unused(g, [m for m, form in verdict.items() if form is not Form.TENSOR])
+        drop_unused(g, [m for m, form in verdict.items() if form is not Form.TENSOR])
     return changed
 
 
-def _drop_unused(g: fx.Graph, roots: list[fx.Node]) -> None:
+def drop_unused(g: fx.Graph, roots: list[fx.Node]) -> None:
     """Erase ``roots`` and, transitively, the inputs they leave without users."""
     stack = list(roots)
     erased: set[fx.Node] = set()
@@ -250,4 +250,5 @@ def _drop_unused(g: fx.Graph, roots: list[fx.Node]) -> None:
         stack.extend(inputs)
 
 
-__all__ = ["MAX_ELEMENTS", "Form", "fold_causal_masks"]
+__all__ = ["MAX_ELEMENTS", "Form", "constant_ancestors", "drop_unused", "evaluate_constant",
+           "fold_causal_masks"]
