@@ -51,7 +51,6 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
@@ -63,6 +62,7 @@ from autopar.module.shape_template import Shape, Templates
 from autopar.plan.data import Plan
 from autopar.plan.placement import Replicate, Shard, fmt_placements, is_replicate, parse_placements
 from autopar.plan.splits import unsplit_axes
+from autopar.runtime.call_check import gather_rows
 from autopar.runtime.inputs import BatchMode, InputMismatchError, passthrough_inputs
 
 if TYPE_CHECKING:
@@ -98,6 +98,8 @@ class ShapeRoutes:
     built: int = 0
     """Graphs built for new shapes (the log and the closing numbers read it)."""
     _needs_agreement: bool | None = field(default=None, repr=False)
+    batch: frozenset[int] = field(init=False, repr=False)
+    """Flat inputs whose dim 0 is the batch (:func:`_batch_inputs` of the planned shapes)."""
     model: torch.nn.Module | None = field(default=None, repr=False)
     """The model passed to ``auto_parallel`` with fake tensors (:func:`structure_copy`):
     what a new shape is captured from, at no memory."""
@@ -106,6 +108,9 @@ class ShapeRoutes:
     """``(model, args, kwargs, plan) -> (capture, plan)``: the plan made again at a shape
     whose graph is not the planned one (export elides ops at a batch of 1), every
     parameter pinned where it is (:func:`autopar.api._replan`)."""
+
+    def __post_init__(self) -> None:
+        self.batch = _batch_inputs(self.planned.shapes)
 
     def __deepcopy__(self, memo: dict) -> ShapeRoutes:
         # a copy of the module (an EMA) builds its own graphs on its own parameters
@@ -154,7 +159,7 @@ class ShapeRoutes:
             d = pm.plan.decisions
             self._needs_agreement = (
                 pm.runner is not None or d.copies > 1
-                or not _batch_inputs(pm.binder) <= self.planned.passthrough
+                or not self.batch <= self.planned.passthrough
                 or _cross_dp(pm.inner, pm.binder.dp_axes))
         return self._needs_agreement
 
@@ -162,8 +167,7 @@ class ShapeRoutes:
         """The global shapes for this rank's local ones: batch inputs' rows times the
         data-parallel degree (as if every data-parallel rank held rows like these)."""
         dp = math.prod(pm.plan.mesh.shape[a] for a in pm.binder.dp_axes)
-        batch = _batch_inputs(pm.binder)
-        return tuple((s[0] * dp, *s[1:]) if i in batch and s else s for i, s in enumerate(mine))
+        return tuple((s[0] * dp, *s[1:]) if i in self.batch and s else s for i, s in enumerate(mine))
 
     def _route_or_error(self, pm: ParallelModule, want: Shapes, flat: list
                         ) -> tuple[Route | None, Exception | None]:
@@ -294,13 +298,13 @@ def _same_graph(gm: fx.GraphModule, plan: Plan) -> bool:
     return True
 
 
-def _batch_inputs(b) -> frozenset[int]:
+def _batch_inputs(shapes: list) -> frozenset[int]:
     """Flat inputs whose dim 0 is the batch: dim 0 of the planned shape equal to the first
     tensor input's (:func:`autopar.plan.placement.graph_batch`'s convention)."""
-    first = next((s for s in b.shapes if s), None)
+    first = next((s for s in shapes if s), None)
     if not first:
         return frozenset()
-    return frozenset(i for i, s in enumerate(b.shapes) if s and s[0] == first[0])
+    return frozenset(i for i, s in enumerate(shapes) if s and s[0] == first[0])
 
 
 def _fit(plan: Plan, gm: fx.GraphModule, binder, want: Shapes) -> tuple[Plan, set[int]]:
@@ -377,10 +381,11 @@ def _adopt(pm: ParallelModule, gm: fx.GraphModule) -> fx.GraphModule:
     for n in gm.graph.nodes:
         if n.op != "get_attr" or n.target in root:
             continue
+        get = operator.attrgetter(n.target)
         try:
-            root[n.target] = _attr(pm.inner, n.target)
+            root[n.target] = get(pm.inner)
         except AttributeError:  # a constant captured at this shape alone
-            root[n.target] = _attr(gm, n.target).to(pm._mesh_rt.device)
+            root[n.target] = get(gm).to(pm._mesh_rt.device)
     new = fx.GraphModule(root, gm.graph)
     new._in_spec, new._out_spec = getattr(gm, "_in_spec", None), getattr(gm, "_out_spec", None)
     if pm.plan.decisions.recompute:
@@ -389,12 +394,6 @@ def _adopt(pm: ParallelModule, gm: fx.GraphModule) -> fx.GraphModule:
     set_device([new], pm._mesh_rt.device)
     new.recompile()
     return new
-
-
-def _attr(m: torch.nn.Module, target: str) -> object:
-    for part in target.split("."):
-        m = getattr(m, part)
-    return m
 
 
 def _cross_dp(gm: fx.GraphModule, dp_axes: tuple[int, ...]) -> bool:
@@ -434,12 +433,8 @@ def _exchange(mine: Shapes, failed: bool, planned: list, pm: ParallelModule
     fits = [len(s) if s is not None else -1 for s in mine] == dims
     row = [int(failed or not fits)] + [v for s in mine if s is not None for v in s] if fits \
         else [1] + [0] * sum(max(0, k) for k in dims)
-    world, dev = dist.get_world_size(), pm._mesh_rt.device
-    every = torch.empty(world * len(row), dtype=torch.int64, device=dev)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(every, torch.tensor(row, dtype=torch.int64, device=dev))
     out = []
-    for vals in every.cpu().view(world, len(row)).tolist():
+    for vals in gather_rows(row, pm._mesh_rt.device).tolist():
         shapes, i = [], 1
         for k in dims:
             shapes.append(None if k < 0 else tuple(vals[i:i + k]))

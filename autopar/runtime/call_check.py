@@ -69,6 +69,18 @@ def leaf_fingerprint(x: object) -> list[int]:
     return [_digest(repr(x).encode()), 0]
 
 
+def gather_rows(row: list[int], device: torch.device) -> torch.Tensor:
+    """Every rank's ``row`` (integers, the same length on every rank), as a
+    ``world x len(row)`` int64 tensor on the CPU: one all-gather."""
+    local = torch.tensor(row, dtype=torch.int64, device=device)
+    every = torch.empty(dist.get_world_size() * local.numel(), dtype=torch.int64, device=device)
+    # torch 2.13 renamed all_gather_into_tensor (deprecated there: a FutureWarning
+    # on every rank at the first call) to all_gather_single
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(every, local)
+    return every.cpu().view(dist.get_world_size(), -1)
+
+
 def generator_fingerprint(g: torch.Generator | None) -> int:
     """48 bits of a hash of ``g``'s state (agreed across ranks when the states are
     equal); 0 without a generator."""
@@ -113,14 +125,7 @@ class CallCheck:
         for x in leaves:
             mine += leaf_fingerprint(x)
         mine += [0] * (3 + 2 * n - len(mine))
-        local = torch.tensor(mine, dtype=torch.int64, device=self.device)
-        every = torch.empty(dist.get_world_size() * local.numel(), dtype=torch.int64,
-                            device=self.device)
-        # torch 2.13 renamed all_gather_into_tensor (deprecated there: a FutureWarning
-        # on every rank at the first call) to all_gather_single
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(every, local)
-        every = every.cpu().view(dist.get_world_size(), -1)
+        every = gather_rows(mine, self.device)
         if bool(every[:, 2].any()):
             self._failed(every, failure)
         self._judge(every)
