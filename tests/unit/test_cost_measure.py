@@ -310,10 +310,14 @@ def test_sync_penalty_runs_on_a_group() -> None:
     what the penalty is for."""
     est = _unpreempted(lambda: measure_sync.sync_penalty(
         None, torch.device("cpu"), torch.float32, 64, 3, lambda: None, chunk_seconds=0.002, chain=4),
-        lambda e: e["chunk"] < 0.05)
+        lambda e: e["chunk"] < 0.05, tries=5)
     assert set(est) == {"sync_seconds", "alone", "chunk", "chained", "rounds", "alone_samples"}
     assert est["rounds"] == 3 and est["alone_samples"] == 12  # 4 lone collectives a round
-    assert 0.0005 < est["chunk"] < 0.05  # about the 2 ms asked for
+    # about the 2 ms asked for; the upper bound is loose because CI's second pytest
+    # worker on 2 cores stretched the chunk's median to 54 ms in three tries in a row
+    # (2026-11-28); a unit slip in the sizing (a 1000x chunk) still fails it, and the
+    # count itself is checked under preemption by the test below
+    assert 0.0005 < est["chunk"] < 0.25
     assert 0.0 <= est["sync_seconds"] < est["chained"]
 
 
