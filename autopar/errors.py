@@ -27,7 +27,7 @@ class MeshMismatchError(AutoparError):
 
 class ExportError(AutoparError, ValueError):
     """A module cannot be exported: nothing was replaced, the previous export (if any)
-    is still in place.  (A ``ValueError`` too, as it was before it moved here.)"""
+    is still in place.  (A ``ValueError`` too, for callers that catch that.)"""
 
 
 class LoadError(AutoparError, ValueError):

@@ -71,8 +71,7 @@ def mesh(value) -> MeshSpec:
 def _this_machine(shape: tuple[int, ...]) -> MeshSpec:
     """The figures a mesh of ``shape`` is priced on when only its shape is named: the
     nearest GPU preset with this GPU's memory (:meth:`MeshSpec.for_device`) where CUDA is
-    available, else ``cpu-gloo`` (a shape on a GPU was priced as ``cpu-gloo`` before,
-    memory included)."""
+    available, else ``cpu-gloo``."""
     import math
     import os
 

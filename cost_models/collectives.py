@@ -210,11 +210,10 @@ def drift_after(mesh: MeshSpec, compute: float) -> float:
     since the ranks last met: ``mesh.sync_seconds`` (measured after ``mesh.sync_window``
     of compute) times ``sqrt(compute / sync_window)`` where the compute is longer, as
     the ranks' independent delays add up; ``sync_seconds`` where it is not, or the
-    window is unknown.  With one more busy process on the 2-core host, a 7.4 MB
-    all-reduce right after the GPT's 174 ms forward and backward took 43 ms against
-    24 ms after a barrier: 19 ms of drift, where 20-25 ms chunks measured 5-7 ms
-    (sqrt(174 / 24) x 6 = 16; 2026-11-26).  Never less than ``sync_seconds``: a
-    tensor-parallel layer's short gaps were priced right by it."""
+    window is unknown.  The square root fits a busy 2-core host: after a 174 ms
+    forward and backward an all-reduce waited 19 ms of drift where 20-25 ms chunks
+    waited 5-7 ms (sqrt(174 / 24) x 6 = 16).  Never less than ``sync_seconds``, which
+    prices a tensor-parallel layer's short gaps."""
     if mesh.sync_window <= 0 or compute <= mesh.sync_window:
         return mesh.sync_seconds
     return mesh.sync_seconds * math.sqrt(compute / mesh.sync_window)

@@ -233,9 +233,8 @@ def matmul_block(d: int) -> Any:
     """The module :func:`_block_rate` trains: a layer's two matmuls, Linear(d, 4d) and
     Linear(4d, d), and nothing between them.  No norm and no activation: the cost model
     prices those as nodes of their own (roofline on their bytes), so a rate that timed
-    them as matmul FLOPs counted them twice.  (The block had a LayerNorm and a GELU:
-    67 GFLOP/s on one rank here against 88-95 for the GPT's own Linear layers forward and
-    backward, so every matmul-heavy model was priced ~30% slow on its matmuls.)"""
+    them as matmul FLOPs counted them twice (with a LayerNorm and a GELU in the block,
+    matmul-heavy models were priced ~30% slow on their matmuls)."""
     import torch
 
     return torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d))

@@ -81,11 +81,9 @@ def overlap_fraction(group: Any, nbytes: int, device: Any, dtype: Any, mm_n: int
 
     # A, C and T side by side in each round (A C T A C T ...), each round's fraction from
     # its own three times (overlap_estimate: the median over rounds less two standard
-    # errors): load that comes and goes then touches the three alike.  Three medians
-    # taken one after the other moved the fraction from 0.02 to 0.17 between two
-    # calibrations of the same idle host, and with it every prediction that hides a
-    # reduction behind the backward (a GPT's step by 6%); side by side, the median alone
-    # still came out 0.12-0.47 in 4 of 10 calibrations (benchmarks.md).
+    # errors): load that comes and goes then touches the three alike, where three
+    # medians taken one after the other let it move the fraction between calibrations
+    # of the same idle host (and with it every reduction hidden behind a backward).
     a_t, c_t, t_t = timed_rounds([lambda: dist.all_reduce(buf, group=group), compute, both],
                                  repeats, sync, bar)
     # over the whole job (``job``, default the world): ``group`` may be one of a mesh
@@ -105,9 +103,8 @@ def collective_pairing(group: Any, device: Any, repeats: int, sync: Sync, job: A
     ``repeats`` rounds: ``S``, ``pairs`` times two ``nbytes`` all-reduces one after the
     other; ``P``, ``pairs`` times the two issued asynchronously and then waited.  Per
     round ``(S - P) / (S / 2)``, the slowest rank's times, clamped to [0, 1]; the median
-    over rounds.  On 4 gloo ranks of the 2-core host, five runs each (2026-11-28): one
-    pair a round over 9 rounds measured 0.0-0.86; eight over 15, 0.38-0.65; sixteen
-    over 21, 0.48-0.56.  A backend
+    over rounds.  Sixteen pairs a round because fewer scatter: on 4 gloo ranks of a
+    2-core host one pair a round gave 0.0-0.86 over five runs, sixteen 0.48-0.56.  A backend
     that runs a group's collectives one at a time (NCCL's stream per communicator)
     gives 0; gloo's worker threads run two at once (multi-copy overlap's twin
     collectives, :func:`autopar.search.stages.step_terms.copies_hidden`)."""
@@ -149,10 +146,9 @@ def overlap_estimate(alone: Sequence[float], compute: Sequence[float],
 
     Why a bound and not the median: where ranks share cores a round's fraction is a
     difference of times a few ms long and scatters from -2.5 to +0.8 around a true
-    value near 0 (15 rounds of 4 ranks on 2 cores, 2026-11-25), so the median of 15 came
-    out 0.12-0.47 in 4 of 10 calibrations of the same idle host, and a plan priced with
-    it hid gradient reductions the backward never hides (the GPT's steps 14-31% fast,
-    benchmarks.md).  Each such median lay about two standard errors from zero.  On a GPU
+    value near 0 (4 ranks on 2 cores), so a median of 15 rounds can come out 0.1-0.5 and
+    hide gradient reductions the backward never hides; such medians lie about two
+    standard errors from zero, hence ``bound = 2``.  On a GPU
     the rounds agree (``T ~ A``, each fraction near 1), the error is small and the bound
     is the median.  Clamped below at 0.02: beside compute a collective is never faster,
     and a measurement slower than both in series still leaves it a sliver
@@ -178,9 +174,7 @@ def idle_reuse(group: Any, device: Any, dtype: Any, n: int, min_seconds: float,
     work at the half-busy rate, ``2 / r`` of one stage's priced time, so ``1 + (1 -
     reuse) = 2 / r``.  In [0, 0.95]: 0 where every rank has a device of its own
     (``r = 1``), the cap for 4 ranks on 2 cores (``r = 2``: the cores never idle, the
-    bubble costs nothing).  (It was ``1 - 1 / r``, half of that: 0.5 there, and the
-    calibrated 2-stage 1F1B of 4 ranks was priced 334 ms and measured 242 ms, faster than
-    data parallel's 273 ms, docs/benchmarks.md.)"""
+    bubble costs nothing)."""
     import torch
     import torch.distributed as dist
 
@@ -248,17 +242,14 @@ def sync_penalty(group: Any, device: Any, dtype: Any, mm_n: int, repeats: int, s
     of every ``A``: ``T`` and ``A`` on the slowest rank (every rank waits for it), ``C``
     the ranks' mean, so the drift beyond the mean compute; at least 0.  See
     :func:`sync_estimate` for why ``A`` is pooled over the rounds and sampled several
-    times in each.
-    It subtracted ``MeshSpec.straggler`` x ``C`` for a while (so that the two would not
-    price one wait twice), and with it the straggler's noise (1.08-1.25 in eight
-    calibrations a minute apart on 4 gloo ranks of 2 cores) times a 19 ms chunk, as
-    large as the drift: the penalty came out 0 in 5 of the 8, and at 0 a calibration
-    had planned a Megatron-pinned GPT as FSDP4, 1.3x slower than TP4.
+    times in each.  ``MeshSpec.straggler`` x ``C`` is not subtracted: the straggler's
+    noise between calibrations (1.08-1.25 on 4 gloo ranks of 2 cores) times a chunk is
+    as large as the drift, and would zero the penalty.
 
     Where ranks share cores they drift apart while they compute, and each collective
     waits for the last: 4 gloo ranks on 2 cores paid 3-6 ms per collective beyond its
-    5-6 ms after a barrier (chunks of 20-80 ms), which is why a tensor-parallel step's
-    16 all-reduces measured 1.5-2x their price (docs/benchmarks.md, cost fidelity).
+    5-6 ms after a barrier (chunks of 20-80 ms), so a tensor-parallel step's blocking
+    all-reduces cost 1.5-2x their price after a barrier.
     On a GPU the collectives queue behind the kernels on the device and the penalty is
     near 0."""
     import torch
@@ -306,11 +297,9 @@ def sync_estimate(alone: Sequence[float], compute: Sequence[float], chained: Seq
     ``alone`` is pooled rather than paired with its round's chain: a lone 4 KiB
     all-reduce after a barrier varied with a standard deviation of 3-8 ms between rounds
     on 4 gloo ranks of 2 cores with one more busy process, as much as a chain's whole
-    drift, and was uncorrelated with its round's chain (-0.3 to 0.1 over 11 series of
-    15-60 rounds, 2026-11-26).  Subtracted round by round, its noise came into every
-    round: over 15 rounds the penalty of one host spanned 1.2-8.8 ms in six busy
-    calibrations.  Hence several samples a round, a pooled median, and more rounds
-    (``calibrate`` takes 60)."""
+    drift, and uncorrelated with its round's chain.  Subtracted round by round, its
+    noise would come into every round (15 rounds gave one host 1.2-8.8 ms).  Hence
+    several samples a round, a pooled median, and more rounds (``calibrate`` takes 60)."""
     if len(compute) != len(chained) or not alone or not compute or chain < 1:
         raise ValueError("sync_estimate needs as many compute as chained times, at least one of "
                          "each and of alone, and chain >= 1")

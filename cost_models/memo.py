@@ -1,7 +1,7 @@
 """A bounded memo for prices computed from objects that do not change once built.
 
 The joint search prices the same collective, layer class or ZeRO layout millions of
-times (Megatron 145.6B on 192 x 8: 2.5M collective prices, 100k ZeRO prices of 3
+times (millions of collective prices for a deep model on a large mesh, from a few
 distinct layers), each time from a :class:`~autopar.cost_models.mesh.MeshSpec` (frozen)
 or a list of layer statistics (never changed after the search builds it).  Hashing
 those by value costs about what the price does, so :class:`IdentityMemo` keys on their

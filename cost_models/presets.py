@@ -102,19 +102,17 @@ _PRESETS: dict[str, _NodePreset] = {
                                        **_A100_40G),
     # One CPU host running gloo over loopback: every rank is on the same host, so there is no
     # node boundary. Numbers are deliberately modest (a few cores per rank, fp32). The link
-    # is optimistic for this project's 2-core machine (measured: about 0.5 ms per ring hop
-    # and 1 GB/s), kept because at the measured latency the planner
-    # gathers the logits to skip the loss's reductions, a choice to be checked by measuring
-    # (issue 12's plan.verify) before it becomes the default; calibrate() measures the real
+    # is optimistic for a 2-core machine (about 0.5 ms per ring hop and 1 GB/s there): at
+    # that latency the planner would gather the logits to skip the loss's reductions, a
+    # choice `autopar check` should confirm on the job first; calibrate() measures the real
     # link. A collective keeps 0.35 of its speed while the ranks compute (MeshSpec.overlap).
-    # gloo's reduce-scatter is an all-reduce followed by a local slice (it sends 2(p-1)/p of
-    # the bytes, not (p-1)/p, and pays 2(p-1) latencies): measured here it costs 1-2x an
-    # all-reduce of the same input, so its own (alpha, beta) price it exactly as one.
+    # gloo's reduce-scatter is an all-reduce followed by a local slice (2(p-1)/p of the
+    # bytes and 2(p-1) latencies, 1-2x an all-reduce of the same input on this host), so
+    # it has its own (alpha, beta).
     # Reserve: a rank's interpreter, torch and gloo take 0.3-0.5 GiB before any tensor.
     # gloo runs a collective over a group spanning several mesh axes as one flat
     # algorithm over its ranks, with no notion of levels (flat_ring): a data-parallel
-    # gradient bucket on a 2x2 mesh costs what it costs on 4 ranks in a row (priced as
-    # two levels it came out 1.5% cheaper, and measured 1.5-2% dearer, in every fidelity run).
+    # gradient bucket on a 2x2 mesh costs what it costs on 4 ranks in a row.
     "cpu-gloo": _NodePreset(None, LinkSpec(alpha=5e-5, beta=2e9,
                                            kinds=(("reduce_scatter", 1e-4, 1e9),)), None, peak_flops=5e10,
                             mem_bandwidth=1e10, mem_capacity=8.0 * _GIB, default_shape=(2,),

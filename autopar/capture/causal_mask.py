@@ -7,9 +7,8 @@ eagerly, sees that the mask is causal and nothing more, and calls SDPA with
 captured graph builds a ``batch x 1 x seq x seq`` boolean mask from ``arange``,
 ``index`` and ``cumsum`` ops and hands it to SDPA.  A tensor mask rules out the fused
 flash kernel on a GPU: at 4 x 32 heads x 2048 x 64 (bf16, one H200) SDPA's forward and
-backward took 0.83 ms a layer with ``is_causal=True`` and 1.96 ms with the mask (issue
-45), and a 16-layer 0.85B Llama's step 141.3 ms folded against 158.5 ms with the mask
-(``benchmarks/gpu_step.py --unfolded``).
+backward took 0.83 ms a layer with ``is_causal=True`` and 1.96 ms with the mask
+(``benchmarks/gpu_step.py --unfolded`` compares whole steps).
 
 A mask computed from no input, parameter or buffer (only from shapes and constants) is
 the same on every call, so it is evaluated once here.  When it equals the causal mask,

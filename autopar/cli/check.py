@@ -1,6 +1,6 @@
 """``autopar check``: train the best few candidate plans for a few steps on the live job,
 report predicted against measured step time and pick the measured fastest
-(:func:`autopar.verify.verify`, issue 12's self-check).
+(:func:`autopar.verify.verify`).
 
 It runs the candidates, so it runs under torchrun, one process per device::
 

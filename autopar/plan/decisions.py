@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class Decisions:
-    """Plan-level decisions beside the per-node placements (issue: ZeRO, pipeline,
+    """Plan-level decisions beside the per-node placements (ZeRO, pipeline,
     recomputation, gradient accumulation), with the numbers that justify them.
 
     ``pipeline_stages > 1`` adds a leading pipeline axis to the device mesh: the plan's

@@ -14,8 +14,8 @@ a bucket at launch and back after the reduction held two until the end of backwa
 
 As DDP's buckets, the buffers outlive the step where the plan's memory allows
 (:attr:`autopar.plan.Decisions.grad_buffers_kept`): the next backward fills the same
-ones (a fresh 11 MB buffer and 69 views a step cost the 4-layer GPT's data parallel
-about 1.5 ms of CPU per rank against DDP; docs/benchmarks.md).  A buffer is reused only
+ones (a fresh 11 MB buffer and 69 views a step cost a 4-layer GPT's data parallel
+about 1.5 ms of CPU per rank against DDP).  A buffer is reused only
 when nothing but the runtime holds it: a ``.grad`` kept from an earlier step
 (``old = p.grad`` before ``zero_grad()``), a view or ``to_local()`` of one, keeps its
 values and that bucket takes a new buffer (:meth:`GradSync._reusable`).

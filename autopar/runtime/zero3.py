@@ -1,4 +1,4 @@
-"""ZeRO-3 parameter gathers, one collective per layer, prefetched (issue 11).
+"""ZeRO-3 parameter gathers, one collective per layer, prefetched.
 
 Each parameter keeps its own shard (this rank's dim-0 rows of its local tensor, in a
 flat padded buffer: :mod:`autopar.runtime.zero_layout`), but the parameters of one

@@ -1,4 +1,4 @@
-"""ZeRO-1/2's gathers of the updated parameters in chunks, in forward order (issue 48).
+"""ZeRO-1/2's gathers of the updated parameters in chunks, in forward order.
 
 After the optimizer steps the shards, the whole parameters the graph reads are stale.
 Without chunks :meth:`autopar.runtime.zero.Zero.refresh` gathers them all before the

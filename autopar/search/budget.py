@@ -1,9 +1,8 @@
 """The joint search's one time limit, split among its phases.
 
-``time_limit`` is the search's whole budget.  Before, every phase drew on it first come,
-first served: the estimates of a 1,024-device Llama-3 70B search used all 30 s and the
-chosen split's full-depth solve, the one whose answer is returned, got the 1 s floor.
-Now the budget is split explicitly:
+``time_limit`` is the search's whole budget, split explicitly among the phases so that
+the estimates of a large search cannot spend it all and leave the chosen split's
+full-depth solve, the one whose answer is returned, only the 1 s floor:
 
 - **explore** (:data:`SHARES`: 75%): the plain candidate, then the other (stages,
   micro-batches) splits, most of them estimated from a shallow copy.  The plain candidate
@@ -89,9 +88,8 @@ class TimeBudget:
 
     def explore_all(self) -> None:
         """Let explore spend the whole budget: a search whose candidates are all planned
-        at full depth has no estimate for the confirm phase to plan (its share sat idle:
-        Megatron 145.6B's search under the default 30 s stopped exploring at 22.5 s and
-        returned a plan 1.3% slower than its unlimited one)."""
+        at full depth has no estimate for the confirm phase to plan, so that phase's share
+        would sit idle while exploring stops early."""
         self.explore_share = 1.0
 
     def left(self) -> float:

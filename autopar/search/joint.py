@@ -4,7 +4,7 @@ under one memory model.
 
 For each candidate (pipeline stages ``p`` carved from one mesh axis, micro-batches ``M``)
 the model is captured at the micro-batch size and the intra-op search (ILP or D-Rec, :mod:`autopar.search.op_placement`)
-places every op on the stage sub-mesh; :mod:`autopar.search.stages.dp` then prices every
+places every op on the stage sub-mesh; :mod:`autopar.search.stages` then prices every
 schedule x ZeRO stage x ZeRO axis on that plan, choosing stage boundaries and the
 recomputed layers so each stage fits the budget.  The fastest feasible combination
 wins.  The plain plan (one stage, one micro-batch) is searched first; pipelines and
@@ -129,8 +129,8 @@ class JointSearch(JointCaptures, JointSpace):
         if estimate and plans and not steady(layer_stats(cap.gm, plans[0][1])):
             # this split's copy placed its middle layers differently: nothing to
             # extrapolate from, so this split is planned at full depth; the others keep
-            # their estimates, each checked the same way (before, the first such split
-            # sent every later one to full depth: a 15 s capture each for Llama-3 70B)
+            # their estimates, each checked the same way (a full-depth capture of a large
+            # model takes seconds, so only the split that needs one pays it)
             self._say(f"the {KEEP}-layer copy's layers differ for {split_words(stages, axis)} x "
                       f"{micro} micro-batch(es): planning this split at full depth")
             return self._intra(stages, micro, budget, False, weights, axis)
@@ -170,9 +170,8 @@ class JointSearch(JointCaptures, JointSpace):
         """The fastest feasible config (``exact``: among those priced at full depth);
         on ties the first of the simplest (fewer stages, micro-batches, lower ZeRO).
         ``self.priced`` only grows between its reassignments, so the search asked so far
-        is carried on from where it stopped (asked before every candidate: with
-        thousands of configs priced, reading them all each time cost Megatron 145.6B's
-        search ~8%)."""
+        is carried on from where it stopped (it is asked before every candidate, and a
+        deep model's search prices thousands of configs)."""
         seen = self._best_seen.get(exact)
         start, best, best_key = 0, None, None
         if seen is not None and seen[0] is self.priced and seen[1] <= len(self.priced):
@@ -314,17 +313,15 @@ class JointSearch(JointCaptures, JointSpace):
         # fit, recomputation, or nothing fits): pipelines and micro-batches may then be the
         # cheaper way to fit.  ZeRO chosen for speed (ZeRO-3 keeping its layers gathered
         # saves a data-parallel bucket's copies; ZeRO-1 shards the optimizer's update)
-        # is no pressure, nor is what the user forced (zero_stage=, recompute=): before,
-        # a forced ZeRO looked like pressure, since no plain config was priced to fit,
-        # and sent every small model through every split (a capture and an ILP each)
+        # is no pressure, nor is what the user forced (zero_stage=, recompute=): no plain
+        # config is priced to fit then, and every split costs a capture and an ILP
         pressed = best is None or (not self.opts.recompute and best[0].recomputes_more(best[1])) or (
             self.opts.zero_stage is None and best[1].config.zero_stage > 0
             and not self._fits_plainly(best[0]))
         if self.opts.explore or (pressed and not forced):
             est = self._shallow is not None or self._start_shallow()
             # breadth first, each stage count's most promising micro-batch count first:
-            # a time limit then cuts depth, not whole stage counts (a 1,024-H100 Llama-3
-            # 70B search ran out in 1-stage micro-batching before).  With a pipeline
+            # a time limit then cuts depth, not whole stage counts.  With a pipeline
             # more micro-batches shrink the bubble: the most first; without one they only
             # trade speed for memory: the fewest first.  Stages inside a node (a later
             # axis) come after those across nodes at each depth: they rarely win (the
@@ -398,8 +395,7 @@ class JointSearch(JointCaptures, JointSpace):
         rounds: each round takes each stage count's next micro-batch count
         (:meth:`_micro_order`).  The first round goes in the order of the stage counts
         (across nodes before inside one); every later one visits first the stage counts
-        whose plans so far were fastest (Megatron 145.6B: 8 and 12 stages, where the best
-        plan is, before 1 and 2), so that a time limit cuts the unpromising ones.  Which
+        whose plans so far were fastest, so that a time limit cuts the unpromising ones.  Which
         splits are planned does not depend on the order, only which a limit cuts."""
         queues = {(p, a): self._micro_order(p, a) for p, a in self._stage_options()}
         order = sorted(queues, key=lambda pa: (pa[1] > 0, pa[0], pa[1]))

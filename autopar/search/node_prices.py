@@ -390,9 +390,9 @@ class CostModel(EdgePrices):
         charged only for its imbalance, not credited with the future blocks it skips:
         zigzag-balanced or non-causal it is even (1.0); causal with contiguous chunks the
         last rank does ``(2n-1)/(2n^2)`` of the causal work where an even split does
-        ``1/(2n)``, ``(2n-1)/n`` times more.  (Crediting the skip made the planner pick
-        ring attention on gloo where it measured 1.9x slower than data parallel:
-        docs/benchmarks.md, context parallel.)  Causal query rows compute every block
+        ``1/(2n)``, ``(2n-1)/n`` times more.  (Crediting the skip would favour ring
+        attention, which runs slower than data parallel on gloo: docs/benchmarks.md,
+        Context parallel.)  Causal query rows compute every block
         under an explicit mask: 2.0, twice a fused causal kernel's work."""
         layout = context_layout(node, s.inputs, self.mesh.shape)
         if layout is None or not sdpa_args(node).is_causal:

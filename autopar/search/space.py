@@ -141,8 +141,7 @@ class JointSpace:
         """:meth:`_micro_options` most promising first.  Without a pipeline the fewest
         (more only trade speed for memory).  With one, first the most micro-batches whose
         micro-batch still has a sample per data-parallel device of a stage when tensor
-        parallelism takes its last axis inside a node (Megatron's layout: 96 micro-batches
-        for 8 stages of 24 x 8 A100s, the fastest plan of Megatron 145.6B), then the most
+        parallelism takes its last axis inside a node (Megatron's layout), then the most
         whose micro-batch has a sample per device of a stage (more shrink the bubble),
         then the fewer, then those with smaller micro-batches, the larger first, except
         that the first count's halvings come right after it: every count dividing the
@@ -165,8 +164,7 @@ class JointSpace:
             if tp:
                 order = [max(tp)] + [m for m in order if m != max(tp)]
         # then the first's halvings (twice the samples per device each, half the
-        # micro-batches: the best count is mostly near the first; Megatron 145.6B's 12
-        # stages: 144 first, the best 72), then the rest as above
+        # micro-batches: the best count is mostly near the first), then the rest as above
         near = [m for m in (order[0] // 2 ** k for k in range(1, 64)) if m in opts and order[0] % m == 0]
         return order[:1] + near + [m for m in order[1:] if m not in near]
 
@@ -206,8 +204,8 @@ class JointSpace:
                             f"checkpointing of {', '.join(own)} ({why}): use another schedule, or "
                             "turn the model's checkpointing off (Hugging Face: "
                             "model.gradient_checkpointing_disable())")
-        # the same list for every plan of a split whose parameters group alike (its
-        # ~150 configs were built ~1,000 times in Megatron 145.6B's search)
+        # the same list for every plan of a split whose parameters group alike (a deep
+        # model's search asks for a split's configs about a thousand times)
         key = (cand.stages, cand.micro_batches, cand.axis, tuple(zs), tuple(axes),
                tuple(scheds), tuple(virtual), recomputes)
         known_configs = self._config_lists.get(key)
@@ -277,7 +275,7 @@ class JointSpace:
             return None
         # per layer, device-seconds of the whole batch, over a stage's devices, per
         # micro-batch; and each op at least its launch, so that many micro-batches of
-        # small ops are bounded too (Megatron 145.6B on 192x8: 2,304 micro-batches)
+        # small ops are bounded too (a deep pipeline can run thousands of micro-batches)
         devices = math.prod(self.mesh.shape) // stages
         scale = known.micro_batches / micro
         launches = kernel_floor(known.stats, self.mesh, devices, scale, min(1.0, scale))

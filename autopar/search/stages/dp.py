@@ -80,8 +80,8 @@ def step_lower_bound(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_l
 
 
 # step_lower_bound's sums over the layers, by the statistics' and ZeRO prices' identity
-# (the configs of one candidate that share a ZeRO setting share them: ~30,000 bounds in
-# Megatron 145.6B's search, each summing 84 layers)
+# (the configs of one candidate that share a ZeRO setting share them; a deep model's
+# search asks for tens of thousands of bounds, each summing every layer)
 _SUMS = IdentityMemo(4096)
 
 
@@ -106,8 +106,7 @@ def split_lower_bound(floors: list[float], stages: int, micro: int, idle_reuse: 
     and, for contiguous stages, the best balance of whole layers
     (:func:`~autopar.search.stages.split_search.slowest_floor`; an interleaved rank's
     chunks are not contiguous, only its slowest chunk is bounded so).  The least over
-    ``shapes``: before, the bound charged 1F1B's whole fill to every schedule, which
-    zero-bubble and interleaving shrink."""
+    ``shapes``, since zero-bubble and interleaving shrink 1F1B's fill."""
     total = sum(floors)
     if stages <= 1:
         return micro * total

@@ -1,4 +1,4 @@
-"""Where a stage's gradient memory comes from, for :func:`autopar.search.stages.dp.price_stage`'s
+"""Where a stage's gradient memory comes from, for :func:`autopar.search.stages.price.price_stage`'s
 peak: when backward allocates each layer's gradients (a bucket's buffer is whole at its
 first gradient, or there from the step's start when the buffers are kept between steps,
 runtime/grad_sync.py), and ZeRO-1/2's flat reduce buckets at the end of backward
@@ -24,9 +24,9 @@ class ParamView:
     """One layer's parameters as a stage's gradient memory reads them under one config's
     ZeRO stage, axes, micro-batches and ``reduce_once``, each list back to front (the
     order backward makes and the buckets take them).  Computed once per class of equal
-    layers (:func:`autopar.search.stages.dp.layer_classes`) per config: the split search
-    prices ~150 stage ranges per config, each reading every parameter of its layers
-    (Megatron 145.6B on 192x8: 170 million ZeRO-membership tests before)."""
+    layers (:func:`autopar.search.stages.split_search.layer_classes`) per config: the
+    split search prices ~150 stage ranges per config, each reading every parameter of its
+    layers, so testing ZeRO membership per range dominated a deep model's search."""
 
     plain: tuple[int, ...]
     """Positions (in the back-to-front list) of the parameters GradSync reduces outside

@@ -1,5 +1,5 @@
 """What a pipeline stage's micro-batch pays beyond its layers' own forward and backward
-(:func:`autopar.search.stages.dp.price_stage` adds them): gradient accumulation, the
+(:func:`autopar.search.stages.price.price_stage` adds them): gradient accumulation, the
 in-flight collectives the forward does not hide, zero-bubble's split backward, and the
 price of one message between stages; and what shapes a stage's memory and gradient
 reduction: the micro-batches it holds at once and its gradient buckets."""
@@ -26,10 +26,8 @@ def stage_link(mesh: MeshSpec, stages: int) -> Callable[[float], float]:
     on the pipeline axis 0 of ``mesh``; nothing without a pipeline.  Its price after a
     barrier, without ``mesh.sync_seconds``: a receive waits for the sending stage's
     compute, which the schedule already prices (``M`` times the slowest stage plus the
-    fill and drain), and a send is asynchronous.  With the drift on each of a stage's
-    four messages per micro-batch, the GPT's 2-stage 1F1B on 4 calibrated gloo ranks
-    was priced 1-11% over data parallel in fidelity runs where it measured 4-9% under
-    it (docs/benchmarks.md, Cost-model fidelity)."""
+    fill and drain), and a send is asynchronous: charging the drift on each of a stage's
+    four messages per micro-batch would price a pipeline over plans it is faster than."""
     if stages <= 1:
         return lambda b: 0.0
     # the split search asks the same few sizes (a layer's output) thousands of times
@@ -40,10 +38,8 @@ def split_seconds(layers: list[LayerStat], cfg: Config, mesh: MeshSpec, index: i
     """Seconds per micro-batch the zero-bubble schedule's split backward adds to stage
     ``index``: ``(mesh.split_backward - 1)`` times the stage's backward.  Not on the first
     stage, whose ``B`` has no inputs to split at and whose ``W`` runs the whole backward
-    (:mod:`autopar.runtime.split_backward`).  Unpriced, forced ZeRO-1 and ZeRO-2 planned
-    zero-bubble with two stages on 4 gloo ranks, priced 3-5 ms under 1F1B per step, and
-    measured 3-6 ms over it (8-23 ms with ZeRO-1; docs/benchmarks.md, Cost-model
-    fidelity)."""
+    (:mod:`autopar.runtime.split_backward`).  Without it zero-bubble is priced under 1F1B
+    where the split's two passes make it slower."""
     if cfg.schedule != Schedule.ZERO_BUBBLE.value or index == 0 or cfg.stages == 1:
         return 0.0
     return (mesh.split_backward - 1.0) * sum(st.seconds - st.forward for st in layers)
@@ -54,10 +50,8 @@ def accumulation_seconds(grads: list[float], micro_batches: int, mesh: MeshSpec)
     the first adds its gradients into the step's (autograd's AccumulateGrad reads both
     and writes the sum), ``grads`` bytes as they are accumulated (whole, or ZeRO-3's
     reduce-scattered shards), at the elementwise rate; spread over the ``M``
-    micro-batches, so the step pays ``(M - 1)`` accumulations.  Unpriced, four
-    micro-batches of the 4-layer GPT on 4 gloo ranks measured 30 ms (18%) over one
-    and were predicted no slower (docs/benchmarks.md, Cost-model fidelity); the
-    accumulations are 9 of those ms."""
+    micro-batches, so the step pays ``(M - 1)`` accumulations; without it, micro-batches
+    would look free where they are not."""
     if micro_batches <= 1:
         return 0.0
     return mesh.straggler * 3.0 * sum(grads) / mesh.mem_bandwidth * (micro_batches - 1) / micro_batches
@@ -75,11 +69,9 @@ def copies_hidden(layers: list[LayerStat], cfg: Config, mesh: MeshSpec) -> float
     group at once, the twins' latencies overlap by ``mesh.collective_pairing`` (0 on
     NCCL, which runs a communicator's collectives one after the other; calibration
     measures it).  Per micro-batch ``min(comm, overlap x compute + (drift + pairing x
-    latency) x (copies - 1) / copies)`` leaves the critical path.  The 4-layer GPT in
-    Megatron's layout on 4 calibrated gloo ranks measured 89-96 ms a step faster as two
-    copies than as two micro-batches in turn: with the compute alone hiding (calibrated
-    overlap 0.02) that was predicted 3.5-3.9 ms, with the drift 47-59 ms, with the
-    measured pairing (0.45-0.52) too 107-126 ms (docs/benchmarks.md)."""
+    latency) x (copies - 1) / copies)`` leaves the critical path.  All three terms are
+    needed where ranks share cores: compute alone (overlap near 0 on gloo) would hide
+    almost nothing of what two copies save (docs/benchmarks.md, Multi-copy overlap)."""
     if cfg.copies < 2:
         return 0.0
     comm = sum(st.seconds - st.compute for st in layers)
@@ -96,8 +88,7 @@ def count_exposed(layers: list[LayerStat], cfg: Config, mesh: MeshSpec) -> float
     bucket model's terms: ``max(0, A - F x overlap)`` for forward time ``F``.  Under
     pipeline stages it starts at the loss and is waited for at once: all of it.
     Nothing on GPUs (overlap 1); nearly all of it where ranks share cores (a few ms a
-    micro-batch on 4 gloo ranks of 2 cores: four micro-batches of the 4-layer GPT
-    measured 30 ms over one, predicted no slower while the count was priced hidden)."""
+    micro-batch on 4 gloo ranks of 2 cores)."""
     behind = sum(st.behind for st in layers)
     if not behind:
         return 0.0
