@@ -100,8 +100,8 @@ def scaling_curve(model: nn.Module, example_inputs: tuple | None = None, *, pres
                                        memory=p.memory.get("total", 0.0), estimated=False)
         else:
             # nothing planned at full depth here; rounds 1 and 2 get half the count's share
-            # (Llama-3 8B over 8-1,024 devices: the same plans as with all of it, in 46 s
-            # from the shell against 52)
+            # (for Llama-3 8B over 8-1,024 devices that finds the same plans as the whole
+            # share, in less time)
             best = ShapeSearch(model, args, mesh, opts, kwargs, base=first, explore_share=0.5).explore()[0]
         step = best.step_seconds
         ok = math.isfinite(step) and step > 0

@@ -41,7 +41,7 @@ class TensorInfo:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    # (was a meta tensor per call: 2.7% of a deep model's search)
+    # (not a meta tensor per call: a deep model's search asks this millions of times)
     return dtype.itemsize
 
 

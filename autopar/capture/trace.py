@@ -34,8 +34,8 @@ _DROP_TARGETS = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_ran
 def _lazy_code() -> contextlib.AbstractContextManager:
     """Export's own passes regenerate the whole graph's Python code ~20 times (0.1 s each
     for a 32-layer Llama); as lazy graph modules they only mark it stale and the code is
-    generated once, when used.  Measured on Llama-3 8B: capture 4.4 -> 3.7 s, same code.
-    A private torch switch (used by inductor): without it, capture is as before."""
+    generated once, when used (about a sixth of Llama-3 8B's capture).  A private torch
+    switch (used by inductor): where torch lacks it, capture regenerates the code each time."""
     try:
         from torch.fx._lazy_graph_module import _use_lazy_graph_module
     except ImportError:  # pragma: no cover - torch without it

@@ -49,11 +49,9 @@ __all__ = ["EXPLORE_SHARE", "ShapeSearch", "shape_options"]
 WIDEN_WITHIN = 1.15
 """Round 2 widens a shape only when its first candidate is within this factor of the
 best shape's: exploring pipelines and micro-batches relieves memory pressure, and a shape
-whose plain plan is 15% slower needs them to win back more than that.  In
+whose plain plan is 15% slower needs them to win back more than that, where in
 benchmarks/mesh_search.py's Llama-3 cells a shape's own search improved on its first
-candidate by at most 10.7% (70B on 1,024 devices, 256x4: 3,776 to 3,372 ms, by an
-interleaved pipeline).  Widening every shape took Llama-3 8B on 1,024 devices 48 s
-where one named shape's search takes 6."""
+candidate by at most 10.7%; widening every shape would cost several fixed-shape searches."""
 
 EXPLORE_SHARE = 1.5
 """The explore rounds' budget over all shapes, in units of ``time_limit``: twice a fixed
