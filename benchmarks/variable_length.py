@@ -10,7 +10,7 @@ clipped to 8..512); ``--rows`` of them
 make a global batch, batches in random order, each padded on the right to its own
 longest sequence (``attention_mask`` 0 and labels -100 on the padding: what
 ``DataCollatorWithPadding`` gives).  Every data-parallel rank passes its rows of each
-batch (``batch="local"``, as a ``DistributedSampler`` gives them).  Three arms train
+batch (``batch="local"``, as a ``DistributedSampler`` gives them).  Four arms train
 copies of the same weights on the same batches, their steps interleaved (the order
 turned every step), each step timed as the slowest rank's:
 
@@ -20,7 +20,10 @@ turned every step), each step timed as the slowest rank's:
   plan for one shape asked of its user);
 * ``ddp``: ``DistributedDataParallel``, its loss over the global batch's real tokens
   (``num_items_in_batch``: the per-rank sums over all ranks' tokens, as the Trainer does),
-  so all three optimise the same loss.
+  so all the arms optimise the same loss;
+* ``ddp-padded``: the same fed every batch padded to 512: what padding costs where
+  nothing but the padding differs, the most the ``padded`` / ``autopar`` ratio can be on
+  this host while autopar's step is DDP's.
 
 autopar captures and lowers each new length once (its first epoch); a first pass over
 the batches, untimed, pays that, and is reported on its own.  Prints tokens per second
@@ -114,7 +117,7 @@ DP = {"*": "R", "input:0": "S(0)", "input:1": "S(0)", "input:2": "S(0)"}
 
 
 def _arms(rank: int, world: int, rows: int, pins: dict):
-    """The three modules and their optimizers, from the same weights."""
+    """The four modules and their optimizers, from the same weights."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from autopar import MeshSpec, auto_parallel
@@ -131,16 +134,18 @@ def _arms(rank: int, world: int, rows: int, pins: dict):
     padded = auto_parallel(copy.deepcopy(base), example_kwargs=pad_to(median, MAX), mesh=mesh,
                            batch="local", pins=pins)
     ddp = DDP(copy.deepcopy(base))
+    ddp_padded = DDP(copy.deepcopy(base))
     return {name: (m, torch.optim.AdamW(m.parameters(), lr=1e-4))
-            for name, m in (("autopar", auto), ("padded", padded), ("ddp", ddp))}
+            for name, m in (("autopar", auto), ("padded", padded), ("ddp", ddp),
+                            ("ddp-padded", ddp_padded))}
 
 
 def _step(name: str, m, opt, batch: dict, rank: int, world: int) -> float:
     mine = _rows(batch, rank, world)
-    if name == "padded":
+    if name.endswith("padded"):
         mine = pad_to(mine, MAX)
     opt.zero_grad()
-    if name == "ddp":  # sum over this rank's tokens / all ranks' tokens, times world (DDP averages)
+    if name.startswith("ddp"):  # sum over this rank's tokens / all ranks' tokens, times world (DDP averages)
         n = _tokens(batch)
         loss = m(**mine, num_items_in_batch=torch.tensor(n / world)).loss
         loss.backward()
@@ -164,14 +169,14 @@ def _worker(rank: int, world: int, port: int, params: dict, out: str) -> None:
         m, opt = arms["autopar"]
         _step("autopar", m, opt, b, rank, world)
     first = time.perf_counter() - t0
-    for name in ("padded", "ddp"):  # the same updates, so the arms stay in step
+    for name in ("padded", "ddp", "ddp-padded"):  # the same updates, so the arms stay in step
         for b in data:
             _step(name, *arms[name], b, rank, world)
     names = list(arms)
     times = {n: [] for n in names}
     losses = {n: [] for n in names}
     for i, b in enumerate(data):
-        order = names[i % 3:] + names[:i % 3]
+        order = names[i % len(names):] + names[:i % len(names)]
         for n in order:
             loss = []
             times[n].append(timed(lambda n=n, b=b, loss=loss: loss.append(_step(n, *arms[n], b, rank, world))))

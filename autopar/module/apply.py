@@ -180,41 +180,49 @@ def apply_pipeline(pm: ParallelModule) -> None:
             from autopar.errors import PlanError
             raise PlanError(f"this plan runs {d.copies} copies with {d.micro_batches} micro-batches "
                             f"over {d.pipeline_stages} stages; plan it again")
-        _keep_loss_only(pm)
+        keep_loss_only(pm.inner, d.micro_batches, pm._out_spec)
         object.__setattr__(pm, "inner", multi_copy(pm.inner, d.copies))  # not a submodule
         return
-    from autopar.passes.split_stages import split_stages
-    from autopar.runtime.pipeline import PipelineRunner
-    _keep_loss_only(pm)
-    # this rank's graph; under the interleaved schedule its chunks s, s + p, ..
-    graphs = split_stages(pm.inner, pm.plan)
-    mine = graphs[pm._mesh_rt.stage::max(1, d.pipeline_stages)]
+    keep_loss_only(pm.inner, d.micro_batches, pm._out_spec)
+    runner = stage_runner(pm, pm.inner, pm.plan, d.micro_batches)
     for t in list(pm.aliases):
         if not pm._mine(t):
             owner, leaf = pm._owner_of(t)
             if hasattr(owner, leaf):
                 delattr(owner, leaf)
-    pm.runner = PipelineRunner(mine, d.schedule, d.micro_batches, _Switches(pm))
+    pm.runner = runner
 
 
-def _keep_loss_only(pm: ParallelModule) -> None:
+def keep_loss_only(gm: torch.fx.GraphModule, micro_batches: int, out_spec) -> None:
     """Micro-batched plans run ``train_step``, which returns the loss alone: keep only
-    the loss among the graph's outputs (a Hugging Face output's ``loss``), so the
+    the loss among ``gm``'s outputs (a Hugging Face output's ``loss``), so the
     schedule has one value to seed backward with and logits are not gathered."""
-    g = pm.inner.graph
+    g = gm.graph
     out = next(n for n in g.nodes if n.op == "output")
     flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
     if len(flat) == 1:
         return
-    idx = named_loss(len(flat), pm._out_spec)
+    idx = named_loss(len(flat), out_spec)
     if idx is None:
         from autopar.errors import PlanError
-        raise PlanError(f"this plan runs {pm.plan.decisions.micro_batches} micro-batches: "
+        raise PlanError(f"this plan runs {micro_batches} micro-batches: "
                         f"the model must return its loss (a scalar tensor, or an output with "
                         f"a 'loss' field), but it returns {len(flat)} values")
     out.args = ((flat[idx],),)
     g.eliminate_dead_code()
-    pm.inner.recompile()
+    gm.recompile()
+
+
+def stage_runner(pm: ParallelModule, gm: torch.fx.GraphModule, plan, micro_batches: int):
+    """The schedule's runner of this rank's stage graphs of ``gm`` (lowered with
+    ``plan``, the loss its only output) over ``micro_batches`` micro-batches."""
+    from autopar.passes.split_stages import split_stages
+    from autopar.runtime.pipeline import PipelineRunner
+
+    d = plan.decisions
+    # this rank's graph; under the interleaved schedule its chunks s, s + p, ..
+    mine = split_stages(gm, plan)[pm._mesh_rt.stage::max(1, d.pipeline_stages)]
+    return PipelineRunner(mine, d.schedule, micro_batches, _Switches(pm))
 
 
 def apply_grad_sync(pm: ParallelModule) -> None:

@@ -236,14 +236,17 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
             loss = out if isinstance(out, torch.Tensor) else out["loss"]
             (loss * scale if scale != 1.0 else loss).backward()
             return loss.detach()
-        self.runner.loss_scale = scale
         flat = self._bind(args, kwargs)
+        # another shape's route runs its own runner (its micro-batches' graphs)
+        runner = self._route.runner if self._route is not None and self._route.runner is not None \
+            else self.runner
+        runner.loss_scale = scale
         self.grad_sync.restart()  # the step's backwards add to what is there
         if self.zero is not None and self.zero.stage == 3:
             from autopar.runtime.zero import free_gathered_params
             with free_gathered_params():
-                return self.runner.step(flat)
-        return self.runner.step(flat)
+                return runner.step(flat)
+        return runner.step(flat)
 
     @property
     def code(self) -> str:

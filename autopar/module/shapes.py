@@ -28,8 +28,12 @@ recent).  A shape seen before costs a dictionary lookup.
   token-mean cross-entropy (Hugging Face's loss) divides by the count of real tokens
   over all ranks, as one process on the whole batch would; a ``mean`` over rows is the
   mean of the ranks' means, as DDP's gradient average is.
-* **Pipelines and micro-batched copies** serve the planned shape only: their schedules
-  are built for it.  Another shape raises :class:`InputMismatchError` on every rank.
+* **Pipelines and gradient accumulation.**  A shape runs its own schedule's runner over
+  the stage graphs of its micro-batch's lowering; a batch that does not divide into the
+  planned micro-batches runs as equal ones that divide it
+  (:func:`~autopar.plan.schedules.micro_batch_counts`), and the ranks agree on the shape
+  every call, whatever the batch mode.  Micro-batched copies serve the planned shape
+  only: another raises :class:`InputMismatchError` on every rank.
 
 A new shape costs one capture (an export: ~0.8 s for benchmarks/variable_length.py's
 Llama on the 2-core VM) and a lowering, paid once per shape.  A graph that differs at a
@@ -43,11 +47,10 @@ from __future__ import annotations
 
 import copy
 import math
-import operator
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -58,21 +61,22 @@ from torch.utils import _pytree as pytree
 from autopar.capture.annotate import annotate
 from autopar.capture.trace import capture
 from autopar.log import log
+from autopar.module.shape_lowering import Shapes, adopt, fit_plan, same_graph, shapes_text
 from autopar.module.shape_template import Shape, Templates
 from autopar.plan.data import Plan
-from autopar.plan.placement import Replicate, Shard, fmt_placements, is_replicate, parse_placements
-from autopar.plan.splits import unsplit_axes
+from autopar.plan.schedules import micro_batch_counts
+from autopar.plan.splits import micro_inputs
 from autopar.runtime.call_check import gather_rows
 from autopar.runtime.inputs import BatchMode, InputMismatchError, passthrough_inputs
 
 if TYPE_CHECKING:
     from autopar.module.parallel import ParallelModule
+    from autopar.runtime.pipeline import PipelineRunner
 
 MAX_SHAPES = 4096
 """Shapes kept per module besides the planned one (least recently used dropped); each
 is a few numbers (:class:`~autopar.module.shape_template.Shape`)."""
 
-Shapes = tuple[tuple[int, ...] | None, ...]
 
 
 @dataclass
@@ -83,6 +87,9 @@ class Route:
     shape: Shape | None
     shapes: list[tuple[int, ...] | None]
     passthrough: frozenset[int]
+    runner: PipelineRunner | None = None
+    """A pipeline's or micro-batched plan's runner at these shapes (``None``: the
+    planned runner, or no schedule)."""
 
 
 @dataclass
@@ -95,6 +102,8 @@ class ShapeRoutes:
     """The mode the planned graph was captured in: new shapes are captured in it too."""
     cache: OrderedDict = field(default_factory=OrderedDict)
     templates: Templates = field(default_factory=Templates)
+    runners: list = field(default_factory=list)
+    """The runners of other shapes' routes (their graphs switch train/eval too)."""
     built: int = 0
     """Graphs built for new shapes (the log and the closing numbers read it)."""
     _needs_agreement: bool | None = field(default=None, repr=False)
@@ -119,7 +128,8 @@ class ShapeRoutes:
 
     def graphs(self) -> list[fx.GraphModule]:
         """The graphs run for other shapes (train/eval switches reach them too)."""
-        return self.templates.modules()
+        return self.templates.modules() + [m for r in self.runners for ch in r.chunks
+                                           for m in ch.module.modules() if isinstance(m, fx.GraphModule)]
 
     # ------------------------------------------------------------ choosing
     def select(self, pm: ParallelModule, flat: list) -> Route:
@@ -130,7 +140,9 @@ class ShapeRoutes:
         local = b.mode is BatchMode.LOCAL and bool(b.dp_axes)
         want = self._global(pm, mine) if local else mine
         route, error = self._route_or_error(pm, want, flat)
-        if not (local and self._agree(pm)):
+        # a schedule's ranks exchange activations whatever the batch mode (a pipeline's
+        # ranks share one data-parallel rank): they agree on the shape every call
+        if not ((local or pm.runner is not None) and self._agree(pm)):
             if error is not None:
                 raise error
             return route
@@ -143,9 +155,9 @@ class ShapeRoutes:
         if len({s for s, _ in every}) > 1:
             shapes = {r: s for r, (s, _) in enumerate(every)}
             raise InputMismatchError(
-                f"the ranks passed different shapes ({shapes}) under batch='local', and this "
-                "plan exchanges activations between the data-parallel ranks (a batch input "
-                "it gathers, experts' all-to-all, pipeline stages): pass equal shapes on "
+                f"the ranks passed different shapes ({shapes}) under batch={b.mode.value!r}, and "
+                "this plan exchanges activations between ranks (a batch input it gathers, "
+                "experts' all-to-all, pipeline stages): pass equal shapes on "
                 "every rank (pad to a common length, equal rows per rank)")
         return route
 
@@ -188,48 +200,95 @@ class ShapeRoutes:
     # ------------------------------------------------------------ building
     def _build(self, pm: ParallelModule, want: Shapes, flat: list) -> Route:
         d = pm.plan.decisions
-        if pm.runner is not None or d.copies > 1:
+        if d.copies > 1:
             raise InputMismatchError(
-                f"{_shapes_text(pm.binder, want)}, but this plan runs {d.micro_batches} "
-                f"micro-batch(es) over {d.pipeline_stages} pipeline stage(s), whose schedule "
-                f"serves the planned shapes only ({_shapes_text(pm.binder, self.planned.shapes, '')}): "
-                "use batches of the planned shape, or plan without pipeline stages and "
-                "micro-batches to serve any shape")
+                f"{shapes_text(pm.binder, want)}, but this plan runs {d.copies} copies of each "
+                "micro-batch interleaved in one graph, built for the planned shapes only "
+                f"({shapes_text(pm.binder, self.planned.shapes, '')}): use batches of the planned "
+                "shape, or plan with copies=1 to serve any shape")
         model = self.model
         if model is None:
             raise InputMismatchError(
-                f"{_shapes_text(pm.binder, want)}: serving a new shape captures the model passed "
+                f"{shapes_text(pm.binder, want)}: serving a new shape captures the model passed "
                 "to auto_parallel at that shape, and a module loaded from an export has none: "
-                f"call it with the planned shapes ({_shapes_text(pm.binder, self.planned.shapes, '')}), "
+                f"call it with the planned shapes ({shapes_text(pm.binder, self.planned.shapes, '')}), "
                 "or build it with auto_parallel(model, plan=...)")
         t0 = time.perf_counter()
-        args, kwargs = self._example(pm, want, flat)
-        cap = self._capture(pm, model, args, kwargs)
-        plan = pm.plan
-        if not _same_graph(cap.gm, plan):
-            # the model's graph differs at this shape (export drops ops that are no-ops
-            # at a batch of 1): plan again, parameters where they are
-            if self.replan is None or pm.binder.mode is BatchMode.LOCAL:
-                raise InputMismatchError(
-                    f"{_shapes_text(pm.binder, want)}: the model's graph at this shape differs "
-                    "from the one planned; call it with the planned shapes or plan at this shape")
-            log.info("shape %s: the model's graph differs from the planned one: planning it "
-                     "again with every parameter where it is", list(want))
-            cap, plan = self._in_mode(model, lambda: self.replan(model, args, kwargs, pm.plan))
-            annotate(cap.gm)
-        plan, dropped = _fit(plan, cap.gm, pm.binder, want)
+        cap, plan, micro = self._captured(pm, model, want, flat)
+        plan, dropped = fit_plan(plan, cap.gm, pm.binder, want)
         from autopar.passes.lower import lower
-        gm = _adopt(pm, lower(cap.gm, plan))
+        gm = lower(cap.gm, plan)
         keep = passthrough_inputs(plan)
-        phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        route = Route(self.templates.add(gm, pm.training), list(want),
-                      frozenset(i for i, n in enumerate(phs) if n.name in keep))
+        passthrough = frozenset(i for i, n in enumerate(x for x in gm.graph.nodes if x.op == "placeholder")
+                                if n.name in keep)
+        if pm.runner is None:
+            route = Route(self.templates.add(adopt(pm, gm), pm.training), list(want), passthrough)
+        else:
+            route = Route(None, list(want), passthrough, self._runner(pm, gm, plan, micro))
         self.built += 1
-        log.info("shape %s: captured and lowered with the plan in %.2f s%s", list(want),
+        log.info("shape %s: captured and lowered with the plan in %.2f s%s%s", list(want),
                  time.perf_counter() - t0,
+                 f", {micro} micro-batches" if micro != d.micro_batches else "",
                  f" (axes {sorted(dropped)} compute the whole of the dims they would split)"
                  if dropped else "")
         return route
+
+    def _captured(self, pm: ParallelModule, model, want: Shapes, flat: list):
+        """(capture, plan, micro-batches) at ``want``: the model captured at one
+        micro-batch of it (the whole batch without a schedule) and the plan for it.  A
+        graph that is not the planned one (export drops ops that are no-ops at a batch of
+        1) is planned again with every parameter where it is; a pipeline tries its next
+        count of micro-batches instead (:func:`micro_batch_counts`)."""
+        counts = self._micro_batches(pm, want)
+        for micro in counts:
+            args, kwargs = self._example(pm, want, flat)
+            if micro > 1:  # a pipeline's graph is one micro-batch's
+                args, kwargs = micro_inputs((args, kwargs), micro)
+            cap = self._capture(pm, model, args, kwargs)
+            if same_graph(cap.gm, pm.plan):
+                return cap, pm.plan, micro
+        if self.replan is None or pm.binder.mode is BatchMode.LOCAL or pm.runner is not None:
+            raise InputMismatchError(
+                f"{shapes_text(pm.binder, want)}: the model's graph at this shape differs from "
+                "the one planned (at a micro-batch of one row export drops ops that are no-ops "
+                "there); call it with the planned shapes or plan at this shape")
+        log.info("shape %s: the model's graph differs from the planned one: planning it "
+                 "again with every parameter where it is", list(want))
+        cap, plan = self._in_mode(model, lambda: self.replan(model, args, kwargs, pm.plan))
+        annotate(cap.gm)
+        return cap, plan, 1
+
+    def _micro_batches(self, pm: ParallelModule, want: Shapes) -> list[int]:
+        """The counts of equal micro-batches this shape may run as, best first
+        (:func:`micro_batch_counts`); ``[1]`` without a schedule."""
+        if pm.runner is None:
+            return [1]
+        d = pm.plan.decisions
+        rows = next((want[i][0] for i in sorted(self.batch) if want[i]), 1)
+        planned = next((self.planned.shapes[i][0] for i in sorted(self.batch)
+                        if self.planned.shapes[i]), 1)
+        counts = micro_batch_counts(rows, max(1, planned // d.micro_batches), d.schedule,
+                                    d.pipeline_stages, d.virtual_stages)
+        if not counts:
+            raise InputMismatchError(
+                f"{shapes_text(pm.binder, want)}: a batch of {rows} rows splits into no number of "
+                f"equal micro-batches that schedule {d.schedule!r} over {d.pipeline_stages} stages "
+                f"can run (it runs them in groups of {d.pipeline_stages}): pass a multiple of "
+                f"{d.pipeline_stages} rows")
+        return counts
+
+    def _runner(self, pm: ParallelModule, gm: fx.GraphModule, plan: Plan, micro: int):
+        """The schedule's runner of ``gm`` (one micro-batch's lowering) on this rank,
+        compiled as the planned one is."""
+        from autopar.module.apply import keep_loss_only, stage_runner
+
+        keep_loss_only(gm, micro, pm._out_spec)
+        runner = stage_runner(pm, adopt(pm, gm), plan, micro)
+        runner.loss_scale = pm.runner.loss_scale
+        if pm.runner.compiled and self.templates.compile is not None:
+            runner.compile(*self.templates.compile[0], **self.templates.compile[1])
+        self.runners.append(runner)
+        return runner
 
     def _example(self, pm: ParallelModule, want: Shapes, flat: list) -> tuple[tuple, dict]:
         """A call at the global shapes ``want`` from this call's tensors (batch inputs
@@ -285,17 +344,6 @@ def structure_copy(model: torch.nn.Module) -> tuple[torch.nn.Module, FakeTensorM
         return copy.deepcopy(model, memo), mode
 
 
-def _same_graph(gm: fx.GraphModule, plan: Plan) -> bool:
-    """Whether ``gm`` has the planned graph's ops on the same inputs (what lowering
-    checks node by node)."""
-    from autopar.capture.ir import tensor_inputs
-
-    for n in gm.graph.nodes:
-        np_ = plan.nodes.get(n.name)
-        if n.op == "call_function" and n.target is not operator.getitem:
-            if np_ is None or [u.name for u in tensor_inputs(n)] != np_.inputs:
-                return False
-    return True
 
 
 def _batch_inputs(shapes: list) -> frozenset[int]:
@@ -307,93 +355,12 @@ def _batch_inputs(shapes: list) -> frozenset[int]:
     return frozenset(i for i, s in enumerate(shapes) if s and s[0] == first[0])
 
 
-def _fit(plan: Plan, gm: fx.GraphModule, binder, want: Shapes) -> tuple[Plan, set[int]]:
-    """``plan`` for the graph ``gm`` captured at ``want``: as it is where every split dim
-    divides by its axes; else with as few axes as make every split divide dropped from
-    the activations (replicated there: a batch of 8 on 2 x 8 ranks splits 8 ways on the
-    second axis), when they split no parameter."""
-    mesh = plan.mesh.shape
-    dropped: set[int] = set()
-    while True:
-        bad = _undivided(plan, gm, dropped)
-        if not bad:
-            break
-        dropped.update(unsplit_axes(*bad, mesh))
-    if not dropped:
-        return plan, dropped
-    split = sorted(a for a in dropped if any(not is_replicate(parse_placements(p)[a])
-                                              for p in plan.params().values()))
-    if split:
-        n = math.prod(mesh[a] for a in dropped)
-        raise InputMismatchError(
-            f"{_shapes_text(binder, want)}: a dim this plan splits over mesh axes "
-            f"{sorted(dropped)} does not divide by their {n} ranks, and axes {split} also split "
-            f"parameters, so they cannot compute it whole: pad the batch and the sequence to "
-            f"multiples of {n} (a collator's pad_to_multiple_of={n}), with the padding masked")
-    return _drop_axes(plan, dropped), dropped
 
 
-def _undivided(plan: Plan, gm: fx.GraphModule, dropped: set[int]) -> tuple[int, list[int]] | None:
-    """(size, axes) of the first activation dim that the axes not in ``dropped`` split
-    unevenly, or ``None``."""
-    from autopar.capture.ir import info
-
-    mesh = plan.mesh.shape
-    for n in gm.graph.nodes:
-        np_ = plan.nodes.get(n.name)
-        if np_ is None or np_.param or "autopar" not in n.meta:
-            continue
-        outs = info(n).outputs
-        for k, text in enumerate(np_.out_placements[:len(outs)]):
-            shape = outs[k].shape
-            pl = parse_placements(text)
-            for dim in sorted({p.dim for p in pl if isinstance(p, Shard)}):
-                axes = [a for a, p in enumerate(pl)
-                        if isinstance(p, Shard) and p.dim == dim and a not in dropped]
-                if axes and dim < len(shape) and shape[dim] % math.prod(mesh[a] for a in axes):
-                    return shape[dim], axes
-    return None
 
 
-def _drop_axes(plan: Plan, axes: set[int]) -> Plan:
-    """``plan`` with every activation replicated on ``axes`` (no split, no partial sum):
-    the ranks along them compute the same whole values."""
-    def fix(text: str) -> str:
-        pl = parse_placements(text)
-        return fmt_placements(tuple(Replicate() if a in axes else p for a, p in enumerate(pl)))
-
-    nodes = {k: (v if v.param else replace(v, in_placements=[fix(t) for t in v.in_placements],
-                                           out_placements=[fix(t) for t in v.out_placements]))
-             for k, v in plan.nodes.items()}
-    d = plan.decisions
-    local = None if d.local_axes is None else [a for a in d.local_axes if a not in axes]
-    return replace(plan, nodes=nodes, decisions=replace(d, local_axes=local))
 
 
-def _adopt(pm: ParallelModule, gm: fx.GraphModule) -> fx.GraphModule:
-    """The lowered graph ``gm`` reading ``pm``'s own parameters, buffers and constants,
-    with the runtime's graph rewrites applied as to the planned graph."""
-    from autopar.passes.device import set_device
-
-    if pm.zero is not None:
-        pm.zero.rewrite(gm)
-    root: dict[str, object] = {}
-    for n in gm.graph.nodes:
-        if n.op != "get_attr" or n.target in root:
-            continue
-        get = operator.attrgetter(n.target)
-        try:
-            root[n.target] = get(pm.inner)
-        except AttributeError:  # a constant captured at this shape alone
-            root[n.target] = get(gm).to(pm._mesh_rt.device)
-    new = fx.GraphModule(root, gm.graph)
-    new._in_spec, new._out_spec = getattr(gm, "_in_spec", None), getattr(gm, "_out_spec", None)
-    if pm.plan.decisions.recompute:
-        from autopar.passes.recompute import recompute
-        recompute(new, set(pm.plan.decisions.recompute))
-    set_device([new], pm._mesh_rt.device)
-    new.recompile()
-    return new
 
 
 def _cross_dp(gm: fx.GraphModule, dp_axes: tuple[int, ...]) -> bool:
@@ -443,10 +410,6 @@ def _exchange(mine: Shapes, failed: bool, planned: list, pm: ParallelModule
     return out
 
 
-def _shapes_text(binder, shapes, prefix: str = "called with ") -> str:
-    parts = [f"{binder.names[i] if i < len(binder.names) else i} {tuple(s)}"
-             for i, s in enumerate(shapes) if s is not None]
-    return prefix + ", ".join(parts)
 
 
 __all__ = ["MAX_SHAPES", "Route", "ShapeRoutes", "structure_copy"]

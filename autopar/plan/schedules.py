@@ -75,6 +75,26 @@ def check(schedule: Schedule | str, stages: int, micro_batches: int, virtual: in
                          "'gpipe', '1f1b', 'zero-bubble' or 'interleaved-1f1b'")
 
 
+def micro_batch_counts(rows: int, planned_rows: int, schedule: Schedule | str, stages: int,
+                       virtual: int = 1) -> list[int]:
+    """The counts of equal micro-batches a global batch of ``rows`` rows can run as, best
+    first, under a plan whose micro-batches have ``planned_rows`` rows: those no larger
+    than planned (the plan's activation memory holds), largest first (fewest
+    micro-batches, least overhead); then larger ones, smallest first.  Only counts that
+    divide ``rows`` and that the schedule can run (:func:`check`: an interleaved schedule
+    needs a multiple of its stages); empty when none can."""
+    def runs(m: int) -> bool:
+        try:
+            check(schedule, stages, m, virtual)
+        except ValueError:
+            return False
+        return True
+
+    counts = [m for m in range(1, rows + 1) if rows % m == 0 and runs(m)]
+    within = [m for m in counts if rows // m <= planned_rows]
+    return within + [m for m in reversed(counts) if rows // m > planned_rows]
+
+
 def conflict(schedule: Schedule | str | None, recompute: bool, zero_stage: int | None) -> str | None:
     """What keeps ``schedule`` from running with these decisions, or None.  The
     zero-bubble schedule's split backward runs neither recomputation
@@ -267,5 +287,5 @@ def list_schedule(schedule: Schedule | str, stages: int, micro_batches: int, vir
     return out
 
 
-__all__ = ["Action", "Timed", "actions", "check", "conflict", "in_flight", "in_flight_table", "list_schedule",
+__all__ = ["micro_batch_counts", "Action", "Timed", "actions", "check", "conflict", "in_flight", "in_flight_table", "list_schedule",
            "virtual_stage", "waiting_w"]

@@ -4,8 +4,9 @@ the bodies of ``plan.explain("shapes")`` and :meth:`Plan.predict
 
 A plan is priced at its example's shape: batch ``B0`` (the example's global batch) and
 sequence ``S0`` (dim 1 of the first integer input of two or more dims, the token ids;
-none when the model takes none).  Without pipeline stages or micro-batches the module
-runs any batch and any length with the same plan; with them, the planned shape only.
+none when the model takes none).  The module runs any batch and any length with the same
+plan; with pipeline stages or micro-batches, batches that split into equal micro-batches
+(priced at the planned shape only); with interleaved copies, the planned shape only.
 
 :func:`predict` re-prices the plan's own per-node prices at another shape, without a
 search: see its docstring for what is scaled how.
@@ -69,10 +70,15 @@ def priced_shape(plan: Plan) -> PricedShape:
 
 
 def serves_any_shape(plan: Plan) -> bool:
-    """True when the module runs any batch and length with this plan: no pipeline stages
-    and no micro-batches (they split the batch the plan was made for)."""
+    """True when the module runs shapes other than the planned one: every plan but one
+    of interleaved copies (``copies``), whose graph is built for its batch."""
+    return plan.decisions.copies <= 1
+
+
+def _scheduled(plan: Plan) -> bool:
+    """Pipeline stages or micro-batches: other shapes run, priced at the planned one only."""
     d = plan.decisions
-    return d.pipeline_stages == 1 and d.micro_batches == 1
+    return d.pipeline_stages > 1 or d.micro_batches > 1
 
 
 def batch_axes(plan: Plan) -> tuple[int, ...]:
@@ -93,16 +99,24 @@ def batch_axes(plan: Plan) -> tuple[int, ...]:
 def served_words(plan: Plan, short: bool = False) -> str:
     """Which shapes the plan serves, in words (``short``: the summary's)."""
     shape = priced_shape(plan)
+    d = plan.decisions
     if not serves_any_shape(plan):
-        d = plan.decisions
+        if short:
+            return "this shape only (copies)"
+        return (f"only {shape.words()}: the plan runs {d.copies} copies of each micro-batch in "
+                "one graph, built for that batch; another shape raises InputMismatchError "
+                "(plan again at it)")
+    if _scheduled(plan):
         why = " and ".join(w for w, on in ((f"{d.pipeline_stages} pipeline stages",
                                             d.pipeline_stages > 1),
                                            (f"{d.micro_batches} micro-batches", d.micro_batches > 1))
                            if on)
         if short:
-            return "this shape only (pipeline stages or micro-batches)"
-        return (f"only {shape.words()}: the plan has {why}, cut for that batch; another shape "
-                "raises InputMismatchError (plan again at it)")
+            return "any length, and batches that split into equal micro-batches (priced at this shape only)"
+        return (f"any length, and any batch that splits into equal micro-batches the plan's "
+                f"{why} can run (as near the planned size as divide it; not of one row when "
+                "the planned ones are larger): each new shape is captured once and run with "
+                "this plan, no new search; plan.predict prices the planned shape only")
     length = " and any length" if shape.seq else ""
     if short:
         return f"any batch{length} (plan.predict(batch={', seq=' if shape.seq else ''}) prices them)"
@@ -266,9 +280,8 @@ def predict(plan: Plan, batch: int | None = None, seq: int | None = None) -> flo
     * a batch that the batch-splitting axes do not divide runs replicated over them
       (as the module runs it): every rank computes the whole batch.
 
-    Raises :class:`~autopar.errors.ConfigError` for a shape the plan does not serve (a
-    plan with pipeline stages or micro-batches serves its own shape only) or a bad
-    value."""
+    Raises :class:`~autopar.errors.ConfigError` for a plan with pipeline stages,
+    micro-batches or copies (priced at their own shape only) or a bad value."""
     shape = priced_shape(plan)
     d = plan.decisions
     step = d.step_seconds or plan.objective
@@ -282,9 +295,9 @@ def predict(plan: Plan, batch: int | None = None, seq: int | None = None) -> flo
     s = shape.seq if seq is None else seq
     if (b, s) == (shape.batch, shape.seq):
         return step
-    if not serves_any_shape(plan):
-        raise ConfigError(f"predict: this plan serves {served_words(plan)}; plan again with "
-                          f"an example of batch {b}" + (f" x seq {s}" if s else ""))
+    if not serves_any_shape(plan) or _scheduled(plan):
+        raise ConfigError(f"predict: this plan serves {served_words(plan)}; to price batch {b}"
+                          + (f" x seq {s}" if s else "") + ", plan again with an example of that shape")
     return step + _delta(plan, shape, b, s)
 
 
@@ -338,7 +351,7 @@ def explain_shapes(plan: Plan) -> str:
     step = d.step_seconds or plan.objective
     lines = [f"priced at {shape.words()}: {step * 1e3:.4g} ms per step predicted, for that shape",
              f"serves {served_words(plan)}"]
-    if serves_any_shape(plan):
+    if serves_any_shape(plan) and not _scheduled(plan):
         axes = batch_axes(plan)
         split = math.prod(plan.mesh.shape[a] for a in axes)
         if split > 1:

@@ -87,7 +87,9 @@ def train_shapes(c: dict) -> dict:
     for i, lengths in enumerate(c["steps"]):
         batch = padded(lengths, seed=10 + i)
         mine = batch
-        if c.get("batch") == "local":
+        if "rank_rows" in c:  # each rank its first rows (a pipeline's ranks share one dp rank)
+            mine = _rows(batch, 0, c["rank_rows"][i][dist.get_rank()])
+        elif c.get("batch") == "local":
             cuts = c["split"][i]
             r = pm.data_parallel_rank
             lo = sum(cuts[:r])
@@ -111,12 +113,14 @@ def train_shapes(c: dict) -> dict:
     rstate = ref.state_dict()
     res["weights"] = max((full[k].float() - rstate[k].float()).abs().max().item() for k in full
                          if k in rstate)
-    pm.eval()
-    ref.eval()
-    with torch.no_grad():
-        one = padded([9], seed=99)
-        res["eval"] = (pm(**one).logits - ref(**one).logits).abs().max().item()
+    if pm.runner is None:  # a pipeline runs train_step only (its forward says so)
+        pm.eval()
+        ref.eval()
+        with torch.no_grad():
+            one = padded([9], seed=99)
+            res["eval"] = (pm(**one).logits - ref(**one).logits).abs().max().item()
     res["built"] = pm.routes.built
+    res["micro"] = [r.runner.micro_batches for r in pm.routes.cache.values() if r.runner is not None]
     res["families"] = len(pm.routes.templates.families)
     res["rank"] = dist.get_rank()
     return res

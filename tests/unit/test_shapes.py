@@ -126,18 +126,19 @@ def test_explain_shapes_and_the_summary_line(llama):
            "shape; serves any batch and any length" in line
 
 
-def test_a_pipelined_plan_serves_its_own_shape_only():
+def test_a_pipelined_plan_runs_other_shapes_priced_at_its_own():
     model, ex = gpt.build(layers=2)
     p = autopar.plan(model, ex, (4,), pipeline_stages=2, micro_batches=4, schedule="1f1b")
     assert p.predict() == p.decisions.step_seconds
     assert p.predict(batch=8, seq=32) == p.decisions.step_seconds  # gpt.build's shape
-    with pytest.raises(ConfigError, match="serves only batch 8 x seq 32 .*2 pipeline stages and "
-                                          "4 micro-batches.*plan again with an example of batch 16"):
+    with pytest.raises(ConfigError, match="2 pipeline stages and 4 micro-batches.*to price batch 16 x seq 32, "
+                                          "plan again with an example of that shape"):
         p.predict(batch=16)
     text = p.explain("shapes")
-    assert "serves only batch 8 x seq 32 (256 tokens)" in text and "InputMismatchError" in text
+    assert "serves any length, and any batch that splits into equal micro-batches" in text
+    assert "plan.predict prices the planned shape only" in text
     assert "predicted at other shapes" not in text
-    assert "serves this shape only" in p.summary()
+    assert "batches that split into equal micro-batches (priced at this shape only)" in p.summary()
 
 
 def test_bad_values_and_a_model_without_token_ids():
@@ -174,3 +175,16 @@ def _tiny_llama():
     import hf_zoo
 
     return hf_zoo.build("llama")[0]
+
+
+def test_micro_batch_counts_divide_and_keep_the_planned_size() -> None:
+    """A pipeline's other batches run as equal micro-batches: the planned count where it
+    divides; else those no larger than planned, fewest first, then larger ones, smallest
+    first; only counts the schedule runs (interleaved: multiples of its stages)."""
+    from autopar.plan.schedules import micro_batch_counts
+
+    assert micro_batch_counts(8, 2, "1f1b", 2) == [4, 8, 2, 1]  # 4 of 2 rows, as planned
+    assert micro_batch_counts(3, 2, "1f1b", 2) == [3, 1]  # 3 of 1 row, else 1 of 3
+    assert micro_batch_counts(6, 2, "gpipe", 2) == [3, 6, 2, 1]
+    assert micro_batch_counts(6, 2, "interleaved-1f1b", 2, 2) == [6, 2]  # even counts only
+    assert micro_batch_counts(3, 1, "interleaved-1f1b", 2, 2) == []
