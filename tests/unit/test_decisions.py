@@ -1,8 +1,8 @@
 """The decision registry (autopar/plan/decisions.py) against everything that must agree
 with it: the JSON fields of ``Decisions``, the fields of ``PlanOptions``, the keywords
 ``autopar.plan`` and ``auto_parallel`` take, the functions each entry names and the
-``plan.explain`` texts the search writes for its key.  A
-decision added to one of them and not to the registry fails here."""
+``plan.explain`` texts the search writes for its key.  A decision added to one of them
+and not to the registry fails here."""
 
 from __future__ import annotations
 
