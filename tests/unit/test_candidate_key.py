@@ -13,6 +13,7 @@ import pytest
 
 from autopar import MeshSpec, Plan
 from autopar import plan as make_plan
+from autopar.cli.check import _read_plans
 from autopar.plan.decisions import DECISIONS, RESULT_FIELDS, GradCompression, Offload
 from autopar.verify import candidate_key, shortlist
 from tests.dist.harness import ROOT
@@ -52,16 +53,21 @@ def _variants(base: Plan) -> dict[str, Plan]:
     }
 
 
-def test_plans_differing_in_offload_compression_copies_or_gather_chunks_are_not_merged(base):
-    variants = _variants(base)
+def test_plans_differing_in_offload_compression_copies_or_gather_chunks_are_not_merged(
+        base, tmp_path):
+    variants = {"base": base, **_variants(base)}
     keys = {name: candidate_key(p) for name, p in variants.items()}
-    keys["base"] = candidate_key(base)
     assert len(set(keys.values())) == len(keys), keys.keys()
-    # the shortlist ``autopar check`` measures: each variant stays its own candidate
-    given = list(variants.values())
-    sl = shortlist(None, k=len(given) + 1, candidates=[base, *given])
+    # ``autopar check --candidates a.json b.json ...``: the saved plans as check reads
+    # them, then the shortlist it measures; each stays its own candidate
+    paths = []
+    for name, p in variants.items():
+        paths.append(str(tmp_path / f"{name}.json"))
+        p.to_json(paths[-1])
+    given = _read_plans(paths)
+    sl = shortlist(None, k=len(given), candidates=given)
     assert sl.duplicates == 0
-    assert {id(c.plan) for c in sl.candidates} == {id(p) for p in (base, *given)}
+    assert {id(c.plan) for c in sl.candidates} == {id(p) for p in given}
 
 def _changed(value: Any) -> Any:
     """Another value of the same JSON kind as ``value``."""
