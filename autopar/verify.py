@@ -49,6 +49,7 @@ from torch import nn
 from autopar.cost_models import MeshSpec
 from autopar.errors import AutoparError, ConfigError
 from autopar.plan.data import Plan, register_reader
+from autopar.plan.decisions import decision_key
 
 PICKS = ("measured", "predicted")
 """What :func:`verify` picks: the measured fastest candidate, or the predicted fastest."""
@@ -113,13 +114,11 @@ def label(plan: Plan) -> str:
 
 
 def candidate_key(plan: Plan) -> tuple:
-    """What makes two plans the same candidate: mesh, plan-level decisions and every
-    parameter's placement (two searches that agree on these lower to the same code up
-    to activation layouts, which follow from them)."""
-    d = plan.decisions
-    return (tuple(plan.mesh.shape), d.pipeline_stages, d.pipeline_axis, d.schedule, d.virtual_stages,
-            d.micro_batches, d.zero_stage,
-            tuple(d.recompute), tuple(d.zero_kept), d.zero_reduce_once, d.precision, d.batch,
+    """What makes two plans the same candidate: mesh shape, every field a plan-level
+    decision records (:func:`~autopar.plan.decisions.decision_key`, from the registry)
+    and every parameter's placement (two plans that agree on these lower to the same
+    code up to activation layouts, which follow from them)."""
+    return (tuple(plan.mesh.shape), decision_key(plan.decisions),
             tuple(sorted(plan.params().items())))
 
 

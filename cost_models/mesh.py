@@ -17,14 +17,16 @@ fastest-varying one and is placed inside a node first::
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import numbers
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from os import PathLike
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import torch
 
@@ -385,59 +387,24 @@ class MeshSpec:
         return replace(spec, mem_capacity=float(total_memory), name=name)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-compatible dict (lists for tuples, nested dicts for links)."""
-        return {
-            "name": self.name,
-            "shape": list(self.shape),
-            "axis_names": list(self.axis_names),
-            "links": [link.to_dict() for link in self.links],
-            "peak_flops": self.peak_flops,
-            "mem_bandwidth": self.mem_bandwidth,
-            "mem_capacity": self.mem_capacity,
-            "flops_efficiency": self.flops_efficiency,
-            "kernel_floor": self.kernel_floor,
-            "gpus_per_node": self.gpus_per_node,
-            "intra": None if self.intra is None else self.intra.to_dict(),
-            "inter": None if self.inter is None else self.inter.to_dict(),
-            "overlap": self.overlap,
-            "fp32_peak_flops": self.fp32_peak_flops,
-            "optimizer_bandwidth": self.optimizer_bandwidth,
-            "optimizer_tensor_seconds": self.optimizer_tensor_seconds,
-            "matmul_curve": [list(x) for x in self.matmul_curve],
-            "idle_reuse": self.idle_reuse,
-            "reserve_bytes": self.reserve_bytes,
-            "reserve_fraction": self.reserve_fraction,
-            "flat_ring": list(self.flat_ring),
-            "straggler": self.straggler,
-            "sync_seconds": self.sync_seconds,
-            "sync_window": self.sync_window,
-            "split_backward": self.split_backward,
-            "collective_pairing": self.collective_pairing,
-            "host_bandwidth": self.host_bandwidth,
-            "host_memory": self.host_memory,
-            "host_mem_bandwidth": self.host_mem_bandwidth,
-            "search_shape": self.search_shape,
-        }
+        """A JSON-compatible dict of every field (:func:`dataclasses.fields`, so a new
+        field is saved without a change here): lists for tuples, nested dicts for links.
+        ``name`` comes first, where a reader of plan.json looks for it."""
+        d = {f.name: _to_json(getattr(self, f.name)) for f in fields(self)}
+        return {"name": d.pop("name"), **d}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> MeshSpec:
-        """Inverse of :meth:`to_dict`; unknown keys are a ValueError, missing optional keys
-        take their defaults.  A ``"calibration"`` key (what :func:`autopar.calibrate`
-        measured, when and how noisy) is a record for people and is not read."""
-        known = set(cls.__dataclass_fields__) | {"calibration"}
-        unknown = set(d) - known
+        """Inverse of :meth:`to_dict`, field by field from their types (tuples and links
+        rebuilt); unknown keys are a ValueError, missing optional keys (files written
+        before a field existed) take their defaults.  A ``"calibration"`` key (what
+        :func:`autopar.calibrate` measured, when and how noisy) is a record for people
+        and is not read."""
+        types = _field_types()
+        unknown = set(d) - set(types) - {"calibration"}
         if unknown:
             raise ValueError(f"unknown MeshSpec keys: {sorted(unknown)}")
-        kw = dict(d)
-        kw.pop("calibration", None)
-        kw["shape"] = tuple(kw.get("shape", ()))
-        kw["axis_names"] = tuple(kw.get("axis_names", ()))
-        kw["links"] = tuple(LinkSpec.from_dict(x) for x in kw.get("links", ()))
-        kw["flat_ring"] = tuple(kw.get("flat_ring", ()))
-        kw["matmul_curve"] = tuple(tuple(x) for x in kw.get("matmul_curve", ()))
-        for attr in ("intra", "inter"):
-            if kw.get(attr) is not None:
-                kw[attr] = LinkSpec.from_dict(kw[attr])
+        kw = {k: _from_json(types[k], v) for k, v in d.items() if k != "calibration"}
         try:
             return cls(**kw)
         except TypeError as e:  # a required key is missing
@@ -458,3 +425,37 @@ class MeshSpec:
         else:
             text = Path(path_or_text).read_text()
         return cls.from_dict(json.loads(text))
+
+
+def _to_json(value: Any) -> Any:
+    """A field's value as JSON: links as dicts, tuples (nested too) as lists."""
+    if isinstance(value, LinkSpec):
+        return value.to_dict()
+    if isinstance(value, (tuple, list)):
+        return [_to_json(v) for v in value]
+    return value
+
+
+@functools.cache
+def _field_types() -> dict[str, Any]:
+    """Each :class:`MeshSpec` field's type, resolved from its annotation."""
+    hints = get_type_hints(MeshSpec)
+    return {f.name: hints[f.name] for f in fields(MeshSpec)}
+
+
+def _from_json(hint: Any, value: Any) -> Any:
+    """``value`` read from JSON as a field typed ``hint``: the inverse of :func:`_to_json`
+    (a link's dict as a :class:`LinkSpec`, lists as tuples of their items' types)."""
+    if value is None:
+        return None
+    args = get_args(hint)
+    if get_origin(hint) in (Union, UnionType):  # ``X | None``: the value is not None
+        return _from_json(next(a for a in args if a is not type(None)), value)
+    if hint is LinkSpec:
+        return LinkSpec.from_dict(value)
+    if get_origin(hint) is tuple:
+        items = [args[0]] * len(value) if args[-1:] == (Ellipsis,) else args
+        if len(items) != len(value):  # a malformed pair: kept whole for __post_init__ to reject
+            return tuple(value)
+        return tuple(_from_json(t, v) for t, v in zip(items, value))
+    return value

@@ -6,7 +6,8 @@ buckets, ... .  Its entry (:class:`Decision`) names
 
 * the ``auto_parallel`` / ``autopar.plan`` keywords that force it (:class:`Option`, with
   the check of the value; a forced value travels in :class:`PlanOptions`),
-* the JSON fields of :class:`Decisions` that record what was decided,
+* the JSON fields of :class:`Decisions` that record what was decided (two plans
+  whose fields agree decided the same: :func:`decision_key`),
 * where the search prices it and where the runtime applies it (``"module:function"``:
   the plan data imports nothing above it, so these are names that
   ``tests/unit/test_decisions.py`` resolves), and
@@ -441,6 +442,27 @@ def decision_options() -> dict[str, Option]:
     return {o.name: o for d in DECISIONS for o in d.options}
 
 
+def decision_fields() -> tuple[str, ...]:
+    """Every :class:`Decisions` field a decision records, in registry order."""
+    return tuple(dict.fromkeys(f for d in DECISIONS for f in d.fields))
+
+
+def decision_key(decisions: Decisions) -> tuple[tuple[str, Any], ...]:
+    """What ``decisions`` decided, hashable: ``(field, value)`` for each
+    :func:`decision_fields` entry (lists as tuples, dicts as sorted items), so two plans
+    compare by every decision the registry knows, a new one's fields included."""
+    return tuple((f, _frozen(getattr(decisions, f))) for f in decision_fields())
+
+
+def _frozen(value: Any) -> Any:
+    """``value`` (a JSON-like field) hashable: lists as tuples, dicts as sorted items."""
+    if isinstance(value, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
 def check_options(given: dict[str, Any]) -> None:
     """Check the forced values in ``given`` (``None`` is "search it")."""
     options = decision_options()
@@ -454,4 +476,5 @@ def check_options(given: dict[str, Any]) -> None:
 
 __all__ = ["CONTEXT_PARALLEL", "DECISIONS", "GRAD_COMPRESSIONS", "OFFLOADS", "POWERSGD_RANK", "GradCompression", "Offload", "RESULT_FIELDS", "SCHEDULES", "SEARCH_KNOBS",
            "ContextParallel", "Decision", "Decisions", "Option", "PlanOptions", "Precision",
-           "Schedule", "check_options", "decision_options", "zero_axes"]
+           "Schedule", "check_options", "decision_fields", "decision_key", "decision_options",
+           "zero_axes"]

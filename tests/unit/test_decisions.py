@@ -1,17 +1,20 @@
 """The decision registry (autopar/plan/decisions.py) against everything that must agree
 with it: the JSON fields of ``Decisions``, the fields of ``PlanOptions``, the keywords
-``autopar.plan`` and ``auto_parallel`` take, and the functions each entry names.  A
-decision added to one of them and not to the registry fails here."""
+``autopar.plan`` and ``auto_parallel`` take, the functions each entry names and the
+``plan.explain`` texts the search writes for its key.  A decision added to one of them
+and not to the registry fails here."""
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 from dataclasses import fields
 
 import pytest
 
 import autopar
+from autopar import MeshSpec
 from autopar.api import _DECISION_KEYS
 from autopar.errors import ConfigError
 from autopar.plan.decisions import (
@@ -22,6 +25,10 @@ from autopar.plan.decisions import (
     PlanOptions,
     decision_options,
 )
+from tests.dist.harness import ROOT
+
+sys.path.insert(0, str(ROOT / "examples"))
+import mlp  # noqa: E402
 
 REQUEST = {"memory_budget", "optimizer", "time_limit", "search", "pins", "batch", "choose_limit"}
 """PlanOptions fields that are what the plan is asked for, not a decision."""
@@ -49,9 +56,22 @@ def test_entry_names_functions_that_exist(decision) -> None:
     for ref in (decision.price, decision.apply):
         module, name = ref.split(":")
         assert callable(getattr(importlib.import_module(module), name)), ref
-    if decision.explain is not None:
-        assert decision.explain in ("pipeline", "zero", "micro_batches", "recompute", "buckets", "compression",
-                                    "offload", "copies", "gathers")
+
+
+@pytest.fixture(scope="module")
+def searched() -> autopar.Plan:
+    return autopar.plan(*mlp.build(), MeshSpec.preset("cpu-gloo", shape=(2,)), search="drec",
+                        time_limit=5.0)
+
+
+@pytest.mark.parametrize("decision", [d for d in DECISIONS if d.explain is not None],
+                         ids=lambda d: d.name)
+def test_explain_key_reaches_the_search_text(decision, searched) -> None:
+    """The key is checked against the real lookup: the texts the search writes
+    (``autopar/search/why.py`` into ``Decisions.why``) and what ``plan.explain`` returns."""
+    why = searched.decisions.why
+    assert decision.explain in why, f"the search writes no why[{decision.explain!r}]: {sorted(why)}"
+    assert searched.explain(decision.explain) == why[decision.explain]
 
 
 @pytest.mark.parametrize("name", sorted(decision_options()))
