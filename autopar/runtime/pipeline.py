@@ -37,13 +37,13 @@ are in no graph metadata.
 
 **Loss.** The last virtual stage's graph output must be one scalar per micro-batch: the
 model's loss, a *mean* over the micro-batch (already scaled for the sub-mesh by
-``scale_grad``).  Each micro-batch's backward is seeded with ``1/M``, so the accumulated
-gradients are those of the mean of the micro-batch losses, which equals the
-global-batch mean whenever every micro-batch averages over the same number of elements
-(true for equal splits of a mean loss without ignored targets; with ``ignore_index``
-tokens unevenly spread it is the usual gradient-accumulation approximation).  The step
-returns the mean of the micro-batch losses, broadcast from the last stage over the
-pipeline axis.
+``scale_grad``).  Each micro-batch's backward is seeded with its weight: ``1/M`` (the
+mean of the micro-batch means: the batch's mean for equal micro-batches), or for a
+cross-entropy over targets some of which are ignored (padding), its share of the
+batch's targets, counted before the step (:mod:`autopar.runtime.token_weights`), so
+the gradients are those of the whole batch's token mean however the padding falls.
+The step returns the weighted sum of the micro-batch losses, broadcast from the last
+stage over the pipeline axis.
 
 **Gradient sync.** An optional ``grad_sync`` (a :class:`Toggle`, e.g.
 :class:`~autopar.runtime.grad_sync.GradSync`) is disabled for every backward except
@@ -75,6 +75,7 @@ from autopar.runtime.split_backward import (
 )
 from autopar.runtime.stage_graph import StageGraph
 from autopar.runtime.tls import issue
+from autopar.runtime.token_weights import count_graph, micro_weights
 
 # dtypes a boundary value may have, by header code
 _DTYPES: tuple[torch.dtype, ...] = (
@@ -152,8 +153,9 @@ class PipelineRunner:
     during the last backward.
 
     Call :meth:`step` with the model's flat inputs for the *global* batch on every rank;
-    it leaves the step's gradients (summed over micro-batches, weight ``1/M``) in the
-    stage's parameters' ``.grad`` and returns the loss on every rank.
+    it leaves the step's gradients (summed over micro-batches, each weighted as the
+    module docstring says) in the stage's parameters' ``.grad`` and returns the loss on
+    every rank.
     """
 
     def __init__(self, stage: StageGraph | Sequence[StageGraph], schedule: Schedule | str,
@@ -191,6 +193,10 @@ class PipelineRunner:
         self._leaves: dict[int, list[torch.Tensor]] = {}
         # torch.compile of each chunk's graph by virtual stage (compile()); empty: eager
         self._compiled: dict[int, Callable] = {}
+        # the last stage's count of its loss's targets per micro-batch (token_weights)
+        self._counts = {c: count_graph(ch.module, len(ch.inputs)) for c, ch in enumerate(chunks)
+                        if ch.is_last}
+        self._weights: list[float] | None = None
 
     def compile(self, *args, **kwargs) -> bool:
         """Run every chunk's graph through ``torch.compile`` (``args``/``kwargs`` as it
@@ -346,11 +352,11 @@ class PipelineRunner:
 
     def _backward(self, graph: StageGraph, mb: _MicroBatch, micro: int) -> None:
         """``B``: the micro-batch's backward (under the zero-bubble schedule only its
-        inputs' gradients; :meth:`_weights` does the rest at ``W``)."""
+        inputs' gradients; :meth:`_weights_of` does the rest at ``W``)."""
         k = graph.stage
         if graph.is_last:
             tensors = [mb.loss]
-            seeds = [torch.full_like(mb.loss, self.loss_scale / self.micro_batches)]
+            seeds = [torch.full_like(mb.loss, self.loss_scale * self._weight(micro))]
         elif graph.send:
             sent = self._send_meta[k]
             assert sent is not None
@@ -377,8 +383,20 @@ class PipelineRunner:
                     g = t.grad if t.grad is not None else torch.zeros_like(t)
                     self._isend(g, self._rank_of[k - 1])
 
+    def _weight(self, micro: int) -> float:
+        """Micro-batch ``micro``'s weight in the step's loss (see the module docstring)."""
+        return self._weights[micro] if self._weights is not None else 1.0 / self.micro_batches
+
+    def _count_targets(self, per: list[list[list]]) -> list[float] | None:
+        """Every micro-batch's share of the batch's loss targets, on the rank that holds
+        the last stage with a graph that counts them; else None (``1/M`` each)."""
+        for c, fn in self._counts.items():
+            if fn is not None:
+                return micro_weights([fn(*per[c][i]) for i in range(self.micro_batches)])
+        return None
+
     @staticmethod
-    def _weights(mb: _MicroBatch) -> None:
+    def _weights_of(mb: _MicroBatch) -> None:
         """``W`` (zero-bubble): the micro-batch's weight gradients; frees its graph."""
         if mb.pending is not None:
             backward_weight(mb.pending)
@@ -389,6 +407,7 @@ class PipelineRunner:
         """One training step on the global batch ``inputs`` (flat, as the captured
         model takes them); returns the mean micro-batch loss on every rank."""
         per = [self.split_inputs(inputs, c) for c in range(self.virtual)]
+        self._weights = self._count_targets(per)
         kept: dict[tuple[int, int], _MicroBatch] = {}
         losses: list[torch.Tensor] = []
         sync_was = self.grad_sync.enabled if self.grad_sync is not None else None
@@ -406,7 +425,7 @@ class PipelineRunner:
                     mb = kept[(a.chunk, a.micro)] = self._forward(graph, per[a.chunk][a.micro],
                                                                    a.micro)
                     if mb.loss is not None:
-                        losses.append(mb.loss.detach())
+                        losses.append(mb.loss.detach() * (self._weight(a.micro) * self.micro_batches))
                 elif a.op == "B":
                     if self.grad_sync is not None:
                         self.grad_sync.enabled = j == last_b
@@ -414,7 +433,7 @@ class PipelineRunner:
                     mb = kept[(a.chunk, a.micro)] if zb else kept.pop((a.chunk, a.micro))
                     self._backward(graph, mb, a.micro)
                 else:
-                    self._weights(kept.pop((a.chunk, a.micro)))
+                    self._weights_of(kept.pop((a.chunk, a.micro)))
             if zb and self.grad_sync is not None:
                 self.grad_sync.flush()
             for w, _ in self._pending:

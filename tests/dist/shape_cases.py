@@ -49,6 +49,7 @@ def padded(lengths: list[int], seed: int) -> dict[str, torch.Tensor]:
 
 
 PLANS = {"dp": {}, "zero3": {"zero_stage": 3}, "pp": {"pipeline_stages": 2, "micro_batches": 2},
+         "accumulate": {"micro_batches": 2, "pipeline_stages": 1},
          "cp": {"context_parallel": "exchange"}}
 
 

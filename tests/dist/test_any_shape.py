@@ -32,11 +32,12 @@ TWO = [
     # context parallel over 2, a length of 17 and of 9 (no split that divides)
     {"id": "cp", "plan": "cp", "mesh": [2], "steps": [[16] * 4, [17] * 4, [9] * 2]},
     # 2 stages, 2 micro-batches of 2 rows planned: a new length; 3 rows (one micro-batch
-    # of 3: at one row a micro-batch's graph is not the planned one); 6 rows (3 of 2).  Every row of a batch has the same length: the runner
-    # averages its micro-batches' losses, which is the batch's token mean only when each
-    # micro-batch has as many real tokens (padded rows would make it the usual
-    # gradient-accumulation approximation)
+    # of 3: at one row a micro-batch's graph is not the planned one); 6 rows (3 of 2)
     {"id": "pp", "plan": "pp", "mesh": [2], "steps": [[16] * 4, [12] * 4, [16] * 3, [20] * 6]},
+    # padded batches: the micro-batches hold different numbers of real tokens, weighted
+    # by them (token_weights.py), as the whole batch's token mean
+    {"id": "pp-padded", "plan": "pp", "mesh": [2], "steps": [[16] * 4, [10, 7, 10, 3], [16, 3, 9, 16, 5, 2]]},
+    {"id": "accumulate", "plan": "accumulate", "mesh": [2], "steps": [[16] * 4, [10, 7, 10, 3], [16, 12, 9, 4]]},
     # under batch="local" every rank of a 2-stage pipeline feeds the same batch: ranks
     # passing different rows are refused on both
     {"id": "pp-local", "plan": "pp", "mesh": [2], "batch": "local", "steps": [[16] * 4, [16] * 4],
@@ -97,6 +98,16 @@ def test_pipeline_any_shape(two):
     be (3 rows: one of 3; 6 rows: 3 of 2), exact against the single process."""
     _check(two["pp"], 2)
     assert sorted(two["pp"]["ranks"][0]["micro"]) == [1, 2, 3], two["pp"]["ranks"][0]["micro"]
+
+
+@pytest.mark.parametrize("case", ["pp-padded", "accumulate"])
+def test_micro_batches_weighted_by_their_tokens(two, case):
+    """Padded batches through a pipeline's micro-batches and through gradient
+    accumulation (2 micro-batches on 2 data-parallel ranks): the loss and the gradients
+    are the whole batch's token mean, as one process computes them, though the
+    micro-batches hold different numbers of real tokens (weighted by 1/M, as before,
+    the second step's loss was 1e-3 off and the weights 3e-3)."""
+    _check(two[case], 2)
 
 
 def test_pipeline_local_ranks_disagreeing_refused_on_every_rank(two):

@@ -1,0 +1,107 @@
+"""Micro-batches weighted by their targets: a cross-entropy that averages over the
+targets it does not ignore (``ignore_index``: padding, a prompt's tokens) gives the
+whole batch's mean when each micro-batch's loss is weighted by its share of the
+batch's targets, not by ``1 / M``.
+
+One process on the whole batch divides the sum of every target's loss by the count of
+targets over the batch; a micro-batch's graph divides its own sum by its own count.
+Weighting micro-batch ``i``'s loss (and its backward's seed) by ``c_i / sum(c)`` gives
+the same sum over the same count, exactly, whatever the padding; ``1 / M`` does only
+when every micro-batch holds as many targets (gradient accumulation's usual error,
+which the Hugging Face Trainer corrects with ``num_items_in_batch`` the same way).
+
+The counts come before any forward, from a graph cut from the last stage's own: the
+ops between the model's inputs and the loss's targets (the labels shifted and viewed),
+and the count of those targets that are not ignored, summed over the ranks the rows
+are split over, as the lowered loss counts them (:func:`autopar.runtime.ops.start_count`).
+A loss that is not such a cross-entropy (a mean over rows, class weights) keeps ``1 / M``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from autopar.runtime import collectives as C
+from autopar.runtime import ops as O
+from autopar.runtime.pending import pending_sum
+
+aten = torch.ops.aten
+
+_SAME_LOSS = frozenset({C.all_reduce, C.scale_grad, pending_sum, aten._to_copy.default, aten.clone.default,
+                        aten.alias.default, aten.view.default, aten.reshape.default})
+"""Ops between a cross-entropy and the graph's output that keep it the loss, linearly
+(the sum of a partial loss over the ranks, now or deferred; a gradient scale, a cast,
+a view)."""
+
+
+def _counted(target: torch.Tensor, ignore_index: int, row_axes: tuple[int, ...]) -> torch.Tensor:
+    """The count of ``target``'s entries that are not ``ignore_index``, over ``row_axes``."""
+    return O.start_count(target, ignore_index, row_axes)()
+
+
+def _loss_op(gm: fx.GraphModule) -> tuple[fx.Node, int, tuple[int, ...]] | None:
+    """(target, ignore_index, row axes) of the cross-entropy ``gm`` returns as its last
+    output, when it averages over its targets; else None."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    n = flat[-1] if flat else None
+    while isinstance(n, fx.Node) and n.op == "call_function" and n.target in _SAME_LOSS:
+        n = n.args[0]
+    if not isinstance(n, fx.Node) or n.op != "call_function":
+        return None
+    if n.target is O.cross_entropy:
+        x, target, ignore, reduction, rows = n.args[:5]
+        return (target, ignore, tuple(rows)) if reduction == 1 else None
+    if n.target is aten.cross_entropy_loss.default:
+        a = list(n.args) + [None] * 6
+        weight = a[2] if a[2] is not None else n.kwargs.get("weight")
+        reduction = a[3] if a[3] is not None else n.kwargs.get("reduction", 1)
+        ignore = a[4] if a[4] is not None else n.kwargs.get("ignore_index", -100)
+        return (a[1], ignore, ()) if reduction == 1 and weight is None else None
+    return None
+
+
+def count_graph(gm: fx.GraphModule, model_inputs: int) -> fx.GraphModule | None:
+    """A graph of ``gm``'s first ``model_inputs`` inputs (the model's, as the stage takes
+    them) that returns the count of its loss's targets; None when its loss is no
+    cross-entropy over targets, or its targets need more than the model's inputs and
+    constants (a received activation, a parameter)."""
+    found = _loss_op(gm)
+    if found is None or not isinstance(found[0], fx.Node):
+        return None
+    target, ignore, rows = found
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    allowed = set(placeholders[:model_inputs])
+    need: set[fx.Node] = set()
+    todo = [target]
+    while todo:
+        n = todo.pop()
+        if n in need:
+            continue
+        need.add(n)
+        if n.op == "placeholder" and n not in allowed:
+            return None
+        if n.op == "get_attr" and isinstance(getattr(gm, str(n.target), None), torch.nn.Parameter):
+            return None
+        todo.extend(n.all_input_nodes)
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for p in placeholders[:model_inputs]:
+        env[p] = g.node_copy(p)
+    for n in gm.graph.nodes:
+        if n in need and n.op != "placeholder":
+            env[n] = g.node_copy(n, env.__getitem__)
+    g.output(g.call_function(_counted, (env[target], ignore, rows)))
+    return fx.GraphModule(gm, g, class_name="TargetCount")
+
+
+def micro_weights(counts: list[torch.Tensor]) -> list[float] | None:
+    """Each micro-batch's share of the batch's targets, or None when there are none
+    (every target ignored: the loss is NaN either way, as in one process)."""
+    c = [float(x) for x in counts]
+    total = sum(c)
+    return [x / total for x in c] if total > 0 else None
+
+
+__all__ = ["count_graph", "micro_weights"]
