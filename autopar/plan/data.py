@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from autopar.cost_models import MeshSpec
 from autopar.errors import LoadError
-from autopar.plan.decisions import Decisions, zero_axes
+from autopar.plan.decisions import Decisions, explain_keys, zero_axes
 
 if TYPE_CHECKING:
     from autopar.plan.collectives import Collective
@@ -214,7 +214,7 @@ class Plan:
 
     def explainable(self) -> list[str]:
         """Every name :meth:`explain` accepts: decisions, layer keys, parameters, nodes."""
-        names = ["pipeline", "zero", "micro_batches", "recompute", "buckets", "shapes"]
+        names = explain_keys()
         names += sorted({n.layer for n in self.nodes.values() if n.layer})
         names += [n.param for n in self.nodes.values() if n.param]
         return names + list(self.nodes)
@@ -226,7 +226,7 @@ class Plan:
         close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
         hint = f"did you mean {', '.join(close)}? " if close else ""
         return (f"no node, parameter, layer or decision named {name!r} in the plan; {hint}"
-                f"decisions: pipeline, zero, micro_batches, recompute, buckets, shapes; layers: "
+                f"decisions: {', '.join(explain_keys())}; layers: "
                 f"{', '.join(sorted({n.layer for n in self.nodes.values() if n.layer})) or 'none'}"
                 "; parameters and nodes: see plan.explainable()")
 

@@ -437,6 +437,25 @@ SEARCH_KNOBS: tuple[str, ...] = ("explore", "blocks", "progress")
 """Keywords that steer the search without deciding anything of the plan."""
 
 
+EXPLAIN_SYNONYMS: dict[str, str] = {"optimizer": "zero", "accumulation": "micro_batches",
+                                    "gradient_accumulation": "micro_batches"}
+"""Words a user may pass to ``plan.explain`` for a decision besides its keywords and fields."""
+
+
+def explain_keys() -> list[str]:
+    """The decisions ``plan.explain`` says why of (each entry's ``explain`` key), and
+    ``"shapes"``."""
+    return sorted({d.explain for d in DECISIONS if d.explain}) + ["shapes"]
+
+
+def explain_aliases() -> dict[str, str]:
+    """Every keyword and field of a decision (and :data:`EXPLAIN_SYNONYMS`), mapped to
+    the key ``plan.explain`` says why under."""
+    out = {name: d.explain for d in DECISIONS if d.explain
+           for name in (*(o.name for o in d.options), *d.fields)}
+    return {**out, **EXPLAIN_SYNONYMS}
+
+
 def decision_options() -> dict[str, Option]:
     """Every forcing keyword, by name."""
     return {o.name: o for d in DECISIONS for o in d.options}
@@ -474,7 +493,7 @@ def check_options(given: dict[str, Any]) -> None:
             _positive_int(name, given[name])
 
 
-__all__ = ["CONTEXT_PARALLEL", "DECISIONS", "GRAD_COMPRESSIONS", "OFFLOADS", "POWERSGD_RANK", "GradCompression", "Offload", "RESULT_FIELDS", "SCHEDULES", "SEARCH_KNOBS",
+__all__ = ["CONTEXT_PARALLEL", "DECISIONS", "GRAD_COMPRESSIONS", "OFFLOADS", "POWERSGD_RANK", "GradCompression", "Offload", "RESULT_FIELDS", "SCHEDULES", "SEARCH_KNOBS", "EXPLAIN_SYNONYMS", "explain_aliases", "explain_keys",
            "ContextParallel", "Decision", "Decisions", "Option", "PlanOptions", "Precision",
            "Schedule", "check_options", "decision_fields", "decision_key", "decision_options",
            "zero_axes"]

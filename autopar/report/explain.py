@@ -12,6 +12,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from autopar.cost_models import format_bytes
+from autopar.plan.decisions import explain_aliases
 from autopar.report.shapes import explain_shapes
 
 if TYPE_CHECKING:
@@ -23,11 +24,7 @@ __all__ = ["diff", "explain"]
 def explain(plan: Plan, name: str) -> str:
     """What :meth:`Plan.explain <autopar.plan.Plan.explain>` returns for ``name``."""
     d = plan.decisions
-    aliases = {"stages": "pipeline", "schedule": "pipeline", "optimizer": "zero",
-               "accumulation": "micro_batches", "gradient_accumulation": "micro_batches",
-               "grad_buckets": "buckets", "bucket_bytes": "buckets",
-               "gather_chunks": "gathers", "split_gathers": "gathers"}
-    key = aliases.get(name, name)
+    key = explain_aliases().get(name, name)
     if key in ("shapes", "shape"):
         return explain_shapes(plan)
     if key in d.why:

@@ -74,6 +74,20 @@ def test_explain_key_reaches_the_search_text(decision, searched) -> None:
     assert searched.explain(decision.explain) == why[decision.explain]
 
 
+def test_explain_takes_every_decision_by_its_keywords_and_fields(searched) -> None:
+    """``plan.explainable()`` lists every decision the registry explains, and
+    ``plan.explain`` answers each of its keywords and fields with that decision's text
+    (the names it listed and took were once hand-kept, without offload, compression,
+    copies or gathers)."""
+    names = searched.explainable()
+    for d in DECISIONS:
+        if d.explain is None:
+            continue
+        assert d.explain in names
+        for word in (*(o.name for o in d.options), *d.fields):
+            assert searched.explain(word) == searched.decisions.why[d.explain], word
+
+
 @pytest.mark.parametrize("name", sorted(decision_options()))
 def test_every_option_checks_its_value(name) -> None:
     option = decision_options()[name]
