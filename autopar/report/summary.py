@@ -21,6 +21,7 @@ import shutil
 from typing import TYPE_CHECKING
 
 from autopar.cost_models import PRESET_NAMES, format_bytes
+from autopar.plan.decisions import DECISIONS
 from autopar.plan.placement import is_shard, parse_placements
 from autopar.plan.roles import AxisRole, axis_roles, layout
 from autopar.report.shapes import priced_shape, served_words
@@ -89,18 +90,12 @@ def _ms(x: float) -> str:
 
 
 def _decision_lines(plan: Plan) -> list[str]:
+    """A line per decision the registry gives a summary label, in its order: its
+    ``explain`` text, where the search wrote one (and, for a decision that changes
+    the numbers, where it was taken)."""
     d = plan.decisions
-    lines = []
-    for key, label in (("pipeline", "pipeline"), ("micro_batches", "micro-batches"),
-                       ("zero", "ZeRO"), ("recompute", "recompute"), ("buckets", "grad buckets")):
-        if key in d.why:
-            lines.append(f"  {label:<14} {d.why[key]}")
-    # shown only where taken (compression changes the numbers: always said then)
-    for key, taken in (("compression", d.grad_compression != "none"), ("copies", d.copies > 1),
-                       ("offload", d.offload != "none"), ("gathers", bool(d.gather_chunks))):
-        if taken and key in d.why:
-            lines.append(f"  {key:<14} {d.why[key]}")
-    return lines
+    return [f"  {e.summary:<14} {d.why[e.explain]}" for e in DECISIONS
+            if e.summary and e.explain in d.why and (e.summary_if is None or e.summary_if(d))]
 
 
 def summary(plan: Plan) -> str:
