@@ -30,10 +30,54 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import torch
 
-from .link import KIND_NAMES, LinkSpec, _check_int, _check_positive_finite
+from .link import KIND_NAMES, LinkSpec, _check_int
 from .presets import _PRESETS, PRESET_NAMES, _derive_links
 
-__all__ = ["KIND_NAMES", "PRESET_NAMES", "LinkSpec", "MeshSpec"]
+__all__ = ["KIND_NAMES", "PRESET_NAMES", "RANGES", "Interval", "LinkSpec", "MeshSpec"]
+
+
+@dataclass(frozen=True)
+class Interval:
+    """The values a number field of :class:`MeshSpec` may take: between ``lo`` and
+    ``hi``, each bound included or not; ``optional``: ``None`` too."""
+
+    lo: float
+    hi: float
+    lo_in: bool = False
+    hi_in: bool = False
+    optional: bool = False
+
+    def check(self, attr: str, v: Any) -> None:
+        """Raise ValueError naming ``MeshSpec.attr`` unless ``v`` is in the interval."""
+        if v is None and self.optional:
+            return
+        ok = not isinstance(v, bool) and isinstance(v, numbers.Real) and (
+            (self.lo <= v if self.lo_in else self.lo < v) and (v <= self.hi if self.hi_in else v < self.hi))
+        if not ok:
+            text = f"{'[' if self.lo_in else '('}{self.lo:g}, {self.hi:g}{']' if self.hi_in else ')'}"
+            raise ValueError(f"MeshSpec.{attr} must be a number in {text}"
+                             f"{' or None' if self.optional else ''}, got {v!r}")
+
+
+_POSITIVE = Interval(0, math.inf)
+_TIME = Interval(0, math.inf, lo_in=True)  # a duration or a byte count: 0 allowed
+_FACTOR = Interval(1, math.inf, lo_in=True)  # a factor on a time: at least 1
+_SHARE = Interval(0, 1, lo_in=True)  # a share of something, below all of it
+RANGES: dict[str, Interval] = {
+    "peak_flops": _POSITIVE, "mem_bandwidth": _POSITIVE, "mem_capacity": _POSITIVE,
+    "flops_efficiency": Interval(0, 1, hi_in=True), "kernel_floor": _TIME,
+    "overlap": Interval(0, 1, hi_in=True),
+    "fp32_peak_flops": Interval(0, math.inf, optional=True),
+    "optimizer_bandwidth": Interval(0, math.inf, optional=True), "optimizer_tensor_seconds": _TIME,
+    "idle_reuse": _SHARE, "reserve_bytes": _TIME, "reserve_fraction": _SHARE,
+    "straggler": _FACTOR, "sync_seconds": _TIME, "sync_window": _TIME, "split_backward": _FACTOR,
+    "collective_pairing": Interval(0, 1, lo_in=True, hi_in=True),
+    "host_bandwidth": Interval(0, math.inf, optional=True),
+    "host_memory": Interval(0, math.inf, optional=True),
+    "host_mem_bandwidth": Interval(0, math.inf, optional=True),
+}
+"""Every number field of :class:`MeshSpec` and what it may be (``__post_init__`` checks
+them all; a test fails for a number field missing here)."""
 
 
 def _default_axis_names(ndim: int) -> tuple[str, ...]:
@@ -173,19 +217,9 @@ class MeshSpec:
                 link.levels(size)
             except ValueError as e:
                 raise ValueError(f"MeshSpec.links[{i}] (axis {names[i]!r}): {e}") from None
-        for attr in ("peak_flops", "mem_bandwidth", "mem_capacity", "flops_efficiency"):
-            _check_positive_finite("MeshSpec", attr, getattr(self, attr))
-        for attr in ("fp32_peak_flops", "optimizer_bandwidth", "host_bandwidth", "host_memory",
-                     "host_mem_bandwidth"):
-            if getattr(self, attr) is not None:
-                _check_positive_finite("MeshSpec", attr, getattr(self, attr))
-        if self.flops_efficiency > 1:
-            raise ValueError(f"MeshSpec.flops_efficiency must be <= 1, got {self.flops_efficiency}")
+        for attr, interval in RANGES.items():
+            interval.check(attr, getattr(self, attr))
         rb, rf = self.reserve_bytes, self.reserve_fraction
-        if isinstance(rb, bool) or not isinstance(rb, numbers.Real) or not 0 <= rb < math.inf:
-            raise ValueError(f"MeshSpec.reserve_bytes must be finite and >= 0, got {rb!r}")
-        if isinstance(rf, bool) or not isinstance(rf, numbers.Real) or not 0 <= rf < 1:
-            raise ValueError(f"MeshSpec.reserve_fraction must be in [0, 1), got {rf!r}")
         if self.usable_memory <= 0:
             raise ValueError(f"MeshSpec reserve ({rb:g} bytes + {rf:g} of the device) leaves no "
                              f"memory of mem_capacity={self.mem_capacity:g}")
@@ -194,29 +228,12 @@ class MeshSpec:
         if bad_kinds:
             raise ValueError(f"MeshSpec.flat_ring lists {sorted(bad_kinds)}; it may list "
                              "all_gather, reduce_scatter and all_reduce")
-        ir = self.idle_reuse
-        if isinstance(ir, bool) or not isinstance(ir, numbers.Real) or not 0 <= ir < 1:
-            raise ValueError(f"MeshSpec.idle_reuse must be in [0, 1), got {ir!r}")
-        cp = self.collective_pairing
-        if isinstance(cp, bool) or not isinstance(cp, numbers.Real) or not 0 <= cp <= 1:
-            raise ValueError(f"MeshSpec.collective_pairing must be in [0, 1], got {cp!r}")
-        ov = self.overlap
-        if isinstance(ov, bool) or not isinstance(ov, numbers.Real) or not 0 < ov <= 1:
-            raise ValueError(f"MeshSpec.overlap must be in (0, 1], got {ov!r}")
         curve = tuple((float(f), float(r)) for f, r in self.matmul_curve)
         object.__setattr__(self, "matmul_curve", curve)
         if any(not (0 < f < math.inf and 0 < r <= self.peak_flops) for f, r in curve) or \
                 any(a[0] >= b[0] for a, b in zip(curve, curve[1:])):
             raise ValueError("MeshSpec.matmul_curve must be (flops, rate) pairs in increasing flops "
                              f"with 0 < rate <= peak_flops, got {curve!r}")
-        for attr in ("kernel_floor", "optimizer_tensor_seconds", "sync_seconds", "sync_window"):
-            v = getattr(self, attr)
-            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 <= v < math.inf:
-                raise ValueError(f"MeshSpec.{attr} must be finite and >= 0, got {v!r}")
-        for attr in ("straggler", "split_backward"):  # factors on a time: at least 1
-            v = getattr(self, attr)
-            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 1 <= v < math.inf:
-                raise ValueError(f"MeshSpec.{attr} must be finite and >= 1, got {v!r}")
         if not isinstance(self.name, str):
             raise ValueError(f"MeshSpec.name must be a str, got {self.name!r}")
         if self.gpus_per_node is not None:

@@ -6,11 +6,13 @@ load, the missing fields at their defaults."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import MISSING, fields, replace
-from typing import Any
+from typing import Any, get_args, get_type_hints
 
 import pytest
 from autopar.cost_models import LinkSpec
+from autopar.cost_models.mesh import RANGES
 
 from autopar import MeshSpec
 from tests.dist.harness import ROOT
@@ -78,3 +80,22 @@ def test_a_file_written_before_the_newer_fields_loads_with_their_defaults():
     assert {k: d[k] for k in old if k != "calibration"} == {k: v for k, v in old.items()
                                                             if k != "calibration"}
     assert MeshSpec.from_dict(d) == m
+
+
+def test_every_number_field_is_checked() -> None:
+    """Every float field of MeshSpec has its interval in ``RANGES`` (``__post_init__``
+    checks them from there, not from hand-kept lists: a number field added without one
+    fails here), and each rejects a value outside it, naming the field."""
+    hints = get_type_hints(MeshSpec)
+    numbers = {f.name for f in fields(MeshSpec) if float in (hints[f.name], *get_args(hints[f.name]))}
+    assert numbers == set(RANGES), numbers ^ set(RANGES)
+    m = MeshSpec.preset("cpu-gloo", shape=(2,))
+    for name, interval in RANGES.items():
+        bad = [interval.lo - 1 if math.isfinite(interval.lo) else -math.inf, math.nan, True, "1"]
+        if math.isfinite(interval.hi):
+            bad.append(interval.hi + 1)
+        if not interval.optional:
+            bad.append(None)
+        for v in bad:
+            with pytest.raises(ValueError, match=f"MeshSpec.{name} must be a number in"):
+                replace(m, **{name: v})
