@@ -64,6 +64,7 @@ from autopar.log import log
 from autopar.module.shape_lowering import Shapes, adopt, fit_plan, same_graph, shapes_text
 from autopar.module.shape_template import Shape, Templates
 from autopar.plan.data import Plan
+from autopar.plan.decisions import Schedule
 from autopar.plan.schedules import micro_batch_counts
 from autopar.plan.splits import micro_inputs
 from autopar.runtime.call_check import gather_rows
@@ -285,8 +286,11 @@ class ShapeRoutes:
         keep_loss_only(gm, micro, pm._out_spec)
         runner = stage_runner(pm, adopt(pm, gm), plan, micro)
         runner.loss_scale = pm.runner.loss_scale
-        if pm.runner.compiled and self.templates.compile is not None:
-            runner.compile(*self.templates.compile[0], **self.templates.compile[1])
+        if runner.schedule is not Schedule.ZERO_BUBBLE:
+            # each stage graph as its family's template: a few compilations for any
+            # number of shapes (zero-bubble splits the eager backward: its own graphs)
+            for ch in runner.chunks:
+                ch.module = _StageTemplate(self.templates, self.templates.add(ch.module, pm.training))
         self.runners.append(runner)
         return runner
 
@@ -324,6 +328,20 @@ class ShapeRoutes:
                 return fn()
         finally:
             model.train(mode)
+
+
+class _StageTemplate(torch.nn.Module):
+    """A stage graph of another shape's runner, run as its family's template with the
+    shape's numbers (:class:`~autopar.module.shape_template.Templates`: compiled once the
+    module is)."""
+
+    def __init__(self, templates: Templates, shape: Shape) -> None:
+        super().__init__()
+        self._templates, self._shape = templates, shape
+
+    def forward(self, *args):
+        """The stage graph's outputs for ``args`` (its inputs, then what it received)."""
+        return self._templates.run(self._shape, list(args))
 
 
 def structure_copy(model: torch.nn.Module) -> tuple[torch.nn.Module, FakeTensorMode]:

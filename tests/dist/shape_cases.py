@@ -50,6 +50,8 @@ def padded(lengths: list[int], seed: int) -> dict[str, torch.Tensor]:
 
 PLANS = {"dp": {}, "zero3": {"zero_stage": 3}, "pp": {"pipeline_stages": 2, "micro_batches": 2},
          "accumulate": {"micro_batches": 2, "pipeline_stages": 1},
+         # the search picks zero-bubble for "pp", whose split backward runs eagerly
+         "pp-1f1b": {"pipeline_stages": 2, "micro_batches": 2, "schedule": "1f1b"},
          "cp": {"context_parallel": "exchange"}}
 
 
@@ -158,7 +160,8 @@ def compile_lengths(c: dict) -> dict:
     reset()
     pm = auto_parallel(model, example_kwargs=padded([16] * 4, seed=0),
                        mesh=MeshSpec.preset("cpu-gloo", shape=mesh), search="ilp", compile=True,
-                       pins=hf_zoo.tp_pins("llama", mesh) if c["plan"] == "tp" else {})
+                       pins=hf_zoo.tp_pins("llama", mesh) if c["plan"] == "tp" else {},
+                       **PLANS.get(c["plan"], {}))
     opt = torch.optim.SGD(pm.parameters(), lr=1e-2)
     ropt = torch.optim.SGD(ref.parameters(), lr=1e-2)
     rng = random.Random(5)
@@ -169,12 +172,16 @@ def compile_lengths(c: dict) -> dict:
         batch = padded(lengths, seed=200 + i)
         for module, o, key in ((pm, opt, "loss"), (ref, ropt, "ref")):
             o.zero_grad()
-            loss = module(**batch).loss
-            loss.backward()
+            if module is pm and pm.runner is not None:
+                loss = pm.train_step(**batch)
+            else:
+                loss = module(**batch).loss
+                loss.backward()
             o.step()
             res[key].append(float(loss))
         res["lengths"].append(max(lengths))
         res.setdefault("graphs", []).append(int(torch._dynamo.utils.counters["stats"]["unique_graphs"]))
     res["templates"] = pm.routes.templates.compilations
+    res["compiled"] = pm.compiled
     res["built"] = pm.routes.built
     return res

@@ -126,7 +126,8 @@ def test_any_shape_four_ranks(four, case):
 
 @pytest.fixture(scope="module")
 def compiled():
-    return run_fn_cases(2, FN, [{"id": "compile", "plan": "dp", "mesh": [2], "compile": True, "n": 20}])
+    return run_fn_cases(2, FN, [{"id": "compile", "plan": "dp", "mesh": [2], "compile": True, "n": 20},
+                                {"id": "compile-pp", "plan": "pp-1f1b", "mesh": [2], "compile": True, "n": 6}])
 
 
 @pytest.mark.slow
@@ -144,3 +145,17 @@ def test_compile_twenty_lengths(compiled):
         assert len(set(r["lengths"])) == 20 and r["built"] == 20  # 20 new shapes
         assert r["templates"] == 2, r["templates"]  # the first shape, then widened by the second
         assert r["graphs"][-1] == r["graphs"][2] and r["graphs"][2] > r["graphs"][0], r["graphs"]
+
+
+@pytest.mark.slow
+def test_compile_pipeline_lengths(compiled):
+    """compile=True on a 2-stage pipeline over 6 batches of new random lengths (padded
+    rows): every step's loss is the single process's, and each rank's stage graphs of
+    the new shapes run as one template compiled twice (numbers fixed, then symbolic),
+    not once per length."""
+    ranks = compiled["compile-pp"]["ranks"]
+    for r in ranks:
+        assert r["ok"], r.get("error")
+        assert max(_rel(a, b) for a, b in zip(r["loss"], r["ref"])) < 1e-5, (r["loss"], r["ref"])
+        assert r["compiled"] and r["built"] == 6 and r["templates"] == 2, (r["built"], r["templates"])
+        assert r["graphs"][-1] == r["graphs"][2], r["graphs"]
