@@ -75,7 +75,7 @@ from autopar.runtime.split_backward import (
 )
 from autopar.runtime.stage_graph import StageGraph
 from autopar.runtime.tls import issue
-from autopar.runtime.token_weights import count_graph, micro_weights
+from autopar.runtime.token_weights import GIVEN_COUNT, count_graph, micro_weights
 
 # dtypes a boundary value may have, by header code
 _DTYPES: tuple[torch.dtype, ...] = (
@@ -391,6 +391,8 @@ class PipelineRunner:
         """Every micro-batch's share of the batch's loss targets, on the rank that holds
         the last stage with a graph that counts them; else None (``1/M`` each)."""
         for c, fn in self._counts.items():
+            if fn is GIVEN_COUNT:
+                return [1.0] * self.micro_batches
             if fn is not None:
                 return micro_weights([fn(*per[c][i]) for i in range(self.micro_batches)])
         return None

@@ -14,7 +14,9 @@ The counts come before any forward, from a graph cut from the last stage's own: 
 ops between the model's inputs and the loss's targets (the labels shifted and viewed),
 and the count of those targets that are not ignored, summed over the ranks the rows
 are split over, as the lowered loss counts them (:func:`autopar.runtime.ops.start_count`).
-A loss that is not such a cross-entropy (a mean over rows, class weights) keeps ``1 / M``.
+A cross-entropy summed and divided by a count the caller passes (Hugging Face's
+``num_items_in_batch``, the batch's) weighs every micro-batch 1: each is already its part
+of the batch's loss.  Any other loss (a mean over rows, class weights) keeps ``1 / M``.
 """
 
 from __future__ import annotations
@@ -40,39 +42,78 @@ def _counted(target: torch.Tensor, ignore_index: int, row_axes: tuple[int, ...])
     return O.start_count(target, ignore_index, row_axes)()
 
 
-def _loss_op(gm: fx.GraphModule) -> tuple[fx.Node, int, tuple[int, ...]] | None:
-    """(target, ignore_index, row axes) of the cross-entropy ``gm`` returns as its last
-    output, when it averages over its targets; else None."""
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
-    n = flat[-1] if flat else None
+GIVEN_COUNT = "given"
+"""What :func:`count_graph` returns for a loss that sums its targets and divides by a
+count the caller passes (Hugging Face's ``num_items_in_batch``): every micro-batch's
+loss is then its part of the batch's, weight 1."""
+
+
+def _through(n: object) -> object:
     while isinstance(n, fx.Node) and n.op == "call_function" and n.target in _SAME_LOSS:
         n = n.args[0]
+    return n
+
+
+def _cross_entropy(n: object) -> tuple[fx.Node, int, int, tuple[int, ...]] | None:
+    """(target, ignore_index, reduction, row axes) of a cross-entropy without class
+    weights, or None."""
     if not isinstance(n, fx.Node) or n.op != "call_function":
         return None
     if n.target is O.cross_entropy:
         x, target, ignore, reduction, rows = n.args[:5]
-        return (target, ignore, tuple(rows)) if reduction == 1 else None
+        return target, ignore, reduction, tuple(rows)
     if n.target is aten.cross_entropy_loss.default:
         a = list(n.args) + [None] * 6
         weight = a[2] if a[2] is not None else n.kwargs.get("weight")
         reduction = a[3] if a[3] is not None else n.kwargs.get("reduction", 1)
         ignore = a[4] if a[4] is not None else n.kwargs.get("ignore_index", -100)
-        return (a[1], ignore, ()) if reduction == 1 and weight is None else None
+        return (a[1], ignore, reduction, ()) if weight is None else None
     return None
 
 
-def count_graph(gm: fx.GraphModule, model_inputs: int) -> fx.GraphModule | None:
+def _from_inputs(n: object, allowed: set[fx.Node]) -> bool:
+    """Whether ``n`` is computed from the graph inputs in ``allowed`` alone."""
+    todo, seen = [n], set()
+    while todo:
+        x = todo.pop()
+        if not isinstance(x, fx.Node) or x in seen:
+            continue
+        seen.add(x)
+        if x.op == "placeholder" and x not in allowed or x.op == "get_attr":
+            return False
+        todo.extend(x.all_input_nodes)
+    return True
+
+
+def _loss_op(gm: fx.GraphModule, allowed: set[fx.Node]):
+    """(target, ignore_index, row axes) of the cross-entropy ``gm`` returns as its last
+    output when it averages over its targets; :data:`GIVEN_COUNT` when it is a sum
+    divided by a count from the inputs in ``allowed``; else None."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    n = _through(flat[-1] if flat else None)
+    if isinstance(n, fx.Node) and n.op == "call_function" and n.target is aten.div.Tensor:
+        ce = _cross_entropy(_through(n.args[0]))
+        given = ce is not None and ce[2] == 2 and _from_inputs(n.args[1], allowed)
+        return GIVEN_COUNT if given else None
+    ce = _cross_entropy(n)
+    return (ce[0], ce[1], ce[3]) if ce is not None and ce[2] == 1 else None
+
+
+def count_graph(gm: fx.GraphModule, model_inputs: int) -> fx.GraphModule | str | None:
     """A graph of ``gm``'s first ``model_inputs`` inputs (the model's, as the stage takes
-    them) that returns the count of its loss's targets; None when its loss is no
-    cross-entropy over targets, or its targets need more than the model's inputs and
-    constants (a received activation, a parameter)."""
-    found = _loss_op(gm)
+    them) that returns the count of its loss's targets; :data:`GIVEN_COUNT` for a sum
+    over a count the caller gives; None when its loss is no cross-entropy over targets,
+    or its targets need more than the model's inputs and constants (a received
+    activation, a parameter)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    allowed = set(placeholders[:model_inputs])
+    found = _loss_op(gm, allowed)
+    if found is GIVEN_COUNT:
+        return found
     if found is None or not isinstance(found[0], fx.Node):
         return None
     target, ignore, rows = found
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    allowed = set(placeholders[:model_inputs])
     need: set[fx.Node] = set()
     todo = [target]
     while todo:
@@ -104,4 +145,4 @@ def micro_weights(counts: list[torch.Tensor]) -> list[float] | None:
     return [x / total for x in c] if total > 0 else None
 
 
-__all__ = ["count_graph", "micro_weights"]
+__all__ = ["GIVEN_COUNT", "count_graph", "micro_weights"]

@@ -76,6 +76,14 @@ def _rows(batch: dict, lo: int, hi: int) -> dict:
     return {k: v[lo:hi] for k, v in batch.items()}
 
 
+def _items(c: dict, batch: dict) -> dict:
+    """``batch`` with ``num_items_in_batch`` (its count of real target tokens, as the
+    Hugging Face Trainer passes it) where case ``c`` asks for it."""
+    if not c.get("items"):
+        return batch
+    return {**batch, "num_items_in_batch": (batch["labels"][:, 1:] != -100).sum()}
+
+
 def train_shapes(c: dict) -> dict:
     """Train on batches of every shape in ``c["steps"]`` (lists of lengths, global
     batches) and evaluate at batch 1; losses, weights and eval logits against the
@@ -83,12 +91,12 @@ def train_shapes(c: dict) -> dict:
     each global batch: ``c["split"]`` rows to each (uneven splits allowed)."""
     model = _model()
     ref = copy.deepcopy(model)
-    pm = build(c, model, padded([16] * 4, seed=0))
+    pm = build(c, model, _items(c, padded([16] * 4, seed=0)))
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     res: dict = {"loss": [], "ref": [], "built": 0}
     for i, lengths in enumerate(c["steps"]):
-        batch = padded(lengths, seed=10 + i)
+        batch = _items(c, padded(lengths, seed=10 + i))
         mine = batch
         if "rank_rows" in c:  # each rank its first rows (a pipeline's ranks share one dp rank)
             mine = _rows(batch, 0, c["rank_rows"][i][dist.get_rank()])

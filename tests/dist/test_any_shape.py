@@ -38,6 +38,9 @@ TWO = [
     # by them (token_weights.py), as the whole batch's token mean
     {"id": "pp-padded", "plan": "pp", "mesh": [2], "steps": [[16] * 4, [10, 7, 10, 3], [16, 3, 9, 16, 5, 2]]},
     {"id": "accumulate", "plan": "accumulate", "mesh": [2], "steps": [[16] * 4, [10, 7, 10, 3], [16, 12, 9, 4]]},
+    # the loss a sum over the batch's count of tokens passed in (num_items_in_batch)
+    {"id": "pp-items", "plan": "pp", "mesh": [2], "items": True,
+     "steps": [[16] * 4, [10, 7, 10, 3], [16, 3, 9, 16, 5, 2]]},
     # under batch="local" every rank of a 2-stage pipeline feeds the same batch: ranks
     # passing different rows are refused on both
     {"id": "pp-local", "plan": "pp", "mesh": [2], "batch": "local", "steps": [[16] * 4, [16] * 4],
@@ -100,13 +103,15 @@ def test_pipeline_any_shape(two):
     assert sorted(two["pp"]["ranks"][0]["micro"]) == [1, 2, 3], two["pp"]["ranks"][0]["micro"]
 
 
-@pytest.mark.parametrize("case", ["pp-padded", "accumulate"])
+@pytest.mark.parametrize("case", ["pp-padded", "accumulate", "pp-items"])
 def test_micro_batches_weighted_by_their_tokens(two, case):
     """Padded batches through a pipeline's micro-batches and through gradient
     accumulation (2 micro-batches on 2 data-parallel ranks): the loss and the gradients
     are the whole batch's token mean, as one process computes them, though the
     micro-batches hold different numbers of real tokens (weighted by 1/M, as before,
-    the second step's loss was 1e-3 off and the weights 3e-3)."""
+    the second step's loss was 1e-3 off and the weights 3e-3).  With the count passed
+    in (``num_items_in_batch``: a sum over the batch's tokens) each micro-batch weighs 1
+    (1/M halved the loss and the gradients)."""
     _check(two[case], 2)
 
 
