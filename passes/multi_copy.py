@@ -8,8 +8,8 @@ the size of one copy.  After: the same placeholders, taking ``copies`` times tha
 every node that depends on an input exists once per copy, the others (parameters, their
 casts, ZeRO-3's gathers) once, shared; the collectives of
 :mod:`autopar.runtime.collectives` become a start and a wait
-(:mod:`autopar.runtime.overlap`); the output is the mean of the copies' losses (the
-loss of the whole batch, as micro-batches' is).
+(:mod:`autopar.runtime.overlap`); the output is the whole batch's loss from the
+copies' (weighted by their targets, as a pipeline's micro-batches are).
 
 Order: each copy's nodes are cut into segments after each collective start, and the
 segments are emitted copy after copy (``A0 B0 A1 B1 ...``); a copy's wait comes right
@@ -23,7 +23,7 @@ import torch
 from torch import fx
 
 from autopar.runtime import collectives as C
-from autopar.runtime import overlap
+from autopar.runtime import overlap, token_weights
 
 _SPLIT = {C.all_reduce: "all_reduce", C.all_gather: "all_gather",
           C.reduce_scatter: "reduce_scatter", C.all_to_all: "all_to_all"}
@@ -42,6 +42,26 @@ def copy_part(x, want: tuple[int, ...] | None, part: int, parts: int):
 def mean_loss(*losses: torch.Tensor) -> torch.Tensor:
     """The copies' losses averaged (each is its half's mean)."""
     return torch.stack(losses).mean()
+
+
+def sum_loss(*losses: torch.Tensor) -> torch.Tensor:
+    """The copies' losses summed (each its part of a sum over a count passed in)."""
+    return torch.stack(losses).sum()
+
+
+def _batch_loss(new: fx.Graph, gm: fx.GraphModule, losses: tuple, lookup, copies: int) -> fx.Node:
+    """The whole batch's loss from the copies' (:mod:`autopar.runtime.token_weights`):
+    a cross-entropy's copies weighted by their counts of targets (padding falls
+    unevenly), summed for a sum over a count passed in, else averaged."""
+    found = token_weights.loss_targets(gm, {n for n in gm.graph.nodes if n.op == "placeholder"})
+    if found is token_weights.GIVEN_COUNT:
+        return new.call_function(sum_loss, losses)
+    if found is None or not isinstance(found[0], fx.Node):
+        return new.call_function(mean_loss, losses)
+    target, ignore, rows = found
+    counts = tuple(new.call_function(token_weights.target_count, (lookup(target, c), ignore, rows))
+                   for c in range(copies))
+    return new.call_function(token_weights.weighted_loss, (losses, counts))
 
 
 def multi_copy(gm: fx.GraphModule, copies: int = 2) -> fx.GraphModule:
@@ -98,10 +118,10 @@ def multi_copy(gm: fx.GraphModule, copies: int = 2) -> fx.GraphModule:
             for n in seg:
                 emit(n, c)
     losses = tuple(lookup(flat[0], c) for c in range(copies))
-    mean = new.call_function(mean_loss, losses)
-    new.output((mean,) if isinstance(out.args[0], (tuple, list)) else mean)
+    loss = _batch_loss(new, gm, losses, lambda a, c: lookup(a, c), copies)
+    new.output((loss,) if isinstance(out.args[0], (tuple, list)) else loss)
     new.lint()
     return fx.GraphModule(gm, new)
 
 
-__all__ = ["copy_part", "mean_loss", "multi_copy"]
+__all__ = ["copy_part", "mean_loss", "multi_copy", "sum_loss"]

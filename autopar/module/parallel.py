@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from autopar.capture.grad_flow import named_loss
 from autopar.module.apply import apply_inputs, apply_plan
 from autopar.module.clone import clone_module
 from autopar.module.generate import generate
@@ -146,7 +147,13 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
             self.zero.invalidate()
 
     def _outputs(self, out):
-        return pytree.tree_unflatten(list(out), self._out_spec) if self._out_spec is not None else out
+        if self._out_spec is None:
+            return out
+        n = self._out_spec.num_leaves
+        if len(out) == 1 and n > 1 and (i := named_loss(n, self._out_spec)) is not None:
+            # the graph keeps the loss alone (interleaved copies): the other fields None
+            out = [out[0] if j == i else None for j in range(n)]
+        return pytree.tree_unflatten(list(out), self._out_spec)
 
     def forward(self, *args, **kwargs):
         """Run this rank's part: same inputs and outputs as the original model.

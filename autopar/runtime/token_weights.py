@@ -37,7 +37,7 @@ _SAME_LOSS = frozenset({C.all_reduce, C.scale_grad, pending_sum, aten._to_copy.d
 a view)."""
 
 
-def _counted(target: torch.Tensor, ignore_index: int, row_axes: tuple[int, ...]) -> torch.Tensor:
+def target_count(target: torch.Tensor, ignore_index: int, row_axes: tuple[int, ...]) -> torch.Tensor:
     """The count of ``target``'s entries that are not ``ignore_index``, over ``row_axes``."""
     return O.start_count(target, ignore_index, row_axes)()
 
@@ -85,7 +85,7 @@ def _from_inputs(n: object, allowed: set[fx.Node]) -> bool:
     return True
 
 
-def _loss_op(gm: fx.GraphModule, allowed: set[fx.Node]):
+def loss_targets(gm: fx.GraphModule, allowed: set[fx.Node]):
     """(target, ignore_index, row axes) of the cross-entropy ``gm`` returns as its last
     output when it averages over its targets; :data:`GIVEN_COUNT` when it is a sum
     divided by a count from the inputs in ``allowed``; else None."""
@@ -108,7 +108,7 @@ def count_graph(gm: fx.GraphModule, model_inputs: int) -> fx.GraphModule | str |
     activation, a parameter)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     allowed = set(placeholders[:model_inputs])
-    found = _loss_op(gm, allowed)
+    found = loss_targets(gm, allowed)
     if found is GIVEN_COUNT:
         return found
     if found is None or not isinstance(found[0], fx.Node):
@@ -133,8 +133,17 @@ def count_graph(gm: fx.GraphModule, model_inputs: int) -> fx.GraphModule | str |
     for n in gm.graph.nodes:
         if n in need and n.op != "placeholder":
             env[n] = g.node_copy(n, env.__getitem__)
-    g.output(g.call_function(_counted, (env[target], ignore, rows)))
+    g.output(g.call_function(target_count, (env[target], ignore, rows)))
     return fx.GraphModule(gm, g, class_name="TargetCount")
+
+
+def weighted_loss(losses: tuple[torch.Tensor, ...], counts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The batch's loss from its parts' means and their counts of targets (the mean
+    of the means where there are none: NaN either way)."""
+    total = torch.stack([c.to(losses[0].dtype) for c in counts]).sum()
+    if total <= 0:
+        return torch.stack(losses).mean()
+    return sum(loss * (c.to(loss.dtype) / total) for loss, c in zip(losses, counts))
 
 
 def micro_weights(counts: list[torch.Tensor]) -> list[float] | None:
@@ -145,4 +154,4 @@ def micro_weights(counts: list[torch.Tensor]) -> list[float] | None:
     return [x / total for x in c] if total > 0 else None
 
 
-__all__ = ["GIVEN_COUNT", "count_graph", "micro_weights"]
+__all__ = ["GIVEN_COUNT", "count_graph", "loss_targets", "micro_weights", "target_count", "weighted_loss"]

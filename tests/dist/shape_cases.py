@@ -52,6 +52,7 @@ PLANS = {"dp": {}, "zero3": {"zero_stage": 3}, "pp": {"pipeline_stages": 2, "mic
          "accumulate": {"micro_batches": 2, "pipeline_stages": 1},
          # the search picks zero-bubble for "pp", whose split backward runs eagerly
          "pp-1f1b": {"pipeline_stages": 2, "micro_batches": 2, "schedule": "1f1b"},
+         "copies": {"copies": 2},
          "cp": {"context_parallel": "exchange"}}
 
 
@@ -61,7 +62,7 @@ def build(c: dict, model, example: dict):
 
     mesh = tuple(c["mesh"])
     pins = hf_zoo.tp_pins("llama", mesh) if c["plan"] == "tp" else {}
-    if c["plan"] == "ddp":  # data parallel as DDP runs it: weights whole, rows split
+    if c["plan"] in ("ddp", "copies"):  # data parallel as DDP runs it: weights whole, rows split
         pins = {"*": "R" * len(mesh), **{f"input:{i}": "S(0)" * len(mesh) for i in range(3)}}
     if c["plan"] == "cp":  # the sequence split over the last axis, the batch over the others
         data = "".join("S(1)" if a == len(mesh) - 1 else "S(0)" for a in range(len(mesh)))
@@ -108,7 +109,7 @@ def train_shapes(c: dict) -> dict:
             mine = {k: v[:, :max(1, int(mine["attention_mask"].sum(1).max()))] if c.get("trim") else v
                     for k, v in mine.items()}
         opt.zero_grad()
-        if pm.runner is not None:
+        if pm.runner is not None or pm.plan.decisions.copies > 1:  # the loss alone
             loss = pm.train_step(**mine)
         else:
             loss = pm(**mine).loss
@@ -124,7 +125,7 @@ def train_shapes(c: dict) -> dict:
     rstate = ref.state_dict()
     res["weights"] = max((full[k].float() - rstate[k].float()).abs().max().item() for k in full
                          if k in rstate)
-    if pm.runner is None:  # a pipeline runs train_step only (its forward says so)
+    if pm.runner is None and pm.plan.decisions.copies == 1:  # train_step only
         pm.eval()
         ref.eval()
         with torch.no_grad():

@@ -38,6 +38,10 @@ TWO = [
     # by them (token_weights.py), as the whole batch's token mean
     {"id": "pp-padded", "plan": "pp", "mesh": [2], "steps": [[16] * 4, [10, 7, 10, 3], [16, 3, 9, 16, 5, 2]]},
     {"id": "accumulate", "plan": "accumulate", "mesh": [2], "steps": [[16] * 4, [10, 7, 10, 3], [16, 12, 9, 4]]},
+    # two interleaved copies of each half batch (multi-copy): at the planned shape, padded
+    {"id": "copies", "plan": "copies", "mesh": [2], "steps": [[16] * 4, [16, 5, 9, 12], [16, 2, 16, 7]]},
+    {"id": "copies-items", "plan": "copies", "mesh": [2], "items": True,
+     "steps": [[16] * 4, [16, 5, 9, 12], [16, 2, 16, 7]]},
     # the loss a sum over the batch's count of tokens passed in (num_items_in_batch)
     {"id": "pp-items", "plan": "pp", "mesh": [2], "items": True,
      "steps": [[16] * 4, [10, 7, 10, 3], [16, 3, 9, 16, 5, 2]]},
@@ -103,7 +107,7 @@ def test_pipeline_any_shape(two):
     assert sorted(two["pp"]["ranks"][0]["micro"]) == [1, 2, 3], two["pp"]["ranks"][0]["micro"]
 
 
-@pytest.mark.parametrize("case", ["pp-padded", "accumulate", "pp-items"])
+@pytest.mark.parametrize("case", ["pp-padded", "accumulate", "pp-items", "copies", "copies-items"])
 def test_micro_batches_weighted_by_their_tokens(two, case):
     """Padded batches through a pipeline's micro-batches and through gradient
     accumulation (2 micro-batches on 2 data-parallel ranks): the loss and the gradients
@@ -111,7 +115,8 @@ def test_micro_batches_weighted_by_their_tokens(two, case):
     micro-batches hold different numbers of real tokens (weighted by 1/M, as before,
     the second step's loss was 1e-3 off and the weights 3e-3).  With the count passed
     in (``num_items_in_batch``: a sum over the batch's tokens) each micro-batch weighs 1
-    (1/M halved the loss and the gradients)."""
+    (1/M halved the loss and the gradients).  Multi-copy's two copies alike (their mean
+    was as far off)."""
     _check(two[case], 2)
 
 
