@@ -67,7 +67,7 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-def _check(res: dict, world: int) -> None:
+def _check(res: dict, world: int, new_shapes: bool = True) -> None:
     ranks = res["ranks"]
     assert len(ranks) == world
     for r in ranks:
@@ -77,7 +77,7 @@ def _check(res: dict, world: int) -> None:
         assert r.get("eval", 0.0) < 1e-5
     # the same loss on every rank, and new shapes were served by lowerings of this plan
     assert all(r["loss"] == ranks[0]["loss"] for r in ranks)
-    assert max(r["built"] for r in ranks) >= 1
+    assert max(r["built"] for r in ranks) >= (1 if new_shapes else 0)
     # the other shapes run as a few graphs, not one each: the plan's own layout, the
     # one with an axis dropped (a batch that does not divide), the batch of 1 planned
     # again (shape_template.py; ZeRO-3's gathers once named every shape's graph apart)
@@ -116,8 +116,8 @@ def test_micro_batches_weighted_by_their_tokens(two, case):
     the second step's loss was 1e-3 off and the weights 3e-3).  With the count passed
     in (``num_items_in_batch``: a sum over the batch's tokens) each micro-batch weighs 1
     (1/M halved the loss and the gradients).  Multi-copy's two copies alike (their mean
-    was as far off)."""
-    _check(two[case], 2)
+    was as far off; at its planned shape, the only one it serves)."""
+    _check(two[case], 2, new_shapes=not case.startswith("copies"))
 
 
 def test_pipeline_local_ranks_disagreeing_refused_on_every_rank(two):
