@@ -404,7 +404,7 @@ DECISIONS: tuple[Decision, ...] = (
              "the other's compute (multi-copy overlap)",
              (Option("copies", _copies, "2 or auto"),),
              ("copies",),
-             "autopar.search.stages.step_terms:copies_hidden", "autopar.module.apply:apply_pipeline",
+             "autopar.search.stages.step_terms:copies_hidden", "autopar.module.apply:apply_copies",
              "copies"),
     Decision("gather_chunks", "ZeRO-1/2's gathers after the step split into chunks sent in "
              "forward order, each waited for by its own layers (the next forward's first layers first)",
