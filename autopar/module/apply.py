@@ -1,9 +1,11 @@
-"""How a plan is applied to its module: :func:`check_plan` first, then one function per
-decision, each called by :func:`apply_plan` where its decision asks for it, in this
-fixed order (torchtitan's ``apply_*`` habit), with what it reads and makes in the call:
+"""How a plan is applied to its module: one function per decision, each called where
+its decision asks for it, in this fixed order (torchtitan's ``apply_*`` habit), with what
+it reads and makes in the call:
 
-1. :func:`apply_inputs`: who passes which samples (decision ``batch``; also for a
-   planning-only module);
+1. :func:`apply_inputs`: who passes which samples (decision ``batch``), as the module is
+   built (a planning-only one too); then :func:`apply_plan`, under a process group,
+   checks the plan (:func:`~autopar.module.plan_checks.check_plan`: decisions that cannot
+   run together) and applies the rest:
 2. :func:`apply_device`: weights, buffers and the graph's constants on the rank's device;
 3. :func:`apply_zero`: ZeRO 1/2/3 (decisions ``zero``, ``zero_kept``, ``zero_reduce_once``,
    ``gather_chunks``), then :func:`apply_offload`: ZeRO-3's shards in host memory
@@ -69,7 +71,7 @@ ZeRO-3 parameter, which exists only as a shard (``ParallelModule._targets``)."""
 
 
 @dataclass(frozen=True)
-class Stage:
+class StepContext:
     """What the steps share, read from the module once before them (graph targets
     throughout): the plan, this rank's mesh and the tensors of its pipeline stage."""
 
@@ -90,7 +92,7 @@ class Stage:
     info: TensorInfo
 
     @classmethod
-    def of(cls, pm: ParallelModule) -> Stage:
+    def of(cls, pm: ParallelModule) -> StepContext:
         """``pm``'s plan and stage, as the steps read them."""
         return cls(pm.plan, pm._mesh_rt, frozenset(t for t in pm.aliases if pm._mine(t)),
                    pm.aliases, pm._placements, {t: pm._replicated_axes(t) for t in pm._placements},
@@ -99,28 +101,28 @@ class Stage:
 
 
 def apply_plan(pm: ParallelModule, full_state: Mapping[str, torch.Tensor] | None) -> None:
-    """Check ``pm.plan`` (:func:`check_plan`), then apply each of its runtime decisions
+    """Check ``pm.plan`` (:func:`~autopar.module.plan_checks.check_plan`), then apply each of its runtime decisions
     to ``pm``, in the module docstring's order (under a process group; a planning-only
     module gets :func:`apply_inputs` only)."""
-    s = Stage.of(pm)
+    ctx = StepContext.of(pm)
     d = pm.plan.decisions
-    check_plan(pm.plan, frozen=s.frozen)
-    apply_device(pm.inner, pm._targets(), s)
+    check_plan(pm.plan, frozen=ctx.frozen)
+    apply_device(pm.inner, pm._targets(), ctx)
     z = zero_axes_in_use(pm.plan)
     if z:
-        pm.zero = apply_zero(pm.inner, pm._targets(), z, s)
-    if d.offload == "params":
-        apply_offload(pm.zero, s.mesh)
+        pm.zero = apply_zero(pm.inner, pm._targets(), z, ctx)
+    if d.offload == "params":  # under ZeRO-3 (check_plan)
+        apply_offload(pm.zero, ctx.mesh)
     if d.recompute:
         apply_recompute(pm.inner, d.recompute)
-    if d.copies > 1 and d.micro_batches > 1:
+    if d.copies > 1 and d.micro_batches > 1:  # as many as the copies, one stage (check_plan)
         object.__setattr__(pm, "inner", apply_copies(pm.inner, d.copies, pm._out_spec))  # not a submodule
     elif d.pipeline_stages > 1 or d.micro_batches > 1:
-        pm.runner = apply_pipeline(pm.inner, s, Switches(pm), pm._out_spec)
-    pm.grad_sync = apply_grad_sync(pm._targets(), s, pm.zero)
-    pm._dparams = apply_dparams(pm, pm._targets(), s, pm.zero, pm.grad_sync)
+        pm.runner = apply_pipeline(pm.inner, ctx, Switches(pm), pm._out_spec)
+    pm.grad_sync = apply_grad_sync(pm._targets(), ctx, pm.zero)
+    pm._dparams = apply_dparams(pm, pm._targets(), ctx, pm.zero, pm.grad_sync)
     pm._entry = {e.target: e for e in pm._dparams.entries}
-    pm._extra = apply_unused(pm, full_state, s)
+    pm._extra = apply_unused(pm, full_state, ctx)
     apply_checks(pm)
 
 
@@ -145,33 +147,33 @@ def apply_inputs(pm: ParallelModule, binder: InputBinder, batch: BatchMode | str
     binder.select = pm._select_route if pm._mesh_rt is not None else None
 
 
-def apply_device(gm: nn.Module, tensors: Tensors, s: Stage) -> None:
+def apply_device(gm: nn.Module, tensors: Tensors, ctx: StepContext) -> None:
     """One device per process (cuda:LOCAL_RANK under NCCL): weights, buffers and the
     graph's constants move there before anything views them; frozen parameters stay so."""
-    move_to_device(gm, s.mesh.device)  # parameters in place: ``tensors`` still hold them
-    set_device([m for m in gm.modules() if isinstance(m, fx.GraphModule)], s.mesh.device)
+    move_to_device(gm, ctx.mesh.device)  # parameters in place: ``tensors`` still hold them
+    set_device([m for m in gm.modules() if isinstance(m, fx.GraphModule)], ctx.mesh.device)
     for t, p in tensors:  # also for modules loaded from an export
-        if isinstance(p, nn.Parameter) and t in s.frozen:
+        if isinstance(p, nn.Parameter) and t in ctx.frozen:
             p.requires_grad_(False)
 
 
-def apply_zero(gm: fx.GraphModule, tensors: Tensors, z: tuple[int, ...], s: Stage) -> Zero:
+def apply_zero(gm: fx.GraphModule, tensors: Tensors, z: tuple[int, ...], ctx: StepContext) -> Zero:
     """ZeRO over the mesh axes ``z`` (decisions ``zero``, ``zero_kept``,
     ``zero_reduce_once``, ``gather_chunks``): replicated parameters sharded over them,
     their optimizer state (1), gradients (2) and parameters (3, gathered per layer, the
     kept layers left gathered); stages 1-2 gather the updated parameters in the plan's
     chunks."""
-    d = s.plan.decisions
+    d = ctx.plan.decisions
     params = []
     for t, p in tensors:
-        rep = s.replicated.get(t)
+        rep = ctx.replicated.get(t)
         # a parameter replicated on every ZeRO axis (one sharded on some of them by
         # the plan keeps its placement and its gradient sync; so does a 0-d one:
         # Shard(0) has no dim to cut)
-        if t in s.mine and rep is not None and isinstance(p, nn.Parameter) and p.requires_grad \
+        if t in ctx.mine and rep is not None and isinstance(p, nn.Parameter) and p.requires_grad \
                 and p.dim() > 0 and set(z) <= set(rep):
             params.append((t, tuple(a for a in rep if a not in z)))
-    layers = {n.param: n.layer for n in s.plan.nodes.values() if n.param and n.layer}
+    layers = {n.param: n.layer for n in ctx.plan.nodes.values() if n.param and n.layer}
     return Zero.install(gm, params, d.zero_stage, z, layers, frozenset(d.zero_kept), d.gather_chunks)
 
 
@@ -207,16 +209,16 @@ def apply_copies(gm: fx.GraphModule, copies: int, out_spec) -> fx.GraphModule:
     return multi_copy(gm, copies)
 
 
-def apply_pipeline(gm: fx.GraphModule, s: Stage, switches: Switches, out_spec) -> PipelineRunner:
+def apply_pipeline(gm: fx.GraphModule, ctx: StepContext, switches: Switches, out_spec) -> PipelineRunner:
     """Pipeline stages and micro-batches (decisions ``pipeline``, ``micro_batches``): this
     rank's stage graphs (several model chunks under the interleaved schedule) run by the
     schedule's runner, which turns gradient sync on and off through ``switches``; other
     stages' weights are dropped from ``gm``."""
-    d = s.plan.decisions
+    d = ctx.plan.decisions
     keep_loss_only(gm, d.micro_batches, out_spec)
-    runner = stage_runner(gm, s.plan, d.micro_batches, s.mesh.stage, switches)
-    for t in s.aliases:
-        if t not in s.mine:
+    runner = stage_runner(gm, ctx.plan, d.micro_batches, ctx.mesh.stage, switches)
+    for t in ctx.aliases:
+        if t not in ctx.mine:
             *path, leaf = t.split(".")
             owner = gm.get_submodule(".".join(path)) if path else gm
             if hasattr(owner, leaf):
@@ -224,13 +226,13 @@ def apply_pipeline(gm: fx.GraphModule, s: Stage, switches: Switches, out_spec) -
     return runner
 
 
-def apply_grad_sync(tensors: Tensors, s: Stage, zero: Zero | None) -> GradSync:
+def apply_grad_sync(tensors: Tensors, ctx: StepContext, zero: Zero | None) -> GradSync:
     """Data-parallel gradient buckets (decisions ``grad_buckets``, ``grad_buffers``,
     ``grad_compression``): the plan's buckets, reduced as they fill."""
     params = []
     zt = zero.targets() if zero is not None else set()
     for t, p in tensors:
-        if t not in s.mine:
+        if t not in ctx.mine:
             continue
         if t in zt:
             zp = zero._by_target[t]
@@ -238,14 +240,14 @@ def apply_grad_sync(tensors: Tensors, s: Stage, zero: Zero | None) -> GradSync:
                 # stage 3: the shard's gradient is still Partial on the other axes
                 params.append((t, zp.shard, zp.other_axes))
             continue
-        if t in s.placements and isinstance(p, nn.Parameter) and p.requires_grad:
-            params.append((t, p, s.replicated[t]))
-    d = s.plan.decisions
+        if t in ctx.placements and isinstance(p, nn.Parameter) and p.requires_grad:
+            params.append((t, p, ctx.replicated[t]))
+    d = ctx.plan.decisions
     return GradSync(params, d.grad_buckets, keep=d.grad_buffers_kept,
                     compression=d.grad_compression, rank=d.compression_rank)
 
 
-def apply_dparams(pm: nn.Module, tensors: Tensors, s: Stage, zero: Zero | None,
+def apply_dparams(pm: nn.Module, tensors: Tensors, ctx: StepContext, zero: Zero | None,
                   grad_sync: GradSync) -> DParams:
     """This stage's parameters as DTensors (and its buffers) registered on ``pm`` under
     the original names (:mod:`autopar.runtime.dparams`), so optimizers,
@@ -254,54 +256,54 @@ def apply_dparams(pm: nn.Module, tensors: Tensors, s: Stage, zero: Zero | None,
     zt = zero.targets() if zero is not None else set()
     entries = []
     for t, p in tensors:
-        if t not in s.mine:
+        if t not in ctx.mine:
             continue
         if t in zt:
-            e = _zero_entry(t, zero, s)
-        elif t in s.placements and isinstance(p, nn.Parameter):
-            e = DParams.make(t, p, s.mesh.param_mesh, s.placements[t], s.shapes[t], p.requires_grad)
+            e = _zero_entry(t, zero, ctx)
+        elif t in ctx.placements and isinstance(p, nn.Parameter):
+            e = DParams.make(t, p, ctx.mesh.param_mesh, ctx.placements[t], ctx.shapes[t], p.requires_grad)
         else:
-            for n in s.aliases[t]:
+            for n in ctx.aliases[t]:
                 if p is not None:
                     register_tree(pm, n, p, buffer=True, reserved=_RESERVED,
-                                  persistent=n not in s.info.nonpersistent)
+                                  persistent=n not in ctx.info.nonpersistent)
             continue
-        if s.plan.decisions.offload == "optimizer" and e.param.requires_grad:
-            DParams.hosted(e, s.mesh.param_mesh)  # the optimizer steps a host copy
+        if ctx.plan.decisions.offload == "optimizer" and e.param.requires_grad:
+            DParams.hosted(e, ctx.mesh.param_mesh)  # the optimizer steps a host copy
         # element-wise steps run on the local tensor (the host copy under offload)
         local_step.mark(e.param, e.host if e.host is not None else e.local)
         entries.append(e)
-        for n in s.aliases[t]:  # tied weights: one Parameter under every name
+        for n in ctx.aliases[t]:  # tied weights: one Parameter under every name
             register_tree(pm, n, e.param, reserved=_RESERVED)
-    return DParams(s.mesh.param_mesh, entries, grad_sync)
+    return DParams(ctx.mesh.param_mesh, entries, grad_sync)
 
 
-def _zero_entry(t: str, zero: Zero, s: Stage) -> Entry:
+def _zero_entry(t: str, zero: Zero, ctx: StepContext) -> Entry:
     """The DTensor parameter of ZeRO's shard of ``t``, its layout checked."""
-    mesh, zp = s.mesh.param_mesh, zero._by_target[t]
-    pl = zero_placements(s.placements[t], zero.axes, s.plan.mesh.shape)
-    check_layout(t, zp.shard, mesh, pl, s.placements[t], s.shapes[t], zero.start_row(t))
-    return DParams.make(t, zp.shard, mesh, pl, s.shapes[t], True,
+    mesh, zp = ctx.mesh.param_mesh, zero._by_target[t]
+    pl = zero_placements(ctx.placements[t], zero.axes, ctx.plan.mesh.shape)
+    check_layout(t, zp.shard, mesh, pl, ctx.placements[t], ctx.shapes[t], zero.start_row(t))
+    return DParams.make(t, zp.shard, mesh, pl, ctx.shapes[t], True,
                         hook_on=zp.full if zp.full is not None else zp.shard)
 
 
 def apply_unused(pm: nn.Module, full_state: Mapping[str, torch.Tensor] | None,
-                 s: Stage) -> dict[str, torch.Tensor]:
+                 ctx: StepContext) -> dict[str, torch.Tensor]:
     """The tensors the forward never reads, registered on ``pm`` whole on every rank
     (replicated) from ``full_state``, so every state dict still has them: name -> tensor."""
     extra: dict[str, torch.Tensor] = {}
-    mesh = s.mesh.param_mesh
-    for n in sorted(s.info.unused):
+    mesh = ctx.mesh.param_mesh
+    for n in sorted(ctx.info.unused):
         if full_state is None or n not in full_state:
             continue
         x = full_state[n].detach().clone()
-        if n in s.info.buffers:
+        if n in ctx.info.buffers:
             register_tree(pm, n, x, buffer=True, reserved=_RESERVED,
-                          persistent=n not in s.info.nonpersistent)
+                          persistent=n not in ctx.info.nonpersistent)
             extra[n] = x
         else:
             dt = nn.Parameter(as_dtensor(x, mesh, (Replicate(),) * mesh.ndim, x.shape),
-                              requires_grad=n not in s.info.frozen)
+                              requires_grad=n not in ctx.info.frozen)
             register_tree(pm, n, dt, reserved=_RESERVED)
             local_step.mark(dt, dt._local_tensor)
             extra[n] = dt
@@ -315,6 +317,6 @@ def apply_checks(pm: ParallelModule) -> None:
     pm._start_call_check()
 
 
-__all__ = ["Stage", "Tensors", "apply_checks", "apply_copies", "apply_device", "apply_dparams",
+__all__ = ["StepContext", "Tensors", "apply_checks", "apply_copies", "apply_device", "apply_dparams",
            "apply_grad_sync", "apply_inputs", "apply_offload", "apply_pipeline", "apply_plan",
            "apply_recompute", "apply_unused", "apply_zero", "to_host"]
