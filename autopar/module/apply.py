@@ -1,17 +1,23 @@
-"""How a plan is applied to its module: one function per decision, run by
-:func:`apply_plan` in this fixed order (torchtitan's ``apply_*`` habit), so the order
-things happen in is visible in one place.
+"""How a plan is applied to its module: one function per decision, each called where
+its decision asks for it, in this fixed order (torchtitan's ``apply_*`` habit), with what
+it reads and makes in the call:
 
-1. :func:`apply_inputs`: who passes which samples (decision ``batch``);
+1. :func:`apply_inputs`: who passes which samples (decision ``batch``), as the module is
+   built (a planning-only one too); then :func:`apply_plan`, under a process group,
+   checks the plan (:func:`~autopar.module.plan_checks.check_plan`: decisions that cannot
+   run together) and applies the rest:
 2. :func:`apply_device`: weights, buffers and the graph's constants on the rank's device;
-3. :func:`apply_zero`: ZeRO 1/2/3 (decisions ``zero``, ``zero_kept``, ``zero_reduce_once``),
-   then :func:`apply_offload`: ZeRO-3's shards in host memory (decision ``offload``;
-   the optimizer level is applied with the DTensor parameters, step 7);
+3. :func:`apply_zero`: ZeRO 1/2/3 (decisions ``zero``, ``zero_kept``, ``zero_reduce_once``,
+   ``gather_chunks``), then :func:`apply_offload`: ZeRO-3's shards in host memory
+   (decision ``offload``; the optimizer level is applied with the DTensor parameters,
+   step 7);
 4. :func:`apply_recompute`: recomputed layers (decision ``recompute``);
-5. :func:`apply_pipeline`: pipeline stages and micro-batches, run by the schedule's runner
-   (decisions ``pipeline``, ``micro_batches``);
+5. :func:`apply_copies`: the micro-batches as copies interleaved in one graph (decision
+   ``copies``), or else :func:`apply_pipeline`: pipeline stages and micro-batches, run
+   by the schedule's runner (decisions ``pipeline``, ``micro_batches``);
 6. :func:`apply_grad_sync`: gradient buckets (decisions ``grad_buckets``, ``grad_buffers``);
-7. :func:`apply_dparams`: parameters as DTensors under the original names;
+7. :func:`apply_dparams`: parameters as DTensors under the original names, and
+   :func:`apply_unused`: the tensors the forward never reads;
 8. :func:`apply_checks`: the dropout generator and the first call's agreement check.
 
 Decisions that shape the graph itself are applied before the module exists: precision
@@ -23,14 +29,31 @@ context parallelism in lowering (:mod:`autopar.passes`).  The registry
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
+from torch import fx, nn
+from torch.distributed.tensor import Replicate
 
-from autopar.capture.grad_flow import named_loss
 from autopar.module.loop import move_to_device
+from autopar.module.plan_checks import check_plan, zero_axes_in_use
+from autopar.module.runners import Switches, keep_loss_only, stage_runner
+from autopar.module.shapes import Route, ShapeRoutes
+from autopar.module.state import TensorInfo
+from autopar.passes.device import set_device
+from autopar.passes.multi_copy import multi_copy
+from autopar.passes.recompute import recompute
+from autopar.plan.data import Plan
+from autopar.runtime import local_step
+from autopar.runtime.dparams import DParams, Entry, as_dtensor, register_tree
+from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.inputs import BatchMode, InputBinder, data_parallel_axes, passthrough_inputs
+from autopar.runtime.mesh import RuntimeMesh
+from autopar.runtime.pipeline import PipelineRunner
+from autopar.runtime.zero import Zero
+from autopar.runtime.zero_layout import check as check_layout
+from autopar.runtime.zero_layout import placements as zero_placements
 
 if TYPE_CHECKING:
     from autopar.module.parallel import ParallelModule
@@ -42,17 +65,64 @@ _RESERVED = frozenset({"inner", "plan", "aliases", "state_keys", "rank", "runner
                        "grad_sync", "lowered_graph", "code", "binder", "info", "training",
                        "routes", "generate"})
 
+Tensors = list[tuple[str, torch.Tensor | None]]
+"""(graph target, tensor) for every parameter and buffer of the graph, ``None`` for a
+ZeRO-3 parameter, which exists only as a shard (``ParallelModule._targets``)."""
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What the steps share, read from the module once before them (graph targets
+    throughout): the plan, this rank's mesh and the tensors of its pipeline stage."""
+
+    plan: Plan
+    mesh: RuntimeMesh
+    mine: frozenset[str]
+    """The targets this rank's pipeline stage holds."""
+    aliases: Mapping[str, list[str]]
+    """Target -> the original model's names for it (tied weights: several)."""
+    placements: Mapping[str, tuple]
+    """Parameter -> the plan's placements."""
+    replicated: Mapping[str, tuple[int, ...]]
+    """Parameter -> its replicated mesh axes of more than one device."""
+    shapes: Mapping[str, tuple[int, ...]]
+    """Target -> its whole shape, as planned."""
+    frozen: frozenset[str]
+    """The targets of frozen parameters."""
+    info: TensorInfo
+
+    @classmethod
+    def of(cls, pm: ParallelModule) -> StepContext:
+        """``pm``'s plan and stage, as the steps read them."""
+        return cls(pm.plan, pm._mesh_rt, frozenset(t for t in pm.aliases if pm._mine(t)),
+                   pm.aliases, pm._placements, {t: pm._replicated_axes(t) for t in pm._placements},
+                   {t: tuple(n.shape[0]) for t, n in pm._param_nodes.items()},
+                   frozenset(t for t in pm.aliases if pm._frozen(t)), pm.info)
+
 
 def apply_plan(pm: ParallelModule, full_state: Mapping[str, torch.Tensor] | None) -> None:
-    """Apply every runtime decision of ``pm.plan`` to ``pm``, in the module docstring's
-    order (under a process group; a planning-only module gets :func:`apply_inputs` only)."""
-    apply_device(pm)
-    apply_zero(pm)
-    apply_offload(pm)
-    apply_recompute(pm)
-    apply_pipeline(pm)
-    apply_grad_sync(pm)
-    apply_dparams(pm, full_state)
+    """Check ``pm.plan`` (:func:`~autopar.module.plan_checks.check_plan`), then apply each of its runtime decisions
+    to ``pm``, in the module docstring's order (under a process group; a planning-only
+    module gets :func:`apply_inputs` only)."""
+    ctx = StepContext.of(pm)
+    d = pm.plan.decisions
+    check_plan(pm.plan, frozen=ctx.frozen)
+    apply_device(pm.inner, pm._targets(), ctx)
+    z = zero_axes_in_use(pm.plan)
+    if z:
+        pm.zero = apply_zero(pm.inner, pm._targets(), z, ctx)
+    if d.offload == "params":  # under ZeRO-3 (check_plan)
+        apply_offload(pm.zero, ctx.mesh)
+    if d.recompute:
+        apply_recompute(pm.inner, d.recompute)
+    if d.copies > 1 and d.micro_batches > 1:  # as many as the copies, one stage (check_plan)
+        object.__setattr__(pm, "inner", apply_copies(pm.inner, d.copies, pm._out_spec))  # not a submodule
+    elif d.pipeline_stages > 1 or d.micro_batches > 1:
+        pm.runner = apply_pipeline(pm.inner, ctx, Switches(pm), pm._out_spec)
+    pm.grad_sync = apply_grad_sync(pm._targets(), ctx, pm.zero)
+    pm._dparams = apply_dparams(pm, pm._targets(), ctx, pm.zero, pm.grad_sync)
+    pm._entry = {e.target: e for e in pm._dparams.entries}
+    pm._extra = apply_unused(pm, full_state, ctx)
     apply_checks(pm)
 
 
@@ -72,69 +142,49 @@ def apply_inputs(pm: ParallelModule, binder: InputBinder, batch: BatchMode | str
     # other shapes than the planned one: a lowering of this plan per shape
     # (autopar.module.shapes), for a module that runs (a loaded export has no model to
     # capture again: ShapeRoutes says so when asked)
-    from autopar.module.shapes import Route, ShapeRoutes
     pm.routes = ShapeRoutes(Route(None, list(binder.shapes), binder.passthrough))
     pm._route = pm.routes.planned
     binder.select = pm._select_route if pm._mesh_rt is not None else None
 
 
-def apply_device(pm: ParallelModule) -> None:
+def apply_device(gm: nn.Module, tensors: Tensors, ctx: StepContext) -> None:
     """One device per process (cuda:LOCAL_RANK under NCCL): weights, buffers and the
     graph's constants move there before anything views them; frozen parameters stay so."""
-    from autopar.passes.device import set_device
-
-    move_to_device(pm.inner, pm._mesh_rt.device)
-    set_device([m for m in pm.inner.modules() if isinstance(m, torch.fx.GraphModule)],
-               pm._mesh_rt.device)
-    for t, p in pm._targets():  # also for modules loaded from an export
-        if isinstance(p, nn.Parameter) and pm._frozen(t):
+    move_to_device(gm, ctx.mesh.device)  # parameters in place: ``tensors`` still hold them
+    set_device([m for m in gm.modules() if isinstance(m, fx.GraphModule)], ctx.mesh.device)
+    for t, p in tensors:  # also for modules loaded from an export
+        if isinstance(p, nn.Parameter) and t in ctx.frozen:
             p.requires_grad_(False)
 
 
-def apply_zero(pm: ParallelModule) -> None:
-    """ZeRO (decisions ``zero``, ``zero_kept``, ``zero_reduce_once``, ``gather_chunks``):
-        replicated parameters sharded over the plan's ZeRO axes, their optimizer state (1),
-        gradients (2) and parameters (3, gathered per layer, the kept layers left
-        gathered); stages 1-2 gather the updated parameters in the plan's chunks."""
-    from autopar.runtime.zero import Zero
-    d = pm.plan.decisions
-    z = tuple(a for a in d.zero_axes if pm.plan.mesh.shape[a] > 1)
-    if not z:
-        return
+def apply_zero(gm: fx.GraphModule, tensors: Tensors, z: tuple[int, ...], ctx: StepContext) -> Zero:
+    """ZeRO over the mesh axes ``z`` (decisions ``zero``, ``zero_kept``,
+    ``zero_reduce_once``, ``gather_chunks``): replicated parameters sharded over them,
+    their optimizer state (1), gradients (2) and parameters (3, gathered per layer, the
+    kept layers left gathered); stages 1-2 gather the updated parameters in the plan's
+    chunks."""
+    d = ctx.plan.decisions
     params = []
-    for t, p in pm._targets():
-        if not pm._mine(t):
-            continue
+    for t, p in tensors:
+        rep = ctx.replicated.get(t)
         # a parameter replicated on every ZeRO axis (one sharded on some of them by
         # the plan keeps its placement and its gradient sync; so does a 0-d one:
         # Shard(0) has no dim to cut)
-        if t in pm._placements and isinstance(p, nn.Parameter) and p.requires_grad \
-                and p.dim() > 0 and set(z) <= set(pm._replicated_axes(t)):
-            params.append((t, tuple(a for a in pm._replicated_axes(t) if a not in z)))
-    layers = {n.param: n.layer for n in pm.plan.nodes.values() if n.param and n.layer}
-    if d.gather_chunks and (d.zero_stage not in (1, 2) or d.pipeline_stages > 1):
-        from autopar.errors import PlanError
-        raise PlanError("this plan gathers ZeRO's parameters in chunks (gather_chunks), which runs "
-                        "with ZeRO-1 or 2 on one pipeline stage only; plan it again")
-    pm.zero = Zero.install(pm.inner, params, d.zero_stage, z, layers, frozenset(d.zero_kept),
-                           d.gather_chunks)
+        if t in ctx.mine and rep is not None and isinstance(p, nn.Parameter) and p.requires_grad \
+                and p.dim() > 0 and set(z) <= set(rep):
+            params.append((t, tuple(a for a in rep if a not in z)))
+    layers = {n.param: n.layer for n in ctx.plan.nodes.values() if n.param and n.layer}
+    return Zero.install(gm, params, d.zero_stage, z, layers, frozenset(d.zero_kept), d.gather_chunks)
 
 
-def apply_offload(pm: ParallelModule) -> None:
+def apply_offload(zero: Zero, mesh: RuntimeMesh) -> None:
     """Host memory (decision ``offload``).  ``"params"``: ZeRO-3's shards move there
     (pinned on CUDA, so the gathers copy them up asynchronously), before the DTensor
     parameters view them, so the optimizer steps them where they are.  ``"optimizer"``:
     :func:`apply_dparams` gives each DTensor parameter a host copy to step
     (:class:`~autopar.runtime.dparams.DParams`)."""
-    d = pm.plan.decisions
-    if d.offload != "params":
-        return
-    if pm.zero is None or pm.zero.stage != 3 or any(zp.other_axes for zp in pm.zero.params):
-        from autopar.errors import PlanError
-        raise PlanError("this plan keeps parameter shards in host memory (offload='params'), which "
-                        "needs ZeRO-3 over every replicated axis of the parameters; plan it again")
-    r = pm._mesh_rt.coord_of(pm.zero.axes)
-    for zp in pm.zero.params:
+    r = mesh.coord_of(zero.axes)
+    for zp in zero.params:
         zp.flat.data = to_host(zp.flat.data)
         zp.shard.data = zp.cut.view(zp.flat, r)  # the parameter still views what is sent
 
@@ -147,163 +197,117 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     return t.to("cpu").pin_memory() if torch.cuda.is_available() else t.to("cpu")
 
 
-def apply_recompute(pm: ParallelModule) -> None:
-    """Recompute the planned layers (decision ``recompute``)."""
-    d = pm.plan.decisions
-    from autopar.plan.schedules import conflict
-    why = conflict(d.schedule, bool(d.recompute), d.zero_stage)
-    if why:  # a plan file edited or made elsewhere: the search never makes one
-        from autopar.errors import PlanError
-        raise PlanError(f"this plan runs schedule {d.schedule!r} with {why}; plan it again")
-    if d.recompute:
-        from autopar.passes.recompute import recompute
-        recompute(pm.inner, set(d.recompute))
+def apply_recompute(gm: fx.GraphModule, layers: list[str]) -> None:
+    """Recompute ``layers`` in backward (decision ``recompute``)."""
+    recompute(gm, set(layers))
 
 
-def apply_pipeline(pm: ParallelModule) -> None:
+def apply_copies(gm: fx.GraphModule, copies: int, out_spec) -> fx.GraphModule:
+    """The micro-batches as ``copies`` copies interleaved in one forward and backward
+    (decision ``copies``), the loss their only output: a new graph."""
+    keep_loss_only(gm, copies, out_spec)
+    return multi_copy(gm, copies)
+
+
+def apply_pipeline(gm: fx.GraphModule, ctx: StepContext, switches: Switches, out_spec) -> PipelineRunner:
     """Pipeline stages and micro-batches (decisions ``pipeline``, ``micro_batches``): this
     rank's stage graphs (several model chunks under the interleaved schedule) run by the
-    schedule's runner; other stages' weights are dropped."""
-    d = pm.plan.decisions
-    if d.zero_reduce_once and (d.zero_stage != 3 or d.pipeline_stages > 1):
-        # the runner turns sync on at a rank's last backward only: other pipeline
-        # chunks' sums would never be reduced
-        from autopar.errors import PlanError
-        raise PlanError("this plan reduces ZeRO-3 gradients once a step (zero_reduce_once) with "
-                        f"zero_stage={d.zero_stage} and {d.pipeline_stages} pipeline stages: it "
-                        "needs zero_stage=3 and no pipeline; plan it again")
-    if d.pipeline_stages == 1 and d.micro_batches == 1:
-        return
-    if d.copies > 1:  # the micro-batches as copies interleaved in one graph
-        from autopar.passes.multi_copy import multi_copy
-        if d.pipeline_stages > 1 or d.micro_batches != d.copies:
-            from autopar.errors import PlanError
-            raise PlanError(f"this plan runs {d.copies} copies with {d.micro_batches} micro-batches "
-                            f"over {d.pipeline_stages} stages; plan it again")
-        keep_loss_only(pm.inner, d.micro_batches, pm._out_spec)
-        object.__setattr__(pm, "inner", multi_copy(pm.inner, d.copies))  # not a submodule
-        return
-    keep_loss_only(pm.inner, d.micro_batches, pm._out_spec)
-    runner = stage_runner(pm, pm.inner, pm.plan, d.micro_batches)
-    for t in list(pm.aliases):
-        if not pm._mine(t):
-            owner, leaf = pm._owner_of(t)
+    schedule's runner, which turns gradient sync on and off through ``switches``; other
+    stages' weights are dropped from ``gm``."""
+    d = ctx.plan.decisions
+    keep_loss_only(gm, d.micro_batches, out_spec)
+    runner = stage_runner(gm, ctx.plan, d.micro_batches, ctx.mesh.stage, switches)
+    for t in ctx.aliases:
+        if t not in ctx.mine:
+            *path, leaf = t.split(".")
+            owner = gm.get_submodule(".".join(path)) if path else gm
             if hasattr(owner, leaf):
                 delattr(owner, leaf)
-    pm.runner = runner
+    return runner
 
 
-def keep_loss_only(gm: torch.fx.GraphModule, micro_batches: int, out_spec) -> None:
-    """Micro-batched plans run ``train_step``, which returns the loss alone: keep only
-    the loss among ``gm``'s outputs (a Hugging Face output's ``loss``), so the
-    schedule has one value to seed backward with and logits are not gathered."""
-    g = gm.graph
-    out = next(n for n in g.nodes if n.op == "output")
-    flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
-    if len(flat) == 1:
-        return
-    idx = named_loss(len(flat), out_spec)
-    if idx is None:
-        from autopar.errors import PlanError
-        raise PlanError(f"this plan runs {micro_batches} micro-batches: "
-                        f"the model must return its loss (a scalar tensor, or an output with "
-                        f"a 'loss' field), but it returns {len(flat)} values")
-    out.args = ((flat[idx],),)
-    g.eliminate_dead_code()
-    gm.recompile()
-
-
-def stage_runner(pm: ParallelModule, gm: torch.fx.GraphModule, plan, micro_batches: int):
-    """The schedule's runner of this rank's stage graphs of ``gm`` (lowered with
-    ``plan``, the loss its only output) over ``micro_batches`` micro-batches."""
-    from autopar.passes.split_stages import split_stages
-    from autopar.runtime.pipeline import PipelineRunner
-
-    d = plan.decisions
-    # this rank's graph; under the interleaved schedule its chunks s, s + p, ..
-    mine = split_stages(gm, plan)[pm._mesh_rt.stage::max(1, d.pipeline_stages)]
-    return PipelineRunner(mine, d.schedule, micro_batches, _Switches(pm))
-
-
-def apply_grad_sync(pm: ParallelModule) -> None:
+def apply_grad_sync(tensors: Tensors, ctx: StepContext, zero: Zero | None) -> GradSync:
     """Data-parallel gradient buckets (decisions ``grad_buckets``, ``grad_buffers``,
     ``grad_compression``): the plan's buckets, reduced as they fill."""
-    from autopar.runtime.grad_sync import GradSync
     params = []
-    zt = pm.zero.targets() if pm.zero is not None else set()
-    for t, p in pm._targets():
-        if not pm._mine(t):
+    zt = zero.targets() if zero is not None else set()
+    for t, p in tensors:
+        if t not in ctx.mine:
             continue
         if t in zt:
-            zp = pm.zero._by_target[t]
-            if pm.zero.stage == 3 and zp.other_axes:
+            zp = zero._by_target[t]
+            if zero.stage == 3 and zp.other_axes:
                 # stage 3: the shard's gradient is still Partial on the other axes
                 params.append((t, zp.shard, zp.other_axes))
             continue
-        if t in pm._placements and isinstance(p, nn.Parameter) and p.requires_grad:
-            params.append((t, p, pm._replicated_axes(t)))
-    d = pm.plan.decisions
-    pm.grad_sync = GradSync(params, d.grad_buckets, keep=d.grad_buffers_kept,
-                            compression=d.grad_compression, rank=d.compression_rank)
+        if t in ctx.placements and isinstance(p, nn.Parameter) and p.requires_grad:
+            params.append((t, p, ctx.replicated[t]))
+    d = ctx.plan.decisions
+    return GradSync(params, d.grad_buckets, keep=d.grad_buffers_kept,
+                    compression=d.grad_compression, rank=d.compression_rank)
 
 
-def apply_dparams(pm: ParallelModule, full_state: Mapping[str, torch.Tensor] | None) -> None:
-    """This stage's parameters as DTensors (and its buffers) under the original names
-        (:mod:`autopar.runtime.dparams`), so optimizers, ``clip_grad_norm_`` and DCP work."""
-    from torch.distributed.tensor import Replicate
-
-    from autopar.runtime import local_step
-    from autopar.runtime.dparams import DParams, register_tree
-    from autopar.runtime.zero_layout import check as check_layout
-    from autopar.runtime.zero_layout import placements as zero_placements
-    mesh = pm._mesh_rt.param_mesh
-    zt = pm.zero.targets() if pm.zero is not None else set()
+def apply_dparams(pm: nn.Module, tensors: Tensors, ctx: StepContext, zero: Zero | None,
+                  grad_sync: GradSync) -> DParams:
+    """This stage's parameters as DTensors (and its buffers) registered on ``pm`` under
+    the original names (:mod:`autopar.runtime.dparams`), so optimizers,
+    ``clip_grad_norm_`` and DCP work; the optimizer steps host copies under
+    ``offload="optimizer"``."""
+    zt = zero.targets() if zero is not None else set()
     entries = []
-    for t, p in pm._targets():
-        if not pm._mine(t):
+    for t, p in tensors:
+        if t not in ctx.mine:
             continue
-        names = pm.aliases[t]
         if t in zt:
-            zp = pm.zero._by_target[t]
-            pl = zero_placements(pm._placements[t], pm.zero.axes, pm.plan.mesh.shape)
-            shape = tuple(pm._param_nodes[t].shape[0])
-            check_layout(t, zp.shard, mesh, pl, pm._placements[t], shape, pm.zero.start_row(t))
-            e = DParams.make(t, zp.shard, mesh, pl, shape, True,
-                             hook_on=zp.full if zp.full is not None else zp.shard)
-        elif t in pm._placements and isinstance(p, nn.Parameter):
-            e = DParams.make(t, p, mesh, pm._placements[t], tuple(pm._param_nodes[t].shape[0]),
-                             p.requires_grad)
+            e = _zero_entry(t, zero, ctx)
+        elif t in ctx.placements and isinstance(p, nn.Parameter):
+            e = DParams.make(t, p, ctx.mesh.param_mesh, ctx.placements[t], ctx.shapes[t], p.requires_grad)
         else:
-            for n in names:
+            for n in ctx.aliases[t]:
                 if p is not None:
                     register_tree(pm, n, p, buffer=True, reserved=_RESERVED,
-                                  persistent=n not in pm.info.nonpersistent)
+                                  persistent=n not in ctx.info.nonpersistent)
             continue
-        if pm.plan.decisions.offload == "optimizer" and e.param.requires_grad:
-            DParams.hosted(e, mesh)  # the optimizer steps a host copy
+        if ctx.plan.decisions.offload == "optimizer" and e.param.requires_grad:
+            DParams.hosted(e, ctx.mesh.param_mesh)  # the optimizer steps a host copy
         # element-wise steps run on the local tensor (the host copy under offload)
         local_step.mark(e.param, e.host if e.host is not None else e.local)
         entries.append(e)
-        pm._entry[t] = e
-        for n in names:  # tied weights: one Parameter under every name
+        for n in ctx.aliases[t]:  # tied weights: one Parameter under every name
             register_tree(pm, n, e.param, reserved=_RESERVED)
-    # tensors the forward never reads: kept whole on every rank (replicated)
-    from autopar.runtime.dparams import as_dtensor
-    for n in sorted(pm.info.unused):
+    return DParams(ctx.mesh.param_mesh, entries, grad_sync)
+
+
+def _zero_entry(t: str, zero: Zero, ctx: StepContext) -> Entry:
+    """The DTensor parameter of ZeRO's shard of ``t``, its layout checked."""
+    mesh, zp = ctx.mesh.param_mesh, zero._by_target[t]
+    pl = zero_placements(ctx.placements[t], zero.axes, ctx.plan.mesh.shape)
+    check_layout(t, zp.shard, mesh, pl, ctx.placements[t], ctx.shapes[t], zero.start_row(t))
+    return DParams.make(t, zp.shard, mesh, pl, ctx.shapes[t], True,
+                        hook_on=zp.full if zp.full is not None else zp.shard)
+
+
+def apply_unused(pm: nn.Module, full_state: Mapping[str, torch.Tensor] | None,
+                 ctx: StepContext) -> dict[str, torch.Tensor]:
+    """The tensors the forward never reads, registered on ``pm`` whole on every rank
+    (replicated) from ``full_state``, so every state dict still has them: name -> tensor."""
+    extra: dict[str, torch.Tensor] = {}
+    mesh = ctx.mesh.param_mesh
+    for n in sorted(ctx.info.unused):
         if full_state is None or n not in full_state:
             continue
         x = full_state[n].detach().clone()
-        if n in pm.info.buffers:
+        if n in ctx.info.buffers:
             register_tree(pm, n, x, buffer=True, reserved=_RESERVED,
-                          persistent=n not in pm.info.nonpersistent)
-            pm._extra[n] = x
+                          persistent=n not in ctx.info.nonpersistent)
+            extra[n] = x
         else:
             dt = nn.Parameter(as_dtensor(x, mesh, (Replicate(),) * mesh.ndim, x.shape),
-                              requires_grad=n not in pm.info.frozen)
+                              requires_grad=n not in ctx.info.frozen)
             register_tree(pm, n, dt, reserved=_RESERVED)
             local_step.mark(dt, dt._local_tensor)
-            pm._extra[n] = dt
-    pm._dparams = DParams(mesh, entries, getattr(pm, "grad_sync", None))
+            extra[n] = dt
+    return extra
 
 
 def apply_checks(pm: ParallelModule) -> None:
@@ -313,37 +317,6 @@ def apply_checks(pm: ParallelModule) -> None:
     pm._start_call_check()
 
 
-class _Switches:
-    """Turns gradient synchronisation (plain and ZeRO) on and off together; the
-    pipeline runner keeps it off except for a stage's last backward."""
-
-    def __init__(self, pm: ParallelModule) -> None:
-        self._pm = pm
-
-    @property
-    def enabled(self) -> bool:
-        """Whether gradient hooks reduce."""
-        return self._pm.grad_sync.enabled
-
-    @enabled.setter
-    def enabled(self, on: bool) -> None:
-        self._pm.grad_sync.enabled = on
-        if self._pm.zero is not None:
-            self._pm.zero.enabled = on
-            if self._pm.plan.decisions.zero_reduce_once:
-                # ZeRO-3 reduce-scatters in the backward where sync is on (the last)
-                from autopar.runtime.zero3 import defer
-                defer(self._pm.zero.group_keys, not on)
-
-    def flush(self) -> None:
-        """Reduce every gradient now (plain buckets, then ZeRO's), then point the
-        DTensor parameters' ``.grad`` at the results (what the hooks would have done)."""
-        self._pm.grad_sync.flush()
-        if self._pm.zero is not None:
-            self._pm.zero.flush()
-        if self._pm._dparams is not None:
-            self._pm._dparams.bridge()
-
-
-__all__ = ["apply_checks", "apply_device", "apply_dparams", "apply_grad_sync", "apply_inputs",
-           "apply_offload", "apply_pipeline", "apply_plan", "apply_recompute", "apply_zero", "to_host"]
+__all__ = ["StepContext", "Tensors", "apply_checks", "apply_copies", "apply_device", "apply_dparams",
+           "apply_grad_sync", "apply_inputs", "apply_offload", "apply_pipeline", "apply_plan",
+           "apply_recompute", "apply_unused", "apply_zero", "to_host"]

@@ -61,6 +61,7 @@ from torch.utils import _pytree as pytree
 from autopar.capture.annotate import annotate
 from autopar.capture.trace import capture
 from autopar.log import log
+from autopar.module.runners import Switches, keep_loss_only, stage_runner
 from autopar.module.shape_lowering import Shapes, adopt, fit_plan, same_graph, shapes_text
 from autopar.module.shape_template import Shape, Templates
 from autopar.plan.data import Plan
@@ -281,10 +282,8 @@ class ShapeRoutes:
     def _runner(self, pm: ParallelModule, gm: fx.GraphModule, plan: Plan, micro: int):
         """The schedule's runner of ``gm`` (one micro-batch's lowering) on this rank,
         compiled as the planned one is."""
-        from autopar.module.apply import keep_loss_only, stage_runner
-
         keep_loss_only(gm, micro, pm._out_spec)
-        runner = stage_runner(pm, adopt(pm, gm), plan, micro)
+        runner = stage_runner(adopt(pm, gm), plan, micro, pm._mesh_rt.stage, Switches(pm))
         runner.loss_scale = pm.runner.loss_scale
         if runner.schedule is not Schedule.ZERO_BUBBLE:
             # each stage graph as its family's template: a few compilations for any

@@ -410,7 +410,7 @@ DECISIONS: tuple[Decision, ...] = (
              "the other's compute (multi-copy overlap)",
              (Option("copies", _copies, "2 or auto"),),
              ("copies",),
-             "autopar.search.stages.step_terms:copies_hidden", "autopar.module.apply:apply_pipeline",
+             "autopar.search.stages.step_terms:copies_hidden", "autopar.module.apply:apply_copies",
              "copies",
              summary="copies", summary_if=lambda d: d.copies > 1),
     Decision("offload", "optimizer state (and ZeRO-3 parameter shards) kept in host memory",
