@@ -48,14 +48,10 @@ from autopar.search.shallow import (
     steady,
 )
 from autopar.search.space import JointSpace, _Candidate
-from autopar.search.stages.dp import (
-    Config,
-    Priced,
-    price,
-    stage_link,
-    step_lower_bound,
-)
+from autopar.search.stages.dp import price, step_lower_bound
 from autopar.search.stages.layer_stats import layer_stats
+from autopar.search.stages.priced import Config, Priced
+from autopar.search.stages.step_terms import stage_link
 from autopar.search.why import Context, decisions_why
 
 

@@ -18,8 +18,9 @@ from autopar.plan.decisions import Schedule
 from autopar.search.joint import JointSearch
 from autopar.search.op_placement import PlanOptions
 from autopar.search.space import _Candidate
-from autopar.search.stages.dp import Config, Priced, price, split_lower_bound, step_lower_bound
+from autopar.search.stages.dp import price, split_lower_bound, step_lower_bound
 from autopar.search.stages.layer_stats import LayerStat
+from autopar.search.stages.priced import Config, Priced
 from autopar.search.stages.split_search import balanced_floor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))

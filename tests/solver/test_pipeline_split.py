@@ -13,8 +13,10 @@ import pytest
 
 from autopar import MeshSpec
 from autopar.plan.decisions import Schedule
-from autopar.search.stages.dp import Config, price, price_stage
+from autopar.search.stages.dp import price
 from autopar.search.stages.layer_stats import LayerStat, ParamStat
+from autopar.search.stages.price import price_stage
+from autopar.search.stages.priced import Config
 
 MESH = MeshSpec.preset("multinode-a100-ib", shape=(2, 8))
 GIB = 2.0**30

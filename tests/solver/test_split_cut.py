@@ -20,9 +20,10 @@ from autopar import MeshSpec
 from autopar.plan.decisions import Schedule, zero_axes
 from autopar.runtime.grad_sync import fill_buckets
 from autopar.search.stages import split_search
-from autopar.search.stages.dp import Config, price
+from autopar.search.stages.dp import price
 from autopar.search.stages.layer_stats import LayerStat, ParamStat, grad_bytes, on_zero, zero_price
 from autopar.search.stages.memory import gradient_arrivals, param_views
+from autopar.search.stages.priced import Config
 
 MESH = MeshSpec.preset("multinode-a100-ib", shape=(2, 8))
 GIB = 2.0**30
@@ -219,7 +220,7 @@ def test_zero_bubble_stages_with_equal_in_flight_counts_are_priced_apart() -> No
     differ in the gradients they keep from B to W (schedules.waiting_w): the split
     search prices each range at each stage as pricing every range by position does
     (the same slowest stage and stage boundaries, budgets that bind)."""
-    from autopar.search.stages.dp import price_stage
+    from autopar.search.stages.price import price_stage
     from autopar.search.stages.step_terms import in_flight, waiting_w
 
     stats = _stats(random.Random(5), 10, alike=True)
