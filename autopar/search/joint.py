@@ -257,7 +257,7 @@ class JointSearch(JointCaptures, JointSpace):
         if lb is None or lb <= bar * (1.0 + 1e-9):
             return False
         cand = _Candidate(stages, micro, None, None, [], self.mesh, estimate, axis=axis)  # type: ignore[arg-type]
-        self.priced.append((cand, Priced(Config(stages, micro, pipeline_axis=axis), [], math.inf,
+        self.priced.append((cand, Priced(Config(stages=stages, micro_batches=micro, pipeline_axis=axis), [], math.inf,
                                          math.inf, bound=lb)))
         self._say(f"{split_words(stages, axis, 'stages')}, micro-batches {micro}: not searched, "
                   + (f"its compute and kernel launches alone take at least {lb * 1e3:.3f} ms per step, over the best "

@@ -27,7 +27,7 @@ from autopar.search.offload import kinds as offload_kinds
 from autopar.search.op_placement import PlanOptions
 from autopar.search.stages.dp import split_lower_bound
 from autopar.search.stages.layer_stats import LayerStat, kernel_floor
-from autopar.search.stages.priced import Config, Priced
+from autopar.search.stages.priced import Config, Priced, forced_fields
 from autopar.search.stages.step_terms import bubble_share
 
 
@@ -212,7 +212,7 @@ class JointSpace:
         known_configs = self._config_lists.get(key)
         if known_configs is not None:
             return known_configs
-        out = []
+        out, forced = [], forced_fields(self.opts)
         for z in zs:
             # ZeRO needs a sub-mesh axis to shard over: no config when there is none
             for a in (axes if z else [None]):
@@ -223,11 +223,10 @@ class JointSpace:
                     # micro-batch, or once a step from whole gradients (more memory)
                     once = [False, True] if z == 3 and cand.micro_batches > 1 and cand.stages == 1 else [False]
                     for v in (virtual if s == Schedule.INTERLEAVED.value else [1]):
-                        out.extend(Config(cand.stages, cand.micro_batches, s, z, a,
-                                          self.opts.recompute, self.opts.bucket_bytes, v,
-                                          cand.axis, self.opts.reshard_after_forward, o,
-                                          self.opts.keep_grad_buffers, c, r, h, k,
-                                          self.opts.split_gathers)
+                        out.extend(Config(stages=cand.stages, micro_batches=cand.micro_batches,
+                                          schedule=s, zero_stage=z, zero_axis=a, virtual=v,
+                                          pipeline_axis=cand.axis, reduce_once=o, compression=c,
+                                          rank=r, offload=h, copies=k, **forced)
                                    for o in once for c, r in compression_kinds(self.opts)
                                    for h in offload_kinds(self.opts, z, sub)
                                    for k in self._copies(cand))
@@ -295,7 +294,7 @@ class JointSpace:
             if s == Schedule.INTERLEAVED.value:
                 out += [(1.0 / v, v) for v in self._chunks(stages, micro, layers)]
             else:
-                out.append((bubble_share(Config(stages, micro, s)), 1))
+                out.append((bubble_share(Config(stages=stages, micro_batches=micro, schedule=s)), 1))
         return out
 
     def _virtual(self, cand: _Candidate) -> list[int]:

@@ -260,7 +260,7 @@ def test_later_rounds_visit_the_fastest_stage_counts_first(monkeypatch) -> None:
     def fake_try(p, m, budget, estimate=False, axis=0, **kw):
         tried.append((p, m))
         cand = _Candidate(p, m, None, None, [], js.mesh, axis=axis)
-        js.priced.append((cand, Priced(Config(p, m), [], step[p], 0.0)))
+        js.priced.append((cand, Priced(Config(stages=p, micro_batches=m), [], step[p], 0.0)))
 
     monkeypatch.setattr(js, "_try", fake_try)
     js._explore(first=(1, 1, 0), est=False)

@@ -97,7 +97,7 @@ def test_pricing_matches_the_schedule_for_equal_chunks() -> None:
     no_link = lambda b: 0.0  # noqa: E731
     for v in (1, 2):
         sched = "interleaved-1f1b" if v > 1 else "1f1b"
-        pr = price(stats, Config(4, 8, sched, virtual=v), mesh, no_link, 1e12, "sgd")
+        pr = price(stats, Config(stages=4, micro_batches=8, schedule=sched, virtual=v), mesh, no_link, 1e12, "sgd")
         assert pr.feasible
         chunk = 8 / 4 * 3e-3 / v  # two layers per rank, in v chunks
         makespan = max(t.end for t in list_schedule(
