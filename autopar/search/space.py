@@ -169,40 +169,13 @@ class PlanSpace:
         copies, each as forced or every option that can run; the forced values of the
         decisions its stages choose passed through (:func:`forced_fields`)."""
         sub = cand.plan.mesh
-        if self.opts.zero_stage is not None:
-            zs = [self.opts.zero_stage]
-            if self.opts.offload == "params" and zs != [3]:
-                raise PlanError(f"offload='params' keeps ZeRO-3's parameter shards in host memory: "
-                                f"it needs zero_stage=3, not {self.opts.zero_stage}")
-        elif self.opts.offload == "params":
-            zs = [3]
-        else:
-            zs = [0, 1, 2, 3]
+        zs = self._zero_stages()
         params = [(q.replicated, q.bytes) for st in cand.stats for q in st.params]
         axes = zero_groups(tuple(sub.shape), self.opts.zero_axes, params) if any(zs) else []
         scheds = self._schedules(cand.stages)
-        if self.opts.recompute:
-            known = {st.key for st in cand.stats}
-            bad = sorted(set(self.opts.recompute) - known)
-            if bad:
-                raise PlanError(f"recompute names unknown layer(s) {bad}; the model's layers are "
-                                f"{[st.key for st in cand.stats]}")
-            stateful = sorted(st.key for st in cand.stats
-                              if st.key in self.opts.recompute and st.updates_state)
-            if stateful:
-                raise PlanError(f"recompute names layer(s) {stateful} whose forward updates state in "
-                                "place (a training batch norm's running statistics): recomputing "
-                                "would update it twice; leave them out of recompute=")
+        self._check_recompute(cand.stats)
         virtual = self._virtual(cand)
-        # recomputation asked for: by recompute=, or by the model's own checkpointing
-        own = [st.key for st in cand.stats if st.checkpointed is not Coverage.NONE]
-        recomputes = bool(self.opts.recompute) or bool(own)
-        why = conflict(self.opts.schedule, bool(own), None)
-        if why:
-            raise PlanError(f"schedule={self.opts.schedule!r} cannot run the model's own activation "
-                            f"checkpointing of {', '.join(own)} ({why}): use another schedule, or "
-                            "turn the model's checkpointing off (Hugging Face: "
-                            "model.gradient_checkpointing_disable())")
+        recomputes = self._recomputes(cand.stats)
         # the same list for every plan of a split whose parameters group alike (a deep
         # model's search asks for a split's configs about a thousand times)
         key = (cand.stages, cand.micro_batches, cand.axis, tuple(zs), tuple(axes),
@@ -230,6 +203,42 @@ class PlanSpace:
                                    for k in self._copies(cand))
         self._config_lists[key] = out
         return out
+
+    def _zero_stages(self) -> list[int]:
+        """The ZeRO stages :meth:`configs` tries: the forced one, else all four; only
+        stage 3 when its parameter shards live in host memory."""
+        if self.opts.zero_stage is not None:
+            if self.opts.offload == "params" and self.opts.zero_stage != 3:
+                raise PlanError(f"offload='params' keeps ZeRO-3's parameter shards in host memory: "
+                                f"it needs zero_stage=3, not {self.opts.zero_stage}")
+            return [self.opts.zero_stage]
+        return [3] if self.opts.offload == "params" else [0, 1, 2, 3]
+
+    def _check_recompute(self, stats: list[LayerStat]) -> None:
+        """The layers ``recompute=`` names exist and can be recomputed."""
+        if not self.opts.recompute:
+            return
+        bad = sorted(set(self.opts.recompute) - {st.key for st in stats})
+        if bad:
+            raise PlanError(f"recompute names unknown layer(s) {bad}; the model's layers are "
+                            f"{[st.key for st in stats]}")
+        stateful = sorted(st.key for st in stats if st.key in self.opts.recompute and st.updates_state)
+        if stateful:
+            raise PlanError(f"recompute names layer(s) {stateful} whose forward updates state in "
+                            "place (a training batch norm's running statistics): recomputing "
+                            "would update it twice; leave them out of recompute=")
+
+    def _recomputes(self, stats: list[LayerStat]) -> bool:
+        """Whether recomputation is asked for, by ``recompute=`` or by the model's own
+        checkpointing; a forced schedule that cannot run the model's own is an error."""
+        own = [st.key for st in stats if st.checkpointed is not Coverage.NONE]
+        why = conflict(self.opts.schedule, bool(own), None)
+        if why:
+            raise PlanError(f"schedule={self.opts.schedule!r} cannot run the model's own activation "
+                            f"checkpointing of {', '.join(own)} ({why}): use another schedule, or "
+                            "turn the model's checkpointing off (Hugging Face: "
+                            "model.gradient_checkpointing_disable())")
+        return bool(self.opts.recompute) or bool(own)
 
     def copies_split(self, first: tuple[int, int, int]) -> bool:
         """Under ``copies="auto"``: whether to price the one-stage split of two
