@@ -22,22 +22,16 @@ import time
 
 from torch import nn
 
-from autopar.capture.batch import AnyBatch
 from autopar.capture.trace import Captured
 from autopar.cost_models import MeshSpec, format_bytes
 from autopar.errors import NoFitError, PlanError
 from autopar.log import report, show
 from autopar.plan.data import Plan, zero_words
 from autopar.plan.decisions import Decisions, Schedule
-from autopar.plan.splits import (
-    batch_size,
-    micro_inputs,
-    split_mesh,
-    split_words,
-)
+from autopar.plan.splits import batch_size, split_mesh, split_words
 from autopar.search.assemble import complete
 from autopar.search.budget import Phase, TimeBudget
-from autopar.search.captures import JointCaptures, request
+from autopar.search.captures import Captures, request
 from autopar.search.collectives import list_collectives
 from autopar.search.forced import check_forced
 from autopar.search.op_placement import PlanOptions, local_axes, make_weighted_plans
@@ -47,20 +41,19 @@ from autopar.search.shallow import (
     extrapolate_blocks,
     steady,
 )
-from autopar.search.space import JointSpace, _Candidate
-from autopar.search.stages.dp import (
-    Config,
-    Priced,
-    price,
-    stage_link,
-    step_lower_bound,
-)
+from autopar.search.space import PlanSpace, _Candidate, tied_across_layers
+from autopar.search.stages.dp import price, step_lower_bound
 from autopar.search.stages.layer_stats import layer_stats
+from autopar.search.stages.priced import Config, Priced
+from autopar.search.stages.step_terms import stage_link
 from autopar.search.why import Context, decisions_why
 
 
-class JointSearch(JointCaptures, JointSpace):
-    """One joint search (see the module docstring); ``run()`` returns (capture, plan)."""
+class JointSearch:
+    """One joint search (see the module docstring); ``run()`` returns (capture, plan).
+    It holds the model's captures (:class:`~autopar.search.captures.Captures`) and the
+    plan space (:class:`~autopar.search.space.PlanSpace`), and passes each what it reads
+    of the search."""
 
     def __init__(self, model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOptions,
                  example_kwargs: dict | None = None) -> None:
@@ -68,29 +61,20 @@ class JointSearch(JointCaptures, JointSpace):
         self.kwargs = example_kwargs  # _call: one pytree (model(**batch) has no positional input)
         self._call = (self.inputs, dict(example_kwargs or {}))
         self.budget = opts.budget_for(mesh)
-        self.captures: dict[tuple[int, bool], Captured] = {}
-        self._generic: AnyBatch | bool | None = None  # the shallow copy's (or blocks= model's) any-batch capture
+        self.timings: dict[str, float] = {}
+        self.captures = Captures(model, self._call, opts, self.timings)
+        self.space = PlanSpace(mesh, opts, self._call)
         self.priced: list[tuple[_Candidate, Priced]] = []
-        self._config_lists: dict[tuple, list[Config]] = {}  # _configs' lists by what they depend on
         # best()'s answer so far, per ``exact``: (the list it read, how much of it, best, its key)
         self._best_seen: dict[bool, tuple[list, int, tuple | None, tuple | None]] = {}
-        # (the model with its layer list cut to KEEP, the list's depth and path) while
-        # candidates are estimated from it (autopar/search/shallow.py); _exact: never again
-        self._shallow: tuple[nn.Module, int, str] | None = None
-        self._exact = False
         self._mismatch = False  # a confirmed split priced otherwise than its estimate
         # the best step another search found (autopar/search/mesh_shapes.py: another mesh
         # shape's): a split or config bounded above it cannot win here either
         self.incumbent = math.inf
-        self.timings: dict[str, float] = {}
         # time_limit split among the search's phases (autopar/search/budget.py); one per pass of _run
         self._clock = TimeBudget(opts.time_limit, self.uncharged)
         self._stopped: set[Phase] = set()  # phases that ran out of their share
-        self._validate()
-
-    def _validate(self) -> None:
-        """Forced decisions that cannot mean anything are errors, never ignored."""
-        check_forced(self.opts, self.mesh)
+        check_forced(self.opts, self.mesh)  # forced decisions that cannot mean anything: errors
 
     # ------------------------------------------------------------ candidates
     def _intra(self, stages: int, micro: int, budget: float | None,
@@ -103,16 +87,16 @@ class JointSearch(JointCaptures, JointSpace):
         ``weights``: only those sync weights' plans; ``axis``: the mesh axis the stages
         are carved from."""
         full, sub = split_mesh(self.mesh, stages, axis)
-        estimate = estimate and self._shallow is not None  # the copy may have been dropped
+        estimate = estimate and self.captures.shallow is not None  # the copy may have been dropped
         if estimate:
             try:
-                cap = self._capture(micro, shallow=True)
+                cap = self.captures.at(micro, shallow=True)
             except Exception as e:  # noqa: BLE001 - a copy that will not capture: go deep
                 self._say(f"the {KEEP}-layer copy did not capture ({type(e).__name__}): "
                           "planning every split at full depth")
-                self._shallow, estimate = None, False
+                self.captures.shallow, estimate = None, False
         if not estimate:
-            cap = self._capture(micro)
+            cap = self.captures.at(micro)
         t0 = time.perf_counter()
         # an estimate's plan is never returned: its solver gets what its phase has left;
         # an exact one's may be (nothing estimated): it gets what the whole budget has
@@ -139,7 +123,7 @@ class JointSearch(JointCaptures, JointSpace):
             if self.opts.blocks is not None:
                 stats = extrapolate_blocks(stats, self.opts.blocks)
             elif estimate:
-                stats = deepen(stats, self._shallow[2], self._shallow[1])
+                stats = deepen(stats, self.captures.shallow[2], self.captures.shallow[1])
             out.append(_Candidate(stages, micro, cap, p, stats, full, estimate, w, axis))
         return out
 
@@ -147,7 +131,7 @@ class JointSearch(JointCaptures, JointSpace):
         link = stage_link(cand.full, cand.stages)
         best = self.best()
         cut = min(best[1].step_seconds if best is not None else math.inf, self.incumbent)
-        for cfg in self._configs(cand):
+        for cfg in self.space.configs(cand):
             if cand.stages > 1:
                 # a pipeline's split search is O(stages x layers^2) per config (80 layers
                 # on 48 stages: ~1 s): a config whose lower bound is already slower than
@@ -257,11 +241,11 @@ class JointSearch(JointCaptures, JointSpace):
         schedule of the split leaves).  The split is recorded with its bound."""
         best = self.best()
         bar = min(best[1].step_seconds if best is not None else math.inf, self.incumbent)
-        lb = self._split_floor(stages, micro)
+        lb = self.space.split_floor(self._with_stats(), stages, micro)
         if lb is None or lb <= bar * (1.0 + 1e-9):
             return False
         cand = _Candidate(stages, micro, None, None, [], self.mesh, estimate, axis=axis)  # type: ignore[arg-type]
-        self.priced.append((cand, Priced(Config(stages, micro, pipeline_axis=axis), [], math.inf,
+        self.priced.append((cand, Priced(Config(stages=stages, micro_batches=micro, pipeline_axis=axis), [], math.inf,
                                          math.inf, bound=lb)))
         self._say(f"{split_words(stages, axis, 'stages')}, micro-batches {micro}: not searched, "
                   + (f"its compute and kernel launches alone take at least {lb * 1e3:.3f} ms per step, over the best "
@@ -273,7 +257,21 @@ class JointSearch(JointCaptures, JointSpace):
     def share(self, other: JointSearch) -> None:
         """Use ``other``'s captures and shallow copy: the same model and call planned on
         another mesh (:mod:`autopar.search.mesh_shapes`) captures nothing twice."""
-        self.captures, self._generic, self._shallow = other.captures, other._generic, other._shallow
+        self.captures.share(other.captures)
+
+    def _with_stats(self) -> _Candidate | None:
+        """The first priced candidate with layer statistics (any: what they share is the
+        model's layers and their compute)."""
+        return next((c for c, _ in self.priced if c.stats), None)
+
+    def _stage_options(self) -> list[tuple[int, int]]:
+        """The (stages, axis) splits of :meth:`PlanSpace.stage_options`, told of the
+        captures' tied weights and the layers priced so far."""
+        options, note = self.space.stage_options(tied_across_layers(self.captures.first()),
+                                                  self._with_stats())
+        if note:
+            self._say(note)
+        return options
 
     def run(self) -> tuple[Captured, Plan]:
         """Search and return the chosen capture (at the micro-batch size) and plan."""
@@ -291,14 +289,15 @@ class JointSearch(JointCaptures, JointSpace):
         and the first candidate, the plain one or the forced split; returns its split."""
         self._clock = TimeBudget(self.opts.time_limit, self.uncharged)
         self._stopped = set()
-        stages, axis = self._forced_splits()[0]
-        first = (stages, self._micro_options(stages)[0], axis)
-        self._try(stages, first[1], math.inf, strict=True, estimate=self._start_early(), axis=axis)
-        self._try_copies(first)
+        stages, axis = self.space.forced_splits()[0]
+        first = (stages, self.space.micro_options(stages)[0], axis)
+        self._try(stages, first[1], math.inf, strict=True, estimate=self.captures.start_early(), axis=axis)
+        if self.space.copies_split(first):
+            self._try(1, 2, math.inf, estimate=self.captures.shallow is not None)
         if stages > 1:
             self._stage_options()  # forced stages: refuse tied weights across layers now
-            for p, a in self._forced_splits()[1:]:  # the forced count from the other axes
-                self._try(p, first[1], math.inf, estimate=self._shallow is not None, axis=a)
+            for p, a in self.space.forced_splits()[1:]:  # the forced count from the other axes
+                self._try(p, first[1], math.inf, estimate=self.captures.shallow is not None, axis=a)
         return first
 
     def widen(self, first: tuple[int, int, int], seconds: float | None = None) -> None:
@@ -319,7 +318,8 @@ class JointSearch(JointCaptures, JointSpace):
             self.opts.zero_stage is None and best[1].config.zero_stage > 0
             and not self._fits_plainly(best[0]))
         if self.opts.explore or (pressed and not forced):
-            est = self._shallow is not None or self._start_shallow()
+            est = self.captures.shallow is not None or self.captures.start_shallow(
+                self.priced[0][0].stats if self.priced else None)
             # breadth first, each stage count's most promising micro-batch count first:
             # a time limit then cuts depth, not whole stage counts.  With a pipeline
             # more micro-batches shrink the bubble: the most first; without one they only
@@ -345,16 +345,16 @@ class JointSearch(JointCaptures, JointSpace):
                 self._try(p, m, self.budget, estimate=e, force=k == 0, axis=a)
         self._confirm_estimates()
         best = self.best(exact=True)
-        if self._mismatch and not self._exact:
+        if self._mismatch and not self.captures.exact:
             # the estimates stood for layers that differ at full depth after all: their
             # ranking is not to be trusted, so every split is planned at full depth
             self._say("the layers differ at full depth: planning every split at full depth")
             self.priced = [(c, p) for c, p in self.priced if not c.estimate]
-            self._shallow, self._exact = None, True
+            self.captures.shallow, self.captures.exact = None, True
             return self._run()
         if best is None:
             if not self.priced and self.opts.schedule == Schedule.INTERLEAVED.value:
-                counts = {p: self._micro_options(p) for p, _ in self._stage_options() if p > 1}
+                counts = {p: self.space.micro_options(p) for p, _ in self._stage_options() if p > 1}
                 raise PlanError(
                     "schedule='interleaved-1f1b' has no split it can run: it needs a number of "
                     "micro-batches that is a multiple of the pipeline stages and a layer per "
@@ -393,11 +393,11 @@ class JointSearch(JointCaptures, JointSpace):
     def _explore(self, first: tuple[int, int, int], est: bool) -> None:
         """Every (stages, micro-batches, axis) split but ``first`` (planned already), in
         rounds: each round takes each stage count's next micro-batch count
-        (:meth:`_micro_order`).  The first round goes in the order of the stage counts
+        (:meth:`PlanSpace.micro_order`).  The first round goes in the order of the stage counts
         (across nodes before inside one); every later one visits first the stage counts
         whose plans so far were fastest, so that a time limit cuts the unpromising ones.  Which
         splits are planned does not depend on the order, only which a limit cuts."""
-        queues = {(p, a): self._micro_order(p, a) for p, a in self._stage_options()}
+        queues = {(p, a): self.space.micro_order(p, a) for p, a in self._stage_options()}
         order = sorted(queues, key=lambda pa: (pa[1] > 0, pa[0], pa[1]))
         while any(queues.values()):
             for p, a in order:
@@ -493,4 +493,4 @@ class JointSearch(JointCaptures, JointSpace):
         return plan
 
 
-__all__ = ["JointSearch", "batch_size", "micro_inputs", "request", "split_mesh"]
+__all__ = ["JointSearch"]

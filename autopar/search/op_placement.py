@@ -227,7 +227,7 @@ def ilp_size(gm: fx.GraphModule, mesh_shape: tuple[int, ...]) -> tuple[int, int]
     """(sum of strategies over nodes, sum of edge matrix entries) the ILP would build,
     estimated without enumerating the product: a node with ``s`` 1-D strategies gets
     ``s ** axes`` (an upper bound: divisibility prunes some), axes of size 1 excluded."""
-    from autopar.search.solvers.drec import _plan_nodes
+    from autopar.search.solvers.drec_graph import _plan_nodes
     from autopar.sharding.rules import RuleCtx, axis_strategies
 
     axes = sum(1 for n in mesh_shape if n > 1)

@@ -2,8 +2,10 @@
 micro-batch counts and the configurations (schedule, ZeRO stage and axes, virtual
 stages) priced on each candidate placement.
 
-:class:`JointSpace` is a base class of :class:`autopar.search.joint.JointSearch`; it reads the
-search's mesh, options, call, captures and priced candidates.
+:class:`PlanSpace` is held by :class:`autopar.search.joint.JointSearch`; it is given the
+mesh, the options and the call, and what it reads of the search's progress (the layer
+statistics priced so far, the tied weights of its captures) is passed to the method
+that needs it.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ from autopar.search.compression import kinds as compression_kinds
 from autopar.search.forced import zero_groups
 from autopar.search.offload import kinds as offload_kinds
 from autopar.search.op_placement import PlanOptions
-from autopar.search.stages.dp import Config, bubble_share, split_lower_bound
+from autopar.search.stages.dp import split_lower_bound
 from autopar.search.stages.layer_stats import LayerStat, kernel_floor
-from autopar.search.stages.priced import Priced
+from autopar.search.stages.priced import Config, Priced, forced_fields
+from autopar.search.stages.step_terms import bubble_share
 
 
 @dataclass
@@ -52,42 +55,34 @@ class _Candidate:
         return any(set(sp.recompute) - own for sp in pr.stages)
 
 
-class JointSpace:
-    """The plan space of one joint search (see the module docstring)."""
+def tied_across_layers(cap: Captured | None) -> list[str]:
+    """Parameters used by more than one layer of ``cap`` (tied embedding and head): a
+    pipeline would need their gradients summed across stages, which the runtime refuses."""
+    if cap is None:
+        return []
+    keys = layer_keys(cap.gm)
+    out = []
+    for n in cap.gm.graph.nodes:
+        if n.op == "get_attr" and info(n).param is not None:
+            if len({keys[u] for u in n.users if u in keys}) > 1:
+                out.append(info(n).param)
+    return out
 
-    mesh: MeshSpec
-    opts: PlanOptions
-    _call: tuple
-    captures: dict
-    priced: list
-    _config_lists: dict
 
-    def _say(self, msg: str) -> None:  # JointSearch reports progress
-        raise NotImplementedError
+class PlanSpace:
+    """The plan space of one joint search on ``mesh`` under ``opts`` for the batch of
+    ``call`` (positional inputs, keyword inputs); see the module docstring.  ``known``,
+    where a method takes it: a priced candidate with layer statistics (any: what they
+    share is the model's layers and their compute), ``None`` before there is one."""
 
-    def _tied_across_layers(self) -> list[str]:
-        """Parameters used by more than one layer (tied embedding and head): a pipeline
-        would need their gradients summed across stages, which the runtime refuses."""
-        cap = next(iter(self.captures.values()), None)
-        if cap is None:
-            return []
-        keys = layer_keys(cap.gm)
-        out = []
-        for n in cap.gm.graph.nodes:
-            if n.op == "get_attr" and info(n).param is not None:
-                if len({keys[u] for u in n.users if u in keys}) > 1:
-                    out.append(info(n).param)
-        return out
+    def __init__(self, mesh: MeshSpec, opts: PlanOptions, call: tuple) -> None:
+        self.mesh, self.opts, self.call = mesh, opts, call
+        # configs()' lists by what they depend on
+        self._config_lists: dict[tuple, list[Config]] = {}
 
-    def _with_stats(self) -> _Candidate | None:
-        """The first priced candidate with layer statistics (any: what they share is the
-        model's layers and their compute)."""
-        return next((c for c, _ in self.priced if c.stats), None)
-
-    def _enough_layers(self, stages: int) -> None:
+    def _enough_layers(self, known: _Candidate | None, stages: int) -> None:
         """Forced stages need a computing layer each (a stage that computes nothing is
         never planned): say so, rather than that no plan fits memory."""
-        known = self._with_stats()
         if known is None or stages <= 1:
             return
         layers = [st.key for st in known.stats if st.compute > 0]
@@ -98,22 +93,22 @@ class JointSpace:
                             "(repeated blocks such as model.layers.N, with what comes before and "
                             "after them)")
 
-    def _stage_options(self) -> list[tuple[int, int]]:
+    def stage_options(self, tied: list[str], known: _Candidate | None,
+                      ) -> tuple[list[tuple[int, int]], str | None]:
         """(stages, mesh axis they are carved from): every factor of every axis (across
-        nodes and inside a node), or the forced count and axis."""
-        tied = self._tied_across_layers()
+        nodes and inside a node), or the forced count and axis; with what to tell the
+        user when the splits are cut short.  ``tied``: :func:`tied_across_layers`."""
         p = self.opts.pipeline_stages
         if p is not None:
             if p > 1 and tied:
                 raise PlanError(f"pipeline_stages={p} is impossible: "
                                 f"{', '.join(tied)} is used by several layers (tied weights), "
                                 "which would have to live on two stages")
-            self._enough_layers(p)
-            return self._forced_splits()
+            self._enough_layers(known, p)
+            return self.forced_splits(), None
         if tied:
-            self._say(f"no pipelining: tied weights {', '.join(tied)} span several layers")
-            return [(1, 0)]
-        return [(1, 0)] + self._splits()
+            return [(1, 0)], f"no pipelining: tied weights {', '.join(tied)} span several layers"
+        return [(1, 0)] + self._splits(), None
 
     def _splits(self, stages: int | None = None) -> list[tuple[int, int]]:
         """The pipeline splits of the mesh (of ``stages`` stages only, when given), on the
@@ -121,13 +116,13 @@ class JointSpace:
         return [(q, a) for q, a in pipeline_splits(tuple(self.mesh.shape))
                 if stages in (None, q) and self.opts.pipeline_axis in (None, a)]
 
-    def _forced_splits(self) -> list[tuple[int, int]]:
+    def forced_splits(self) -> list[tuple[int, int]]:
         """The splits of the forced ``pipeline_stages``: from each axis it divides (or
         the forced ``pipeline_axis``)."""
         p = self.opts.pipeline_stages or 1
         return [(1, 0)] if p == 1 else self._splits(p)
 
-    def _micro_options(self, stages: int) -> list[int]:
+    def micro_options(self, stages: int) -> list[int]:
         """Micro-batch counts for ``stages``: every count that divides the batch (a deep
         pipeline needs many, 64-1,024 in published runs, to shrink its bubble; before,
         only 1-32 in powers of two were tried), at least one per stage; two copies
@@ -136,10 +131,10 @@ class JointSpace:
             return [self.opts.micro_batches]
         if self.opts.copies == 2:
             return [2]
-        return micro_counts(batch_size(self._call), stages)
+        return micro_counts(batch_size(self.call), stages)
 
-    def _micro_order(self, stages: int, axis: int = 0) -> list[int]:
-        """:meth:`_micro_options` most promising first.  Without a pipeline the fewest
+    def micro_order(self, stages: int, axis: int = 0) -> list[int]:
+        """:meth:`micro_options` most promising first.  Without a pipeline the fewest
         (more only trade speed for memory).  With one, first the most micro-batches whose
         micro-batch still has a sample per data-parallel device of a stage when tensor
         parallelism takes its last axis inside a node (Megatron's layout), then the most
@@ -151,10 +146,10 @@ class JointSpace:
         spent on those first (a search that runs to its end prices them all in any
         order; the order decides which a time limit cuts, and how soon a good plan
         bounds the others)."""
-        opts = self._micro_options(stages)
+        opts = self.micro_options(stages)
         if stages <= 1:
             return opts
-        b, per_stage = batch_size(self._call), math.prod(self.mesh.shape) // stages
+        b, per_stage = batch_size(self.call), math.prod(self.mesh.shape) // stages
         spans = [m for m in opts if b // m >= per_stage]
         order = sorted(spans, reverse=True) + [m for m in opts if b // m < per_stage]
         sub = split_mesh(self.mesh, stages, axis)[1].shape
@@ -169,42 +164,19 @@ class JointSpace:
         near = [m for m in (order[0] // 2 ** k for k in range(1, 64)) if m in opts and order[0] % m == 0]
         return order[:1] + near + [m for m in order[1:] if m not in near]
 
-    def _configs(self, cand: _Candidate) -> list[Config]:
+    def configs(self, cand: _Candidate) -> list[Config]:
+        """Every configuration priced on ``cand``: ZeRO stage and axes, schedule,
+        ZeRO-3's reduction under accumulation, virtual stages, compression, offload and
+        copies, each as forced or every option that can run; the forced values of the
+        decisions its stages choose passed through (:func:`forced_fields`)."""
         sub = cand.plan.mesh
-        if self.opts.zero_stage is not None:
-            zs = [self.opts.zero_stage]
-            if self.opts.offload == "params" and zs != [3]:
-                raise PlanError(f"offload='params' keeps ZeRO-3's parameter shards in host memory: "
-                                f"it needs zero_stage=3, not {self.opts.zero_stage}")
-        elif self.opts.offload == "params":
-            zs = [3]
-        else:
-            zs = [0, 1, 2, 3]
+        zs = self._zero_stages()
         params = [(q.replicated, q.bytes) for st in cand.stats for q in st.params]
         axes = zero_groups(tuple(sub.shape), self.opts.zero_axes, params) if any(zs) else []
         scheds = self._schedules(cand.stages)
-        if self.opts.recompute:
-            known = {st.key for st in cand.stats}
-            bad = sorted(set(self.opts.recompute) - known)
-            if bad:
-                raise PlanError(f"recompute names unknown layer(s) {bad}; the model's layers are "
-                                f"{[st.key for st in cand.stats]}")
-            stateful = sorted(st.key for st in cand.stats
-                              if st.key in self.opts.recompute and st.updates_state)
-            if stateful:
-                raise PlanError(f"recompute names layer(s) {stateful} whose forward updates state in "
-                                "place (a training batch norm's running statistics): recomputing "
-                                "would update it twice; leave them out of recompute=")
+        self._check_recompute(cand.stats)
         virtual = self._virtual(cand)
-        # recomputation asked for: by recompute=, or by the model's own checkpointing
-        own = [st.key for st in cand.stats if st.checkpointed is not Coverage.NONE]
-        recomputes = bool(self.opts.recompute) or bool(own)
-        why = conflict(self.opts.schedule, bool(own), None)
-        if why:
-            raise PlanError(f"schedule={self.opts.schedule!r} cannot run the model's own activation "
-                            f"checkpointing of {', '.join(own)} ({why}): use another schedule, or "
-                            "turn the model's checkpointing off (Hugging Face: "
-                            "model.gradient_checkpointing_disable())")
+        recomputes = self._recomputes(cand.stats)
         # the same list for every plan of a split whose parameters group alike (a deep
         # model's search asks for a split's configs about a thousand times)
         key = (cand.stages, cand.micro_batches, cand.axis, tuple(zs), tuple(axes),
@@ -212,7 +184,7 @@ class JointSpace:
         known_configs = self._config_lists.get(key)
         if known_configs is not None:
             return known_configs
-        out = []
+        out, forced = [], forced_fields(self.opts)
         for z in zs:
             # ZeRO needs a sub-mesh axis to shard over: no config when there is none
             for a in (axes if z else [None]):
@@ -223,23 +195,59 @@ class JointSpace:
                     # micro-batch, or once a step from whole gradients (more memory)
                     once = [False, True] if z == 3 and cand.micro_batches > 1 and cand.stages == 1 else [False]
                     for v in (virtual if s == Schedule.INTERLEAVED.value else [1]):
-                        out.extend(Config(cand.stages, cand.micro_batches, s, z, a,
-                                          self.opts.recompute, self.opts.bucket_bytes, v,
-                                          cand.axis, self.opts.reshard_after_forward, o,
-                                          self.opts.keep_grad_buffers, c, r, h, k,
-                                          self.opts.split_gathers)
+                        out.extend(Config(stages=cand.stages, micro_batches=cand.micro_batches,
+                                          schedule=s, zero_stage=z, zero_axis=a, virtual=v,
+                                          pipeline_axis=cand.axis, reduce_once=o, compression=c,
+                                          rank=r, offload=h, copies=k, **forced)
                                    for o in once for c, r in compression_kinds(self.opts)
                                    for h in offload_kinds(self.opts, z, sub)
                                    for k in self._copies(cand))
         self._config_lists[key] = out
         return out
 
-    def _try_copies(self, first: tuple[int, int, int]) -> None:
-        """Under ``copies="auto"``: price the one-stage split of two micro-batches, where
-        two copies can run, whatever memory asks for (widening alone may skip it)."""
-        if self.opts.copies == "auto" and first[:2] != (1, 2) and self.opts.pipeline_stages in (None, 1) \
-                and self.opts.micro_batches in (None, 2) and 2 in self._micro_options(1):
-            self._try(1, 2, math.inf, estimate=self._shallow is not None)
+    def _zero_stages(self) -> list[int]:
+        """The ZeRO stages :meth:`configs` tries: the forced one, else all four; only
+        stage 3 when its parameter shards live in host memory."""
+        if self.opts.zero_stage is not None:
+            if self.opts.offload == "params" and self.opts.zero_stage != 3:
+                raise PlanError(f"offload='params' keeps ZeRO-3's parameter shards in host memory: "
+                                f"it needs zero_stage=3, not {self.opts.zero_stage}")
+            return [self.opts.zero_stage]
+        return [3] if self.opts.offload == "params" else [0, 1, 2, 3]
+
+    def _check_recompute(self, stats: list[LayerStat]) -> None:
+        """The layers ``recompute=`` names exist and can be recomputed."""
+        if not self.opts.recompute:
+            return
+        bad = sorted(set(self.opts.recompute) - {st.key for st in stats})
+        if bad:
+            raise PlanError(f"recompute names unknown layer(s) {bad}; the model's layers are "
+                            f"{[st.key for st in stats]}")
+        stateful = sorted(st.key for st in stats if st.key in self.opts.recompute and st.updates_state)
+        if stateful:
+            raise PlanError(f"recompute names layer(s) {stateful} whose forward updates state in "
+                            "place (a training batch norm's running statistics): recomputing "
+                            "would update it twice; leave them out of recompute=")
+
+    def _recomputes(self, stats: list[LayerStat]) -> bool:
+        """Whether recomputation is asked for, by ``recompute=`` or by the model's own
+        checkpointing; a forced schedule that cannot run the model's own is an error."""
+        own = [st.key for st in stats if st.checkpointed is not Coverage.NONE]
+        why = conflict(self.opts.schedule, bool(own), None)
+        if why:
+            raise PlanError(f"schedule={self.opts.schedule!r} cannot run the model's own activation "
+                            f"checkpointing of {', '.join(own)} ({why}): use another schedule, or "
+                            "turn the model's checkpointing off (Hugging Face: "
+                            "model.gradient_checkpointing_disable())")
+        return bool(self.opts.recompute) or bool(own)
+
+    def copies_split(self, first: tuple[int, int, int]) -> bool:
+        """Under ``copies="auto"``: whether to price the one-stage split of two
+        micro-batches, where two copies can run, whatever memory asks for (widening
+        alone may skip it); ``first``: the split priced first."""
+        return self.opts.copies == "auto" and first[:2] != (1, 2) \
+            and self.opts.pipeline_stages in (None, 1) and self.opts.micro_batches in (None, 2) \
+            and 2 in self.micro_options(1)
 
     def _copies(self, cand: _Candidate) -> list[int]:
         """Multi-copy overlap's options on ``cand`` (decision ``copies``): off unless
@@ -259,7 +267,7 @@ class JointSpace:
         return [2] if ok else []
 
     def _schedules(self, stages: int) -> list[str]:
-        """The schedules :meth:`_configs` prices on ``stages`` stages: the forced one, else
+        """The schedules :meth:`configs` prices on ``stages`` stages: the forced one, else
         all four, those a forced chunk count rules out left out; none without a pipeline."""
         if stages <= 1:
             return [Schedule.NONE.value]
@@ -271,10 +279,10 @@ class JointSpace:
             scheds = [s for s in scheds if (s == Schedule.INTERLEAVED.value) == (v > 1)]
         return scheds
 
-    def _split_floor(self, stages: int, micro: int) -> float | None:
-        """:meth:`_bounded`'s bound on every config of a split (``None`` before any layer
+    def split_floor(self, known: _Candidate | None, stages: int, micro: int) -> float | None:
+        """A lower bound on the step of every config of a split, for
+        :meth:`autopar.search.joint.JointSearch._bounded` (``None`` before any layer
         statistics exist)."""
-        known = self._with_stats()
         if known is None:
             return None
         # per layer, device-seconds of the whole batch, over a stage's devices, per
@@ -288,7 +296,7 @@ class JointSpace:
                                  self._schedule_shapes(stages, micro, len(floors)))
 
     def _schedule_shapes(self, stages: int, micro: int, layers: int) -> list[tuple[float, int]]:
-        """(bubble share, model chunks per rank) of every schedule :meth:`_configs` may
+        """(bubble share, model chunks per rank) of every schedule :meth:`configs` may
         price on a split of ``stages`` stages and ``micro`` micro-batches over ``layers``
         layers (what a bound on all of them must allow for)."""
         if stages <= 1:
@@ -298,7 +306,7 @@ class JointSpace:
             if s == Schedule.INTERLEAVED.value:
                 out += [(1.0 / v, v) for v in self._chunks(stages, micro, layers)]
             else:
-                out.append((bubble_share(Config(stages, micro, s)), 1))
+                out.append((bubble_share(Config(stages=stages, micro_batches=micro, schedule=s)), 1))
         return out
 
     def _virtual(self, cand: _Candidate) -> list[int]:
@@ -316,4 +324,4 @@ class JointSpace:
         return [v for v in want if v > 1 and p * v <= layers]
 
 
-__all__ = ["JointSpace"]
+__all__ = ["PlanSpace", "tied_across_layers"]

@@ -18,8 +18,9 @@ from autopar.plan.decisions import Schedule
 from autopar.search.joint import JointSearch
 from autopar.search.op_placement import PlanOptions
 from autopar.search.space import _Candidate
-from autopar.search.stages.dp import Config, Priced, price, split_lower_bound, step_lower_bound
+from autopar.search.stages.dp import price, split_lower_bound, step_lower_bound
 from autopar.search.stages.layer_stats import LayerStat
+from autopar.search.stages.priced import Config, Priced
 from autopar.search.stages.split_search import balanced_floor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -84,7 +85,7 @@ def test_bounds_stay_under_every_schedule_of_ideal_layers() -> None:
     for p, m in ((2, 4), (4, 8), (3, 6), (4, 4)):
         for sched, v in ((Schedule.ONE_F_ONE_B, 1), (Schedule.ZERO_BUBBLE, 1),
                          (Schedule.INTERLEAVED, 2), (Schedule.GPIPE, 1)):
-            cfg = Config(p, m, sched.value, virtual=v)
+            cfg = Config(stages=p, micro_batches=m, schedule=sched.value, virtual=v)
             pr = price(stats, cfg, MESH, link, math.inf, "adamw")
             assert pr.feasible
             lb = split_lower_bound(floors, p, m, MESH.idle_reuse, [(1.0 / v if v > 1 else {
@@ -96,7 +97,7 @@ def test_bounds_stay_under_every_schedule_of_ideal_layers() -> None:
                 old = sum(floors) / p * (m + p - 1)
                 assert old > pr.step_seconds  # the reason for shapes
     # 7 equal layers on 3 stages: the slowest holds 3 (the average bound says 2.33)
-    cfg = Config(3, 6, Schedule.ONE_F_ONE_B.value)
+    cfg = Config(stages=3, micro_batches=6, schedule=Schedule.ONE_F_ONE_B.value)
     seven = _ideal(7, 0.01)
     pr = price(seven, cfg, MESH, link, math.inf, "adamw")
     assert step_lower_bound(seven, cfg, MESH, link, "adamw") >= 0.03 * 6 * (1 - 1e-9)
@@ -118,7 +119,7 @@ def test_search_does_not_skip_a_split_only_zero_bubble_wins() -> None:
     plain = _Candidate(1, 1, None, None, known, MESH)  # type: ignore[arg-type]
     # per micro-batch, on a stage's devices: the split's own layers
     split = _ideal(12, 0.01 * p / m)
-    zb = price(split, Config(p, m, Schedule.ZERO_BUBBLE.value), MESH, lambda b: 0.0, math.inf, "adamw")
+    zb = price(split, Config(stages=p, micro_batches=m, schedule=Schedule.ZERO_BUBBLE.value), MESH, lambda b: 0.0, math.inf, "adamw")
     old = sum(st.floor for st in known) / devices * (m + p - 1) / m
     best = 0.5 * (zb.step_seconds + old)  # between the two
     assert zb.step_seconds < best < old

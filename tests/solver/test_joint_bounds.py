@@ -122,7 +122,7 @@ def test_split_bound_never_exceeds_a_priced_config(monkeypatch) -> None:
     # more kernels than they compute (could be false: launches this model's ops do not pay)
     above = 0
     for c, p in priced:
-        lb = js._split_floor(c.stages, c.micro_batches)
+        lb = js.space.split_floor(known, c.stages, c.micro_batches)
         assert lb <= p.step_seconds * (1 + 1e-12), (c.stages, c.micro_batches)
         flops = work / MESH.size * (c.stages + c.micro_batches - 1) / c.micro_batches
         above += lb > 1.5 * flops

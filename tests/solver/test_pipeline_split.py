@@ -13,8 +13,10 @@ import pytest
 
 from autopar import MeshSpec
 from autopar.plan.decisions import Schedule
-from autopar.search.stages.dp import Config, price, price_stage
+from autopar.search.stages.dp import price
 from autopar.search.stages.layer_stats import LayerStat, ParamStat
+from autopar.search.stages.price import price_stage
+from autopar.search.stages.priced import Config
 
 MESH = MeshSpec.preset("multinode-a100-ib", shape=(2, 8))
 GIB = 2.0**30
@@ -69,7 +71,7 @@ def test_split_search_equals_every_range_priced(seed: int) -> None:
     for stages in (2, 3, 4):
         for micro in (1, 4, 8):
             for budget in (12 * GIB, 20 * GIB, 40 * GIB):
-                cfg = Config(stages, micro, Schedule.ONE_F_ONE_B.value)
+                cfg = Config(stages=stages, micro_batches=micro, schedule=Schedule.ONE_F_ONE_B.value)
                 got = price(stats, cfg, MESH, link, budget, "adamw")
                 slow, ranges = _reference(stats, cfg, link, budget)
                 if not math.isfinite(slow):
@@ -96,7 +98,7 @@ def test_idle_reuse_shrinks_only_the_bubble_and_stays_above_the_bound() -> None:
     link = lambda b: 1e-5 + b / 25e9  # noqa: E731 - a point-to-point message
     shared = dataclasses.replace(MESH, idle_reuse=0.5)
     for stages, micro in ((1, 4), (2, 4), (4, 8)):
-        cfg = Config(stages, micro, Schedule.ONE_F_ONE_B.value)
+        cfg = Config(stages=stages, micro_batches=micro, schedule=Schedule.ONE_F_ONE_B.value)
         a = price(stats, cfg, MESH, link, 1e6 * GIB, "adamw")
         b = price(stats, cfg, shared, link, 1e6 * GIB, "adamw")
         assert [st.layers for st in a.stages] == [st.layers for st in b.stages]

@@ -137,11 +137,11 @@ def test_pipelines_try_micro_batches_that_span_a_stage_first() -> None:
 
     model, ex = gpt.build(layers=4, dim=64, heads=4, vocab=256, seq=16, batch=16)
     js = JointSearch(model, ex, MESH, PlanOptions())
-    assert js._micro_order(1) == [1, 2, 4, 8, 16]  # no pipeline: the fewest first
+    assert js.space.micro_order(1) == [1, 2, 4, 8, 16]  # no pipeline: the fewest first
     # 2 stages of 2 devices: the most micro-batches of at least 2 samples, then the rest
     # (every count down to one sample: a time limit must not be spent on those first)
-    assert js._micro_order(2) == [8, 4, 2, 16]
-    assert js._micro_order(4) == [16, 8, 4]  # 1 device per stage: one sample spans it
+    assert js.space.micro_order(2) == [8, 4, 2, 16]
+    assert js.space.micro_order(4) == [16, 8, 4]  # 1 device per stage: one sample spans it
 
 
 def test_pipelines_with_tensor_parallelism_in_a_node_try_megatrons_micro_batches_first() -> None:
@@ -156,10 +156,10 @@ def test_pipelines_with_tensor_parallelism_in_a_node_try_megatrons_micro_batches
     # 2 stages of (2, 8): 2 data-parallel ranks, so 32 micro-batches of 2 samples first,
     # then its halvings (twice the samples each), then those with a sample per device of
     # the stage (16: 4 and 2 are among the halvings), then the rest
-    assert js._micro_order(2) == [32, 16, 8, 4, 2, 64]
+    assert js.space.micro_order(2) == [32, 16, 8, 4, 2, 64]
     js = JointSearch(model, ex, MeshSpec.preset("multinode-a100-ib", shape=(8, 4)), PlanOptions())
     # stages inside a node (axis 1): 2 stages of (8, 2), 8 data-parallel ranks
-    assert js._micro_order(2, 1) == [8, 4, 2, 16, 32, 64]
+    assert js.space.micro_order(2, 1) == [8, 4, 2, 16, 32, 64]
 
 
 @pytest.mark.slow  # ~12 s on 2 cores: a search per schedule
@@ -260,11 +260,11 @@ def test_later_rounds_visit_the_fastest_stage_counts_first(monkeypatch) -> None:
     def fake_try(p, m, budget, estimate=False, axis=0, **kw):
         tried.append((p, m))
         cand = _Candidate(p, m, None, None, [], js.mesh, axis=axis)
-        js.priced.append((cand, Priced(Config(p, m), [], step[p], 0.0)))
+        js.priced.append((cand, Priced(Config(stages=p, micro_batches=m), [], step[p], 0.0)))
 
     monkeypatch.setattr(js, "_try", fake_try)
     js._explore(first=(1, 1, 0), est=False)
-    rounds = {p: js._micro_order(p) for p in (1, 2, 4)}
+    rounds = {p: js.space.micro_order(p) for p in (1, 2, 4)}
     assert tried[:2] == [(2, rounds[2][0]), (4, rounds[4][0])]  # round 1 (1 x 1: done)
     assert tried[2:5] == [(2, rounds[2][1]), (1, rounds[1][1]), (4, rounds[4][1])]
     assert sorted(tried) == sorted((p, m) for p, ms in rounds.items() for m in ms if (p, m) != (1, 1))

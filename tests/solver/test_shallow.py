@@ -86,11 +86,11 @@ def _search() -> JointSearch:
 def test_an_estimate_prices_what_the_full_depth_plan_prices(split: tuple[int, int]) -> None:
     js = _search()
     js._try(1, 1, math.inf, strict=True)
-    assert js._start_shallow(), "GPT's blocks after the first are alike"
+    assert js.captures.start_shallow(js.priced[0][0].stats), "GPT's blocks after the first are alike"
     n = len(js.priced)
     js._try(*split, math.inf, estimate=True, force=True)  # priced, not bounded
     est = {p.config: p.step_seconds for c, p in js.priced[n:]}
-    assert all(c.estimate and c.cap.gm is not js.captures[(16, False)].gm for c, _ in js.priced[n:])
+    assert all(c.estimate and c.cap.gm is not js.captures.by_size[(16, False)].gm for c, _ in js.priced[n:])
     n = len(js.priced)
     js._try(*split, math.inf, force=True)
     exact = {p.config: p.step_seconds for c, p in js.priced[n:]}
@@ -230,7 +230,7 @@ def test_the_copy_is_exported_three_times_for_five_micro_batch_sizes(monkeypatch
     # which export fixes (batch 16: sizes 16, 8, 4, 2, 1)
     exports: list[int] = []
     sizes: list[int] = []
-    real, real_any, real_at = joint_capture.capture, joint_capture.capture_any_batch, joint.AnyBatch.at
+    real, real_any, real_at = joint_capture.capture, joint_capture.capture_any_batch, joint_capture.AnyBatch.at
 
     def counting(model, *a, **k):
         exports.append(len(model.blocks))
@@ -246,7 +246,7 @@ def test_the_copy_is_exported_three_times_for_five_micro_batch_sizes(monkeypatch
 
     monkeypatch.setattr(joint_capture, "capture", counting)
     monkeypatch.setattr(joint_capture, "capture_any_batch", counting_any)
-    monkeypatch.setattr(joint.AnyBatch, "at", at)
+    monkeypatch.setattr(joint_capture.AnyBatch, "at", at)
     model, ex = _gpt()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -267,7 +267,7 @@ def test_blocks_plans_every_further_size_from_one_symbolic_capture(monkeypatch) 
     export at that size would be."""
     exports: list[int] = []
     sizes: list[int] = []
-    real, real_at = joint_capture.capture, joint.AnyBatch.at
+    real, real_at = joint_capture.capture, joint_capture.AnyBatch.at
 
     def counting(model, *a, **k):
         exports.append(1)
@@ -278,7 +278,7 @@ def test_blocks_plans_every_further_size_from_one_symbolic_capture(monkeypatch) 
         return real_at(self, size)
 
     monkeypatch.setattr(joint_capture, "capture", counting)
-    monkeypatch.setattr(joint.AnyBatch, "at", at)
+    monkeypatch.setattr(joint_capture.AnyBatch, "at", at)
     model, ex = gpt.build(layers=2, dim=64, heads=4, vocab=256, seq=32, batch=16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

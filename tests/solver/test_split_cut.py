@@ -20,9 +20,10 @@ from autopar import MeshSpec
 from autopar.plan.decisions import Schedule, zero_axes
 from autopar.runtime.grad_sync import fill_buckets
 from autopar.search.stages import split_search
-from autopar.search.stages.dp import Config, price
+from autopar.search.stages.dp import price
 from autopar.search.stages.layer_stats import LayerStat, ParamStat, grad_bytes, on_zero, zero_price
 from autopar.search.stages.memory import gradient_arrivals, param_views
+from autopar.search.stages.priced import Config
 
 MESH = MeshSpec.preset("multinode-a100-ib", shape=(2, 8))
 GIB = 2.0**30
@@ -54,7 +55,7 @@ def _configs():
                     continue
                 virtual = 2 if sched == Schedule.INTERLEAVED.value else 1
                 for zero in (0, 1, 3):
-                    yield Config(stages, micro, sched, zero, 1 if zero else None, virtual=virtual)
+                    yield Config(stages=stages, micro_batches=micro, schedule=sched, zero_stage=zero, zero_axis=1 if zero else None, virtual=virtual)
 
 
 LINK = lambda b: 1e-5 + b / 25e9  # noqa: E731 - a point-to-point message
@@ -92,7 +93,7 @@ def test_a_cut_at_the_step_changes_nothing_and_a_lower_one_only_bounds(seed: int
 
 def test_a_low_cut_prices_fewer_stages(monkeypatch) -> None:
     stats = _stats(random.Random(7), 16, alike=True)
-    cfg = Config(4, 8, Schedule.ONE_F_ONE_B.value)
+    cfg = Config(stages=4, micro_batches=8, schedule=Schedule.ONE_F_ONE_B.value)
     calls: list[int] = []
     real = split_search.price_stage
 
@@ -177,7 +178,7 @@ def test_views_give_the_per_parameter_arrivals_bit_for_bit(zero: int) -> None:
         st.params.append(ParamStat(0.05 * GIB, (1, 2), f"{st.key}.c"))
     buckets = [[f"b{k}" for k in range(4)], [f"b{k}" for k in range(4, 9)]]
     for micro, once in ((1, False), (4, False), (4, True)):
-        cfg = Config(2, micro, Schedule.ONE_F_ONE_B.value, zero, (1,) if zero else None,
+        cfg = Config(stages=2, micro_batches=micro, schedule=Schedule.ONE_F_ONE_B.value, zero_stage=zero, zero_axis=(1,) if zero else None,
                      reduce_once=once)
         zp = [zero_price(st, mesh, zero, cfg.zero_axis, "adamw", micro, once) for st in layers]
         classes = split_search.layer_classes(layers)
@@ -203,8 +204,8 @@ def test_a_config_that_cannot_fit_is_found_out_before_the_search() -> None:
         for cfg in _configs():
             for budget in (8 * GIB, 16 * GIB, 40 * GIB):
                 full = price(stats, cfg, MESH, LINK, budget, "adamw")
-                virt = Config(cfg.stages * cfg.virtual, cfg.micro_batches, cfg.schedule,
-                              cfg.zero_stage, cfg.zero_axis, virtual=cfg.virtual)
+                virt = Config(stages=cfg.stages * cfg.virtual, micro_batches=cfg.micro_batches, schedule=cfg.schedule,
+                              zero_stage=cfg.zero_stage, zero_axis=cfg.zero_axis, virtual=cfg.virtual)
                 zps = zero_prices(stats, split_search.layer_classes(stats), virt, MESH, "adamw")
                 ok = _may_fit(stats, zps, [in_flight(virt, s) for s in range(virt.stages)],
                               budget / cfg.virtual)
@@ -219,7 +220,7 @@ def test_zero_bubble_stages_with_equal_in_flight_counts_are_priced_apart() -> No
     differ in the gradients they keep from B to W (schedules.waiting_w): the split
     search prices each range at each stage as pricing every range by position does
     (the same slowest stage and stage boundaries, budgets that bind)."""
-    from autopar.search.stages.dp import price_stage
+    from autopar.search.stages.price import price_stage
     from autopar.search.stages.step_terms import in_flight, waiting_w
 
     stats = _stats(random.Random(5), 10, alike=True)
@@ -227,7 +228,7 @@ def test_zero_bubble_stages_with_equal_in_flight_counts_are_priced_apart() -> No
         st.weight_grad_inputs = 2.0 * GIB
     shared = fits = 0
     for stages, micro in ((3, 4), (4, 5), (4, 6), (5, 6)):
-        cfg = Config(stages, micro, Schedule.ZERO_BUBBLE.value)
+        cfg = Config(stages=stages, micro_batches=micro, schedule=Schedule.ZERO_BUBBLE.value)
         pairs = {(in_flight(cfg, s), s == 0, s == stages - 1) for s in range(stages)}
         keys = {(*k, waiting_w(cfg, s)) for s, k in enumerate(
             (in_flight(cfg, s), s == 0, s == stages - 1) for s in range(stages))}
@@ -258,7 +259,7 @@ def test_zero_bubble_stages_with_equal_in_flight_counts_are_priced_apart() -> No
     # stage priced at its own place (before, a stage with the same in-flight count
     # priced earlier stood in for it: 4 stages x 5 micro-batches quoted stage 1's)
     for stages, micro in ((4, 5), (5, 6)):
-        cfg = Config(stages, micro, Schedule.ZERO_BUBBLE.value)
+        cfg = Config(stages=stages, micro_batches=micro, schedule=Schedule.ZERO_BUBBLE.value)
         got = price(stats, cfg, MESH, LINK, 20 * GIB, "adamw")
         cuts = [round(k * len(stats) / stages) for k in range(stages + 1)]
         assert not got.feasible and got.min_memory == max(

@@ -1,4 +1,4 @@
-"""The stage memory model's peak (autopar.search.stages.dp.price_stage): the larger of
+"""The stage memory model's peak (autopar.search.stages.price.price_stage): the larger of
 the backward's worst moment (activations not yet freed and the gradients made so far)
 and the end of backward (every gradient and ZeRO-1/2's flat buckets), as
 autopar.runtime.memstats measures it (tests/dist/test_parallelism_kinds.py holds the
@@ -11,8 +11,9 @@ import pytest
 
 from autopar import MeshSpec
 from autopar.plan.decisions import Schedule
-from autopar.search.stages.dp import Config, price_stage
 from autopar.search.stages.layer_stats import LayerStat, ParamStat
+from autopar.search.stages.price import price_stage
+from autopar.search.stages.priced import Config
 
 MESH = MeshSpec.preset("8xA100-nvlink", shape=(2,))
 MIB = 2.0**20

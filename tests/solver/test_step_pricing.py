@@ -17,8 +17,10 @@ import autopar
 from autopar import MeshSpec
 from autopar.capture.annotate import annotate
 from autopar.capture.trace import capture
-from autopar.search.stages.dp import Config, accumulation_seconds, count_exposed, price_stage
 from autopar.search.stages.layer_stats import LayerStat, ParamStat, layer_stats
+from autopar.search.stages.price import price_stage
+from autopar.search.stages.priced import Config
+from autopar.search.stages.step_terms import accumulation_seconds, count_exposed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import gpt  # noqa: E402

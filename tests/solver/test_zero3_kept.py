@@ -1,6 +1,6 @@
 """ZeRO-3's per-layer choice to keep a layer's whole parameters gathered from its forward
 to its backward (autopar.search.stages.memory.kept_layers, priced by
-autopar.search.stages.dp.price_stage): each kept layer saves its backward re-gather and
+autopar.search.stages.price.price_stage): each kept layer saves its backward re-gather and
 holds its bytes at the activation peak; the planner keeps the most that fit the
 budget, from the last layer; ``reshard`` forces none or all."""
 
@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 
 from autopar import MeshSpec
-from autopar.search.stages.dp import Config, price_stage
 from autopar.search.stages.layer_stats import LayerStat, ParamStat, zero_price
 from autopar.search.stages.memory import kept_layers
+from autopar.search.stages.price import price_stage
+from autopar.search.stages.priced import Config
 
 MESH = MeshSpec.preset("cpu-gloo", shape=(4,))
 MIB = 2.0**20

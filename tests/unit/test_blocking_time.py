@@ -99,7 +99,7 @@ def test_the_slowest_rank_paces_every_compute_price(mesh: MeshSpec) -> None:
     alike, and nothing else: collectives keep their price."""
     from autopar.cost_models import compute_time, optimizer_step_time
 
-    from autopar.search.stages.dp import accumulation_seconds
+    from autopar.search.stages.step_terms import accumulation_seconds
 
     slow = dataclasses.replace(mesh, straggler=1.25)
     assert compute_time(slow, 1e9, 1e6) == pytest.approx(1.25 * compute_time(mesh, 1e9, 1e6))

@@ -9,8 +9,8 @@ from autopar.cost_models import MeshSpec
 
 from autopar.plan.decisions import Schedule
 from autopar.plan.schedules import actions, check, in_flight, list_schedule
-from autopar.search.stages.dp import Config
-from autopar.search.stages.dp import in_flight as priced_in_flight
+from autopar.search.stages.priced import Config
+from autopar.search.stages.step_terms import in_flight as priced_in_flight
 
 SHAPES = [("gpipe", s, m, 1) for s in (2, 3, 5) for m in (1, 2, 7)] + \
     [("1f1b", s, m, 1) for s in (2, 3, 5) for m in (1, 2, 7)] + \
@@ -97,7 +97,7 @@ def test_pricing_matches_the_schedule_for_equal_chunks() -> None:
     no_link = lambda b: 0.0  # noqa: E731
     for v in (1, 2):
         sched = "interleaved-1f1b" if v > 1 else "1f1b"
-        pr = price(stats, Config(4, 8, sched, virtual=v), mesh, no_link, 1e12, "sgd")
+        pr = price(stats, Config(stages=4, micro_batches=8, schedule=sched, virtual=v), mesh, no_link, 1e12, "sgd")
         assert pr.feasible
         chunk = 8 / 4 * 3e-3 / v  # two layers per rank, in v chunks
         makespan = max(t.end for t in list_schedule(
@@ -116,7 +116,7 @@ def test_zero_bubble_leaves_a_third_of_the_bubble(stages, micro) -> None:
     schedule's step is 3M + (p - 1): a third of 1F1B's 3 (p - 1) bubble, which is what
     search/stages/dp.py prices (ZERO_BUBBLE_SHARE); its memory is priced from the order."""
     from autopar.plan.schedules import waiting_w
-    from autopar.search.stages.dp import ZERO_BUBBLE_SHARE
+    from autopar.search.stages.step_terms import ZERO_BUBBLE_SHARE
 
     zb = max(t.end for t in list_schedule("zero-bubble", stages, micro, 1, lambda s, a: 1.0))
     assert zb - 3.0 * micro == pytest.approx(3.0 * (stages - 1) * ZERO_BUBBLE_SHARE)

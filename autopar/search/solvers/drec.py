@@ -59,7 +59,8 @@ Code layout
     results are in :mod:`autopar.search.solvers.drec_types`, the static graph view in
     :mod:`autopar.search.solvers.drec_graph`, the search state and one round in
     :mod:`autopar.search.solvers.drec_round`, the mindspore prices in
-    :mod:`autopar.search.solvers.drec_mindspore`; every name is re-exported here.
+    :mod:`autopar.search.solvers.drec_mindspore`.  The options and results a caller
+    passes and reads are importable from here too (this driver uses them all).
 
 Example::
 
@@ -82,19 +83,10 @@ from autopar.errors import PlanError
 from autopar.plan.placement import Placements, fmt_placements, valid_for_shape
 from autopar.search.node_prices import CostModel
 
-# The search's parts live beside this driver (drec_types, drec_graph, drec_mindspore,
-# drec_round); the ``x as x`` imports keep every name importable from here as before.
-from autopar.search.solvers.drec_graph import _FOLLOWERS as _FOLLOWERS
-from autopar.search.solvers.drec_graph import _Graph as _Graph
-from autopar.search.solvers.drec_graph import _Group as _Group
-from autopar.search.solvers.drec_graph import _plan_nodes as _plan_nodes
-from autopar.search.solvers.drec_mindspore import _MATMULS as _MATMULS
-from autopar.search.solvers.drec_mindspore import _MS_BATCH_PARALLEL as _MS_BATCH_PARALLEL
-from autopar.search.solvers.drec_mindspore import _MS_ELIMINATED as _MS_ELIMINATED
-from autopar.search.solvers.drec_mindspore import _MS_MATMUL_MEM_COEF as _MS_MATMUL_MEM_COEF
-from autopar.search.solvers.drec_mindspore import _MS_REDIS_COEF as _MS_REDIS_COEF
-from autopar.search.solvers.drec_mindspore import _mm_kind as _mm_kind
-from autopar.search.solvers.drec_round import _Search as _Search
+# the search's parts live beside this driver: drec_types, drec_graph, drec_mindspore, drec_round
+from autopar.search.solvers.drec_graph import _FOLLOWERS, _Graph, _plan_nodes
+from autopar.search.solvers.drec_mindspore import _MS_ELIMINATED
+from autopar.search.solvers.drec_round import _Search
 from autopar.search.solvers.drec_types import (
     CostMode,
     DRecOptions,

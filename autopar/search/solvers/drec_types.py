@@ -2,7 +2,7 @@
 
 Kept apart from the search (:mod:`autopar.search.solvers.drec`) because callers that only build
 options or read results (the planner front end, tests, benchmarks) need none of the
-search machinery; :mod:`autopar.search.solvers.drec` re-exports every name here.
+search machinery; :mod:`autopar.search.solvers.drec` takes and returns them.
 """
 
 from __future__ import annotations

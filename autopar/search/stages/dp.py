@@ -29,9 +29,6 @@ import math
 from autopar.cost_models import MeshSpec
 from autopar.cost_models.memo import IdentityMemo
 from autopar.search.stages.layer_stats import LayerStat
-
-# the stage's own price and the terms it adds, importable from here as before
-from autopar.search.stages.price import price_stage as price_stage
 from autopar.search.stages.priced import Config, Priced, StagePrice
 from autopar.search.stages.split_search import (
     balanced_floor,
@@ -40,15 +37,7 @@ from autopar.search.stages.split_search import (
     split,
     zero_prices,
 )
-from autopar.search.stages.step_terms import ZERO_BUBBLE_SHARE as ZERO_BUBBLE_SHARE
-from autopar.search.stages.step_terms import accumulation_seconds as accumulation_seconds
-from autopar.search.stages.step_terms import bubble_share as bubble_share
-from autopar.search.stages.step_terms import count_exposed as count_exposed
-from autopar.search.stages.step_terms import in_flight as in_flight
-from autopar.search.stages.step_terms import split_seconds as split_seconds
-from autopar.search.stages.step_terms import stage_buckets as stage_buckets
-from autopar.search.stages.step_terms import stage_link as stage_link
-from autopar.search.stages.step_terms import waiting_w as waiting_w
+from autopar.search.stages.step_terms import bubble_share
 
 
 def step_lower_bound(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link,
@@ -189,6 +178,4 @@ def _merge(chunks: list[StagePrice]) -> StagePrice:
 
 
 
-__all__ = ["ZERO_BUBBLE_SHARE", "Config", "Priced", "StagePrice", "accumulation_seconds", "bubble_share", "count_exposed",
-           "in_flight", "layer_classes", "price", "price_stage", "split_seconds", "stage_buckets",
-           "split_lower_bound", "stage_link", "step_lower_bound", "waiting_w"]
+__all__ = ["price", "split_lower_bound", "step_lower_bound"]

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from autopar.cost_models import MeshSpec
 from autopar.plan.decisions import zero_axes
 from autopar.runtime.grad_sync import fill_buckets, fill_sums
 from autopar.search.stages.layer_stats import LayerStat, grad_bytes, on_zero
-
-if TYPE_CHECKING:
-    from autopar.search.stages.dp import Config
+from autopar.search.stages.priced import Config
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,27 @@
 """What the pipeline part of the joint search (:mod:`autopar.search.stages.dp`) prices and
 returns: a :class:`Config` of discrete choices, each stage's :class:`StagePrice`, and
-the :class:`Priced` whole with its step-time breakdown."""
+the :class:`Priced` whole with its step-time breakdown.
+
+A :class:`Config` holds one value per plan decision of the registry
+(:data:`autopar.plan.decisions.DECISIONS`): :data:`DECIDED_BY` maps each
+:class:`~autopar.plan.decisions.Decisions` field to the :class:`Config` field that
+decides it, :data:`AFTER_SEARCH` lists the fields no config holds and why, and
+``tests/unit/test_config_fields.py`` checks that every field of the registry is in one
+of them, so a searched decision cannot be added without its :class:`Config` field."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
-from autopar.plan.decisions import Schedule
+from autopar.plan.decisions import DECISIONS, PlanOptions, Schedule
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Config:
-    """Discrete choices priced together."""
+    """Discrete choices priced together (by keyword: seventeen fields in a row are
+    easy to misplace)."""
 
     stages: int = 1
     micro_batches: int = 1
@@ -116,4 +125,47 @@ class Priced:
                 "hidden_comm_seconds": hidden}
 
 
-__all__ = ["Config", "Priced", "StagePrice"]
+DECIDED_BY: dict[str, str] = {
+    "pipeline_stages": "stages", "pipeline_axis": "pipeline_axis", "schedule": "schedule",
+    "virtual_stages": "virtual", "micro_batches": "micro_batches",
+    "zero_stage": "zero_stage", "zero_axis": "zero_axis",
+    # forced by the option, else None and chosen while each stage is priced
+    "recompute": "recompute", "zero_kept": "reshard", "grad_buckets": "bucket_bytes",
+    "grad_buffers_kept": "keep_buffers", "gather_chunks": "split_gathers",
+    "zero_reduce_once": "reduce_once", "grad_compression": "compression",
+    "compression_rank": "rank", "offload": "offload", "copies": "copies",
+}
+"""Each :class:`~autopar.plan.decisions.Decisions` field a config decides (or forces,
+for those its stages choose): the :class:`Config` field that does."""
+
+AFTER_SEARCH: dict[str, str] = {
+    "stages": "each stage's layers: the split search's answer for the config (Priced.stages)",
+    "precision": "forced only, since it changes the numbers the model computes: every "
+                 "config of a search shares the options' value",
+    "batch": "the caller's contract (whole batch or each rank's part), never searched: "
+             "every config shares the options' value",
+    "local_axes": "read off the chosen placement under batch='local'",
+}
+""":class:`~autopar.plan.decisions.Decisions` fields of the registry no :class:`Config`
+holds, each with the reason."""
+
+PASSED_THROUGH: tuple[str, ...] = (
+    "recompute", "zero_kept", "grad_buckets", "grad_buffers", "gather_chunks")
+"""Decisions (registry names) the joint search does not enumerate: the value their one
+keyword forces goes into every config as given (``None``: chosen while each stage is
+priced)."""
+
+
+def forced_fields(opts: PlanOptions) -> dict[str, Any]:
+    """The :class:`Config` fields of the :data:`PASSED_THROUGH` decisions, read from
+    ``opts`` by each registry entry's keyword and recorded field."""
+    out = {}
+    for d in DECISIONS:
+        if d.name in PASSED_THROUGH:
+            (option,), (recorded,) = d.options, d.fields
+            out[DECIDED_BY[recorded]] = getattr(opts, option.name)
+    return out
+
+
+__all__ = ["AFTER_SEARCH", "DECIDED_BY", "PASSED_THROUGH", "Config", "Priced", "StagePrice",
+           "forced_fields"]

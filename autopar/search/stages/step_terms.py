@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from autopar.cost_models import MeshSpec, send_recv_time
 from autopar.plan import schedules as sched
@@ -16,9 +15,7 @@ from autopar.plan.decisions import GradCompression, Schedule
 from autopar.search import buckets as bk
 from autopar.search.compression import bucket_terms
 from autopar.search.stages.layer_stats import LayerStat
-
-if TYPE_CHECKING:  # pipeline.py imports this module
-    from autopar.search.stages.dp import Config
+from autopar.search.stages.priced import Config
 
 
 def stage_link(mesh: MeshSpec, stages: int) -> Callable[[float], float]:
