@@ -24,7 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from autopar.errors import ConfigError
 from autopar.plan.kinds import (  # re-exported: the values decisions take
     CONTEXT_PARALLEL,
     GRAD_COMPRESSIONS,
@@ -36,6 +35,17 @@ from autopar.plan.kinds import (  # re-exported: the values decisions take
     Offload,
     Precision,
     Schedule,
+)
+from autopar.plan.option_checks import (
+    copies_check,
+    flag,
+    layer_names,
+    mesh_axis,
+    one_of,
+    positive_int,
+    precision,
+    zero_axes_value,
+    zero_stage,
 )
 
 if TYPE_CHECKING:
@@ -261,63 +271,6 @@ def zero_axes(axis: int | list[int] | tuple[int, ...] | None) -> tuple[int, ...]
     return tuple(sorted(int(a) for a in axis))
 
 
-# ---------------------------------------------------------------- checks of forced values
-def _positive_int(name: str, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {v!r}")
-
-
-def _axis(name: str, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ConfigError(f"{name} must be a mesh axis (an integer >= 0), got {v!r}")
-
-
-def _flag(name: str, v: Any) -> None:
-    if not isinstance(v, bool):
-        raise ConfigError(f"{name} must be True, False or None, got {v!r}")
-
-
-def _one_of(values: tuple[str, ...], none: bool = False,
-            fold_case: bool = False) -> Callable[[str, Any], None]:
-    def check(name: str, v: Any) -> None:
-        if (str(v).lower() if fold_case else v) not in values:
-            raise ConfigError(f"{name} must be one of {', '.join(values)}"
-                              f"{' or None' if none else ''}, got {v!r}")
-    return check
-
-
-def _zero_stage(name: str, v: Any) -> None:
-    if isinstance(v, bool) or v not in (0, 1, 2, 3):
-        raise ConfigError(f"{name} must be 0, 1, 2 or 3, got {v!r}")
-
-
-def _zero_axes(name: str, v: Any) -> None:
-    items = [v] if isinstance(v, int) and not isinstance(v, bool) else v
-    ok = isinstance(items, (list, tuple)) and items and all(
-        isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in items) \
-        and len(set(items)) == len(items)
-    if not ok:
-        raise ConfigError(f"{name} must be a mesh axis or a list of distinct mesh axes "
-                          f"(integers >= 0), got {v!r}")
-
-
-def _layers(name: str, v: Any) -> None:
-    if not isinstance(v, (list, tuple, set, frozenset)) or not all(isinstance(x, str) for x in v):
-        raise ConfigError(f"{name}={v!r}: expected a list of layer names like ['blocks.0']")
-
-
-def _copies(name: str, v: Any) -> None:
-    if v != "auto" and (isinstance(v, bool) or v not in (1, 2)):
-        raise ConfigError(f"{name} must be 2 (two interleaved copies), 1, 'auto' or None, got {v!r}")
-
-
-def _precision(name: str, v: Any) -> None:
-    try:
-        Precision.parse(v)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
 # ---------------------------------------------------------------- the registry
 @dataclass(frozen=True)
 class Option:
@@ -354,28 +307,28 @@ class Decision:
 
 DECISIONS: tuple[Decision, ...] = (
     Decision("pipeline", "pipeline stages carved from one mesh axis, their layers and schedule",
-             (Option("pipeline_stages", _positive_int, "stages (1: no pipeline)"),
-              Option("pipeline_axis", _axis, "the mesh axis the stages are carved from"),
-              Option("schedule", _one_of(SCHEDULES, fold_case=True), "gpipe, 1f1b, interleaved-1f1b, zero-bubble"),
-              Option("virtual_stages", _positive_int, "model chunks per rank (interleaved)")),
+             (Option("pipeline_stages", positive_int, "stages (1: no pipeline)"),
+              Option("pipeline_axis", mesh_axis, "the mesh axis the stages are carved from"),
+              Option("schedule", one_of(SCHEDULES, fold_case=True), "gpipe, 1f1b, interleaved-1f1b, zero-bubble"),
+              Option("virtual_stages", positive_int, "model chunks per rank (interleaved)")),
              ("pipeline_stages", "pipeline_axis", "schedule", "virtual_stages", "stages"),
              "autopar.search.stages.dp:price", "autopar.module.apply:apply_pipeline", "pipeline",
              summary="pipeline"),
     Decision("micro_batches", "micro-batches per step: gradient accumulation, or a pipeline's",
-             (Option("micro_batches", _positive_int, "micro-batches per step"),),
+             (Option("micro_batches", positive_int, "micro-batches per step"),),
              ("micro_batches",),
              "autopar.search.stages.dp:price", "autopar.module.apply:apply_pipeline",
              "micro_batches",
              summary="micro-batches"),
     Decision("zero", "ZeRO stage and the mesh axes it shards over",
-             (Option("zero_stage", _zero_stage, "0, 1, 2 or 3"),
-              Option("zero_axes", _zero_axes, "a mesh axis or several")),
+             (Option("zero_stage", zero_stage, "0, 1, 2 or 3"),
+              Option("zero_axes", zero_axes_value, "a mesh axis or several")),
              ("zero_stage", "zero_axis"),
              "autopar.search.stages.layer_stats:zero_price", "autopar.module.apply:apply_zero",
              "zero",
              summary="ZeRO"),
     Decision("zero_kept", "ZeRO-3 layers kept gathered from forward to backward",
-             (Option("reshard_after_forward", _flag, "True: re-gather every layer in backward"),),
+             (Option("reshard_after_forward", flag, "True: re-gather every layer in backward"),),
              ("zero_kept",),
              "autopar.search.stages.memory:kept_layers", "autopar.module.apply:apply_zero",
              "zero"),
@@ -383,54 +336,54 @@ DECISIONS: tuple[Decision, ...] = (
              (), ("zero_reduce_once",),
              "autopar.search.stages.price:price_stage", "autopar.module.apply:apply_zero", "zero"),
     Decision("recompute", "layers whose activations are recomputed in backward",
-             (Option("recompute", _layers, "layer keys, e.g. ['blocks.0']"),),
+             (Option("recompute", layer_names, "layer keys, e.g. ['blocks.0']"),),
              ("recompute",),
              "autopar.search.stages.price:price_stage", "autopar.module.apply:apply_recompute",
              "recompute",
              summary="recompute"),
     Decision("grad_buckets", "the data-parallel gradient buckets (MG-WFBP)",
-             (Option("bucket_bytes", _positive_int, "fixed-size buckets of this many bytes"),),
+             (Option("bucket_bytes", positive_int, "fixed-size buckets of this many bytes"),),
              ("grad_buckets",),
              "autopar.search.buckets:optimal", "autopar.module.apply:apply_grad_sync", "buckets",
              summary="grad buckets"),
     Decision("grad_buffers", "the gradient buckets' buffers kept between steps, as DDP's",
-             (Option("keep_grad_buffers", _flag, "True: keep; False: a new buffer each step"),),
+             (Option("keep_grad_buffers", flag, "True: keep; False: a new buffer each step"),),
              ("grad_buffers_kept",),
              "autopar.search.stages.price:price_stage", "autopar.module.apply:apply_grad_sync",
              "buckets"),
     Decision("grad_compression", "data-parallel gradients sent in bf16 or low rank (changes "
              "the numbers: searched only under grad_compression='auto')",
-             (Option("grad_compression", _one_of(GRAD_COMPRESSIONS, none=True), "none, bf16, powersgd or auto"),
-              Option("compression_rank", _positive_int, f"PowerSGD's rank (default {POWERSGD_RANK})")),
+             (Option("grad_compression", one_of(GRAD_COMPRESSIONS, none=True), "none, bf16, powersgd or auto"),
+              Option("compression_rank", positive_int, f"PowerSGD's rank (default {POWERSGD_RANK})")),
              ("grad_compression", "compression_rank"),
              "autopar.search.compression:bucket_terms", "autopar.module.apply:apply_grad_sync",
              "compression",
              summary="compression", summary_if=lambda d: d.grad_compression != "none"),
     Decision("copies", "each micro-batch as two copies interleaved, one's collectives beside "
              "the other's compute (multi-copy overlap)",
-             (Option("copies", _copies, "2 or auto"),),
+             (Option("copies", copies_check, "2 or auto"),),
              ("copies",),
              "autopar.search.stages.step_terms:copies_hidden", "autopar.module.apply:apply_copies",
              "copies",
              summary="copies", summary_if=lambda d: d.copies > 1),
     Decision("offload", "optimizer state (and ZeRO-3 parameter shards) kept in host memory",
-             (Option("offload", _one_of(OFFLOADS, none=True), "none, optimizer, params or auto"),),
+             (Option("offload", one_of(OFFLOADS, none=True), "none, optimizer, params or auto"),),
              ("offload",),
              "autopar.search.offload:offload_price", "autopar.module.apply:apply_offload",
              "offload",
              summary="offload", summary_if=lambda d: d.offload != "none"),
     Decision("gather_chunks", "ZeRO-1/2's gathers after the step split into chunks sent in "
              "forward order, each waited for by its own layers (the next forward's first layers first)",
-             (Option("split_gathers", _flag, "True: in chunks; False: one blocking gather"),),
+             (Option("split_gathers", flag, "True: in chunks; False: one blocking gather"),),
              ("gather_chunks",),
              "autopar.search.gathers:stage_chunks", "autopar.module.apply:apply_zero", "gathers",
              summary="gathers", summary_if=lambda d: bool(d.gather_chunks)),
     Decision("precision", "the dtypes the step computes in (autocast's casts in the graph)",
-             (Option("precision", _precision, "native, bf16-mixed or fp16-mixed"),),
+             (Option("precision", precision, "native, bf16-mixed or fp16-mixed"),),
              ("precision",),
              "autopar.search.node_prices:CostModel", "autopar.capture.mixed_precision:apply_mixed_precision"),
     Decision("context_parallel", "attention on sequence chunks (its placements are the nodes')",
-             (Option("context_parallel", _one_of(CONTEXT_PARALLEL, none=True), "off, gather-kv or exchange"),),
+             (Option("context_parallel", one_of(CONTEXT_PARALLEL, none=True), "off, gather-kv or exchange"),),
              (),
              "autopar.sharding.rules.attention:restrict_attention",
              "autopar.passes.localize:localize"),
@@ -504,7 +457,7 @@ def check_options(given: dict[str, Any]) -> None:
             options[name].check(name, value)
     for name in ("blocks",):
         if given.get(name) is not None:
-            _positive_int(name, given[name])
+            positive_int(name, given[name])
 
 
 __all__ = ["CONTEXT_PARALLEL", "DECISIONS", "GRAD_COMPRESSIONS", "OFFLOADS", "POWERSGD_RANK", "GradCompression", "Offload", "RESULT_FIELDS", "SCHEDULES", "SEARCH_KNOBS", "EXPLAIN_SYNONYMS", "explain_aliases", "explain_keys",
