@@ -15,7 +15,7 @@ backward allocates, the largest on its way into its bucket, and the bytes whole 
 step's start."""
 
 
-@dataclass
+@dataclass(slots=True)
 class StagePeak:
     """The terms of a stage's peak that do not depend on which layers are recomputed or
     kept gathered, computed once per stage price: :meth:`peak` is the split search's
@@ -62,13 +62,11 @@ class StagePeak:
                              for k in range(n)]
         self.activations = [st.activations for st in layers]
 
-    def _gathered(self, kp: frozenset[str]) -> tuple[list[float], list[float], float]:
+    def _kept_gathered(self, kp: frozenset[str]) -> tuple[list[float], list[float], float]:
         """ZeRO-3's gathered bytes at each layer's forward and backward, and the bytes of
         the kept layers (``kp``), which hold their whole parameters from forward to
         backward; a layer's backward prefetches the nearest layer before it that is not
         kept (runtime/zero3.py)."""
-        if not kp:
-            return self.gathered_fwd, self.gathered_bwd, 0.0
         layers, tr, trb, n = self.layers, self.tr, self.trb, len(self.layers)
         hold = [trb[k] if layers[k].key in kp else 0.0 for k in range(n)]
         held_before = [0.0]  # the kept layers' bytes before layer k: held_before[k]
@@ -96,15 +94,18 @@ class StagePeak:
         holds its whole parameters from its forward to its backward, in every
         micro-batch in flight.  The sums are taken in one fixed order so that the split
         search and the chosen split agree bit for bit."""
-        layers = self.layers
+        layers, present = self.layers, self.present
         arrive, spike, persist = self.arrivals
         keys = {st.key for st in rc}
         n = len(layers)
-        g_fwd, g_bwd, held_sum = self._gathered(kp)
+        if kp:
+            g_fwd, g_bwd, held_sum = self._kept_gathered(kp)
+        else:
+            g_fwd, g_bwd, held_sum = self.gathered_fwd, self.gathered_bwd, 0.0
         kept = [st.out_bytes if st.key in keys else st.activations for st in layers] if keys \
             else self.activations
         # kept gradient buffers are whole from the step's start (``persist``)
-        grads_then = sum(self.grads) if self.present else persist
+        grads_then = sum(self.grads) if present else persist
         fa = fb = best = cum = 0.0
         for k in range(n):
             cum += kept[k]
@@ -119,7 +120,7 @@ class StagePeak:
             if live + made + g_bwd[k] > best:
                 ba, bb, bc, best = live, made, g_bwd[k], live + made + g_bwd[k]
             # layer k's gradients appear as its backward ends, freeing its activations
-            made = grads_then if self.present else made + arrive[k]
+            made = grads_then if present else made + arrive[k]
         extra = self.extra_inflight * (total_kept + held_sum) + self.held_w
         fwd_a, bwd_a = fa + extra, ba + extra
         end_g, end_t = sum(self.grads), (self.trb[0] if n else 0.0) + self.flats + spike

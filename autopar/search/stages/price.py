@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from autopar.capture.user_checkpoint import Coverage
 from autopar.cost_models import MeshSpec, drift_after
@@ -39,7 +39,7 @@ from autopar.search.stages.step_terms import (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Stage:
     """What every part of one stage's price reads: the stage, its config, and the
     per-layer ZeRO, parameter-view and offload prices computed once for it."""
@@ -54,7 +54,7 @@ class _Stage:
     off: OffloadPrice
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class MicroBatchTime:
     """A stage's seconds per micro-batch, term by term, as :func:`price_stage` adds them."""
 
@@ -81,10 +81,11 @@ class MicroBatchTime:
     sends: tuple[float, ...]
     """The pipeline's point-to-point messages, both directions."""
 
-    @property
-    def seconds(self) -> float:
-        """The stage's seconds per micro-batch (summed in this order, which the split
-        search's bounds and the recorded plans rely on bit for bit)."""
+    seconds: float = field(init=False)
+    """The stage's seconds per micro-batch: the terms summed in the order above, which
+    the split search's bounds and the recorded plans rely on bit for bit."""
+
+    def __post_init__(self) -> None:
         s = self.layers + self.recompute
         s += self.split
         s += self.gather_mb
@@ -93,7 +94,7 @@ class MicroBatchTime:
         s -= self.hidden
         for x in self.sends:
             s += x
-        return s
+        self.seconds = s
 
     @property
     def comm(self) -> float:
@@ -102,7 +103,7 @@ class MicroBatchTime:
         return self.seconds - self.compute - self.recompute - self.accumulate
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Sync:
     """The stage's data-parallel gradient buckets and whether their buffers are kept."""
 
@@ -112,7 +113,7 @@ class _Sync:
     buffers_kept: bool
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StepTail:
     """A stage's seconds once per step, after its micro-batches: nothing overlaps them."""
 
@@ -141,7 +142,7 @@ class StepTail:
                 "optimizer_step": self.optimizer_step, "copy_step": self.copy_step}
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Gathers:
     """ZeRO-1/2's gathers after the step: their exposed seconds, whole and as chosen,
     and the chunks when they are split."""
@@ -317,7 +318,8 @@ def _keep_buffers(s: _Stage, pk: StagePeak, chosen: list[LayerStat], kp: frozens
         pk.arrivals[2] == 0 or s.cfg.keep_buffers is True or pk.total(chosen, kp) <= s.budget)
     if not kept:
         pk.arrivals = freed
-    return _Sync(bk.plan, bk.names, bk.extremes, kept)
+    bk.buffers_kept = kept
+    return bk
 
 
 def _gathers(s: _Stage, pk: StagePeak, rc: set[str], chosen: list[LayerStat],

@@ -354,11 +354,6 @@ class _SplitSearch:
         devices idle: never a pipeline stage of its own."""
         return self.cfg.stages > 1 and sp.parts.get("compute", 0.0) <= 0.0
 
-    def over(self, x: float) -> bool:
-        """Every split whose slowest stage takes ``x`` is over the cut (the thresholds
-        ``lo``/``hi`` answer most calls without asking ``least``)."""
-        return x > self.lo and (x > self.hi or self.least(x) > self.limit)
-
     def one_stage(self) -> SplitResult:
         """One stage holds every layer: only that range is priced (the program would
         price every prefix first, and they fit whenever the whole does)."""
@@ -398,8 +393,11 @@ class _SplitSearch:
     def _extend(self, best: list[list[tuple[float, float, int]]], s: int, j: int,
                 reach: list[int]) -> None:
         """``best[s][j]``: the partial splits in ``best[s - 1]`` (those ``reach``
-        lists) extended by a stage ``s`` ending at ``j``."""
+        lists) extended by a stage ``s`` ending at ``j``.  (A partial split is dropped
+        when every split it leads to must be over the cut (``lo``/``hi``
+        answer most without asking ``least``).)"""
         row, pre, mag = best[s - 1], self.pre, self.mag
+        lo, hi, least, limit = self.lo, self.hi, self.least, self.limit
         # the states this stage can extend within the cut (a state's slowest stage
         # is within it already; the stage's floor may not be)
         ext = []
@@ -408,7 +406,7 @@ class _SplitSearch:
             if i >= j:
                 break
             low = max(row[i][0], pj - pre[i] - SLACK * (mj - mag[i]))  # the stage floor(i, j)
-            if self.over(low):
+            if low > lo and (low > hi or least(low) > limit):
                 self.pruned = min(self.pruned, low)
             else:
                 ext.append(i)
@@ -425,7 +423,7 @@ class _SplitSearch:
             if self.idle(sp):
                 continue
             cand = (max(prev[0], sp.seconds), prev[1] + sp.seconds, i)
-            if self.over(cand[0]):
+            if cand[0] > lo and (cand[0] > hi or least(cand[0]) > limit):
                 self.pruned = min(self.pruned, cand[0])
                 continue
             if cand[:2] < best[s][j][:2]:
