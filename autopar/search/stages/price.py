@@ -397,4 +397,4 @@ def _in_bytes(layers: list[LayerStat]) -> float:
     return layers[0].out_bytes
 
 
-__all__ = ["price_stage"]
+__all__ = ["MicroBatchTime", "StepTail", "price_stage"]
