@@ -33,6 +33,7 @@ measured, when, on which host and how noisy; its JSON is a MeshSpec JSON that
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import math
@@ -250,6 +251,147 @@ def _link(kind_samples: dict[str, list[Sample]], p: int,
     return LinkSpec(alpha=alpha, beta=beta, kinds=tuple((k, a, b) for k, (a, b) in fits.items()))
 
 
+@dataclass(frozen=True)
+class _Device:
+    """Where and at what sizes this rank measures: its device and dtype, the compute
+    probes' sizes and least run time, the default message sizes, and ``sync`` (waits
+    for the device's queued work; nothing to wait for on CPU)."""
+
+    cuda: bool
+    device: Any
+    dtype: Any
+    mm_sizes: tuple[int, ...]
+    copy_bytes: int
+    opt_elems: int
+    min_s: float
+    default_sizes: tuple[int, ...]
+    sync: Any
+
+    @property
+    def mid(self) -> int:
+        """The middle matmul width, the one the sync probes compute with."""
+        return self.mm_sizes[len(self.mm_sizes) // 2]
+
+    @property
+    def tokens(self) -> int:
+        """Rows of a training layer's probe."""
+        return 4096 if self.cuda else 512
+
+
+def _device(cuda: bool, quick: bool) -> _Device:
+    """The :class:`_Device` for this rank (a third of each rate's run time when ``quick``)."""
+    import torch
+
+    if cuda:
+        device = torch.device("cuda", torch.cuda.current_device())
+
+        def sync() -> None:
+            torch.cuda.synchronize(device)
+
+        d = _Device(True, device, torch.bfloat16, (2048, 4096, 8192), 2**28, 2**26, 0.2,
+                    (2**16, 2**20, 2**24, 2**26), sync)
+    else:
+        def sync() -> None:
+            pass
+
+        # Small enough to keep a CPU calibration to a few seconds per rank.
+        d = _Device(False, torch.device("cpu"), torch.float32, (128, 256, 512), 2**25, 2**20, 0.25,
+                    (2**12, 2**16, 2**20, 2**22), sync)
+    if quick:
+        d = dataclasses.replace(d, min_s=d.min_s / 3)
+    return d
+
+
+def _checked_kinds(repeats: int, kinds: Sequence[str]) -> tuple[str, ...]:
+    """The kinds to measure, all-reduce first; raises on bad ``repeats`` or ``kinds``."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    unknown = set(kinds) - set(FITTED_KINDS)
+    if unknown:
+        raise ValueError(f"calibrate(): unknown kinds {sorted(unknown)}; known: {FITTED_KINDS}")
+    return ("all_reduce", *[k for k in FITTED_KINDS if k in kinds and k != "all_reduce"])
+
+
+def _links(groups: list[Any], dims: tuple[int, ...], base: MeshSpec | None, kinds: tuple[str, ...],
+           sizes: tuple[int, ...], repeats: int, dev: _Device, group: Any,
+           curves: dict[str, list[dict[str, float]]]) -> list[LinkSpec]:
+    """Each mesh axis' LinkSpec from its collective curves (recorded in ``curves``)."""
+    known = (base or MeshSpec.preset("cpu-gloo")).links
+    links = []
+    for i, (g, p) in enumerate(zip(groups, dims)):
+        if p < 2:
+            # an axis of one rank talks to nobody: keep base's numbers for it, flat (a
+            # hierarchical link's group cannot divide one rank)
+            f = known[min(i, len(known) - 1)]
+            links.append(LinkSpec(alpha=f.alpha, beta=f.beta, kinds=f.kinds))
+            continue
+        samples = {k: collective_samples(k, g, sizes, repeats, dev.device, dev.sync, job=group)
+                   for k in kinds}
+        links.append(_link(samples, p, curves, f"axis{i}"))
+    return links
+
+
+@dataclass(frozen=True)
+class _SyncProbes:
+    """What ranks waiting on one another cost: each probe's record (see the module
+    docstring)."""
+
+    overlap: dict
+    straggler: dict
+    sync: dict
+    pairing: dict
+    reuse: dict
+
+
+def _sync_probes(group: Any, axis_group: Any, ranks: int, world: int, sizes: tuple[int, ...],
+                 dev: _Device, repeats: int, quick: bool) -> _SyncProbes:
+    """Overlap, straggler, drift, twin-collective pairing and idle reuse, measured on
+    ``axis_group`` (the widest axis, of ``ranks`` ranks) or the whole job.  The three
+    that scale with ``repeats`` run fixed rounds when ``quick``."""
+    rounds = {"overlap": 9, "straggler": 10, "sync": 10} if quick else \
+        {"overlap": 3 * repeats, "straggler": 9 * repeats, "sync": 12 * repeats}
+    # three times the repetitions (9 rounds quick): the fraction is a difference of times a few ms long, and
+    # at 5 it came out anywhere in 0.02-0.39 on the 2-core host (the median of 15: 0.12-0.47
+    # in 4 of 10 on 2026-11-25, hence overlap_estimate's bound of two standard errors)
+    ov = overlap_fraction(axis_group, max(sizes), dev.device, dev.dtype, dev.mid, rounds["overlap"],
+                          dev.sync, job=group) if ranks > 1 else {"overlap": 1.0}
+    # over the whole job: a straggler exists only where ranks wait on one another, so a
+    # 1-rank job has none.  Nine times the repetitions (45 windows, about 5 s on CPU; 10 quick): it
+    # multiplies every compute price, and over 15 windows eight estimates a few seconds
+    # apart on the 2-core host spanned 1.07-1.28, over 45 1.12-1.22 (2026-11-26)
+    lag = straggler(group, dev.device, dev.dtype, dev.mid, dev.tokens, rounds["straggler"],
+                    dev.sync) if world > 1 else {"straggler": 1.0}
+    # twelve times the repetitions (60 rounds, 12-18 s on CPU; 10 quick): a round's drift varies by
+    # 4-6 ms (one standard deviation) on the 2-core host with one more busy process, and
+    # over 15 rounds six calibrations of it spanned 1.2-8.8 ms, over 60 4.4-6.3
+    # (2026-11-26).  The drift beyond the ranks' mean compute, not beyond the
+    # straggler's share of it (sync_penalty says why)
+    sync_extra = sync_penalty(axis_group, dev.device, dev.dtype, dev.mid, rounds["sync"], dev.sync,
+                              job=group, chain=4) if ranks > 1 else {"sync_seconds": 0.0}
+    # twin collectives in flight at once (multi-copy overlap): 21 rounds, 9 quick, of 16
+    # pairs each (about a second on 4 gloo ranks here)
+    pairing = collective_pairing(axis_group, dev.device, 9 if quick else 21, dev.sync, job=group) \
+        if ranks > 1 else {"collective_pairing": 0.0}
+    # a GPU per rank: an idle stage's device is lost, whatever noise the rates show
+    reuse = {"idle_reuse": 0.0} if dev.cuda else \
+        idle_reuse(group, dev.device, dev.dtype, dev.mid, dev.min_s, dev.sync)
+    return _SyncProbes(ov, lag, sync_extra, pairing, reuse)
+
+
+def _capacity(base: MeshSpec | None, dev: _Device, group: Any) -> float:
+    """Device memory: ``base``'s, else the device's (a CPU rank's share of the host),
+    the MIN over ranks (a negated MAX) so every rank plans for the smallest device."""
+    import torch
+
+    if base is not None:
+        capacity = base.mem_capacity
+    elif dev.cuda:
+        capacity = float(torch.cuda.get_device_properties(dev.device).total_memory)
+    else:
+        capacity = _host_memory_bytes()
+    return -max_over_ranks([-capacity], group, dev.device)[0]
+
+
 def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repeats: int = 5,
                     base: MeshSpec | None = None, shape: Sequence[int] | None = None,
                     kinds: Sequence[str] = FITTED_KINDS, quick: bool = False) -> Calibration:
@@ -271,115 +413,49 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
     keep every size and ``repeats`` (0.8 s of the 28 at 5): with three sizes at 3
     repetitions one slow 4 MiB sample set a run's bandwidth 1.4-1.8x below the others'
     (2026-11-28) and its predicted steps 25% over the measured ones."""
-    import torch
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("calibrate() needs an initialised torch.distributed process group")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
-    unknown = set(kinds) - set(FITTED_KINDS)
-    if unknown:
-        raise ValueError(f"calibrate(): unknown kinds {sorted(unknown)}; known: {FITTED_KINDS}")
-    kinds = ("all_reduce", *[k for k in FITTED_KINDS if k in kinds and k != "all_reduce"])
+    kinds = _checked_kinds(repeats, kinds)
     t_start = time.perf_counter()
-    cuda = dist.get_backend(group) == "nccl"
-    if cuda:
-        device = torch.device("cuda", torch.cuda.current_device())
-        dtype, mm_sizes, copy_bytes, opt_elems, min_s = torch.bfloat16, (2048, 4096, 8192), 2**28, 2**26, 0.2
-        default_sizes = (2**16, 2**20, 2**24, 2**26)
-
-        def sync() -> None:
-            torch.cuda.synchronize(device)
-    else:
-        device = torch.device("cpu")
-        # Small enough to keep a CPU calibration to a few seconds per rank.
-        dtype, mm_sizes, copy_bytes, opt_elems, min_s = torch.float32, (128, 256, 512), 2**25, 2**20, 0.25
-        default_sizes = (2**12, 2**16, 2**20, 2**22)
-
-        def sync() -> None:
-            pass
-    sizes = tuple(default_sizes if sizes is None else sizes)
-    if quick:
-        min_s /= 3
-    rounds = {"overlap": 9, "straggler": 10, "sync": 10} if quick else \
-        {"overlap": 3 * repeats, "straggler": 9 * repeats, "sync": 12 * repeats}
+    dev = _device(dist.get_backend(group) == "nccl", quick)
+    sizes = tuple(dev.default_sizes if sizes is None else sizes)
     if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 4 for s in sizes):
         raise ValueError(f"sizes must be non-empty ints >= 4 bytes, got {sizes!r}")
     world = dist.get_world_size(group)
     dims = (world,) if shape is None else MeshSpec.parse_shape(tuple(shape))
     if math.prod(dims) != world:
         raise ValueError(f"calibrate(): shape {dims} has {math.prod(dims)} ranks, the group {world}")
-    groups = _axis_groups(group, dims, device.type)
-
-    known = (base or MeshSpec.preset("cpu-gloo")).links
+    groups = _axis_groups(group, dims, dev.device.type)
     curves: dict[str, list[dict[str, float]]] = {}
-    links = []
-    for i, (g, p) in enumerate(zip(groups, dims)):
-        if p < 2:
-            # an axis of one rank talks to nobody: keep base's numbers for it, flat (a
-            # hierarchical link's group cannot divide one rank)
-            f = known[min(i, len(known) - 1)]
-            links.append(LinkSpec(alpha=f.alpha, beta=f.beta, kinds=f.kinds))
-            continue
-        samples = {k: collective_samples(k, g, sizes, repeats, device, sync, job=group) for k in kinds}
-        links.append(_link(samples, p, curves, f"axis{i}"))
-    rates = compute_rates(group, device, dtype, mm_sizes, copy_bytes, min_s, sync,
-                          tokens=4096 if cuda else 512)
-    opt = optimizer_rates(group, device, opt_elems, min_s, sync, tokens=4096 if cuda else 512,
-                          dtype=dtype)
-    opt_bw = opt["bandwidth"]
+    links = _links(groups, dims, base, kinds, sizes, repeats, dev, group, curves)
+    rates = compute_rates(group, dev.device, dev.dtype, dev.mm_sizes, dev.copy_bytes, dev.min_s,
+                          dev.sync, tokens=dev.tokens)
+    opt = optimizer_rates(group, dev.device, dev.opt_elems, dev.min_s, dev.sync, tokens=dev.tokens,
+                          dtype=dev.dtype)
     widest = max(range(len(dims)), key=lambda i: dims[i])
-    # three times the repetitions (9 rounds quick): the fraction is a difference of times a few ms long, and
-    # at 5 it came out anywhere in 0.02-0.39 on the 2-core host (the median of 15: 0.12-0.47
-    # in 4 of 10 on 2026-11-25, hence overlap_estimate's bound of two standard errors)
-    ov = overlap_fraction(groups[widest], max(sizes), device, dtype, mm_sizes[len(mm_sizes) // 2],
-                          rounds["overlap"], sync, job=group) if dims[widest] > 1 else {"overlap": 1.0}
-    # over the whole job: a straggler exists only where ranks wait on one another, so a
-    # 1-rank job has none.  Nine times the repetitions (45 windows, about 5 s on CPU; 10 quick): it
-    # multiplies every compute price, and over 15 windows eight estimates a few seconds
-    # apart on the 2-core host spanned 1.07-1.28, over 45 1.12-1.22 (2026-11-26)
-    lag = straggler(group, device, dtype, mm_sizes[len(mm_sizes) // 2], 4096 if cuda else 512,
-                    rounds["straggler"], sync) if world > 1 else {"straggler": 1.0}
-    # twelve times the repetitions (60 rounds, 12-18 s on CPU; 10 quick): a round's drift varies by
-    # 4-6 ms (one standard deviation) on the 2-core host with one more busy process, and
-    # over 15 rounds six calibrations of it spanned 1.2-8.8 ms, over 60 4.4-6.3
-    # (2026-11-26).  The drift beyond the ranks' mean compute, not beyond the
-    # straggler's share of it (sync_penalty says why)
-    sync_extra = sync_penalty(groups[widest], device, dtype, mm_sizes[len(mm_sizes) // 2],
-                              rounds["sync"], sync, job=group, chain=4) \
-        if dims[widest] > 1 else {"sync_seconds": 0.0}
-    # twin collectives in flight at once (multi-copy overlap): 21 rounds, 9 quick, of 16
-    # pairs each (about a second on 4 gloo ranks here)
-    pairing = collective_pairing(groups[widest], device, 9 if quick else 21, sync, job=group) \
-        if dims[widest] > 1 else {"collective_pairing": 0.0}
-    # a GPU per rank: an idle stage's device is lost, whatever noise the rates show
-    reuse = {"idle_reuse": 0.0} if cuda else \
-        idle_reuse(group, device, dtype, mm_sizes[len(mm_sizes) // 2], min_s, sync)
-    if base is not None:
-        capacity = base.mem_capacity
-    elif cuda:
-        capacity = float(torch.cuda.get_device_properties(device).total_memory)
-    else:
-        capacity = _host_memory_bytes()
-    # MIN over ranks (a negated MAX) so every rank plans for the smallest device
-    capacity = -max_over_ranks([-capacity], group, device)[0]
+    pr = _sync_probes(group, groups[widest], dims[widest], world, sizes, dev, repeats, quick)
+    capacity = _capacity(base, dev, group)
     spec = MeshSpec(shape=dims, axis_names=(), links=tuple(links),
                     peak_flops=rates["peak_flops"], mem_bandwidth=rates["mem_bandwidth"],
                     matmul_curve=tuple(rates["matmul_curve"]),
                     mem_capacity=capacity, flops_efficiency=1.0, name="calibrated",
-                    kernel_floor=rates["kernel_floor"], overlap=ov["overlap"],
-                    optimizer_bandwidth=opt_bw, optimizer_tensor_seconds=opt["tensor_seconds"],
-                    idle_reuse=reuse["idle_reuse"], sync_seconds=sync_extra["sync_seconds"],
-                    sync_window=sync_extra.get("chunk", 0.0),
-                    straggler=lag["straggler"], collective_pairing=pairing["collective_pairing"],
+                    kernel_floor=rates["kernel_floor"], overlap=pr.overlap["overlap"],
+                    optimizer_bandwidth=opt["bandwidth"], optimizer_tensor_seconds=opt["tensor_seconds"],
+                    idle_reuse=pr.reuse["idle_reuse"], sync_seconds=pr.sync["sync_seconds"],
+                    sync_window=pr.sync.get("chunk", 0.0),
+                    straggler=pr.straggler["straggler"],
+                    collective_pairing=pr.pairing["collective_pairing"],
                     # the base preset's reserve and flat rings, else the preset kind's
-                    **_unmeasured(base, cuda, capacity))
-    elapsed = max_over_ranks([time.perf_counter() - t_start], group, device)[0]
+                    **_unmeasured(base, dev.cuda, capacity))
+    elapsed = max_over_ranks([time.perf_counter() - t_start], group, dev.device)[0]
     return Calibration(
-        spec=spec, curves=curves, overlap=ov,
-        compute={**rates, "idle_reuse": reuse, "optimizer": opt, "sync": sync_extra, "straggler": lag},
-        optimizer_bandwidth=opt_bw, when=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        spec=spec, curves=curves, overlap=pr.overlap,
+        compute={**rates, "idle_reuse": pr.reuse, "optimizer": opt, "sync": pr.sync,
+                 "straggler": pr.straggler},
+        optimizer_bandwidth=opt["bandwidth"],
+        when=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         host=socket.gethostname(), backend=str(dist.get_backend(group)), world=world,
         repeats=repeats, seconds=elapsed, quick=quick)
 

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
@@ -163,13 +164,39 @@ def split_stages(gm: fx.GraphModule, plan: Plan) -> list[StageGraph]:
     """
     nodes = list(gm.graph.nodes)
     num = _num_stages(plan)
-    ranks = max(1, plan.decisions.pipeline_stages)
     copied = input_only(nodes)
     stage = _assign(gm, plan, copied)
-    out_node = next(n for n in nodes if n.op == "output")
-    placeholders = [n for n in nodes if n.op == "placeholder"]
+    members, crossing = _crossings(nodes, stage, num)
+    params, buffers = _stage_state(gm, nodes, stage, num, max(1, plan.decisions.pipeline_stages))
+    cut = _Cut(gm, plan, nodes, num, stage, copied, members, crossing, params, buffers)
+    return [_stage_graph(cut, s) for s in range(num)]
 
-    # where each stage's nodes are, and the latest stage that reads each value
+
+@dataclass(frozen=True)
+class _Cut:
+    """The graph's nodes assigned to stages: what each stage's graph is built from."""
+
+    gm: fx.GraphModule
+    plan: Plan
+    nodes: list[fx.Node]
+    num: int
+    stage: dict[fx.Node, int]
+    """Each computing node's stage (the nodes every stage copies are in none)."""
+    copied: set[fx.Node]
+    """The nodes that depend on model inputs only, computed where they are used."""
+    members: list[list[fx.Node]]
+    crossing: list[list[fx.Node]]
+    """Per link ``s -> s + 1``, the values that cross it, in graph order."""
+    params: list[dict[str, nn.Parameter]]
+    buffers: list[list[str]]
+
+
+def _crossings(nodes: list[fx.Node], stage: dict[fx.Node, int],
+               num: int) -> tuple[list[list[fx.Node]], list[list[fx.Node]]]:
+    """Each stage's nodes, and the values crossing each link: value ``v`` crosses every
+    link ``s -> s + 1`` from its own stage to the latest stage that reads it (forwarded
+    through the stages between).  Raises :class:`PlanError` for a value that is not a
+    tensor (it cannot be sent)."""
     members: list[list[fx.Node]] = [[] for _ in range(num)]
     for n in nodes:
         if n in stage:
@@ -180,7 +207,6 @@ def split_stages(gm: fx.GraphModule, plan: Plan) -> list[StageGraph]:
             t = num - 1 if u.op == "output" else stage.get(u)
             if t is not None and n in stage and t > stage[n]:
                 last_use[n] = max(last_use.get(n, -1), t)
-    # boundary lists: value v crosses every link s -> s+1 with stage[v] <= s < last_use[v]
     crossing: list[list[fx.Node]] = [[] for _ in range(max(0, num - 1))]
     for v in nodes:
         if v in last_use:
@@ -190,8 +216,15 @@ def split_stages(gm: fx.GraphModule, plan: Plan) -> list[StageGraph]:
                                 "tensor; move the cut so it stays inside one stage")
             for s in range(stage[v], last_use[v]):
                 crossing[s].append(v)
+    return members, crossing
 
-    # parameters per stage: a parameter (by identity) in two stages is a tied weight
+
+def _stage_state(gm: fx.GraphModule, nodes: list[fx.Node], stage: dict[fx.Node, int], num: int,
+                 ranks: int) -> tuple[list[dict[str, nn.Parameter]], list[list[str]]]:
+    """Each stage's parameters (by target) and buffers.  A parameter (by identity) that
+    two pipeline ranks use is a tied weight: :class:`PlanError`, its gradient would have
+    to be summed across stages; virtual stages of one rank may share it (autograd sums
+    its gradient)."""
     owner: dict[int, tuple[int, str, str]] = {}
     stage_params: list[dict[str, nn.Parameter]] = [{} for _ in range(num)]
     stage_buffers: list[list[str]] = [[] for _ in range(num)]
@@ -203,7 +236,6 @@ def split_stages(gm: fx.GraphModule, plan: Plan) -> list[StageGraph]:
         for s in sorted(using):
             for t, p in params.items():
                 prev = owner.setdefault(id(p), (s, t, n.name))
-                # virtual stages of one rank share the Parameter: autograd sums its gradient
                 if prev[0] % ranks != s % ranks:
                     also = f" (as {prev[1]!r})" if prev[1] != t else ""
                     raise PlanError(
@@ -212,48 +244,55 @@ def split_stages(gm: fx.GraphModule, plan: Plan) -> list[StageGraph]:
                         "stages; put all its users in one stage or untie the weights")
                 stage_params[s][t] = p
             stage_buffers[s].extend(b for b in buffers if b not in stage_buffers[s])
+    return stage_params, stage_buffers
 
-    result = []
-    for s in range(num):
-        g = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        is_last = s == num - 1
-        readers = members[s] + ([out_node] if is_last else [])
-        copies = _needed_copies(readers, copied)
-        wanted = {a for n in readers + sorted(copies, key=nodes.index)
-                  for a in n.all_input_nodes if a.op == "placeholder"}
-        used_inputs = [i for i, p in enumerate(placeholders) if p in wanted]
-        for i in used_inputs:
-            env[placeholders[i]] = g.node_copy(placeholders[i])
-        recv = crossing[s - 1] if s > 0 else []
-        for v in recv:
-            env[v] = g.placeholder(v.name)
-            env[v].meta = dict(v.meta)
-        for n in nodes:
-            if n.op == "get_attr" and any(stage.get(u) == s or (is_last and u is out_node)
-                                          for u in n.users):
-                env[n] = g.node_copy(n)
-        for n in nodes:
-            if (n in stage and stage[n] == s) or n in copies:
-                env[n] = g.node_copy(n, env.__getitem__)
-        send = crossing[s] if s < num - 1 else []
-        outs = [env[v] for v in send]
-        model_outs: list = []
-        if is_last:
-            flat = out_node.args[0]
-            flat = list(flat) if isinstance(flat, (tuple, list)) else [flat]
-            model_outs = [fx.map_arg(a, env.__getitem__) for a in flat]
-        g.output(tuple(outs + model_outs))
-        g.lint()
-        mod = fx.GraphModule(gm, g, class_name=f"Stage{s}")
-        result.append(StageGraph(
-            stage=s, num_stages=num, module=mod, inputs=used_inputs,
-            recv=[v.name for v in recv], send=[v.name for v in send],
-            num_outputs=len(model_outs),
-            layers=list(plan.decisions.stages[s]) if s < len(plan.decisions.stages) else [],
-            params=list(stage_params[s]), buffers=stage_buffers[s],
-            input_shapes=[_shape(placeholders[i]) for i in used_inputs]))
-    return result
+
+def _stage_graph(cut: _Cut, s: int) -> StageGraph:
+    """Stage ``s``'s graph: the model inputs it reads, the values it receives, the
+    attributes its nodes read, its own nodes and the input-only ones it copies; it
+    returns what it sends, then (the last stage) the model's outputs."""
+    nodes, stage, num = cut.nodes, cut.stage, cut.num
+    out_node = next(n for n in nodes if n.op == "output")
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    is_last = s == num - 1
+    readers = cut.members[s] + ([out_node] if is_last else [])
+    copies = _needed_copies(readers, cut.copied)
+    wanted = {a for n in readers + sorted(copies, key=nodes.index)
+              for a in n.all_input_nodes if a.op == "placeholder"}
+    used_inputs = [i for i, p in enumerate(placeholders) if p in wanted]
+    for i in used_inputs:
+        env[placeholders[i]] = g.node_copy(placeholders[i])
+    recv = cut.crossing[s - 1] if s > 0 else []
+    for v in recv:
+        env[v] = g.placeholder(v.name)
+        env[v].meta = dict(v.meta)
+    for n in nodes:
+        if n.op == "get_attr" and any(stage.get(u) == s or (is_last and u is out_node)
+                                      for u in n.users):
+            env[n] = g.node_copy(n)
+    for n in nodes:
+        if (n in stage and stage[n] == s) or n in copies:
+            env[n] = g.node_copy(n, env.__getitem__)
+    send = cut.crossing[s] if s < num - 1 else []
+    outs = [env[v] for v in send]
+    model_outs: list = []
+    if is_last:
+        flat = out_node.args[0]
+        flat = list(flat) if isinstance(flat, (tuple, list)) else [flat]
+        model_outs = [fx.map_arg(a, env.__getitem__) for a in flat]
+    g.output(tuple(outs + model_outs))
+    g.lint()
+    mod = fx.GraphModule(cut.gm, g, class_name=f"Stage{s}")
+    stages = cut.plan.decisions.stages
+    return StageGraph(
+        stage=s, num_stages=num, module=mod, inputs=used_inputs,
+        recv=[v.name for v in recv], send=[v.name for v in send],
+        num_outputs=len(model_outs),
+        layers=list(stages[s]) if s < len(stages) else [],
+        params=list(cut.params[s]), buffers=cut.buffers[s],
+        input_shapes=[_shape(placeholders[i]) for i in used_inputs])
 
 
 def _shape(node: fx.Node) -> tuple[int, ...] | None:

@@ -277,11 +277,37 @@ def build_parser() -> argparse.ArgumentParser:
                     version=f"autopar {v['autopar_version']} (torch {v['torch_version']}, "
                             f"plan schema {v['schema_version']})")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    _add_plan_parser(sub)
+    from autopar.cli.launch import add_parsers as launch_parsers
+    from autopar.cli.tools import add_parsers
+
+    add_parsers(sub)
+    launch_parsers(sub)
+    from autopar.cli.check import add_parser as check_parser  # autopar check
+    check_parser(sub)
+    from autopar.cli.calibrate import add_parser as calibrate_parser  # autopar calibrate
+    calibrate_parser(sub)
+    return ap
+
+
+def _add_plan_parser(sub: Any) -> None:
+    """``autopar plan``: its inputs, the plan-level decisions it forces and its output."""
     p = sub.add_parser(
         "plan", help="plan a model and print the plan",
         description="Capture the model built by FACTORY, search data/tensor/ZeRO sharding "
                     "for the mesh and print the plan.",
         epilog="example: autopar plan examples/gpt.py:build --mesh 2x4 --preset 8xA100-nvlink")
+    _plan_inputs(p)
+    _decision_arguments(p.add_argument_group("plan-level decisions (searched unless given)"))
+    _output_arguments(p.add_argument_group("output"))
+    p.add_argument("--max-rows", type=int, default=None, help="truncate the node table")
+    p.add_argument("--show-views", action="store_true",
+                   help="also list free ops (views, getitems) in the table")
+    p.set_defaults(func=cmd_plan)
+
+
+def _plan_inputs(p: argparse.ArgumentParser) -> None:
+    """What ``autopar plan`` plans: the model's factory, the mesh, pins and the search."""
     p.add_argument("target", metavar="FILE.py[:FACTORY]",
                    help="Python file and the factory in it (default: build) returning "
                         "(model, example_inputs), or a model if the file defines "
@@ -313,7 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also explain this node's or parameter's choice, or a decision "
                         "(pipeline, zero, micro_batches, recompute, a layer key such as "
                         "blocks.1); alone: why each decision was taken (repeatable)")
-    d = p.add_argument_group("plan-level decisions (searched unless given)")
+
+
+def _decision_arguments(d: Any) -> None:
+    """The plan-level decisions ``autopar plan`` forces (searched unless given)."""
     d.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
                    help="ZeRO stage over the data-parallel axis: 0 off, 1 optimizer state, "
                         "2 + gradients, 3 + parameters")
@@ -344,7 +373,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "its rows of batch-shaped outputs back, as with DDP")
     d.add_argument("--explore", action="store_true",
                    help="also try pipelines and micro-batches when the plain plan fits")
-    o = p.add_argument_group("output")
+
+
+def _output_arguments(o: Any) -> None:
+    """What ``autopar plan`` prints or writes besides the plan."""
     o.add_argument("--nodes", action="store_true",
                    help="one row per graph node instead of per layer (after the summary)")
     o.add_argument("--format", choices=("text", "tsv", "json"), default="text",
@@ -364,20 +396,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no progress and no timing line; warnings and errors only on stderr")
     o.add_argument("-v", "--verbose", action="count", default=0,
                    help="log what autopar does (-v: phases, -vv: detail) on stderr")
-    p.add_argument("--max-rows", type=int, default=None, help="truncate the node table")
-    p.add_argument("--show-views", action="store_true",
-                   help="also list free ops (views, getitems) in the table")
-    p.set_defaults(func=cmd_plan)
-    from autopar.cli.launch import add_parsers as launch_parsers
-    from autopar.cli.tools import add_parsers
-
-    add_parsers(sub)
-    launch_parsers(sub)
-    from autopar.cli.check import add_parser as check_parser  # autopar check
-    check_parser(sub)
-    from autopar.cli.calibrate import add_parser as calibrate_parser  # autopar calibrate
-    calibrate_parser(sub)
-    return ap
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -76,6 +76,38 @@ def _alternatives(n: fx.Node, pb: Problem, index: dict[fx.Node, int],
     return float(sec[mine]), alts
 
 
+def _incident(pb: Problem, index: dict[fx.Node, int]) -> dict[fx.Node, list[tuple[int, np.ndarray, bool]]]:
+    """Each node's edges: the other end's index, the edge's matrix and whether the node
+    is its destination (what :func:`_alternatives` prices a node's strategies with)."""
+    incident: dict[fx.Node, list[tuple[int, np.ndarray, bool]]] = {n: [] for n in pb.nodes}
+    for (u, v, _), (_, _, m) in zip(pb.edge_src, pb.problem.edges):
+        incident[v].append((index[u], m, True))
+        incident[u].append((index[v], m, False))
+    return incident
+
+
+def _redistributions(n: fx.Node, s: OpStrategy, ins: list[fx.Node], choice: dict[fx.Node, OpStrategy],
+                     cm: CostModel, detail: bool) -> tuple[float, list[Redistribution]]:
+    """The seconds of the redistributions on ``n``'s inputs (strategy ``s``) from their
+    producers' choices, and with ``detail`` each one's steps."""
+    reds: list[Redistribution] = []
+    edge_comm = 0.0
+    if n.op == "call_function" and n.target is not operator.getitem:
+        for i, u in enumerate(ins):
+            if u not in choice:
+                continue
+            src, dst = choice[u].outputs[0], s.inputs[i]
+            if src != dst:
+                # the forward alone where no gradient flows back, as searched
+                sec = cm.redistribution(src, dst, info(u).out, dual(u, n))
+                edge_comm += sec
+                if detail:
+                    reds.append(Redistribution(
+                        u.name, fmt_placements(src), fmt_placements(dst),
+                        [str(st) for st in plan_redistribution(src, dst, cm.mesh.shape)], sec))
+    return edge_comm, reds
+
+
 def assemble(gm: fx.GraphModule, mesh: MeshSpec, pb: Problem, choice: dict[fx.Node, OpStrategy],
              cm: CostModel, sol, opts: PlanOptions, searcher: str = "ilp",
              chosen: dict[fx.Node, int] | None = None, detail: bool = True) -> Plan:
@@ -91,10 +123,7 @@ def assemble(gm: fx.GraphModule, mesh: MeshSpec, pb: Problem, choice: dict[fx.No
     index = {n: i for i, n in enumerate(pb.nodes)}
     if chosen is None:
         chosen = {n: pb.strategies[n].index(s) for n, s in choice.items()}
-    incident: dict[fx.Node, list[tuple[int, np.ndarray, bool]]] = {n: [] for n in pb.nodes}
-    for (u, v, _), (_, _, m) in zip(pb.edge_src, pb.problem.edges) if detail else ():
-        incident[v].append((index[u], m, True))
-        incident[u].append((index[v], m, False))
+    incident = _incident(pb, index) if detail else {n: [] for n in pb.nodes}
     nodes: dict[str, NodePlan] = {}
     layer_of = layer_keys(gm)
     compute = comm = sync = 0.0
@@ -104,22 +133,8 @@ def assemble(gm: fx.GraphModule, mesh: MeshSpec, pb: Problem, choice: dict[fx.No
         ni = info(n)
         kind = _kind(n)
         own = pb.problem.node_costs[index[n]][chosen[n]]
-        reds: list[Redistribution] = []
-        edge_comm = 0.0
         ins = pb.inputs.get(n) or tensor_inputs(n)
-        if n.op == "call_function" and n.target is not operator.getitem:
-            for i, u in enumerate(ins):
-                if u not in choice:
-                    continue
-                src, dst = choice[u].outputs[0], s.inputs[i]
-                if src != dst:
-                    # the forward alone where no gradient flows back, as searched
-                    sec = cm.redistribution(src, dst, info(u).out, dual(u, n))
-                    edge_comm += sec
-                    if detail:
-                        reds.append(Redistribution(
-                            u.name, fmt_placements(src), fmt_placements(dst),
-                            [str(st) for st in plan_redistribution(src, dst, cm.mesh.shape)], sec))
+        edge_comm, reds = _redistributions(n, s, ins, choice, cm, detail)
         local, alts = _alternatives(n, pb, index, incident, chosen) if detail else (0.0, [])
         memory = pb.problem.node_memory[index[n]][chosen[n]]
         if kind == "param":

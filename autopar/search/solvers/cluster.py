@@ -251,15 +251,22 @@ def _budgeted(problem: StrategyProblem, cl: Clustering, twins: list[int], first:
     assert budget is not None
     costs = [np.asarray(c, float) for c in problem.node_costs]
     mems = [np.asarray(m, float) for m in problem.node_memory]
+    least = _least_memory(problem, cl, twins, mems, deadline, budget)
+    lg = _Lagrangian(problem, cl, twins, costs, mems, deadline, budget,
+                     lower=first.value if first.optimal else -math.inf,  # lam = 0 bound
+                     best_choice=least.choice, best_obj=evaluate(problem, least.choice)[0])
+    over = _bisect(lg, first)
+    best_choice = _mix_blocks(problem, cl, lg.best_choice, over)
+    best_choice = polish_under_budget(problem, best_choice)
+    lower = max(lg.lower, star_bound(problem))  # known even when no Lagrangian solve finished
+    return _budgeted_solution(problem, best_choice, lower, started, deadline, what)
 
-    def run(lam: float) -> tuple[_LamResult, float, float]:
-        left = max(1.0, deadline - time.monotonic())
-        res = _solve_weighted(problem, cl, twins, [c + lam * m for c, m in zip(costs, mems)], left)
-        obj, mem = evaluate(problem, res.choice)
-        return res, obj, mem
 
-    # the least-memory plan first: it decides feasibility exactly (cost := memory, edges
-    # only forbid pairs), as in solve_ilp
+def _least_memory(problem: StrategyProblem, cl: Clustering, twins: list[int],
+                  mems: list[np.ndarray], deadline: float, budget: float) -> _LamResult:
+    """The least-memory plan: it decides feasibility exactly (cost := memory, edges only
+    forbid pairs), as in solve_ilp.  Raises :class:`InfeasibleError` when it does not
+    fit ``budget``."""
     memory_only = StrategyProblem(problem.node_costs, problem.node_memory,
                                   [(u, v, np.where(np.isinf(m), np.inf, 0.0))
                                    for u, v, m in problem.edges])
@@ -269,53 +276,81 @@ def _budgeted(problem: StrategyProblem, cl: Clustering, twins: list[int], first:
         raise InfeasibleError(
             f"memory budget {format_bytes(budget)} is infeasible: the smallest plan needs "
             f"{format_bytes(least_mem)}", min_memory=least_mem)
-    lower = first.value if first.optimal else -math.inf  # lam = 0 bound
-    best_choice, best_obj = least.choice, evaluate(problem, least.choice)[0]
-    cost_span = sum(float(np.ptp(c)) for c in costs) + 1e-300
-    mem_span = sum(float(np.ptp(m)) for m in mems) + 1e-300
-    lo, hi = 0.0, cost_span / mem_span
-    def probe(lam: float) -> tuple[bool, list[int], float, float]:
-        """Solve at weight ``lam``: tighten the bound, keep the best plan that fits."""
-        nonlocal lower, best_choice, best_obj
-        res, obj, mem = run(lam)
+    return least
+
+
+@dataclass
+class _Lagrangian:
+    """The bisection's state: the proven lower bound and the best plan that fits so far."""
+
+    problem: StrategyProblem
+    cl: Clustering
+    twins: list[int]
+    costs: list[np.ndarray]
+    mems: list[np.ndarray]
+    deadline: float
+    budget: float
+    lower: float
+    best_choice: list[int]
+    best_obj: float
+
+    def probe(self, lam: float) -> tuple[bool, list[int], float, float]:
+        """Solve at weight ``lam``: tighten the bound, keep the best plan that fits;
+        whether it fits, the plan, its cost and memory."""
+        left = max(1.0, self.deadline - time.monotonic())
+        res = _solve_weighted(self.problem, self.cl, self.twins,
+                              [c + lam * m for c, m in zip(self.costs, self.mems)], left)
+        obj, mem = evaluate(self.problem, res.choice)
         if res.optimal:
-            lower = max(lower, res.value - lam * budget)
-        fits = mem <= budget
-        if fits and obj < best_obj:
-            best_choice, best_obj = res.choice, obj
+            self.lower = max(self.lower, res.value - lam * self.budget)
+        fits = mem <= self.budget
+        if fits and obj < self.best_obj:
+            self.best_choice, self.best_obj = res.choice, obj
         return fits, res.choice, obj, mem
 
+
+def _bisect(lg: _Lagrangian, first: _LamResult) -> list[int]:
+    """Grow ``lam`` until its plan fits, then bisect between the plan that fits and the
+    cheapest that does not; returns the latter, nearest to ``lam*``."""
+    cost_span = sum(float(np.ptp(c)) for c in lg.costs) + 1e-300
+    mem_span = sum(float(np.ptp(m)) for m in lg.mems) + 1e-300
+    lo, hi = 0.0, cost_span / mem_span
     found = False
     fit_at = (math.inf, math.inf)  # (cost, memory) of the plan found at hi
     for _ in range(40):  # grow lam until the plan fits (4**40 covers any unit ratio)
-        if time.monotonic() > deadline:
+        if time.monotonic() > lg.deadline:
             break
-        found, _choice, *fit_at = probe(hi)
+        found, _choice, *fit_at = lg.probe(hi)
         if found:
             break
         lo, hi = hi, hi * 4.0
     over = first.choice  # the cheapest plan that does not fit, nearest to lam*
-    over_at = evaluate(problem, over)
+    over_at = evaluate(lg.problem, over)
     for _ in range(LAGRANGE_STEPS if found else 0):
-        if time.monotonic() > deadline or best_obj - lower <= STOP_GAP * abs(best_obj):
+        if time.monotonic() > lg.deadline or lg.best_obj - lg.lower <= STOP_GAP * abs(lg.best_obj):
             break
         # where the two plans' weighted costs cross: if nothing beats them there, that
         # weight is the dual optimum (the bound cannot rise) and the search is over
         cross = (fit_at[0] - over_at[0]) / max(over_at[1] - fit_at[1], 1e-300)
         at_cross = lo < cross < hi
         mid = cross if at_cross else 0.5 * (lo + hi)
-        fits, choice, *seen = probe(mid)
+        fits, choice, *seen = lg.probe(mid)
         if at_cross and any(_close(seen, known) for known in (fit_at, over_at)):
             break
         if fits:
             hi, fit_at = mid, seen
         else:
             lo, over, over_at = mid, choice, seen
-    best_choice = _mix_blocks(problem, cl, best_choice, over)
-    best_choice = polish_under_budget(problem, best_choice)
+    return over
+
+
+def _budgeted_solution(problem: StrategyProblem, best_choice: list[int], lower: float,
+                       started: float, deadline: float, what: str) -> Solution:
+    """The budgeted plan with its gap; a small flat problem left with a gap gets the
+    budgeted MIP for the time that remains."""
+    budget = problem.memory_budget
     best_obj = evaluate(problem, best_choice)[0]
     solver = "cluster/lagrangian"
-    lower = max(lower, star_bound(problem))  # known even when no Lagrangian solve finished
     gap = gap_to(best_obj, lower)
     how = "Lagrangian over clustered layers"
     if (gap is None or gap > _OPTIMAL_GAP) and problem.num_nodes <= FLAT_MIP_MAX_NODES \

@@ -35,7 +35,7 @@ from autopar.cost_models import (
     optimizer_step_time,
     reduce_scatter_time,
 )
-from autopar.plan.data import Plan
+from autopar.plan.data import NodePlan, Plan
 from autopar.plan.decisions import zero_axes
 from autopar.plan.placement import is_replicate, local_shape, parse_placements
 from autopar.search.node_prices import compute_floor, kernel_terms
@@ -132,8 +132,7 @@ def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) ->
     mesh = plan.mesh
     # what one blocking collective each way waits for the drift and pays in latency
     # (the same for every node: priced once, not per node of every candidate plan)
-    drift2 = 2.0 * mesh.sync_seconds
-    latency2 = 2.0 * _latency(mesh) if mesh.collective_pairing > 0 else 0.0
+    blocking = (2.0 * mesh.sync_seconds, 2.0 * _latency(mesh) if mesh.collective_pairing > 0 else 0.0)
     stats: dict[str, LayerStat] = {}
     order: list[str] = []
     layer_of: dict[fx.Node, str] = {}
@@ -146,37 +145,63 @@ def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) ->
         if key not in stats:
             stats[key] = LayerStat(key)
             order.append(key)
-        st = stats[key]
-        if np_.kind == "param":
-            pl = parse_placements(np_.out_placements[0])
-            rep = tuple(a for a, p in enumerate(pl) if is_replicate(p) and mesh.shape[a] > 1)
-            nbytes = _local_bytes(n, np_.out_placements[0], mesh)
-            shape = tuple(local_shape(info(n).out.shape, pl, mesh.shape))
-            st.params.append(ParamStat(nbytes, rep, np_.param or n.name, shape))
-            if n.users and all(u.op == "call_function" and u.target is torch.ops.aten._to_copy.default
-                               for u in n.users):
-                st.cast_param_bytes += nbytes
-        elif np_.kind == "buffer":
-            st.buffers += np_.memory
-        elif np_.kind == "op":
-            st.seconds += np_.compute + np_.comm
-            st.compute += np_.compute
-            if np_.comm > 0:
-                # one blocking collective each way (the search's candidates carry no
-                # per-edge steps to count): a tensor-parallel all-reduce, gather or scatter
-                st.comm_drift += min(np_.comm, drift2)
-                st.comm_latency += min(np_.comm, latency2)
-            st.forward += np_.compute / (1.0 + backward_factor) + np_.comm / 2.0
-            st.activations += np_.memory
-            st.largest = max(st.largest, np_.memory)
-            st.floor += compute_floor(n, mesh, backward_factor)
-            # only a cross-entropy sums a count: parse no other op's placements (every
-            # node of every candidate plan passes here)
-            if n.target is torch.ops.aten.cross_entropy_loss.default and np_.in_placements:
-                count = count_axes(n, parse_placements(np_.in_placements[0]), mesh.shape)
-                if count:
-                    st.behind += all_reduce_time(mesh, count, 8.0)  # int64 count
-    # ops reading a weight, through single-input views and casts of it
+        _add_node(stats[key], n, np_, mesh, blocking, backward_factor)
+    _add_weight_reads(stats, layer_of, plan, backward_factor)
+    _mark_checkpointed_and_stateful(stats, layer_of, plan)
+    # bytes leaving each layer: values used by a later layer (each value once)
+    for n, key in layer_of.items():
+        if n.op in ("placeholder", "get_attr") or n.target is operator.getitem:
+            continue
+        if any(layer_of.get(u, key) != key for u in n.users if u.op != "output"):
+            stats[key].out_bytes += _local_bytes(n, plan.nodes[n.name].out_placements[0], mesh) \
+                if info(n).outputs and not info(n).tuple_output else 0.0
+    # the loss is always "post": keep pre/post at the ends even if graph order differs
+    keys = [k for k in order if k == "pre"] + [k for k in order if k not in ("pre", "post")] + \
+        [k for k in order if k == "post"]
+    return [stats[k] for k in keys]
+
+
+def _add_node(st: LayerStat, n: fx.Node, np_: NodePlan, mesh: MeshSpec, blocking: tuple[float, float],
+              backward_factor: float) -> None:
+    """Add node ``n`` (planned as ``np_``) to its layer's statistics: a parameter's bytes
+    and where it is replicated, a buffer's bytes, an op's time and memory.  ``blocking``:
+    what one blocking collective each way waits for the drift and pays in latency."""
+    if np_.kind == "param":
+        pl = parse_placements(np_.out_placements[0])
+        rep = tuple(a for a, p in enumerate(pl) if is_replicate(p) and mesh.shape[a] > 1)
+        nbytes = _local_bytes(n, np_.out_placements[0], mesh)
+        shape = tuple(local_shape(info(n).out.shape, pl, mesh.shape))
+        st.params.append(ParamStat(nbytes, rep, np_.param or n.name, shape))
+        if n.users and all(u.op == "call_function" and u.target is torch.ops.aten._to_copy.default
+                           for u in n.users):
+            st.cast_param_bytes += nbytes
+    elif np_.kind == "buffer":
+        st.buffers += np_.memory
+    elif np_.kind == "op":
+        st.seconds += np_.compute + np_.comm
+        st.compute += np_.compute
+        if np_.comm > 0:
+            # one blocking collective each way (the search's candidates carry no
+            # per-edge steps to count): a tensor-parallel all-reduce, gather or scatter
+            st.comm_drift += min(np_.comm, blocking[0])
+            st.comm_latency += min(np_.comm, blocking[1])
+        st.forward += np_.compute / (1.0 + backward_factor) + np_.comm / 2.0
+        st.activations += np_.memory
+        st.largest = max(st.largest, np_.memory)
+        st.floor += compute_floor(n, mesh, backward_factor)
+        # only a cross-entropy sums a count: parse no other op's placements (every
+        # node of every candidate plan passes here)
+        if n.target is torch.ops.aten.cross_entropy_loss.default and np_.in_placements:
+            count = count_axes(n, parse_placements(np_.in_placements[0]), mesh.shape)
+            if count:
+                st.behind += all_reduce_time(mesh, count, 8.0)  # int64 count
+
+
+def _add_weight_reads(stats: dict[str, LayerStat], layer_of: dict[fx.Node, str], plan: Plan,
+                      backward_factor: float) -> None:
+    """Each layer's ``weight_grad_inputs`` and ``kernels``: the ops that read a weight
+    (through single-input views and casts of it) and each kernel's weight bytes."""
+    mesh = plan.mesh
     from_weight: set[fx.Node] = set()
     kernels: dict[str, list[tuple[float, float, float]]] = {}
     for n in layer_of:
@@ -197,18 +222,6 @@ def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) ->
             kernels.setdefault(layer_of[n], []).append((flops, weight, sum(sizes) - weight))
     for key, ks in kernels.items():
         stats[key].kernels = tuple(ks)
-    _mark_checkpointed_and_stateful(stats, layer_of, plan)
-    # bytes leaving each layer: values used by a later layer (each value once)
-    for n, key in layer_of.items():
-        if n.op in ("placeholder", "get_attr") or n.target is operator.getitem:
-            continue
-        if any(layer_of.get(u, key) != key for u in n.users if u.op != "output"):
-            stats[key].out_bytes += _local_bytes(n, plan.nodes[n.name].out_placements[0], mesh) \
-                if info(n).outputs and not info(n).tuple_output else 0.0
-    # the loss is always "post": keep pre/post at the ends even if graph order differs
-    keys = [k for k in order if k == "pre"] + [k for k in order if k not in ("pre", "post")] + \
-        [k for k in order if k == "post"]
-    return [stats[k] for k in keys]
 
 
 def updates_state(n: fx.Node) -> bool:
@@ -324,6 +337,29 @@ def copied_bytes(nbytes: float, d: int) -> float:
     return 6.0 * nbytes + 4.0 * nbytes / d
 
 
+@dataclass
+class _ZeroSums:
+    """Running sums over a layer's parameters, the terms of its :class:`ZeroPrice`
+    (:func:`zero_price` names each)."""
+
+    sync: float = 0.0
+    gstep: float = 0.0
+    pb: float = 0.0
+    gb: float = 0.0
+    ob: float = 0.0
+    tr: float = 0.0
+    zsync: float = 0.0
+    step: float = 0.0
+    rs: float = 0.0
+    """The ZeRO axis's own reduce-scatter (what zero3's backward runs)."""
+    moved: float = 0.0
+    """Bytes the ZeRO runtime's copies move (:func:`copied_bytes`)."""
+    into_bucket: float = 0.0
+    """Bytes of the gradients copied into GradSync's buckets."""
+    reduced: tuple[int, ...] = ()
+    """Stage 1: the axes its all-reduce spans."""
+
+
 def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | tuple[int, ...] | None,
                optimizer: str, micro_batches: int = 1, reduce_once: bool = False) -> ZeroPrice:
     """Price ``stat``'s parameters under ZeRO ``stage`` over sub-mesh ``axis`` for a step
@@ -335,56 +371,82 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | tuple[in
     it reduces once a step (``reduce_once``, ``Decisions.zero_reduce_once``): the whole
     gradients accumulated until the last micro-batch's backward, which reduce-scatters
     them."""
-    sync = gstep = gmb = pb = gb = ob = tr = zsync = step = rs = moved = into_bucket = regather = 0.0
     zax = zero_axes(axis)
-    reduced: tuple[int, ...] = tuple(zax)  # stage 1: the axes its all-reduce spans
+    z = _ZeroSums(reduced=tuple(zax))
     d = math.prod(mesh.shape[a] for a in zax)  # ranks in the ZeRO group (1 without one)
     for p in stat.params:
         opt = optimizer_state_bytes(p.bytes, optimizer)
-        gb += grad_bytes(p, mesh, stage, zax, micro_batches, reduce_once)
-        if not on_zero(p.replicated, stage, zax):
-            if p.replicated:
-                # bandwidth only: bucketing pays the latency once per bucket
-                sync += all_reduce_time(mesh, p.replicated, p.bytes) - all_reduce_time(mesh, p.replicated, 1.0)
-                # runtime/grad_sync.py copies the gradient autograd made into its bucket
-                # (then ``.grad`` is a view of it), as DDP's reducer does
-                into_bucket += 2.0 * p.bytes
-            pb, ob = pb + p.bytes, ob + opt
-            step += optimizer_step_time(mesh, p.bytes, opt)
-            continue
-        others = tuple(a for a in p.replicated if a not in zax)
-        before = sync
-        if stage == 1:
-            # runtime/zero.py all-reduces a stage-1 bucket over the ZeRO axes and the
-            # other replicated axes its parameters share, in one collective, and keeps
-            # this rank's part (a bucket whose parameters differ in their other axes
-            # reduces its part over them apart: priced alike).  On gloo an all-reduce
-            # runs faster than its reduce-scatter (4 MiB: 8-10 ms against 13-16 ms
-            # calibrated on 4 ranks); on NCCL it moves twice the reduce-scatter's bytes.
-            reduced = (*zax, *others)
-            sync += all_reduce_time(mesh, reduced, p.bytes) - all_reduce_time(mesh, reduced, 1.0)
+        z.gb += grad_bytes(p, mesh, stage, zax, micro_batches, reduce_once)
+        if on_zero(p.replicated, stage, zax):
+            _add_sharded(z, p, mesh, stage, zax, d, opt)
         else:
-            sync += reduce_scatter_time(mesh, zax, p.bytes) - reduce_scatter_time(mesh, zax, d)
-            rs += sync - before  # the ZeRO axis's own reduce-scatter (what zero3's backward runs)
-            if others:
-                sync += all_reduce_time(mesh, others, p.bytes / d) - all_reduce_time(mesh, others, 1.0)
-        zsync += sync - before
-        if d > 1:
-            moved += copied_bytes(p.bytes, d)
-        if stage < 3:
-            # bandwidth only: runtime/zero.py gathers the updated shards in fused 4 MiB
-            # buckets (they may span layers); one latency per layer below stands for them,
-            # as for the reduction (per parameter, the 69 tensors of a 4-layer GPT
-            # cost 90 ms of gloo latency the runtime never pays)
-            gstep += all_gather_time(mesh, zax, p.bytes) - all_gather_time(mesh, zax, d)
-            # the whole parameter the graph reads and the shard the optimizer steps
-            pb += p.bytes + p.bytes / d
-        else:
-            pb += p.bytes / d
-            tr += p.bytes  # the layer's whole parameters, gathered together below
-        ob += opt / d
-        step += optimizer_step_time(mesh, p.bytes / d, opt / d)  # each rank updates its shard
-    if zsync and zax:
+            _add_plain(z, p, mesh, opt)
+    _add_layer_latency(z, mesh, stage, zax, d)
+    # the copies are memory-bound work on the rank's own cores, exposed: data parallel
+    # and stages 1-2 make them once per step (a gradient into its bucket in backward,
+    # the refresh before the next forward), stage 3 in every micro-batch's forward and
+    # backward
+    copies = compute_time(mesh, 0.0, z.moved)  # 0.0 where nothing is copied
+    once = (copies if stage < 3 else 0.0) + compute_time(mesh, 0.0, z.into_bucket)
+    gmb, regather = _stage3_gathers(z, mesh, zax, d, micro_batches, reduce_once, copies) \
+        if z.tr else (0.0, 0.0)
+    return ZeroPrice(z.sync, z.gstep, gmb, z.pb, z.gb, z.ob, z.tr, z.zsync, z.step, once, regather)
+
+
+def _add_plain(z: _ZeroSums, p: ParamStat, mesh: MeshSpec, opt: float) -> None:
+    """A parameter outside ZeRO: GradSync reduces it where it is replicated; every rank
+    holds and steps all of it."""
+    if p.replicated:
+        # bandwidth only: bucketing pays the latency once per bucket
+        z.sync += all_reduce_time(mesh, p.replicated, p.bytes) - all_reduce_time(mesh, p.replicated, 1.0)
+        # runtime/grad_sync.py copies the gradient autograd made into its bucket
+        # (then ``.grad`` is a view of it), as DDP's reducer does
+        z.into_bucket += 2.0 * p.bytes
+    z.pb, z.ob = z.pb + p.bytes, z.ob + opt
+    z.step += optimizer_step_time(mesh, p.bytes, opt)
+
+
+def _add_sharded(z: _ZeroSums, p: ParamStat, mesh: MeshSpec, stage: int, zax: tuple[int, ...],
+                 d: int, opt: float) -> None:
+    """A parameter under ZeRO ``stage`` over ``zax`` (``d`` ranks): its reduction, its
+    gather after the step (stages 1-2) and the shard each rank holds and steps."""
+    others = tuple(a for a in p.replicated if a not in zax)
+    before = z.sync
+    if stage == 1:
+        # runtime/zero.py all-reduces a stage-1 bucket over the ZeRO axes and the
+        # other replicated axes its parameters share, in one collective, and keeps
+        # this rank's part (a bucket whose parameters differ in their other axes
+        # reduces its part over them apart: priced alike).  On gloo an all-reduce
+        # runs faster than its reduce-scatter (4 MiB: 8-10 ms against 13-16 ms
+        # calibrated on 4 ranks); on NCCL it moves twice the reduce-scatter's bytes.
+        z.reduced = (*zax, *others)
+        z.sync += all_reduce_time(mesh, z.reduced, p.bytes) - all_reduce_time(mesh, z.reduced, 1.0)
+    else:
+        z.sync += reduce_scatter_time(mesh, zax, p.bytes) - reduce_scatter_time(mesh, zax, d)
+        z.rs += z.sync - before  # the ZeRO axis's own reduce-scatter (what zero3's backward runs)
+        if others:
+            z.sync += all_reduce_time(mesh, others, p.bytes / d) - all_reduce_time(mesh, others, 1.0)
+    z.zsync += z.sync - before
+    if d > 1:
+        z.moved += copied_bytes(p.bytes, d)
+    if stage < 3:
+        # bandwidth only: runtime/zero.py gathers the updated shards in fused 4 MiB
+        # buckets (they may span layers); one latency per layer below stands for them,
+        # as for the reduction (per parameter, the 69 tensors of a 4-layer GPT
+        # cost 90 ms of gloo latency the runtime never pays)
+        z.gstep += all_gather_time(mesh, zax, p.bytes) - all_gather_time(mesh, zax, d)
+        # the whole parameter the graph reads and the shard the optimizer steps
+        z.pb += p.bytes + p.bytes / d
+    else:
+        z.pb += p.bytes / d
+        z.tr += p.bytes  # the layer's whole parameters, gathered together below
+    z.ob += opt / d
+    z.step += optimizer_step_time(mesh, p.bytes / d, opt / d)  # each rank updates its shard
+
+
+def _add_layer_latency(z: _ZeroSums, mesh: MeshSpec, stage: int, zax: tuple[int, ...], d: int) -> None:
+    """The latencies ZeRO's collectives pay once per layer."""
+    if z.zsync and zax:
         # the layer's gradients leave in one reduce-scatter (stage 3, runtime/zero3.py)
         # or a few fused buckets (stages 1-2): one latency per layer, as the data-parallel
         # buckets pay theirs (autopar/search/buckets.py).  Stages 1-2's 4 MiB buckets span
@@ -393,41 +455,41 @@ def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | tuple[in
         # dominates.  (The layer's bytes' share of the buckets' latencies under-counts a
         # small model's one bucket each way, and made ZeRO-2 the unconstrained plan of
         # a small GPT on 4 A100s: a step-level count is what it would take.)
-        lat = all_reduce_time(mesh, reduced, d) if stage == 1 else reduce_scatter_time(mesh, zax, d)
-        zsync += lat
-        sync += lat
+        lat = all_reduce_time(mesh, z.reduced, d) if stage == 1 else reduce_scatter_time(mesh, zax, d)
+        z.zsync += lat
+        z.sync += lat
         if stage > 1:
-            rs += lat
-    if gstep:
-        gstep += all_gather_time(mesh, zax, d)
-    # the copies are memory-bound work on the rank's own cores, exposed: data parallel
-    # and stages 1-2 make them once per step (a gradient into its bucket in backward,
-    # the refresh before the next forward), stage 3 in every micro-batch's forward and
-    # backward
-    copies = compute_time(mesh, 0.0, moved)  # 0.0 where nothing is copied
-    once = (copies if stage < 3 else 0.0) + compute_time(mesh, 0.0, into_bucket)
-    if tr:
-        # stage 3 gathers a layer's parameters in one collective (runtime/zero3.py), in
-        # the forward and again in the backward: the latency is paid once per layer
-        gmb = 2.0 * all_gather_time(mesh, zax, tr)
-        # the backward's half: its gather and wait, and its copies (the shards into the
-        # send buffer and the whole parameters out of the gathered one, copied_bytes)
-        regather = gmb / 2.0 + mesh.sync_seconds * (d > 1) + compute_time(mesh, 0.0, 2.0 * tr * (1.0 + 1.0 / d))
-        if d > 1:
-            # each gather is waited for right before its layer runs, in forward and in
-            # backward: every rank waits there for the last to issue it, the drift a
-            # blocking collective pays (``mesh.sync_seconds``, collectives.blocking_time).
-            # Unpriced, ZeRO-3 of the 4-layer GPT on 4 calibrated gloo ranks measured
-            # 0.88 of its price idle and 0.69 with one more busy process (12 gathers a
-            # step); priced, 1.02 and 0.90 (docs/benchmarks.md, Cost-model fidelity)
-            gmb += 2.0 * mesh.sync_seconds
-        # and reduce-scatters their gradients over the ZeRO axis in every micro-batch's
-        # backward: the last is the step's gradient sync (``sync``, overlapped like a
-        # bucket); the others are spread over the micro-batches here (the step prices
-        # ``gather_mb`` M times).  The all-reduce over other replicated axes runs once,
-        # after the last backward (GradSync is off before it): it stays in ``sync`` only
-        gmb += (0.0 if reduce_once else rs * (micro_batches - 1) / micro_batches) + copies
-    return ZeroPrice(sync, gstep, gmb, pb, gb, ob, tr, zsync, step, once, regather)
+            z.rs += lat
+    if z.gstep:
+        z.gstep += all_gather_time(mesh, zax, d)
+
+
+def _stage3_gathers(z: _ZeroSums, mesh: MeshSpec, zax: tuple[int, ...], d: int, micro_batches: int,
+                    reduce_once: bool, copies: float) -> tuple[float, float]:
+    """ZeRO-3's work in every micro-batch (``gather_mb``) and what its backward's
+    re-gather costs (``regather``).  Stage 3 gathers a layer's parameters in one
+    collective (runtime/zero3.py), in the forward and again in the backward: the latency
+    is paid once per layer."""
+    tr = z.tr
+    gmb = 2.0 * all_gather_time(mesh, zax, tr)
+    # the backward's half: its gather and wait, and its copies (the shards into the
+    # send buffer and the whole parameters out of the gathered one, copied_bytes)
+    regather = gmb / 2.0 + mesh.sync_seconds * (d > 1) + compute_time(mesh, 0.0, 2.0 * tr * (1.0 + 1.0 / d))
+    if d > 1:
+        # each gather is waited for right before its layer runs, in forward and in
+        # backward: every rank waits there for the last to issue it, the drift a
+        # blocking collective pays (``mesh.sync_seconds``, collectives.blocking_time).
+        # Unpriced, ZeRO-3 of the 4-layer GPT on 4 calibrated gloo ranks measured
+        # 0.88 of its price idle and 0.69 with one more busy process (12 gathers a
+        # step); priced, 1.02 and 0.90 (docs/benchmarks.md, Cost-model fidelity)
+        gmb += 2.0 * mesh.sync_seconds
+    # and reduce-scatters their gradients over the ZeRO axis in every micro-batch's
+    # backward: the last is the step's gradient sync (``sync``, overlapped like a
+    # bucket); the others are spread over the micro-batches here (the step prices
+    # ``gather_mb`` M times).  The all-reduce over other replicated axes runs once,
+    # after the last backward (GradSync is off before it): it stays in ``sync`` only
+    gmb += (0.0 if reduce_once else z.rs * (micro_batches - 1) / micro_batches) + copies
+    return gmb, regather
 
 
 __all__ = ["LayerStat", "ParamStat", "ZeroPrice", "copied_bytes", "grad_bytes", "layer_stats", "on_zero", "zero_price"]

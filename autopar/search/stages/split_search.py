@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from autopar.cost_models import MeshSpec
 from autopar.cost_models.memo import IdentityMemo
@@ -263,135 +263,197 @@ def split(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget
     its gradient buckets, which only add exposed sync to a stage's tail, bounds it, so
     a split over the cut is bounded before its buckets are planned (planning them was
     half of pricing an interleaved config that then lost)."""
-    n, p = len(stats), cfg.stages
-    if p > n:
+    if cfg.stages > len(stats):
         return SplitResult(None, math.inf)
-    cache: dict[tuple, StagePrice] = {}
-    cls = layer_classes(stats)
-    zps = zero_prices(stats, cls, cfg, mesh, optimizer)
-    views = param_views(stats, cfg, mesh, cls)
-    run_of, runs = _runs(cls)
-    inflight = [in_flight(cfg, s) for s in range(p)]
-    waiting = [waiting_w(cfg, s) for s in range(p)]
-    floors = stage_floors(stats, zps)
-    pre, mag = [0.0], [0.0]  # prefix sums of the floors and of their magnitudes
-    for f in floors:
-        pre.append(pre[-1] + f)
-        mag.append(mag[-1] + abs(f))
-    limit = cut * (1.0 + SLACK)
-    least, lo, hi = _step_floor(stats, zps, cfg, mesh, pipe_link, pre[n] - SLACK * mag[n], limit)
-    pruned = math.inf  # the least slowest stage among the partial splits dropped
+    sr = _SplitSearch.start(stats, cfg, mesh, pipe_link, budget, optimizer, cut)
+    # (the bound counts what the layers hold on the device: not under offload)
+    if cfg.offload == "none" and not _may_fit(stats, sr.zps, sr.inflight, budget):
+        return SplitResult(None, _min_split_memory(stats, cfg, sr.stage, math.inf))
+    if cfg.stages == 1:
+        return sr.one_stage()
+    return sr.result(sr.table(), step)
 
-    def shape_of(i: int, j: int) -> tuple:
-        # the range's layers as runs of equal ones, without slicing: the partial first
-        # and last runs by (class, length), the full runs between by their index
-        r0, r1 = run_of[i], run_of[j - 1]
+
+@dataclass
+class _SplitSearch:
+    """One config's split search: what every stage price shares (the layers' classes,
+    ZeRO prices and parameter views), the stage prices taken so far, the step bound
+    against the cut (:func:`_step_floor`) and the least slowest stage of the partial
+    splits it dropped."""
+
+    stats: list[LayerStat]
+    cfg: Config
+    mesh: MeshSpec
+    pipe_link: Callable[[float], float]
+    budget: float
+    optimizer: str
+    cls: list[int]
+    zps: list
+    views: list
+    run_of: list[int]
+    runs: list[tuple[int, int]]
+    inflight: list[int]
+    waiting: list[int]
+    pre: list[float]
+    """Prefix sums of the layers' floors (:func:`stage_floors`)."""
+    mag: list[float]
+    """Prefix sums of their magnitudes (the slack on a difference of two of ``pre``)."""
+    limit: float
+    least: Callable[[float], float]
+    lo: float
+    hi: float
+    cache: dict[tuple, StagePrice] = field(default_factory=dict)
+    pruned: float = math.inf
+
+    @classmethod
+    def start(cls, stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget: float,
+              optimizer: str, cut: float) -> _SplitSearch:
+        """The search for ``cfg`` over ``stats``, nothing priced yet."""
+        classes = layer_classes(stats)
+        zps = zero_prices(stats, classes, cfg, mesh, optimizer)
+        views = param_views(stats, cfg, mesh, classes)
+        run_of, runs = _runs(classes)
+        p = cfg.stages
+        pre, mag = [0.0], [0.0]
+        for f in stage_floors(stats, zps):
+            pre.append(pre[-1] + f)
+            mag.append(mag[-1] + abs(f))
+        limit = cut * (1.0 + SLACK)
+        n = len(stats)
+        least, lo, hi = _step_floor(stats, zps, cfg, mesh, pipe_link, pre[n] - SLACK * mag[n], limit)
+        return cls(stats, cfg, mesh, pipe_link, budget, optimizer, classes, zps, views, run_of, runs,
+                   [in_flight(cfg, s) for s in range(p)], [waiting_w(cfg, s) for s in range(p)],
+                   pre, mag, limit, least, lo, hi)
+
+    def shape_of(self, i: int, j: int) -> tuple:
+        """The range's layers as runs of equal ones, without slicing: the partial first
+        and last runs by (class, length), the full runs between by their index."""
+        cls, runs = self.cls, self.runs
+        r0, r1 = self.run_of[i], self.run_of[j - 1]
         if r0 == r1:
             return (cls[i], j - i)
         return (cls[i], runs[r0][1] - i, r0 + 1, r1 - 1, cls[j - 1], j - runs[r1][0])
 
-    def stage(i: int, j: int, s: int, sync: bool = False) -> StagePrice:
-        # stages differ only by their in-flight count and whether they send/receive.  The
-        # split search reads only time and memory, which ranges of equal layers share (80
-        # identical Llama layers: ~330 stage prices per config instead of ~3,400); the
-        # chosen split is priced by position, with its layers' names and buckets (sync)
-        where = (i, j) if sync else shape_of(i, j)
-        key = (where, inflight[s], waiting[s], s == 0, s == p - 1, sync)
-        if key not in cache:
-            cache[key] = price_stage(stats[i:j], s, cfg, mesh, pipe_link, budget, optimizer, zps[i:j],
-                                     sync=sync, views=views[i:j])
-        return cache[key]
+    def stage(self, i: int, j: int, s: int, sync: bool = False) -> StagePrice:
+        """Stage ``s`` holding layers ``[i, j)``.  Stages differ only by their in-flight
+        count and whether they send/receive.  The split search reads only time and
+        memory, which ranges of equal layers share (80 identical Llama layers: ~330
+        stage prices per config instead of ~3,400); the chosen split is priced by
+        position, with its layers' names and buckets (``sync``)."""
+        p = self.cfg.stages
+        where = (i, j) if sync else self.shape_of(i, j)
+        key = (where, self.inflight[s], self.waiting[s], s == 0, s == p - 1, sync)
+        if key not in self.cache:
+            self.cache[key] = price_stage(self.stats[i:j], s, self.cfg, self.mesh, self.pipe_link,
+                                          self.budget, self.optimizer, self.zps[i:j], sync=sync,
+                                          views=self.views[i:j])
+        return self.cache[key]
 
-    # best[s][j]: (slowest stage, sum, where the last stage starts) covering layers
-    # [0, j) with s + 1 stages; the split's gradient buckets are priced once at the end
-    inf = (math.inf, math.inf, -1)
-    best = [[inf] * (n + 1) for _ in range(p)]
+    def idle(self, sp: StagePrice) -> bool:
+        """A stage without compute (only an embedding lookup's inputs, say) leaves its
+        devices idle: never a pipeline stage of its own."""
+        return self.cfg.stages > 1 and sp.parts.get("compute", 0.0) <= 0.0
 
-    def idle(sp: StagePrice) -> bool:
-        # a stage without compute (only an embedding lookup's inputs, say) leaves its
-        # devices idle: never a pipeline stage of its own
-        return p > 1 and sp.parts.get("compute", 0.0) <= 0.0
-
-    # (the bound counts what the layers hold on the device: not under offload)
-    if cfg.offload == "none" and not _may_fit(stats, zps, inflight, budget):
-        return SplitResult(None, _min_split_memory(stats, cfg, stage, math.inf))
-    if p == 1:
-        # one stage holds every layer: only that range is priced (the program below
-        # would price every prefix first, and they fit whenever the whole does)
-        sp = stage(0, n, 0)
-        if sp.total_memory > budget:
+    def one_stage(self) -> SplitResult:
+        """One stage holds every layer: only that range is priced (the program would
+        price every prefix first, and they fit whenever the whole does)."""
+        n = len(self.stats)
+        sp = self.stage(0, n, 0)
+        if sp.total_memory > self.budget:
             return SplitResult(None, sp.total_memory)
-        if least(sp.seconds) > limit:
-            return SplitResult(None, math.inf, bound=least(sp.seconds))
-        return SplitResult([stage(0, n, 0, sync=True)], sp.total_memory)
-    for j in range(1, n - p + 2):
-        sp = stage(0, j, 0)
-        if sp.total_memory > budget:
-            break  # longer first stages hold more
-        if idle(sp):
-            continue
-        if least(sp.seconds) > limit:
-            pruned = min(pruned, sp.seconds)
-            continue
-        best[0][j] = (sp.seconds, sp.seconds, 0)
-    for s in range(1, p):
-        row = best[s - 1]
-        reach = [i for i in range(s, n + 1) if math.isfinite(row[i][0])]
-        if not reach:
-            break  # no partial split reaches this stage: nothing fits (or all were cut)
-        for j in range(s + 1, n - (p - s - 1) + 1):
-            # the states this stage can extend within the cut (a state's slowest stage
-            # is within it already; the stage's floor may not be)
-            ext = []
-            pj, mj = pre[j], mag[j]
-            for i in reach:
-                if i >= j:
-                    break
-                low = max(row[i][0], pj - pre[i] - SLACK * (mj - mag[i]))  # the stage floor(i, j)
-                if low > lo and (low > hi or least(low) > limit):
-                    pruned = min(pruned, low)
-                else:
-                    ext.append(i)
-            # a stage's least memory grows with its range (more parameters, more kept
-            # activations, a later peak), so the ranges that fit a stage ending at j are
-            # those starting at or after some i: found from the shortest down, the longer
-            # ones never priced (a bisection over every start, as before, priced ranges
-            # no state within the cut extends: half of Megatron 145.6B's split search)
-            fit = len(ext)
-            while fit and stage(ext[fit - 1], j, s).total_memory <= budget:
-                fit -= 1
-            for i in ext[fit:]:
-                prev = row[i]
-                sp = stage(i, j, s)
-                if idle(sp):
-                    continue
-                cand = (max(prev[0], sp.seconds), prev[1] + sp.seconds, i)
-                if cand[0] > lo and (cand[0] > hi or least(cand[0]) > limit):
-                    pruned = min(pruned, cand[0])
-                    continue
-                if cand[:2] < best[s][j][:2]:
-                    best[s][j] = cand
-    slow, total, _ = best[p - 1][n]
-    ranges, j = [], n
-    for s in range(p - 1, -1, -1) if math.isfinite(slow) else ():
-        i = best[s][j][2]
-        ranges.append((i, j))
-        j = i
-    ranges.reverse()
-    min_mem = min((sp.total_memory for sp in cache.values()), default=math.inf)
-    if not math.isfinite(slow):
-        if math.isfinite(pruned):
-            # every split within the budget was cut: each takes at least this
-            return SplitResult(None, math.inf, bound=least(pruned))
-        # report the smallest per-device memory any split could reach
-        return SplitResult(None, _min_split_memory(stats, cfg, stage, min_mem))
-    if step is not None and math.isfinite(limit):
-        bare = step([stage(i, j, s) for s, (i, j) in enumerate(ranges)])
-        if bare > limit:
-            return SplitResult(None, min_mem, bound=bare)
-    # priced with their gradient buckets, the stages still fit: price_stage falls back
-    # to a bucket per layer where the chosen buckets would not
-    return SplitResult([stage(i, j, s, sync=True) for s, (i, j) in enumerate(ranges)], min_mem)
+        if self.least(sp.seconds) > self.limit:
+            return SplitResult(None, math.inf, bound=self.least(sp.seconds))
+        return SplitResult([self.stage(0, n, 0, sync=True)], sp.total_memory)
+
+    def table(self) -> list[list[tuple[float, float, int]]]:
+        """``best[s][j]``: (slowest stage, sum, where the last stage starts) covering
+        layers ``[0, j)`` with ``s + 1`` stages; the split's gradient buckets are priced
+        once at the end."""
+        n, p = len(self.stats), self.cfg.stages
+        inf = (math.inf, math.inf, -1)
+        best = [[inf] * (n + 1) for _ in range(p)]
+        for j in range(1, n - p + 2):
+            sp = self.stage(0, j, 0)
+            if sp.total_memory > self.budget:
+                break  # longer first stages hold more
+            if self.idle(sp):
+                continue
+            if self.least(sp.seconds) > self.limit:
+                self.pruned = min(self.pruned, sp.seconds)
+                continue
+            best[0][j] = (sp.seconds, sp.seconds, 0)
+        for s in range(1, p):
+            reach = [i for i in range(s, n + 1) if math.isfinite(best[s - 1][i][0])]
+            if not reach:
+                break  # no partial split reaches this stage: nothing fits (or all were cut)
+            for j in range(s + 1, n - (p - s - 1) + 1):
+                self._extend(best, s, j, reach)
+        return best
+
+    def _extend(self, best: list[list[tuple[float, float, int]]], s: int, j: int,
+                reach: list[int]) -> None:
+        """``best[s][j]``: the partial splits in ``best[s - 1]`` (those ``reach``
+        lists) extended by a stage ``s`` ending at ``j``.  (A partial split is dropped
+        when every split it leads to must be over the cut (``lo``/``hi``
+        answer most without asking ``least``).)"""
+        row, pre, mag = best[s - 1], self.pre, self.mag
+        lo, hi, least, limit = self.lo, self.hi, self.least, self.limit
+        # the states this stage can extend within the cut (a state's slowest stage
+        # is within it already; the stage's floor may not be)
+        ext = []
+        pj, mj = pre[j], mag[j]
+        for i in reach:
+            if i >= j:
+                break
+            low = max(row[i][0], pj - pre[i] - SLACK * (mj - mag[i]))  # the stage floor(i, j)
+            if low > lo and (low > hi or least(low) > limit):
+                self.pruned = min(self.pruned, low)
+            else:
+                ext.append(i)
+        # a stage's least memory grows with its range (more parameters, more kept
+        # activations, a later peak), so the ranges that fit a stage ending at j are
+        # those starting at or after some i: found from the shortest down, the longer
+        # ones never priced
+        fit = len(ext)
+        while fit and self.stage(ext[fit - 1], j, s).total_memory <= self.budget:
+            fit -= 1
+        for i in ext[fit:]:
+            prev = row[i]
+            sp = self.stage(i, j, s)
+            if self.idle(sp):
+                continue
+            cand = (max(prev[0], sp.seconds), prev[1] + sp.seconds, i)
+            if cand[0] > lo and (cand[0] > hi or least(cand[0]) > limit):
+                self.pruned = min(self.pruned, cand[0])
+                continue
+            if cand[:2] < best[s][j][:2]:
+                best[s][j] = cand
+
+    def result(self, best: list[list[tuple[float, float, int]]],
+               step: Callable[[list[StagePrice]], float] | None) -> SplitResult:
+        """The split ``best`` ends with, priced with its gradient buckets; or why none."""
+        n, p = len(self.stats), self.cfg.stages
+        slow, _, _ = best[p - 1][n]
+        ranges, j = [], n
+        for s in range(p - 1, -1, -1) if math.isfinite(slow) else ():
+            i = best[s][j][2]
+            ranges.append((i, j))
+            j = i
+        ranges.reverse()
+        min_mem = min((sp.total_memory for sp in self.cache.values()), default=math.inf)
+        if not math.isfinite(slow):
+            if math.isfinite(self.pruned):
+                # every split within the budget was cut: each takes at least this
+                return SplitResult(None, math.inf, bound=self.least(self.pruned))
+            # report the smallest per-device memory any split could reach
+            return SplitResult(None, _min_split_memory(self.stats, self.cfg, self.stage, min_mem))
+        if step is not None and math.isfinite(self.limit):
+            bare = step([self.stage(i, j, s) for s, (i, j) in enumerate(ranges)])
+            if bare > self.limit:
+                return SplitResult(None, min_mem, bound=bare)
+        # priced with their gradient buckets, the stages still fit: price_stage falls back
+        # to a bucket per layer where the chosen buckets would not
+        return SplitResult([self.stage(i, j, s, sync=True) for s, (i, j) in enumerate(ranges)], min_mem)
 
 
 def _min_split_memory(stats, cfg: Config, stage, fallback: float) -> float:
