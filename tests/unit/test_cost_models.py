@@ -1,5 +1,6 @@
-"""Cost formulas against hand-computed numbers (arithmetic in the comments), presets, JSON,
-memory model and input validation for ``autopar.cost_models``."""
+"""Cost formulas against hand-computed numbers (arithmetic in the comments), presets, JSON
+and input validation for ``autopar.cost_models`` (the memory model and ZeRO's pricing:
+test_cost_memory.py, test_zero_pricing.py)."""
 
 from __future__ import annotations
 
