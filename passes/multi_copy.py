@@ -56,10 +56,12 @@ def _batch_loss(new: fx.Graph, gm: fx.GraphModule, losses: tuple, lookup, copies
     found = token_weights.loss_targets(gm, {n for n in gm.graph.nodes if n.op == "placeholder"})
     if found is token_weights.GIVEN_COUNT:
         return new.call_function(sum_loss, losses)
-    if found is None or not isinstance(found[0], fx.Node):
+    if found is None or (found.rows and found.count is None):
         return new.call_function(mean_loss, losses)
-    target, ignore, rows = found
-    counts = tuple(new.call_function(token_weights.target_count, (lookup(target, c), ignore, rows))
+    # each copy's count as its loss divided by it: the lowering's own sum over the row
+    # axes (no collective more than the plan lists), or a local one where rows are whole
+    counts = tuple(new.call_function(token_weights.waited, (lookup(found.count, c),)) if found.count
+                   else new.call_function(token_weights.target_count, (lookup(found.target, c), found.ignore, ()))
                    for c in range(copies))
     return new.call_function(token_weights.weighted_loss, (losses, counts))
 

@@ -31,8 +31,8 @@ recent).  A shape seen before costs a dictionary lookup.
 * **Pipelines and gradient accumulation.**  A shape runs its own schedule's runner over
   the stage graphs of its micro-batch's lowering; a batch that does not divide into the
   planned micro-batches runs as equal ones that divide it
-  (:func:`~autopar.plan.schedules.micro_batch_counts`), and the ranks agree on the shape
-  every call, whatever the batch mode.  Micro-batched copies serve the planned shape
+  (:func:`~autopar.plan.schedules.micro_batch_counts`); under ``batch="local"`` the ranks
+  agree on the shape every call.  Micro-batched copies serve the planned shape
   only: another raises :class:`InputMismatchError` on every rank.
 
 A new shape costs one capture (an export: ~0.8 s for benchmarks/variable_length.py's
@@ -142,9 +142,10 @@ class ShapeRoutes:
         local = b.mode is BatchMode.LOCAL and bool(b.dp_axes)
         want = self._global(pm, mine) if local else mine
         route, error = self._route_or_error(pm, want, flat)
-        # a schedule's ranks exchange activations whatever the batch mode (a pipeline's
-        # ranks share one data-parallel rank): they agree on the shape every call
-        if not ((local or pm.runner is not None) and self._agree(pm)):
+        # under batch="local" a schedule's ranks agree on the shape every call, also
+        # with no data-parallel axis (a pipeline's stages pass each other activations)
+        scheduled = pm.runner is not None and b.mode is BatchMode.LOCAL
+        if not ((local or scheduled) and self._agree(pm)):
             if error is not None:
                 raise error
             return route

@@ -75,7 +75,7 @@ from autopar.runtime.split_backward import (
 )
 from autopar.runtime.stage_graph import StageGraph
 from autopar.runtime.tls import issue
-from autopar.runtime.token_weights import GIVEN_COUNT, count_graph, micro_weights
+from autopar.runtime.token_weights import GIVEN_COUNT, count_graph
 
 # dtypes a boundary value may have, by header code
 _DTYPES: tuple[torch.dtype, ...] = (
@@ -390,11 +390,11 @@ class PipelineRunner:
     def _count_targets(self, per: list[list[list]]) -> list[float] | None:
         """Every micro-batch's share of the batch's loss targets, on the rank that holds
         the last stage with a graph that counts them; else None (``1/M`` each)."""
-        for c, fn in self._counts.items():
-            if fn is GIVEN_COUNT:
+        for c, counts in self._counts.items():
+            if counts is GIVEN_COUNT:
                 return [1.0] * self.micro_batches
-            if fn is not None:
-                return micro_weights([fn(*per[c][i]) for i in range(self.micro_batches)])
+            if counts is not None:
+                return counts.weights([per[c][i] for i in range(self.micro_batches)])
         return None
 
     @staticmethod

@@ -21,6 +21,8 @@ of the batch's loss.  Any other loss (a mean over rows, class weights) keeps ``1
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import fx
 
@@ -54,21 +56,42 @@ def _through(n: object) -> object:
     return n
 
 
-def _cross_entropy(n: object) -> tuple[fx.Node, int, int, tuple[int, ...]] | None:
-    """(target, ignore_index, reduction, row axes) of a cross-entropy without class
-    weights, or None."""
+@dataclass(frozen=True)
+class LossTargets:
+    """The cross-entropy a graph returns as its loss, averaging over its targets:
+    ``target`` (the node), ``ignore`` (its ``ignore_index``), ``rows`` (the mesh axes
+    its rows are split over: its count sums over them), and ``count``: the node the
+    lowering hoisted that already sums the count over ``rows``, when there is one."""
+
+    target: fx.Node
+    ignore: int
+    rows: tuple[int, ...]
+    count: fx.Node | None = None
+
+
+def _cross_entropy(n: object) -> tuple[LossTargets, int] | None:
+    """(its targets, its reduction) for a cross-entropy without class weights over
+    class-index targets, or None."""
     if not isinstance(n, fx.Node) or n.op != "call_function":
         return None
     if n.target is O.cross_entropy:
         x, target, ignore, reduction, rows = n.args[:5]
-        return target, ignore, reduction, tuple(rows)
-    if n.target is aten.cross_entropy_loss.default:
+        count = n.args[6] if len(n.args) > 6 and isinstance(n.args[6], fx.Node) else None
+        found = LossTargets(target, ignore, tuple(rows), count)
+    elif n.target is aten.cross_entropy_loss.default:
         a = list(n.args) + [None] * 6
         weight = a[2] if a[2] is not None else n.kwargs.get("weight")
         reduction = a[3] if a[3] is not None else n.kwargs.get("reduction", 1)
         ignore = a[4] if a[4] is not None else n.kwargs.get("ignore_index", -100)
-        return (a[1], ignore, reduction, ()) if weight is None else None
-    return None
+        if weight is not None:
+            return None
+        found = LossTargets(a[1], ignore, ())
+    else:
+        return None
+    val = found.target.meta.get("val") if isinstance(found.target, fx.Node) else None
+    if not isinstance(found.target, fx.Node) or (isinstance(val, torch.Tensor) and val.is_floating_point()):
+        return None  # probability targets ignore nothing: their parts' means weigh alike
+    return found, reduction
 
 
 def _from_inputs(n: object, allowed: set[fx.Node]) -> bool:
@@ -85,37 +108,55 @@ def _from_inputs(n: object, allowed: set[fx.Node]) -> bool:
     return True
 
 
-def loss_targets(gm: fx.GraphModule, allowed: set[fx.Node]):
-    """(target, ignore_index, row axes) of the cross-entropy ``gm`` returns as its last
-    output when it averages over its targets; :data:`GIVEN_COUNT` when it is a sum
-    divided by a count from the inputs in ``allowed``; else None."""
+def loss_targets(gm: fx.GraphModule, allowed: set[fx.Node]) -> LossTargets | str | None:
+    """:func:`targets_of` the loss ``gm`` returns as its last output."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
     flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
-    n = _through(flat[-1] if flat else None)
+    return targets_of(flat[-1] if flat else None, allowed)
+
+
+def targets_of(loss: object, allowed: set[fx.Node]) -> LossTargets | str | None:
+    """The targets of the cross-entropy ``loss`` is (up to the ops of
+    :data:`_SAME_LOSS`) when it averages over them; :data:`GIVEN_COUNT` when it is a
+    sum divided by a count from the inputs in ``allowed``; else None."""
+    n = _through(loss)
     if isinstance(n, fx.Node) and n.op == "call_function" and n.target is aten.div.Tensor:
         ce = _cross_entropy(_through(n.args[0]))
-        given = ce is not None and ce[2] == 2 and _from_inputs(n.args[1], allowed)
+        given = ce is not None and ce[1] == 2 and _from_inputs(n.args[1], allowed)
         return GIVEN_COUNT if given else None
     ce = _cross_entropy(n)
-    return (ce[0], ce[1], ce[3]) if ce is not None and ce[2] == 1 else None
+    return ce[0] if ce is not None and ce[1] == 1 else None
 
 
-def count_graph(gm: fx.GraphModule, model_inputs: int) -> fx.GraphModule | str | None:
-    """A graph of ``gm``'s first ``model_inputs`` inputs (the model's, as the stage takes
-    them) that returns the count of its loss's targets; :data:`GIVEN_COUNT` for a sum
-    over a count the caller gives; None when its loss is no cross-entropy over targets,
-    or its targets need more than the model's inputs and constants (a received
-    activation, a parameter)."""
+@dataclass(frozen=True)
+class TargetCounts:
+    """What :class:`~autopar.runtime.pipeline.PipelineRunner` counts a micro-batch's
+    targets with: ``graph`` (of the stage's model inputs) gives this rank's count, and
+    the counts of every micro-batch are summed over ``rows`` in one all-reduce (the plan
+    lists it: :mod:`autopar.search.collectives`)."""
+
+    graph: fx.GraphModule
+    rows: tuple[int, ...]
+
+    def weights(self, inputs: list[list]) -> list[float] | None:
+        """Each micro-batch's share of the batch's targets, from their inputs."""
+        local = torch.stack([self.graph(*x).reshape(()) for x in inputs])
+        return micro_weights(list(C.all_reduce_nograd(local, self.rows) if self.rows else local))
+
+
+def count_graph(gm: fx.GraphModule, model_inputs: int) -> TargetCounts | str | None:
+    """How a stage counts its loss's targets from its first ``model_inputs`` inputs
+    (the model's, as the stage takes them); :data:`GIVEN_COUNT` for a sum over a count
+    the caller gives; None when its loss is no cross-entropy over targets, or its
+    targets need more than the model's inputs and constants (a received activation, a
+    parameter)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     allowed = set(placeholders[:model_inputs])
     found = loss_targets(gm, allowed)
-    if found is GIVEN_COUNT:
+    if found is None or found is GIVEN_COUNT:
         return found
-    if found is None or not isinstance(found[0], fx.Node):
-        return None
-    target, ignore, rows = found
     need: set[fx.Node] = set()
-    todo = [target]
+    todo = [found.target]
     while todo:
         n = todo.pop()
         if n in need:
@@ -133,8 +174,13 @@ def count_graph(gm: fx.GraphModule, model_inputs: int) -> fx.GraphModule | str |
     for n in gm.graph.nodes:
         if n in need and n.op != "placeholder":
             env[n] = g.node_copy(n, env.__getitem__)
-    g.output(g.call_function(target_count, (env[target], ignore, rows)))
-    return fx.GraphModule(gm, g, class_name="TargetCount")
+    g.output(g.call_function(target_count, (env[found.target], found.ignore, ())))
+    return TargetCounts(fx.GraphModule(gm, g, class_name="TargetCount"), found.rows)
+
+
+def waited(wait) -> torch.Tensor:
+    """The value of a started all-reduce (:func:`autopar.runtime.ops.start_count`'s)."""
+    return wait()
 
 
 def weighted_loss(losses: tuple[torch.Tensor, ...], counts: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -154,4 +200,5 @@ def micro_weights(counts: list[torch.Tensor]) -> list[float] | None:
     return [x / total for x in c] if total > 0 else None
 
 
-__all__ = ["GIVEN_COUNT", "count_graph", "loss_targets", "micro_weights", "target_count", "weighted_loss"]
+__all__ = ["GIVEN_COUNT", "LossTargets", "TargetCounts", "count_graph", "loss_targets", "micro_weights", "targets_of",
+           "target_count", "waited", "weighted_loss"]

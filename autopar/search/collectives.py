@@ -41,12 +41,13 @@ from collections.abc import Iterable
 import torch
 from torch import fx
 
-from autopar.capture.grad_flow import dual, requires_grad
+from autopar.capture.grad_flow import dual, named_loss, requires_grad
 from autopar.capture.ir import info
 from autopar.plan.collectives import Collective
 from autopar.plan.placement import R, Shard, graph_batch, local_shape, parse_placements
 from autopar.runtime.compression import low_rank
 from autopar.runtime.grad_sync import fill_buckets, folded_axes, runs_by_axes
+from autopar.runtime.token_weights import LossTargets, targets_of
 from autopar.runtime.zero_layout import first_rows, padded_size
 from autopar.sharding.redistribute import StepKind, plan_redistribution, step_shapes, sum_axes
 from autopar.sharding.rules.losses import count_axes
@@ -190,6 +191,8 @@ class _Lister:
                             and p.dim == 1 and len(shape) == 2)
             if rows:  # the count of targets: one sum over the row axes
                 self.add("forward", "all_reduce", rows, 8, f"{n.name} target count", m)
+                if self._weighs_micro_batches(n):  # their counts, before the schedule
+                    self.add("forward", "all_reduce", rows, 8 * m, f"{n.name} micro-batch target counts", 1)
             if classes:
                 nrows = local_shape(shape, pl, self.mesh)[0]
                 item = self._itemsize(np_.inputs[0])
@@ -202,6 +205,18 @@ class _Lister:
                         if grad:
                             self.add("backward", "all_reduce", (a,), nrows * item,
                                      f"{n.name} {what}", m)
+
+    def _weighs_micro_batches(self, n: fx.Node) -> bool:
+        """Whether the schedule's runner weighs the micro-batches by the targets of
+        cross-entropy ``n``, the model's loss (:mod:`autopar.runtime.token_weights`)."""
+        if self.d.micro_batches <= 1 or self.d.copies > 1:
+            return False
+        out = next(x for x in self.gm.graph.nodes if x.op == "output")
+        flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+        i = 0 if len(flat) == 1 else named_loss(len(flat), getattr(self.gm, "_out_spec", None))
+        inputs = {x for x in self.gm.graph.nodes if x.op == "placeholder"}
+        found = targets_of(flat[i], inputs) if i is not None else None
+        return isinstance(found, LossTargets) and found.target is n.args[1]
 
     def _ulysses(self) -> None:
         """``runtime/context.py``: per context-parallel axis one all-to-all each of q,
