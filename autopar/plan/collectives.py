@@ -12,8 +12,8 @@ class Collective:
 
     phase: str
     """``"forward"``, ``"backward"`` or ``"step"`` (once per step outside them:
-    ZeRO-1/2's all-gather of the updated shards, issued at the next forward, and a
-    pipeline's loss broadcast)."""
+    ZeRO-1/2's all-gather of the updated shards, issued at the next forward; a
+    pipeline's loss broadcast; the micro-batches' target counts summed before them)."""
     kind: str
     """``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``, or for a
     pipeline ``send``, ``recv`` (group 2: the two ranks) and ``broadcast``."""

@@ -192,7 +192,7 @@ class _Lister:
             if rows:  # the count of targets: one sum over the row axes
                 self.add("forward", "all_reduce", rows, 8, f"{n.name} target count", m)
                 if self._weighs_micro_batches(n):  # their counts, before the schedule
-                    self.add("forward", "all_reduce", rows, 8 * m, f"{n.name} micro-batch target counts", 1)
+                    self.add("step", "all_reduce", rows, 8 * m, f"{n.name} micro-batch target counts", 1)
             if classes:
                 nrows = local_shape(shape, pl, self.mesh)[0]
                 item = self._itemsize(np_.inputs[0])
