@@ -36,7 +36,7 @@ import torch
 from torch import fx, nn
 from torch.distributed.tensor import Replicate
 
-from autopar.module.loop import move_to_device
+from autopar.module.loop import LoopHabits, move_to_device
 from autopar.module.plan_checks import check_plan, zero_axes_in_use
 from autopar.module.runners import Switches, keep_loss_only, stage_runner
 from autopar.module.shapes import Route, ShapeRoutes
@@ -67,7 +67,7 @@ _RESERVED = frozenset({"inner", "plan", "aliases", "state_keys", "rank", "runner
 
 Tensors = list[tuple[str, torch.Tensor | None]]
 """(graph target, tensor) for every parameter and buffer of the graph, ``None`` for a
-ZeRO-3 parameter, which exists only as a shard (``ParallelModule._targets``)."""
+ZeRO-3 parameter, which exists only as a shard (:meth:`~autopar.module.parts.Parts.targets`)."""
 
 
 @dataclass(frozen=True)
@@ -94,10 +94,11 @@ class StepContext:
     @classmethod
     def of(cls, pm: ParallelModule) -> StepContext:
         """``pm``'s plan and stage, as the steps read them."""
-        return cls(pm.plan, pm._mesh_rt, frozenset(t for t in pm.aliases if pm._mine(t)),
-                   pm.aliases, pm._placements, {t: pm._replicated_axes(t) for t in pm._placements},
+        p = pm._parts
+        return cls(p.plan, p.mesh, frozenset(t for t in p.aliases if p.mine(t)),
+                   p.aliases, p.placements, {t: p.replicated_axes(t) for t in p.placements},
                    {t: tuple(n.shape[0]) for t, n in pm._param_nodes.items()},
-                   frozenset(t for t in pm.aliases if pm._frozen(t)), pm.info)
+                   frozenset(t for t in p.aliases if p.frozen(t)), p.info)
 
 
 def apply_plan(pm: ParallelModule, full_state: Mapping[str, torch.Tensor] | None) -> None:
@@ -107,10 +108,10 @@ def apply_plan(pm: ParallelModule, full_state: Mapping[str, torch.Tensor] | None
     ctx = StepContext.of(pm)
     d = pm.plan.decisions
     check_plan(pm.plan, frozen=ctx.frozen)
-    apply_device(pm.inner, pm._targets(), ctx)
+    apply_device(pm.inner, pm._parts.targets(), ctx)
     z = zero_axes_in_use(pm.plan)
     if z:
-        pm.zero = apply_zero(pm.inner, pm._targets(), z, ctx)
+        pm.zero = apply_zero(pm.inner, pm._parts.targets(), z, ctx)
     if d.offload == "params":  # under ZeRO-3 (check_plan)
         apply_offload(pm.zero, ctx.mesh)
     if d.recompute:
@@ -119,11 +120,11 @@ def apply_plan(pm: ParallelModule, full_state: Mapping[str, torch.Tensor] | None
         object.__setattr__(pm, "inner", apply_copies(pm.inner, d.copies, pm._out_spec))  # not a submodule
     elif d.pipeline_stages > 1 or d.micro_batches > 1:
         pm.runner = apply_pipeline(pm.inner, ctx, Switches(pm), pm._out_spec)
-    pm.grad_sync = apply_grad_sync(pm._targets(), ctx, pm.zero)
-    pm._dparams = apply_dparams(pm, pm._targets(), ctx, pm.zero, pm.grad_sync)
+    pm.grad_sync = apply_grad_sync(pm._parts.targets(), ctx, pm.zero)
+    pm._dparams = apply_dparams(pm, pm._parts.targets(), ctx, pm.zero, pm.grad_sync)
     pm._entry = {e.target: e for e in pm._dparams.entries}
     pm._extra = apply_unused(pm, full_state, ctx)
-    apply_checks(pm)
+    apply_checks(pm._habits)
 
 
 def apply_inputs(pm: ParallelModule, binder: InputBinder, batch: BatchMode | str) -> None:
@@ -310,11 +311,11 @@ def apply_unused(pm: nn.Module, full_state: Mapping[str, torch.Tensor] | None,
     return extra
 
 
-def apply_checks(pm: ParallelModule) -> None:
-    """The dropout generator (torch's, until ``pm.manual_seed``) and the first call's
-    agreement check between the ranks (:mod:`autopar.runtime.call_check`)."""
-    pm._start_rng()
-    pm._start_call_check()
+def apply_checks(habits: LoopHabits) -> None:
+    """The first call's agreement check between the ranks
+    (:mod:`autopar.runtime.call_check`); the dropout generator stays torch's until
+    ``pm.manual_seed``."""
+    habits.start_call_check()
 
 
 __all__ = ["StepContext", "Tensors", "apply_checks", "apply_copies", "apply_device", "apply_dparams",

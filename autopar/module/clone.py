@@ -44,16 +44,17 @@ def _tensors(pm: ParallelModule) -> dict[str, tuple[torch.Tensor, bool]]:
     the lowered graph: copies of the module's, zeros for ZeRO-3 parameters (which exist
     only as shards: their values are copied after the copy shards them), meta stand-ins
     for other pipeline stages'."""
-    params = set(pm._placements)
+    p = pm._parts
+    params = set(p.placements)
     out: dict[str, tuple[torch.Tensor, bool]] = {}
-    for t, x in pm._targets():
+    for t, x in p.targets():
         if x is not None:
             out[t] = (x.detach().clone(), t in params)
-        elif pm._mine(t) and t in pm._entry:
-            node, e = pm._param_nodes[t], pm._entry[t]
-            shape = local_shape(tuple(node.shape[0]), pm._placements[t], pm.plan.mesh.shape)
-            out[t] = (torch.zeros(shape, dtype=e.param.dtype, device=pm._mesh_rt.device), True)
-    owner = {t: s for t, s in pm._owner.items() if not pm._mine(t)}
+        elif p.mine(t) and t in p.entry:
+            node, e = pm._param_nodes[t], p.entry[t]
+            shape = local_shape(tuple(node.shape[0]), p.placements[t], p.plan.mesh.shape)
+            out[t] = (torch.zeros(shape, dtype=e.param.dtype, device=p.mesh.device), True)
+    owner = {t: s for t, s in p.owner.items() if not p.mine(t)}
     return out | _stand_ins(pm.plan, out, owner, params)
 
 

@@ -296,12 +296,12 @@ def _local_states(pm: ParallelModule, graph: fx.Graph) -> dict[int, dict[str, tu
     consts = _constants(pm, graph)
     if pm._mesh_rt is not None:
         # collective: gathers ZeRO shards and broadcasts from the owning pipeline stage
-        wholes = pm._local_wholes()
+        wholes = pm._state.local_wholes()
         return {dist.get_rank(): {t: (x.detach().clone(), t in params)
-                                  for t, x in wholes if pm._mine(t)} | consts | _extras(pm)}
+                                  for t, x in wholes if pm._parts.mine(t)} | consts | _extras(pm)}
     # planning-only: the module kept the whole model's weights; write every rank's shards
     full = {t: next(pm._full_state[n] for n in pm.aliases[t] if n in pm._full_state).detach()
-            for t, _ in pm._targets()}
+            for t, _ in pm._parts.targets()}
     from autopar.plan.splits import plan_ranks
 
     stages, _ = _stage_size(pm.plan)

@@ -5,7 +5,7 @@ Decoding calls the model once per new token on shapes the plan never saw (one to
 against a KV cache that grows each step), under control flow that lives outside any
 graph (stopping criteria, the cache).  So, as FSDP's ``summon_full_params`` does for
 work outside the sharded forward, every rank gathers the whole state
-(:meth:`~autopar.module.state.StateMixin.full_state_dict`, collective) into a working
+(:meth:`~autopar.module.parallel.ParallelModule.full_state_dict`, collective) into a working
 copy of the original model on its own device and runs that model's own ``generate``
 there, in eval mode under ``torch.no_grad``.
 

@@ -1,7 +1,8 @@
 """Training-loop habits of a ParallelModule: ``train()``/``eval()``, data-parallel
 coordinates for ``DistributedSampler``, clipping over every pipeline stage, the dropout
-generator, and moving weights to the rank's device (a mixin of
-:class:`autopar.module.parallel.ParallelModule`)."""
+generator, the first call's check, the loss scale, and moving weights to the rank's
+device (:class:`LoopHabits`, which :class:`autopar.module.parallel.ParallelModule`
+holds and delegates to)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopar.module.parts import Parts
+from autopar.passes.train_mode import set_train_mode
 from autopar.runtime import rng
+from autopar.runtime.call_check import CallCheck
 from autopar.runtime.inputs import data_parallel_coords
 
 
@@ -36,55 +40,60 @@ def move_to_device(module: nn.Module, device: torch.device) -> None:
                         setattr(owner, leaf, t.to(device))
 
 
-class LoopMixin:
-    """See the module docstring; expects ParallelModule's attributes."""
+class LoopHabits:
+    """The loop habits of one module, read from its :class:`~autopar.module.parts.Parts`
+    (see the module docstring)."""
 
-    def _start_rng(self) -> None:
-        """Dropout draws from torch's default generator of this rank's device until
-        :meth:`manual_seed` gives the module one of its own: see :mod:`autopar.runtime.rng`.
-        The first call checks that the ranks' generators agree
-        (:mod:`autopar.runtime.call_check`)."""
-        self.rng = None
+    def __init__(self, parts: Parts) -> None:
+        self.parts = parts
+        self.rng: torch.Generator | None = None
+        """The module's own dropout generator (:meth:`manual_seed`); until then dropout
+        draws from torch's default generator of this rank's device
+        (:mod:`autopar.runtime.rng`)."""
+        self.call_check: CallCheck | None = None
+        self.has_dropout = False
+        self.scaler = None
 
-    def _generator(self) -> torch.Generator:
+    def generator(self) -> torch.Generator:
         """The generator this call's dropouts draw from."""
-        return self.rng if self.rng is not None else rng.default_generator(self._mesh_rt.device)
+        return self.rng if self.rng is not None else rng.default_generator(self.parts.mesh.device)
 
     def manual_seed(self, seed: int) -> None:
-        """Give the module's dropouts a generator of their own, seeded with ``seed`` (call
-        with the same seed on every rank): they then draw what one process would draw
-        after ``torch.manual_seed(seed)``, and no longer follow torch's generator."""
-        self.rng = torch.Generator(device=self._mesh_rt.device)
+        """The module's own dropout generator, seeded with ``seed``
+        (ParallelModule.manual_seed)."""
+        self.rng = torch.Generator(device=self.parts.mesh.device)
         self.rng.manual_seed(seed)
 
-    def _start_call_check(self) -> None:
+    def start_call_check(self) -> None:
         """The first call's agreement check (:mod:`autopar.runtime.call_check`)."""
-        from autopar.runtime.call_check import CallCheck
-        local = self.binder.mode.value == "local"
-        self._call_check = CallCheck(key=self.data_parallel_rank if local else 0, local=local,
-                                     names=list(self.binder.names), device=self._mesh_rt.device)
+        binder = self.parts.binder
+        local = binder.mode.value == "local"
+        self.call_check = CallCheck(key=self.data_parallel_rank if local else 0, local=local,
+                                    names=list(binder.names), device=self.parts.mesh.device)
         # a dropout that draws (p > 0): the ranks' generators must then agree
-        self._has_dropout = any(n.target is rng.sharded_dropout and n.args[1] != 0.0
-                                for g in self._graph_modules() for n in g.graph.nodes)
+        self.has_dropout = any(n.target is rng.sharded_dropout and n.args[1] != 0.0
+                               for g in self.graph_modules() for n in g.graph.nodes)
 
-    def _graph_modules(self) -> list[torch.fx.GraphModule]:
+    def graph_modules(self) -> list[torch.fx.GraphModule]:
         """Every generated graph this rank runs: the module's, and under a pipeline
         every chunk's stage graph (interleaved: several)."""
-        graphs = [m for m in self.inner.modules() if isinstance(m, torch.fx.GraphModule)]
-        graphs += self.routes.graphs()
-        if self.runner is not None:
-            graphs += [m for ch in self.runner.chunks for m in ch.module.modules()
+        p = self.parts
+        graphs = [m for m in p.inner.modules() if isinstance(m, torch.fx.GraphModule)]
+        graphs += p.routes.graphs()
+        if p.runner is not None:
+            graphs += [m for ch in p.runner.chunks for m in ch.module.modules()
                        if isinstance(m, torch.fx.GraphModule)]
         return graphs
 
-    def _flatten_checked(self, args: tuple, kwargs: dict, generator: torch.Generator) -> list:
+    def flatten_checked(self, args: tuple, kwargs: dict, generator: torch.Generator,
+                        training: bool) -> list:
         """The binder's flat inputs; on the first call the ranks also check that they
         passed what the plan needs equal (:mod:`autopar.runtime.call_check`), and a rank
         whose call is refused takes the others down with it rather than leave them waiting."""
-        check = self._call_check
-        if check is None or not check.due(self.training, generator):
-            return self.binder.flatten(args, kwargs, self._mesh_rt.device)
-        dropout = self.training and self._has_dropout
+        check, binder, device = self.call_check, self.parts.binder, self.parts.mesh.device
+        if check is None or not check.due(training, generator):
+            return binder.flatten(args, kwargs, device)
+        dropout = training and self.has_dropout
         done = []
 
         def given(flat: list) -> None:
@@ -92,79 +101,61 @@ class LoopMixin:
             check(flat, generator, dropout)
 
         try:
-            return self.binder.flatten(args, kwargs, self._mesh_rt.device, given=given)
+            return binder.flatten(args, kwargs, device, given=given)
         except Exception as e:
             if not done:  # refused before the check: tell the other ranks, then raise
                 check(None, generator, dropout, failure=e)
             raise
 
     def trace(self, path, record_shapes: bool = False):
-        """Record the real steps run inside ``with pm.trace("step.json") as t:`` (call
-        ``t.step()`` after each) as a Chrome trace per rank, ``step.rank<r>.json``, to
-        open beside the predicted one (``autopar plan --trace``); see
-        :mod:`autopar.runtime.trace`."""
+        """:func:`autopar.runtime.trace.trace` on this rank's device (ParallelModule.trace)."""
         from autopar.runtime.trace import trace
 
-        return trace(path, self._mesh_rt.device, record_shapes)
+        return trace(path, self.parts.mesh.device, record_shapes)
 
-    # ------------------------------------------------------------ training-loop habits
-    def train(self, mode: bool = True):
-        """Switch dropout and batch norm between training and evaluation, as
-        ``nn.Module.train`` does for the original model: the generated graphs' dropout
-        and batch-norm calls take the mode as an argument, which is set here."""
-        super().train(mode)
-        from autopar.passes.train_mode import set_train_mode
-        set_train_mode(self._graph_modules(), mode)
-        return self
+    def set_train_mode(self, mode: bool) -> None:
+        """The generated graphs' dropout and batch-norm calls take the mode as an
+        argument: set it to ``mode``."""
+        set_train_mode(self.graph_modules(), mode)
+
+    def _dp_coords(self) -> tuple[int, int]:
+        p = self.parts
+        return data_parallel_coords(p.binder.dp_axes, p.plan.mesh.shape, p.coord())
 
     @property
     def data_parallel_size(self) -> int:
-        """How many different parts the global batch is split into: give
-        ``DistributedSampler(num_replicas=pm.data_parallel_size, ...)``."""
-        return data_parallel_coords(self.binder.dp_axes, self.plan.mesh.shape, self._coord())[1]
+        """How many different parts the global batch is split into."""
+        return self._dp_coords()[1]
 
     @property
     def data_parallel_rank(self) -> int:
-        """Which part of the global batch this rank holds (``DistributedSampler``'s
-        ``rank``); tensor-parallel peers and pipeline stages share it."""
-        return data_parallel_coords(self.binder.dp_axes, self.plan.mesh.shape, self._coord())[0]
+        """Which part of the global batch this rank holds."""
+        return self._dp_coords()[0]
 
     def grad_scaler(self, **kwargs):
-        """A :class:`autopar.runtime.scaler.GradScaler` for this module (``torch.amp.
-        GradScaler``'s arguments: ``init_scale``, ``growth_interval``, ...), on its
-        device, whose ranks agree on every skipped step; :meth:`train_step` then seeds
-        each backward with its scale.  For ``precision="fp16-mixed"``: ::
-
-            scaler = pm.grad_scaler()
-            loss = pm.train_step(x, y)       # or scaler.scale(pm(x, y)).backward()
-            scaler.unscale_(opt)             # before clipping
-            pm.clip_grad_norm_(1.0)
-            scaler.step(opt)                 # skipped on every rank if any gradient is inf
-            scaler.update()
-        """
+        """A new :class:`autopar.runtime.scaler.GradScaler` on the module's device,
+        kept for :meth:`loss_scale` (ParallelModule.grad_scaler)."""
         from autopar.runtime.scaler import GradScaler
 
-        device = self._mesh_rt.device.type if self._mesh_rt is not None else "cpu"
-        self._scaler = GradScaler(device, **kwargs)
-        return self._scaler
+        device = self.parts.mesh.device.type if self.parts.mesh is not None else "cpu"
+        self.scaler = GradScaler(device, **kwargs)
+        return self.scaler
 
-    def _loss_scale(self) -> float:
-        scaler = getattr(self, "_scaler", None)
-        return scaler.scale_factor() if scaler is not None else 1.0
+    def loss_scale(self) -> float:
+        """The scale each backward is seeded with: the grad scaler's, else 1."""
+        return self.scaler.scale_factor() if self.scaler is not None else 1.0
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip gradients by their global norm over every rank and pipeline stage and
-        return that norm (a plain tensor, equal on every rank).  Without a pipeline this
-        equals ``torch.nn.utils.clip_grad_norm_(pm.parameters(), ...)``; with one, torch's
-        function sees only this stage's parameters, so use this method."""
+    def clip_grad_norm_(self, params, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of ``params`` by their global norm over every rank and
+        pipeline stage and return that norm (ParallelModule.clip_grad_norm_)."""
         from torch.distributed.tensor import DTensor
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        grads = [p.grad for p in params if p.grad is not None]
+        m = self.parts.mesh
         if grads:
             total = torch.nn.utils.get_total_norm(grads, norm_type)
             total = total.full_tensor() if isinstance(total, DTensor) else total
         else:
-            total = torch.zeros((), device=self._mesh_rt.device)
-        m = self._mesh_rt
+            total = torch.zeros((), device=m.device)
         if m is not None and m.stages > 1:
             pp = m.device_mesh.get_group(0)
             if norm_type == float("inf"):
@@ -180,4 +171,4 @@ class LoopMixin:
         return total
 
 
-__all__ = ["LoopMixin", "move_to_device"]
+__all__ = ["LoopHabits", "move_to_device"]

@@ -14,18 +14,19 @@ from autopar.capture.grad_flow import named_loss
 from autopar.module.apply import apply_inputs, apply_plan
 from autopar.module.clone import clone_module
 from autopar.module.generate import generate
-from autopar.module.habits import save_pretrained
-from autopar.module.loop import LoopMixin
-from autopar.module.state import StateMixin, TensorInfo
+from autopar.module.habits import check_loaded_state_dict, save_pretrained
+from autopar.module.loop import LoopHabits
+from autopar.module.parts import Part, Parts
+from autopar.module.state import ModuleState, TensorInfo, checkpoint_state, load_checkpoint_state
 from autopar.plan.data import Plan
-from autopar.plan.placement import is_replicate, parse_placements
+from autopar.plan.placement import parse_placements
 from autopar.runtime import rng
 from autopar.runtime.compiled_cache import cache_safe_views
 from autopar.runtime.inputs import BatchMode, InputBinder
 from autopar.runtime.mesh import activate
 
 
-class ParallelModule(LoopMixin, StateMixin, nn.Module):
+class ParallelModule(nn.Module):
     r"""This rank's part of a planned model.
 
     Under a process group its parameters are ``nn.Parameter``\ s holding DTensors on
@@ -36,7 +37,28 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
     takes the same inputs as the original model (positional or ``model(**batch)``) and
     returns the same output type, replicated on every rank.  Without a process group the
     module is *planning only*: ``plan``, ``code`` and ``export`` work; calling it raises.
+
+    Its state (:class:`~autopar.module.state.ModuleState`) and loop habits
+    (:class:`~autopar.module.loop.LoopHabits`) are objects it holds and delegates to;
+    the three share its :class:`~autopar.module.parts.Parts`.
     """
+
+    # kept in self._parts, which the state and loop habits read too
+    plan = Part("plan")
+    aliases = Part("aliases")
+    state_keys = Part("state_keys")
+    info = Part("info")
+    inner = Part("inner")  # not a submodule: users see DTensors only
+    zero = Part("zero")
+    runner = Part("runner")
+    binder = Part("binder")
+    routes = Part("routes")
+    _mesh_rt = Part("mesh")
+    _placements = Part("placements")
+    _owner = Part("owner")
+    _dparams = Part("dparams")
+    _entry = Part("entry")
+    _extra = Part("extra")
 
     def __init__(self, inner: nn.Module, plan: Plan, aliases: dict[str, list[str]],
                  in_spec, out_spec, state_keys: list[str], full_state: Mapping[str, torch.Tensor] | None,
@@ -44,27 +66,19 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
                  batch: BatchMode | str = BatchMode.GLOBAL,
                  extra: Mapping[str, torch.Tensor] | None = None) -> None:
         super().__init__()
-        object.__setattr__(self, "inner", inner)  # not a submodule: users see DTensors only
-        object.__setattr__(self, "_compiled", None)  # torch.compile of inner (compile())
-        self.plan = plan
-        self.aliases = aliases
-        self.info = info or TensorInfo()
-        self._in_spec, self._out_spec = in_spec, out_spec
-        self.state_keys = state_keys
-        self._target_of = {n: t for t, names in aliases.items() for n in names}
-        self._extra: dict[str, torch.Tensor] = {}
-        self._entry: dict = {}
-        self._dparams = None
-        self._placements = {t: parse_placements(p) for t, p in plan.params().items()}
-        self._mesh_rt = None
-        self._call_check = None
-        self.rank = 0
-        self.runner = None
-        self._param_nodes = {n.param: n for n in plan.nodes.values() if n.param}
         d = plan.decisions
-        # graph target -> pipeline stage owning it (everything on stage 0 without a pipeline)
-        self._owner = {n.param: d.rank_of(n.layer) if d.pipeline_stages > 1 else 0
-                       for n in plan.nodes.values() if n.kind in ("param", "buffer") and n.param}
+        self._parts = Parts(
+            plan, aliases, state_keys, info or TensorInfo(), inner,
+            placements={t: parse_placements(p) for t, p in plan.params().items()},
+            # graph target -> pipeline stage owning it (everything on stage 0 without a pipeline)
+            owner={n.param: d.rank_of(n.layer) if d.pipeline_stages > 1 else 0
+                   for n in plan.nodes.values() if n.kind in ("param", "buffer") and n.param})
+        self._state = ModuleState(self._parts)
+        self._habits = LoopHabits(self._parts)
+        object.__setattr__(self, "_compiled", None)  # torch.compile of inner (compile())
+        self._in_spec, self._out_spec = in_spec, out_spec
+        self.rank = 0
+        self._param_nodes = {n.param: n for n in plan.nodes.values() if n.param}
         if runtime:
             from autopar.runtime.mesh import init_plan_mesh
             self._mesh_rt = init_plan_mesh(plan)
@@ -76,46 +90,12 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         # stage split): export() writes it and load() re-applies them from the plan
         from autopar.module.export import snapshot
         self.lowered_graph = snapshot(inner.graph) if isinstance(inner, torch.fx.GraphModule) else None
-        self.zero = None
         if full_state is not None:
-            self._load_targets(full_state, self._coord())
+            self._state.load_targets(full_state)
         if runtime:  # every decision applied, in one readable order (module/apply.py)
             apply_plan(self, full_state if full_state is not None else extra)
 
     # ------------------------------------------------------------ running
-    def _coord(self) -> tuple[int, ...]:
-        return self._mesh_rt.coord if self._mesh_rt is not None else (0,) * len(self.plan.mesh.shape)
-
-    def _replicated_axes(self, t: str) -> tuple[int, ...]:
-        pl = self._placements[t]
-        return tuple(a for a, x in enumerate(pl) if is_replicate(x) and self.plan.mesh.shape[a] > 1)
-
-    def _mine(self, t: str) -> bool:
-        """True when this rank's pipeline stage holds target ``t``."""
-        stage = self._mesh_rt.stage if self._mesh_rt is not None else 0
-        return self._owner.get(t, 0) == stage
-
-    def _owner_of(self, t: str) -> tuple[nn.Module, str]:
-        *path, leaf = t.split(".")
-        return (self.inner.get_submodule(".".join(path)) if path else self.inner), leaf
-
-    def _frozen(self, t: str) -> bool:
-        return all(n in self.info.frozen for n in self.aliases.get(t, [t]))
-
-    def _targets(self) -> list[tuple[str, torch.Tensor | None]]:
-        """(graph target, tensor attribute) for every parameter and buffer; ``None`` for
-        a stage-3 ZeRO parameter, which exists only as a shard."""
-        out: list[tuple[str, torch.Tensor | None]] = []
-        for t in self.aliases:
-            try:
-                out.append((t, self.inner.get_parameter(t)))
-            except AttributeError:
-                try:
-                    out.append((t, self.inner.get_buffer(t)))
-                except AttributeError:
-                    out.append((t, None))
-        return out
-
     def _bind(self, args: tuple, kwargs: dict) -> list:
         if self._mesh_rt is None:
             raise RuntimeError("this ParallelModule is planning-only (no process group); "
@@ -124,8 +104,8 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         activate(self._mesh_rt)
         if torch.is_grad_enabled():  # training resumed: free generate()'s whole-model copy
             self.__dict__.pop("_generation", None)
-        generator = self._generator()
-        flat = self._flatten_checked(args, kwargs, generator)
+        generator = self._habits.generator()
+        flat = self._habits.flatten_checked(args, kwargs, generator, self.training)
         rng.use(generator)
         if self._dparams is not None:
             self._dparams.before_forward()
@@ -237,7 +217,7 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
         is not a tensor (e.g. a Hugging Face ``ModelOutput``), its ``loss``.  With a
         :meth:`grad_scaler`, every backward is seeded with its scale (the loss returned
         is not scaled)."""
-        scale = self._loss_scale()  # fp16-mixed: grad_scaler()'s current scale
+        scale = self._habits.loss_scale()  # fp16-mixed: grad_scaler()'s current scale
         if self.runner is None:
             out = self(*args, **kwargs)
             loss = out if isinstance(out, torch.Tensor) else out["loss"]
@@ -254,6 +234,132 @@ class ParallelModule(LoopMixin, StateMixin, nn.Module):
             with free_gathered_params():
                 return runner.step(flat)
         return runner.step(flat)
+
+    # ------------------------------------------------------------ training-loop habits
+    def train(self, mode: bool = True) -> ParallelModule:
+        """Switch dropout and batch norm between training and evaluation, as
+        ``nn.Module.train`` does for the original model: the generated graphs' dropout
+        and batch-norm calls take the mode as an argument, which is set here."""
+        super().train(mode)
+        self._habits.set_train_mode(mode)
+        return self
+
+    @property
+    def rng(self) -> torch.Generator | None:
+        """The module's own dropout generator (:meth:`manual_seed`); ``None`` while its
+        dropouts draw from torch's default generator (:mod:`autopar.runtime.rng`)."""
+        return self._habits.rng
+
+    @rng.setter
+    def rng(self, generator: torch.Generator | None) -> None:
+        self._habits.rng = generator
+
+    def manual_seed(self, seed: int) -> None:
+        """Give the module's dropouts a generator of their own, seeded with ``seed`` (call
+        with the same seed on every rank): they then draw what one process would draw
+        after ``torch.manual_seed(seed)``, and no longer follow torch's generator."""
+        self._habits.manual_seed(seed)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many different parts the global batch is split into: give
+        ``DistributedSampler(num_replicas=pm.data_parallel_size, ...)``."""
+        return self._habits.data_parallel_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which part of the global batch this rank holds (``DistributedSampler``'s
+        ``rank``); tensor-parallel peers and pipeline stages share it."""
+        return self._habits.data_parallel_rank
+
+    def grad_scaler(self, **kwargs):
+        """A :class:`autopar.runtime.scaler.GradScaler` for this module (``torch.amp.
+        GradScaler``'s arguments: ``init_scale``, ``growth_interval``, ...), on its
+        device, whose ranks agree on every skipped step; :meth:`train_step` then seeds
+        each backward with its scale.  For ``precision="fp16-mixed"``: ::
+
+            scaler = pm.grad_scaler()
+            loss = pm.train_step(x, y)       # or scaler.scale(pm(x, y)).backward()
+            scaler.unscale_(opt)             # before clipping
+            pm.clip_grad_norm_(1.0)
+            scaler.step(opt)                 # skipped on every rank if any gradient is inf
+            scaler.update()
+        """
+        return self._habits.grad_scaler(**kwargs)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip gradients by their global norm over every rank and pipeline stage and
+        return that norm (a plain tensor, equal on every rank).  Without a pipeline this
+        equals ``torch.nn.utils.clip_grad_norm_(pm.parameters(), ...)``; with one, torch's
+        function sees only this stage's parameters, so use this method."""
+        return self._habits.clip_grad_norm_(self.parameters(), max_norm, norm_type)
+
+    def trace(self, path, record_shapes: bool = False):
+        """Record the real steps run inside ``with pm.trace("step.json") as t:`` (call
+        ``t.step()`` after each) as a Chrome trace per rank, ``step.rank<r>.json``, to
+        open beside the predicted one (``autopar plan --trace``); see
+        :mod:`autopar.runtime.trace`."""
+        return self._habits.trace(path, record_shapes)
+
+    # ------------------------------------------------------------ state
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The original model's ``state_dict()`` keys; parameters are DTensors (this
+        rank's shard, the plan's placements, ZeRO's ``Shard(0)`` included, the
+        parameter's own shape), buffers plain tensors, all sharing storage with the
+        module.  No collective: one rank alone may call it (a whole-tensor state dict is
+        :meth:`full_state_dict`, collective)."""
+        if self._dparams is None:
+            return super().state_dict(*args, destination=destination, prefix=prefix,
+                                      keep_vars=keep_vars)
+        return self._state.state_dict(destination, prefix, keep_vars)
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True,
+                        assign: bool = False):
+        """Load a state dict from :meth:`state_dict` (DTensors, any plan: they are
+        redistributed to this plan's placements) or from the original model (whole
+        tensors, sharded here).  With ``strict``, missing or unexpected keys raise.  One
+        rank's :meth:`state_dict` written with ``torch.save`` and loaded on a rank whose
+        shards differ raises :class:`~autopar.errors.ForeignShardError` on every rank
+        (:mod:`autopar.module.habits`)."""
+        if self._dparams is None:
+            self._state.load_targets(state_dict)
+            return nn.modules.module._IncompatibleKeys([], [])
+        check_loaded_state_dict(state_dict, self)  # another rank's shards: every rank raises
+        missing, unexpected = self._state.load_state_dict(state_dict, strict)
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """(model, optimizer) state dicts to save with DCP that load into any plan, on
+        any number of ranks: torch's ``get_state_dict(self, optimizer,
+        flatten_optimizer_state_dict=True)`` (every parameter's state, ZeRO's included,
+        is a DTensor of the parameter's own shape, so DCP reshards it).  To resume, take
+        these as the target, ``dcp.load`` into them and pass them to
+        :meth:`load_checkpoint_state` (docs/training.md)."""
+        return checkpoint_state(self, optimizer)
+
+    def load_checkpoint_state(self, optimizer: torch.optim.Optimizer, model_state: dict,
+                              optim_state: dict) -> None:
+        """Load what :meth:`checkpoint_state` gave (after ``dcp.load`` filled it) into
+        this module and ``optimizer`` (torch's ``set_state_dict``)."""
+        load_checkpoint_state(self, optimizer, model_state, optim_state)
+
+    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load an original-model state dict (whole tensors) by sharding it in."""
+        self._state.load_targets(state_dict)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The original model's state dict: original names, whole tensors.
+
+        Collective when running: every rank must call it."""
+        return self._state.full_state_dict()
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's shards, keyed by graph target."""
+        return self._state.local_state_dict()
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Every parameter's whole gradient under its original names (collective)."""
+        return self._state.full_grads()
 
     @property
     def code(self) -> str:

@@ -87,7 +87,7 @@ def export_case(c: dict) -> dict:
         "module_py_has_rewrites": any(s in source for s in ("checkpoint", "zero_gather", "zshard")),
         "loaded_has_checkpoint": all("checkpoint" in m.code for m in loaded.values()),
         "rank_file_targets": sorted(mine),
-        "live_targets": sorted(t for t in live.aliases if live._mine(t)),
+        "live_targets": sorted(t for t in live.aliases if live._parts.mine(t)),
         "zero": [m.zero is not None for m in loaded.values()],
     }
     mods = {"live": live, **loaded}
