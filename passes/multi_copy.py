@@ -120,7 +120,7 @@ def multi_copy(gm: fx.GraphModule, copies: int = 2) -> fx.GraphModule:
             for n in seg:
                 emit(n, c)
     losses = tuple(lookup(flat[0], c) for c in range(copies))
-    loss = _batch_loss(new, gm, losses, lambda a, c: lookup(a, c), copies)
+    loss = _batch_loss(new, gm, losses, lookup, copies)
     new.output((loss,) if isinstance(out.args[0], (tuple, list)) else loss)
     new.lint()
     return fx.GraphModule(gm, new)

@@ -56,6 +56,15 @@ def named_loss(outputs: int, spec: object) -> int | None:
     return i if isinstance(i, int) else None
 
 
+def loss_output(gm: fx.GraphModule, spec: object) -> tuple[list, int | None]:
+    """``gm``'s flat outputs and the index of the loss among them: the only output, or
+    the one the output structure ``spec`` names ``loss`` (:func:`named_loss`); None
+    when neither."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    flat = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    return flat, 0 if len(flat) == 1 else named_loss(len(flat), spec)
+
+
 def requires_grad(gm: fx.GraphModule) -> dict[fx.Node, bool]:
     """Node -> whether its value depends on a trainable parameter and is floating point
     (autograd records it), whatever is differentiated."""
@@ -100,4 +109,4 @@ def dual(u: fx.Node, v: fx.Node) -> bool:
     return info(u).backward and info(v).backward
 
 
-__all__ = ["differentiated", "dual", "mark_gradients", "named_loss", "requires_grad"]
+__all__ = ["differentiated", "dual", "loss_output", "mark_gradients", "named_loss", "requires_grad"]

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from autopar.capture.grad_flow import named_loss
+from autopar.capture.grad_flow import loss_output
 from autopar.errors import PlanError
 from autopar.passes.split_stages import split_stages
 from autopar.plan.data import Plan
@@ -23,18 +23,16 @@ def keep_loss_only(gm: torch.fx.GraphModule, micro_batches: int, out_spec) -> No
     """Micro-batched plans run ``train_step``, which returns the loss alone: keep only
     the loss among ``gm``'s outputs (a Hugging Face output's ``loss``), so the
     schedule has one value to seed backward with and logits are not gathered."""
-    g = gm.graph
-    out = next(n for n in g.nodes if n.op == "output")
-    flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    flat, idx = loss_output(gm, out_spec)
     if len(flat) == 1:
         return
-    idx = named_loss(len(flat), out_spec)
     if idx is None:
         raise PlanError(f"this plan runs {micro_batches} micro-batches: "
                         f"the model must return its loss (a scalar tensor, or an output with "
                         f"a 'loss' field), but it returns {len(flat)} values")
+    out = next(n for n in gm.graph.nodes if n.op == "output")
     out.args = ((flat[idx],),)
-    g.eliminate_dead_code()
+    gm.graph.eliminate_dead_code()
     gm.recompile()
 
 

@@ -94,18 +94,23 @@ def _cross_entropy(n: object) -> tuple[LossTargets, int] | None:
     return found, reduction
 
 
-def _from_inputs(n: object, allowed: set[fx.Node]) -> bool:
-    """Whether ``n`` is computed from the graph inputs in ``allowed`` alone."""
-    todo, seen = [n], set()
+def _ancestors(n: fx.Node, allowed: set[fx.Node], gm: fx.GraphModule | None) -> set[fx.Node] | None:
+    """The nodes ``n`` is computed from, when they read no graph input outside
+    ``allowed`` and no parameter (with ``gm`` None, no attribute at all); else None."""
+    need: set[fx.Node] = set()
+    todo = [n]
     while todo:
         x = todo.pop()
-        if not isinstance(x, fx.Node) or x in seen:
+        if x in need:
             continue
-        seen.add(x)
-        if x.op == "placeholder" and x not in allowed or x.op == "get_attr":
-            return False
+        need.add(x)
+        if x.op == "placeholder" and x not in allowed:
+            return None
+        if x.op == "get_attr" and (gm is None or isinstance(getattr(gm, str(x.target), None),
+                                                             torch.nn.Parameter)):
+            return None
         todo.extend(x.all_input_nodes)
-    return True
+    return need
 
 
 def loss_targets(gm: fx.GraphModule, allowed: set[fx.Node]) -> LossTargets | str | None:
@@ -122,7 +127,9 @@ def targets_of(loss: object, allowed: set[fx.Node]) -> LossTargets | str | None:
     n = _through(loss)
     if isinstance(n, fx.Node) and n.op == "call_function" and n.target is aten.div.Tensor:
         ce = _cross_entropy(_through(n.args[0]))
-        given = ce is not None and ce[1] == 2 and _from_inputs(n.args[1], allowed)
+        count = n.args[1]  # a number, or computed from the inputs alone
+        given = ce is not None and ce[1] == 2 and (
+            not isinstance(count, fx.Node) or _ancestors(count, allowed, None) is not None)
         return GIVEN_COUNT if given else None
     ce = _cross_entropy(n)
     return ce[0] if ce is not None and ce[1] == 1 else None
@@ -155,18 +162,9 @@ def count_graph(gm: fx.GraphModule, model_inputs: int) -> TargetCounts | str | N
     found = loss_targets(gm, allowed)
     if found is None or found is GIVEN_COUNT:
         return found
-    need: set[fx.Node] = set()
-    todo = [found.target]
-    while todo:
-        n = todo.pop()
-        if n in need:
-            continue
-        need.add(n)
-        if n.op == "placeholder" and n not in allowed:
-            return None
-        if n.op == "get_attr" and isinstance(getattr(gm, str(n.target), None), torch.nn.Parameter):
-            return None
-        todo.extend(n.all_input_nodes)
+    need = _ancestors(found.target, allowed, gm)
+    if need is None:
+        return None
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for p in placeholders[:model_inputs]:

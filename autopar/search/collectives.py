@@ -41,7 +41,7 @@ from collections.abc import Iterable
 import torch
 from torch import fx
 
-from autopar.capture.grad_flow import dual, named_loss, requires_grad
+from autopar.capture.grad_flow import dual, loss_output, requires_grad
 from autopar.capture.ir import info
 from autopar.plan.collectives import Collective
 from autopar.plan.placement import R, Shard, graph_batch, local_shape, parse_placements
@@ -211,9 +211,7 @@ class _Lister:
         cross-entropy ``n``, the model's loss (:mod:`autopar.runtime.token_weights`)."""
         if self.d.micro_batches <= 1 or self.d.copies > 1:
             return False
-        out = next(x for x in self.gm.graph.nodes if x.op == "output")
-        flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
-        i = 0 if len(flat) == 1 else named_loss(len(flat), getattr(self.gm, "_out_spec", None))
+        flat, i = loss_output(self.gm, getattr(self.gm, "_out_spec", None))
         inputs = {x for x in self.gm.graph.nodes if x.op == "placeholder"}
         found = targets_of(flat[i], inputs) if i is not None else None
         return isinstance(found, LossTargets) and found.target is n.args[1]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from autopar.capture.grad_flow import named_loss
+from autopar.capture.grad_flow import loss_output
 from autopar.capture.ir import info
 from autopar.capture.layers import layer_keys
 from autopar.capture.trace import Captured
@@ -256,11 +256,9 @@ class PlanSpace:
         asked = self.opts.copies
         if asked in (None, 1):
             return [1]
-        out = next(n for n in cand.cap.gm.graph.nodes if n.op == "output")
-        flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
         # the loss alone, or named among the outputs (a Hugging Face output's ``loss``:
-        # the runtime keeps it alone, autopar.module.apply.keep_loss_only)
-        loss = len(flat) == 1 or named_loss(len(flat), cand.cap.out_spec) is not None
+        # the runtime keeps it alone, autopar.module.runners.keep_loss_only)
+        loss = loss_output(cand.cap.gm, cand.cap.out_spec)[1] is not None
         ok = cand.stages == 1 and cand.micro_batches == 2 and loss
         if asked == "auto":
             return [1, 2] if ok else [1]
