@@ -242,11 +242,10 @@ class ShapeRoutes:
         graph that is not the planned one (export drops ops that are no-ops at a batch of
         1) is planned again with every parameter where it is; a pipeline tries its next
         count of micro-batches instead (:func:`micro_batch_counts`)."""
-        counts = self._micro_batches(pm, want)
-        for micro in counts:
-            args, kwargs = self._example(pm, want, flat)
-            if micro > 1:  # a pipeline's graph is one micro-batch's
-                args, kwargs = micro_inputs((args, kwargs), micro)
+        whole = self._example(pm, want, flat)
+        for micro in self._micro_batches(pm, want):
+            # a pipeline's graph is one micro-batch's
+            args, kwargs = micro_inputs(whole, micro) if micro > 1 else whole
             cap = self._capture(pm, model, args, kwargs)
             if same_graph(cap.gm, pm.plan):
                 return cap, pm.plan, micro
