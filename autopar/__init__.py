@@ -17,6 +17,7 @@ from autopar.errors import (
     AutoparWarning,
     CallMismatchError,
     CaptureError,
+    CompileFallbackWarning,
     ExportError,
     LoadError,
     MeshMismatchError,
@@ -47,7 +48,7 @@ def load(directory, batch: str = "global", timeout: float = 600.0) -> ParallelMo
 
 
 __all__ = [
-    "AutoparError", "AutoparWarning", "CallMismatchError", "CaptureError", "ExportError", "LazyParallel", "LoadError", "MeshMismatchError",
+    "AutoparError", "AutoparWarning", "CallMismatchError", "CaptureError", "CompileFallbackWarning", "ExportError", "LazyParallel", "LoadError", "MeshMismatchError",
     "MeshSpec", "ParallelModule", "Partial", "Plan", "PlanError", "Replicate", "Shard", "auto_parallel",
     "load", "load_checkpoint", "plan", "save_checkpoint", "verify",
 ]

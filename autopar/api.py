@@ -191,7 +191,7 @@ def build_parallel_module(model: nn.Module, example_inputs: tuple, mesh: MeshSpe
                           opts: PlanOptions, example_kwargs: dict | None = None,
                           runtime: bool | None = None, plan: Plan | None = None,
                           batch: str = "global", timeout: float = DEFAULT_TIMEOUT,
-                          compile: bool = False, calibrate: Calibrate | None = None) -> ParallelModule:
+                          compile: bool | None = None, calibrate: Calibrate | None = None) -> ParallelModule:
     """Capture, plan (or take ``plan``), lower and shard: the body of :func:`auto_parallel`.
     ``calibrate`` (:func:`_calibration`): plan on the running job's measured numbers.
     Under a process group the module replaces ``model``'s parameters
@@ -208,7 +208,7 @@ def build_parallel_module(model: nn.Module, example_inputs: tuple, mesh: MeshSpe
 
 def _build(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOptions,
            example_kwargs: dict | None, runtime: bool, plan: Plan | None, batch: str,
-           timeout: float, compile: bool, calibrate: Calibrate | None) -> ParallelModule:
+           timeout: float, compile: bool | None, calibrate: Calibrate | None) -> ParallelModule:
     from autopar.passes.lower import lower
 
     if runtime:
@@ -257,16 +257,21 @@ def _build(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOp
         # a shape whose graph is not the planned one: planned again, parameters kept
         pm.routes.replan = functools.partial(_replan, mesh=p.mesh, opts=opts, aliases=cap.aliases,
                                              timeout=timeout)
-    # compile= is not the default, even on a GPU where the compiled graph measured 0.84x
-    # torch.compile of the plain model (docs/benchmarks.md, one GPU): the plan's step and
-    # memory are priced for the eager graph (the compiled one measured 0.67x its step and
-    # 0.85x its peak there).  Data, tensor, ZeRO-3, context, expert and pipeline
-    # parallelism are tested compiled (tests/dist/test_compiled.py)
-    if runtime and compile:
+    if runtime and compiles(compile):
         pm.compile()
         if not pm.compiled:
-            log.info("compile=True: the zero-bubble schedule's stages run eagerly")
+            log.info("compiled: the zero-bubble schedule's stages run eagerly")
     return pm
+
+
+def compiles(compile: bool | None) -> bool:
+    """``compile=`` resolved: as given, or by default on where this process computes on
+    a GPU (under NCCL), where the compiled module measured 0.67x the eager one's step
+    (docs/benchmarks.md, one GPU); off on a CPU, where compiling a small GPT's graphs
+    takes seconds for about the eager step (docs/training.md, "Compiling")."""
+    if compile is not None:
+        return bool(compile)
+    return local_device().type == "cuda"
 
 
 def _replan(model: nn.Module, args: tuple, kwargs: dict, plan: Plan, mesh: MeshSpec,
@@ -360,7 +365,7 @@ def auto_parallel(model: nn.Module | Callable | None = None, *, example_inputs: 
                   memory_budget: float | None = None, optimizer: str = "adamw",
                   time_limit: float = 30.0, example_kwargs: dict | None = None,
                   plan: Plan | None = None, search: str = "auto", batch: str = "global",
-                  timeout: float = DEFAULT_TIMEOUT, compile: bool = False,
+                  timeout: float = DEFAULT_TIMEOUT, compile: bool | None = None,
                   calibrate: bool | None = None, **decisions):
     """Plan and shard ``model`` for ``mesh``.
 
@@ -387,8 +392,11 @@ def auto_parallel(model: nn.Module | Callable | None = None, *, example_inputs: 
     group autopar creates uses it for collectives, other ranks wait that long for rank
     0's plan, and a rank that does not arrive ends the job with an error naming it.
 
-    ``compile=True`` runs the generated graph through ``torch.compile``
-    (:meth:`ParallelModule.compile`); the plan is still priced for the eager graph.
+    ``compile``: whether the generated graph runs through ``torch.compile``
+    (:meth:`ParallelModule.compile`).  The default (None) compiles where the module
+    computes on a GPU and not on a CPU (:func:`compiles`); a compile that fails runs
+    eagerly with one :class:`~autopar.runtime.compile_fallback.CompileFallbackWarning`.
+    The plan is priced for the eager graph.
 
     In a process group, with no mesh description named (``mesh`` is None or a shape),
     the plan is priced on the running job: a quick calibration of its collectives,
@@ -426,7 +434,7 @@ class LazyParallel(nn.Module):
     """Plans on the first call: wraps a model until its first batch is seen."""
 
     def __init__(self, model: nn.Module, mesh: MeshSpec, opts: PlanOptions,
-                 compile: bool = False, calibrate: Calibrate | None = None) -> None:
+                 compile: bool | None = None, calibrate: Calibrate | None = None) -> None:
         super().__init__()
         self._model = model
         self._mesh = mesh
@@ -460,7 +468,7 @@ class LazyParallel(nn.Module):
             raise
 
 
-def _decorate(target, mesh: MeshSpec, opts: PlanOptions, compile: bool = False,
+def _decorate(target, mesh: MeshSpec, opts: PlanOptions, compile: bool | None = None,
               calibrate: Calibrate | None = None):
     if isinstance(target, type) and issubclass(target, nn.Module):
         @functools.wraps(target, updated=())

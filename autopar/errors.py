@@ -79,6 +79,11 @@ class AutoparWarning(UserWarning):
     warning text is also kept in ``plan.warnings``."""
 
 
+class CompileFallbackWarning(AutoparWarning):
+    """``torch.compile`` failed on a graph autopar compiles, which runs eagerly instead
+    (:mod:`autopar.runtime.compile_fallback`)."""
+
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _OURS = tuple(os.path.join(_ROOT, pkg) + os.sep for pkg in ("autopar", "passes", "cost_models"))
 

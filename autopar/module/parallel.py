@@ -21,6 +21,7 @@ from autopar.module.state import ModuleState, TensorInfo, checkpoint_state, load
 from autopar.plan.data import Plan
 from autopar.plan.placement import parse_placements
 from autopar.runtime import rng
+from autopar.runtime.compile_fallback import CompiledOrEager
 from autopar.runtime.compiled_cache import cache_safe_views
 from autopar.runtime.inputs import BatchMode, InputBinder
 from autopar.runtime.mesh import activate
@@ -200,7 +201,7 @@ class ParallelModule(nn.Module):
         if self.runner is not None:
             self.runner.compile(*args, **kwargs)
             return
-        object.__setattr__(self, "_compiled", torch.compile(self.inner, *args, **kwargs))
+        object.__setattr__(self, "_compiled", CompiledOrEager(self.inner, "the generated graph", *args, **kwargs))
 
     @property
     def compiled(self) -> bool:

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from torch import fx
+
+from autopar.runtime.compile_fallback import CompiledOrEager
 
 _Number = (int, float)
 
@@ -192,7 +193,8 @@ class Templates:
         if self.compile is None:
             return fam.module(*flat, *shape.args())
         if fam.compiled is None:
-            fam.compiled = torch.compile(fam.module, *self.compile[0], **self.compile[1])
+            fam.compiled = CompiledOrEager(fam.module, "another shape's graph", *self.compile[0],
+                                           **self.compile[1])
             self.compilations += 1
         return fam.compiled(*flat, *shape.args())
 

@@ -65,6 +65,7 @@ import torch.distributed as dist
 
 from autopar.plan.decisions import Schedule
 from autopar.plan.schedules import actions, virtual_stage
+from autopar.runtime.compile_fallback import CompiledOrEager
 from autopar.runtime.mesh import current
 from autopar.runtime.split_backward import (
     Pending,
@@ -206,7 +207,8 @@ class PipelineRunner:
         (:mod:`autopar.runtime.split_backward`): False there, and the chunks run eagerly."""
         if self.schedule is Schedule.ZERO_BUBBLE:
             return False
-        self._compiled = {ch.stage: torch.compile(ch.module, *args, **kwargs) for ch in self.chunks}
+        self._compiled = {ch.stage: CompiledOrEager(ch.module, f"stage {ch.stage}'s graph", *args, **kwargs)
+                          for ch in self.chunks}
         return True
 
     @property
