@@ -145,11 +145,14 @@ class ParallelModule(nn.Module):
             return self._forward_compiled(*args, **kwargs)
         flat = self._bind(args, kwargs)
         if self.runner is not None:
-            raise RuntimeError(
-                f"this plan runs {self.plan.decisions.micro_batches} micro-batches over "
-                f"{self.plan.decisions.pipeline_stages} pipeline stage(s): forward and backward are "
-                "interleaved by the schedule, so call loss = module.train_step(*inputs) "
-                "(it runs forward and backward) and then optimizer.step()")
+            if self.training and torch.is_grad_enabled():
+                raise RuntimeError(
+                    f"this plan runs {self.plan.decisions.micro_batches} micro-batches over "
+                    f"{self.plan.decisions.pipeline_stages} pipeline stage(s): forward and backward "
+                    "are interleaved by the schedule, so call loss = module.train_step(*inputs) "
+                    "(it runs forward and backward) and then optimizer.step(); a forward alone "
+                    "(an evaluation) runs under module.eval() or torch.no_grad()")
+            return self._outputs([self._scheduled(flat, evaluate=True)])
         if self.zero is not None and self.zero.stage == 3:
             from autopar.runtime.zero import free_gathered_params
             with free_gathered_params():
@@ -225,16 +228,26 @@ class ParallelModule(nn.Module):
             (loss * scale if scale != 1.0 else loss).backward()
             return loss.detach()
         flat = self._bind(args, kwargs)
-        # another shape's route runs its own runner (its micro-batches' graphs)
-        runner = self._route.runner if self._route is not None and self._route.runner is not None \
-            else self.runner
-        runner.loss_scale = scale
+        self._route_runner().loss_scale = scale
         self.grad_sync.restart()  # the step's backwards add to what is there
+        return self._scheduled(flat, evaluate=False)
+
+    def _route_runner(self):
+        """The schedule's runner of this call's shape (another shape's route runs its own,
+        over its micro-batches' graphs)."""
+        r = self._route
+        return r.runner if r is not None and r.runner is not None else self.runner
+
+    def _scheduled(self, flat: list, evaluate: bool) -> torch.Tensor:
+        """The schedule's step on ``flat`` (forward and backward), or its forwards alone
+        (``evaluate``): the batch's loss on every rank."""
+        runner = self._route_runner()
+        run = runner.evaluate if evaluate else runner.step
         if self.zero is not None and self.zero.stage == 3:
             from autopar.runtime.zero import free_gathered_params
             with free_gathered_params():
-                return runner.step(flat)
-        return runner.step(flat)
+                return run(flat)
+        return run(flat)
 
     # ------------------------------------------------------------ training-loop habits
     def train(self, mode: bool = True) -> ParallelModule:

@@ -198,6 +198,11 @@ class PipelineRunner:
         self._counts = {c: count_graph(ch.module, len(ch.inputs)) for c, ch in enumerate(chunks)
                         if ch.is_last}
         self._weights: list[float] | None = None
+        self._forward_only = False
+        # evaluate()'s boundary metas: its activations need no gradient, so their
+        # headers differ from training's, and each side caches its own
+        self._eval_meta = ({ch.stage: (None if ch.recv else []) for ch in chunks},
+                           {ch.stage: (None if ch.send else []) for ch in chunks})
 
     def compile(self, *args, **kwargs) -> bool:
         """Run every chunk's graph through ``torch.compile`` (``args``/``kwargs`` as it
@@ -263,6 +268,8 @@ class PipelineRunner:
         mine = {ch.stage for ch in self.chunks}
         out: deque = deque()
         for a in actions(self.schedule, src_stage, p, self.micro_batches, v):
+            if self._forward_only and a.op != "F":
+                continue
             k = virtual_stage(src_stage, a.chunk, p)
             if a.op == "F" and k + 1 in mine:
                 if self._recv_meta[k + 1] is None and ("H", k + 1) not in out:
@@ -446,6 +453,34 @@ class PipelineRunner:
             self._pending.clear()
             if self.grad_sync is not None:
                 self.grad_sync.enabled = bool(sync_was)
+        if self._posted or any(self._expect.values()):
+            raise RuntimeError(f"pipeline messages left unreceived: {sorted(self._posted)}")
+        return self._loss(losses)
+
+    def evaluate(self, inputs: Sequence) -> torch.Tensor:
+        """The loss of the global batch ``inputs`` without a backward (an evaluation):
+        every micro-batch's forward in the schedule's order, weighted as :meth:`step`
+        weighs them; the same value on every rank."""
+        per = [self.split_inputs(inputs, c) for c in range(self.virtual)]
+        self._weights = self._count_targets(per)
+        train = (self._recv_meta, self._send_meta)
+        self._recv_meta, self._send_meta = self._eval_meta
+        self._forward_only = True
+        self._expect.clear()
+        losses: list[torch.Tensor] = []
+        try:
+            with torch.no_grad():
+                for a in self.actions:
+                    if a.op == "F":
+                        mb = self._forward(self.chunks[a.chunk], per[a.chunk][a.micro], a.micro)
+                        if mb.loss is not None:
+                            losses.append(mb.loss * (self._weight(a.micro) * self.micro_batches))
+                for w, _ in self._pending:
+                    w.wait()
+        finally:
+            self._pending.clear()
+            self._forward_only = False
+            self._recv_meta, self._send_meta = train
         if self._posted or any(self._expect.values()):
             raise RuntimeError(f"pipeline messages left unreceived: {sorted(self._posted)}")
         return self._loss(losses)

@@ -125,12 +125,19 @@ def train_shapes(c: dict) -> dict:
     rstate = ref.state_dict()
     res["weights"] = max((full[k].float() - rstate[k].float()).abs().max().item() for k in full
                          if k in rstate)
-    if pm.runner is None and pm.plan.decisions.copies == 1:  # train_step only
-        pm.eval()
-        ref.eval()
-        with torch.no_grad():
+    pm.eval()
+    ref.eval()
+    with torch.no_grad():
+        if pm.runner is None and pm.plan.decisions.copies == 1:
             one = padded([9], seed=99)
             res["eval"] = (pm(**one).logits - ref(**one).logits).abs().max().item()
+        elif pm.runner is not None and c.get("batch") != "local":
+            # a schedule evaluates its forwards alone: the loss (logits stay on the
+            # last stage), of a padded batch its micro-batches weighted by their tokens
+            four = _items(c, padded([9, 5, 9, 3], seed=99))
+            out = pm(**four)
+            res["eval"] = abs(float(out.loss) - float(ref(**four).loss)) / float(ref(**four).loss)
+            res["eval_logits"] = out.logits is None
     res["built"] = pm.routes.built
     res["micro"] = [r.runner.micro_batches for r in pm.routes.cache.values() if r.runner is not None]
     res["families"] = len(pm.routes.templates.families)

@@ -3,7 +3,8 @@
 
 A tiny Hugging Face Llama is planned at 4 x 16 tokens; the loop then feeds shorter and
 longer sequences, a global batch of 3 on 2 data-parallel ranks, fine-tuning batches
-padded to their own longest sequence, and evaluates at batch 1.  On b9d1a2b every one
+padded to their own longest sequence, and evaluates at batch 1 (a pipeline: at a padded
+batch of 4, its loss).  On b9d1a2b every one
 of these raised ``InputMismatchError`` at the first other shape, and under
 ``batch="local"`` a rank whose rows matched the planned shape waited in a collective
 while its peer raised.
@@ -105,6 +106,18 @@ def test_pipeline_any_shape(two):
     be (3 rows: one of 3; 6 rows: 3 of 2), exact against the single process."""
     _check(two["pp"], 2)
     assert sorted(two["pp"]["ranks"][0]["micro"]) == [1, 2, 3], two["pp"]["ranks"][0]["micro"]
+
+
+@pytest.mark.parametrize("case", ["pp", "pp-padded", "pp-items", "accumulate"])
+def test_a_schedule_evaluates_under_eval(two, case):
+    """``pm.eval()`` and ``pm(**batch)`` under ``torch.no_grad()`` on a pipelined or
+    micro-batched plan run the schedule's forwards alone and return the batch's loss
+    (a padded batch of 4, its micro-batches weighted by their tokens), rel 1e-5 of the
+    single process's (the check in ``_check``); the forward raised RuntimeError asking
+    for ``train_step`` before."""
+    for r in two[case]["ranks"]:
+        assert r["ok"], r.get("error")
+        assert "eval" in r and r["eval_logits"], r  # the loss alone: logits stay on the last stage
 
 
 @pytest.mark.parametrize("case", ["pp-padded", "accumulate", "pp-items", "copies", "copies-items"])
