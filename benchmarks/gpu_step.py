@@ -7,9 +7,10 @@ Rows (each an AdamW step, ``fused=True`` on CUDA; bf16 autocast for the plain mo
 - ``plain``: the model under ``torch.autocast``;
 - ``plain-compiled``: ``torch.compile`` of it;
 - ``autopar``: ``auto_parallel(model, example_kwargs=batch, precision="bf16-mixed")`` as
-  returned, the mesh named by ``--mesh`` (default: none, a user's default);
-- ``autopar-compiled``: the same with ``compile=True`` (the generated graph through
-  ``torch.compile``);
+  returned, the mesh named by ``--mesh`` (default: none, a user's default): compiled on
+  a GPU, eager on a CPU (``compile=``'s default);
+- ``autopar-eager`` on a GPU (``autopar-compiled`` on a CPU): the same with the other
+  ``compile=``;
 - ``autopar-user-compiled`` (``--user-compile``): ``torch.compile`` of the ``autopar``
   module, as a user might write it;
 - ``autopar-unfolded`` (``--unfolded``): autopar with the attention mask kept as the
@@ -17,7 +18,8 @@ Rows (each an AdamW step, ``fused=True`` on CUDA; bf16 autocast for the plain mo
   it was before that pass.
 
 Steps are timed interleaved (one step of each row per round, CUDA-synchronised wall
-time), medians after warm-up.  Peak memory is ``torch.cuda.max_memory_allocated`` over a
+time), medians after warm-up.  ``recompiles`` counts the graphs dynamo made during the
+timed steps (a fixed shape should make none).  Peak memory is ``torch.cuda.max_memory_allocated`` over a
 row's warm-up, counting the row's own parameters, gradients and optimizer state and not
 the other rows' (autopar's is measured before anything else is on the device).  Prints a
 table and one ``RESULT {json}`` line.  Run where a GPU is lent:
@@ -54,6 +56,12 @@ def _llama(args: argparse.Namespace):
     model = tf.LlamaForCausalLM(cfg)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq))
     return model, {"input_ids": ids, "labels": ids}
+
+
+def _dynamo_graphs() -> int:
+    """Graphs ``torch.compile`` has made in this process so far."""
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])
 
 
 def _resident(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
@@ -166,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     dbatch = {k: v.to(dev) for k, v in batch.items()}
     rows: list[Row] = []
 
-    def planned(name: str, fold: bool = True, compiled: bool = False) -> Row:
+    def planned(name: str, fold: bool = True, compiled: bool | None = None) -> Row:
         saved = trace.fold_causal_masks
         if not fold:
             trace.fold_causal_masks = lambda gm: 0
@@ -184,18 +192,19 @@ def main(argv: list[str] | None = None) -> None:
         row.plan_s = plan_s
         t0 = time.perf_counter()
         row.warm(args.warmup, pm)  # before the other rows are on the device
-        if compiled:
+        if pm.compiled:
             row.compile_s = time.perf_counter() - t0
         print(f"{name}: planned in {plan_s:.1f} s, warm-up {time.perf_counter() - t0:.1f} s, "
               f"peak {row.peak / 2**30:.2f} GiB", flush=True)
         return row
 
-    ap_row = planned("autopar")
+    ap_row = planned("autopar")  # the user's default
     rows.append(ap_row)
     if not args.no_compile:
-        rows.append(planned("autopar-compiled", compiled=True))
+        other = not ap_row.model.compiled
+        rows.append(planned("autopar-compiled" if other else "autopar-eager", compiled=other))
     if args.unfolded:
-        rows.append(planned("autopar-unfolded", fold=False))
+        rows.append(planned("autopar-unfolded", fold=False, compiled=False))
     plain = copy.deepcopy(cpu_model).to(dev)
     popt = torch.optim.AdamW(plain.parameters(), lr=1e-4, **fused)
 
@@ -225,9 +234,11 @@ def main(argv: list[str] | None = None) -> None:
                 rows.remove(r)
             r.compile_s = time.perf_counter() - t0
             print(f"{r.name}: warm-up with compilation {r.compile_s:.1f} s", flush=True)
+    graphs = _dynamo_graphs()
     for _ in range(args.steps):
         for r in rows:
             r.timed()
+    recompiles = _dynamo_graphs() - graphs
     if args.profile:
         for r in rows:
             if r.name in ("plain", "autopar"):
@@ -250,10 +261,12 @@ def main(argv: list[str] | None = None) -> None:
                                   "plan_s": getattr(r, "plan_s", None),
                                   "compile_warmup_s": getattr(r, "compile_s", None)}
     am = statistics.median(ap_row.times)
+    print(f"recompiles during the timed steps: {recompiles}")
     print(f"autopar predicted step {pred_s * 1e3:.1f} ms (measured {am * 1e3:.1f}, "
           f"ratio {pred_s / am:.3f}); predicted peak {pred_mem / 2**30:.2f} GiB "
           f"(measured {ap_row.peak / 2**30:.2f}); plan memory {plan.memory}")
-    result.update(predicted_ms=pred_s * 1e3, predicted_peak_gib=pred_mem / 2**30,
+    result.update(recompiles=recompiles, autopar_compiled=ap_row.model.compiled,
+                  predicted_ms=pred_s * 1e3, predicted_peak_gib=pred_mem / 2**30,
                   plan_memory=plan.memory, layout=plan.summary().splitlines()[0])
     if args.predict_preset:
         mesh = autopar.MeshSpec.preset(args.predict_preset, shape=(dist.get_world_size(),))
