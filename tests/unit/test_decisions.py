@@ -30,6 +30,7 @@ from autopar.plan.decisions import (
     PlanOptions,
     applies,
     decision_options,
+    forced_values,
     prices,
 )
 from tests.dist.harness import ROOT
@@ -79,6 +80,17 @@ def test_entry_has_its_hooks_registered(decision) -> None:
     assert callable(decision.apply), f"no @applies({decision.name!r}) anywhere"
     if not decision.forced_only:
         assert callable(decision.price), f"no @prices({decision.name!r}) anywhere"
+
+
+def test_forced_only_decisions_record_their_keyword() -> None:
+    """A forced-only decision's one keyword is its one field's name, and an unforced
+    plan records the same default the plan JSON loads without it."""
+    for d in DECISIONS:
+        if d.forced_only:
+            assert (d.fields, d.choices) == ((d.options[0].name,), ()), d.name
+    defaults = {f.name: f.default for f in fields(Decisions)}
+    assert forced_values(PlanOptions()) == {f: defaults[f] for f in forced_values(PlanOptions())}
+    assert forced_values(PlanOptions(precision="bf16-mixed"))["precision"] == "bf16-mixed"
 
 
 @pytest.mark.parametrize("decision", DECISIONS, ids=lambda d: d.name)
