@@ -87,13 +87,15 @@ def test_decisions_with_choices_have_one_keyword_and_one_field() -> None:
 
 
 def test_choices_reach_the_configs_and_the_chosen_one_the_plan(monkeypatch) -> None:
-    """A decision with choices (none of today's has) is priced once per choice unless
-    forced, and the plan records the config's value: a trial entry on ``copies``'s
-    Config field, so no field has to be made up."""
+    """A decision with choices is priced once per choice unless forced, and the plan
+    records the config's value: a trial entry on ``copies``'s Config field, so no field
+    has to be made up (the registry's own entries with choices left out)."""
     trial = Decision("trial", "a trial", (Option("trial", flag, "a trial"),), ("copies",),
                      choices=(1, 2))
-    assert choice_fields(PlanOptions()) == [{}]  # today's registry: one config each
-    monkeypatch.setattr(priced, "DECISIONS", (*DECISIONS, trial))
+    plain = tuple(d for d in DECISIONS if not d.choices)
+    monkeypatch.setattr(priced, "DECISIONS", plain)
+    assert choice_fields(PlanOptions()) == [{}]  # one config each, as before choices
+    monkeypatch.setattr(priced, "DECISIONS", (*plain, trial))
     assert choice_fields(SimpleNamespace(trial=None)) == [{"copies": 1}, {"copies": 2}]
     assert choice_fields(SimpleNamespace(trial=2)) == [{"copies": 2}]
     assert chosen_fields(Config(copies=2)) == {"copies": 2}
