@@ -174,10 +174,12 @@ def choice_fields(opts: PlanOptions) -> list[dict[str, Any]]:
     """The :class:`Config` fields of the decisions the registry lists choices for
     (:attr:`~autopar.plan.decisions.Decision.choices`), one dict per combination: the
     value the keyword forces, else each choice (``[{}]`` when no decision has choices)."""
-    values = [[(DECIDED_BY[d.fields[0]], v) for v in
-               ((getattr(opts, d.options[0].name),) if getattr(opts, d.options[0].name) is not None
-                else d.choices)]
-              for d in DECISIONS if d.choices]
+    values = []
+    for d in DECISIONS:
+        if d.choices:
+            forced = getattr(opts, d.options[0].name)
+            values.append([(DECIDED_BY[d.fields[0]], v)
+                           for v in ((forced,) if forced is not None else d.choices)])
     return [dict(c) for c in itertools.product(*values)]
 
 
