@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from autopar.plan.kinds import (  # re-exported: the values decisions take
     CONTEXT_PARALLEL,
@@ -322,27 +322,28 @@ class Decision:
 
 
 _HOOKS: dict[str, dict[str, Callable[..., Any]]] = {"price": {}, "apply": {}}
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def prices(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def prices(*names: str) -> Callable[[_F], _F]:
     """Decorator: the function it decorates is where the search prices the decisions
     ``names`` (:attr:`Decision.price`)."""
     return _hook("price", names)
 
 
-def applies(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def applies(*names: str) -> Callable[[_F], _F]:
     """Decorator: the function it decorates applies the decisions ``names`` to the
     model (:attr:`Decision.apply`)."""
     return _hook("apply", names)
 
 
-def _hook(kind: str, names: tuple[str, ...]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def _hook(kind: str, names: tuple[str, ...]) -> Callable[[_F], _F]:
     """Register the decorated function as the ``kind`` hook of each of ``names``: a name
     the registry lacks, or a decision already hooked, is a ValueError at import."""
     known = {d.name for d in DECISIONS}
     table = _HOOKS[kind]
 
-    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def register(fn: _F) -> _F:
         for name in names:
             if name not in known:
                 raise ValueError(f"{fn.__qualname__}: no decision {name!r} in DECISIONS to {kind}")
