@@ -21,6 +21,7 @@ from torch import fx
 
 from autopar.capture.ir import info
 from autopar.plan.data import Plan
+from autopar.plan.decisions import applies
 from autopar.plan.placement import Placements, Shard, fmt_placements, local_shape, parse_placements
 from autopar.runtime import context as CP
 from autopar.runtime import ops as O
@@ -63,6 +64,7 @@ def _scale_after(g: fx.Graph, node: fx.Node, factor: float) -> None:
         u.replace_input_with(node, y)
 
 
+@applies("context_parallel")
 def localize(gm: fx.GraphModule, plan: Plan) -> None:
     """Rewrite ``gm`` in place (see the module docstring)."""
     g = gm.graph

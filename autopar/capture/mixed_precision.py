@@ -42,7 +42,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
-from autopar.plan.decisions import Precision
+from autopar.plan.decisions import Precision, applies
 
 aten = torch.ops.aten
 
@@ -94,6 +94,7 @@ def _is_experts(node: fx.Node) -> bool:
     return node.op == "call_function" and str(node.target) == "autopar.moe_experts.default"
 
 
+@applies("precision")
 def apply_mixed_precision(gm: fx.GraphModule, precision: Precision | str,
                           low: torch.dtype | None = None, recompile: bool = True) -> int:
     """Insert the casts of ``precision`` into ``gm`` (see the module docstring) and

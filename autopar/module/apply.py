@@ -22,8 +22,10 @@ it reads and makes in the call:
 
 Decisions that shape the graph itself are applied before the module exists: precision
 at capture (:func:`autopar.capture.mixed_precision.apply_mixed_precision`), placements and
-context parallelism in lowering (:mod:`autopar.passes`).  The registry
-(:mod:`autopar.plan.decisions`) names each decision's function here.
+context parallelism in lowering (:mod:`autopar.passes`).  Each function that applies a
+decision is registered for it where it is defined (``@applies(...)``, the registry's
+:attr:`~autopar.plan.decisions.Decision.apply`), and ``tests/unit/test_decisions.py``
+checks that every decision's is a step called here (or at capture or lowering).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from autopar.passes.device import set_device
 from autopar.passes.multi_copy import multi_copy
 from autopar.passes.recompute import recompute
 from autopar.plan.data import Plan
+from autopar.plan.decisions import applies
 from autopar.runtime import local_step
 from autopar.runtime.dparams import DParams, Entry, as_dtensor, register_tree
 from autopar.runtime.grad_sync import GradSync
@@ -127,6 +130,7 @@ def apply_plan(pm: ParallelModule, full_state: Mapping[str, torch.Tensor] | None
     apply_checks(pm._habits)
 
 
+@applies("batch")
 def apply_inputs(pm: ParallelModule, binder: InputBinder, batch: BatchMode | str) -> None:
     """Who passes which samples (decision ``batch``): the binder of calls to the graph's
     flat inputs, its data-parallel axes and the inputs taken as this rank's rows."""
@@ -158,6 +162,7 @@ def apply_device(gm: nn.Module, tensors: Tensors, ctx: StepContext) -> None:
             p.requires_grad_(False)
 
 
+@applies("zero", "zero_kept", "zero_reduce_once", "gather_chunks")
 def apply_zero(gm: fx.GraphModule, tensors: Tensors, z: tuple[int, ...], ctx: StepContext) -> Zero:
     """ZeRO over the mesh axes ``z`` (decisions ``zero``, ``zero_kept``,
     ``zero_reduce_once``, ``gather_chunks``): replicated parameters sharded over them,
@@ -178,6 +183,7 @@ def apply_zero(gm: fx.GraphModule, tensors: Tensors, z: tuple[int, ...], ctx: St
     return Zero.install(gm, params, d.zero_stage, z, layers, frozenset(d.zero_kept), d.gather_chunks)
 
 
+@applies("offload")
 def apply_offload(zero: Zero, mesh: RuntimeMesh) -> None:
     """Host memory (decision ``offload``).  ``"params"``: ZeRO-3's shards move there
     (pinned on CUDA, so the gathers copy them up asynchronously), before the DTensor
@@ -198,11 +204,13 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     return t.to("cpu").pin_memory() if torch.cuda.is_available() else t.to("cpu")
 
 
+@applies("recompute")
 def apply_recompute(gm: fx.GraphModule, layers: list[str]) -> None:
     """Recompute ``layers`` in backward (decision ``recompute``)."""
     recompute(gm, set(layers))
 
 
+@applies("copies")
 def apply_copies(gm: fx.GraphModule, copies: int, out_spec) -> fx.GraphModule:
     """The micro-batches as ``copies`` copies interleaved in one forward and backward
     (decision ``copies``), the loss their only output: a new graph."""
@@ -210,6 +218,7 @@ def apply_copies(gm: fx.GraphModule, copies: int, out_spec) -> fx.GraphModule:
     return multi_copy(gm, copies)
 
 
+@applies("pipeline", "micro_batches")
 def apply_pipeline(gm: fx.GraphModule, ctx: StepContext, switches: Switches, out_spec) -> PipelineRunner:
     """Pipeline stages and micro-batches (decisions ``pipeline``, ``micro_batches``): this
     rank's stage graphs (several model chunks under the interleaved schedule) run by the
@@ -227,6 +236,7 @@ def apply_pipeline(gm: fx.GraphModule, ctx: StepContext, switches: Switches, out
     return runner
 
 
+@applies("grad_buckets", "grad_buffers", "grad_compression")
 def apply_grad_sync(tensors: Tensors, ctx: StepContext, zero: Zero | None) -> GradSync:
     """Data-parallel gradient buckets (decisions ``grad_buckets``, ``grad_buffers``,
     ``grad_compression``): the plan's buckets, reduced as they fill."""

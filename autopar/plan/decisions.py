@@ -8,21 +8,23 @@ buckets, ... .  Its entry (:class:`Decision`) names
   the check of the value; a forced value travels in :class:`PlanOptions`),
 * the JSON fields of :class:`Decisions` that record what was decided (two plans
   whose fields agree decided the same: :func:`decision_key`),
-* where the search prices it and where the runtime applies it (``"module:function"``:
-  the plan data imports nothing above it, so these are names that
-  ``tests/unit/test_decisions.py`` resolves), and
 * the ``plan.explain(...)`` key that says why.
 
-``tests/unit/test_decisions.py`` checks the registry against the fields of
-:class:`Decisions` and :class:`PlanOptions` and the keywords the API accepts, so a
-decision cannot be half-added.  ``docs/architecture.md`` has the recipe.
+Where the search prices a decision and where the runtime applies it are the functions
+themselves: each is decorated where it is defined, ``@prices("zero")`` in the search,
+``@applies("zero")`` in the runtime (the plan data imports nothing above it, so the
+layers above register into it), and :attr:`Decision.price` / :attr:`Decision.apply`
+return them.  ``tests/unit/test_decisions.py`` checks the registry against the fields
+of :class:`Decisions` and :class:`PlanOptions`, the keywords the API accepts and the
+hooks registered after ``import autopar``, so a decision cannot be half-added.
+``docs/architecture.md`` has the recipe.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from autopar.plan.kinds import (  # re-exported: the values decisions take
     CONTEXT_PARALLEL,
@@ -292,10 +294,6 @@ class Decision:
     options: tuple[Option, ...]
     fields: tuple[str, ...]
     """The :class:`Decisions` fields (``plan.json``'s ``decisions``) that record it."""
-    price: str
-    """``"module:function"`` where the search prices it."""
-    apply: str
-    """``"module:function"`` where the runtime applies it to the module."""
     explain: str | None = None
     """What ``plan.explain(...)`` takes to say why (``None``: see the nodes' placements)."""
     summary: str | None = None
@@ -303,6 +301,58 @@ class Decision:
     summary_if: Callable[[Decisions], bool] | None = None
     """Shown only where this holds (a decision that changes the numbers, said when
     taken); ``None``: whenever the search explained it."""
+    forced_only: bool = False
+    """Never searched: every plan records the value its one keyword forces (one option,
+    one field of the same name); a price hook only where that value changes prices."""
+    choices: tuple[Any, ...] = ()
+    """A searched decision's values, each priced as its own config when the keyword
+    leaves it to the search (the search's :class:`Config` field that ``DECIDED_BY``
+    names takes them, and the plan records the chosen one); empty where the search
+    enumerates the values itself."""
+
+    @property
+    def price(self) -> Callable[..., Any] | None:
+        """The function the search prices it with (registered by :func:`prices`)."""
+        return _HOOKS["price"].get(self.name)
+
+    @property
+    def apply(self) -> Callable[..., Any] | None:
+        """The function that applies it to the model (registered by :func:`applies`)."""
+        return _HOOKS["apply"].get(self.name)
+
+
+_HOOKS: dict[str, dict[str, Callable[..., Any]]] = {"price": {}, "apply": {}}
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def prices(*names: str) -> Callable[[_F], _F]:
+    """Decorator: the function it decorates is where the search prices the decisions
+    ``names`` (:attr:`Decision.price`)."""
+    return _hook("price", names)
+
+
+def applies(*names: str) -> Callable[[_F], _F]:
+    """Decorator: the function it decorates applies the decisions ``names`` to the
+    model (:attr:`Decision.apply`)."""
+    return _hook("apply", names)
+
+
+def _hook(kind: str, names: tuple[str, ...]) -> Callable[[_F], _F]:
+    """Register the decorated function as the ``kind`` hook of each of ``names``: a name
+    the registry lacks, or a decision already hooked, is a ValueError at import."""
+    known = {d.name for d in DECISIONS}
+    table = _HOOKS[kind]
+
+    def register(fn: _F) -> _F:
+        for name in names:
+            if name not in known:
+                raise ValueError(f"{fn.__qualname__}: no decision {name!r} in DECISIONS to {kind}")
+            if name in table:
+                raise ValueError(f"decision {name!r} has two {kind} hooks: "
+                                 f"{table[name].__qualname__} and {fn.__qualname__}")
+        table.update(dict.fromkeys(names, fn))
+        return fn
+    return register
 
 
 DECISIONS: tuple[Decision, ...] = (
@@ -311,85 +361,56 @@ DECISIONS: tuple[Decision, ...] = (
               Option("pipeline_axis", mesh_axis, "the mesh axis the stages are carved from"),
               Option("schedule", one_of(SCHEDULES, fold_case=True), "gpipe, 1f1b, interleaved-1f1b, zero-bubble"),
               Option("virtual_stages", positive_int, "model chunks per rank (interleaved)")),
-             ("pipeline_stages", "pipeline_axis", "schedule", "virtual_stages", "stages"),
-             "autopar.search.stages.dp:price", "autopar.module.apply:apply_pipeline", "pipeline",
+             ("pipeline_stages", "pipeline_axis", "schedule", "virtual_stages", "stages"), "pipeline",
              summary="pipeline"),
     Decision("micro_batches", "micro-batches per step: gradient accumulation, or a pipeline's",
              (Option("micro_batches", positive_int, "micro-batches per step"),),
-             ("micro_batches",),
-             "autopar.search.stages.dp:price", "autopar.module.apply:apply_pipeline",
-             "micro_batches",
-             summary="micro-batches"),
+             ("micro_batches",), "micro_batches", summary="micro-batches"),
     Decision("zero", "ZeRO stage and the mesh axes it shards over",
              (Option("zero_stage", zero_stage, "0, 1, 2 or 3"),
               Option("zero_axes", zero_axes_value, "a mesh axis or several")),
-             ("zero_stage", "zero_axis"),
-             "autopar.search.stages.layer_stats:zero_price", "autopar.module.apply:apply_zero",
-             "zero",
-             summary="ZeRO"),
+             ("zero_stage", "zero_axis"), "zero", summary="ZeRO"),
     Decision("zero_kept", "ZeRO-3 layers kept gathered from forward to backward",
              (Option("reshard_after_forward", flag, "True: re-gather every layer in backward"),),
-             ("zero_kept",),
-             "autopar.search.stages.memory:kept_layers", "autopar.module.apply:apply_zero",
-             "zero"),
+             ("zero_kept",), "zero"),
     Decision("zero_reduce_once", "ZeRO-3 under accumulation reduce-scatters once a step",
-             (), ("zero_reduce_once",),
-             "autopar.search.stages.price:price_stage", "autopar.module.apply:apply_zero", "zero"),
+             (), ("zero_reduce_once",), "zero"),
     Decision("recompute", "layers whose activations are recomputed in backward",
              (Option("recompute", layer_names, "layer keys, e.g. ['blocks.0']"),),
-             ("recompute",),
-             "autopar.search.stages.price:price_stage", "autopar.module.apply:apply_recompute",
-             "recompute",
-             summary="recompute"),
+             ("recompute",), "recompute", summary="recompute"),
     Decision("grad_buckets", "the data-parallel gradient buckets (MG-WFBP)",
              (Option("bucket_bytes", positive_int, "fixed-size buckets of this many bytes"),),
-             ("grad_buckets",),
-             "autopar.search.buckets:optimal", "autopar.module.apply:apply_grad_sync", "buckets",
-             summary="grad buckets"),
+             ("grad_buckets",), "buckets", summary="grad buckets"),
     Decision("grad_buffers", "the gradient buckets' buffers kept between steps, as DDP's",
              (Option("keep_grad_buffers", flag, "True: keep; False: a new buffer each step"),),
-             ("grad_buffers_kept",),
-             "autopar.search.stages.price:price_stage", "autopar.module.apply:apply_grad_sync",
-             "buckets"),
+             ("grad_buffers_kept",), "buckets"),
     Decision("grad_compression", "data-parallel gradients sent in bf16 or low rank (changes "
              "the numbers: searched only under grad_compression='auto')",
              (Option("grad_compression", one_of(GRAD_COMPRESSIONS, none=True), "none, bf16, powersgd or auto"),
               Option("compression_rank", positive_int, f"PowerSGD's rank (default {POWERSGD_RANK})")),
-             ("grad_compression", "compression_rank"),
-             "autopar.search.compression:bucket_terms", "autopar.module.apply:apply_grad_sync",
-             "compression",
+             ("grad_compression", "compression_rank"), "compression",
              summary="compression", summary_if=lambda d: d.grad_compression != "none"),
     Decision("copies", "each micro-batch as two copies interleaved, one's collectives beside "
              "the other's compute (multi-copy overlap)",
              (Option("copies", copies_check, "2 or auto"),),
-             ("copies",),
-             "autopar.search.stages.step_terms:copies_hidden", "autopar.module.apply:apply_copies",
-             "copies",
-             summary="copies", summary_if=lambda d: d.copies > 1),
+             ("copies",), "copies", summary="copies", summary_if=lambda d: d.copies > 1),
     Decision("offload", "optimizer state (and ZeRO-3 parameter shards) kept in host memory",
              (Option("offload", one_of(OFFLOADS, none=True), "none, optimizer, params or auto"),),
-             ("offload",),
-             "autopar.search.offload:offload_price", "autopar.module.apply:apply_offload",
-             "offload",
-             summary="offload", summary_if=lambda d: d.offload != "none"),
+             ("offload",), "offload", summary="offload", summary_if=lambda d: d.offload != "none"),
     Decision("gather_chunks", "ZeRO-1/2's gathers after the step split into chunks sent in "
              "forward order, each waited for by its own layers (the next forward's first layers first)",
              (Option("split_gathers", flag, "True: in chunks; False: one blocking gather"),),
-             ("gather_chunks",),
-             "autopar.search.gathers:stage_chunks", "autopar.module.apply:apply_zero", "gathers",
+             ("gather_chunks",), "gathers",
              summary="gathers", summary_if=lambda d: bool(d.gather_chunks)),
-    Decision("precision", "the dtypes the step computes in (autocast's casts in the graph)",
+    Decision("precision", "the dtypes the step computes in (autocast's casts in the graph; "
+             "never searched, since it changes the numbers the model computes)",
              (Option("precision", precision, "native, bf16-mixed or fp16-mixed"),),
-             ("precision",),
-             "autopar.search.node_prices:CostModel", "autopar.capture.mixed_precision:apply_mixed_precision"),
+             ("precision",), forced_only=True),
     Decision("context_parallel", "attention on sequence chunks (its placements are the nodes')",
              (Option("context_parallel", one_of(CONTEXT_PARALLEL, none=True), "off, gather-kv or exchange"),),
-             (),
-             "autopar.sharding.rules.attention:restrict_attention",
-             "autopar.passes.localize:localize"),
+             ()),
     Decision("batch", "who passes which samples: the whole batch everywhere, or each rank its part",
-             (), ("batch", "local_axes"),
-             "autopar.search.op_placement:make_plan", "autopar.module.apply:apply_inputs"),
+             (), ("batch", "local_axes")),
 )
 """Every plan-level decision."""
 
@@ -440,6 +461,11 @@ def decision_key(decisions: Decisions) -> tuple[tuple[str, Any], ...]:
     return tuple((f, _frozen(getattr(decisions, f))) for f in decision_fields())
 
 
+def forced_values(opts: PlanOptions) -> dict[str, Any]:
+    """The :class:`Decisions` field of each forced-only decision, as ``opts`` forces it."""
+    return {d.fields[0]: getattr(opts, d.options[0].name) for d in DECISIONS if d.forced_only}
+
+
 def _frozen(value: Any) -> Any:
     """``value`` (a JSON-like field) hashable: lists as tuples, dicts as sorted items."""
     if isinstance(value, dict):
@@ -462,5 +488,5 @@ def check_options(given: dict[str, Any]) -> None:
 
 __all__ = ["CONTEXT_PARALLEL", "DECISIONS", "GRAD_COMPRESSIONS", "OFFLOADS", "POWERSGD_RANK", "GradCompression", "Offload", "RESULT_FIELDS", "SCHEDULES", "SEARCH_KNOBS", "EXPLAIN_SYNONYMS", "explain_aliases", "explain_keys",
            "ContextParallel", "Decision", "Decisions", "Option", "PlanOptions", "Precision",
-           "Schedule", "check_options", "decision_fields", "decision_key", "decision_options",
-           "zero_axes"]
+           "Schedule", "applies", "check_options", "decision_fields", "decision_key", "decision_options",
+           "forced_values", "prices", "zero_axes"]

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.cost_models import MeshSpec, all_reduce_time
+from autopar.plan.decisions import prices
 from autopar.search.compression import LATENCIES
 from autopar.search.stages.layer_stats import LayerStat, ParamStat, ZeroPrice, on_zero
 
@@ -185,6 +186,7 @@ def simulate(items: list[GradItem], cuts: list[tuple[int, int]], mesh: MeshSpec,
     return BucketPlan(list(cuts), end, backward, busy + tail, tail)
 
 
+@prices("grad_buckets")
 def optimal(items: list[GradItem], mesh: MeshSpec, backward: float, kind: str = "none") -> BucketPlan:
     """The buckets that end the reduction earliest (the module's recurrence; under
     bf16 compression each bucket's tail is left out of the choice)."""

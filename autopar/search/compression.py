@@ -24,7 +24,7 @@ compression kind scales the all-reduce's latency and per-byte price:
 from __future__ import annotations
 
 from autopar.cost_models import MeshSpec, compute_time
-from autopar.plan.decisions import POWERSGD_RANK, GradCompression, PlanOptions
+from autopar.plan.decisions import POWERSGD_RANK, GradCompression, PlanOptions, prices
 from autopar.runtime.compression import low_rank
 from autopar.search.stages.layer_stats import ParamStat
 
@@ -59,6 +59,7 @@ def kinds(opts: PlanOptions) -> list[tuple[str, int]]:
     return [(asked, rank if asked == GradCompression.POWERSGD.value else 0)]
 
 
+@prices("grad_compression")
 def bucket_terms(p: ParamStat, kind: str, rank: int, mesh: MeshSpec) -> tuple[float, float]:
     """``(wire, work)`` of ``p``'s gradient under ``kind``: the bytes it puts on the link
     and the seconds of compression compute it adds to its bucket."""

@@ -37,7 +37,7 @@ import functools
 from dataclasses import dataclass
 
 from autopar.cost_models import MeshSpec, all_gather_time
-from autopar.plan.decisions import zero_axes
+from autopar.plan.decisions import prices, zero_axes
 from autopar.search.buckets import _end, affine_fit
 from autopar.search.stages.layer_stats import LayerStat, on_zero
 
@@ -132,6 +132,7 @@ def simulate(nbytes: list[float], fwd: list[float], lead: float, mesh: MeshSpec,
     return max(0.0, f - lead - sum(fwd))
 
 
+@prices("gather_chunks")
 def stage_chunks(layers: list[LayerStat], stage: int, axis, mesh: MeshSpec) -> ChunkPlan | None:
     """The chunks of a stage's ZeRO-1/2 parameters (``stage``, ZeRO axes ``axis``) with
     their parameter names, forward order; ``None`` when nothing is gathered.  A layer

@@ -27,7 +27,7 @@ from autopar.cost_models import MeshSpec, format_bytes
 from autopar.errors import NoFitError, PlanError
 from autopar.log import report, show
 from autopar.plan.data import Plan, zero_words
-from autopar.plan.decisions import Decisions, Schedule
+from autopar.plan.decisions import Decisions, Schedule, forced_values
 from autopar.plan.splits import batch_size, split_mesh, split_words
 from autopar.search.assemble import complete
 from autopar.search.budget import Phase, TimeBudget
@@ -44,7 +44,7 @@ from autopar.search.shallow import (
 from autopar.search.space import PlanSpace, _Candidate, tied_across_layers
 from autopar.search.stages.dp import price, step_lower_bound
 from autopar.search.stages.layer_stats import layer_stats
-from autopar.search.stages.priced import Config, Priced
+from autopar.search.stages.priced import Config, Priced, chosen_fields
 from autopar.search.stages.step_terms import stage_link
 from autopar.search.why import Context, decisions_why
 
@@ -468,7 +468,7 @@ class JointSearch:
             grad_buffers_kept=all(sp.grad_buffers_kept for sp in pr.stages),
             # one axis as an int (as plans always said), several as a list
             zero_axis=list(cfg.zero_axis) if isinstance(cfg.zero_axis, tuple) else cfg.zero_axis,
-            precision=self.opts.precision, batch=self.opts.batch,
+            batch=self.opts.batch, **forced_values(self.opts), **chosen_fields(cfg),
             # a micro-batched or pipelined step returns the loss alone: no rows to return
             local_axes=local_axes(cand.cap.gm, plan)
             if self.opts.batch == "local" and cfg.micro_batches == 1 and cfg.stages == 1 else None,

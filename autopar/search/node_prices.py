@@ -25,6 +25,7 @@ from autopar.cost_models import (
     optimizer_state_bytes,
     send_recv_time,
 )
+from autopar.plan.decisions import prices
 from autopar.plan.placement import (
     Placements,
     Shard,
@@ -51,6 +52,7 @@ from autopar.sharding.rules.statistics import SPLIT_REDUCTIONS, split_all_reduce
 aten = torch.ops.aten
 
 
+@prices("precision")
 def op_dtype(node: fx.Node):
     """The dtype an op's kernel computes in: its output's (a matmul's inputs and output
     share it); the experts op's expert weights' (its output keeps the residual's)."""

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 
 from autopar.cost_models import MeshSpec, optimizer_state_bytes, optimizer_step_time
-from autopar.plan.decisions import Offload, PlanOptions, zero_axes
+from autopar.plan.decisions import Offload, PlanOptions, prices, zero_axes
 from autopar.search.stages.layer_stats import LayerStat, ZeroPrice, on_zero
 
 
@@ -67,6 +67,7 @@ def kinds(opts: PlanOptions, zero_stage: int, mesh: MeshSpec) -> list[str]:
     return [asked]
 
 
+@prices("offload")
 def offload_price(layers: list[LayerStat], zp: list[ZeroPrice], level: str, zero_stage: int,
                   zero_axis, mesh: MeshSpec, optimizer: str, micro_batches: int) -> OffloadPrice:
     """The stage's :class:`OffloadPrice` under ``level`` (see the module docstring)."""

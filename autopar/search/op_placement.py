@@ -27,7 +27,7 @@ from autopar.cost_models import MeshSpec
 from autopar.errors import PlanError
 from autopar.log import report
 from autopar.plan.data import Plan
-from autopar.plan.decisions import PlanOptions
+from autopar.plan.decisions import PlanOptions, prices
 from autopar.plan.placement import (
     Shard,
     graph_batch,
@@ -283,6 +283,7 @@ def choose_searcher(gm: fx.GraphModule, mesh: MeshSpec, opts: PlanOptions) -> tu
                            f"~{predicted:.2g} s, over half the {limit:g} s limit)")
 
 
+@prices("batch")
 def cost_model(gm: fx.GraphModule, mesh: MeshSpec, opts: PlanOptions) -> CostModel:
     """The cost model of one planning call: outputs priced as ``opts.batch`` returns them."""
     local = graph_batch(gm) if opts.batch == "local" else None

@@ -30,7 +30,7 @@ from autopar.search.offload import kinds as offload_kinds
 from autopar.search.op_placement import PlanOptions
 from autopar.search.stages.dp import split_lower_bound
 from autopar.search.stages.layer_stats import LayerStat, kernel_floor
-from autopar.search.stages.priced import Config, Priced, forced_fields
+from autopar.search.stages.priced import Config, Priced, choice_fields, forced_fields
 from autopar.search.stages.step_terms import bubble_share
 
 
@@ -168,7 +168,8 @@ class PlanSpace:
         """Every configuration priced on ``cand``: ZeRO stage and axes, schedule,
         ZeRO-3's reduction under accumulation, virtual stages, compression, offload and
         copies, each as forced or every option that can run; the forced values of the
-        decisions its stages choose passed through (:func:`forced_fields`)."""
+        decisions its stages choose passed through (:func:`forced_fields`), and each
+        value of the decisions the registry lists choices for (:func:`choice_fields`)."""
         sub = cand.plan.mesh
         zs = self._zero_stages()
         params = [(q.replicated, q.bytes) for st in cand.stats for q in st.params]
@@ -184,7 +185,7 @@ class PlanSpace:
         known_configs = self._config_lists.get(key)
         if known_configs is not None:
             return known_configs
-        out, forced = [], forced_fields(self.opts)
+        out, forced, choices = [], forced_fields(self.opts), choice_fields(self.opts)
         for z in zs:
             # ZeRO needs a sub-mesh axis to shard over: no config when there is none
             for a in (axes if z else [None]):
@@ -198,10 +199,10 @@ class PlanSpace:
                         out.extend(Config(stages=cand.stages, micro_batches=cand.micro_batches,
                                           schedule=s, zero_stage=z, zero_axis=a, virtual=v,
                                           pipeline_axis=cand.axis, reduce_once=o, compression=c,
-                                          rank=r, offload=h, copies=k, **forced)
+                                          rank=r, offload=h, copies=k, **forced, **ch)
                                    for o in once for c, r in compression_kinds(self.opts)
                                    for h in offload_kinds(self.opts, z, sub)
-                                   for k in self._copies(cand))
+                                   for k in self._copies(cand) for ch in choices)
         self._config_lists[key] = out
         return out
 

@@ -7,15 +7,27 @@ here; and the values the options force reach every config by the registry's keyw
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 
-from autopar.plan.decisions import DECISIONS, PlanOptions, decision_fields, decision_options
+from autopar.plan.decisions import (
+    DECISIONS,
+    Decision,
+    Option,
+    PlanOptions,
+    decision_fields,
+    decision_options,
+)
+from autopar.plan.option_checks import flag
+from autopar.search.stages import priced
 from autopar.search.stages.priced import (
     AFTER_SEARCH,
     DECIDED_BY,
     PASSED_THROUGH,
     Config,
+    choice_fields,
+    chosen_fields,
     forced_fields,
 )
 
@@ -65,3 +77,25 @@ def test_forced_values_reach_every_config_by_keyword() -> None:
 def test_config_is_built_by_keyword() -> None:
     with pytest.raises(TypeError):
         Config(2, 4)  # type: ignore[misc]
+
+
+def test_decisions_with_choices_have_one_keyword_and_one_field() -> None:
+    for d in DECISIONS:
+        if d.choices:
+            assert len(d.options) == 1 and len(d.fields) == 1, d
+            assert d.fields[0] in DECIDED_BY, f"{d.name}: its Config field goes in DECIDED_BY"
+
+
+def test_choices_reach_the_configs_and_the_chosen_one_the_plan(monkeypatch) -> None:
+    """A decision with choices is priced once per choice unless forced, and the plan
+    records the config's value: a trial entry on ``copies``'s Config field, so no field
+    has to be made up (the registry's own entries with choices left out)."""
+    trial = Decision("trial", "a trial", (Option("trial", flag, "a trial"),), ("copies",),
+                     choices=(1, 2))
+    plain = tuple(d for d in DECISIONS if not d.choices)
+    monkeypatch.setattr(priced, "DECISIONS", plain)
+    assert choice_fields(PlanOptions()) == [{}]  # one config each, as before choices
+    monkeypatch.setattr(priced, "DECISIONS", (*plain, trial))
+    assert choice_fields(SimpleNamespace(trial=None)) == [{"copies": 1}, {"copies": 2}]
+    assert choice_fields(SimpleNamespace(trial=2)) == [{"copies": 2}]
+    assert chosen_fields(Config(copies=2)) == {"copies": 2}

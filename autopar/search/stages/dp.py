@@ -28,6 +28,7 @@ import math
 
 from autopar.cost_models import MeshSpec
 from autopar.cost_models.memo import IdentityMemo
+from autopar.plan.decisions import prices
 from autopar.search.stages.layer_stats import LayerStat
 from autopar.search.stages.priced import Config, Priced, StagePrice
 from autopar.search.stages.split_search import (
@@ -109,6 +110,7 @@ def split_lower_bound(floors: list[float], stages: int, micro: int, idle_reuse: 
     return out
 
 
+@prices("pipeline", "micro_batches")
 def price(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget: float,
           optimizer: str, cut: float = math.inf) -> Priced:
     """Best stage split for ``cfg`` and its step time.  ``cut``: the step time of a plan

@@ -36,7 +36,7 @@ from autopar.cost_models import (
     reduce_scatter_time,
 )
 from autopar.plan.data import NodePlan, Plan
-from autopar.plan.decisions import zero_axes
+from autopar.plan.decisions import prices, zero_axes
 from autopar.plan.placement import is_replicate, local_shape, parse_placements
 from autopar.search.node_prices import compute_floor, kernel_terms
 from autopar.sharding.rules.losses import count_axes
@@ -360,6 +360,7 @@ class _ZeroSums:
     """Stage 1: the axes its all-reduce spans."""
 
 
+@prices("zero")
 def zero_price(stat: LayerStat, mesh: MeshSpec, stage: int, axis: int | tuple[int, ...] | None,
                optimizer: str, micro_batches: int = 1, reduce_once: bool = False) -> ZeroPrice:
     """Price ``stat``'s parameters under ZeRO ``stage`` over sub-mesh ``axis`` for a step

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from autopar.cost_models import MeshSpec
-from autopar.plan.decisions import zero_axes
+from autopar.plan.decisions import prices, zero_axes
 from autopar.runtime.grad_sync import fill_buckets, fill_sums
 from autopar.search.stages.layer_stats import LayerStat, grad_bytes, on_zero
 from autopar.search.stages.priced import Config
@@ -147,6 +147,7 @@ def zero_flat_bytes(layers: list[LayerStat], cfg: Config,
     return max((prev + whole * cur for prev, cur in zip([0.0, *flat], flat)), default=0.0)
 
 
+@prices("zero_kept")
 def kept_layers(keys: list[str], saves: list[float], recomputed: set[str], reshard: bool | None,
                 fits: Callable[[frozenset[str]], bool]) -> frozenset[str]:
     """ZeRO-3: the layers (``keys``, forward order) whose whole parameters stay gathered

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from autopar.capture.user_checkpoint import Coverage
 from autopar.cost_models import MeshSpec, drift_after
 from autopar.plan import schedules as sched
-from autopar.plan.decisions import zero_axes
+from autopar.plan.decisions import prices, zero_axes
 from autopar.search.buckets import BucketPlan
 from autopar.search.compression import persistent_bytes
 from autopar.search.gathers import ChunkPlan, names_of, stage_chunks
@@ -154,6 +154,7 @@ class _Gathers:
     parts: dict[str, float]
 
 
+@prices("zero_reduce_once", "recompute", "grad_buffers")
 def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec, pipe_link,
                 budget: float, optimizer: str, zp: list | None = None,
                 sync: bool = True, views: list[ParamView] | None = None) -> StagePrice:

@@ -7,10 +7,13 @@ A :class:`Config` holds one value per plan decision of the registry
 :class:`~autopar.plan.decisions.Decisions` field to the :class:`Config` field that
 decides it, :data:`AFTER_SEARCH` lists the fields no config holds and why, and
 ``tests/unit/test_config_fields.py`` checks that every field of the registry is in one
-of them, so a searched decision cannot be added without its :class:`Config` field."""
+of them, so a searched decision cannot be added without its :class:`Config` field.  A
+decision whose entry lists its ``choices`` needs nothing more here: each config takes
+one of them (:func:`choice_fields`) and the plan records it (:func:`chosen_fields`)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,11 +143,11 @@ for those its stages choose): the :class:`Config` field that does."""
 
 AFTER_SEARCH: dict[str, str] = {
     "stages": "each stage's layers: the split search's answer for the config (Priced.stages)",
-    "precision": "forced only, since it changes the numbers the model computes: every "
-                 "config of a search shares the options' value",
     "batch": "the caller's contract (whole batch or each rank's part), never searched: "
              "every config shares the options' value",
     "local_axes": "read off the chosen placement under batch='local'",
+    **{d.fields[0]: f"forced only ({d.doc}): every config of a search shares the keyword's value"
+       for d in DECISIONS if d.forced_only},
 }
 """:class:`~autopar.plan.decisions.Decisions` fields of the registry no :class:`Config`
 holds, each with the reason."""
@@ -167,5 +170,24 @@ def forced_fields(opts: PlanOptions) -> dict[str, Any]:
     return out
 
 
+def choice_fields(opts: PlanOptions) -> list[dict[str, Any]]:
+    """The :class:`Config` fields of the decisions the registry lists choices for
+    (:attr:`~autopar.plan.decisions.Decision.choices`), one dict per combination: the
+    value the keyword forces, else each choice (``[{}]`` when no decision has choices)."""
+    values = []
+    for d in DECISIONS:
+        if d.choices:
+            forced = getattr(opts, d.options[0].name)
+            values.append([(DECIDED_BY[d.fields[0]], v)
+                           for v in ((forced,) if forced is not None else d.choices)])
+    return [dict(c) for c in itertools.product(*values)]
+
+
+def chosen_fields(cfg: Config) -> dict[str, Any]:
+    """The :class:`~autopar.plan.decisions.Decisions` fields of the decisions with
+    choices, as ``cfg`` took them."""
+    return {f: getattr(cfg, DECIDED_BY[f]) for d in DECISIONS if d.choices for f in d.fields}
+
+
 __all__ = ["AFTER_SEARCH", "DECIDED_BY", "PASSED_THROUGH", "Config", "Priced", "StagePrice",
-           "forced_fields"]
+           "choice_fields", "chosen_fields", "forced_fields"]

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from autopar.cost_models import MeshSpec, send_recv_time
 from autopar.plan import schedules as sched
-from autopar.plan.decisions import GradCompression, Schedule
+from autopar.plan.decisions import GradCompression, Schedule, prices
 from autopar.search import buckets as bk
 from autopar.search.compression import bucket_terms
 from autopar.search.stages.layer_stats import LayerStat
@@ -54,6 +54,7 @@ def accumulation_seconds(grads: list[float], micro_batches: int, mesh: MeshSpec)
     return mesh.straggler * 3.0 * sum(grads) / mesh.mem_bandwidth * (micro_batches - 1) / micro_batches
 
 
+@prices("copies")
 def copies_hidden(layers: list[LayerStat], cfg: Config, mesh: MeshSpec) -> float:
     """Seconds per micro-batch that multi-copy overlap hides (``cfg.copies`` > 1, the
     micro-batches running as interleaved copies, :mod:`autopar.passes.multi_copy`).  A

@@ -28,7 +28,7 @@ import torch
 from torch import fx
 
 from autopar.capture.ir import arg, tensor_inputs
-from autopar.plan.decisions import ContextParallel
+from autopar.plan.decisions import ContextParallel, prices
 from autopar.plan.placement import Placement, Placements, R, Shard, local_shape
 from autopar.sharding.rules import AxisStrategy, OpStrategy, RuleCtx, assign, register, shape
 
@@ -168,6 +168,7 @@ def sdpa_rule(node: fx.Node, ctx: RuleCtx) -> list[AxisStrategy]:
     return [s for s in result if s is not None]
 
 
+@prices("context_parallel")
 def restrict_attention(strategies: dict[fx.Node, list[OpStrategy]], mode: str | None,
                        mesh_shape: Sequence[int]) -> None:
     """Keep, for every attention node, only the strategies ``context_parallel=mode``
