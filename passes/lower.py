@@ -53,11 +53,19 @@ def emit_redistribution(graph: fx.Graph, x: fx.Node, src: Placements, dst: Place
     ``mesh_shape`` (none on an axis of one rank) at the graph's current insertion point
     and return the final node."""
     ann = x.meta.get(META_KEY)
-    for step in plan_redistribution(src, dst, mesh_shape):
+    steps = plan_redistribution(src, dst, mesh_shape)
+    for step in steps:
         fn, args = _EMIT[step.kind](x, step)
         x = graph.call_function(fn, args)
         _same_global(x, ann)
+    if steps:  # what a pipeline's stage sends of it (runtime/stage_wire.py) reads this
+        x.meta[PLACEMENT_KEY] = tuple(dst)
     return x
+
+
+PLACEMENT_KEY = "autopar_placement"
+"""``node.meta`` key of a redistribution's result: the placement it holds (a planned
+node's is ``plan.nodes[name].out_placements``)."""
 
 
 def _same_global(node: fx.Node, ann) -> None:

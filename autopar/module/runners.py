@@ -10,9 +10,12 @@ import torch
 
 from autopar.capture.grad_flow import loss_output
 from autopar.errors import PlanError
+from autopar.passes.lower import PLACEMENT_KEY
 from autopar.passes.split_stages import split_stages
 from autopar.plan.data import Plan
+from autopar.plan.placement import is_replicate, parse_placements
 from autopar.runtime.pipeline import PipelineRunner
+from autopar.runtime.stage_wire import BoundarySlices
 from autopar.runtime.zero3 import defer
 
 if TYPE_CHECKING:
@@ -44,7 +47,29 @@ def stage_runner(gm: torch.fx.GraphModule, plan: Plan, micro_batches: int, stage
     d = plan.decisions
     # this rank's graph; under the interleaved schedule its chunks s, s + p, ..
     mine = split_stages(gm, plan)[stage::max(1, d.pipeline_stages)]
-    return PipelineRunner(mine, d.schedule, micro_batches, switches)
+    return PipelineRunner(mine, d.schedule, micro_batches, switches, boundary_slices(gm, plan, mine))
+
+
+def boundary_slices(gm: torch.fx.GraphModule, plan: Plan, chunks: list) -> BoundarySlices:
+    """The sub-mesh axes each value crossing a boundary of ``chunks`` is sliced over
+    (:mod:`autopar.runtime.stage_wire`): those it is replicated over, of more than one
+    rank.  A value whose placement the lowering does not record is sent whole."""
+    shape = tuple(plan.mesh.shape)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    out: dict[str, tuple[int, ...]] = {}
+    for ch in chunks:
+        for name in (*ch.send, *ch.recv):
+            node = by_name.get(name)
+            if name in plan.nodes:
+                pl = parse_placements(plan.nodes[name].out_placements[0])
+            elif node is not None and PLACEMENT_KEY in node.meta:
+                pl = node.meta[PLACEMENT_KEY]
+            else:
+                continue
+            axes = tuple(a for a, p in enumerate(pl) if is_replicate(p) and shape[a] > 1)
+            if axes:
+                out[name] = axes
+    return BoundarySlices(out)
 
 
 class Switches:

@@ -75,16 +75,9 @@ from autopar.runtime.split_backward import (
     splits_cleanly,
 )
 from autopar.runtime.stage_graph import StageGraph
+from autopar.runtime.stage_wire import HEADER, BoundarySlices, Meta, decode, encode, wire
 from autopar.runtime.tls import issue
 from autopar.runtime.token_weights import GIVEN_COUNT, count_graph
-
-# dtypes a boundary value may have, by header code
-_DTYPES: tuple[torch.dtype, ...] = (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool,
-)
-_MAX_DIMS = 8
-_HEADER = 3 + _MAX_DIMS  # dtype code, requires_grad, ndim, dims
 
 
 class Toggle(Protocol):
@@ -99,15 +92,6 @@ class Toggle(Protocol):
 
 
 @dataclass
-class _Meta:
-    """Shape, dtype and whether a boundary value carries a gradient."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    requires_grad: bool
-
-
-@dataclass
 class _MicroBatch:
     """What a forward keeps for its backward."""
 
@@ -115,32 +99,6 @@ class _MicroBatch:
     sent: list[torch.Tensor] = field(default_factory=list)
     loss: torch.Tensor | None = None
     pending: Pending | None = None  # zero-bubble: what W needs after B
-
-
-def _encode(metas: list[_Meta]) -> torch.Tensor:
-    h = torch.zeros(len(metas) * _HEADER, dtype=torch.int64, device=current().device)
-    for j, m in enumerate(metas):
-        if len(m.shape) > _MAX_DIMS:
-            raise ValueError(f"boundary value with {len(m.shape)} dims (at most {_MAX_DIMS})")
-        if m.dtype not in _DTYPES:
-            raise ValueError(f"boundary value of dtype {m.dtype} cannot be sent")
-        row = [_DTYPES.index(m.dtype), int(m.requires_grad), len(m.shape), *m.shape]
-        h[j * _HEADER: j * _HEADER + len(row)] = torch.tensor(row, device=h.device)
-    return h
-
-
-def _decode(h: torch.Tensor, n: int) -> list[_Meta]:
-    out = []
-    for j in range(n):
-        row = h[j * _HEADER:(j + 1) * _HEADER].tolist()
-        out.append(_Meta(tuple(row[3:3 + row[2]]), _DTYPES[row[0]], bool(row[1])))
-    return out
-
-
-def _wire(t: torch.Tensor) -> torch.Tensor:
-    # gloo has no bool point-to-point: send bytes
-    t = t.detach()
-    return (t.to(torch.uint8) if t.dtype == torch.bool else t).contiguous()
 
 
 class PipelineRunner:
@@ -160,7 +118,8 @@ class PipelineRunner:
     """
 
     def __init__(self, stage: StageGraph | Sequence[StageGraph], schedule: Schedule | str,
-                 micro_batches: int, grad_sync: Toggle | None = None) -> None:
+                 micro_batches: int, grad_sync: Toggle | None = None,
+                 slices: BoundarySlices | None = None) -> None:
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
         chunks = [stage] if isinstance(stage, StageGraph) else list(stage)
@@ -173,6 +132,7 @@ class PipelineRunner:
                                  f"chunk {c} must be virtual stage {want} of {p * v}, but was "
                                  f"given stage {ch.stage} of {ch.num_stages}")
         self.chunks = chunks
+        self.slices = slices if slices is not None else BoundarySlices()
         self.stages, self.virtual = p, v
         self.micro_batches = micro_batches
         self.loss_scale = 1.0  # fp16 loss scaling: multiplies every backward seed
@@ -181,9 +141,9 @@ class PipelineRunner:
         self.grad_sync = grad_sync
         nvirt = p * v
         # boundary metas by virtual stage: what it receives, what it sends
-        self._recv_meta: dict[int, list[_Meta] | None] = {
+        self._recv_meta: dict[int, list[Meta] | None] = {
             ch.stage: (None if ch.recv else []) for ch in chunks}
-        self._send_meta: dict[int, list[_Meta] | None] = {
+        self._send_meta: dict[int, list[Meta] | None] = {
             ch.stage: (None if ch.send else []) for ch in chunks}
         self._rank_of = [mesh.stage_rank(k % p) for k in range(nvirt)]
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
@@ -256,7 +216,7 @@ class PipelineRunner:
 
     # ------------------------------------------------------------ point to point
     def _isend(self, t: torch.Tensor, dst: int) -> None:
-        w = _wire(t)
+        w = wire(t)
         self._pending.append((issue(dist.isend, w, dst=dst), w))
 
     def _sent_by(self, src_stage: int) -> deque:
@@ -295,26 +255,31 @@ class PipelineRunner:
             peer = self._rank_of[src]
             if e[0] == "H":
                 n = len(self.chunks[e[1] // self.stages].recv)
-                h = torch.empty(n * _HEADER, dtype=torch.int64, device=current().device)
+                h = torch.empty(n * HEADER, dtype=torch.int64, device=current().device)
                 issue(dist.recv, h, src=peer)
-                self._recv_meta[e[1]] = _decode(h, n)
+                self._recv_meta[e[1]] = decode(h, n)
                 continue
+            graph = self.chunks[e[1] // self.stages]
             if e[0] == "A":
-                metas = self._recv_meta[e[1]]
+                named = list(zip(graph.recv, self._recv_meta[e[1]]))
             else:
                 sent = self._send_meta[e[1]]
                 if sent is None:
                     raise RuntimeError(f"gradients for virtual stage {e[1]} before its forward")
-                metas = [m for m in sent if m.requires_grad]
-            bufs = [torch.empty(m.shape, dtype=torch.uint8 if m.dtype == torch.bool else m.dtype,
-                                device=current().device) for m in metas]
-            self._posted[e] = [(issue(dist.irecv, b, src=peer), b, m) for b, m in zip(bufs, metas)]
+                named = [(n, m) for n, m in zip(graph.send, sent) if m.requires_grad]
+            posted = []
+            for n, m in named:  # a value sliced over its replicated axes arrives as a slice
+                b = torch.empty(self.slices.buffer_shape(n, m.shape), device=current().device,
+                                dtype=torch.uint8 if m.dtype == torch.bool else m.dtype)
+                posted.append((issue(dist.irecv, b, src=peer), b, m, n))
+            self._posted[e] = posted
 
     def _take(self, key: tuple) -> list[torch.Tensor]:
         self._post(key)
         out = []
-        for w, b, m in self._posted.pop(key):
+        for w, b, m, n in self._posted.pop(key):
             w.wait()
+            b = self.slices.join(n, b, m.shape) if key[0] == "A" else self.slices.spread(n, b, m.shape)
             t = b.to(torch.bool) if m.dtype == torch.bool else b
             if key[0] == "A" and m.requires_grad:
                 t.requires_grad_(True)
@@ -326,16 +291,16 @@ class PipelineRunner:
         for name, v in zip(graph.send, values):
             if not isinstance(v, torch.Tensor):
                 raise TypeError(f"boundary value {name} is a {type(v).__name__}, not a tensor")
-        metas = [_Meta(tuple(v.shape), v.dtype, v.requires_grad) for v in values]
+        metas = [Meta(tuple(v.shape), v.dtype, v.requires_grad) for v in values]
         dst = self._rank_of[k + 1]
         if self._send_meta[k] is None:
             self._send_meta[k] = metas
-            self._isend(_encode(metas), dst)
+            self._isend(encode(metas), dst)
         elif metas != self._send_meta[k]:
             raise RuntimeError(f"boundary values changed shape between micro-batches: "
                                f"{metas} vs {self._send_meta[k]}")
-        for v in values:
-            self._isend(v, dst)
+        for name, v in zip(graph.send, values):
+            self._isend(self.slices.cut(name, v), dst)
 
     # ------------------------------------------------------------ actions
     def _forward(self, graph: StageGraph, inputs: list, micro: int) -> _MicroBatch:
@@ -387,10 +352,10 @@ class PipelineRunner:
         elif live:
             torch.autograd.backward([t for t, _ in live], [g for _, g in live])
         if not graph.is_first:
-            for t in mb.received:
+            for name, t in zip(graph.recv, mb.received):
                 if t.requires_grad:
                     g = t.grad if t.grad is not None else torch.zeros_like(t)
-                    self._isend(g, self._rank_of[k - 1])
+                    self._isend(self.slices.reduce_cut(name, g), self._rank_of[k - 1])
 
     def _weight(self, micro: int) -> float:
         """Micro-batch ``micro``'s weight in the step's loss (see the module docstring)."""

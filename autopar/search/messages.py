@@ -12,7 +12,10 @@ emitted to the last stage that reads that placement; values computed from the mo
 inputs alone are recomputed by every stage that needs them and never travel.  Each
 crossing of a link ``s -> s + 1`` is one message per micro-batch from rank ``s`` to
 rank ``s + 1`` (virtual stages under the interleaved schedule map to ranks mod ``p``),
-and, when the value carries a gradient, one back in backward.  The step ends with the
+and, when the value carries a gradient, one back in backward.  A value replicated over
+sub-mesh axes of several ranks crosses as one slice per rank and is all-gathered over
+those axes where it arrives; its gradient is reduce-scattered there and sent back as
+slices (:mod:`autopar.runtime.stage_wire`).  The step ends with the
 last stage broadcasting the loss over the pipeline axis.  The shape header the runner
 sends before the first micro-batch of the first step is not part of a steady step.
 """
@@ -23,7 +26,7 @@ import math
 
 from autopar.capture.ir import info
 from autopar.passes.split_stages import input_only
-from autopar.plan.placement import local_shape, parse_placements
+from autopar.plan.placement import is_replicate, local_shape, parse_placements
 
 
 def pipeline_messages(lister) -> None:
@@ -62,8 +65,13 @@ def pipeline_messages(lister) -> None:
         if last <= first:
             continue
         outs = info(lister.by_name[u]).outputs
-        nbytes = math.prod(local_shape(plan.nodes[u].shape[0], parse_placements(placement),
-                                       lister.mesh)) * (outs[0].dtype.itemsize if outs else 4)
+        pl = parse_placements(placement)
+        numel = math.prod(local_shape(plan.nodes[u].shape[0], pl, lister.mesh))
+        # replicated over axes of several ranks: each sends its slice, the receivers
+        # all-gather them (runtime/stage_wire.py)
+        axes = tuple(a for a, q in enumerate(pl) if is_replicate(q) and lister.mesh[a] > 1)
+        t = math.prod(lister.mesh[a] for a in axes)
+        nbytes = -(-numel // t) * (outs[0].dtype.itemsize if outs else 4)
         grad = lister.grad.get(u, False)
         for s in range(first, last):
             what = f"{u} ({placement}) stage {s} -> {s + 1}"
@@ -73,6 +81,10 @@ def pipeline_messages(lister) -> None:
                 lister.add("backward", "recv", (), nbytes, what, m, group=2)
             lister.at = (s + 1) % p
             lister.add("forward", "recv", (), nbytes, what, m, group=2)
+            if axes:
+                lister.add("forward", "all_gather", axes, nbytes, what, m)
+            if grad and axes:  # the gradient's slices summed: a reduce-scatter of it whole
+                lister.add("backward", "reduce_scatter", axes, nbytes * t, what, m)
             if grad:
                 lister.add("backward", "send", (), nbytes, what, m, group=2)
     for r in range(p):  # runtime/pipeline.py _loss: float32, from the last stage

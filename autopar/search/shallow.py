@@ -37,8 +37,10 @@ def _same(a: LayerStat, b: LayerStat) -> bool:
     """Equal per-layer numbers (parameter names and the layer key aside)."""
     strip = [dataclasses.replace(p, name="") for p in a.params], \
         [dataclasses.replace(p, name="") for p in b.params]
-    return (a.seconds, a.forward, a.compute, a.activations, a.largest, a.out_bytes, a.buffers) == \
-        (b.seconds, b.forward, b.compute, b.activations, b.largest, b.out_bytes, b.buffers) and \
+    return (a.seconds, a.forward, a.compute, a.activations, a.largest, a.out_bytes, a.wire_bytes,
+            a.buffers) == \
+        (b.seconds, b.forward, b.compute, b.activations, b.largest, b.out_bytes, b.wire_bytes,
+         b.buffers) and \
         strip[0] == strip[1]
 
 

@@ -149,6 +149,7 @@ def run_pipeline_case(c: dict) -> dict:
     import torch.distributed as dist
     from autopar.passes.split_stages import split_stages
 
+    from autopar.module.runners import boundary_slices
     from autopar.plan.placement import is_replicate, parse_placements
     from autopar.runtime.grad_sync import GradSync
     from autopar.runtime.mesh import init_mesh, reset
@@ -179,8 +180,10 @@ def run_pipeline_case(c: dict) -> dict:
     sync = GradSync([(t, p, tuple(a for a, x in enumerate(placements[t])
                                   if is_replicate(x) and plan.mesh.shape[a] > 1))
                      for t, p in params.items()], plan.decisions.grad_buckets)
+    # replicated boundary values cross as slices, as the module's runner sends them
     runner = PipelineRunner(stage, case.schedule if case.stages else "none",
-                            case.micro_batches, grad_sync=sync)
+                            case.micro_batches, grad_sync=sync,
+                            slices=boundary_slices(gm, plan, [stage]))
     refp = dict(ref.named_parameters())
     name = {t: cap.aliases[t][0] for t in params}
 
@@ -213,7 +216,7 @@ def run_pipeline_case(c: dict) -> dict:
             "grad_err": grad_err, "grad_worst": grad_worst, "adam_err": adam_err,
             "adam_worst": adam_worst, "names": sorted(name.values()), "missing": missing,
             "other_stage_grads": others, "stage": rt.stage, "send": stage.send,
-            "recv": stage.recv,
+            "recv": stage.recv, "sliced": sorted(runner.slices.axes),
             "grad_scale": max(p.grad.abs().max().item() for p in ref.parameters())}
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
@@ -290,6 +293,9 @@ def test_four_ranks(four_rank_results, case):
     params = res["plan_params"].values()
     if case.pins is TP:  # the forced tensor parallelism really happened
         assert any("S(" in p for p in params), res["plan_params"]
+        # the residual stream, replicated over the stages' 2 tensor-parallel ranks,
+        # crossed the boundary as one slice from each, all-gathered where it arrived
+        assert res["sliced"] == ["add_2"], res["sliced"]
     elif case.pins is DP:
         assert all(p == "R" for p in params), res["plan_params"]
     if case.id.startswith("pp4-skip"):

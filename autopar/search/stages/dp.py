@@ -82,7 +82,7 @@ def _layer_sums(stats: list[LayerStat], zps: list) -> tuple[float, float, float]
     for st, z in zip(stats, zps):
         total += st.seconds + z.gather_mb - z.regather  # at best the layer is kept gathered
         tail += z.gather_step + z.opt_step + z.copy_step
-    return total, tail, min((st.out_bytes for st in stats), default=0.0)
+    return total, tail, min((st.wire_bytes for st in stats), default=0.0)
 
 
 def split_lower_bound(floors: list[float], stages: int, micro: int, idle_reuse: float,

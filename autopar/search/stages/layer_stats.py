@@ -9,8 +9,10 @@ reads it back per layer (:mod:`autopar.capture.layers`):
 * ``forward``: the forward share, which recomputation pays again in backward
   (compute / (1 + backward factor) + half the edge communication);
 * ``activations``: bytes kept for backward per micro-batch (outputs of computing ops);
-* ``out_bytes``: bytes of values leaving the layer (what a recomputed layer keeps,
-  and what a pipeline cut after it sends);
+* ``out_bytes``: bytes of values leaving the layer (what a recomputed layer keeps);
+  ``wire_bytes`` and ``wire_gather``: what a pipeline cut after it sends per rank (a
+  replicated value as one slice per rank), and the all-gather of those slices and the
+  reduce-scatter of their gradient where they arrive (:mod:`autopar.runtime.stage_wire`);
 * parameters: local bytes, the part replicated on each sub-mesh axis (ZeRO candidates)
   and gradient-reduction prices.
 """
@@ -30,6 +32,7 @@ from autopar.cost_models import (
     MeshSpec,
     all_gather_time,
     all_reduce_time,
+    blocking_time,
     compute_time,
     optimizer_state_bytes,
     optimizer_step_time,
@@ -71,6 +74,8 @@ class LayerStat:
     """Bytes of the largest single op's kept activations: the size of the gradients
     the layer's backward holds at once (a logits-sized one under a cross-entropy)."""
     out_bytes: float = 0.0
+    wire_bytes: float = 0.0
+    wire_gather: float = 0.0
     params: list[ParamStat] = field(default_factory=list)
     buffers: float = 0.0
     floor: float = 0.0
@@ -152,13 +157,27 @@ def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) ->
     for n, key in layer_of.items():
         if n.op in ("placeholder", "get_attr") or n.target is operator.getitem:
             continue
-        if any(layer_of.get(u, key) != key for u in n.users if u.op != "output"):
-            stats[key].out_bytes += _local_bytes(n, plan.nodes[n.name].out_placements[0], mesh) \
-                if info(n).outputs and not info(n).tuple_output else 0.0
+        if any(layer_of.get(u, key) != key for u in n.users if u.op != "output") \
+                and info(n).outputs and not info(n).tuple_output:
+            _add_out(stats[key], n, plan.nodes[n.name].out_placements[0], mesh)
     # the loss is always "post": keep pre/post at the ends even if graph order differs
     keys = [k for k in order if k == "pre"] + [k for k in order if k not in ("pre", "post")] + \
         [k for k in order if k == "post"]
     return [stats[k] for k in keys]
+
+
+def _add_out(st: LayerStat, n: fx.Node, placement: str, mesh: MeshSpec) -> None:
+    """Add value ``n`` (in ``placement``), leaving the layer, to its bytes and to what a
+    pipeline cut after the layer sends and gathers (sliced over the axes it is
+    replicated on, as :mod:`autopar.runtime.stage_wire` sends it)."""
+    nbytes = _local_bytes(n, placement, mesh)
+    st.out_bytes += nbytes
+    axes = tuple(a for a, p in enumerate(parse_placements(placement))
+                 if is_replicate(p) and mesh.shape[a] > 1)
+    st.wire_bytes += nbytes / math.prod(mesh.shape[a] for a in axes)
+    if axes:  # the receiving stage gathers it in forward, reduce-scatters its gradient
+        st.wire_gather += blocking_time("all_gather", mesh, axes, nbytes) \
+            + blocking_time("reduce_scatter", mesh, axes, nbytes)
 
 
 def _add_node(st: LayerStat, n: fx.Node, np_: NodePlan, mesh: MeshSpec, blocking: tuple[float, float],

@@ -273,11 +273,13 @@ def _micro_time(s: _Stage, chosen: list[LayerStat], saves: list[float], kp: froz
     layers, cfg, mesh = s.layers, s.cfg, s.mesh
     sends: list[float] = []
     if cfg.stages > 1:
-        # receive the activations in and send them on in forward; the reverse in backward
+        # receive the activations in and send them on in forward; the reverse in
+        # backward; a replicated value as a slice per rank, which the receiving stage
+        # all-gathers (and reduce-scatters its gradient)
         if s.index > 0:
-            sends.append(2.0 * pipe_link(_in_bytes(layers)))
+            sends.append(2.0 * pipe_link(layers[0].wire_bytes) + layers[0].wire_gather)
         if s.index < cfg.stages - 1:
-            sends.append(2.0 * pipe_link(layers[-1].out_bytes))
+            sends.append(2.0 * pipe_link(layers[-1].wire_bytes))
     return MicroBatchTime(
         layers=sum(st.seconds for st in layers), compute=sum(st.compute for st in layers),
         recompute=sum(st.forward for st in chosen), split=split_seconds(layers, cfg, mesh, s.index),
@@ -390,12 +392,6 @@ def _gather_chunks(layers: list[LayerStat], cfg: Config, mesh: MeshSpec, whole: 
     if not whole or cfg.split_gathers is False or cfg.stages > 1 or cfg.zero_stage not in (1, 2):
         return None
     return stage_chunks(layers, cfg.zero_stage, cfg.zero_axis, mesh)
-
-
-def _in_bytes(layers: list[LayerStat]) -> float:
-    # what enters the stage is what the previous layer sent; approximated by the
-    # first layer's own output size (layers of a stack have equal-sized interfaces)
-    return layers[0].out_bytes
 
 
 __all__ = ["MicroBatchTime", "StepTail", "price_stage"]

@@ -59,7 +59,8 @@ def _layer_classes(stats: list[LayerStat]) -> list[int]:
     ids: dict[tuple, int] = {}
     out = []
     for st in stats:
-        k = (st.seconds, st.forward, st.compute, st.activations, st.out_bytes, st.buffers,
+        k = (st.seconds, st.forward, st.compute, st.activations, st.out_bytes, st.wire_bytes,
+             st.wire_gather, st.buffers,
              st.weight_grad_inputs,
              tuple((q.bytes, q.replicated) for q in st.params))
         out.append(ids.setdefault(k, len(ids)))
@@ -190,7 +191,7 @@ def _step_floor(stats: list[LayerStat], zps: list, cfg: Config, mesh: MeshSpec, 
     p, v, m = cfg.stages, cfg.virtual, cfg.micro_batches
     ranks = p // v
     if p > 1:
-        total += 4.0 * (p - 1) * pipe_link(min(st.out_bytes for st in stats)) * (1.0 - SLACK)
+        total += 4.0 * (p - 1) * pipe_link(min(st.wire_bytes for st in stats)) * (1.0 - SLACK)
     tail = sum(z.gather_step + z.opt_step + z.copy_step for z in zps) * (1.0 - SLACK) / ranks
     c = (1.0 - mesh.idle_reuse) * bubble_share(cfg) if p > 1 else 0.0
     share = max(total / ranks, slowest_floor(stats, zps, p))
