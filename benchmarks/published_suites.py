@@ -286,12 +286,13 @@ def section(rows: list[dict], wall: float, workers: int, machine: str, command: 
         + ("and every plan of ours fits its budget." if not over else
            f"**and {', '.join(over)} does not fit its budget.**"),
         "",
-        "Caveats: predictions of our cost model, not measurements. Our model prices the "
-        "stage-to-stage activations as whole copies sent by every tensor-parallel rank over "
-        "the per-GPU share of the node's link; Alpa sends each rank's slice and gathers it "
-        "inside the receiving node (its cross-mesh resharding), so both plans here pay more "
-        "for pipeline sends than Alpa's runtime does (for the 39B plans, 16 MB per "
-        "micro-batch and rank at 0.39 GB/s: ~43 ms per send). Alpa measured ~57 TFLOP/s per "
+        "Caveats: predictions of our cost model, not measurements. A stage sends each "
+        "tensor-parallel rank's part of its boundary activations: sequence-parallel slices "
+        "here, and a replicated value as one slice per rank all-gathered inside the "
+        "receiving node (runtime/stage_wire.py, as Alpa's cross-mesh resharding). Our "
+        "residual stream stays fp32 under bf16-mixed, twice the bytes of Alpa's fp16 (for "
+        "the 39B record plan, 16.7 MB per micro-batch and rank at 0.39 GB/s: ~43 ms per "
+        "send, 31 s of exposed communication a step). Alpa measured ~57 TFLOP/s per "
         "V100 on 39B (artifact results_e2e_ref.tsv), about 91 s per step: compare with the "
         "published row's predicted step. Mist's per-stage ZeRO levels are one level for all "
         "stages here. Alpa's 2.6B plan (3 stages on 2, 2 and 4 GPUs) is not expressible: our "
