@@ -23,7 +23,7 @@ from autopar.errors import (
     PlanError,
 )
 from autopar.module.checkpoint import load_checkpoint, save_checkpoint
-from autopar.plan.data import Plan
+from autopar.plans.data import Plan
 from autopar.verify import verify
 
 # autopar's own warnings show with every plan (the default filter shows a text once per

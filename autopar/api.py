@@ -20,8 +20,8 @@ from autopar.log import log
 from autopar.module import habits
 from autopar.module.parallel import ParallelModule
 from autopar.module.state import TensorInfo
-from autopar.plan.data import Plan
-from autopar.plan.decisions import SEARCH_KNOBS, decision_options
+from autopar.plans.data import Plan
+from autopar.plans.decisions import SEARCH_KNOBS, decision_options
 from autopar.runtime.inputs import BatchMode, InputBinder
 from autopar.runtime.mesh import local_device
 from autopar.search.op_placement import PlanOptions
@@ -51,7 +51,7 @@ def _capture_and_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec,
 
 
 # what ``**decisions`` of plan() / auto_parallel() takes: the registry's forcing keywords
-# (autopar.plan.decisions.DECISIONS) and the search's own knobs
+# (autopar.plans.decisions.DECISIONS) and the search's own knobs
 _DECISION_KEYS = (*decision_options(), *SEARCH_KNOBS)
 
 
@@ -72,7 +72,7 @@ def _options(memory_budget, optimizer, time_limit, pins, decisions: Mapping,
     if d.get("recompute") is not None:
         d["recompute"] = tuple(d["recompute"])
     if d.get("zero_axes") is not None:
-        from autopar.plan.decisions import zero_axes
+        from autopar.plans.decisions import zero_axes
         d["zero_axes"] = zero_axes(d["zero_axes"])
     if "precision" in d:
         from autopar.capture.mixed_precision import Precision
@@ -179,7 +179,7 @@ def _capture_for(model: nn.Module, example_inputs: tuple, example_kwargs: dict |
 def _capture_at(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None,
                 micro_batches: int, precision: str) -> Captured:
     """Capture and annotate ``model`` at the size of one of ``micro_batches`` micro-batches."""
-    from autopar.plan.splits import micro_inputs
+    from autopar.plans.splits import micro_inputs
     cap = capture(model, *micro_inputs((tuple(example_inputs), dict(example_kwargs or {})),
                                        micro_batches),
                   precision=precision)

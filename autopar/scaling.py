@@ -25,7 +25,7 @@ from torch import nn
 from autopar.api import _options
 from autopar.cost_models import MeshSpec, format_bytes
 from autopar.errors import ConfigError
-from autopar.plan.splits import batch_rows, batch_size
+from autopar.plans.splits import batch_rows, batch_size
 from autopar.report.summary import summary_numbers
 from autopar.search.mesh_shapes import ShapeSearch
 

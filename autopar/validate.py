@@ -14,7 +14,7 @@ from torch import nn
 from autopar.cost_models import MeshSpec
 from autopar.cost_models.mesh import PRESET_NAMES
 from autopar.errors import ConfigError
-from autopar.plan.decisions import check_options
+from autopar.plans.decisions import check_options
 
 SEARCHES = ("auto", "ilp", "drec")
 _PLACEMENT = re.compile(r"(R|P|S\(-?\d+\))")

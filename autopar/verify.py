@@ -48,8 +48,8 @@ from torch import nn
 
 from autopar.cost_models import MeshSpec
 from autopar.errors import AutoparError, ConfigError
-from autopar.plan.data import Plan, register_reader
-from autopar.plan.decisions import decision_key
+from autopar.plans.data import Plan, register_reader
+from autopar.plans.decisions import decision_key
 
 PICKS = ("measured", "predicted")
 """What :func:`verify` picks: the measured fastest candidate, or the predicted fastest."""
@@ -115,7 +115,7 @@ def label(plan: Plan) -> str:
 
 def candidate_key(plan: Plan) -> tuple:
     """What makes two plans the same candidate: mesh shape, every field a plan-level
-    decision records (:func:`~autopar.plan.decisions.decision_key`, from the registry)
+    decision records (:func:`~autopar.plans.decisions.decision_key`, from the registry)
     and every parameter's placement (two plans that agree on these lower to the same
     code up to activation layouts, which follow from them)."""
     return (tuple(plan.mesh.shape), decision_key(plan.decisions),
@@ -395,7 +395,7 @@ def _measure(c: Candidate, model: nn.Module, example_inputs: tuple, example_kwar
 
 def _write(store: str | Path, report: VerifyReport, model: nn.Module) -> None:
     """Append one JSON line per row: what a calibration needs to learn from it."""
-    from autopar.plan.data import versions
+    from autopar.plans.data import versions
     from autopar.report.summary import summary_numbers
 
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

@@ -20,8 +20,8 @@ import torch
 from torch import fx
 
 from autopar.capture.ir import info
-from autopar.plan.data import Plan
-from autopar.plan.placement import Placements, Shard, fmt_placements, local_shape, parse_placements
+from autopar.plans.data import Plan
+from autopar.plans.placement import Placements, Shard, fmt_placements, local_shape, parse_placements
 from autopar.runtime import context as CP
 from autopar.runtime import ops as O
 from autopar.runtime.experts import MOE_EXPERTS

@@ -30,8 +30,8 @@ from torch import fx
 
 from autopar.capture.ir import META_KEY, info, tensor_inputs
 from autopar.capture.layers import POST, PRE
-from autopar.plan.data import Plan
-from autopar.plan.placement import Placements, R, Shard, graph_batch, parse_placements
+from autopar.plans.data import Plan
+from autopar.plans.placement import Placements, R, Shard, graph_batch, parse_placements
 from autopar.runtime import collectives as C
 from autopar.runtime.inputs import passthrough_inputs
 from autopar.runtime.pending import pending_sum

@@ -54,7 +54,7 @@ import torch
 from torch import fx, nn
 
 from autopar.errors import PlanError
-from autopar.plan.data import Plan
+from autopar.plans.data import Plan
 from autopar.runtime.stage_graph import StageGraph
 
 LAYER_KEY = "autopar_layer"

@@ -5,6 +5,6 @@ Owns ``torch.export`` capture and its checks (``trace``, ``checks``, ``experts``
 ``batch``), the IR's per-node metadata (``ir``, ``annotate``, ``grad_flow``), layers
 (``layers``) and the transforms capture applies before planning (``grad_regions``,
 ``mixed_precision``, ``scalar_reads``, ``side_views``).  It may import
-:mod:`autopar.runtime` (the custom ops a model is captured with), :mod:`autopar.plan`,
+:mod:`autopar.runtime` (the custom ops a model is captured with), :mod:`autopar.plans`,
 :mod:`autopar.cost_models` and :mod:`autopar.errors`.
 """

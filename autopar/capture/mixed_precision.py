@@ -42,7 +42,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
-from autopar.plan.decisions import Precision
+from autopar.plans.decisions import Precision
 
 aten = torch.ops.aten
 

@@ -55,7 +55,7 @@ def parse_kv(items: Sequence[str], what: str) -> dict[str, str]:
 
 def parse_pins(items: Sequence[str]) -> dict[str, str]:
     """``--pin NAME=PLACEMENTS`` values, with the placements checked for syntax."""
-    from autopar.plan.placement import parse_placements
+    from autopar.plans.placement import parse_placements
 
     pins = parse_kv(items, "--pin")
     for name, value in pins.items():

@@ -45,7 +45,7 @@ from autopar.cli.args import (
 )
 
 if TYPE_CHECKING:
-    from autopar.plan.data import Plan
+    from autopar.plans.data import Plan
 
 __all__ = ["CLIError", "decision_options", "format_why", "load_factory", "main",
            "parse_bytes", "parse_recompute"]
@@ -270,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for documentation and tests)."""
     ap = argparse.ArgumentParser(prog="autopar", description="Automatic parallelization "
                                  "planner for PyTorch models.")
-    from autopar.plan.data import versions
+    from autopar.plans.data import versions
 
     v = versions()
     ap.add_argument("--version", action="version",

@@ -26,13 +26,13 @@ from autopar.log import show
 from autopar.search.budget import Phase
 
 if TYPE_CHECKING:
-    from autopar.plan.data import Plan
+    from autopar.plans.data import Plan
 
 
 def read_plan(path: str) -> Plan:
     """A plan from a JSON file or an export directory; errors are
     :class:`~autopar.errors.LoadError` naming the file."""
-    from autopar.plan.data import Plan
+    from autopar.plans.data import Plan
 
     p = Path(path)
     if p.is_dir():

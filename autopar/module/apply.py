@@ -23,7 +23,7 @@ it reads and makes in the call:
 Decisions that shape the graph itself are applied before the module exists: precision
 at capture (:func:`autopar.capture.mixed_precision.apply_mixed_precision`), placements and
 context parallelism in lowering (:mod:`autopar.passes`).  The registry
-(:mod:`autopar.plan.decisions`) names each decision's function here.
+(:mod:`autopar.plans.decisions`) names each decision's function here.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from autopar.module.state import TensorInfo
 from autopar.passes.device import set_device
 from autopar.passes.multi_copy import multi_copy
 from autopar.passes.recompute import recompute
-from autopar.plan.data import Plan
+from autopar.plans.data import Plan
 from autopar.runtime import local_step
 from autopar.runtime.dparams import DParams, Entry, as_dtensor, register_tree
 from autopar.runtime.grad_sync import GradSync

@@ -44,7 +44,7 @@ def _world() -> int:
 
 def _record(pm: ParallelModule, extra: dict[str, Any]) -> str:
     """How this job saves: its world and layout, and the user's plain values."""
-    from autopar.plan.roles import layout
+    from autopar.plans.roles import layout
 
     d = pm.plan.decisions
     return json.dumps({"world": _world(), "layout": layout(pm.plan), "batch": d.batch,

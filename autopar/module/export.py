@@ -49,7 +49,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.errors import AutoparError, ExportError
 from autopar.module import export_io
-from autopar.plan.data import Plan, zero_words
+from autopar.plans.data import Plan, zero_words
 
 if TYPE_CHECKING:
     from autopar.module.parallel import ParallelModule
@@ -302,7 +302,7 @@ def _local_states(pm: ParallelModule, graph: fx.Graph) -> dict[int, dict[str, tu
     # planning-only: the module kept the whole model's weights; write every rank's shards
     full = {t: next(pm._full_state[n] for n in pm.aliases[t] if n in pm._full_state).detach()
             for t, _ in pm._parts.targets()}
-    from autopar.plan.splits import plan_ranks
+    from autopar.plans.splits import plan_ranks
 
     stages, _ = _stage_size(pm.plan)
     shape = pm.plan.mesh.shape

@@ -31,7 +31,7 @@ from autopar.errors import AutoparError, LoadError, MeshMismatchError, user_stac
 from autopar.module import export_io
 from autopar.module.export import EXTRA_KEY, _retrace
 from autopar.module.state import TensorInfo
-from autopar.plan.data import Plan
+from autopar.plans.data import Plan
 from autopar.runtime.inputs import InputBinder
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ def _stand_ins(plan: Plan, state: dict, owner: dict[str, int], params: set[str])
     """Meta-device stand-ins for the other pipeline stages' parameters and buffers: the
     stage split resolves every target of the graph before this rank drops the ones
     other stages hold, and they take no memory."""
-    from autopar.plan.placement import local_shape, parse_placements
+    from autopar.plans.placement import local_shape, parse_placements
 
     out = {}
     rep = parse_placements("R" * len(plan.mesh.shape))

@@ -18,8 +18,8 @@ from autopar.module.habits import check_loaded_state_dict, save_pretrained
 from autopar.module.loop import LoopHabits
 from autopar.module.parts import Part, Parts
 from autopar.module.state import ModuleState, TensorInfo, checkpoint_state, load_checkpoint_state
-from autopar.plan.data import Plan
-from autopar.plan.placement import parse_placements
+from autopar.plans.data import Plan
+from autopar.plans.placement import parse_placements
 from autopar.runtime import rng
 from autopar.runtime.compiled_cache import cache_safe_views
 from autopar.runtime.inputs import BatchMode, InputBinder

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 
 from torch import fx
 
-from autopar.plan.data import Plan
-from autopar.plan.placement import Replicate, Shard, fmt_placements, is_replicate, parse_placements
-from autopar.plan.splits import unsplit_axes
+from autopar.plans.data import Plan
+from autopar.plans.placement import Replicate, Shard, fmt_placements, is_replicate, parse_placements
+from autopar.plans.splits import unsplit_axes
 from autopar.runtime.inputs import InputMismatchError
 
 if TYPE_CHECKING:

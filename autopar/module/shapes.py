@@ -31,7 +31,7 @@ recent).  A shape seen before costs a dictionary lookup.
 * **Pipelines and gradient accumulation.**  A shape runs its own schedule's runner over
   the stage graphs of its micro-batch's lowering; a batch that does not divide into the
   planned micro-batches runs as equal ones that divide it
-  (:func:`~autopar.plan.schedules.micro_batch_counts`); under ``batch="local"`` the ranks
+  (:func:`~autopar.plans.schedules.micro_batch_counts`); under ``batch="local"`` the ranks
   agree on the shape every call.  Micro-batched copies serve the planned shape
   only: another raises :class:`InputMismatchError` on every rank.
 
@@ -64,10 +64,10 @@ from autopar.log import log
 from autopar.module.runners import Switches, keep_loss_only, stage_runner
 from autopar.module.shape_lowering import Shapes, adopt, fit_plan, same_graph, shapes_text
 from autopar.module.shape_template import Shape, Templates
-from autopar.plan.data import Plan
-from autopar.plan.decisions import Schedule
-from autopar.plan.schedules import micro_batch_counts
-from autopar.plan.splits import micro_inputs
+from autopar.plans.data import Plan
+from autopar.plans.decisions import Schedule
+from autopar.plans.schedules import micro_batch_counts
+from autopar.plans.splits import micro_inputs
 from autopar.runtime.call_check import gather_rows
 from autopar.runtime.inputs import BatchMode, InputMismatchError, passthrough_inputs
 
@@ -365,7 +365,7 @@ def structure_copy(model: torch.nn.Module) -> tuple[torch.nn.Module, FakeTensorM
 
 def _batch_inputs(shapes: list) -> frozenset[int]:
     """Flat inputs whose dim 0 is the batch: dim 0 of the planned shape equal to the first
-    tensor input's (:func:`autopar.plan.placement.graph_batch`'s convention)."""
+    tensor input's (:func:`autopar.plans.placement.graph_batch`'s convention)."""
     first = next((s for s in shapes if s), None)
     if not first:
         return frozenset()

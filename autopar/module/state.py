@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from autopar.errors import AutoparError
 from autopar.module.habits import mark_state_dict
 from autopar.module.parts import Parts
-from autopar.plan.placement import parse_placements
+from autopar.plans.placement import parse_placements
 from autopar.runtime.shards import gather_tensor, shard_tensor
 
 

@@ -3,11 +3,11 @@ step at other shapes (``shapes``: ``predict``), the per-node table (``table``), 
 collective of a step (``collectives``, ``messages``).
 
 It reads plans and may import :mod:`autopar.sharding`, :mod:`autopar.capture`,
-:mod:`autopar.runtime`, :mod:`autopar.plan` and :mod:`autopar.cost_models`; it never
+:mod:`autopar.runtime`, :mod:`autopar.plans` and :mod:`autopar.cost_models`; it never
 imports :mod:`autopar.search` or :mod:`autopar.module`.
 """
 
-from autopar.plan.data import register_reader
+from autopar.plans.data import register_reader
 from autopar.report.explain import diff, explain
 from autopar.report.shapes import predict
 from autopar.report.summary import layer_view, summary, summary_numbers

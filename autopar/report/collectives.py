@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autopar.plan.collectives import Collective
+from autopar.plans.collectives import Collective
 
 
 def format_collectives(cols: list[Collective]) -> str:

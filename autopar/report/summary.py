@@ -11,7 +11,7 @@ serves (:mod:`autopar.report.shapes`).
 :func:`summary_numbers` is the same content as plain data (units in the keys), written
 into ``plan.json`` under ``"summary"``.
 
-Axis roles and the layout phrase come from :mod:`autopar.plan.roles`.
+Axis roles and the layout phrase come from :mod:`autopar.plans.roles`.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ import shutil
 from typing import TYPE_CHECKING
 
 from autopar.cost_models import PRESET_NAMES, format_bytes
-from autopar.plan.decisions import DECISIONS
-from autopar.plan.placement import is_shard, parse_placements
-from autopar.plan.roles import AxisRole, axis_roles, layout
+from autopar.plans.decisions import DECISIONS
+from autopar.plans.placement import is_shard, parse_placements
+from autopar.plans.roles import AxisRole, axis_roles, layout
 from autopar.report.shapes import priced_shape, served_words
 
 if TYPE_CHECKING:
-    from autopar.plan.data import NodePlan, Plan
+    from autopar.plans.data import NodePlan, Plan
 
 LEGEND = ("placements: one entry per mesh axis; S(d) = tensor dim d split over that axis, "
           "R = whole copy on every rank of it, P = partial sums awaiting a reduction "

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from autopar.cost_models import format_bytes
 
 if TYPE_CHECKING:
-    from autopar.plan.data import NodePlan, Plan
+    from autopar.plans.data import NodePlan, Plan
 
 COLUMNS = ("node", "op", "shape", "placement", "inserted collectives", "compute ms", "comm ms",
            "memory per device")

@@ -5,7 +5,7 @@ group: the ranks of one stage's sub-mesh) from the plan's own prices
 (``plan.decisions.stage_seconds`` and ``stage_parts``):
 
 * each micro-batch's forward and backward on the stage's *compute* lane, in the
-  schedule's order (:mod:`autopar.plan.schedules`: no pipeline: back to back, i.e. gradient
+  schedule's order (:mod:`autopar.plans.schedules`: no pipeline: back to back, i.e. gradient
   accumulation; GPipe: all forwards then all backwards; 1F1B: ``p - s - 1`` warm-up
   forwards, then one forward / one backward; interleaved: ``v`` chunks per stage, each
   a ``v``-th of its time), started when the stage is free and its inputs have arrived
@@ -41,11 +41,11 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from autopar.plan.decisions import Schedule
-from autopar.plan.schedules import Action, list_schedule
+from autopar.plans.decisions import Schedule
+from autopar.plans.schedules import Action, list_schedule
 
 if TYPE_CHECKING:
-    from autopar.plan.data import Plan
+    from autopar.plans.data import Plan
 
 
 class Kind(StrEnum):
@@ -192,7 +192,7 @@ def step_end(events: list[Event]) -> float:
 
 
 def _stage_label(plan: Plan, s: int) -> str:
-    from autopar.plan.splits import plan_ranks  # splits imports the plan module
+    from autopar.plans.splits import plan_ranks  # splits imports the plan module
 
     mine = sorted(int(r) for r in plan_ranks(plan)[s].flatten())
     if len(mine) == 1:

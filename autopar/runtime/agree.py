@@ -40,7 +40,7 @@ def _store():
 
 def _key() -> str:
     _CALLS[0] += 1
-    return f"autopar/plan/{_CALLS[0]}"
+    return f"autopar/plans/{_CALLS[0]}"
 
 
 def error_payload(e: BaseException) -> dict:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from autopar.plan.placement import Placements, Shard
+from autopar.plans.placement import Placements, Shard
 
 
 def shard_tensor(full: torch.Tensor, placements: Placements, mesh_shape: Sequence[int],

@@ -79,7 +79,7 @@ _RECORDED = {"all_reduce": ("all_reduce", 0), "all_gather": ("all_gather", 1),
 @contextlib.contextmanager
 def collective_log() -> Iterator[list[Issued]]:
     """Record every ``torch.distributed`` collective and point-to-point message this
-    process issues inside the block (what :meth:`autopar.plan.Plan.collectives`
+    process issues inside the block (what :meth:`autopar.plans.Plan.collectives`
     predicts for a step); yields the list it appends to.  It wraps the module-level
     functions, through which the generated code and the runtime issue every one;
     DTensor's functional collectives (e.g. in ``clip_grad_norm_``) are not recorded.

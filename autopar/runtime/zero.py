@@ -190,8 +190,8 @@ class Zero(OrderedBuckets):
         whole parameters and, for stage 3, gather each layer's parameters (``layers``:
         target -> layer key; a target without one is its own group) before their first
         use; the layers in ``kept`` hold theirs from forward to backward
-        (:attr:`autopar.plan.Decisions.zero_kept`); stages 1-2 gather ``chunks`` (targets,
-        forward order: :attr:`autopar.plan.Decisions.gather_chunks`) one by one in the
+        (:attr:`autopar.plans.Decisions.zero_kept`); stages 1-2 gather ``chunks`` (targets,
+        forward order: :attr:`autopar.plans.Decisions.gather_chunks`) one by one in the
         forward."""
         m = current()
         r = m.coord_of(axes)

@@ -11,7 +11,7 @@ from torch import nn
 from autopar.capture.trace import Captured
 from autopar.cost_models import MeshSpec
 from autopar.errors import AutoparWarning, NoFitError, user_stacklevel
-from autopar.plan.data import Plan
+from autopar.plans.data import Plan
 from autopar.search.joint import JointSearch
 from autopar.search.mesh_shapes import ShapeSearch
 from autopar.search.node_prices import precision_warning

@@ -8,9 +8,9 @@ from collections.abc import Iterable
 
 from autopar.cost_models import MeshSpec
 from autopar.errors import PlanError
-from autopar.plan.decisions import Schedule
-from autopar.plan.schedules import conflict
-from autopar.plan.splits import pipeline_splits
+from autopar.plans.decisions import Schedule
+from autopar.plans.schedules import conflict
+from autopar.plans.splits import pipeline_splits
 from autopar.search.op_placement import PlanOptions
 
 

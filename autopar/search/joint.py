@@ -26,9 +26,9 @@ from autopar.capture.trace import Captured
 from autopar.cost_models import MeshSpec, format_bytes
 from autopar.errors import NoFitError, PlanError
 from autopar.log import report, show
-from autopar.plan.data import Plan, zero_words
-from autopar.plan.decisions import Decisions, Schedule
-from autopar.plan.splits import batch_size, split_mesh, split_words
+from autopar.plans.data import Plan, zero_words
+from autopar.plans.decisions import Decisions, Schedule
+from autopar.plans.splits import batch_size, split_mesh, split_words
 from autopar.search.assemble import complete
 from autopar.search.budget import Phase, TimeBudget
 from autopar.search.captures import Captures, request

@@ -25,7 +25,7 @@ from autopar.cost_models import (
     optimizer_state_bytes,
     send_recv_time,
 )
-from autopar.plan.placement import (
+from autopar.plans.placement import (
     Placements,
     Shard,
     is_partial,
@@ -174,7 +174,7 @@ class CostModel(EdgePrices):
     backward_factor: float = 2.0
     local_rows: int | None = None
     """The global batch when outputs are returned per data-parallel rank (``batch="local"``,
-    :func:`autopar.plan.placement.returned_placement`); None: outputs are returned replicated."""
+    :func:`autopar.plans.placement.returned_placement`); None: outputs are returned replicated."""
     arrival_tie: bool = True
     """Break ties toward batch inputs taken as they arrive (:meth:`arrival_cost`); off
     where the user pinned an input (a layout the user chose for the batch)."""
@@ -201,7 +201,7 @@ class CostModel(EdgePrices):
 
     def output_cost(self, node: fx.Node, s: OpStrategy) -> float:
         """Seconds per step to return ``node``'s output (a model output) where the caller
-        gets it (:func:`autopar.plan.placement.returned_placement`)."""
+        gets it (:func:`autopar.plans.placement.returned_placement`)."""
         t = info(node).out
         dst = returned_placement(s.outputs[0], t.shape, self.local_rows)
         # an output the step does not differentiate (a model's logits beside its loss)

@@ -1,5 +1,5 @@
 """Build the strategy-selection problem from the annotated graph, solve it, and turn
-the choice into a :class:`~autopar.plan.Plan`.
+the choice into a :class:`~autopar.plans.Plan`.
 
 Problem: one variable per tensor node (its strategy), node costs from
 :class:`~autopar.search.node_prices.CostModel`, one edge per (producer, consumer input) priced by
@@ -26,9 +26,9 @@ from autopar.capture.layers import layers
 from autopar.cost_models import MeshSpec
 from autopar.errors import PlanError
 from autopar.log import report
-from autopar.plan.data import Plan
-from autopar.plan.decisions import PlanOptions
-from autopar.plan.placement import (
+from autopar.plans.data import Plan
+from autopar.plans.decisions import PlanOptions
+from autopar.plans.placement import (
     Shard,
     graph_batch,
     parse_placements,
@@ -292,7 +292,7 @@ def cost_model(gm: fx.GraphModule, mesh: MeshSpec, opts: PlanOptions) -> CostMod
 
 def local_axes(gm: fx.GraphModule, plan: Plan) -> list[int] | None:
     """Under ``batch="local"``: the mesh axes that split the rows of the first batch-shaped
-    model output as it is returned (:func:`autopar.plan.placement.returned_placement`); None
+    model output as it is returned (:func:`autopar.plans.placement.returned_placement`); None
     when no output has the batch as dim 0."""
     rows = graph_batch(gm)
     out = next(n for n in gm.graph.nodes if n.op == "output")

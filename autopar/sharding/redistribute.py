@@ -18,7 +18,7 @@ from enum import Enum
 
 from torch.distributed.tensor import Partial, Replicate
 
-from autopar.plan.placement import Placements, Shard
+from autopar.plans.placement import Placements, Shard
 
 
 class StepKind(str, Enum):

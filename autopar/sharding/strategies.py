@@ -18,7 +18,7 @@ from torch.fx.node import map_aggregate
 from autopar.capture.grad_regions import KEEP_REPLICATED
 from autopar.capture.ir import info, tensor_inputs
 from autopar.errors import PlanError
-from autopar.plan.placement import (
+from autopar.plans.placement import (
     Placements,
     R,
     Shard,

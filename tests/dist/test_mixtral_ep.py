@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import pytest
 
-from autopar.plan.placement import Shard, parse_placements
+from autopar.plans.placement import Shard, parse_placements
 from tests.dist.harness import run_fn_cases
 
 FN = "tests.dist.mixtral_ep_case:run_case"

@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 
 from autopar import MeshSpec
-from autopar.plan.decisions import Schedule
+from autopar.plans.decisions import Schedule
 from autopar.search.joint import JointSearch
 from autopar.search.op_placement import PlanOptions
 from autopar.search.space import _Candidate

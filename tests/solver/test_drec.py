@@ -19,7 +19,7 @@ from autopar import MeshSpec, plan
 from autopar.capture.annotate import annotate
 from autopar.capture.trace import capture
 from autopar.errors import PlanError
-from autopar.plan.placement import fmt_placements
+from autopar.plans.placement import fmt_placements
 from autopar.search.node_prices import CostModel
 from autopar.search.op_placement import PlanOptions, Searcher, choose_searcher, make_plan
 from autopar.search.solvers.drec import CostMode, DRecOptions, Order, axis_order, drec_search

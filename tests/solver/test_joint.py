@@ -199,7 +199,7 @@ def test_tied_weights_rule_out_pipelines():
 def test_micro_inputs_cut_keyword_inputs_like_positional_ones():
     import torch
 
-    from autopar.plan.splits import batch_size, micro_inputs
+    from autopar.plans.splits import batch_size, micro_inputs
 
     ids = torch.arange(8 * 5).reshape(8, 5)
     call = ((ids,), {"labels": ids + 1, "attention_mask": torch.ones(8, 5),

@@ -11,7 +11,7 @@ import torch
 
 import autopar
 from autopar import MeshSpec
-from autopar.plan.placement import R, Shard, returned_placement
+from autopar.plans.placement import R, Shard, returned_placement
 
 
 def test_returned_placement_keeps_only_the_batch_split():

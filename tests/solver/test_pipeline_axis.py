@@ -14,7 +14,7 @@ import torch
 
 from autopar import MeshSpec, Plan, plan
 from autopar.errors import PlanError
-from autopar.plan.splits import pipeline_mesh, pipeline_splits, plan_ranks, split_mesh, stage_ranks
+from autopar.plans.splits import pipeline_mesh, pipeline_splits, plan_ranks, split_mesh, stage_ranks
 from autopar.report.summary import axis_roles
 from autopar.report.timeline import chrome_trace
 from autopar.search.joint import JointSearch

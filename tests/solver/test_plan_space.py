@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from autopar import MeshSpec, plan
-from autopar.plan.splits import micro_counts
+from autopar.plans.splits import micro_counts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import gpt  # noqa: E402

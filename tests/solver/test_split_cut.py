@@ -17,7 +17,7 @@ import random
 import pytest
 
 from autopar import MeshSpec
-from autopar.plan.decisions import Schedule, zero_axes
+from autopar.plans.decisions import Schedule, zero_axes
 from autopar.runtime.grad_sync import fill_buckets
 from autopar.search.stages import split_search
 from autopar.search.stages.dp import price

@@ -41,7 +41,7 @@ from rule_sim import (
 )
 from torch import fx
 
-from autopar.plan.placement import Partial, Placements, Replicate
+from autopar.plans.placement import Partial, Placements, Replicate
 from autopar.sharding.rules import OpStrategy, RuleCtx, op_strategies
 
 

@@ -39,7 +39,7 @@ import autopar.runtime.context as CP
 import autopar.runtime.ops as O
 import autopar.runtime.ring_attention as RA
 from autopar.capture.ir import tensor_inputs
-from autopar.plan.placement import Partial, Placements, Replicate, Shard, fmt_placements
+from autopar.plans.placement import Partial, Placements, Replicate, Shard, fmt_placements
 from autopar.sharding.rules import OpStrategy, RuleCtx, op_strategies
 
 Coord = tuple[int, ...]

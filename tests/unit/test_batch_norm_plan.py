@@ -16,7 +16,7 @@ from torch import nn
 from autopar.capture.annotate import annotate
 from autopar.capture.ir import tensor_inputs
 from autopar.capture.trace import capture
-from autopar.plan.placement import R, Shard
+from autopar.plans.placement import R, Shard
 from autopar.search.node_prices import CostModel
 from autopar.sharding.local_forms import describe
 from autopar.sharding.rules import RuleCtx, op_strategies

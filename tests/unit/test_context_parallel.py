@@ -21,7 +21,7 @@ from autopar import MeshSpec
 from autopar.capture.annotate import annotate
 from autopar.capture.trace import capture
 from autopar.errors import ConfigError, PlanError
-from autopar.plan.placement import R, Shard
+from autopar.plans.placement import R, Shard
 from autopar.report.summary import axis_roles
 from autopar.search.node_prices import CostModel
 from autopar.sharding.rules import OpStrategy, RuleCtx, op_strategies

@@ -1,4 +1,4 @@
-"""The decision registry (autopar/plan/decisions.py) against everything that must agree
+"""The decision registry (autopar/plans/decisions.py) against everything that must agree
 with it: the JSON fields of ``Decisions``, the fields of ``PlanOptions``, the keywords
 ``autopar.plan`` and ``auto_parallel`` take, the functions each entry names and the
 ``plan.explain`` texts the search writes for its key.  A decision added to one of them
@@ -17,7 +17,7 @@ import autopar
 from autopar import MeshSpec
 from autopar.api import _DECISION_KEYS
 from autopar.errors import ConfigError
-from autopar.plan.decisions import (
+from autopar.plans.decisions import (
     DECISIONS,
     RESULT_FIELDS,
     SEARCH_KNOBS,

@@ -18,7 +18,7 @@ from autopar import MeshSpec
 from autopar.capture.mixed_precision import Precision, apply_mixed_precision
 from autopar.capture.trace import capture
 from autopar.errors import ConfigError
-from autopar.plan.data import Plan
+from autopar.plans.data import Plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import gpt  # noqa: E402

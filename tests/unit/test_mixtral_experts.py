@@ -179,7 +179,7 @@ def test_golden_mixtral_8x7b_shape_gets_ep():
     predicted faster."""
     import time
 
-    from autopar.plan.placement import Shard, parse_placements
+    from autopar.plans.placement import Shard, parse_placements
     from autopar.report.summary import axis_roles
 
     t0 = time.perf_counter()

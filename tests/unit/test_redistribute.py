@@ -16,7 +16,7 @@ import pytest
 import torch
 from rule_sim import Coord, assemble, scatter
 
-from autopar.plan.placement import P, Placements, R, Shard, valid_for_shape
+from autopar.plans.placement import P, Placements, R, Shard, valid_for_shape
 from autopar.sharding.redistribute import RedistributionError, Step, StepKind, plan_redistribution
 
 F64 = torch.float64

@@ -15,7 +15,7 @@ import autopar
 from autopar import MeshSpec
 from autopar.capture.annotate import annotate
 from autopar.capture.trace import capture
-from autopar.plan.placement import R, Shard
+from autopar.plans.placement import R, Shard
 from autopar.report.summary import unsupported_ops
 from autopar.search.node_prices import CostModel
 from autopar.sharding.local_forms import describe

@@ -36,7 +36,7 @@ from torch import fx, nn
 
 from autopar.capture.annotate import annotate
 from autopar.capture.ir import tensor_inputs
-from autopar.plan.placement import P, R, Shard
+from autopar.plans.placement import P, R, Shard
 from autopar.sharding.rules import OpStrategy, RuleCtx, has_rule, op_strategies, registered_ops
 from autopar.sharding.rules.views import reshape_dim_map
 

@@ -16,7 +16,7 @@ from torch import fx
 
 from autopar.capture.annotate import VIEW_OPS
 from autopar.capture.ir import info, tensor_inputs
-from autopar.plan.placement import R, Shard
+from autopar.plans.placement import R, Shard
 from autopar.sharding.rules import AxisStrategy, RuleCtx, axis_strategies
 from autopar.sharding.rules.pointwise import LINEAR_UNARY, NONLINEAR_BINARY, NONLINEAR_UNARY
 

@@ -20,7 +20,7 @@ from autopar.capture.grad_flow import dual
 from autopar.capture.ir import info
 from autopar.cost_models import MeshSpec
 from autopar.errors import PlanError
-from autopar.plan.placement import Placements, R, fmt_placements, is_partial
+from autopar.plans.placement import Placements, R, fmt_placements, is_partial
 from autopar.search.node_prices import CostModel
 from autopar.search.solvers.drec_graph import _Graph, _Group
 from autopar.search.solvers.drec_mindspore import (

@@ -35,9 +35,9 @@ from autopar.cost_models import (
     optimizer_step_time,
     reduce_scatter_time,
 )
-from autopar.plan.data import NodePlan, Plan
-from autopar.plan.decisions import zero_axes
-from autopar.plan.placement import is_replicate, local_shape, parse_placements
+from autopar.plans.data import NodePlan, Plan
+from autopar.plans.decisions import zero_axes
+from autopar.plans.placement import is_replicate, local_shape, parse_placements
 from autopar.search.node_prices import compute_floor, kernel_terms
 from autopar.sharding.rules.losses import count_axes
 

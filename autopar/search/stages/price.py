@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 from autopar.capture.user_checkpoint import Coverage
 from autopar.cost_models import MeshSpec, drift_after
-from autopar.plan import schedules as sched
-from autopar.plan.decisions import zero_axes
+from autopar.plans import schedules as sched
+from autopar.plans.decisions import zero_axes
 from autopar.search.buckets import BucketPlan
 from autopar.search.compression import persistent_bytes
 from autopar.search.gathers import ChunkPlan, names_of, stage_chunks

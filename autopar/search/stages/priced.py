@@ -3,8 +3,8 @@ returns: a :class:`Config` of discrete choices, each stage's :class:`StagePrice`
 the :class:`Priced` whole with its step-time breakdown.
 
 A :class:`Config` holds one value per plan decision of the registry
-(:data:`autopar.plan.decisions.DECISIONS`): :data:`DECIDED_BY` maps each
-:class:`~autopar.plan.decisions.Decisions` field to the :class:`Config` field that
+(:data:`autopar.plans.decisions.DECISIONS`): :data:`DECIDED_BY` maps each
+:class:`~autopar.plans.decisions.Decisions` field to the :class:`Config` field that
 decides it, :data:`AFTER_SEARCH` lists the fields no config holds and why, and
 ``tests/unit/test_config_fields.py`` checks that every field of the registry is in one
 of them, so a searched decision cannot be added without its :class:`Config` field."""
@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from autopar.plan.decisions import DECISIONS, PlanOptions, Schedule
+from autopar.plans.decisions import DECISIONS, PlanOptions, Schedule
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,7 +101,7 @@ class Priced:
         return math.isfinite(self.step_seconds)
 
     def breakdown(self) -> dict[str, float]:
-        """``step_seconds`` split as :attr:`autopar.plan.Decisions.breakdown` says: the
+        """``step_seconds`` split as :attr:`autopar.plans.Decisions.breakdown` says: the
         slowest stage's micro-batches (compute + exposed communication), the step's
         exposed tail (gradient sync after the last backward, ZeRO-1/2 gathers, the
         optimizer's update) and the pipeline bubble (the other stages' share of fill and
@@ -135,7 +135,7 @@ DECIDED_BY: dict[str, str] = {
     "zero_reduce_once": "reduce_once", "grad_compression": "compression",
     "compression_rank": "rank", "offload": "offload", "copies": "copies",
 }
-"""Each :class:`~autopar.plan.decisions.Decisions` field a config decides (or forces,
+"""Each :class:`~autopar.plans.decisions.Decisions` field a config decides (or forces,
 for those its stages choose): the :class:`Config` field that does."""
 
 AFTER_SEARCH: dict[str, str] = {
@@ -146,7 +146,7 @@ AFTER_SEARCH: dict[str, str] = {
              "every config shares the options' value",
     "local_axes": "read off the chosen placement under batch='local'",
 }
-""":class:`~autopar.plan.decisions.Decisions` fields of the registry no :class:`Config`
+""":class:`~autopar.plans.decisions.Decisions` fields of the registry no :class:`Config`
 holds, each with the reason."""
 
 PASSED_THROUGH: tuple[str, ...] = (

@@ -30,7 +30,7 @@ from torch import fx
 
 from autopar.capture.ir import info, tensor_inputs
 from autopar.errors import AutoparWarning
-from autopar.plan.placement import (
+from autopar.plans.placement import (
     P,
     Placement,
     Placements,

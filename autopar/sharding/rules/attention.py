@@ -28,8 +28,8 @@ import torch
 from torch import fx
 
 from autopar.capture.ir import arg, tensor_inputs
-from autopar.plan.decisions import ContextParallel
-from autopar.plan.placement import Placement, Placements, R, Shard, local_shape
+from autopar.plans.decisions import ContextParallel
+from autopar.plans.placement import Placement, Placements, R, Shard, local_shape
 from autopar.sharding.rules import AxisStrategy, OpStrategy, RuleCtx, assign, register, shape
 
 aten = torch.ops.aten

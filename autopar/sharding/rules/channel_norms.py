@@ -22,7 +22,7 @@ import torch
 from torch import fx
 
 from autopar.capture.ir import arg, info
-from autopar.plan.placement import Placements, R, Shard
+from autopar.plans.placement import Placements, R, Shard
 from autopar.runtime.norms import batch_norm as sync_batch_norm
 from autopar.sharding.rules import AxisStrategy, OpStrategy, RuleCtx, assign, ndim, register
 

@@ -24,7 +24,7 @@ import torch
 from torch import fx
 
 from autopar.capture.ir import arg, info
-from autopar.plan.placement import P, Placements, R, Shard
+from autopar.plans.placement import P, Placements, R, Shard
 from autopar.sharding.rules import AxisStrategy, OpStrategy, RuleCtx, assign, ndim, register
 
 aten = torch.ops.aten

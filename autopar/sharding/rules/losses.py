@@ -9,7 +9,7 @@ import torch
 from torch import fx
 
 from autopar.capture.ir import arg, info
-from autopar.plan.placement import P, R, Shard
+from autopar.plans.placement import P, R, Shard
 from autopar.sharding.rules import AxisStrategy, RuleCtx, assign, ndim, register
 
 aten = torch.ops.aten

@@ -18,7 +18,7 @@ import torch
 from torch import fx
 
 from autopar.capture.ir import arg, info
-from autopar.plan.placement import P, Placement, R, Shard, normalize_dim
+from autopar.plans.placement import P, Placement, R, Shard, normalize_dim
 from autopar.sharding.rules import (
     AxisStrategy,
     RuleCtx,

@@ -6,7 +6,7 @@ import torch
 from torch import fx
 
 from autopar.capture.ir import arg
-from autopar.plan.placement import R, Shard, normalize_dim
+from autopar.plans.placement import R, Shard, normalize_dim
 from autopar.sharding.rules import AxisStrategy, RuleCtx, assign, ndim, register
 
 aten = torch.ops.aten

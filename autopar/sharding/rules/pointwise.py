@@ -15,7 +15,7 @@ import torch
 from torch import fx
 
 from autopar.capture.ir import arg, info, is_tensor_node
-from autopar.plan.placement import Shard
+from autopar.plans.placement import Shard
 from autopar.sharding.rules import AxisStrategy, RuleCtx, linear_cast, pointwise_axis, register
 
 aten = torch.ops.aten

@@ -7,7 +7,7 @@ import torch
 from torch import fx
 
 from autopar.capture.ir import arg, info
-from autopar.plan.placement import P, Shard, normalize_dim
+from autopar.plans.placement import P, Shard, normalize_dim
 from autopar.sharding.rules import AxisStrategy, RuleCtx, assign, linear_cast, ndim, register
 
 aten = torch.ops.aten

@@ -14,7 +14,7 @@ import torch
 from torch import fx
 
 from autopar.capture.ir import arg, info
-from autopar.plan.placement import P, R, Shard, normalize_dim
+from autopar.plans.placement import P, R, Shard, normalize_dim
 from autopar.sharding.rules import AxisStrategy, RuleCtx, assign, ndim, register, shape
 
 aten = torch.ops.aten

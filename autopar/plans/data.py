@@ -11,7 +11,7 @@ re-plan or re-export), rejects keys this autopar does not know (a plan from a ne
 autopar) and checks every placement against the mesh and the tensor's shape, naming the
 file, the node and the field (:class:`~autopar.errors.LoadError`).
 
-Reading JSON back and checking it is :mod:`autopar.plan.json`.  The methods that read
+Reading JSON back and checking it is :mod:`autopar.plans.json`.  The methods that read
 a plan in words (``summary``, ``table``, ``explain``, ``diff``) and ``verify`` hand on to
 functions :mod:`autopar.report` and :mod:`autopar.verify` register
 (:func:`register_reader`): the plan data imports nothing above it.
@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 from autopar.cost_models import MeshSpec
 from autopar.errors import LoadError
-from autopar.plan.decisions import Decisions, explain_keys, zero_axes
+from autopar.plans.decisions import Decisions, explain_keys, zero_axes
 
 if TYPE_CHECKING:
-    from autopar.plan.collectives import Collective
+    from autopar.plans.collectives import Collective
 
 SCHEMA_VERSION = 1
 """Version of the plan JSON layout; bumped whenever a field changes meaning or goes away."""
@@ -180,7 +180,7 @@ class Plan:
     def collectives(self, stage: int | None = None) -> list[Collective]:
         """Every collective one training step issues on a rank, forward, backward and
         once per step, with the bytes it puts in and how often it runs
-        (:class:`~autopar.plan.collectives.Collective`): the edges' redistributions and
+        (:class:`~autopar.plans.collectives.Collective`): the edges' redistributions and
         their backward duals, the loss's sum, the distributed cross-entropy's, Ulysses'
         all-to-alls, the gradient buckets, ZeRO's gathers and reductions and a
         pipeline's messages, as the runtime issues them (compare with
@@ -188,7 +188,7 @@ class Plan:
         pipeline rank (they differ per stage).  Not listed yet: ring attention's shifts
         and the uneven expert dispatch of ``moe_experts``.  Empty for a plan made
         without a joint search (``make_plan``)."""
-        from autopar.plan.collectives import Collective as C
+        from autopar.plans.collectives import Collective as C
 
         out = [C.from_dict(c) for c in self.decisions.collectives]
         return out if stage is None else [c for c in out if c.stage == stage]
@@ -296,7 +296,7 @@ class Plan:
         naming ``source`` (the file) and the field for another schema version, unknown
         or missing keys, and placements that do not fit the mesh; warns when the plan
         was made with another torch version."""
-        from autopar.plan.json import plan_from_dict
+        from autopar.plans.json import plan_from_dict
 
         return plan_from_dict(cls, d, source)
 
@@ -304,7 +304,7 @@ class Plan:
         """Every placement string has one entry per mesh axis, shards a dim the tensor
         has, and the mesh axes sharding a dim divide it; raises
         :class:`~autopar.errors.LoadError` naming ``source``, the node and the field."""
-        from autopar.plan.json import check_placements
+        from autopar.plans.json import check_placements
 
         check_placements(self, source)
 
@@ -319,7 +319,7 @@ class Plan:
     def from_json(cls, path_or_text: str | Path) -> Plan:
         """Load a plan from a JSON file or text; a missing, unreadable or malformed file
         is a :class:`~autopar.errors.LoadError` naming it."""
-        from autopar.plan.json import plan_from_json
+        from autopar.plans.json import plan_from_json
 
         return plan_from_json(cls, path_or_text)
 
@@ -349,7 +349,7 @@ def _reader(name: str) -> Callable[..., Any]:
 
 
 # Kept here rather than in plan_load (its only user) so it stays importable from
-# autopar.plan without an import cycle.
+# autopar.plans without an import cycle.
 def _known(d: Any, kind: type, source: str, where: str, extra: set[str] = frozenset()) -> None:
     """Raise :class:`LoadError` for keys of ``d`` that ``kind`` has no field for."""
     if not isinstance(d, dict):

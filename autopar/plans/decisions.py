@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from autopar.plan.kinds import (  # re-exported: the values decisions take
+from autopar.plans.kinds import (  # re-exported: the values decisions take
     CONTEXT_PARALLEL,
     GRAD_COMPRESSIONS,
     OFFLOADS,
@@ -36,7 +36,7 @@ from autopar.plan.kinds import (  # re-exported: the values decisions take
     Precision,
     Schedule,
 )
-from autopar.plan.option_checks import (
+from autopar.plans.option_checks import (
     copies_check,
     flag,
     layer_names,
@@ -78,7 +78,7 @@ class Decisions:
     pipeline_axis: int = 0
     """The axis of the requested mesh (``Plan.request.mesh_shape``) the stages were
     carved from: 0, the outermost (across nodes), or a later one (inside a node); each
-    stage is a contiguous block of that axis (:func:`autopar.plan.splits.stage_ranks`)."""
+    stage is a contiguous block of that axis (:func:`autopar.plans.splits.stage_ranks`)."""
     schedule: str = Schedule.NONE.value
     virtual_stages: int = 1
     """Model chunks per pipeline rank (> 1 only under ``Schedule.INTERLEAVED``)."""
@@ -111,7 +111,7 @@ class Decisions:
     batch: str = "global"
     """``"global"``: every rank passes the whole batch and gets outputs replicated;
     ``"local"``: each data-parallel rank passes its part and gets its rows of every
-    batch-shaped output (:func:`autopar.plan.placement.returned_placement`)."""
+    batch-shaped output (:func:`autopar.plans.placement.returned_placement`)."""
     local_axes: list[int] | None = None
     """Under ``batch="local"``: the mesh axes that split the returned rows (the first
     batch-shaped output's ``Shard(0)`` axes), which are then the data-parallel axes the
@@ -164,7 +164,7 @@ class Decisions:
     was ``estimated`` from the shallow copy and a ``note`` (:mod:`autopar.search.mesh_shapes`).
     Empty for a mesh given whole."""
     collectives: list[dict[str, Any]] = field(default_factory=list)
-    """What :meth:`Plan.collectives` lists (:class:`autopar.plan.collectives.Collective`
+    """What :meth:`Plan.collectives` lists (:class:`autopar.plans.collectives.Collective`
     in JSON form), computed from the captured graph when the plan is made."""
 
     @property
