@@ -5,7 +5,7 @@ package can depend on it without cycles. ``calibrate`` imports torch lazily.
 """
 
 from .calibrate import Calibration, calibrate, fit_alpha_beta, measure_cluster
-from .collectives import (
+from .collective_costs import (
     CollectiveKind,
     all_gather_time,
     all_reduce_time,

@@ -65,7 +65,7 @@ FITTED_KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "
 
 def kind_coefficients(kind: str, p: int) -> tuple[float, float]:
     """``(c_alpha, c_beta)`` of ``kind`` on ``p`` ranks: its time is ``c_alpha * alpha +
-    c_beta * S / beta`` (the ring formulas of :mod:`~autopar.cost_models.collectives`)."""
+    c_beta * S / beta`` (the ring formulas of :mod:`~autopar.cost_models.collective_costs`)."""
     if kind == "all_reduce":
         return 2.0 * (p - 1), 2.0 * (p - 1) / p
     if kind in ("all_gather", "reduce_scatter", "all_to_all"):

@@ -29,7 +29,7 @@ from autopar.runtime.rng import sharded_dropout
 from autopar.sharding.rules.attention import SDPA, CPImpl, context_layout, sdpa_args
 from autopar.sharding.rules.channel_norms import localize_batch_norm, localize_group_norm
 from autopar.sharding.rules.conv import CONVS, conv_groups, local_groups
-from autopar.sharding.rules.experts import localize_experts
+from autopar.sharding.rules.moe_experts import localize_experts
 from autopar.sharding.rules.reductions import reduced_dims
 from autopar.sharding.rules.statistics import SPLIT_REDUCTIONS, localize_statistics
 

@@ -20,8 +20,8 @@ from torch import fx, nn
 from autopar.capture.batch_index import rows_as_slices
 from autopar.capture.causal_mask import fold_causal_masks
 from autopar.capture.checks import custom_function_guard, data_dependent_error
-from autopar.capture.experts import experts_as_op
 from autopar.capture.grad_regions import inline_grad_regions, mark_tables
+from autopar.capture.hf_experts import experts_as_op
 from autopar.capture.mixed_precision import Precision, apply_mixed_precision
 from autopar.capture.scalar_reads import replicate_scalar_reads
 from autopar.capture.side_views import duplicate_side_views

@@ -230,7 +230,7 @@ def cmd_plan(args) -> int:
         print()
         print(p.table(max_rows=args.max_rows, show_views=args.show_views, nodes=args.nodes))
         if args.collectives:
-            from autopar.report.collectives import format_collectives
+            from autopar.report.collective_table import format_collectives
             print()
             print(format_collectives(p.collectives()))
         if not args.quiet:

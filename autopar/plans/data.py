@@ -30,7 +30,7 @@ from autopar.errors import LoadError
 from autopar.plans.decisions import Decisions, explain_keys, zero_axes
 
 if TYPE_CHECKING:
-    from autopar.plans.collectives import Collective
+    from autopar.plans.collective_record import Collective
 
 SCHEMA_VERSION = 1
 """Version of the plan JSON layout; bumped whenever a field changes meaning or goes away."""
@@ -180,7 +180,7 @@ class Plan:
     def collectives(self, stage: int | None = None) -> list[Collective]:
         """Every collective one training step issues on a rank, forward, backward and
         once per step, with the bytes it puts in and how often it runs
-        (:class:`~autopar.plans.collectives.Collective`): the edges' redistributions and
+        (:class:`~autopar.plans.collective_record.Collective`): the edges' redistributions and
         their backward duals, the loss's sum, the distributed cross-entropy's, Ulysses'
         all-to-alls, the gradient buckets, ZeRO's gathers and reductions and a
         pipeline's messages, as the runtime issues them (compare with
@@ -188,7 +188,7 @@ class Plan:
         pipeline rank (they differ per stage).  Not listed yet: ring attention's shifts
         and the uneven expert dispatch of ``moe_experts``.  Empty for a plan made
         without a joint search (``make_plan``)."""
-        from autopar.plans.collectives import Collective as C
+        from autopar.plans.collective_record import Collective as C
 
         out = [C.from_dict(c) for c in self.decisions.collectives]
         return out if stage is None else [c for c in out if c.stage == stage]

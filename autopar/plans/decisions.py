@@ -164,7 +164,7 @@ class Decisions:
     was ``estimated`` from the shallow copy and a ``note`` (:mod:`autopar.search.mesh_shapes`).
     Empty for a mesh given whole."""
     collectives: list[dict[str, Any]] = field(default_factory=list)
-    """What :meth:`Plan.collectives` lists (:class:`autopar.plans.collectives.Collective`
+    """What :meth:`Plan.collectives` lists (:class:`autopar.plans.collective_record.Collective`
     in JSON form), computed from the captured graph when the plan is made."""
 
     @property
@@ -312,12 +312,12 @@ DECISIONS: tuple[Decision, ...] = (
               Option("schedule", one_of(SCHEDULES, fold_case=True), "gpipe, 1f1b, interleaved-1f1b, zero-bubble"),
               Option("virtual_stages", positive_int, "model chunks per rank (interleaved)")),
              ("pipeline_stages", "pipeline_axis", "schedule", "virtual_stages", "stages"),
-             "autopar.search.stages.dp:price", "autopar.module.apply:apply_pipeline", "pipeline",
+             "autopar.search.stages.pipeline_step:price", "autopar.module.apply:apply_pipeline", "pipeline",
              summary="pipeline"),
     Decision("micro_batches", "micro-batches per step: gradient accumulation, or a pipeline's",
              (Option("micro_batches", positive_int, "micro-batches per step"),),
              ("micro_batches",),
-             "autopar.search.stages.dp:price", "autopar.module.apply:apply_pipeline",
+             "autopar.search.stages.pipeline_step:price", "autopar.module.apply:apply_pipeline",
              "micro_batches",
              summary="micro-batches"),
     Decision("zero", "ZeRO stage and the mesh axes it shards over",

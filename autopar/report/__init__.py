@@ -1,6 +1,6 @@
 """Reading a plan: the summary in words (``summary``), ``explain`` (``explain``), the
 step at other shapes (``shapes``: ``predict``), the per-node table (``table``), the predicted timeline and trace (``timeline``) and every
-collective of a step (``collectives``, ``messages``).
+collective of a step as a table (``collective_table``).
 
 It reads plans and may import :mod:`autopar.sharding`, :mod:`autopar.capture`,
 :mod:`autopar.runtime`, :mod:`autopar.plans` and :mod:`autopar.cost_models`; it never

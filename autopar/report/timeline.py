@@ -113,7 +113,7 @@ def predicted_events(plan: Plan) -> list[Event]:
     v = max(1, d.virtual_stages)
     events: list[Event] = []
 
-    # zero-bubble splits each backward into B and W, half each (search/stages/dp.py)
+    # zero-bubble splits each backward into B and W, half each (search/stages/pipeline_step.py)
     halves = 2.0 if d.schedule == Schedule.ZERO_BUBBLE.value else 1.0
 
     def duration(s: int, a: Action) -> float:

@@ -28,7 +28,7 @@ from autopar.plans.placement import local_shape, parse_placements
 
 def pipeline_messages(lister) -> None:
     """Add the point-to-point messages and the loss broadcast of a pipelined plan to
-    ``lister`` (a :class:`autopar.search.collectives._Lister`)."""
+    ``lister`` (a :class:`autopar.search.step_collectives._Lister`)."""
     plan, d, gm = lister.plan, lister.d, lister.gm
     num, p, m = len(d.stages), lister.ranks, d.micro_batches
     # recomputed by each stage that reads them, as split_stages does

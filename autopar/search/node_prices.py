@@ -260,7 +260,7 @@ class CostModel(EdgePrices):
         all-reduced asynchronously from the top of the forward, where the labels are
         sliced, and waited for at the loss (passes/localize.py ``_hoist_count``): an
         8-byte collective behind the whole forward, hidden here; the stage exposes the
-        part the forward does not hide (:func:`autopar.search.stages.dp.count_exposed`:
+        part the forward does not hide (:func:`autopar.search.stages.step_terms.count_exposed`:
         nearly all of it where ranks share cores, and all of it under pipeline stages,
         where it starts at the loss)."""
         if node.target is SDPA:
@@ -366,7 +366,7 @@ class CostModel(EdgePrices):
         the mean rows per rank; a skewed router makes the busiest rank send and compute
         more than this says (no capacity limit caps it).  Experts split with tokens
         whole exchange nothing here (their Partial output is priced on its edge)."""
-        from autopar.sharding.rules.experts import expert_axes
+        from autopar.sharding.rules.moe_experts import expert_axes
 
         ep, _ = expert_axes(s.inputs)
         if not ep:

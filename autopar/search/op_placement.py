@@ -373,7 +373,7 @@ def make_weighted_plans(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts:
     reads (:func:`autopar.search.assemble.complete` fills them in).
 
     The ILP charges each parameter's gradient sync in full, while the joint step model
-    (:mod:`autopar.search.stages.dp`) overlaps the buckets with backward and exposes only
+    (:mod:`autopar.search.stages.pipeline_step`) overlaps the buckets with backward and exposes only
     the tail. Where bf16 compute makes communication matter, the two disagree: the ILP
     shards weights over data-parallel axes to save an all-reduce the step would have
     hidden, while charging nothing replicates every weight (which may not fit). The

@@ -28,8 +28,8 @@ from autopar.search.compression import kinds as compression_kinds
 from autopar.search.forced import zero_groups
 from autopar.search.offload import kinds as offload_kinds
 from autopar.search.op_placement import PlanOptions
-from autopar.search.stages.dp import split_lower_bound
 from autopar.search.stages.layer_stats import LayerStat, kernel_floor
+from autopar.search.stages.pipeline_step import split_lower_bound
 from autopar.search.stages.priced import Config, Priced, forced_fields
 from autopar.search.stages.step_terms import bubble_share
 

@@ -23,7 +23,7 @@ from autopar.runtime.experts import MOE_EXPERTS
 from autopar.sharding.rules import OpStrategy
 from autopar.sharding.rules.attention import SDPA, CPImpl, context_layout, sdpa_args
 from autopar.sharding.rules.channel_norms import batch_norm_axes
-from autopar.sharding.rules.experts import expert_axes
+from autopar.sharding.rules.moe_experts import expert_axes
 from autopar.sharding.rules.statistics import SPLIT_REDUCTIONS, split_axes
 
 aten = torch.ops.aten

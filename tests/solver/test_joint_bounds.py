@@ -1,6 +1,6 @@
 """The joint search bounds a split before its intra-op search (its compute floor,
 ``JointSearch._bounded``) and a pipelined config before its split search
-(:func:`autopar.search.stages.dp.step_lower_bound`), and skips those slower than a plan
+(:func:`autopar.search.stages.pipeline_step.step_lower_bound`), and skips those slower than a plan
 already found: neither bound exceeds a priced step, and the search chooses exactly what
 it chooses when every split and config is priced."""
 
@@ -15,7 +15,7 @@ import pytest
 
 import autopar.search.joint as J
 from autopar import MeshSpec, plan
-from autopar.search.stages.dp import price
+from autopar.search.stages.pipeline_step import price
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import gpt  # noqa: E402

@@ -20,9 +20,9 @@ from autopar import MeshSpec
 from autopar.plans.decisions import Schedule, zero_axes
 from autopar.runtime.grad_sync import fill_buckets
 from autopar.search.stages import split_search
-from autopar.search.stages.dp import price
 from autopar.search.stages.layer_stats import LayerStat, ParamStat, grad_bytes, on_zero, zero_price
 from autopar.search.stages.memory import gradient_arrivals, param_views
+from autopar.search.stages.pipeline_step import price
 from autopar.search.stages.priced import Config
 
 MESH = MeshSpec.preset("multinode-a100-ib", shape=(2, 8))

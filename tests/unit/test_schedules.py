@@ -55,7 +55,7 @@ def test_interleaving_divides_the_bubble(stages, micro, virtual) -> None:
     inter = max(t.end for t in list_schedule("interleaved-1f1b", stages, micro, virtual, chunked))
     work = 3.0 * micro
     # 1F1B idles (p - 1) micro-batch times; interleaving v chunks idles a v-th of that,
-    # which is the formula search/stages/dp.py prices
+    # which is the formula search/stages/pipeline_step.py prices
     assert plain - work == pytest.approx((stages - 1) * 3.0)
     assert inter - work == pytest.approx((stages - 1) * 3.0 / virtual)
 
@@ -85,10 +85,10 @@ def test_shapes_a_schedule_cannot_run(args, msg) -> None:
 
 
 def test_pricing_matches_the_schedule_for_equal_chunks() -> None:
-    """search/stages/dp.py's interleaved step (M times the slowest rank plus the fill and
+    """search/stages/pipeline_step.py's interleaved step (M times the slowest rank plus the fill and
     drain over v) is the list schedule's makespan when every layer costs the same."""
-    from autopar.search.stages.dp import price
     from autopar.search.stages.layer_stats import LayerStat
+    from autopar.search.stages.pipeline_step import price
 
     mesh = MeshSpec.preset("8xA100-nvlink", shape=(1,))
     stats = [LayerStat(key=f"blocks.{i}", seconds=3e-3, forward=1e-3, compute=3e-3,
@@ -114,7 +114,7 @@ def test_pricing_matches_the_schedule_for_equal_chunks() -> None:
 def test_zero_bubble_leaves_a_third_of_the_bubble(stages, micro) -> None:
     """With F = B = W (the backward twice the forward, half of it for weights), the
     schedule's step is 3M + (p - 1): a third of 1F1B's 3 (p - 1) bubble, which is what
-    search/stages/dp.py prices (ZERO_BUBBLE_SHARE); its memory is priced from the order."""
+    search/stages/pipeline_step.py prices (ZERO_BUBBLE_SHARE); its memory is priced from the order."""
     from autopar.plans.schedules import waiting_w
     from autopar.search.stages.step_terms import ZERO_BUBBLE_SHARE
 

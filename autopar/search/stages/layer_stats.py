@@ -1,5 +1,5 @@
 """Per-layer time and memory of an intra-op plan: the inputs of the joint search over
-pipeline stages, micro-batches, ZeRO and recomputation (:mod:`autopar.search.stages.dp`).
+pipeline stages, micro-batches, ZeRO and recomputation (:mod:`autopar.search.stages.pipeline_step`).
 
 The intra-op plan is made for one micro-batch on one stage's sub-mesh; this module
 reads it back per layer (:mod:`autopar.capture.layers`):
@@ -100,7 +100,7 @@ class LayerStat:
     """Seconds of collectives the layer leaves in flight beside the forward: the
     cross-entropy's token count (:func:`autopar.sharding.rules.losses.count_axes`), which the
     intra-op plan prices hidden and the stage exposes as far as the forward cannot
-    hide it (:func:`autopar.search.stages.dp.price_stage`)."""
+    hide it (:func:`autopar.search.stages.price.price_stage`)."""
     checkpointed: Coverage = Coverage.NONE
     """How much of the layer the model's own activation checkpointing covers
     (:mod:`autopar.capture.user_checkpoint`): a covered layer is always recomputed."""

@@ -1,4 +1,4 @@
-"""What the pipeline part of the joint search (:mod:`autopar.search.stages.dp`) prices and
+"""What the pipeline part of the joint search (:mod:`autopar.search.stages.pipeline_step`) prices and
 returns: a :class:`Config` of discrete choices, each stage's :class:`StagePrice`, and
 the :class:`Priced` whole with its step-time breakdown.
 

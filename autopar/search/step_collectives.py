@@ -43,7 +43,7 @@ from torch import fx
 
 from autopar.capture.grad_flow import dual, loss_output, requires_grad
 from autopar.capture.ir import info
-from autopar.plans.collectives import Collective
+from autopar.plans.collective_record import Collective
 from autopar.plans.placement import R, Shard, graph_batch, local_shape, parse_placements
 from autopar.runtime.compression import low_rank
 from autopar.runtime.grad_sync import fill_buckets, folded_axes, runs_by_axes

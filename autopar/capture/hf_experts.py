@@ -5,7 +5,7 @@ copies made by ``use_experts_implementation``) loop over the experts that receiv
 tokens, with data-dependent ``nonzero``/``where``: exported, every routing op falls back
 to replication.  :func:`experts_as_op` gives each such module, for the duration of the
 capture, an instance ``forward`` that calls :data:`autopar.runtime.experts.MOE_EXPERTS`
-(one node per layer, with its own sharding rule: autopar/sharding/rules/experts.py); the
+(one node per layer, with its own sharding rule: autopar/sharding/rules/moe_experts.py); the
 instance attribute is removed afterwards, so the user's model is unchanged.
 
 A module is taken when its class name ends in ``Experts``, it holds 3-D parameters

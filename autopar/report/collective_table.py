@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autopar.plans.collectives import Collective
+from autopar.plans.collective_record import Collective
 
 
 def format_collectives(cols: list[Collective]) -> str:
