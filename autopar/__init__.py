@@ -10,7 +10,7 @@ import warnings
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autopar.report  # noqa: F401  (registers how a Plan prints and explains itself)
-from autopar.api import LazyParallel, ParallelModule, auto_parallel, plan
+from autopar.api import LazyParallel, auto_parallel, plan
 from autopar.cost_models import MeshSpec
 from autopar.errors import (
     AutoparError,
@@ -23,6 +23,7 @@ from autopar.errors import (
     PlanError,
 )
 from autopar.module.checkpoint import load_checkpoint, save_checkpoint
+from autopar.module.parallel import ParallelModule
 from autopar.plans.data import Plan
 from autopar.verify import verify
 

@@ -21,10 +21,9 @@ from autopar.module import habits
 from autopar.module.parallel import ParallelModule
 from autopar.module.state import TensorInfo
 from autopar.plans.data import Plan
-from autopar.plans.decisions import SEARCH_KNOBS, decision_options
+from autopar.plans.decisions import SEARCH_KNOBS, PlanOptions, decision_options
 from autopar.runtime.inputs import BatchMode, InputBinder
 from autopar.runtime.mesh import local_device
-from autopar.search.op_placement import PlanOptions
 
 DEFAULT_TIMEOUT = 600.0  # seconds; gloo's own default is 30 minutes
 
@@ -75,7 +74,7 @@ def _options(memory_budget, optimizer, time_limit, pins, decisions: Mapping,
         from autopar.plans.decisions import zero_axes
         d["zero_axes"] = zero_axes(d["zero_axes"])
     if "precision" in d:
-        from autopar.capture.mixed_precision import Precision
+        from autopar.plans.kinds import Precision
         d["precision"] = Precision.parse(d["precision"]).value
     return PlanOptions(memory_budget=memory_budget, optimizer=optimizer, time_limit=time_limit,
                        pins=dict(pins or {}), search=search, batch=batch, **d)
@@ -480,4 +479,4 @@ def _decorate(target, mesh: MeshSpec, opts: PlanOptions, compile: bool = False,
     raise TypeError(f"auto_parallel cannot wrap {type(target).__name__}")
 
 
-__all__ = ["LazyParallel", "ParallelModule", "auto_parallel", "build_parallel_module", "plan"]
+__all__ = ["LazyParallel", "auto_parallel", "build_parallel_module", "plan"]

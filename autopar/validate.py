@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from autopar.cost_models import MeshSpec
-from autopar.cost_models.mesh import PRESET_NAMES
+from autopar.cost_models.presets import PRESET_NAMES
 from autopar.errors import ConfigError
 from autopar.plans.decisions import check_options
 

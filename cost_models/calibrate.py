@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .link import LinkSpec
 from .measure import (
     Sample,
     collective_samples,
@@ -53,7 +54,7 @@ from .measure import (
     optimizer_rates,
 )
 from .measure_sync import collective_pairing, idle_reuse, overlap_fraction, straggler, sync_penalty
-from .mesh import LinkSpec, MeshSpec
+from .mesh import MeshSpec
 
 __all__ = ["FITTED_KINDS", "Calibration", "calibrate", "fit_alpha_beta", "kind_coefficients",
            "measure_cluster"]

@@ -30,10 +30,10 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import torch
 
-from .link import KIND_NAMES, LinkSpec, _check_int
+from .link import LinkSpec, _check_int
 from .presets import _PRESETS, PRESET_NAMES, _derive_links
 
-__all__ = ["KIND_NAMES", "PRESET_NAMES", "RANGES", "Interval", "LinkSpec", "MeshSpec"]
+__all__ = ["RANGES", "Interval", "MeshSpec"]
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,11 @@ import math
 
 import torch
 from torch import fx
+from torch.distributed.tensor import Shard
 
 from autopar.capture.ir import info
 from autopar.plans.data import Plan
-from autopar.plans.placement import Placements, Shard, fmt_placements, local_shape, parse_placements
+from autopar.plans.placement import Placements, fmt_placements, local_shape, parse_placements
 from autopar.runtime import context as CP
 from autopar.runtime import ops as O
 from autopar.runtime.experts import MOE_EXPERTS

@@ -300,4 +300,4 @@ def _shape(node: fx.Node) -> tuple[int, ...] | None:
     return tuple(int(x) for x in val.shape) if isinstance(val, torch.Tensor) else None
 
 
-__all__ = ["LAYER_KEY", "StageGraph", "input_only", "split_stages"]
+__all__ = ["LAYER_KEY", "input_only", "split_stages"]

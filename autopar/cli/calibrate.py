@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import math
 
+from autopar.cli.args import CLIError, parse_bytes
 from autopar.cli.check import leave, require_torchrun
-from autopar.cli.main import CLIError, parse_bytes
 
 __all__ = ["add_parser", "cmd_calibrate"]
 

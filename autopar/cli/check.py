@@ -21,16 +21,8 @@ import json
 import os
 import sys
 
-from autopar.cli.main import (
-    CLIError,
-    _literal,
-    build_model,
-    load_factory,
-    make_mesh,
-    parse_bytes,
-    parse_kv,
-    parse_pins,
-)
+from autopar.cli.args import CLIError, _literal, parse_bytes, parse_kv, parse_pins
+from autopar.cli.main import build_model, load_factory, make_mesh
 
 
 def cmd_check(args) -> int:

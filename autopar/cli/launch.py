@@ -144,7 +144,7 @@ def slurm_script(plan: Plan, script: str, args: list[str] = (), *, layout: Layou
     """An sbatch script running ``script args`` under torchrun on every node of
     ``layout`` (default: :func:`layout_for` the plan); ``elastic``: the fewest nodes it
     may run on and go on with (module docstring)."""
-    from autopar.report.summary import layout as layout_words
+    from autopar.plans.roles import layout as layout_words
 
     for what, v in (("job name", job_name), ("partition", partition), ("time", time)):
         # sbatch reads #SBATCH lines itself (no shell quoting): a space or a newline would
@@ -267,7 +267,7 @@ def pytorchjob_yaml(job: dict, comment: str = "") -> str:
 
 # ---------------------------------------------------------------- CLI
 def _error(e: Exception):
-    from autopar.cli.main import CLIError
+    from autopar.cli.args import CLIError
 
     return CLIError(str(e))
 

@@ -41,14 +41,12 @@ from autopar.cli.args import (
     parse_bytes,
     parse_kv,
     parse_pins,
-    parse_recompute,
 )
 
 if TYPE_CHECKING:
     from autopar.plans.data import Plan
 
-__all__ = ["CLIError", "decision_options", "format_why", "load_factory", "main",
-           "parse_bytes", "parse_recompute"]
+__all__ = ["format_why", "load_factory", "main"]
 
 def format_why(p: Plan) -> str:
     """``plan.decisions.why``: one sentence per decision (``--explain`` without a name)."""

@@ -74,7 +74,8 @@ def cmd_presets(args) -> int:
 def cmd_explain(args) -> int:
     """``autopar explain PLAN [NAME ...]``: without names, the summary and every
     decision's reason; with names, each one explained."""
-    from autopar.cli.main import CLIError, format_why
+    from autopar.cli.args import CLIError
+    from autopar.cli.main import format_why
 
     p = read_plan(args.plan)
     if not args.names:

@@ -150,7 +150,7 @@ class ParallelModule(nn.Module):
                 "interleaved by the schedule, so call loss = module.train_step(*inputs) "
                 "(it runs forward and backward) and then optimizer.step()")
         if self.zero is not None and self.zero.stage == 3:
-            from autopar.runtime.zero import free_gathered_params
+            from autopar.runtime.zero3 import free_gathered_params
             with free_gathered_params():
                 return self._outputs(self.grad_sync.watch(self._run(flat), self._dparams))
         return self._outputs(self.grad_sync.watch(self._run(flat), self._dparams))
@@ -230,7 +230,7 @@ class ParallelModule(nn.Module):
         runner.loss_scale = scale
         self.grad_sync.restart()  # the step's backwards add to what is there
         if self.zero is not None and self.zero.stage == 3:
-            from autopar.runtime.zero import free_gathered_params
+            from autopar.runtime.zero3 import free_gathered_params
             with free_gathered_params():
                 return runner.step(flat)
         return runner.step(flat)

@@ -12,9 +12,10 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from torch import fx
+from torch.distributed.tensor import Replicate, Shard
 
 from autopar.plans.data import Plan
-from autopar.plans.placement import Replicate, Shard, fmt_placements, is_replicate, parse_placements
+from autopar.plans.placement import fmt_placements, is_replicate, parse_placements
 from autopar.plans.splits import unsplit_axes
 from autopar.runtime.inputs import InputMismatchError
 

@@ -65,7 +65,7 @@ from autopar.module.runners import Switches, keep_loss_only, stage_runner
 from autopar.module.shape_lowering import Shapes, adopt, fit_plan, same_graph, shapes_text
 from autopar.module.shape_template import Shape, Templates
 from autopar.plans.data import Plan
-from autopar.plans.decisions import Schedule
+from autopar.plans.kinds import Schedule
 from autopar.plans.schedules import micro_batch_counts
 from autopar.plans.splits import micro_inputs
 from autopar.runtime.call_check import gather_rows

@@ -18,7 +18,8 @@ from autopar.plans.data import (
            versions,
            zero_words,
 )
-from autopar.plans.decisions import Decisions, Schedule, zero_axes
+from autopar.plans.decisions import Decisions, zero_axes
+from autopar.plans.kinds import Schedule
 
 __all__ = ["SCHEMA_VERSION", "Alternative", "Decisions", "NodePlan", "Plan", "Redistribution",
            "Request", "Schedule", "SolverInfo", "versions", "zero_axes", "zero_words"]

@@ -24,16 +24,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from autopar.plans.kinds import (  # re-exported: the values decisions take
+from autopar.plans.kinds import (
     CONTEXT_PARALLEL,
     GRAD_COMPRESSIONS,
     OFFLOADS,
     POWERSGD_RANK,
     SCHEDULES,
-    ContextParallel,
     GradCompression,
     Offload,
-    Precision,
     Schedule,
 )
 from autopar.plans.option_checks import (
@@ -238,7 +236,7 @@ class PlanOptions:
     # ZeRO-1/2's gathers after the step in forward-order chunks (Decisions.gather_chunks):
     # True, False (one blocking gather) or None = where the cost model prices them faster
     split_gathers: bool | None = None
-    # the sequence split attention may use (autopar.sharding.rules.attention.ContextParallel:
+    # the sequence split attention may use (autopar.plans.kinds.ContextParallel:
     # "off", "gather-kv", "exchange"); None = searched
     context_parallel: str | None = None
     # "native" (the model's dtypes), "bf16-mixed" or "fp16-mixed" (autopar/capture/mixed_precision.py): never
@@ -460,7 +458,6 @@ def check_options(given: dict[str, Any]) -> None:
             positive_int(name, given[name])
 
 
-__all__ = ["CONTEXT_PARALLEL", "DECISIONS", "GRAD_COMPRESSIONS", "OFFLOADS", "POWERSGD_RANK", "GradCompression", "Offload", "RESULT_FIELDS", "SCHEDULES", "SEARCH_KNOBS", "EXPLAIN_SYNONYMS", "explain_aliases", "explain_keys",
-           "ContextParallel", "Decision", "Decisions", "Option", "PlanOptions", "Precision",
-           "Schedule", "check_options", "decision_fields", "decision_key", "decision_options",
-           "zero_axes"]
+__all__ = ["DECISIONS", "RESULT_FIELDS", "SEARCH_KNOBS", "EXPLAIN_SYNONYMS", "explain_aliases",
+           "explain_keys", "Decision", "Decisions", "Option", "PlanOptions", "check_options",
+           "decision_fields", "decision_key", "decision_options", "zero_axes"]

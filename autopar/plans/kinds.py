@@ -1,5 +1,5 @@
 """The values plan-level decisions take (:mod:`autopar.plans.decisions` declares the
-decisions themselves and re-exports these)."""
+decisions themselves)."""
 
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from autopar.plans.decisions import Schedule
+from autopar.plans.kinds import Schedule
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch.distributed.tensor import Shard
 
 from autopar.cost_models import blocking_time, kernel_rate
 from autopar.errors import ConfigError
-from autopar.plans.placement import Shard, is_shard, parse_placements
+from autopar.plans.placement import is_shard, parse_placements
 from autopar.plans.splits import unsplit_axes
 
 if TYPE_CHECKING:

@@ -318,5 +318,5 @@ def render(renderable, width: int | None = None) -> str:
     return buf.getvalue().rstrip("\n")
 
 
-__all__ = ["LEGEND", "AxisRole", "axis_roles", "fold_keys", "layer_view", "layout", "render", "summary",
-           "summary_numbers", "unsupported_ops"]
+__all__ = ["LEGEND", "fold_keys", "layer_view", "render", "summary", "summary_numbers",
+           "unsupported_ops"]

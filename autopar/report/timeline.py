@@ -41,7 +41,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from autopar.plans.decisions import Schedule
+from autopar.plans.kinds import Schedule
 from autopar.plans.schedules import Action, list_schedule
 
 if TYPE_CHECKING:
@@ -249,7 +249,7 @@ def draw_timeline(plan: Plan, path: str | Path, title: str | None = None) -> Pat
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    from autopar.report.summary import layout
+    from autopar.plans.roles import layout
 
     events = predicted_events(plan)
     stages = sorted({e.stage for e in events})

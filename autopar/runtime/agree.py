@@ -168,4 +168,4 @@ def _monitored_barrier(timeout: float, failure: BaseException | None) -> None:
                                f"({str(e).splitlines()[0][:300]})") from e
 
 
-__all__ = ["RankTimeoutError", "all_arrived", "error_payload", "publish", "rebuild", "wait"]
+__all__ = ["all_arrived", "error_payload", "publish", "rebuild", "wait"]

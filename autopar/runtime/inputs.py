@@ -135,7 +135,8 @@ class InputBinder:
     def _split(self):
         """(this rank's mesh, the batch's placements: dim 0 split over the data-parallel
         axes, the number of data-parallel ranks)."""
-        from autopar.plans.placement import Shard
+        from torch.distributed.tensor import Shard
+
         from autopar.runtime.mesh import current
 
         m = current()
@@ -191,7 +192,9 @@ def data_parallel_axes(plan) -> tuple[int, ...]:
     split the returned rows (:attr:`Decisions.local_axes`), else those on which the first
     batch input is sharded along dim 0.  Ranks that differ only on other axes (tensor-parallel
     peers, pipeline stages) must see the same samples."""
-    from autopar.plans.placement import Shard, parse_placements
+    from torch.distributed.tensor import Shard
+
+    from autopar.plans.placement import parse_placements
 
     if plan.decisions.batch == BatchMode.LOCAL.value and plan.decisions.local_axes is not None:
         return tuple(plan.decisions.local_axes)
@@ -212,7 +215,9 @@ def passthrough_inputs(plan) -> frozenset[str]:
     rank's rows: the gather's collective (a latency per input per step, which DDP does not
     pay) buys nothing.  Only without pipeline stages and micro-batches, whose splits
     of the global batch are not this rank's rows."""
-    from autopar.plans.placement import Replicate, Shard, parse_placements
+    from torch.distributed.tensor import Replicate, Shard
+
+    from autopar.plans.placement import parse_placements
 
     d = plan.decisions
     if d.batch != BatchMode.LOCAL.value or d.pipeline_stages > 1 or d.micro_batches > 1:

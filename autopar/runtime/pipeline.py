@@ -63,7 +63,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from autopar.plans.decisions import Schedule
+from autopar.plans.kinds import Schedule
 from autopar.plans.schedules import actions, virtual_stage
 from autopar.runtime.mesh import current
 from autopar.runtime.split_backward import (

@@ -53,7 +53,9 @@ def sharded_dropout(x: torch.Tensor, p: float, train: bool, global_shape: tuple[
         return x
     if p == 1.0:
         return x * 0.0
-    from autopar.plans.placement import Shard, parse_placements
+    from torch.distributed.tensor import Shard
+
+    from autopar.plans.placement import parse_placements
     from autopar.runtime.mesh import current
     from autopar.runtime.shards import shard_tensor
 

@@ -55,7 +55,6 @@ from autopar.runtime.tls import issue
 # stage 3 lives in autopar.runtime.zero3 (one gather per layer, prefetched)
 from autopar.runtime.zero3 import (
     Group,
-    free_gathered_params,
     launch_gather,
     register,
     zero_gather,
@@ -440,4 +439,4 @@ class Zero(OrderedBuckets):
         self._versions = [p.shard._version for p in self.params]
 
 
-__all__ = ["Zero", "ZeroParam", "free_gathered_params", "shard_name", "zero_gather"]
+__all__ = ["Zero", "ZeroParam", "shard_name"]

@@ -25,7 +25,8 @@ from autopar.sharding.redistribute import plan_redistribution
 from autopar.sharding.rules import OpStrategy
 
 if TYPE_CHECKING:
-    from autopar.search.op_placement import PlanOptions, Problem
+    from autopar.plans.decisions import PlanOptions
+    from autopar.search.op_placement import Problem
 
 
 def _kind(n: fx.Node) -> str:

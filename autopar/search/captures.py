@@ -20,8 +20,8 @@ from autopar.capture.ir import info
 from autopar.capture.trace import Captured, capture
 from autopar.log import report
 from autopar.plans.data import Request
+from autopar.plans.decisions import PlanOptions
 from autopar.plans.splits import batch_size, micro_inputs
-from autopar.search.op_placement import PlanOptions
 from autopar.search.shallow import KEEP, homogeneous, repeated_list, shallow_copy
 from autopar.search.stages.layer_stats import LayerStat
 

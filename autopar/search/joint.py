@@ -27,13 +27,14 @@ from autopar.cost_models import MeshSpec, format_bytes
 from autopar.errors import NoFitError, PlanError
 from autopar.log import report, show
 from autopar.plans.data import Plan, zero_words
-from autopar.plans.decisions import Decisions, Schedule
+from autopar.plans.decisions import Decisions, PlanOptions
+from autopar.plans.kinds import Schedule
 from autopar.plans.splits import batch_size, split_mesh, split_words
 from autopar.search.assemble import complete
 from autopar.search.budget import Phase, TimeBudget
 from autopar.search.captures import Captures, request
 from autopar.search.forced import check_forced
-from autopar.search.op_placement import PlanOptions, local_axes, make_weighted_plans
+from autopar.search.op_placement import local_axes, make_weighted_plans
 from autopar.search.shallow import (
     KEEP,
     deepen,

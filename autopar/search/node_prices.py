@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import fx
+from torch.distributed.tensor import Shard
 
 from autopar.capture.annotate import VIEW_OPS, is_noop_cast
 from autopar.capture.ir import META_KEY, TensorInfo, info, tensor_inputs
@@ -27,8 +28,6 @@ from autopar.cost_models import (
 )
 from autopar.plans.placement import (
     Placements,
-    Shard,
-    is_partial,
     is_replicate,
     is_shard,
     local_shape,
@@ -451,4 +450,5 @@ def param_state_split(node: fx.Node, p: Placements, mesh: MeshSpec, optimizer: s
     return b, b, optimizer_state_bytes(b, optimizer)
 
 
-__all__ = ["SAVES_NO_INPUT", "CostModel", "kept_for_backward", "is_partial", "param_state_split", "precision_warning"]
+__all__ = ["SAVES_NO_INPUT", "CostModel", "kept_for_backward", "param_state_split",
+           "precision_warning"]

@@ -18,6 +18,7 @@ from enum import StrEnum
 
 import numpy as np
 from torch import fx
+from torch.distributed.tensor import Shard
 from torch.utils import _pytree as pytree
 
 from autopar.capture.grad_flow import dual
@@ -28,20 +29,15 @@ from autopar.errors import PlanError
 from autopar.log import report
 from autopar.plans.data import Plan
 from autopar.plans.decisions import PlanOptions
-from autopar.plans.placement import (
-    Shard,
-    graph_batch,
-    parse_placements,
-    returned_placement,
-)
+from autopar.plans.placement import graph_batch, parse_placements, returned_placement
 from autopar.search.assemble import assemble
 from autopar.search.node_prices import CostModel
 from autopar.search.solvers import bounds
-from autopar.search.solvers.cluster import (
+from autopar.search.solvers.cluster import solve_clustered
+from autopar.search.solvers.cluster_detect import (
     Clustering,
     find_clusters,
     shared_pricing,
-    solve_clustered,
 )
 from autopar.search.solvers.ilp import solve_ilp
 from autopar.search.solvers.problem import InfeasibleError, StrategyProblem, evaluate
@@ -69,7 +65,7 @@ def build_problem(gm: fx.GraphModule, mesh: MeshSpec, strategies: dict[fx.Node, 
     """Assemble :class:`StrategyProblem` arrays (see module docstring).
 
     ``share`` maps a node to a twin priced identically (a repeated layer's node and its
-    counterpart in the first identical layer, :func:`autopar.search.solvers.cluster.shared_pricing`):
+    counterpart in the first identical layer, :func:`autopar.search.solvers.cluster_detect.shared_pricing`):
     the twin's arrays are reused, so a deep stack of identical layers is priced once."""
     share = share or {}
     nodes = list(strategies)
@@ -309,7 +305,8 @@ def make_plan_drec(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts: Plan
                    why: str = "") -> Plan:
     """Plan with D-Rec, then price its choice exactly as the ILP's (a one-strategy
     problem per node), so objective, compute/comm/grad-sync and memory mean the same."""
-    from autopar.search.solvers.drec import DRecOptions, drec_search, resolve_pins
+    from autopar.search.solvers.drec import drec_search, resolve_pins
+    from autopar.search.solvers.drec_types import DRecOptions
     from autopar.search.solvers.problem import Solution, SolveStatus
 
     t0 = time.perf_counter()

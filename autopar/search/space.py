@@ -21,13 +21,13 @@ from autopar.capture.user_checkpoint import Coverage
 from autopar.cost_models import MeshSpec
 from autopar.errors import PlanError
 from autopar.plans.data import Plan
-from autopar.plans.decisions import Schedule
+from autopar.plans.decisions import PlanOptions
+from autopar.plans.kinds import Schedule
 from autopar.plans.schedules import conflict
 from autopar.plans.splits import batch_size, micro_counts, pipeline_splits, split_mesh
 from autopar.search.compression import kinds as compression_kinds
 from autopar.search.forced import zero_groups
 from autopar.search.offload import kinds as offload_kinds
-from autopar.search.op_placement import PlanOptions
 from autopar.search.stages.layer_stats import LayerStat, kernel_floor
 from autopar.search.stages.pipeline_step import split_lower_bound
 from autopar.search.stages.priced import Config, Priced, forced_fields

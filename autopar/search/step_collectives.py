@@ -40,11 +40,12 @@ from collections.abc import Iterable
 
 import torch
 from torch import fx
+from torch.distributed.tensor import Shard
 
 from autopar.capture.grad_flow import dual, loss_output, requires_grad
 from autopar.capture.ir import info
 from autopar.plans.collective_record import Collective
-from autopar.plans.placement import R, Shard, graph_batch, local_shape, parse_placements
+from autopar.plans.placement import R, graph_batch, local_shape, parse_placements
 from autopar.runtime.compression import low_rank
 from autopar.runtime.grad_sync import fill_buckets, folded_axes, runs_by_axes
 from autopar.runtime.token_weights import LossTargets, targets_of

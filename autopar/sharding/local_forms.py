@@ -15,10 +15,11 @@ import math
 
 import torch
 from torch import fx
+from torch.distributed.tensor import Shard
 
 from autopar.capture.ir import info
 from autopar.cost_models import MeshSpec
-from autopar.plans.placement import Shard, local_shape
+from autopar.plans.placement import local_shape
 from autopar.runtime.experts import MOE_EXPERTS
 from autopar.sharding.rules import OpStrategy
 from autopar.sharding.rules.attention import SDPA, CPImpl, context_layout, sdpa_args

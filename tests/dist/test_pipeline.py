@@ -118,8 +118,8 @@ def plan_and_lower(model: nn.Module, batch: tuple, case: PipeCase, broadcast: bo
     from autopar.capture.annotate import annotate
     from autopar.capture.trace import capture
     from autopar.plans.data import Plan
-    from autopar.plans.decisions import Decisions
-    from autopar.search.op_placement import PlanOptions, make_plan
+    from autopar.plans.decisions import Decisions, PlanOptions
+    from autopar.search.op_placement import make_plan
 
     m = case.micro_batches
     micro = tuple(x[: x.shape[0] // m] for x in batch)

@@ -14,9 +14,9 @@ import warnings
 from pathlib import Path
 
 from autopar import MeshSpec
-from autopar.plans.decisions import Schedule
+from autopar.plans.decisions import PlanOptions
+from autopar.plans.kinds import Schedule
 from autopar.search.joint import JointSearch
-from autopar.search.op_placement import PlanOptions
 from autopar.search.space import _Candidate
 from autopar.search.stages.layer_stats import LayerStat
 from autopar.search.stages.pipeline_step import price, split_lower_bound, step_lower_bound

@@ -98,8 +98,8 @@ def test_pruned_search_chooses_what_pricing_everything_chooses(unpruned, monkeyp
 def test_split_bound_never_exceeds_a_priced_config(monkeypatch) -> None:
     """The compute floor spread over every device, times the pipeline's fill and drain,
     is below every config the search priced, whatever its split."""
+    from autopar.plans.decisions import PlanOptions
     from autopar.search.joint import JointSearch
-    from autopar.search.op_placement import PlanOptions
 
     model, ex = gpt.build(layers=4, dim=64, heads=4, vocab=256, seq=32, batch=16)
     monkeypatch.setattr(JointSearch, "_bounded", lambda self, *a: False)  # price them all

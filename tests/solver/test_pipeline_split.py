@@ -12,7 +12,7 @@ import random
 import pytest
 
 from autopar import MeshSpec
-from autopar.plans.decisions import Schedule
+from autopar.plans.kinds import Schedule
 from autopar.search.stages.layer_stats import LayerStat, ParamStat
 from autopar.search.stages.pipeline_step import price
 from autopar.search.stages.price import price_stage

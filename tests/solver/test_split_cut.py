@@ -17,7 +17,8 @@ import random
 import pytest
 
 from autopar import MeshSpec
-from autopar.plans.decisions import Schedule, zero_axes
+from autopar.plans.decisions import zero_axes
+from autopar.plans.kinds import Schedule
 from autopar.runtime.grad_sync import fill_buckets
 from autopar.search.stages import split_search
 from autopar.search.stages.layer_stats import LayerStat, ParamStat, grad_bytes, on_zero, zero_price

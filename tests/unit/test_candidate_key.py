@@ -14,7 +14,8 @@ import pytest
 from autopar import MeshSpec, Plan
 from autopar import plan as make_plan
 from autopar.cli.check import _read_plans
-from autopar.plans.decisions import DECISIONS, RESULT_FIELDS, GradCompression, Offload
+from autopar.plans.decisions import DECISIONS, RESULT_FIELDS
+from autopar.plans.kinds import GradCompression, Offload
 from autopar.verify import candidate_key, shortlist
 from tests.dist.harness import ROOT
 

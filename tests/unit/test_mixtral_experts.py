@@ -179,8 +179,10 @@ def test_golden_mixtral_8x7b_shape_gets_ep():
     predicted faster."""
     import time
 
-    from autopar.plans.placement import Shard, parse_placements
-    from autopar.report.summary import axis_roles
+    from torch.distributed.tensor import Shard
+
+    from autopar.plans.placement import parse_placements
+    from autopar.plans.roles import axis_roles
 
     t0 = time.perf_counter()
     p = _mixtral_8x7b_plan()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from autopar.cost_models import MeshSpec
 
-from autopar.plans.decisions import Schedule
+from autopar.plans.kinds import Schedule
 from autopar.plans.schedules import actions, check, in_flight, list_schedule
 from autopar.search.stages.priced import Config
 from autopar.search.stages.step_terms import in_flight as priced_in_flight

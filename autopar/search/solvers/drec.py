@@ -91,24 +91,12 @@ from autopar.search.solvers.drec_types import (
     CostMode,
     DRecOptions,
     DRecResult,
-    Order,
-    Refine,
     RoundInfo,
 )
 from autopar.search.solvers.problem import format_bytes
 from autopar.sharding.rules import OpStrategy
 
-__all__ = [
-    "CostMode",
-    "DRecOptions",
-    "DRecResult",
-    "Order",
-    "Refine",
-    "RoundInfo",
-    "axis_order",
-    "drec_search",
-    "resolve_pins",
-]
+__all__ = ["axis_order", "drec_search", "resolve_pins"]
 
 # Memory pricing: lam starts at (cost scale / memory scale) * this, and doubles.
 _LAMBDA_START = 1e-3

@@ -15,7 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from autopar.plans.decisions import DECISIONS, PlanOptions, Schedule
+from autopar.plans.decisions import DECISIONS, PlanOptions
+from autopar.plans.kinds import Schedule
 
 
 @dataclass(frozen=True, kw_only=True)

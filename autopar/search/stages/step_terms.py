@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from autopar.cost_models import MeshSpec, send_recv_time
 from autopar.plans import schedules as sched
-from autopar.plans.decisions import GradCompression, Schedule
+from autopar.plans.kinds import GradCompression, Schedule
 from autopar.search import buckets as bk
 from autopar.search.compression import bucket_terms
 from autopar.search.stages.layer_stats import LayerStat

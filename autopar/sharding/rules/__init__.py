@@ -27,18 +27,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from autopar.capture.ir import info, tensor_inputs
 from autopar.errors import AutoparWarning
-from autopar.plans.placement import (
-    P,
-    Placement,
-    Placements,
-    R,
-    Shard,
-    fmt_placements,
-    valid_for_shape,
-)
+from autopar.plans.placement import P, Placements, R, fmt_placements, valid_for_shape
 
 aten = torch.ops.aten
 
