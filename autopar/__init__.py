@@ -23,6 +23,7 @@ from autopar.errors import (
     PlanError,
 )
 from autopar.module.checkpoint import load_checkpoint, save_checkpoint
+from autopar.module.load import load_module
 from autopar.module.parallel import ParallelModule
 from autopar.plans.data import Plan
 from autopar.verify import verify
@@ -43,7 +44,6 @@ def load(directory, batch: str = "global", timeout: float = 600.0) -> ParallelMo
     into the same directory crashed mid-swap, the complete export beside it is loaded
     with a warning.  docs/reliability.md lists the faults and the errors.  ``batch`` and
     ``timeout`` (seconds, default 600) are as in :func:`auto_parallel`."""
-    from autopar.module.load import load_module
     return load_module(directory, batch=batch, timeout=timeout)
 
 

@@ -45,6 +45,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
 from .link import LinkSpec
 from .measure import (
     Sample,
@@ -228,7 +232,6 @@ def _axis_groups(group: Any, shape: tuple[int, ...] | None, device_type: str) ->
     """One process group per mesh axis containing this rank (``group`` for a 1-D mesh)."""
     if shape is None or len(shape) == 1:
         return [group]
-    from torch.distributed.device_mesh import init_device_mesh
 
     if group is not None:
         raise ValueError("calibrate(): give either group (1-D) or shape, not both")
@@ -281,8 +284,6 @@ class _Device:
 
 def _device(cuda: bool, quick: bool) -> _Device:
     """The :class:`_Device` for this rank (a third of each rate's run time when ``quick``)."""
-    import torch
-
     if cuda:
         device = torch.device("cuda", torch.cuda.current_device())
 
@@ -382,8 +383,6 @@ def _sync_probes(group: Any, axis_group: Any, ranks: int, world: int, sizes: tup
 def _capacity(base: MeshSpec | None, dev: _Device, group: Any) -> float:
     """Device memory: ``base``'s, else the device's (a CPU rank's share of the host),
     the MIN over ranks (a negated MAX) so every rank plans for the smallest device."""
-    import torch
-
     if base is not None:
         capacity = base.mem_capacity
     elif dev.cuda:
@@ -414,8 +413,6 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
     keep every size and ``repeats`` (0.8 s of the 28 at 5): with three sizes at 3
     repetitions one slow 4 MiB sample set a run's bandwidth 1.4-1.8x below the others'
     (2026-11-28) and its predicted steps 25% over the measured ones."""
-    import torch.distributed as dist
-
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("calibrate() needs an initialised torch.distributed process group")
     kinds = _checked_kinds(repeats, kinds)

@@ -26,6 +26,7 @@ from autopar.plans.placement import Placements, fmt_placements, local_shape, par
 from autopar.runtime import context as CP
 from autopar.runtime import ops as O
 from autopar.runtime.experts import MOE_EXPERTS
+from autopar.runtime.ring_attention import ring_attention
 from autopar.runtime.rng import sharded_dropout
 from autopar.sharding.rules.attention import SDPA, CPImpl, context_layout, sdpa_args
 from autopar.sharding.rules.channel_norms import localize_batch_norm, localize_group_norm
@@ -170,8 +171,6 @@ def _localize_attention(node: fx.Node, ins: list[Placements], mesh: tuple[int, .
         return
     a = sdpa_args(node)
     if layout.impl is CPImpl.RING:
-        from autopar.runtime.ring_attention import ring_attention
-
         node.target = ring_attention
         node.args = (a.q, a.k, a.v, a.mask, a.is_causal, a.scale, layout.cp_axes)
     else:

@@ -42,7 +42,7 @@ def experts_act(m: nn.Module) -> str | None:
         return None
     apply_gate = getattr(type(m), "_apply_gate", None)
     if apply_gate is not None:
-        from transformers.integrations import moe as hf_moe
+        from transformers.integrations import moe as hf_moe  # optional: transformers is an extra
 
         if apply_gate is not getattr(hf_moe, "_default_apply_gate", None):
             return None

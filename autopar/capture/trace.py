@@ -38,6 +38,7 @@ def _lazy_code() -> contextlib.AbstractContextManager:
     generated once, when used (about a sixth of Llama-3 8B's capture).  A private torch
     switch (used by inductor): where torch lacks it, capture regenerates the code each time."""
     try:
+        # optional: a private torch module, missing from some torch versions
         from torch.fx._lazy_graph_module import _use_lazy_graph_module
     except ImportError:  # pragma: no cover - torch without it
         return contextlib.nullcontext()

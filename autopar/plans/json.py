@@ -31,6 +31,7 @@ from autopar.plans.data import (
     versions,
 )
 from autopar.plans.decisions import Decisions
+from autopar.plans.placement import parse_placements, shard_factor
 
 if TYPE_CHECKING:
     from autopar.plans.data import Plan
@@ -91,8 +92,6 @@ def plan_from_dict(cls: type[Plan], d: dict, source: str = "the plan") -> Plan:
 
 def check_placements(plan: Plan, source: str = "the plan") -> None:
     """What :meth:`Plan.check_placements <autopar.plans.Plan.check_placements>` checks."""
-    from autopar.plans.placement import parse_placements, shard_factor
-
     mesh = tuple(plan.mesh.shape)
     shapes = {n.name: n.shape for n in plan.nodes.values()}
 

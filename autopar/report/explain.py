@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from autopar.cost_models import format_bytes
 from autopar.plans.decisions import explain_aliases
 from autopar.report.shapes import explain_shapes
+from autopar.report.summary import LEGEND, summary_numbers
 
 if TYPE_CHECKING:
     from autopar.plans.data import Plan
@@ -63,7 +64,6 @@ def explain(plan: Plan, name: str) -> str:
         for a in n.alternatives:
             lines.append(f"    inputs {a.inputs} -> {a.outputs}: {a.seconds * 1e3:.4f} ms"
                          f" ({(a.seconds - ref) * 1e3:+.4f} ms vs {what})")
-    from autopar.report.summary import LEGEND
     lines.append(f"  ({LEGEND})")
     return "\n".join(lines)
 
@@ -71,8 +71,6 @@ def explain(plan: Plan, name: str) -> str:
 def diff(plan: Plan, other: Plan, max_nodes: int | None = None) -> str:
     """What :meth:`Plan.diff <autopar.plans.Plan.diff>` returns for ``plan`` (A) and
     ``other`` (B)."""
-    from autopar.report.summary import summary_numbers
-
     a, b = summary_numbers(plan), summary_numbers(other)
     lines = [f"layout     A {a['layout']}", f"           B {b['layout']}",
              f"step       A {a['step_seconds'] * 1e3:.4f} ms, B {b['step_seconds'] * 1e3:.4f} ms"

@@ -16,9 +16,13 @@ Axis roles and the layout phrase come from :mod:`autopar.plans.roles`.
 
 from __future__ import annotations
 
+import io
 import re
 import shutil
 from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.table import Table
 
 from autopar.cost_models import PRESET_NAMES, format_bytes
 from autopar.plans.decisions import DECISIONS
@@ -287,8 +291,6 @@ def layer_view(plan: Plan, width: int | None = None) -> str:
     per device (params, grads, optimizer), each per layer (a folded row gives one layer's
     numbers).  A line under it gives the step's gradient sync, hidden and exposed, which
     runs in buckets across layers."""
-    from rich.table import Table
-
     t = Table(title="layers (repeated layers folded; numbers are per layer, per micro-batch)",
               title_justify="left")
     for col, just in (("layer", "left"), ("weights", "left"), ("compute", "right"),
@@ -308,10 +310,6 @@ def layer_view(plan: Plan, width: int | None = None) -> str:
 
 def render(renderable, width: int | None = None) -> str:
     """Text of a rich renderable, sized to the terminal (120 columns when not one)."""
-    import io
-
-    from rich.console import Console
-
     buf = io.StringIO()
     w = width or shutil.get_terminal_size((120, 40)).columns
     Console(file=buf, width=w, force_terminal=False, color_system=None).print(renderable)

@@ -42,7 +42,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from autopar.plans.kinds import Schedule
+from autopar.plans.roles import layout
 from autopar.plans.schedules import Action, list_schedule
+from autopar.plans.splits import plan_ranks
 
 if TYPE_CHECKING:
     from autopar.plans.data import Plan
@@ -192,8 +194,6 @@ def step_end(events: list[Event]) -> float:
 
 
 def _stage_label(plan: Plan, s: int) -> str:
-    from autopar.plans.splits import plan_ranks  # splits imports the plan module
-
     mine = sorted(int(r) for r in plan_ranks(plan)[s].flatten())
     if len(mine) == 1:
         ranks = f"rank {mine[0]}"
@@ -242,14 +242,12 @@ def draw_timeline(plan: Plan, path: str | Path, title: str | None = None) -> Pat
     """Draw :func:`predicted_events` as a PNG (one compute and one comm row per stage,
     bubbles hatched, micro-batch numbers on the boxes wide enough to hold them)."""
     try:
-        import matplotlib
+        import matplotlib  # start-up: matplotlib costs ~1.2 s to import
     except ImportError as e:  # pragma: no cover - matplotlib is a dependency
         raise ImportError("draw_timeline needs matplotlib: pip install matplotlib") from e
     matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    from autopar.plans.roles import layout
+    import matplotlib.pyplot as plt  # start-up: matplotlib costs ~1.2 s to import
+    from matplotlib.patches import Patch  # start-up: matplotlib costs ~1.2 s to import
 
     events = predicted_events(plan)
     stages = sorted({e.stage for e in events})

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopar.errors import MeshMismatchError
+from autopar.plans.splits import stage_ranks
 
 
 @dataclass
@@ -167,8 +168,6 @@ def init_plan_mesh(plan, timeout: float | None = None) -> RuntimeMesh:
 def _stage_layout(full: tuple[int, ...], axis: int, mesh_shape: tuple[int, ...] | None) -> torch.Tensor:
     """The global ranks of the device mesh ``full`` (pipeline axis first) for stages
     carved from ``axis`` of ``mesh_shape``."""
-    from autopar.plans.splits import stage_ranks  # the planner's layout, one definition
-
     if not mesh_shape or math.prod(mesh_shape) != math.prod(full):
         raise MeshMismatchError(
             f"the plan's {full[0]} pipeline stages are carved from mesh axis {axis}, which needs "

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 
 def rank_path(path: str | Path, rank: int) -> Path:
@@ -98,8 +99,6 @@ def collective_log() -> Iterator[list[Issued]]:
                               else 2, _nbytes(t)))
             return real[name](*args, **kwargs)
         return recorded
-
-    from torch.distributed import distributed_c10d as c10d
 
     wrapped = {name: wrap(name) for name in real}
     # P2POp checks its op against c10d's own isend/irecv: wrap those the same way

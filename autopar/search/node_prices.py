@@ -34,6 +34,7 @@ from autopar.plans.placement import (
     returned_placement,
 )
 from autopar.runtime.experts import MOE_EXPERTS
+from autopar.runtime.ring_attention import ring_attention_cost_factors, ring_balanced
 from autopar.search.edge_prices import EdgePrices, MeshTables, mesh_tables
 from autopar.sharding.redistribute import sum_axes
 from autopar.sharding.rules import OpStrategy
@@ -45,6 +46,7 @@ from autopar.sharding.rules.attention import (
     sdpa_placements,
 )
 from autopar.sharding.rules.channel_norms import batch_norm_axes, batch_norm_training
+from autopar.sharding.rules.moe_experts import expert_axes
 from autopar.sharding.rules.statistics import SPLIT_REDUCTIONS, split_all_reduces, split_axes
 
 aten = torch.ops.aten
@@ -319,8 +321,6 @@ class CostModel(EdgePrices):
     def _ring(self, node: fx.Node, axes: tuple[int, ...]) -> tuple[int, bool]:
         """Ring size and whether ring attention of ``node`` over ``axes`` runs zigzag
         balanced (causal, each rank's chunk halves: ``ring_balanced``)."""
-        from autopar.runtime.ring_attention import ring_balanced
-
         n = math.prod(self.mesh.shape[a] for a in axes)
         causal = sdpa_args(node).is_causal
         return n, causal and ring_balanced(info(node.args[0]).out.shape[2] // n)
@@ -342,8 +342,6 @@ class CostModel(EdgePrices):
         q, k, v = (self._local_bytes(x, p) for x, p in ((a.q, qp), (a.k, kp), (a.v, vp)))
         o = self._local_bytes(node, s.outputs[0])
         if layout.impl is CPImpl.RING:
-            from autopar.runtime.ring_attention import ring_attention_cost_factors
-
             n, balanced = self._ring(node, layout.cp_axes)
             _, transfers = ring_attention_cost_factors(n, a.is_causal, balanced)
             # the factor counts the zigzag re-layout in K/V blocks, true when q and the
@@ -365,8 +363,6 @@ class CostModel(EdgePrices):
         the mean rows per rank; a skewed router makes the busiest rank send and compute
         more than this says (no capacity limit caps it).  Experts split with tokens
         whole exchange nothing here (their Partial output is priced on its edge)."""
-        from autopar.sharding.rules.moe_experts import expert_axes
-
         ep, _ = expert_axes(s.inputs)
         if not ep:
             return 0.0

@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 from autopar.capture.grad_flow import dual
 from autopar.capture.ir import info, tensor_inputs
 from autopar.capture.layers import layers
+from autopar.capture.layers import layers as _layers
 from autopar.cost_models import MeshSpec
 from autopar.errors import PlanError
 from autopar.log import report
@@ -39,9 +40,18 @@ from autopar.search.solvers.cluster_detect import (
     find_clusters,
     shared_pricing,
 )
+from autopar.search.solvers.drec import drec_search, resolve_pins
+from autopar.search.solvers.drec_graph import _plan_nodes
+from autopar.search.solvers.drec_types import DRecOptions
 from autopar.search.solvers.ilp import solve_ilp
-from autopar.search.solvers.problem import InfeasibleError, StrategyProblem, evaluate
-from autopar.sharding.rules import OpStrategy
+from autopar.search.solvers.problem import (
+    InfeasibleError,
+    Solution,
+    SolveStatus,
+    StrategyProblem,
+    evaluate,
+)
+from autopar.sharding.rules import OpStrategy, RuleCtx, axis_strategies
 from autopar.sharding.rules.attention import restrict_attention
 from autopar.sharding.strategies import apply_pins, enumerate_strategies
 
@@ -223,8 +233,6 @@ def ilp_size(gm: fx.GraphModule, mesh_shape: tuple[int, ...]) -> tuple[int, int]
     """(sum of strategies over nodes, sum of edge matrix entries) the ILP would build,
     estimated without enumerating the product: a node with ``s`` 1-D strategies gets
     ``s ** axes`` (an upper bound: divisibility prunes some), axes of size 1 excluded."""
-    from autopar.search.solvers.drec_graph import _plan_nodes
-    from autopar.sharding.rules import RuleCtx, axis_strategies
 
     axes = sum(1 for n in mesh_shape if n > 1)
     ctx = RuleCtx(tuple(mesh_shape))
@@ -265,7 +273,6 @@ def choose_searcher(gm: fx.GraphModule, mesh: MeshSpec, opts: PlanOptions) -> tu
     nodes, entries = ilp_size(gm, tuple(mesh.shape))
     # identical repeated layers are priced once (shared pricing) and solved once
     # (clustering): only one layer's share of the entries costs build time
-    from autopar.capture.layers import layers as _layers
     reps = [lay for lay in _layers(gm) if lay.repeated]
     total = sum(len(lay.nodes) for lay in _layers(gm))
     if len(reps) > 1 and total:
@@ -305,9 +312,6 @@ def make_plan_drec(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts: Plan
                    why: str = "") -> Plan:
     """Plan with D-Rec, then price its choice exactly as the ILP's (a one-strategy
     problem per node), so objective, compute/comm/grad-sync and memory mean the same."""
-    from autopar.search.solvers.drec import drec_search, resolve_pins
-    from autopar.search.solvers.drec_types import DRecOptions
-    from autopar.search.solvers.problem import Solution, SolveStatus
 
     t0 = time.perf_counter()
     cm = cost_model(gm, mesh, opts)

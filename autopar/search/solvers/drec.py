@@ -80,7 +80,7 @@ from torch import fx
 from autopar.capture.ir import info
 from autopar.cost_models import MeshSpec
 from autopar.errors import PlanError
-from autopar.plans.placement import Placements, fmt_placements, valid_for_shape
+from autopar.plans.placement import Placements, fmt_placements, parse_placements, valid_for_shape
 from autopar.search.node_prices import CostModel
 
 # the search's parts live beside this driver: drec_types, drec_graph, drec_mindspore, drec_round
@@ -95,6 +95,7 @@ from autopar.search.solvers.drec_types import (
 )
 from autopar.search.solvers.problem import format_bytes
 from autopar.sharding.rules import OpStrategy
+from autopar.sharding.strategies import apply_pins
 
 __all__ = ["axis_order", "drec_search", "resolve_pins"]
 
@@ -125,8 +126,6 @@ def resolve_pins(gm: fx.GraphModule, pins: Mapping, mesh_shape: tuple[int, ...],
     ``apply_pins`` filters candidate lists; here every node's list holds each pinned value
     plus a sentinel, so a node it pinned is the one whose sentinel is gone.
     """
-    from autopar.plans.placement import parse_placements
-    from autopar.sharding.strategies import apply_pins
 
     if not pins:
         return {}
