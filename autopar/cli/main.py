@@ -288,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     # cycle: autopar.cli.check imports this one
     from autopar.cli.check import add_parser as check_parser
     check_parser(sub)
-    # cycle: autopar.cli.calibrate imports this one
+    # cycle: autopar.cli.calibrate imports this one (through autopar.cli.check)
     from autopar.cli.calibrate import add_parser as calibrate_parser
     calibrate_parser(sub)
     return ap

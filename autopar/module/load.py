@@ -152,7 +152,7 @@ def load_module(directory: str | Path, batch: str = "global", timeout: float = 6
     any rank starts collectives that its peers would never join.  ``batch`` is as in
     :func:`autopar.auto_parallel` (``"local"``: each data-parallel rank passes its part);
     ``timeout`` (seconds) is the collective timeout of a process group created here."""
-    # cycle: autopar.module.parallel imports this one
+    # cycle: autopar.module.parallel imports this one (through autopar.module.clone)
     from autopar.module.parallel import ParallelModule
 
     directory = Path(directory).absolute()

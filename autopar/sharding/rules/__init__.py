@@ -143,7 +143,7 @@ def _load_families() -> None:
     if _LOADED:
         return
     _LOADED = True
-    # cycle: autopar.sharding.rules.channel_norms imports this one
+    # cycle: every rule family (e.g. autopar.sharding.rules.channel_norms) imports this one
     from autopar.sharding.rules import (  # noqa: F401  (imports register the rules)
         attention,
         channel_norms,
