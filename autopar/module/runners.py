@@ -11,7 +11,7 @@ import torch
 from autopar.capture.grad_flow import loss_output
 from autopar.errors import PlanError
 from autopar.passes.split_stages import split_stages
-from autopar.plan.data import Plan
+from autopar.plans.data import Plan
 from autopar.runtime.pipeline import PipelineRunner
 from autopar.runtime.zero3 import defer
 
