@@ -10,7 +10,7 @@ import warnings
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autopar.report  # noqa: F401  (registers how a Plan prints and explains itself)
-from autopar.api import LazyParallel, ParallelModule, auto_parallel, plan
+from autopar.api import LazyParallel, auto_parallel, plan
 from autopar.cost_models import MeshSpec
 from autopar.errors import (
     AutoparError,
@@ -24,7 +24,9 @@ from autopar.errors import (
     PlanError,
 )
 from autopar.module.checkpoint import load_checkpoint, save_checkpoint
-from autopar.plan.data import Plan
+from autopar.module.load import load_module
+from autopar.module.parallel import ParallelModule
+from autopar.plans.data import Plan
 from autopar.verify import verify
 
 # autopar's own warnings show with every plan (the default filter shows a text once per
@@ -43,7 +45,6 @@ def load(directory, batch: str = "global", timeout: float = 600.0) -> ParallelMo
     into the same directory crashed mid-swap, the complete export beside it is loaded
     with a warning.  docs/reliability.md lists the faults and the errors.  ``batch`` and
     ``timeout`` (seconds, default 600) are as in :func:`auto_parallel`."""
-    from autopar.module.load import load_module
     return load_module(directory, batch=batch, timeout=timeout)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import time
@@ -12,19 +13,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopar import validate
 from autopar.capture.annotate import annotate
 from autopar.capture.trace import Captured, capture, named_tensors
 from autopar.cost_models import MeshSpec
+from autopar.cost_models.live import default_on, live_mesh
 from autopar.errors import ConfigError
 from autopar.log import log
 from autopar.module import habits
 from autopar.module.parallel import ParallelModule
+from autopar.module.shapes import structure_copy
 from autopar.module.state import TensorInfo
-from autopar.plan.data import Plan
-from autopar.plan.decisions import SEARCH_KNOBS, decision_options
+from autopar.passes.lower import lower
+from autopar.plans.data import Plan
+from autopar.plans.decisions import SEARCH_KNOBS, PlanOptions, decision_options, zero_axes
+from autopar.plans.kinds import Precision
+from autopar.plans.splits import micro_inputs
+from autopar.runtime import agree
 from autopar.runtime.inputs import BatchMode, InputBinder
-from autopar.runtime.mesh import local_device
-from autopar.search.op_placement import PlanOptions
+from autopar.runtime.mesh import init_mesh, init_plan_mesh, local_device
+from autopar.search.entry import joint_plan
 
 DEFAULT_TIMEOUT = 600.0  # seconds; gloo's own default is 30 minutes
 
@@ -33,25 +41,22 @@ def _seconds(timeout) -> float:
     """``timeout`` as seconds (a number or a ``datetime.timedelta``), validated."""
     t = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
-        from autopar.errors import ConfigError
         raise ConfigError(f"timeout={timeout!r}: expected a positive number of seconds or a "
                           "datetime.timedelta (default 600)")
     return float(t)
 
 
 def _mesh(mesh: MeshSpec | str | tuple | None) -> MeshSpec:
-    from autopar import validate
     return validate.mesh(mesh)
 
 
 def _capture_and_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec,
                       example_kwargs: dict | None, opts: PlanOptions) -> tuple[Captured, Plan]:
-    from autopar.search.entry import joint_plan
     return joint_plan(model, example_inputs, mesh, opts, example_kwargs)
 
 
 # what ``**decisions`` of plan() / auto_parallel() takes: the registry's forcing keywords
-# (autopar.plan.decisions.DECISIONS) and the search's own knobs
+# (autopar.plans.decisions.DECISIONS) and the search's own knobs
 _DECISION_KEYS = (*decision_options(), *SEARCH_KNOBS)
 
 
@@ -60,7 +65,6 @@ def _options(memory_budget, optimizer, time_limit, pins, decisions: Mapping,
     """PlanOptions from the public keyword arguments; ``decisions`` forces plan-level
     choices (``zero_stage``, ``pipeline_stages``, ``micro_batches``, ``schedule``,
     ``recompute``) or widens the search (``explore=True``)."""
-    from autopar import validate
     bad = sorted(set(decisions) - set(_DECISION_KEYS))
     if bad:
         raise TypeError(f"unknown option(s) {bad}; known: {', '.join(_DECISION_KEYS)}")
@@ -72,10 +76,8 @@ def _options(memory_budget, optimizer, time_limit, pins, decisions: Mapping,
     if d.get("recompute") is not None:
         d["recompute"] = tuple(d["recompute"])
     if d.get("zero_axes") is not None:
-        from autopar.plan.decisions import zero_axes
         d["zero_axes"] = zero_axes(d["zero_axes"])
     if "precision" in d:
-        from autopar.capture.mixed_precision import Precision
         d["precision"] = Precision.parse(d["precision"]).value
     return PlanOptions(memory_budget=memory_budget, optimizer=optimizer, time_limit=time_limit,
                        pins=dict(pins or {}), search=search, batch=batch, **d)
@@ -138,7 +140,6 @@ def _shared_plan(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: 
     on rank 0 is raised on every rank; the others wait for rank 0 at most ``timeout``
     seconds (:mod:`autopar.runtime.agree`).  No collective runs here: the caller checks
     that every rank arrived before its first one."""
-    from autopar.runtime import agree
     multi = dist.is_initialized() and dist.get_world_size() > 1
     if given is not None:
         return None, given
@@ -179,7 +180,6 @@ def _capture_for(model: nn.Module, example_inputs: tuple, example_kwargs: dict |
 def _capture_at(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None,
                 micro_batches: int, precision: str) -> Captured:
     """Capture and annotate ``model`` at the size of one of ``micro_batches`` micro-batches."""
-    from autopar.plan.splits import micro_inputs
     cap = capture(model, *micro_inputs((tuple(example_inputs), dict(example_kwargs or {})),
                                        micro_batches),
                   precision=precision)
@@ -209,19 +209,14 @@ def build_parallel_module(model: nn.Module, example_inputs: tuple, mesh: MeshSpe
 def _build(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOptions,
            example_kwargs: dict | None, runtime: bool, plan: Plan | None, batch: str,
            timeout: float, compile: bool | None, calibrate: Calibrate | None) -> ParallelModule:
-    from autopar.passes.lower import lower
-
     if runtime:
-        from autopar import validate
         validate.runnable_model(model)  # before joining: the same error on every rank
         # join the process group before planning so rank 0 can broadcast its plan
-        from autopar.runtime.mesh import init_mesh, init_plan_mesh
         if plan is not None:
             init_plan_mesh(plan, timeout=timeout)
         else:
             init_mesh(tuple(mesh.shape), timeout=timeout)
             if calibrate is not None:
-                from autopar.cost_models.live import live_mesh
                 mesh = live_mesh(mesh.shape, base=calibrate.base)
     cap, p = _shared_plan(model, example_inputs, mesh, opts, example_kwargs, plan, timeout)
     try:
@@ -232,7 +227,6 @@ def _build(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOp
         p.timings["lower"] = time.perf_counter() - t0
     except Exception as e:
         if runtime:
-            from autopar.runtime import agree
             agree.all_arrived(timeout, failure=e)  # every rank raises it, none waits
         raise
     # every parameter and buffer, persistent or not, under every name (tied weights)
@@ -241,7 +235,6 @@ def _build(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOp
         # rank 0 planned while the others waited, then every rank captured and lowered
         # at its own pace: meet before the first collective, bounded by ``timeout``
         # rather than the process group's own (maybe seconds) timeout
-        from autopar.runtime import agree
         agree.all_arrived(timeout)
         full = _from_rank0(full)
         _constants_from_rank0(gm, cap.aliases)
@@ -252,7 +245,6 @@ def _build(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOp
     pm.training = model.training  # the mode the graph was captured in
     pm.routes.training = model.training  # new shapes are captured in it too
     if runtime:  # other shapes are captured from the model's structure (fake tensors)
-        from autopar.module.shapes import structure_copy
         pm.routes.model, pm.routes.fake = structure_copy(model)
         # a shape whose graph is not the planned one: planned again, parameters kept
         pm.routes.replan = functools.partial(_replan, mesh=p.mesh, opts=opts, aliases=cap.aliases,
@@ -279,8 +271,6 @@ def _replan(model: nn.Module, args: tuple, kwargs: dict, plan: Plan, mesh: MeshS
     """``plan`` made again at the shape of ``(args, kwargs)``, every parameter pinned to its
     placement and ZeRO as planned, so the module's parameters serve it unchanged
     (:mod:`autopar.module.shapes`); rank 0 searches, every rank captures."""
-    import dataclasses
-
     d = plan.decisions
     pins = {aliases.get(t, [t])[0]: pl for t, pl in plan.params().items()}
     o = dataclasses.replace(opts, pins=pins, zero_stage=d.zero_stage,
@@ -306,8 +296,6 @@ def _calibration(calibrate: bool | None, mesh_arg, m: MeshSpec) -> Calibrate | N
     measured); by default (None) when the mesh names no machine (no mesh, or a shape:
     :func:`autopar.validate.describes_machine`) and ``AUTOPAR_CALIBRATE`` is not ``0``.
     Only in a process group: planning without one prices the presets."""
-    from autopar import validate
-    from autopar.cost_models.live import default_on
     if calibrate is not None and not isinstance(calibrate, bool):
         raise ConfigError(f"calibrate={calibrate!r}: expected True, False or None (default: "
                           "calibrate when no mesh description is named)")
@@ -488,4 +476,4 @@ def _decorate(target, mesh: MeshSpec, opts: PlanOptions, compile: bool | None = 
     raise TypeError(f"auto_parallel cannot wrap {type(target).__name__}")
 
 
-__all__ = ["LazyParallel", "ParallelModule", "auto_parallel", "build_parallel_module", "plan"]
+__all__ = ["LazyParallel", "auto_parallel", "build_parallel_module", "plan"]

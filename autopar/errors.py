@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+import warnings
 
 
 class AutoparError(Exception):
@@ -93,8 +95,6 @@ def user_stacklevel() -> int:
     one, attributing the warning to the first frame outside autopar (the user's
     ``plan(...)`` or ``auto_parallel(...)`` line); torch's and the standard library's frames between
     (export, contextlib) are skipped too, since the user did not write them either."""
-    import sys
-
     frame = sys._getframe(1)  # our caller, which passes the result to warnings.warn: level 1
     level = 1
     while frame is not None:
@@ -110,6 +110,4 @@ def user_stacklevel() -> int:
 def warn(message: str, category: type[Warning] | None = None) -> None:
     """``warnings.warn`` attributed to the user's call site (see :func:`user_stacklevel`);
     ``category`` defaults to :class:`AutoparWarning`."""
-    import warnings
-
     warnings.warn(message, category or AutoparWarning, stacklevel=user_stacklevel())

@@ -19,6 +19,9 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from rich.console import Console
+from rich.text import Text
+
 log = logging.getLogger("autopar")
 """The ``autopar`` logger (progress at INFO, detail at DEBUG)."""
 
@@ -47,8 +50,6 @@ class _Live:
         return f"[autopar {self.elapsed():6.1f} s{left}] {self.phase}"
 
     def _text(self):
-        from rich.text import Text
-
         return Text(self._status_text())  # plain text: "[autopar ...]" is not rich markup
 
     def update(self, message: str, done: bool) -> None:
@@ -86,8 +87,6 @@ def show(enabled: bool, time_limit: float | None = None,
         return
     live = _Live(time_limit, left)
     if sys.stderr.isatty():
-        from rich.console import Console
-
         live.console = Console(stderr=True)
         with live.console.status(live._text()) as status:
             live.status = status

@@ -25,7 +25,7 @@ from torch import nn
 from autopar.api import _options
 from autopar.cost_models import MeshSpec, format_bytes
 from autopar.errors import ConfigError
-from autopar.plan.splits import batch_rows, batch_size
+from autopar.plans.splits import batch_rows, batch_size
 from autopar.report.summary import summary_numbers
 from autopar.search.mesh_shapes import ShapeSearch
 
@@ -141,10 +141,10 @@ def scaling_json(points: list[ScalePoint]) -> str:
 
 def draw_scaling(points: list[ScalePoint], path: str) -> None:
     """Tokens/s per device and efficiency against the device count, as a PNG."""
-    import matplotlib
+    import matplotlib  # start-up: matplotlib costs ~1.2 s to import
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # start-up: matplotlib costs ~1.2 s to import
 
     ok = [p for p in points if math.isfinite(p.step_seconds)]
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -5,16 +5,20 @@ Python API as clear as the CLI).  docs/reliability.md lists them."""
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.cost_models import MeshSpec
-from autopar.cost_models.mesh import PRESET_NAMES
+from autopar.cost_models.presets import PRESET_NAMES
 from autopar.errors import ConfigError
-from autopar.plan.decisions import check_options
+from autopar.plans.decisions import check_options
 
 SEARCHES = ("auto", "ilp", "drec")
 _PLACEMENT = re.compile(r"(R|P|S\(-?\d+\))")
@@ -27,10 +31,6 @@ def mesh(value) -> MeshSpec:
     """A :class:`MeshSpec` from ``mesh=``: a MeshSpec, ``None`` (the world as a 1-D mesh)
     or a shape (``"2x4"``, ``8``, ``(2, 4)``), each priced as :func:`_this_machine` says
     until ``auto_parallel`` calibrates the job, a preset name, JSON text or a JSON file."""
-    import os
-
-    import torch.distributed as dist
-
     if isinstance(value, MeshSpec):
         return value
     if value is None:
@@ -72,8 +72,6 @@ def _this_machine(shape: tuple[int, ...]) -> MeshSpec:
     """The figures a mesh of ``shape`` is priced on when only its shape is named: the
     nearest GPU preset with this GPU's memory (:meth:`MeshSpec.for_device`) where CUDA is
     available, else ``cpu-gloo``."""
-    import math
-    import os
 
     if torch.cuda.is_available():  # the runtime computes on this rank's GPU (NCCL)
         props = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0")))
@@ -100,7 +98,6 @@ def placement_string(key: str, value) -> None:
             raise ConfigError(f"pins[{key!r}]={value!r}: not a placement string; each mesh axis "
                               "takes R, P or S(dim) with an integer dim, e.g. 'S(0)R'")
     elif isinstance(value, (tuple, list)):
-        from torch.distributed.tensor import Partial, Replicate, Shard
         if not all(isinstance(p, (Shard, Replicate, Partial)) for p in value):
             raise ConfigError(f"pins[{key!r}]={value!r}: expected Shard/Replicate/Partial objects")
     else:

@@ -46,10 +46,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopar.api import auto_parallel
+from autopar.api import plan as make_plan
 from autopar.cost_models import MeshSpec
 from autopar.errors import AutoparError, ConfigError
-from autopar.plan.data import Plan, register_reader
-from autopar.plan.decisions import decision_key
+from autopar.plans.data import Plan, register_reader, versions
+from autopar.plans.decisions import decision_key
+from autopar.report.summary import summary_numbers
+from autopar.runtime import agree
+from autopar.runtime.mesh import local_device
+from autopar.validate import mesh as to_mesh
 
 PICKS = ("measured", "predicted")
 """What :func:`verify` picks: the measured fastest candidate, or the predicted fastest."""
@@ -90,8 +96,6 @@ class Shortlist:
 def label(plan: Plan) -> str:
     """A plan in words: the mesh axes' roles (``dp2``, ``dp2 x tp2``), the pipeline
     (``pp2 x 1f1b x 2 mb``), ZeRO (``zero3``), accumulation (``8 mb``), recomputation."""
-    from autopar.report.summary import summary_numbers
-
     d = plan.decisions
     # "R": every rank of the axis computes the same (the model is too small to split)
     axes = [f"{'rep' if a['role'] == 'R' else a['role'].lower()}{a['size']}"
@@ -115,7 +119,7 @@ def label(plan: Plan) -> str:
 
 def candidate_key(plan: Plan) -> tuple:
     """What makes two plans the same candidate: mesh shape, every field a plan-level
-    decision records (:func:`~autopar.plan.decisions.decision_key`, from the registry)
+    decision records (:func:`~autopar.plans.decisions.decision_key`, from the registry)
     and every parameter's placement (two plans that agree on these lower to the same
     code up to activation layouts, which follow from them)."""
     return (tuple(plan.mesh.shape), decision_key(plan.decisions),
@@ -163,8 +167,6 @@ def shortlist(model: nn.Module, example_inputs: tuple = (), mesh: MeshSpec | str
     split, the mesh does not fit the pins) is left out and said why in ``skipped``; the
     search's own plan failing is an error.  ``candidates`` replaces the generated plans.
     ``include`` plans are always kept (they count towards ``k``)."""
-    from autopar.api import plan as make_plan
-    from autopar.validate import mesh as to_mesh
 
     _positive("k", k)
     pool: list[Candidate] = [Candidate(p, "verified plan") for p in include]
@@ -314,7 +316,6 @@ def join(timeout: float = 600.0) -> None:
     if "RANK" not in os.environ:
         raise ConfigError("verify measures candidate plans on the live job: call it on every "
                           "rank under torchrun (or after init_process_group)")
-    from autopar.runtime.mesh import local_device
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
@@ -326,8 +327,6 @@ def _shared(make: Callable[[], Shortlist], store: str | Path | None, timeout: fl
     """Rank 0 makes the shortlist and every rank gets it through JSON (rank 0's too, so
     all hold equal plans and the caller's objects are never touched); an error on rank 0
     (planning, an unwritable ``store``) is raised on every rank."""
-    from autopar.runtime import agree
-
     multi = dist.is_initialized() and dist.get_world_size() > 1
     if not multi or dist.get_rank() == 0:
         try:
@@ -372,8 +371,6 @@ def _measure(c: Candidate, model: nn.Module, example_inputs: tuple, example_kwar
              steps: int, warmup: int, optimizer: str, timeout: float) -> list[float]:
     """Build ``c``'s module on a deep copy of ``model`` and time ``steps`` training
     steps (zero_grad, forward and backward of the whole batch, optimizer step)."""
-    from autopar.api import auto_parallel
-
     # candidates on different meshes (pipelines carve a stage axis) each get theirs from
     # init_mesh, and every module runs on its own (runtime.mesh.activate).  Copies:
     # training must not touch the caller's model, and building writes the rank's own
@@ -395,8 +392,6 @@ def _measure(c: Candidate, model: nn.Module, example_inputs: tuple, example_kwar
 
 def _write(store: str | Path, report: VerifyReport, model: nn.Module) -> None:
     """Append one JSON line per row: what a calibration needs to learn from it."""
-    from autopar.plan.data import versions
-    from autopar.report.summary import summary_numbers
 
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     with open(store, "a") as f:

@@ -78,7 +78,7 @@ def _build(name: str, heads: int, pins, cp: str | None, shape: dict):
 
     import autopar
     from autopar import MeshSpec
-    from autopar.report.summary import layout
+    from autopar.plans.roles import layout
     from autopar.runtime.mesh import reset
 
     model, (x, y) = gpt.build(heads=heads, **shape)

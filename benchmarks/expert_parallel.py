@@ -115,7 +115,7 @@ def _build(name: str, pins, shape: dict):
 
     import autopar
     from autopar import MeshSpec
-    from autopar.report.summary import layout
+    from autopar.plans.roles import layout
     from autopar.runtime.mesh import reset
 
     model, (x, y) = moe.build(**shape)

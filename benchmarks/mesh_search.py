@@ -47,7 +47,7 @@ def _plan(model, n: int, mesh):
 def cell(name: str, n: int) -> list[str]:
     from autopar import MeshSpec
     from autopar.errors import PlanError
-    from autopar.report.summary import layout
+    from autopar.plans.roles import layout
 
     model = _model(name)
     try:  # torch.export's and transformers' one-time set-up, untimed

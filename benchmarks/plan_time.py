@@ -48,7 +48,7 @@ def measure(layers: int, time_limit: float) -> dict:
 
     from autopar import MeshSpec
     from autopar.api import build_parallel_module
-    from autopar.search.op_placement import PlanOptions
+    from autopar.plans.decisions import PlanOptions
 
     sys.path.insert(0, str(ROOT))
     from examples.gpt import build

@@ -129,7 +129,7 @@ class Reference:
     def megatron_micro_batches(self) -> list[int]:
         """The joint search's own micro-batch counts (every count dividing the batch, at
         least one per stage) whose micro-batch splits over the DP ranks."""
-        from autopar.plan.splits import micro_counts
+        from autopar.plans.splits import micro_counts
 
         return [m for m in micro_counts(self.batch, self.pp) if (self.batch // m) % self.dp == 0]
 
@@ -216,7 +216,7 @@ def axis_roles(plan) -> tuple[list[str], int, int, str]:
     are not, ``dp+w`` (both: weights sharded as in FSDP), ``sp`` (activations sharded on
     the sequence dim) or ``rep`` (neither).  Returns (roles, TP size, DP size, the other
     axes as text)."""
-    from autopar.plan.placement import is_shard, parse_placements
+    from autopar.plans.placement import is_shard, parse_placements
 
     shape = tuple(plan.mesh.shape)
     first = next(n for n in plan.nodes.values()

@@ -72,7 +72,8 @@ def measure_model(layers: int, devices: list[int], time_limit: float, budget: fl
     from autopar import MeshSpec
     from autopar.capture.annotate import annotate
     from autopar.capture.trace import capture
-    from autopar.search.op_placement import PlanOptions, make_plan
+    from autopar.plans.decisions import PlanOptions
+    from autopar.search.op_placement import make_plan
 
     sys.path.insert(0, str(ROOT))
     from examples.gpt import build

@@ -77,13 +77,8 @@ def measure(name: str, devices: int, time_limit: float, flat: bool) -> dict:
     from autopar.capture.annotate import annotate
     from autopar.capture.trace import capture
     from autopar.errors import PlanError
-    from autopar.search.op_placement import (
-        PlanOptions,
-        _solve,
-        build_problem,
-        cost_model,
-        make_plan,
-    )
+    from autopar.plans.decisions import PlanOptions
+    from autopar.search.op_placement import _solve, build_problem, cost_model, make_plan
     from autopar.sharding.strategies import enumerate_strategies
 
     model = _model(name)

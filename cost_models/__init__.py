@@ -5,7 +5,7 @@ package can depend on it without cycles. ``calibrate`` imports torch lazily.
 """
 
 from .calibrate import Calibration, calibrate, fit_alpha_beta, measure_cluster
-from .collectives import (
+from .collective_costs import (
     CollectiveKind,
     all_gather_time,
     all_reduce_time,
@@ -20,6 +20,7 @@ from .collectives import (
     send_recv_time,
 )
 from .compute import compute_time, kernel_rate, matmul_flops, optimizer_step_time
+from .link import LinkSpec
 from .memory import (
     MemoryBreakdown,
     OptimizerKind,
@@ -27,7 +28,8 @@ from .memory import (
     optimizer_state_bytes,
     peak_live_bytes,
 )
-from .mesh import PRESET_NAMES, LinkSpec, MeshSpec
+from .mesh import MeshSpec
+from .presets import PRESET_NAMES
 from .refine import Refinement, refine
 
 __all__ = [

@@ -45,6 +45,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from .link import LinkSpec
 from .measure import (
     Sample,
     collective_samples,
@@ -53,7 +58,7 @@ from .measure import (
     optimizer_rates,
 )
 from .measure_sync import collective_pairing, idle_reuse, overlap_fraction, straggler, sync_penalty
-from .mesh import LinkSpec, MeshSpec
+from .mesh import MeshSpec
 
 __all__ = ["FITTED_KINDS", "Calibration", "calibrate", "fit_alpha_beta", "kind_coefficients",
            "measure_cluster"]
@@ -65,7 +70,7 @@ FITTED_KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "
 
 def kind_coefficients(kind: str, p: int) -> tuple[float, float]:
     """``(c_alpha, c_beta)`` of ``kind`` on ``p`` ranks: its time is ``c_alpha * alpha +
-    c_beta * S / beta`` (the ring formulas of :mod:`~autopar.cost_models.collectives`)."""
+    c_beta * S / beta`` (the ring formulas of :mod:`~autopar.cost_models.collective_costs`)."""
     if kind == "all_reduce":
         return 2.0 * (p - 1), 2.0 * (p - 1) / p
     if kind in ("all_gather", "reduce_scatter", "all_to_all"):
@@ -227,7 +232,6 @@ def _axis_groups(group: Any, shape: tuple[int, ...] | None, device_type: str) ->
     """One process group per mesh axis containing this rank (``group`` for a 1-D mesh)."""
     if shape is None or len(shape) == 1:
         return [group]
-    from torch.distributed.device_mesh import init_device_mesh
 
     if group is not None:
         raise ValueError("calibrate(): give either group (1-D) or shape, not both")
@@ -280,8 +284,6 @@ class _Device:
 
 def _device(cuda: bool, quick: bool) -> _Device:
     """The :class:`_Device` for this rank (a third of each rate's run time when ``quick``)."""
-    import torch
-
     if cuda:
         device = torch.device("cuda", torch.cuda.current_device())
 
@@ -381,8 +383,6 @@ def _sync_probes(group: Any, axis_group: Any, ranks: int, world: int, sizes: tup
 def _capacity(base: MeshSpec | None, dev: _Device, group: Any) -> float:
     """Device memory: ``base``'s, else the device's (a CPU rank's share of the host),
     the MIN over ranks (a negated MAX) so every rank plans for the smallest device."""
-    import torch
-
     if base is not None:
         capacity = base.mem_capacity
     elif dev.cuda:
@@ -413,8 +413,6 @@ def measure_cluster(group: Any = None, sizes: Sequence[int] | None = None, repea
     keep every size and ``repeats`` (0.8 s of the 28 at 5): with three sizes at 3
     repetitions one slow 4 MiB sample set a run's bandwidth 1.4-1.8x below the others'
     (2026-11-28) and its predicted steps 25% over the measured ones."""
-    import torch.distributed as dist
-
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("calibrate() needs an initialised torch.distributed process group")
     kinds = _checked_kinds(repeats, kinds)

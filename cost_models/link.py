@@ -49,7 +49,7 @@ class LinkSpec:
 
     ``kinds`` holds ``(kind, alpha, beta)`` for collective kinds that behave unlike the
     link's all-reduce, each used in that kind's own formula
-    (:mod:`autopar.cost_models.collectives`): :func:`~autopar.cost_models.calibrate`
+    (:mod:`autopar.cost_models.collective_costs`): :func:`~autopar.cost_models.calibrate`
     fits one per kind from measured curves, and the cpu-gloo preset uses one for gloo's
     reduce-scatter, which runs as a whole all-reduce.  A kind not listed uses ``alpha``
     and ``beta``.

@@ -30,6 +30,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+from .calibrate import measure_cluster
 from .mesh import MeshSpec
 
 __all__ = ["ENV", "VERSION", "cache_dir", "cache_path", "cluster_key", "cpu_model", "default_on",
@@ -88,8 +92,6 @@ def cpu_model() -> str:
 
 def _device_name() -> str:
     """This rank's device: the GPU's name under CUDA, else the CPU's model and cores."""
-    import torch
-
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(torch.cuda.current_device())
     return f"{cpu_model()} x{os.cpu_count()}"
@@ -101,8 +103,6 @@ def cluster_key(shape: Sequence[int], group: Any = None) -> dict[str, Any]:
     threads in rank order (which ranks share a host, and so cores or a node's links),
     the world size, the mesh shape (each axis is measured on its own groups), the
     backend, torch's version and :data:`VERSION`."""
-    import torch
-    import torch.distributed as dist
 
     world = dist.get_world_size(group)
     mine = (socket.gethostname(), _device_name(), torch.get_num_threads())
@@ -169,8 +169,6 @@ def keep(record: Any, shape: Sequence[int], group: Any = None) -> Path | None:
     of ``shape``: :func:`live_mesh`, and so ``auto_parallel``, then plans on it instead of
     measuring its quick one.  Every rank calls it (:func:`cluster_key`); rank 0 writes and
     gets the path back (None elsewhere, or where the file could not be written)."""
-    import torch.distributed as dist
-
     key = cluster_key(MeshSpec.parse_shape(tuple(shape)), group)
     if dist.get_rank(group) != 0:
         return None
@@ -187,10 +185,6 @@ def live_mesh(shape: Sequence[int], base: MeshSpec | None = None, refresh: bool 
     world) calls it.  ``base`` supplies what is not measured (as in ``measure_cluster``);
     ``refresh`` (default: ``AUTOPAR_CALIBRATE=refresh``) measures even when a file is
     kept.  The MeshSpec's ``name`` says where its numbers came from, for the summary."""
-    import torch.distributed as dist
-
-    from .calibrate import measure_cluster
-
     if refresh is None:
         refresh = _setting() == "refresh"
     shape = MeshSpec.parse_shape(tuple(shape))

@@ -19,6 +19,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+
 __all__ = ["Sample", "collective_samples", "compute_rates", "iqr", "max_over_ranks",
            "matmul_block", "mean_over_ranks", "median", "optimizer_rates", "timed_rounds",
            "timed_samples"]
@@ -58,8 +63,6 @@ class Sample:
 
 def max_over_ranks(values: Sequence[float], group: Any, device: Any) -> list[float]:
     """Element-wise MAX of ``values`` over the ranks of ``group`` (identical on every rank)."""
-    import torch
-    import torch.distributed as dist
 
     if not values:
         return []
@@ -100,8 +103,6 @@ def _collective(kind: str, group: Any, nbytes: int, device: Any) -> tuple[Callab
     meaning: full bytes for all-gather / reduce-scatter, per-rank bytes for all-to-all, the
     message for send/recv, which is a ring: each rank sends to the next and receives from
     the last), and the bytes it really moves (fp32 elements, divisible by the ranks)."""
-    import torch.distributed as dist
-
     group = group if group is not None else dist.group.WORLD
     p = dist.get_world_size(group)
     n = max(p, nbytes // 4 // p * p)  # fp32 elements, divisible by the ranks
@@ -110,8 +111,6 @@ def _collective(kind: str, group: Any, nbytes: int, device: Any) -> tuple[Callab
 
 def _issue(kind: str, group: Any, p: int, n: int, device: Any) -> Callable[[], None]:
     """The closure of :func:`_collective` on ``n`` fp32 elements."""
-    import torch
-    import torch.distributed as dist
 
     f32 = torch.float32
     if kind == "all_reduce":
@@ -150,8 +149,6 @@ def collective_samples(kind: str, group: Any, sizes: Sequence[int], repeats: int
     ``repeats``, the MAX taken over ``job`` (default: the world), which holds every group
     of a mesh axis: each rank times its own axis group, and every rank must still derive
     the same numbers."""
-    import torch.distributed as dist
-
     meds, spreads, moved = [], [], []
     for nb in sizes:
         fn, real = _collective(kind, group, nb, device)
@@ -191,8 +188,6 @@ def compute_rates(group: Any, device: Any, dtype: Any, sizes: Sequence[int], cop
     running it at once (barrier first) and averaged over the ranks: where ranks share cores, the slowest rank over a
     fraction of a second is the scheduler's noise (21-46 GFLOP/s between runs here, 4
     ranks on 2 cores), while over a training step every rank gets its share."""
-    import torch
-    import torch.distributed as dist
 
     rates = []
     for n in sizes:
@@ -235,8 +230,6 @@ def matmul_block(d: int) -> Any:
     prices those as nodes of their own (roofline on their bytes), so a rate that timed
     them as matmul FLOPs counted them twice (with a LayerNorm and a GELU in the block,
     matmul-heavy models were priced ~30% slow on their matmuls)."""
-    import torch
-
     return torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d))
 
 
@@ -246,8 +239,6 @@ def _block_rate(group: Any, device: Any, dtype: Any, d: int, tokens: int, min_se
     on ``tokens`` rows, autograd included (3 x the forward's FLOPs).  It is the rate the
     model's matmuls reach inside a real backward, with non-square shapes and weight
     gradients, unlike square matmuls alone."""
-    import torch
-    import torch.distributed as dist
 
     blk = matmul_block(d).to(device=device, dtype=dtype)
     x = torch.randn(tokens, d, device=device, dtype=dtype, requires_grad=True)
@@ -275,8 +266,6 @@ def _activation_bandwidth(group: Any, device: Any, dtype: Any, d: int, tokens: i
     saved long before, GELU and SiLU are bound by their arithmetic, not by memory), and
     this block measures 12-16 GB/s; priced at the copy's rate, every model's elementwise
     work came out 2.5x fast, most for a model made of many small ops."""
-    import torch
-    import torch.distributed as dist
 
     norm = torch.nn.LayerNorm(d).to(device=device, dtype=dtype)
     x = torch.randn(tokens, d, device=device, dtype=dtype, requires_grad=True)
@@ -295,8 +284,6 @@ def _activation_bandwidth(group: Any, device: Any, dtype: Any, d: int, tokens: i
 
 def mean_over_ranks(values: Sequence[float], group: Any, device: Any) -> list[float]:
     """Element-wise mean of ``values`` over the ranks of ``group`` (identical on every rank)."""
-    import torch
-    import torch.distributed as dist
 
     vec = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
     dist.all_reduce(vec, group=group)  # SUM
@@ -340,10 +327,6 @@ def optimizer_rates(group: Any, device: Any, elements: int, min_seconds: float,
     15x their bytes' time, and the 4-layer GPT's 69 and the Llama's 21 tensors stepped in
     6.1 and 2.0 ms of a training loop, priced 3.1 and 0.7 from the bandwidth of 8 large
     tensors timed back to back, whose caches a training step's activations flush."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Replicate
 
     blk = matmul_block(width).to(device=device, dtype=dtype or torch.float32)
     x = torch.randn(tokens, width, device=device, dtype=dtype or torch.float32, requires_grad=True)

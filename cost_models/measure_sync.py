@@ -15,6 +15,9 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from .measure import (
     Sync,
     _rate,
@@ -57,8 +60,6 @@ def overlap_fraction(group: Any, nbytes: int, device: Any, dtype: Any, mm_n: int
     ``T = C + A - C * overlap`` while ``C < A``; hence ``overlap = (C + A - T) / C``.  On
     GPUs ``T ~ A`` (overlap 1); where ranks share cores, communication also takes the
     compute's cycles and ``T`` nears ``C + A`` (overlap near 0)."""
-    import torch
-    import torch.distributed as dist
 
     buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     a = torch.randn(mm_n, mm_n, dtype=dtype, device=device)
@@ -108,8 +109,6 @@ def collective_pairing(group: Any, device: Any, repeats: int, sync: Sync, job: A
     that runs a group's collectives one at a time (NCCL's stream per communicator)
     gives 0; gloo's worker threads run two at once (multi-copy overlap's twin
     collectives, :func:`autopar.search.stages.step_terms.copies_hidden`)."""
-    import torch
-    import torch.distributed as dist
 
     one = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
     two = torch.ones_like(one)
@@ -175,8 +174,6 @@ def idle_reuse(group: Any, device: Any, dtype: Any, n: int, min_seconds: float,
     reuse) = 2 / r``.  In [0, 0.95]: 0 where every rank has a device of its own
     (``r = 1``), the cap for 4 ranks on 2 cores (``r = 2``: the cores never idle, the
     bubble costs nothing)."""
-    import torch
-    import torch.distributed as dist
 
     p = dist.get_world_size(group)
     if p < 2:
@@ -206,8 +203,6 @@ def straggler(group: Any, device: Any, dtype: Any, d: int, tokens: int, repeats:
     between collectives, and where ranks share cores the scheduler is unfair over tens
     of milliseconds (4 gloo ranks on 2 cores: 1.04 at 50 ms, 1.11-1.14 at 15 ms; 1.12
     and 1.21-1.29 with one more busy process).  On a GPU per rank it is about 1."""
-    import torch
-    import torch.distributed as dist
 
     blk = matmul_block(d).to(device=device, dtype=dtype)
     x = torch.randn(tokens, d, device=device, dtype=dtype, requires_grad=True)
@@ -252,8 +247,6 @@ def sync_penalty(group: Any, device: Any, dtype: Any, mm_n: int, repeats: int, s
     all-reduces cost 1.5-2x their price after a barrier.
     On a GPU the collectives queue behind the kernels on the device and the penalty is
     near 0."""
-    import torch
-    import torch.distributed as dist
 
     buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
     a = torch.randn(mm_n, mm_n, dtype=dtype, device=device)

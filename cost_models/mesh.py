@@ -30,10 +30,10 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import torch
 
-from .link import KIND_NAMES, LinkSpec, _check_int
+from .link import LinkSpec, _check_int
 from .presets import _PRESETS, PRESET_NAMES, _derive_links
 
-__all__ = ["KIND_NAMES", "PRESET_NAMES", "RANGES", "Interval", "LinkSpec", "MeshSpec"]
+__all__ = ["RANGES", "Interval", "MeshSpec"]
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ class MeshSpec:
     spans several link levels (NCCL: ``("all_gather", "reduce_scatter")``, the GPU
     presets' default): priced on the slowest level's link at its bandwidth times the
     ranks of the faster levels, instead of the ideal hierarchical composition
-    (:func:`autopar.cost_models.collectives.collective_time`)."""
+    (:func:`autopar.cost_models.collective_costs.collective_time`)."""
     straggler: float = 1.0
     """The slowest rank's compute time against the ranks' mean over a step-long window
     (>= 1): a synchronous step goes at the slowest rank's pace, and where ranks share
@@ -162,7 +162,7 @@ class MeshSpec:
     """The compute before each collective when ``sync_seconds`` was measured (the
     calibration's chunk, about 20 ms on CPU); 0 where unknown (the presets, older
     JSON).  A wait after longer compute pays more
-    (:func:`autopar.cost_models.collectives.drift_after`)."""
+    (:func:`autopar.cost_models.collective_costs.drift_after`)."""
     split_backward: float = 1.0
     """A backward split into ``B`` and ``W`` (the zero-bubble schedule,
     :mod:`autopar.runtime.split_backward`) over the same backward run whole (>= 1):

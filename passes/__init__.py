@@ -4,5 +4,5 @@ Each pass is a function ``(GraphModule, plan) -> GraphModule`` whose docstring s
 what holds before and after: ``lower`` (shard, insert collectives, ``localize`` local op
 forms), ``recompute``, ``split_stages``, ``device``, ``train_mode``.  Installed as
 ``autopar.passes``; it may import :mod:`autopar.sharding`, :mod:`autopar.capture`,
-:mod:`autopar.runtime`, :mod:`autopar.plan` and :mod:`autopar.cost_models`.
+:mod:`autopar.runtime`, :mod:`autopar.plans` and :mod:`autopar.cost_models`.
 """

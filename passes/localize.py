@@ -18,19 +18,21 @@ import math
 
 import torch
 from torch import fx
+from torch.distributed.tensor import Shard
 
 from autopar.capture.ir import info
-from autopar.plan.data import Plan
-from autopar.plan.decisions import applies
-from autopar.plan.placement import Placements, Shard, fmt_placements, local_shape, parse_placements
+from autopar.plans.data import Plan
+from autopar.plans.decisions import applies
+from autopar.plans.placement import Placements, fmt_placements, local_shape, parse_placements
 from autopar.runtime import context as CP
 from autopar.runtime import ops as O
 from autopar.runtime.experts import MOE_EXPERTS
+from autopar.runtime.ring_attention import ring_attention
 from autopar.runtime.rng import sharded_dropout
 from autopar.sharding.rules.attention import SDPA, CPImpl, context_layout, sdpa_args
 from autopar.sharding.rules.channel_norms import localize_batch_norm, localize_group_norm
 from autopar.sharding.rules.conv import CONVS, conv_groups, local_groups
-from autopar.sharding.rules.experts import localize_experts
+from autopar.sharding.rules.moe_experts import localize_experts
 from autopar.sharding.rules.reductions import reduced_dims
 from autopar.sharding.rules.statistics import SPLIT_REDUCTIONS, localize_statistics
 
@@ -171,8 +173,6 @@ def _localize_attention(node: fx.Node, ins: list[Placements], mesh: tuple[int, .
         return
     a = sdpa_args(node)
     if layout.impl is CPImpl.RING:
-        from autopar.runtime.ring_attention import ring_attention
-
         node.target = ring_attention
         node.args = (a.q, a.k, a.v, a.mask, a.is_causal, a.scale, layout.cp_axes)
     else:

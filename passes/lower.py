@@ -27,11 +27,12 @@ import operator
 
 from autopar.passes.localize import HOISTED, SCALED_FROM, localize
 from torch import fx
+from torch.distributed.tensor import Shard
 
 from autopar.capture.ir import META_KEY, info, tensor_inputs
 from autopar.capture.layers import POST, PRE
-from autopar.plan.data import Plan
-from autopar.plan.placement import Placements, R, Shard, graph_batch, parse_placements
+from autopar.plans.data import Plan
+from autopar.plans.placement import Placements, R, graph_batch, parse_placements
 from autopar.runtime import collectives as C
 from autopar.runtime.inputs import passthrough_inputs
 from autopar.runtime.pending import pending_sum

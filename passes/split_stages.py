@@ -54,7 +54,7 @@ import torch
 from torch import fx, nn
 
 from autopar.errors import PlanError
-from autopar.plan.data import Plan
+from autopar.plans.data import Plan
 from autopar.runtime.stage_graph import StageGraph
 
 LAYER_KEY = "autopar_layer"
@@ -300,4 +300,4 @@ def _shape(node: fx.Node) -> tuple[int, ...] | None:
     return tuple(int(x) for x in val.shape) if isinstance(val, torch.Tensor) else None
 
 
-__all__ = ["LAYER_KEY", "StageGraph", "input_only", "split_stages"]
+__all__ = ["LAYER_KEY", "input_only", "split_stages"]

@@ -33,9 +33,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
-from autopar.capture.mixed_precision import Precision
 from autopar.capture.trace import Captured, captured, export_module, finish
 from autopar.log import log
+from autopar.plans.kinds import Precision
 
 _SYM = (torch.SymInt, torch.SymBool, torch.SymFloat)
 

@@ -42,7 +42,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
-from autopar.plan.decisions import Precision, applies
+from autopar.plans.decisions import applies
+from autopar.plans.kinds import Precision
 
 aten = torch.ops.aten
 
@@ -188,4 +189,4 @@ class _CastingProp(FakeTensorProp):
         return self.casts[key]
 
 
-__all__ = ["EXPERT_WEIGHTS", "FULL_PRECISION", "LOW_PRECISION", "Precision", "apply_mixed_precision"]
+__all__ = ["EXPERT_WEIGHTS", "FULL_PRECISION", "LOW_PRECISION", "apply_mixed_precision"]

@@ -20,13 +20,14 @@ from torch import fx, nn
 from autopar.capture.batch_index import rows_as_slices
 from autopar.capture.causal_mask import fold_causal_masks
 from autopar.capture.checks import custom_function_guard, data_dependent_error
-from autopar.capture.experts import experts_as_op
 from autopar.capture.grad_regions import inline_grad_regions, mark_tables
-from autopar.capture.mixed_precision import Precision, apply_mixed_precision
+from autopar.capture.hf_experts import experts_as_op
+from autopar.capture.mixed_precision import apply_mixed_precision
 from autopar.capture.scalar_reads import replicate_scalar_reads
 from autopar.capture.side_views import duplicate_side_views
 from autopar.capture.user_checkpoint import checkpoint_regions
 from autopar.errors import AutoparWarning, CaptureError, user_stacklevel
+from autopar.plans.kinds import Precision
 
 _DROP_TARGETS = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size"}
 
@@ -37,6 +38,7 @@ def _lazy_code() -> contextlib.AbstractContextManager:
     generated once, when used (about a sixth of Llama-3 8B's capture).  A private torch
     switch (used by inductor): where torch lacks it, capture regenerates the code each time."""
     try:
+        # optional: a private torch module, missing from some torch versions
         from torch.fx._lazy_graph_module import _use_lazy_graph_module
     except ImportError:  # pragma: no cover - torch without it
         return contextlib.nullcontext()

@@ -5,6 +5,7 @@ The top layer: it may import everything below it (the API, search, report, modul
 nothing imports it.
 """
 
-from autopar.cli.main import CLIError, main
+from autopar.cli.args import CLIError
+from autopar.cli.main import main
 
 __all__ = ["CLIError", "main"]

@@ -9,6 +9,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from autopar.plans.placement import parse_placements
+
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -55,8 +57,6 @@ def parse_kv(items: Sequence[str], what: str) -> dict[str, str]:
 
 def parse_pins(items: Sequence[str]) -> dict[str, str]:
     """``--pin NAME=PLACEMENTS`` values, with the placements checked for syntax."""
-    from autopar.plan.placement import parse_placements
-
     pins = parse_kv(items, "--pin")
     for name, value in pins.items():
         try:

@@ -22,18 +22,20 @@ from __future__ import annotations
 
 import math
 
+import torch.distributed as dist
+
+from autopar.cli.args import CLIError, parse_bytes
 from autopar.cli.check import leave, require_torchrun
-from autopar.cli.main import CLIError, parse_bytes
+from autopar.cost_models import MeshSpec, measure_cluster
+from autopar.cost_models.live import keep
+from autopar.cost_models.refine import read_rows, refine
+from autopar.verify import join
 
 __all__ = ["add_parser", "cmd_calibrate"]
 
 
 def cmd_calibrate(args) -> int:
     """``autopar calibrate``: measure on every rank, rank 0 writes and prints."""
-    import torch.distributed as dist
-
-    from autopar.cost_models import MeshSpec, measure_cluster
-    from autopar.verify import join
 
     if args.refine:
         return _refine(args)
@@ -73,7 +75,6 @@ def cmd_calibrate(args) -> int:
                 raise CLIError(f"cannot write {args.out}: {e.strerror or e}") from None
             print(f"mesh written to {args.out} (use it with --mesh-json {args.out})")
         if args.keep:
-            from autopar.cost_models.live import keep
             kept = keep(record, shape or (world,))
             if kept is not None:
                 print(f"kept as this cluster's calibration in {kept}: auto_parallel plans on "
@@ -86,8 +87,6 @@ def cmd_calibrate(args) -> int:
 def _refine(args) -> int:
     """``--refine MESH.json --measurements M.jsonl``: no torchrun, no measuring; rescale
     the mesh to the steps ``autopar check --store`` measured with it."""
-    from autopar.cost_models import MeshSpec
-    from autopar.cost_models.refine import read_rows, refine
 
     if not args.measurements:
         raise CLIError("--refine needs --measurements M.jsonl (written by autopar check --store)")

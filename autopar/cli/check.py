@@ -21,24 +21,17 @@ import json
 import os
 import sys
 
-from autopar.cli.main import (
-    CLIError,
-    _literal,
-    build_model,
-    load_factory,
-    make_mesh,
-    parse_bytes,
-    parse_kv,
-    parse_pins,
-)
+import torch.distributed as dist
+
+from autopar.cli.args import CLIError, _literal, parse_bytes, parse_kv, parse_pins
+from autopar.cli.main import build_model, load_factory, make_mesh
+from autopar.cli.tools import read_plan
+from autopar.errors import LoadError
+from autopar.verify import PICKS, verify
 
 
 def cmd_check(args) -> int:
     """``autopar check``: shortlist, measure, report; rank 0 prints."""
-    import torch.distributed as dist
-
-    from autopar.verify import PICKS, verify
-
     world = require_torchrun("autopar check measures candidate plans on the live job",
                              "torchrun --nproc-per-node 2 --no-python autopar check FILE.py ...")
     for flag, value, least in (("--k", args.k, 1), ("--steps", args.steps, 1),
@@ -85,8 +78,6 @@ def cmd_check(args) -> int:
 def _read_plans(paths: list[str]) -> list:
     """``--candidates``: saved plans (JSON files or export directories), every rank
     reading them (verify measures rank 0's)."""
-    from autopar.cli.tools import read_plan
-    from autopar.errors import LoadError
 
     out = []
     for path in paths:
@@ -108,8 +99,6 @@ def require_torchrun(why: str, example: str) -> int:
 def leave() -> None:
     """End the process group verify joined, with every rank there (rank 0 may still be
     writing), so no gloo thread outlives the interpreter."""
-    import torch.distributed as dist
-
     if dist.is_initialized():
         try:
             dist.barrier()
@@ -119,8 +108,6 @@ def leave() -> None:
 
 def add_parser(sub) -> None:
     """Register ``check`` on the CLI's subparsers."""
-    from autopar.verify import PICKS
-
     p = sub.add_parser(
         "check", help="measure the best k candidate plans on the live job (under torchrun)",
         description="Plan the model built by FACTORY, train the k plans the cost model ranks "

@@ -29,6 +29,7 @@ A plan is a JSON file (``autopar plan --json``) or an export directory.
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import signal
 import subprocess
@@ -37,8 +38,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import yaml
+
+from autopar.cli.args import CLIError
+from autopar.cli.tools import read_plan as read
+from autopar.plans.roles import layout as layout_words
+
 if TYPE_CHECKING:
-    from autopar.plan.data import Plan
+    from autopar.plans.data import Plan
 
 
 class LaunchError(Exception):
@@ -96,8 +103,6 @@ def layout_for(plan: Plan | None, nnodes: int | None = None,
 
 def read_plan(path: str | Path) -> Plan:
     """A plan from a JSON file or an export directory."""
-    from autopar.cli.tools import read_plan as read
-
     return read(str(path))
 
 
@@ -144,8 +149,6 @@ def slurm_script(plan: Plan, script: str, args: list[str] = (), *, layout: Layou
     """An sbatch script running ``script args`` under torchrun on every node of
     ``layout`` (default: :func:`layout_for` the plan); ``elastic``: the fewest nodes it
     may run on and go on with (module docstring)."""
-    from autopar.report.summary import layout as layout_words
-
     for what, v in (("job name", job_name), ("partition", partition), ("time", time)):
         # sbatch reads #SBATCH lines itself (no shell quoting): a space or a newline would
         # cut the option or inject another line
@@ -203,8 +206,6 @@ def pytorchjob(plan: Plan, script: str, args: list[str] = (), *, image: str, nam
     """A Kubeflow ``PyTorchJob`` (``kubeflow.org/v1``) for ``script args``: one pod per
     node, ``nprocPerNode`` ranks each; ``elastic``: Workers only, from that many up to the
     plan's nodes (module docstring)."""
-    import re
-
     if not image:
         raise LaunchError("--image is required: the container image with your code, torch and autopar")
     if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name) or len(name) > 63:
@@ -255,8 +256,6 @@ def pytorchjob_yaml(job: dict, comment: str = "") -> str:
     double-quoted: PyYAML follows YAML 1.1 and leaves ``1e-3`` or ``0x10`` bare, which
     Kubernetes' YAML 1.2 parser reads as numbers, and a number in ``command`` (a list of
     strings) is rejected by the API server."""
-    import yaml
-
     class Quoted(yaml.SafeDumper):
         pass
 
@@ -267,8 +266,6 @@ def pytorchjob_yaml(job: dict, comment: str = "") -> str:
 
 # ---------------------------------------------------------------- CLI
 def _error(e: Exception):
-    from autopar.cli.main import CLIError
-
     return CLIError(str(e))
 
 

@@ -33,6 +33,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from torch import nn
+
+from autopar.api import plan as make_plan
 from autopar.cli.args import (
     CLIError,
     _literal,
@@ -41,14 +44,26 @@ from autopar.cli.args import (
     parse_bytes,
     parse_kv,
     parse_pins,
-    parse_recompute,
 )
+from autopar.cli.launch import add_parsers as launch_parsers
+from autopar.cli.tools import (
+    add_parsers,
+    cli_warnings,
+    format_timings,
+    progress_wanted,
+    run_scaling,
+    setup_logging,
+)
+from autopar.cost_models import PRESET_NAMES, MeshSpec
+from autopar.errors import AutoparError
+from autopar.plans.data import versions
+from autopar.report import timeline
+from autopar.report.collective_table import format_collectives
 
 if TYPE_CHECKING:
-    from autopar.plan.data import Plan
+    from autopar.plans.data import Plan
 
-__all__ = ["CLIError", "decision_options", "format_why", "load_factory", "main",
-           "parse_bytes", "parse_recompute"]
+__all__ = ["format_why", "load_factory", "main"]
 
 def format_why(p: Plan) -> str:
     """``plan.decisions.why``: one sentence per decision (``--explain`` without a name)."""
@@ -109,8 +124,6 @@ def load_factory(target: str):
 
 def build_model(module, factory, factory_args: dict[str, Any], spec: str):
     """Call the factory; return (model, example_inputs tuple, example_kwargs or None)."""
-    from torch import nn
-
     try:
         sig = inspect.signature(factory)
     except (TypeError, ValueError):
@@ -147,8 +160,6 @@ def build_model(module, factory, factory_args: dict[str, Any], spec: str):
 
 def make_mesh(args):
     """The MeshSpec described by --mesh / --preset / --mesh-json."""
-    from autopar.cost_models import PRESET_NAMES, MeshSpec
-
     if args.mesh_json:
         if args.preset is not None:
             raise CLIError("give either --preset or --mesh-json, not both")
@@ -193,8 +204,6 @@ def make_mesh(args):
 # ---------------------------------------------------------------- commands
 def cmd_plan(args) -> int:
     """``autopar plan``: capture, search and print the plan."""
-    from autopar.api import plan as make_plan
-    from autopar.cli.tools import format_timings, progress_wanted
 
     mesh = make_mesh(args)
     if args.scaling and not args.devices:
@@ -208,7 +217,6 @@ def cmd_plan(args) -> int:
     module, factory = load_factory(args.target)
     model, inputs, kwargs = build_model(module, factory, fargs, args.target)
     if args.devices and len(device_counts(args.devices)) > 1:
-        from autopar.cli.tools import run_scaling
         return run_scaling(args, model, inputs, kwargs, device_counts(args.devices), mesh.name,
                            dict(pins=pins, memory_budget=budget, search=args.search, **decisions))
 
@@ -230,15 +238,12 @@ def cmd_plan(args) -> int:
         print()
         print(p.table(max_rows=args.max_rows, show_views=args.show_views, nodes=args.nodes))
         if args.collectives:
-            from autopar.report.collectives import format_collectives
             print()
             print(format_collectives(p.collectives()))
         if not args.quiet:
             print(format_timings(p, total))
     for out, what in ((args.timeline, "timeline"), (args.trace, "trace")):
         if out:
-            from autopar.report import timeline
-
             try:
                 (timeline.draw_timeline if what == "timeline" else timeline.write_trace)(p, out)
             except OSError as e:
@@ -270,7 +275,6 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for documentation and tests)."""
     ap = argparse.ArgumentParser(prog="autopar", description="Automatic parallelization "
                                  "planner for PyTorch models.")
-    from autopar.plan.data import versions
 
     v = versions()
     ap.add_argument("--version", action="version",
@@ -278,14 +282,14 @@ def build_parser() -> argparse.ArgumentParser:
                             f"plan schema {v['schema_version']})")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     _add_plan_parser(sub)
-    from autopar.cli.launch import add_parsers as launch_parsers
-    from autopar.cli.tools import add_parsers
 
     add_parsers(sub)
     launch_parsers(sub)
-    from autopar.cli.check import add_parser as check_parser  # autopar check
+    # cycle: autopar.cli.check imports this one
+    from autopar.cli.check import add_parser as check_parser
     check_parser(sub)
-    from autopar.cli.calibrate import add_parser as calibrate_parser  # autopar calibrate
+    # cycle: autopar.cli.calibrate imports this one (through autopar.cli.check)
+    from autopar.cli.calibrate import add_parser as calibrate_parser
     calibrate_parser(sub)
     return ap
 
@@ -416,8 +420,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         ap.print_help(sys.stderr)
         return 2
-    from autopar.cli.tools import cli_warnings, setup_logging
-    from autopar.errors import AutoparError
 
     setup_logging(args)
     try:

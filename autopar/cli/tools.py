@@ -16,24 +16,31 @@ export directory (its ``plan.json`` is read).
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rich.table import Table
+
 from autopar.cli.args import CLIError
+from autopar.cost_models import PRESET_NAMES, MeshSpec, format_bytes
+from autopar.errors import AutoparWarning
 from autopar.log import show
+from autopar.plans.data import Plan
+from autopar.report.summary import render
+from autopar.scaling import draw_scaling, scaling_curve, scaling_json, scaling_table
 from autopar.search.budget import Phase
 
 if TYPE_CHECKING:
-    from autopar.plan.data import Plan
+    from autopar.plans.data import Plan
 
 
 def read_plan(path: str) -> Plan:
     """A plan from a JSON file or an export directory; errors are
     :class:`~autopar.errors.LoadError` naming the file."""
-    from autopar.plan.data import Plan
-
     p = Path(path)
     if p.is_dir():
         p = p / "plan.json"
@@ -42,10 +49,6 @@ def read_plan(path: str) -> Plan:
 
 def presets_table() -> str:
     """Every hardware preset with the numbers the cost model uses."""
-    from rich.table import Table
-
-    from autopar.cost_models import PRESET_NAMES, MeshSpec, format_bytes
-    from autopar.report.summary import render
 
     t = Table(title="hardware presets (--preset NAME; numbers per device)", title_justify="left")
     for col in ("preset", "default mesh", "GPUs/node", "peak TFLOP/s", "memory", "reserve", "HBM GB/s",
@@ -74,7 +77,7 @@ def cmd_presets(args) -> int:
 def cmd_explain(args) -> int:
     """``autopar explain PLAN [NAME ...]``: without names, the summary and every
     decision's reason; with names, each one explained."""
-    from autopar.cli.main import CLIError, format_why
+    from autopar.cli.main import format_why  # cycle: autopar.cli.main imports this one
 
     p = read_plan(args.plan)
     if not args.names:
@@ -151,8 +154,6 @@ def format_timings(p: Plan, total: float) -> str:
 
 def setup_logging(args) -> None:
     """``-v``/``-vv``: the ``autopar`` logger at INFO/DEBUG on stderr."""
-    import logging
-
     level = {0: None, 1: logging.INFO}.get(getattr(args, "verbose", 0), logging.DEBUG)
     log = logging.getLogger("autopar")
     # handlers of earlier runs in this process go, with or without -v now: each is bound
@@ -178,10 +179,6 @@ def cli_warnings():
     """autopar's warnings as ``autopar: warning: ...`` lines on stderr: at the command
     line there is no user code to point at, so file and line would only name our entry
     point."""
-    import warnings
-
-    from autopar.errors import AutoparWarning
-
     old = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
@@ -205,8 +202,6 @@ def run_scaling(args, model, inputs: tuple, kwargs: dict | None, counts: list[in
                 options: dict) -> int:
     """``autopar plan ... --devices 8,16,32``: the scaling curve
     (:func:`autopar.scaling.scaling_curve`) as a table, ``--json`` and ``--scaling``."""
-    from autopar.scaling import draw_scaling, scaling_curve, scaling_json, scaling_table
-
     t0 = time.perf_counter()
     with show(progress_wanted(args), args.time_limit):
         points = scaling_curve(model, inputs, example_kwargs=kwargs, preset=preset, devices=counts,

@@ -3,5 +3,5 @@ plan decision is applied to it, and its export and load.
 
 It applies a plan and never searches: it may import :mod:`autopar.passes`,
 :mod:`autopar.sharding`, :mod:`autopar.capture`, :mod:`autopar.runtime`,
-:mod:`autopar.plan` and :mod:`autopar.cost_models`, never :mod:`autopar.search`.
+:mod:`autopar.plans` and :mod:`autopar.cost_models`, never :mod:`autopar.search`.
 """

@@ -24,7 +24,7 @@ Decisions that shape the graph itself are applied before the module exists: prec
 at capture (:func:`autopar.capture.mixed_precision.apply_mixed_precision`), placements and
 context parallelism in lowering (:mod:`autopar.passes`).  Each function that applies a
 decision is registered for it where it is defined (``@applies(...)``, the registry's
-:attr:`~autopar.plan.decisions.Decision.apply`), and ``tests/unit/test_decisions.py``
+:attr:`~autopar.plans.decisions.Decision.apply`), and ``tests/unit/test_decisions.py``
 checks that every decision's is a step called here (or at capture or lowering).
 """
 
@@ -46,8 +46,8 @@ from autopar.module.state import TensorInfo
 from autopar.passes.device import set_device
 from autopar.passes.multi_copy import multi_copy
 from autopar.passes.recompute import recompute
-from autopar.plan.data import Plan
-from autopar.plan.decisions import applies
+from autopar.plans.data import Plan
+from autopar.plans.decisions import applies
 from autopar.runtime import local_step
 from autopar.runtime.dparams import DParams, Entry, as_dtensor, register_tree
 from autopar.runtime.grad_sync import GradSync

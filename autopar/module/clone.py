@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.module.export import _constants, attach, snapshot
 from autopar.module.load import _stand_ins
-from autopar.plan.placement import local_shape
+from autopar.plans.placement import local_shape
 from autopar.runtime.mesh import activate
 
 if TYPE_CHECKING:

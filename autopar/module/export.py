@@ -49,7 +49,11 @@ from torch.utils import _pytree as pytree
 
 from autopar.errors import AutoparError, ExportError
 from autopar.module import export_io
-from autopar.plan.data import Plan, zero_words
+from autopar.passes.recompute import checkpoint
+from autopar.plans.data import Plan, zero_words
+from autopar.plans.splits import plan_ranks
+from autopar.runtime.shards import shard_tensor
+from autopar.runtime.zero3 import zero_gather
 
 if TYPE_CHECKING:
     from autopar.module.parallel import ParallelModule
@@ -90,8 +94,6 @@ def _render_globals(globals_: dict, src: str) -> list[str]:
 
 def _runtime_rewrites(graph: fx.Graph) -> list[str]:
     """Nodes of ``graph`` that only a live module's runtime rewrites create."""
-    from autopar.passes.recompute import checkpoint
-    from autopar.runtime.zero3 import zero_gather
 
     bad = []
     for n in graph.nodes:
@@ -290,8 +292,6 @@ def _constants(pm: ParallelModule, graph: fx.Graph) -> dict[str, tuple[torch.Ten
 
 def _local_states(pm: ParallelModule, graph: fx.Graph) -> dict[int, dict[str, tuple[torch.Tensor, bool]]]:
     """Per global rank this process writes: graph target -> (tensor, is parameter)."""
-    from autopar.runtime.shards import shard_tensor
-
     params = set(pm._placements)  # the plan's parameters (buffers have no placement)
     consts = _constants(pm, graph)
     if pm._mesh_rt is not None:
@@ -302,7 +302,6 @@ def _local_states(pm: ParallelModule, graph: fx.Graph) -> dict[int, dict[str, tu
     # planning-only: the module kept the whole model's weights; write every rank's shards
     full = {t: next(pm._full_state[n] for n in pm.aliases[t] if n in pm._full_state).detach()
             for t, _ in pm._parts.targets()}
-    from autopar.plan.splits import plan_ranks
 
     stages, _ = _stage_size(pm.plan)
     shape = pm.plan.mesh.shape

@@ -43,7 +43,7 @@ from typing import Any
 import torch.distributed as dist
 
 from autopar.errors import AutoparError, ExportError, LoadError, MeshMismatchError, user_stacklevel
-from autopar.plan.data import SCHEMA_VERSION, Plan, versions
+from autopar.plans.data import SCHEMA_VERSION, Plan, versions
 
 MANIFEST = "MANIFEST.json"
 _NEW = ".autopar-new-"  # staging directory: .<name>.autopar-new-<token>

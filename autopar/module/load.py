@@ -12,6 +12,7 @@ a peer that already gave up.
 
 from __future__ import annotations
 
+import datetime
 import importlib.util
 import json
 import os
@@ -31,8 +32,10 @@ from autopar.errors import AutoparError, LoadError, MeshMismatchError, user_stac
 from autopar.module import export_io
 from autopar.module.export import EXTRA_KEY, _retrace
 from autopar.module.state import TensorInfo
-from autopar.plan.data import Plan
+from autopar.plans.data import Plan
+from autopar.plans.placement import local_shape, parse_placements
 from autopar.runtime.inputs import InputBinder
+from autopar.runtime.mesh import init_plan_mesh
 
 if TYPE_CHECKING:
     from autopar.module.parallel import ParallelModule
@@ -42,8 +45,6 @@ def _stand_ins(plan: Plan, state: dict, owner: dict[str, int], params: set[str])
     """Meta-device stand-ins for the other pipeline stages' parameters and buffers: the
     stage split resolves every target of the graph before this rank drops the ones
     other stages hold, and they take no memory."""
-    from autopar.plan.placement import local_shape, parse_placements
-
     out = {}
     rep = parse_placements("R" * len(plan.mesh.shape))
     for n in plan.nodes.values():
@@ -151,12 +152,11 @@ def load_module(directory: str | Path, batch: str = "global", timeout: float = 6
     any rank starts collectives that its peers would never join.  ``batch`` is as in
     :func:`autopar.auto_parallel` (``"local"``: each data-parallel rank passes its part);
     ``timeout`` (seconds) is the collective timeout of a process group created here."""
+    # cycle: autopar.module.parallel imports this one (through autopar.module.clone)
     from autopar.module.parallel import ParallelModule
-    from autopar.runtime.mesh import init_plan_mesh
 
     directory = Path(directory).absolute()
     if not dist.is_initialized() and "RANK" in os.environ:
-        import datetime
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                                 timeout=datetime.timedelta(seconds=timeout))
     world = dist.get_world_size() if dist.is_initialized() else None

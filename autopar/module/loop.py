@@ -9,12 +9,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from autopar.module.parts import Parts
 from autopar.passes.train_mode import set_train_mode
 from autopar.runtime import rng
 from autopar.runtime.call_check import CallCheck
 from autopar.runtime.inputs import data_parallel_coords
+from autopar.runtime.scaler import GradScaler
+from autopar.runtime.trace import trace
 
 
 def move_to_device(module: nn.Module, device: torch.device) -> None:
@@ -109,8 +112,6 @@ class LoopHabits:
 
     def trace(self, path, record_shapes: bool = False):
         """:func:`autopar.runtime.trace.trace` on this rank's device (ParallelModule.trace)."""
-        from autopar.runtime.trace import trace
-
         return trace(path, self.parts.mesh.device, record_shapes)
 
     def set_train_mode(self, mode: bool) -> None:
@@ -135,8 +136,6 @@ class LoopHabits:
     def grad_scaler(self, **kwargs):
         """A new :class:`autopar.runtime.scaler.GradScaler` on the module's device,
         kept for :meth:`loss_scale` (ParallelModule.grad_scaler)."""
-        from autopar.runtime.scaler import GradScaler
-
         device = self.parts.mesh.device.type if self.parts.mesh is not None else "cpu"
         self.scaler = GradScaler(device, **kwargs)
         return self.scaler
@@ -148,7 +147,6 @@ class LoopHabits:
     def clip_grad_norm_(self, params, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of ``params`` by their global norm over every rank and
         pipeline stage and return that norm (ParallelModule.clip_grad_norm_)."""
-        from torch.distributed.tensor import DTensor
         grads = [p.grad for p in params if p.grad is not None]
         m = self.parts.mesh
         if grads:

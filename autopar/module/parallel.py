@@ -13,18 +13,20 @@ from torch.utils import _pytree as pytree
 from autopar.capture.grad_flow import named_loss
 from autopar.module.apply import apply_inputs, apply_plan
 from autopar.module.clone import clone_module
+from autopar.module.export import export_module, snapshot
 from autopar.module.generate import generate
 from autopar.module.habits import check_loaded_state_dict, save_pretrained
 from autopar.module.loop import LoopHabits
 from autopar.module.parts import Part, Parts
 from autopar.module.state import ModuleState, TensorInfo, checkpoint_state, load_checkpoint_state
-from autopar.plan.data import Plan
-from autopar.plan.placement import parse_placements
+from autopar.plans.data import Plan
+from autopar.plans.placement import parse_placements
 from autopar.runtime import rng
 from autopar.runtime.compile_fallback import CompiledOrEager
 from autopar.runtime.compiled_cache import cache_safe_views
 from autopar.runtime.inputs import BatchMode, InputBinder
-from autopar.runtime.mesh import activate
+from autopar.runtime.mesh import activate, init_plan_mesh, release_groups, reset
+from autopar.runtime.zero3 import free_gathered_params
 
 
 class ParallelModule(nn.Module):
@@ -81,7 +83,6 @@ class ParallelModule(nn.Module):
         self.rank = 0
         self._param_nodes = {n.param: n for n in plan.nodes.values() if n.param}
         if runtime:
-            from autopar.runtime.mesh import init_plan_mesh
             self._mesh_rt = init_plan_mesh(plan)
             self.rank = dist.get_rank()
         apply_inputs(self, binder or InputBinder(in_spec), batch)
@@ -89,7 +90,6 @@ class ParallelModule(nn.Module):
         self._full_state = dict(full_state) if (full_state is not None and not runtime) else None
         # the lowered graph before the runtime rewrites below (ZeRO-3 gathers, recompute,
         # stage split): export() writes it and load() re-applies them from the plan
-        from autopar.module.export import snapshot
         self.lowered_graph = snapshot(inner.graph) if isinstance(inner, torch.fx.GraphModule) else None
         if full_state is not None:
             self._state.load_targets(full_state)
@@ -154,7 +154,6 @@ class ParallelModule(nn.Module):
                     "(an evaluation) runs under module.eval() or torch.no_grad()")
             return self._outputs([self._scheduled(flat, evaluate=True)])
         if self.zero is not None and self.zero.stage == 3:
-            from autopar.runtime.zero import free_gathered_params
             with free_gathered_params():
                 return self._outputs(self.grad_sync.watch(self._run(flat), self._dparams))
         return self._outputs(self.grad_sync.watch(self._run(flat), self._dparams))
@@ -244,7 +243,6 @@ class ParallelModule(nn.Module):
         runner = self._route_runner()
         run = runner.evaluate if evaluate else runner.step
         if self.zero is not None and self.zero.stage == 3:
-            from autopar.runtime.zero import free_gathered_params
             with free_gathered_params():
                 return run(flat)
         return run(flat)
@@ -382,7 +380,6 @@ class ParallelModule(nn.Module):
 
     def export(self, directory: str | Path) -> Path:
         """Write code, plan and weights so :func:`autopar.load` runs it without re-planning."""
-        from autopar.module.export import export_module
         return export_module(self, Path(directory))
 
     def __deepcopy__(self, memo: dict) -> ParallelModule:
@@ -419,8 +416,6 @@ class ParallelModule(nn.Module):
 
         The groups are destroyed here, not at interpreter exit: their worker threads
         end before this returns (:func:`autopar.runtime.mesh.release_groups` says why)."""
-        from autopar.runtime.mesh import release_groups, reset
-
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()

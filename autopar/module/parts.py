@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from autopar.plan.data import Plan
-from autopar.plan.placement import is_replicate
+from autopar.plans.data import Plan
+from autopar.plans.placement import is_replicate
 
 if TYPE_CHECKING:
     from autopar.module.shapes import ShapeRoutes

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from autopar.errors import PlanError
-from autopar.plan.data import Plan
-from autopar.plan.placement import is_replicate, parse_placements
-from autopar.plan.schedules import conflict
+from autopar.plans.data import Plan
+from autopar.plans.placement import is_replicate, parse_placements
+from autopar.plans.schedules import conflict
 
 
 def zero_axes_in_use(plan: Plan) -> tuple[int, ...]:

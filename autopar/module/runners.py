@@ -12,8 +12,8 @@ from autopar.capture.grad_flow import loss_output
 from autopar.errors import PlanError
 from autopar.passes.lower import PLACEMENT_KEY
 from autopar.passes.split_stages import split_stages
-from autopar.plan.data import Plan
-from autopar.plan.placement import is_replicate, parse_placements
+from autopar.plans.data import Plan
+from autopar.plans.placement import is_replicate, parse_placements
 from autopar.runtime.pipeline import PipelineRunner
 from autopar.runtime.stage_wire import BoundarySlices
 from autopar.runtime.zero3 import defer

@@ -12,10 +12,14 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from torch import fx
+from torch.distributed.tensor import Replicate, Shard
 
-from autopar.plan.data import Plan
-from autopar.plan.placement import Replicate, Shard, fmt_placements, is_replicate, parse_placements
-from autopar.plan.splits import unsplit_axes
+from autopar.capture.ir import info, tensor_inputs
+from autopar.passes.device import set_device
+from autopar.passes.recompute import recompute
+from autopar.plans.data import Plan
+from autopar.plans.placement import fmt_placements, is_replicate, parse_placements
+from autopar.plans.splits import unsplit_axes
 from autopar.runtime.inputs import InputMismatchError
 
 if TYPE_CHECKING:
@@ -27,8 +31,6 @@ Shapes = tuple[tuple[int, ...] | None, ...]
 def same_graph(gm: fx.GraphModule, plan: Plan) -> bool:
     """Whether ``gm`` has the planned graph's ops on the same inputs (what lowering
     checks node by node)."""
-    from autopar.capture.ir import tensor_inputs
-
     for n in gm.graph.nodes:
         np_ = plan.nodes.get(n.name)
         if n.op == "call_function" and n.target is not operator.getitem:
@@ -66,8 +68,6 @@ def fit_plan(plan: Plan, gm: fx.GraphModule, binder, want: Shapes) -> tuple[Plan
 def _undivided(plan: Plan, gm: fx.GraphModule, dropped: set[int]) -> tuple[int, list[int]] | None:
     """(size, axes) of the first activation dim that the axes not in ``dropped`` split
     unevenly, or ``None``."""
-    from autopar.capture.ir import info
-
     mesh = plan.mesh.shape
     for n in gm.graph.nodes:
         np_ = plan.nodes.get(n.name)
@@ -103,8 +103,6 @@ def _drop_axes(plan: Plan, axes: set[int]) -> Plan:
 def adopt(pm: ParallelModule, gm: fx.GraphModule) -> fx.GraphModule:
     """The lowered graph ``gm`` reading ``pm``'s own parameters, buffers and constants,
     with the runtime's graph rewrites applied as to the planned graph."""
-    from autopar.passes.device import set_device
-
     if pm.zero is not None:
         pm.zero.rewrite(gm)
     root: dict[str, object] = {}
@@ -119,7 +117,6 @@ def adopt(pm: ParallelModule, gm: fx.GraphModule) -> fx.GraphModule:
     new = fx.GraphModule(root, gm.graph)
     new._in_spec, new._out_spec = getattr(gm, "_in_spec", None), getattr(gm, "_out_spec", None)
     if pm.plan.decisions.recompute:
-        from autopar.passes.recompute import recompute
         recompute(new, set(pm.plan.decisions.recompute))
     set_device([new], pm._mesh_rt.device)
     new.recompile()

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
+from autopar.passes.train_mode import set_train_mode
 from autopar.runtime.compile_fallback import CompiledOrEager
 
 _Number = (int, float)
@@ -171,8 +172,6 @@ class Templates:
         """``gm`` (a lowering in the capture's train/eval mode) as a shape of its family,
         widening the family's template where its numbers differ; ``training``: the
         module's mode now, which a new template takes."""
-        from autopar.passes.train_mode import set_train_mode
-
         sig, nums = signature(gm), numbers(gm)
         fam = self.families.get(sig)
         if fam is None:

@@ -31,7 +31,7 @@ recent).  A shape seen before costs a dictionary lookup.
 * **Pipelines and gradient accumulation.**  A shape runs its own schedule's runner over
   the stage graphs of its micro-batch's lowering; a batch that does not divide into the
   planned micro-batches runs as equal ones that divide it
-  (:func:`~autopar.plan.schedules.micro_batch_counts`); under ``batch="local"`` the ranks
+  (:func:`~autopar.plans.schedules.micro_batch_counts`); under ``batch="local"`` the ranks
   agree on the shape every call.  Micro-batched copies serve the planned shape
   only: another raises :class:`InputMismatchError` on every rank.
 
@@ -61,13 +61,17 @@ from torch.utils import _pytree as pytree
 from autopar.capture.annotate import annotate
 from autopar.capture.trace import capture
 from autopar.log import log
+from autopar.module.habits import building
 from autopar.module.runners import Switches, keep_loss_only, stage_runner
 from autopar.module.shape_lowering import Shapes, adopt, fit_plan, same_graph, shapes_text
 from autopar.module.shape_template import Shape, Templates
-from autopar.plan.data import Plan
-from autopar.plan.decisions import Schedule
-from autopar.plan.schedules import micro_batch_counts
-from autopar.plan.splits import micro_inputs
+from autopar.passes.lower import lower
+from autopar.plans.data import Plan
+from autopar.plans.kinds import Schedule
+from autopar.plans.schedules import micro_batch_counts
+from autopar.plans.splits import micro_inputs
+from autopar.runtime import collectives as C
+from autopar.runtime import experts as E
 from autopar.runtime.call_check import gather_rows
 from autopar.runtime.inputs import BatchMode, InputMismatchError, passthrough_inputs
 
@@ -219,7 +223,6 @@ class ShapeRoutes:
         t0 = time.perf_counter()
         cap, plan, micro = self._captured(pm, model, want, flat)
         plan, dropped = fit_plan(plan, cap.gm, pm.binder, want)
-        from autopar.passes.lower import lower
         gm = lower(cap.gm, plan)
         keep = passthrough_inputs(plan)
         passthrough = frozenset(i for i, n in enumerate(x for x in gm.graph.nodes if x.op == "placeholder")
@@ -318,8 +321,6 @@ class ShapeRoutes:
     def _in_mode(self, model, fn: Callable):
         """``fn()`` with ``model`` in the planned graph's train/eval mode and its
         replaced-weights checks off (:func:`autopar.module.habits.building`)."""
-        from autopar.module.habits import building
-
         mode = model.training
         model.train(self.training)
         try:
@@ -349,8 +350,6 @@ def structure_copy(model: torch.nn.Module) -> tuple[torch.nn.Module, FakeTensorM
     without the weights' memory.  Not the meta device: torch picks kernels by device
     (SDPA's CPU kernel lays its output out so that no ``contiguous`` follows; on meta one
     does), and the graph must be the planned one."""
-    from autopar.module.habits import building
-
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     memo: dict[int, object] = {}
     for p in model.parameters():
@@ -365,7 +364,7 @@ def structure_copy(model: torch.nn.Module) -> tuple[torch.nn.Module, FakeTensorM
 
 def _batch_inputs(shapes: list) -> frozenset[int]:
     """Flat inputs whose dim 0 is the batch: dim 0 of the planned shape equal to the first
-    tensor input's (:func:`autopar.plan.placement.graph_batch`'s convention)."""
+    tensor input's (:func:`autopar.plans.placement.graph_batch`'s convention)."""
     first = next((s for s in shapes if s), None)
     if not first:
         return frozenset()
@@ -384,8 +383,6 @@ def _cross_dp(gm: fx.GraphModule, dp_axes: tuple[int, ...]) -> bool:
     """Whether ``gm`` moves activations (values computed from its inputs) over a
     data-parallel axis.  A sum of a scalar (the loss, a token count) does not count, nor
     a gathered parameter (its shape is the same at every batch)."""
-    from autopar.runtime import collectives as C
-    from autopar.runtime import experts as E
 
     moving = {C.all_gather: 2, C.reduce_scatter: 2, C.all_to_all: 3, C.all_reduce: 1}
     data: set[fx.Node] = set()

@@ -1,13 +1,13 @@
 """Reading a plan: the summary in words (``summary``), ``explain`` (``explain``), the
 step at other shapes (``shapes``: ``predict``), the per-node table (``table``), the predicted timeline and trace (``timeline``) and every
-collective of a step (``collectives``, ``messages``).
+collective of a step as a table (``collective_table``).
 
 It reads plans and may import :mod:`autopar.sharding`, :mod:`autopar.capture`,
-:mod:`autopar.runtime`, :mod:`autopar.plan` and :mod:`autopar.cost_models`; it never
+:mod:`autopar.runtime`, :mod:`autopar.plans` and :mod:`autopar.cost_models`; it never
 imports :mod:`autopar.search` or :mod:`autopar.module`.
 """
 
-from autopar.plan.data import register_reader
+from autopar.plans.data import register_reader
 from autopar.report.explain import diff, explain
 from autopar.report.shapes import predict
 from autopar.report.summary import layer_view, summary, summary_numbers

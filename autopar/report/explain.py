@@ -1,9 +1,9 @@
-"""Reading a plan in words: the bodies of :meth:`Plan.explain <autopar.plan.Plan.explain>`
-and :meth:`Plan.diff <autopar.plan.Plan.diff>`.
+"""Reading a plan in words: the bodies of :meth:`Plan.explain <autopar.plans.Plan.explain>`
+and :meth:`Plan.diff <autopar.plans.Plan.diff>`.
 
 They are the longest read-only views of a plan and need nothing of its JSON handling;
-keeping them here keeps :mod:`autopar.plan` to the plan's records and their accessors.
-The methods on :class:`~autopar.plan.Plan` delegate to these functions.
+keeping them here keeps :mod:`autopar.plans` to the plan's records and their accessors.
+The methods on :class:`~autopar.plans.Plan` delegate to these functions.
 """
 
 from __future__ import annotations
@@ -12,17 +12,18 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from autopar.cost_models import format_bytes
-from autopar.plan.decisions import explain_aliases
+from autopar.plans.decisions import explain_aliases
 from autopar.report.shapes import explain_shapes
+from autopar.report.summary import LEGEND, summary_numbers
 
 if TYPE_CHECKING:
-    from autopar.plan.data import Plan
+    from autopar.plans.data import Plan
 
 __all__ = ["diff", "explain"]
 
 
 def explain(plan: Plan, name: str) -> str:
-    """What :meth:`Plan.explain <autopar.plan.Plan.explain>` returns for ``name``."""
+    """What :meth:`Plan.explain <autopar.plans.Plan.explain>` returns for ``name``."""
     d = plan.decisions
     key = explain_aliases().get(name, name)
     if key in ("shapes", "shape"):
@@ -63,16 +64,13 @@ def explain(plan: Plan, name: str) -> str:
         for a in n.alternatives:
             lines.append(f"    inputs {a.inputs} -> {a.outputs}: {a.seconds * 1e3:.4f} ms"
                          f" ({(a.seconds - ref) * 1e3:+.4f} ms vs {what})")
-    from autopar.report.summary import LEGEND
     lines.append(f"  ({LEGEND})")
     return "\n".join(lines)
 
 
 def diff(plan: Plan, other: Plan, max_nodes: int | None = None) -> str:
-    """What :meth:`Plan.diff <autopar.plan.Plan.diff>` returns for ``plan`` (A) and
+    """What :meth:`Plan.diff <autopar.plans.Plan.diff>` returns for ``plan`` (A) and
     ``other`` (B)."""
-    from autopar.report.summary import summary_numbers
-
     a, b = summary_numbers(plan), summary_numbers(other)
     lines = [f"layout     A {a['layout']}", f"           B {b['layout']}",
              f"step       A {a['step_seconds'] * 1e3:.4f} ms, B {b['step_seconds'] * 1e3:.4f} ms"

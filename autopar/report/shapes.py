@@ -1,6 +1,6 @@
 """Which shapes a plan serves, the shape it was priced at, and its step at another shape:
 the bodies of ``plan.explain("shapes")`` and :meth:`Plan.predict
-<autopar.plan.Plan.predict>`, and the summary's ``shapes`` line.
+<autopar.plans.Plan.predict>`, and the summary's ``shapes`` line.
 
 A plan is priced at its example's shape: batch ``B0`` (the example's global batch) and
 sequence ``S0`` (dim 1 of the first integer input of two or more dims, the token ids;
@@ -20,14 +20,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch.distributed.tensor import Shard
 
 from autopar.cost_models import blocking_time, kernel_rate
 from autopar.errors import ConfigError
-from autopar.plan.placement import Shard, is_shard, parse_placements
-from autopar.plan.splits import unsplit_axes
+from autopar.plans.placement import is_shard, parse_placements
+from autopar.plans.splits import unsplit_axes
 
 if TYPE_CHECKING:
-    from autopar.plan.data import NodePlan, Plan, Redistribution
+    from autopar.plans.data import NodePlan, Plan, Redistribution
 
 BACKWARD_FACTOR = 2.0
 """Backward over forward compute, as the cost model prices every op

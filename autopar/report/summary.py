@@ -11,23 +11,27 @@ serves (:mod:`autopar.report.shapes`).
 :func:`summary_numbers` is the same content as plain data (units in the keys), written
 into ``plan.json`` under ``"summary"``.
 
-Axis roles and the layout phrase come from :mod:`autopar.plan.roles`.
+Axis roles and the layout phrase come from :mod:`autopar.plans.roles`.
 """
 
 from __future__ import annotations
 
+import io
 import re
 import shutil
 from typing import TYPE_CHECKING
 
+from rich.console import Console
+from rich.table import Table
+
 from autopar.cost_models import PRESET_NAMES, format_bytes
-from autopar.plan.decisions import DECISIONS
-from autopar.plan.placement import is_shard, parse_placements
-from autopar.plan.roles import AxisRole, axis_roles, layout
+from autopar.plans.decisions import DECISIONS
+from autopar.plans.placement import is_shard, parse_placements
+from autopar.plans.roles import AxisRole, axis_roles, layout
 from autopar.report.shapes import priced_shape, served_words
 
 if TYPE_CHECKING:
-    from autopar.plan.data import NodePlan, Plan
+    from autopar.plans.data import NodePlan, Plan
 
 LEGEND = ("placements: one entry per mesh axis; S(d) = tensor dim d split over that axis, "
           "R = whole copy on every rank of it, P = partial sums awaiting a reduction "
@@ -287,8 +291,6 @@ def layer_view(plan: Plan, width: int | None = None) -> str:
     per device (params, grads, optimizer), each per layer (a folded row gives one layer's
     numbers).  A line under it gives the step's gradient sync, hidden and exposed, which
     runs in buckets across layers."""
-    from rich.table import Table
-
     t = Table(title="layers (repeated layers folded; numbers are per layer, per micro-batch)",
               title_justify="left")
     for col, just in (("layer", "left"), ("weights", "left"), ("compute", "right"),
@@ -308,15 +310,11 @@ def layer_view(plan: Plan, width: int | None = None) -> str:
 
 def render(renderable, width: int | None = None) -> str:
     """Text of a rich renderable, sized to the terminal (120 columns when not one)."""
-    import io
-
-    from rich.console import Console
-
     buf = io.StringIO()
     w = width or shutil.get_terminal_size((120, 40)).columns
     Console(file=buf, width=w, force_terminal=False, color_system=None).print(renderable)
     return buf.getvalue().rstrip("\n")
 
 
-__all__ = ["LEGEND", "AxisRole", "axis_roles", "fold_keys", "layer_view", "layout", "render", "summary",
-           "summary_numbers", "unsupported_ops"]
+__all__ = ["LEGEND", "fold_keys", "layer_view", "render", "summary", "summary_numbers",
+           "unsupported_ops"]

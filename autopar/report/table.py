@@ -12,10 +12,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from rich.table import Table
+
 from autopar.cost_models import format_bytes
+from autopar.report.summary import LEGEND, render
 
 if TYPE_CHECKING:
-    from autopar.plan.data import NodePlan, Plan
+    from autopar.plans.data import NodePlan, Plan
 
 COLUMNS = ("node", "op", "shape", "placement", "inserted collectives", "compute ms", "comm ms",
            "memory per device")
@@ -46,9 +49,6 @@ def node_table(plan: Plan, max_rows: int | None = None, show_views: bool = False
         rows = rows[:max_rows]
     if fmt == "tsv":
         return "\n".join("\t".join(r) for r in [COLUMNS, *map(_cells, rows)])
-    from rich.table import Table
-
-    from autopar.report.summary import LEGEND, render
 
     d = plan.decisions
     asked = "x".join(map(str, plan.request.mesh_shape or plan.mesh.shape))

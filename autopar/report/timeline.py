@@ -5,7 +5,7 @@ group: the ranks of one stage's sub-mesh) from the plan's own prices
 (``plan.decisions.stage_seconds`` and ``stage_parts``):
 
 * each micro-batch's forward and backward on the stage's *compute* lane, in the
-  schedule's order (:mod:`autopar.plan.schedules`: no pipeline: back to back, i.e. gradient
+  schedule's order (:mod:`autopar.plans.schedules`: no pipeline: back to back, i.e. gradient
   accumulation; GPipe: all forwards then all backwards; 1F1B: ``p - s - 1`` warm-up
   forwards, then one forward / one backward; interleaved: ``v`` chunks per stage, each
   a ``v``-th of its time), started when the stage is free and its inputs have arrived
@@ -41,11 +41,13 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from autopar.plan.decisions import Schedule
-from autopar.plan.schedules import Action, list_schedule
+from autopar.plans.kinds import Schedule
+from autopar.plans.roles import layout
+from autopar.plans.schedules import Action, list_schedule
+from autopar.plans.splits import plan_ranks
 
 if TYPE_CHECKING:
-    from autopar.plan.data import Plan
+    from autopar.plans.data import Plan
 
 
 class Kind(StrEnum):
@@ -113,7 +115,7 @@ def predicted_events(plan: Plan) -> list[Event]:
     v = max(1, d.virtual_stages)
     events: list[Event] = []
 
-    # zero-bubble splits each backward into B and W, half each (search/stages/dp.py)
+    # zero-bubble splits each backward into B and W, half each (search/stages/pipeline_step.py)
     halves = 2.0 if d.schedule == Schedule.ZERO_BUBBLE.value else 1.0
 
     def duration(s: int, a: Action) -> float:
@@ -192,8 +194,6 @@ def step_end(events: list[Event]) -> float:
 
 
 def _stage_label(plan: Plan, s: int) -> str:
-    from autopar.plan.splits import plan_ranks  # splits imports the plan module
-
     mine = sorted(int(r) for r in plan_ranks(plan)[s].flatten())
     if len(mine) == 1:
         ranks = f"rank {mine[0]}"
@@ -242,14 +242,12 @@ def draw_timeline(plan: Plan, path: str | Path, title: str | None = None) -> Pat
     """Draw :func:`predicted_events` as a PNG (one compute and one comm row per stage,
     bubbles hatched, micro-batch numbers on the boxes wide enough to hold them)."""
     try:
-        import matplotlib
+        import matplotlib  # start-up: matplotlib costs ~1.2 s to import
     except ImportError as e:  # pragma: no cover - matplotlib is a dependency
         raise ImportError("draw_timeline needs matplotlib: pip install matplotlib") from e
     matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    from autopar.report.summary import layout
+    import matplotlib.pyplot as plt  # start-up: matplotlib costs ~1.2 s to import
+    from matplotlib.patches import Patch  # start-up: matplotlib costs ~1.2 s to import
 
     events = predicted_events(plan)
     stages = sorted({e.stage for e in events})

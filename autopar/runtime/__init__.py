@@ -5,6 +5,6 @@ runs around the graph (gradient buckets, ZeRO, the pipeline runner, parameters a
 DTensors, agreement between ranks).
 
 Exported ``module.py`` files import the generated code's callables from here by module
-path, so those paths stay put.  It may import only :mod:`autopar.plan`,
+path, so those paths stay put.  It may import only :mod:`autopar.plans`,
 :mod:`autopar.cost_models` and :mod:`autopar.errors`.
 """

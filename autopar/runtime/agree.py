@@ -40,7 +40,7 @@ def _store():
 
 def _key() -> str:
     _CALLS[0] += 1
-    return f"autopar/plan/{_CALLS[0]}"
+    return f"autopar/plans/{_CALLS[0]}"
 
 
 def error_payload(e: BaseException) -> dict:
@@ -168,4 +168,4 @@ def _monitored_barrier(timeout: float, failure: BaseException | None) -> None:
                                f"({str(e).splitlines()[0][:300]})") from e
 
 
-__all__ = ["RankTimeoutError", "all_arrived", "error_payload", "publish", "rebuild", "wait"]
+__all__ = ["all_arrived", "error_payload", "publish", "rebuild", "wait"]

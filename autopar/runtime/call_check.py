@@ -178,5 +178,5 @@ class CallCheck:
             "inputs stay the global batch")
 
 
-__all__ = ["CHECKED_CALLS", "CallCheck", "CallMismatchError", "generator_fingerprint",
-           "leaf_fingerprint", "tensor_fingerprint"]
+__all__ = ["CHECKED_CALLS", "CallCheck", "generator_fingerprint", "leaf_fingerprint",
+           "tensor_fingerprint"]

@@ -16,23 +16,16 @@ import warnings
 from collections.abc import Callable
 
 import torch
+from torch._dynamo.exc import TorchDynamoException
 
 from autopar.errors import CompileFallbackWarning
 from autopar.log import log
 
-
-def _compile_errors() -> tuple[type[BaseException], ...]:
-    """The exceptions a failing compilation raises (dynamo's, and inductor's own where
-    this torch has it)."""
-    from torch._dynamo.exc import TorchDynamoException
-
-    errors: list[type[BaseException]] = [TorchDynamoException]
-    try:
-        from torch._inductor.exc import InductorError
-        errors.append(InductorError)
-    except ImportError:  # older torch wraps inductor's errors in dynamo's
-        pass
-    return tuple(errors)
+try:  # inductor's own error (newer torch); older torch wraps inductor's errors in dynamo's
+    from torch._inductor.exc import InductorError
+    _COMPILE_ERRORS: tuple[type[BaseException], ...] = (TorchDynamoException, InductorError)
+except ImportError:
+    _COMPILE_ERRORS = (TorchDynamoException,)
 
 
 def _cause(e: BaseException) -> str:
@@ -60,7 +53,7 @@ class CompiledOrEager:
             return self.eager(*args, **kwargs)
         try:
             return self.compiled(*args, **kwargs)
-        except _compile_errors() as e:
+        except _COMPILE_ERRORS as e:
             out = self.eager(*args, **kwargs)  # raises the user's error where it is one
             self.compiled, self.failure = None, _cause(e)
             text = (f"autopar: torch.compile failed on {self.what}; it runs eagerly (correct, "

@@ -34,6 +34,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from autopar.errors import AutoparError
+
 Placements = tuple
 
 
@@ -226,7 +228,6 @@ def register_tree(root: nn.Module, name: str, value: torch.Tensor, *, buffer: bo
     original model's names)."""
     *path, leaf = name.split(".")
     if path and path[0] in reserved or not path and leaf in reserved:
-        from autopar.errors import AutoparError
         raise AutoparError(f"the model's top-level name {(path or [leaf])[0]!r} is reserved by "
                            "ParallelModule; rename that submodule or parameter")
     owner = root

@@ -5,10 +5,10 @@ gate_up_proj [E, 2I, H], down_proj [E, H, I], act) -> [T, H]`` is what a Hugging
 experts module (``MixtralExperts`` and its copies: concatenated gate/up, no bias)
 computes: for every routed (token, slot) pair, expert ``e = top_k_index[t, j]`` runs
 ``down_e(act(gate_e(x_t)) * up_e(x_t))``, scaled by ``top_k_weights[t, j]`` and summed
-into the token's row.  Capture (:mod:`autopar.capture.experts`) makes each such module
+into the token's row.  Capture (:mod:`autopar.capture.hf_experts`) makes each such module
 call this op, so routing's data-dependent ``nonzero``/``where`` never reaches the graph.
 
-Local forms (:func:`autopar.sharding.rules.experts.localize_experts` picks them):
+Local forms (:func:`autopar.sharding.rules.moe_experts.localize_experts` picks them):
 
 - tokens split, experts whole (data parallel), or everything replicated: the op itself
   on the local tensors (its kernel is :func:`routed_experts`);

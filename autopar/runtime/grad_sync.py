@@ -13,7 +13,7 @@ nothing is copied back, and the step holds one copy of the gradients (copying th
 a bucket at launch and back after the reduction held two until the end of backward).
 
 As DDP's buckets, the buffers outlive the step where the plan's memory allows
-(:attr:`autopar.plan.Decisions.grad_buffers_kept`): the next backward fills the same
+(:attr:`autopar.plans.Decisions.grad_buffers_kept`): the next backward fills the same
 ones (a fresh 11 MB buffer and 69 views a step cost a 4-layer GPT's data parallel
 about 1.5 ms of CPU per rank against DDP).  A buffer is reused only
 when nothing but the runtime holds it: a ``.grad`` kept from an earlier step
@@ -237,14 +237,14 @@ class GradSync(OrderedBuckets):
                  keep: bool = True, compression: str = "none", rank: int = 0) -> None:
         """``params``: (name, parameter, axes it is replicated on), in forward order.
         ``planned``: the plan's buckets (parameter names in launch order,
-        :attr:`autopar.plan.Decisions.grad_buckets`); names not on this rank are
+        :attr:`autopar.plans.Decisions.grad_buckets`); names not on this rank are
         skipped, a bucket mixing axes is split by axes.  Parameters in no planned
         bucket (a plan made before buckets were planned, ZeRO-3 shards reduced over
         their other axes) follow in ``bucket_bytes`` buckets, back to front.  ``keep``:
-        the buffers serve every step (:attr:`autopar.plan.Decisions.grad_buffers_kept`;
+        the buffers serve every step (:attr:`autopar.plans.Decisions.grad_buffers_kept`;
         else each backward takes new ones, freed with the gradients).  ``compression``:
         ``"bf16"`` or ``"powersgd"`` (at ``rank``) reduce the buckets compressed
-        (:mod:`autopar.runtime.compression`, :attr:`autopar.plan.Decisions.grad_compression`)."""
+        (:mod:`autopar.runtime.compression`, :attr:`autopar.plans.Decisions.grad_compression`)."""
         self.keep = keep
         self.compression = compression
         self._powersgd = None

@@ -22,9 +22,13 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 import torch
+from torch.distributed.tensor import Replicate, Shard
 from torch.utils import _pytree as pytree
 
 from autopar.errors import AutoparError
+from autopar.plans.placement import parse_placements
+from autopar.runtime.mesh import current
+from autopar.runtime.shards import gather_tensor, shard_tensor
 
 
 class BatchMode(StrEnum):
@@ -126,8 +130,6 @@ class InputBinder:
         return flat
 
     def _own_rows(self, flat: list, passthrough: frozenset[int]) -> list:
-        from autopar.runtime.shards import shard_tensor
-
         m, pl, _ = self._split()
         return [shard_tensor(x, pl, m.shape, m.coord) if i in passthrough else x
                 for i, x in enumerate(flat)]
@@ -135,9 +137,6 @@ class InputBinder:
     def _split(self):
         """(this rank's mesh, the batch's placements: dim 0 split over the data-parallel
         axes, the number of data-parallel ranks)."""
-        from autopar.plan.placement import Shard
-        from autopar.runtime.mesh import current
-
         m = current()
         pl = tuple(Shard(0) if a in self.dp_axes else None for a in range(len(m.shape)))
         return m, pl, math.prod(m.shape[a] for a in self.dp_axes)
@@ -169,8 +168,6 @@ class InputBinder:
                     "loss), or plan again for this shape with auto_parallel")
 
     def _gather_local(self, flat: list, shapes: list, passthrough: frozenset[int]) -> list:
-        from autopar.runtime.shards import gather_tensor
-
         if not self.dp_axes:
             return flat
         m, pl, dp = self._split()
@@ -191,8 +188,6 @@ def data_parallel_axes(plan) -> tuple[int, ...]:
     split the returned rows (:attr:`Decisions.local_axes`), else those on which the first
     batch input is sharded along dim 0.  Ranks that differ only on other axes (tensor-parallel
     peers, pipeline stages) must see the same samples."""
-    from autopar.plan.placement import Shard, parse_placements
-
     if plan.decisions.batch == BatchMode.LOCAL.value and plan.decisions.local_axes is not None:
         return tuple(plan.decisions.local_axes)
     for n in plan.nodes.values():
@@ -212,8 +207,6 @@ def passthrough_inputs(plan) -> frozenset[str]:
     rank's rows: the gather's collective (a latency per input per step, which DDP does not
     pay) buys nothing.  Only without pipeline stages and micro-batches, whose splits
     of the global batch are not this rank's rows."""
-    from autopar.plan.placement import Replicate, Shard, parse_placements
-
     d = plan.decisions
     if d.batch != BatchMode.LOCAL.value or d.pipeline_stages > 1 or d.micro_batches > 1:
         return frozenset()

@@ -48,6 +48,11 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.optim import optimizer as O
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 # id(DTensor parameter) -> (a weak reference to it, the local tensor it
 # views).  Not an attribute on the parameter: deepcopy and pickle copy a tensor's
@@ -91,10 +96,6 @@ def mark(param: torch.Tensor, local: torch.Tensor) -> None:
     key = id(param)
     _REG[key] = (weakref.ref(param, lambda _r, k=key: _REG.pop(k, None)), local)
     if not _installed:
-        from torch.optim.optimizer import (
-            register_optimizer_step_post_hook,
-            register_optimizer_step_pre_hook,
-        )
         register_optimizer_step_pre_hook(_pre)
         register_optimizer_step_post_hook(_put_back)
         _installed = True
@@ -124,8 +125,6 @@ def _pairs(opt: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor]
 def _alone(opt: torch.optim.Optimizer, args, kwargs) -> bool:
     """Whether only the optimizer's own step body runs between our hooks: no closure,
     no step hooks of its own, no other process-wide step hook, not traced."""
-    from torch.optim import optimizer as O
-
     if kwargs.get("closure") is not None or len(args) > 1 and args[1] is not None:
         return False
     if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopar.errors import MeshMismatchError
+from autopar.plans.splits import stage_ranks
 
 
 @dataclass
@@ -105,7 +106,7 @@ def init_mesh(shape: tuple[int, ...], backend: str | None = None, stages: int = 
     are carved from ``pipeline_axis`` of ``mesh_shape`` (the requested mesh, ranks
     row-major as torchrun numbers them): axis 0 makes each stage a block of consecutive
     ranks; a later axis (stages inside a node) interleaves them
-    (:func:`autopar.plan.splits.stage_ranks`).
+    (:func:`autopar.plans.splits.stage_ranks`).
 
     Raises :class:`MeshMismatchError` when the world size differs from the mesh size:
     running a plan on the wrong number of ranks would silently compute garbage.
@@ -157,7 +158,7 @@ def init_mesh(shape: tuple[int, ...], backend: str | None = None, stages: int = 
 
 
 def init_plan_mesh(plan, timeout: float | None = None) -> RuntimeMesh:
-    """:func:`init_mesh` for ``plan`` (a :class:`~autopar.plan.Plan`): its stage
+    """:func:`init_mesh` for ``plan`` (a :class:`~autopar.plans.Plan`): its stage
     sub-mesh, stage count, and the axis of the requested mesh the stages come from."""
     d = plan.decisions
     return init_mesh(tuple(plan.mesh.shape), stages=d.pipeline_stages, timeout=timeout,
@@ -167,8 +168,6 @@ def init_plan_mesh(plan, timeout: float | None = None) -> RuntimeMesh:
 def _stage_layout(full: tuple[int, ...], axis: int, mesh_shape: tuple[int, ...] | None) -> torch.Tensor:
     """The global ranks of the device mesh ``full`` (pipeline axis first) for stages
     carved from ``axis`` of ``mesh_shape``."""
-    from autopar.plan.splits import stage_ranks  # the planner's layout, one definition
-
     if not mesh_shape or math.prod(mesh_shape) != math.prod(full):
         raise MeshMismatchError(
             f"the plan's {full[0]} pipeline stages are carved from mesh axis {axis}, which needs "

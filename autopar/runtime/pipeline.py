@@ -4,7 +4,7 @@ one-stage case).
 :class:`PipelineRunner` runs this rank's
 :class:`~autopar.runtime.stage_graph.StageGraph` (one, or ``v`` model chunks under the
 interleaved schedule) over ``M`` micro-batches of the global batch in the order
-:func:`autopar.plan.schedules.actions` gives: GPipe, 1F1B, interleaved 1F1B or zero-bubble
+:func:`autopar.plans.schedules.actions` gives: GPipe, 1F1B, interleaved 1F1B or zero-bubble
 (see there; zero-bubble's backward is split by :mod:`autopar.runtime.split_backward`).
 
 A forward ``F(k, i)`` of virtual stage ``k`` receives the boundary activations of
@@ -17,7 +17,7 @@ with the same sub-mesh coordinate in that stage, on the default process group
 
 **Why it cannot deadlock, and how messages match.** Sends are non-blocking (``isend``,
 waited at the end of the step), so a rank only ever blocks on a receive.  Every
-schedule is a topological order of the dependencies (:mod:`autopar.plan.schedules`, checked
+schedule is a topological order of the dependencies (:mod:`autopar.plans.schedules`, checked
 by ``list_schedule`` in the tests), so every awaited message is eventually sent.
 Matching is by order on each directed rank pair, which both backends guarantee for
 one (src, dst, tag): the receiver computes the sender's own action order (every rank
@@ -63,8 +63,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from autopar.plan.decisions import Schedule
-from autopar.plan.schedules import actions, virtual_stage
+from autopar.plans.kinds import Schedule
+from autopar.plans.schedules import actions, virtual_stage
 from autopar.runtime.compile_fallback import CompiledOrEager
 from autopar.runtime.mesh import current
 from autopar.runtime.split_backward import (

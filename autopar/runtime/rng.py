@@ -25,6 +25,11 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.distributed.tensor import Shard
+
+from autopar.plans.placement import parse_placements
+from autopar.runtime.mesh import current
+from autopar.runtime.shards import shard_tensor
 
 _CURRENT: list[torch.Generator | None] = [None]
 
@@ -53,9 +58,7 @@ def sharded_dropout(x: torch.Tensor, p: float, train: bool, global_shape: tuple[
         return x
     if p == 1.0:
         return x * 0.0
-    from autopar.plan.placement import Shard, parse_placements
-    from autopar.runtime.mesh import current
-    from autopar.runtime.shards import shard_tensor
+
 
     keep = torch.empty(global_shape, dtype=x.dtype, device=x.device)
     keep.bernoulli_(1.0 - p, generator=_CURRENT[0])

@@ -6,8 +6,9 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Shard
 
-from autopar.plan.placement import Placements, Shard
+from autopar.plans.placement import Placements
 
 
 def shard_tensor(full: torch.Tensor, placements: Placements, mesh_shape: Sequence[int],

@@ -140,7 +140,7 @@ class TargetCounts:
     """What :class:`~autopar.runtime.pipeline.PipelineRunner` counts a micro-batch's
     targets with: ``graph`` (of the stage's model inputs) gives this rank's count, and
     the counts of every micro-batch are summed over ``rows`` in one all-reduce (the plan
-    lists it: :mod:`autopar.search.collectives`)."""
+    lists it: :mod:`autopar.search.step_collectives`)."""
 
     graph: fx.GraphModule
     rows: tuple[int, ...]

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 
 def rank_path(path: str | Path, rank: int) -> Path:
@@ -79,7 +80,7 @@ _RECORDED = {"all_reduce": ("all_reduce", 0), "all_gather": ("all_gather", 1),
 @contextlib.contextmanager
 def collective_log() -> Iterator[list[Issued]]:
     """Record every ``torch.distributed`` collective and point-to-point message this
-    process issues inside the block (what :meth:`autopar.plan.Plan.collectives`
+    process issues inside the block (what :meth:`autopar.plans.Plan.collectives`
     predicts for a step); yields the list it appends to.  It wraps the module-level
     functions, through which the generated code and the runtime issue every one;
     DTensor's functional collectives (e.g. in ``clip_grad_norm_``) are not recorded.
@@ -98,8 +99,6 @@ def collective_log() -> Iterator[list[Issued]]:
                               else 2, _nbytes(t)))
             return real[name](*args, **kwargs)
         return recorded
-
-    from torch.distributed import distributed_c10d as c10d
 
     wrapped = {name: wrap(name) for name in real}
     # P2POp checks its op against c10d's own isend/irecv: wrap those the same way

@@ -55,7 +55,6 @@ from autopar.runtime.tls import issue
 # stage 3 lives in autopar.runtime.zero3 (one gather per layer, prefetched)
 from autopar.runtime.zero3 import (
     Group,
-    free_gathered_params,
     launch_gather,
     register,
     zero_gather,
@@ -190,8 +189,8 @@ class Zero(OrderedBuckets):
         whole parameters and, for stage 3, gather each layer's parameters (``layers``:
         target -> layer key; a target without one is its own group) before their first
         use; the layers in ``kept`` hold theirs from forward to backward
-        (:attr:`autopar.plan.Decisions.zero_kept`); stages 1-2 gather ``chunks`` (targets,
-        forward order: :attr:`autopar.plan.Decisions.gather_chunks`) one by one in the
+        (:attr:`autopar.plans.Decisions.zero_kept`); stages 1-2 gather ``chunks`` (targets,
+        forward order: :attr:`autopar.plans.Decisions.gather_chunks`) one by one in the
         forward."""
         m = current()
         r = m.coord_of(axes)
@@ -440,4 +439,4 @@ class Zero(OrderedBuckets):
         self._versions = [p.shard._version for p in self.params]
 
 
-__all__ = ["Zero", "ZeroParam", "free_gathered_params", "shard_name", "zero_gather"]
+__all__ = ["Zero", "ZeroParam", "shard_name"]

@@ -1,4 +1,4 @@
-"""The solver's choice, one strategy per node, turned into a :class:`~autopar.plan.Plan`:
+"""The solver's choice, one strategy per node, turned into a :class:`~autopar.plans.Plan`:
 per-node prices, the redistributions on each input, the best alternatives (each
 strategy's price with the neighbours' choices fixed), memory by kind and the solver's
 status and gap. Shared by the ILP and D-Rec (:mod:`autopar.search.op_placement`), so a plan means the
@@ -17,15 +17,16 @@ from autopar.capture.grad_flow import dual
 from autopar.capture.ir import info, tensor_inputs
 from autopar.capture.layers import layer_keys
 from autopar.cost_models import MeshSpec
-from autopar.plan.data import Alternative, NodePlan, Plan, Redistribution, SolverInfo
-from autopar.plan.placement import fmt_placements
+from autopar.plans.data import Alternative, NodePlan, Plan, Redistribution, SolverInfo
+from autopar.plans.placement import fmt_placements
 from autopar.search.node_prices import CostModel, param_state_split
 from autopar.sharding.local_forms import describe
 from autopar.sharding.redistribute import plan_redistribution
 from autopar.sharding.rules import OpStrategy
 
 if TYPE_CHECKING:
-    from autopar.search.op_placement import PlanOptions, Problem
+    from autopar.plans.decisions import PlanOptions
+    from autopar.search.op_placement import Problem
 
 
 def _kind(n: fx.Node) -> str:

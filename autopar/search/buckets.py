@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.cost_models import MeshSpec, all_reduce_time
-from autopar.plan.decisions import prices
+from autopar.plans.decisions import prices
 from autopar.search.compression import LATENCIES
 from autopar.search.stages.layer_stats import LayerStat, ParamStat, ZeroPrice, on_zero
 

@@ -19,9 +19,9 @@ from autopar.capture.batch import AnyBatch, capture_any_batch
 from autopar.capture.ir import info
 from autopar.capture.trace import Captured, capture
 from autopar.log import report
-from autopar.plan.data import Request
-from autopar.plan.splits import batch_size, micro_inputs
-from autopar.search.op_placement import PlanOptions
+from autopar.plans.data import Request
+from autopar.plans.decisions import PlanOptions
+from autopar.plans.splits import batch_size, micro_inputs
 from autopar.search.shallow import KEEP, homogeneous, repeated_list, shallow_copy
 from autopar.search.stages.layer_stats import LayerStat
 
@@ -144,7 +144,7 @@ class Captures:
 
 def request(gm: fx.GraphModule, micro_batches: int, mesh_shape: list[int],
             budget: float) -> Request:
-    """The plan's :class:`~autopar.plan.Request` from the graph captured at the
+    """The plan's :class:`~autopar.plans.Request` from the graph captured at the
     micro-batch size: tokens are read from the first integer input of two or more dims
     (token ids: batch x sequence), FLOPs from the annotated ops (x3: forward + backward)."""
     tokens = 0

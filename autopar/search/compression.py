@@ -1,5 +1,5 @@
 """What compressing the data-parallel gradient buckets costs and saves
-(decision ``grad_compression``, :class:`~autopar.plan.decisions.GradCompression`).
+(decision ``grad_compression``, :class:`~autopar.plans.kinds.GradCompression`).
 
 A bucket's price stays affine in its parts, so the bucket recurrence of
 :mod:`autopar.search.buckets` stays exact: each gradient brings the bytes it puts on
@@ -24,7 +24,8 @@ compression kind scales the all-reduce's latency and per-byte price:
 from __future__ import annotations
 
 from autopar.cost_models import MeshSpec, compute_time
-from autopar.plan.decisions import POWERSGD_RANK, GradCompression, PlanOptions, prices
+from autopar.plans.decisions import PlanOptions, prices
+from autopar.plans.kinds import POWERSGD_RANK, GradCompression
 from autopar.runtime.compression import low_rank
 from autopar.search.stages.layer_stats import ParamStat
 

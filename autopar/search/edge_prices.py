@@ -23,7 +23,7 @@ from autopar.cost_models import (
     blocking_time,
     blocking_times,
 )
-from autopar.plan.placement import Placements
+from autopar.plans.placement import Placements
 from autopar.sharding.redistribute import (
     RedistributionError,
     StepKind,

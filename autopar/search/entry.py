@@ -11,11 +11,11 @@ from torch import nn
 from autopar.capture.trace import Captured
 from autopar.cost_models import MeshSpec
 from autopar.errors import AutoparWarning, NoFitError, user_stacklevel
-from autopar.plan.data import Plan
+from autopar.plans.data import Plan
+from autopar.plans.decisions import PlanOptions
 from autopar.search.joint import JointSearch
 from autopar.search.mesh_shapes import ShapeSearch
 from autopar.search.node_prices import precision_warning
-from autopar.search.op_placement import PlanOptions
 
 __all__ = ["joint_plan"]
 

@@ -1,4 +1,4 @@
-"""Plan-level decisions forced by the user (:class:`~autopar.search.op_placement.PlanOptions`)
+"""Plan-level decisions forced by the user (:class:`~autopar.plans.decisions.PlanOptions`)
 that cannot mean anything are errors before any search, never ignored."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from collections.abc import Iterable
 
 from autopar.cost_models import MeshSpec
 from autopar.errors import PlanError
-from autopar.plan.decisions import Schedule
-from autopar.plan.schedules import conflict
-from autopar.plan.splits import pipeline_splits
-from autopar.search.op_placement import PlanOptions
+from autopar.plans.decisions import PlanOptions
+from autopar.plans.kinds import Schedule
+from autopar.plans.schedules import conflict
+from autopar.plans.splits import pipeline_splits
 
 
 def check_forced(opts: PlanOptions, mesh: MeshSpec) -> None:

@@ -37,7 +37,7 @@ import functools
 from dataclasses import dataclass
 
 from autopar.cost_models import MeshSpec, all_gather_time
-from autopar.plan.decisions import prices, zero_axes
+from autopar.plans.decisions import prices, zero_axes
 from autopar.search.buckets import _end, affine_fit
 from autopar.search.stages.layer_stats import LayerStat, on_zero
 
@@ -165,7 +165,7 @@ def stage_chunks(layers: list[LayerStat], stage: int, axis, mesh: MeshSpec) -> C
 
 
 def names_of(cp: ChunkPlan | None) -> list[list[str]]:
-    """``cp``'s chunks as :attr:`autopar.plan.Decisions.gather_chunks` lists them."""
+    """``cp``'s chunks as :attr:`autopar.plans.Decisions.gather_chunks` lists them."""
     return [list(c) for c in cp.names] if cp is not None else []
 
 

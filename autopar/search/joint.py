@@ -26,15 +26,15 @@ from autopar.capture.trace import Captured
 from autopar.cost_models import MeshSpec, format_bytes
 from autopar.errors import NoFitError, PlanError
 from autopar.log import report, show
-from autopar.plan.data import Plan, zero_words
-from autopar.plan.decisions import Decisions, Schedule, forced_values
-from autopar.plan.splits import batch_size, split_mesh, split_words
+from autopar.plans.data import Plan, zero_words
+from autopar.plans.decisions import Decisions, PlanOptions, forced_values
+from autopar.plans.kinds import Schedule
+from autopar.plans.splits import batch_size, split_mesh, split_words
 from autopar.search.assemble import complete
 from autopar.search.budget import Phase, TimeBudget
 from autopar.search.captures import Captures, request
-from autopar.search.collectives import list_collectives
 from autopar.search.forced import check_forced
-from autopar.search.op_placement import PlanOptions, local_axes, make_weighted_plans
+from autopar.search.op_placement import local_axes, make_weighted_plans
 from autopar.search.shallow import (
     KEEP,
     deepen,
@@ -42,10 +42,11 @@ from autopar.search.shallow import (
     steady,
 )
 from autopar.search.space import PlanSpace, _Candidate, tied_across_layers
-from autopar.search.stages.dp import price, step_lower_bound
 from autopar.search.stages.layer_stats import layer_stats
+from autopar.search.stages.pipeline_step import price, step_lower_bound
 from autopar.search.stages.priced import Config, Priced, chosen_fields
 from autopar.search.stages.step_terms import stage_link
+from autopar.search.step_collectives import list_collectives
 from autopar.search.why import Context, decisions_why
 
 
@@ -236,7 +237,7 @@ class JointSearch:
         layer's compute floor (:attr:`LayerStat.floor`, the same for every split: FLOPs
         are linear in the batch) spread over a stage's devices, or more where its ops'
         launches and weight reads say so (:func:`~autopar.search.stages.layer_stats.kernel_floor`), in
-        :func:`~autopar.search.stages.dp.split_lower_bound`'s pipeline (the slowest stage
+        :func:`~autopar.search.stages.pipeline_step.split_lower_bound`'s pipeline (the slowest stage
         runs ``micro`` micro-batches, the others fill and drain at the least share any
         schedule of the split leaves).  The split is recorded with its bound."""
         best = self.best()

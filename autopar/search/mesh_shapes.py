@@ -37,12 +37,11 @@ from autopar.capture.trace import Captured
 from autopar.cost_models import MeshSpec, format_bytes
 from autopar.errors import ConfigError, NoFitError, PlanError
 from autopar.log import report, show
-from autopar.plan.data import Plan, Request
-from autopar.plan.decisions import Decisions
-from autopar.plan.roles import layout
+from autopar.plans.data import Plan, Request
+from autopar.plans.decisions import Decisions, PlanOptions
+from autopar.plans.roles import layout
 from autopar.search.budget import SHARES, Phase
 from autopar.search.joint import JointSearch
-from autopar.search.op_placement import PlanOptions
 
 __all__ = ["EXPLORE_SHARE", "ShapeSearch", "shape_options"]
 

@@ -1,6 +1,6 @@
 """The pipeline's point-to-point messages of one step, as
 :mod:`autopar.passes.split_stages` cuts the lowered graph and
-:mod:`autopar.runtime.pipeline` sends them (part of :meth:`autopar.plan.Plan.collectives`).
+:mod:`autopar.runtime.pipeline` sends them (part of :meth:`autopar.plans.Plan.collectives`).
 
 Which values cross a stage boundary follows from the plan without lowering: a planned
 value is read by its consumers in its own placement or in another one, and the
@@ -26,12 +26,12 @@ import math
 
 from autopar.capture.ir import info
 from autopar.passes.split_stages import input_only
-from autopar.plan.placement import is_replicate, local_shape, parse_placements
+from autopar.plans.placement import is_replicate, local_shape, parse_placements
 
 
 def pipeline_messages(lister) -> None:
     """Add the point-to-point messages and the loss broadcast of a pipelined plan to
-    ``lister`` (a :class:`autopar.search.collectives._Lister`)."""
+    ``lister`` (a :class:`autopar.search.step_collectives._Lister`)."""
     plan, d, gm = lister.plan, lister.d, lister.gm
     num, p, m = len(d.stages), lister.ranks, d.micro_batches
     # recomputed by each stage that reads them, as split_stages does

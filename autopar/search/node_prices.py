@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import fx
+from torch.distributed.tensor import Shard
 
 from autopar.capture.annotate import VIEW_OPS, is_noop_cast
 from autopar.capture.ir import META_KEY, TensorInfo, info, tensor_inputs
@@ -25,17 +26,16 @@ from autopar.cost_models import (
     optimizer_state_bytes,
     send_recv_time,
 )
-from autopar.plan.decisions import prices
-from autopar.plan.placement import (
+from autopar.plans.decisions import prices
+from autopar.plans.placement import (
     Placements,
-    Shard,
-    is_partial,
     is_replicate,
     is_shard,
     local_shape,
     returned_placement,
 )
 from autopar.runtime.experts import MOE_EXPERTS
+from autopar.runtime.ring_attention import ring_attention_cost_factors, ring_balanced
 from autopar.search.edge_prices import EdgePrices, MeshTables, mesh_tables
 from autopar.sharding.redistribute import sum_axes
 from autopar.sharding.rules import OpStrategy
@@ -47,6 +47,7 @@ from autopar.sharding.rules.attention import (
     sdpa_placements,
 )
 from autopar.sharding.rules.channel_norms import batch_norm_axes, batch_norm_training
+from autopar.sharding.rules.moe_experts import expert_axes
 from autopar.sharding.rules.statistics import SPLIT_REDUCTIONS, split_all_reduces, split_axes
 
 aten = torch.ops.aten
@@ -176,7 +177,7 @@ class CostModel(EdgePrices):
     backward_factor: float = 2.0
     local_rows: int | None = None
     """The global batch when outputs are returned per data-parallel rank (``batch="local"``,
-    :func:`autopar.plan.placement.returned_placement`); None: outputs are returned replicated."""
+    :func:`autopar.plans.placement.returned_placement`); None: outputs are returned replicated."""
     arrival_tie: bool = True
     """Break ties toward batch inputs taken as they arrive (:meth:`arrival_cost`); off
     where the user pinned an input (a layout the user chose for the batch)."""
@@ -203,7 +204,7 @@ class CostModel(EdgePrices):
 
     def output_cost(self, node: fx.Node, s: OpStrategy) -> float:
         """Seconds per step to return ``node``'s output (a model output) where the caller
-        gets it (:func:`autopar.plan.placement.returned_placement`)."""
+        gets it (:func:`autopar.plans.placement.returned_placement`)."""
         t = info(node).out
         dst = returned_placement(s.outputs[0], t.shape, self.local_rows)
         # an output the step does not differentiate (a model's logits beside its loss)
@@ -262,7 +263,7 @@ class CostModel(EdgePrices):
         all-reduced asynchronously from the top of the forward, where the labels are
         sliced, and waited for at the loss (passes/localize.py ``_hoist_count``): an
         8-byte collective behind the whole forward, hidden here; the stage exposes the
-        part the forward does not hide (:func:`autopar.search.stages.dp.count_exposed`:
+        part the forward does not hide (:func:`autopar.search.stages.step_terms.count_exposed`:
         nearly all of it where ranks share cores, and all of it under pipeline stages,
         where it starts at the loss)."""
         if node.target is SDPA:
@@ -322,8 +323,6 @@ class CostModel(EdgePrices):
     def _ring(self, node: fx.Node, axes: tuple[int, ...]) -> tuple[int, bool]:
         """Ring size and whether ring attention of ``node`` over ``axes`` runs zigzag
         balanced (causal, each rank's chunk halves: ``ring_balanced``)."""
-        from autopar.runtime.ring_attention import ring_balanced
-
         n = math.prod(self.mesh.shape[a] for a in axes)
         causal = sdpa_args(node).is_causal
         return n, causal and ring_balanced(info(node.args[0]).out.shape[2] // n)
@@ -345,8 +344,6 @@ class CostModel(EdgePrices):
         q, k, v = (self._local_bytes(x, p) for x, p in ((a.q, qp), (a.k, kp), (a.v, vp)))
         o = self._local_bytes(node, s.outputs[0])
         if layout.impl is CPImpl.RING:
-            from autopar.runtime.ring_attention import ring_attention_cost_factors
-
             n, balanced = self._ring(node, layout.cp_axes)
             _, transfers = ring_attention_cost_factors(n, a.is_causal, balanced)
             # the factor counts the zigzag re-layout in K/V blocks, true when q and the
@@ -368,8 +365,6 @@ class CostModel(EdgePrices):
         the mean rows per rank; a skewed router makes the busiest rank send and compute
         more than this says (no capacity limit caps it).  Experts split with tokens
         whole exchange nothing here (their Partial output is priced on its edge)."""
-        from autopar.sharding.rules.experts import expert_axes
-
         ep, _ = expert_axes(s.inputs)
         if not ep:
             return 0.0
@@ -453,4 +448,5 @@ def param_state_split(node: fx.Node, p: Placements, mesh: MeshSpec, optimizer: s
     return b, b, optimizer_state_bytes(b, optimizer)
 
 
-__all__ = ["SAVES_NO_INPUT", "CostModel", "kept_for_backward", "is_partial", "param_state_split", "precision_warning"]
+__all__ = ["SAVES_NO_INPUT", "CostModel", "kept_for_backward", "param_state_split",
+           "precision_warning"]

@@ -1,5 +1,5 @@
 """What keeping state in host memory costs and saves (decision ``offload``,
-:class:`~autopar.plan.decisions.Offload`), for one pipeline stage under one config.
+:class:`~autopar.plans.kinds.Offload`), for one pipeline stage under one config.
 
 Per layer, :class:`~autopar.search.stages.layer_stats.ZeroPrice` says what a device holds
 (``params``, ``grads``, ``optimizer``) and what the optimizer updates.  A rank *owns*
@@ -26,7 +26,8 @@ import math
 from dataclasses import dataclass
 
 from autopar.cost_models import MeshSpec, optimizer_state_bytes, optimizer_step_time
-from autopar.plan.decisions import Offload, PlanOptions, prices, zero_axes
+from autopar.plans.decisions import PlanOptions, prices, zero_axes
+from autopar.plans.kinds import Offload
 from autopar.search.stages.layer_stats import LayerStat, ZeroPrice, on_zero
 
 

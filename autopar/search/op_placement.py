@@ -1,5 +1,5 @@
 """Build the strategy-selection problem from the annotated graph, solve it, and turn
-the choice into a :class:`~autopar.plan.Plan`.
+the choice into a :class:`~autopar.plans.Plan`.
 
 Problem: one variable per tensor node (its strategy), node costs from
 :class:`~autopar.search.node_prices.CostModel`, one edge per (producer, consumer input) priced by
@@ -18,34 +18,40 @@ from enum import StrEnum
 
 import numpy as np
 from torch import fx
+from torch.distributed.tensor import Shard
 from torch.utils import _pytree as pytree
 
 from autopar.capture.grad_flow import dual
 from autopar.capture.ir import info, tensor_inputs
 from autopar.capture.layers import layers
+from autopar.capture.layers import layers as _layers
 from autopar.cost_models import MeshSpec
 from autopar.errors import PlanError
 from autopar.log import report
-from autopar.plan.data import Plan
-from autopar.plan.decisions import PlanOptions, prices
-from autopar.plan.placement import (
-    Shard,
-    graph_batch,
-    parse_placements,
-    returned_placement,
-)
+from autopar.plans.data import Plan
+from autopar.plans.decisions import PlanOptions, prices
+from autopar.plans.placement import graph_batch, parse_placements, returned_placement
 from autopar.search.assemble import assemble
 from autopar.search.node_prices import CostModel
 from autopar.search.solvers import bounds
-from autopar.search.solvers.cluster import (
+from autopar.search.solvers.cluster import solve_clustered
+from autopar.search.solvers.cluster_detect import (
     Clustering,
     find_clusters,
     shared_pricing,
-    solve_clustered,
 )
+from autopar.search.solvers.drec import drec_search, resolve_pins
+from autopar.search.solvers.drec_graph import _plan_nodes
+from autopar.search.solvers.drec_types import DRecOptions
 from autopar.search.solvers.ilp import solve_ilp
-from autopar.search.solvers.problem import InfeasibleError, StrategyProblem, evaluate
-from autopar.sharding.rules import OpStrategy
+from autopar.search.solvers.problem import (
+    InfeasibleError,
+    Solution,
+    SolveStatus,
+    StrategyProblem,
+    evaluate,
+)
+from autopar.sharding.rules import OpStrategy, RuleCtx, axis_strategies
 from autopar.sharding.rules.attention import restrict_attention
 from autopar.sharding.strategies import apply_pins, enumerate_strategies
 
@@ -69,7 +75,7 @@ def build_problem(gm: fx.GraphModule, mesh: MeshSpec, strategies: dict[fx.Node, 
     """Assemble :class:`StrategyProblem` arrays (see module docstring).
 
     ``share`` maps a node to a twin priced identically (a repeated layer's node and its
-    counterpart in the first identical layer, :func:`autopar.search.solvers.cluster.shared_pricing`):
+    counterpart in the first identical layer, :func:`autopar.search.solvers.cluster_detect.shared_pricing`):
     the twin's arrays are reused, so a deep stack of identical layers is priced once."""
     share = share or {}
     nodes = list(strategies)
@@ -227,8 +233,6 @@ def ilp_size(gm: fx.GraphModule, mesh_shape: tuple[int, ...]) -> tuple[int, int]
     """(sum of strategies over nodes, sum of edge matrix entries) the ILP would build,
     estimated without enumerating the product: a node with ``s`` 1-D strategies gets
     ``s ** axes`` (an upper bound: divisibility prunes some), axes of size 1 excluded."""
-    from autopar.search.solvers.drec_graph import _plan_nodes
-    from autopar.sharding.rules import RuleCtx, axis_strategies
 
     axes = sum(1 for n in mesh_shape if n > 1)
     ctx = RuleCtx(tuple(mesh_shape))
@@ -269,7 +273,6 @@ def choose_searcher(gm: fx.GraphModule, mesh: MeshSpec, opts: PlanOptions) -> tu
     nodes, entries = ilp_size(gm, tuple(mesh.shape))
     # identical repeated layers are priced once (shared pricing) and solved once
     # (clustering): only one layer's share of the entries costs build time
-    from autopar.capture.layers import layers as _layers
     reps = [lay for lay in _layers(gm) if lay.repeated]
     total = sum(len(lay.nodes) for lay in _layers(gm))
     if len(reps) > 1 and total:
@@ -293,7 +296,7 @@ def cost_model(gm: fx.GraphModule, mesh: MeshSpec, opts: PlanOptions) -> CostMod
 
 def local_axes(gm: fx.GraphModule, plan: Plan) -> list[int] | None:
     """Under ``batch="local"``: the mesh axes that split the rows of the first batch-shaped
-    model output as it is returned (:func:`autopar.plan.placement.returned_placement`); None
+    model output as it is returned (:func:`autopar.plans.placement.returned_placement`); None
     when no output has the batch as dim 0."""
     rows = graph_batch(gm)
     out = next(n for n in gm.graph.nodes if n.op == "output")
@@ -310,8 +313,6 @@ def make_plan_drec(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts: Plan
                    why: str = "") -> Plan:
     """Plan with D-Rec, then price its choice exactly as the ILP's (a one-strategy
     problem per node), so objective, compute/comm/grad-sync and memory mean the same."""
-    from autopar.search.solvers.drec import DRecOptions, drec_search, resolve_pins
-    from autopar.search.solvers.problem import Solution, SolveStatus
 
     t0 = time.perf_counter()
     cm = cost_model(gm, mesh, opts)
@@ -374,7 +375,7 @@ def make_weighted_plans(gm: fx.GraphModule, mesh: MeshSpec, aliases: dict, opts:
     reads (:func:`autopar.search.assemble.complete` fills them in).
 
     The ILP charges each parameter's gradient sync in full, while the joint step model
-    (:mod:`autopar.search.stages.dp`) overlaps the buckets with backward and exposes only
+    (:mod:`autopar.search.stages.pipeline_step`) overlaps the buckets with backward and exposes only
     the tail. Where bf16 compute makes communication matter, the two disagree: the ILP
     shards weights over data-parallel axes to save an all-reduce the step would have
     hidden, while charging nothing replicates every weight (which may not fit). The

@@ -20,16 +20,16 @@ from autopar.capture.trace import Captured
 from autopar.capture.user_checkpoint import Coverage
 from autopar.cost_models import MeshSpec
 from autopar.errors import PlanError
-from autopar.plan.data import Plan
-from autopar.plan.decisions import Schedule
-from autopar.plan.schedules import conflict
-from autopar.plan.splits import batch_size, micro_counts, pipeline_splits, split_mesh
+from autopar.plans.data import Plan
+from autopar.plans.decisions import PlanOptions
+from autopar.plans.kinds import Schedule
+from autopar.plans.schedules import conflict
+from autopar.plans.splits import batch_size, micro_counts, pipeline_splits, split_mesh
 from autopar.search.compression import kinds as compression_kinds
 from autopar.search.forced import zero_groups
 from autopar.search.offload import kinds as offload_kinds
-from autopar.search.op_placement import PlanOptions
-from autopar.search.stages.dp import split_lower_bound
 from autopar.search.stages.layer_stats import LayerStat, kernel_floor
+from autopar.search.stages.pipeline_step import split_lower_bound
 from autopar.search.stages.priced import Config, Priced, choice_fields, forced_fields
 from autopar.search.stages.step_terms import bubble_share
 

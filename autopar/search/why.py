@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 
 from autopar.capture.user_checkpoint import Coverage
 from autopar.cost_models import format_bytes
-from autopar.plan.data import zero_words
-from autopar.search.stages.dp import price
+from autopar.plans.data import zero_words
+from autopar.search.stages.pipeline_step import price
 from autopar.search.stages.priced import Config, Priced
 from autopar.search.stages.step_terms import stage_link
 

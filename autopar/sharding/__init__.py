@@ -5,5 +5,5 @@ Owns the per-op rule registry (``rules/``, one file per op family), every node's
 candidate strategies and pins (``strategies``), the redistributions between placements
 (``redistribute``) and what an op's local form does by itself (``local_forms``).  It
 may import :mod:`autopar.capture` (the IR), :mod:`autopar.runtime` (the local forms'
-callables), :mod:`autopar.plan` and :mod:`autopar.cost_models`.
+callables), :mod:`autopar.plans` and :mod:`autopar.cost_models`.
 """

@@ -15,15 +15,17 @@ import math
 
 import torch
 from torch import fx
+from torch.distributed.tensor import Shard
 
 from autopar.capture.ir import info
 from autopar.cost_models import MeshSpec
-from autopar.plan.placement import Shard, local_shape
+from autopar.plans.placement import local_shape
 from autopar.runtime.experts import MOE_EXPERTS
+from autopar.runtime.ring_attention import ring_balanced
 from autopar.sharding.rules import OpStrategy
 from autopar.sharding.rules.attention import SDPA, CPImpl, context_layout, sdpa_args
 from autopar.sharding.rules.channel_norms import batch_norm_axes
-from autopar.sharding.rules.experts import expert_axes
+from autopar.sharding.rules.moe_experts import expert_axes
 from autopar.sharding.rules.statistics import SPLIT_REDUCTIONS, split_axes
 
 aten = torch.ops.aten
@@ -34,8 +36,6 @@ def _axes(mesh: MeshSpec, axes: tuple[int, ...]) -> str:
 
 
 def _attention(node: fx.Node, s: OpStrategy, mesh: MeshSpec) -> str:
-    from autopar.runtime.ring_attention import ring_balanced
-
     layout = context_layout(node, s.inputs, mesh.shape)
     if layout is None or not layout.sharded:
         return ""

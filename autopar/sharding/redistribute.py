@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor import Partial, Replicate, Shard
 
-from autopar.plan.placement import Placements, Shard
+from autopar.plans.placement import Placements
 
 
 class StepKind(str, Enum):
@@ -202,5 +202,5 @@ def sum_axes(src: Placements, dst: Placements,
     return tuple(s.axis for s in steps)
 
 
-__all__ = ["RedistributionError", "Shard", "Step", "StepKind", "placement_codes", "plan_codes",
+__all__ = ["RedistributionError", "Step", "StepKind", "placement_codes", "plan_codes",
            "plan_redistribution", "step_shapes", "sum_axes"]

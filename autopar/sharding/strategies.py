@@ -13,19 +13,13 @@ import operator
 from collections.abc import Mapping
 
 from torch import fx
+from torch.distributed.tensor import Shard
 from torch.fx.node import map_aggregate
 
 from autopar.capture.grad_regions import KEEP_REPLICATED
 from autopar.capture.ir import info, tensor_inputs
 from autopar.errors import PlanError
-from autopar.plan.placement import (
-    Placements,
-    R,
-    Shard,
-    fmt_placements,
-    parse_placements,
-    valid_for_shape,
-)
+from autopar.plans.placement import Placements, R, fmt_placements, parse_placements, valid_for_shape
 from autopar.sharding.rules import OpStrategy, RuleCtx, op_strategies
 
 Pins = Mapping[str, "Placements | str"]

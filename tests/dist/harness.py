@@ -258,7 +258,7 @@ _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "autopar",
             "autopar.runtime.zero3", "autopar.runtime.ring_attention",
             "autopar.runtime.local_step", "autopar.runtime.memstats", "autopar.runtime.agree",
             "autopar.runtime.dparams", "autopar.runtime.zero", "autopar.runtime.call_check",
-            "autopar.plan.json", "autopar.passes.device",
+            "autopar.plans.json", "autopar.passes.device",
             *(f"autopar.sharding.rules.{m}" for m in (
                 "conv", "embedding", "losses", "matmul", "moe", "norms", "pointwise",
                 "reductions", "views"))]

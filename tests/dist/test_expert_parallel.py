@@ -99,7 +99,7 @@ def ep_trace(c: dict) -> dict:
     import torch
 
     from autopar import MeshSpec, auto_parallel
-    from autopar.plan.placement import local_shape, parse_placements
+    from autopar.plans.placement import local_shape, parse_placements
 
     model, (x, y) = moe.build(layers=LAYERS)
     pm = auto_parallel(model, example_inputs=(x, y), pins=moe.ep_pins(LAYERS, 1),

@@ -192,7 +192,8 @@ def test_generated_source_refuses_a_runtime_rewritten_graph() -> None:
     from autopar.passes.recompute import recompute
 
     from autopar import MeshSpec, auto_parallel
-    from autopar.module.export import ExportError, generated_source
+    from autopar.errors import ExportError
+    from autopar.module.export import generated_source
 
     model, ex = gpt.build(layers=2)
     pm = auto_parallel(model, example_inputs=ex, mesh=MeshSpec.preset("cpu-gloo", shape=(2,)),

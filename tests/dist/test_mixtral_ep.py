@@ -22,8 +22,9 @@ values, so a token goes to the same experts on every layout.
 from __future__ import annotations
 
 import pytest
+from torch.distributed.tensor import Shard
 
-from autopar.plan.placement import Shard, parse_placements
+from autopar.plans.placement import parse_placements
 from tests.dist.harness import run_fn_cases
 
 FN = "tests.dist.mixtral_ep_case:run_case"

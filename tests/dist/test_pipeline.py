@@ -117,9 +117,9 @@ def plan_and_lower(model: nn.Module, batch: tuple, case: PipeCase, broadcast: bo
 
     from autopar.capture.annotate import annotate
     from autopar.capture.trace import capture
-    from autopar.plan.data import Plan
-    from autopar.plan.decisions import Decisions
-    from autopar.search.op_placement import PlanOptions, make_plan
+    from autopar.plans.data import Plan
+    from autopar.plans.decisions import Decisions, PlanOptions
+    from autopar.search.op_placement import make_plan
 
     m = case.micro_batches
     micro = tuple(x[: x.shape[0] // m] for x in batch)
@@ -150,7 +150,7 @@ def run_pipeline_case(c: dict) -> dict:
     from autopar.passes.split_stages import split_stages
 
     from autopar.module.runners import boundary_slices
-    from autopar.plan.placement import is_replicate, parse_placements
+    from autopar.plans.placement import is_replicate, parse_placements
     from autopar.runtime.grad_sync import GradSync
     from autopar.runtime.mesh import init_mesh, reset
     from autopar.runtime.pipeline import PipelineRunner

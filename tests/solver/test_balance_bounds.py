@@ -1,7 +1,7 @@
 """Bounds from whole layers: a pipeline's slowest stage takes at least the best balance
 of its layers' floors (:func:`autopar.search.stages.split_search.balanced_floor`), and the
 bound that skips a split before its intra-op search
-(:func:`autopar.search.stages.dp.split_lower_bound`) allows for every schedule the split
+(:func:`autopar.search.stages.pipeline_step.split_lower_bound`) allows for every schedule the split
 may run: zero-bubble and interleaving leave less of the fill and drain than 1F1B, and
 the search once charged 1F1B's to all of them."""
 
@@ -14,12 +14,12 @@ import warnings
 from pathlib import Path
 
 from autopar import MeshSpec
-from autopar.plan.decisions import Schedule
+from autopar.plans.decisions import PlanOptions
+from autopar.plans.kinds import Schedule
 from autopar.search.joint import JointSearch
-from autopar.search.op_placement import PlanOptions
 from autopar.search.space import _Candidate
-from autopar.search.stages.dp import price, split_lower_bound, step_lower_bound
 from autopar.search.stages.layer_stats import LayerStat
+from autopar.search.stages.pipeline_step import price, split_lower_bound, step_lower_bound
 from autopar.search.stages.priced import Config, Priced
 from autopar.search.stages.split_search import balanced_floor
 

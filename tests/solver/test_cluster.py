@@ -21,7 +21,8 @@ from autopar.capture.annotate import annotate
 from autopar.capture.trace import capture
 from autopar.search.node_prices import CostModel
 from autopar.search.op_placement import build_problem
-from autopar.search.solvers.cluster import find_clusters, shared_pricing, solve_clustered
+from autopar.search.solvers.cluster import solve_clustered
+from autopar.search.solvers.cluster_detect import find_clusters, shared_pricing
 from autopar.search.solvers.ilp import solve_ilp
 from autopar.search.solvers.problem import SolveStatus, evaluate
 from autopar.sharding.strategies import enumerate_strategies

@@ -19,10 +19,12 @@ from autopar import MeshSpec, plan
 from autopar.capture.annotate import annotate
 from autopar.capture.trace import capture
 from autopar.errors import PlanError
-from autopar.plan.placement import fmt_placements
+from autopar.plans.decisions import PlanOptions
+from autopar.plans.placement import fmt_placements
 from autopar.search.node_prices import CostModel
-from autopar.search.op_placement import PlanOptions, Searcher, choose_searcher, make_plan
-from autopar.search.solvers.drec import CostMode, DRecOptions, Order, axis_order, drec_search
+from autopar.search.op_placement import Searcher, choose_searcher, make_plan
+from autopar.search.solvers.drec import axis_order, drec_search
+from autopar.search.solvers.drec_types import CostMode, DRecOptions, Order
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402

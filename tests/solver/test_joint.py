@@ -199,7 +199,7 @@ def test_tied_weights_rule_out_pipelines():
 def test_micro_inputs_cut_keyword_inputs_like_positional_ones():
     import torch
 
-    from autopar.plan.splits import batch_size, micro_inputs
+    from autopar.plans.splits import batch_size, micro_inputs
 
     ids = torch.arange(8 * 5).reshape(8, 5)
     call = ((ids,), {"labels": ids + 1, "attention_mask": torch.ones(8, 5),
@@ -223,7 +223,8 @@ def test_sync_weighted_variants_give_the_step_model_a_faster_plan(monkeypatch):
     0.5 / 0.25 / 0 of its price give the joint search a plan it predicts faster (before:
     only the fully charged plan was priced, 3.5% slower here)."""
     import autopar.search.op_placement as S
-    from autopar.search.op_placement import PlanOptions, make_plans
+    from autopar.plans.decisions import PlanOptions
+    from autopar.search.op_placement import make_plans
 
     cfg = gpt.GPTConfig(vocab=4096, seq=1024, dim=2048, heads=16, layers=2)
     with torch.device("meta"):
@@ -293,8 +294,9 @@ def test_candidates_assembled_lean_complete_to_the_detailed_plan():
     shown or lowered plan reads (~8% of Megatron 145.6B's search) and fills them in for
     the plan it chooses: completed, every variant equals the detailed assembly, field
     by field, and the chosen plan carries its redistributions and alternatives."""
+    from autopar.plans.decisions import PlanOptions
     from autopar.search.assemble import complete
-    from autopar.search.op_placement import PlanOptions, make_weighted_plans
+    from autopar.search.op_placement import make_weighted_plans
 
     model, ex = _gpt()
     cap = capture(model, ex)

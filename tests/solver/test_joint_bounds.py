@@ -1,6 +1,6 @@
 """The joint search bounds a split before its intra-op search (its compute floor,
 ``JointSearch._bounded``) and a pipelined config before its split search
-(:func:`autopar.search.stages.dp.step_lower_bound`), and skips those slower than a plan
+(:func:`autopar.search.stages.pipeline_step.step_lower_bound`), and skips those slower than a plan
 already found: neither bound exceeds a priced step, and the search chooses exactly what
 it chooses when every split and config is priced."""
 
@@ -15,7 +15,7 @@ import pytest
 
 import autopar.search.joint as J
 from autopar import MeshSpec, plan
-from autopar.search.stages.dp import price
+from autopar.search.stages.pipeline_step import price
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import gpt  # noqa: E402
@@ -98,8 +98,8 @@ def test_pruned_search_chooses_what_pricing_everything_chooses(unpruned, monkeyp
 def test_split_bound_never_exceeds_a_priced_config(monkeypatch) -> None:
     """The compute floor spread over every device, times the pipeline's fill and drain,
     is below every config the search priced, whatever its split."""
+    from autopar.plans.decisions import PlanOptions
     from autopar.search.joint import JointSearch
-    from autopar.search.op_placement import PlanOptions
 
     model, ex = gpt.build(layers=4, dim=64, heads=4, vocab=256, seq=32, batch=16)
     monkeypatch.setattr(JointSearch, "_bounded", lambda self, *a: False)  # price them all

@@ -8,10 +8,11 @@ import warnings
 
 import pytest
 import torch
+from torch.distributed.tensor import Shard
 
 import autopar
 from autopar import MeshSpec
-from autopar.plan.placement import R, Shard, returned_placement
+from autopar.plans.placement import R, returned_placement
 
 
 def test_returned_placement_keeps_only_the_batch_split():

@@ -14,11 +14,11 @@ import torch
 
 from autopar import MeshSpec, Plan, plan
 from autopar.errors import PlanError
-from autopar.plan.splits import pipeline_mesh, pipeline_splits, plan_ranks, split_mesh, stage_ranks
-from autopar.report.summary import axis_roles
+from autopar.plans.decisions import PlanOptions
+from autopar.plans.roles import axis_roles
+from autopar.plans.splits import pipeline_mesh, pipeline_splits, plan_ranks, split_mesh, stage_ranks
 from autopar.report.timeline import chrome_trace
 from autopar.search.joint import JointSearch
-from autopar.search.op_placement import PlanOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import gpt  # noqa: E402

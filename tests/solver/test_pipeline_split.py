@@ -1,4 +1,4 @@
-"""The pipeline split search (:func:`autopar.search.stages.dp.price`) skips stage ranges
+"""The pipeline split search (:func:`autopar.search.stages.pipeline_step.price`) skips stage ranges
 too long to fit the memory budget by bisection, since a stage's least memory grows with
 its range.  Checked against the plain dynamic program over every range (the search
 before that change) on layer statistics that differ layer by layer, with budgets that
@@ -12,9 +12,9 @@ import random
 import pytest
 
 from autopar import MeshSpec
-from autopar.plan.decisions import Schedule
-from autopar.search.stages.dp import price
+from autopar.plans.kinds import Schedule
 from autopar.search.stages.layer_stats import LayerStat, ParamStat
+from autopar.search.stages.pipeline_step import price
 from autopar.search.stages.price import price_stage
 from autopar.search.stages.priced import Config
 
@@ -92,7 +92,7 @@ def test_idle_reuse_shrinks_only_the_bubble_and_stays_above_the_bound() -> None:
     share of the bubble, one stage unchanged, and step_lower_bound still below it."""
     import dataclasses
 
-    from autopar.search.stages.dp import step_lower_bound
+    from autopar.search.stages.pipeline_step import step_lower_bound
 
     stats = _stats(random.Random(3), 8)
     link = lambda b: 1e-5 + b / 25e9  # noqa: E731 - a point-to-point message

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from autopar import MeshSpec, plan
-from autopar.plan.splits import micro_counts
+from autopar.plans.splits import micro_counts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import gpt  # noqa: E402
@@ -132,8 +132,8 @@ def test_an_fp32_model_on_a_bf16_preset_is_warned_about() -> None:
 
 
 def test_pipelines_try_micro_batches_that_span_a_stage_first() -> None:
+    from autopar.plans.decisions import PlanOptions
     from autopar.search.joint import JointSearch
-    from autopar.search.op_placement import PlanOptions
 
     model, ex = gpt.build(layers=4, dim=64, heads=4, vocab=256, seq=16, batch=16)
     js = JointSearch(model, ex, MESH, PlanOptions())
@@ -148,8 +148,8 @@ def test_pipelines_with_tensor_parallelism_in_a_node_try_megatrons_micro_batches
     """A stage whose last axis lies inside a node (tensor parallelism there): first the
     most micro-batches with a sample per data-parallel rank of the stage (Megatron's
     layout), then its halvings, then the order above."""
+    from autopar.plans.decisions import PlanOptions
     from autopar.search.joint import JointSearch
-    from autopar.search.op_placement import PlanOptions
 
     model, ex = gpt.build(layers=4, dim=64, heads=4, vocab=256, seq=16, batch=64)
     js = JointSearch(model, ex, MeshSpec.preset("multinode-a100-ib", shape=(4, 8)), PlanOptions())
@@ -247,8 +247,8 @@ def test_later_rounds_visit_the_fastest_stage_counts_first(monkeypatch) -> None:
     fastest (a time limit then cuts the unpromising ones)."""
     import math
 
+    from autopar.plans.decisions import PlanOptions
     from autopar.search.joint import JointSearch
-    from autopar.search.op_placement import PlanOptions
     from autopar.search.space import _Candidate
     from autopar.search.stages.priced import Config, Priced
 

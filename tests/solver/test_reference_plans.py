@@ -94,7 +94,7 @@ def test_reference_shapes(name: str) -> None:
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import published_suites as ps  # noqa: E402
 
-from autopar.plan.placement import parse_placements  # noqa: E402
+from autopar.plans.placement import parse_placements  # noqa: E402
 
 
 @pytest.mark.parametrize("key", [r.key for r in ps.RUNS])

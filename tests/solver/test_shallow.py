@@ -25,8 +25,8 @@ import torch
 import autopar.search.captures as joint_capture
 import autopar.search.joint as joint
 from autopar import MeshSpec, plan
+from autopar.plans.decisions import PlanOptions
 from autopar.search.joint import JointSearch
-from autopar.search.op_placement import PlanOptions
 from autopar.search.shallow import KEEP, deepen, homogeneous, shallow_copy, steady
 from autopar.search.stages.layer_stats import LayerStat
 

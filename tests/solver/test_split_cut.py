@@ -17,12 +17,13 @@ import random
 import pytest
 
 from autopar import MeshSpec
-from autopar.plan.decisions import Schedule, zero_axes
+from autopar.plans.decisions import zero_axes
+from autopar.plans.kinds import Schedule
 from autopar.runtime.grad_sync import fill_buckets
 from autopar.search.stages import split_search
-from autopar.search.stages.dp import price
 from autopar.search.stages.layer_stats import LayerStat, ParamStat, grad_bytes, on_zero, zero_price
 from autopar.search.stages.memory import gradient_arrivals, param_views
+from autopar.search.stages.pipeline_step import price
 from autopar.search.stages.priced import Config
 
 MESH = MeshSpec.preset("multinode-a100-ib", shape=(2, 8))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from autopar import MeshSpec
-from autopar.plan.decisions import Schedule
+from autopar.plans.kinds import Schedule
 from autopar.search.stages.layer_stats import LayerStat, ParamStat
 from autopar.search.stages.price import price_stage
 from autopar.search.stages.priced import Config

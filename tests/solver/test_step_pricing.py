@@ -219,7 +219,7 @@ def test_buckets_that_would_break_the_budget_fall_back_to_one_per_layer() -> Non
     bucket per layer, which allocates as the search counted."""
     import math
 
-    from autopar.search.stages.dp import price
+    from autopar.search.stages.pipeline_step import price
 
     mesh = MeshSpec.preset("8xA100-nvlink", shape=(4,))
     model, ex = gpt.build(layers=4, dim=64, heads=4, vocab=256, seq=32, batch=16)

@@ -40,8 +40,9 @@ from rule_sim import (
     single_op,
 )
 from torch import fx
+from torch.distributed.tensor import Partial, Replicate
 
-from autopar.plan.placement import Partial, Placements, Replicate
+from autopar.plans.placement import Placements
 from autopar.sharding.rules import OpStrategy, RuleCtx, op_strategies
 
 

@@ -33,13 +33,14 @@ import torch
 import torch.distributed as dist
 from autopar.passes.localize import localize
 from torch import fx
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autopar.runtime.collectives as C
 import autopar.runtime.context as CP
 import autopar.runtime.ops as O
 import autopar.runtime.ring_attention as RA
 from autopar.capture.ir import tensor_inputs
-from autopar.plan.placement import Partial, Placements, Replicate, Shard, fmt_placements
+from autopar.plans.placement import Placements, fmt_placements
 from autopar.sharding.rules import OpStrategy, RuleCtx, op_strategies
 
 Coord = tuple[int, ...]

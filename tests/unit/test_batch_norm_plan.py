@@ -12,11 +12,12 @@ from rule_samples import WITH_4
 from rule_sim import local_form, mesh_coords, run_ranks, scatter, unsharded
 from test_rules import built, rule_nodes
 from torch import nn
+from torch.distributed.tensor import Shard
 
 from autopar.capture.annotate import annotate
 from autopar.capture.ir import tensor_inputs
 from autopar.capture.trace import capture
-from autopar.plan.placement import R, Shard
+from autopar.plans.placement import R
 from autopar.search.node_prices import CostModel
 from autopar.sharding.local_forms import describe
 from autopar.sharding.rules import RuleCtx, op_strategies

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 from autopar.cost_models import MeshSpec
-from autopar.cost_models.mesh import LinkSpec
+from autopar.cost_models.link import LinkSpec
 
 import autopar
 from autopar.search import buckets as bk

@@ -1,6 +1,6 @@
 """``autopar.verify.candidate_key`` and the shortlist's merging of equal candidates (what
 ``autopar check`` measures): two plans are one candidate only when the mesh, every field
-a plan-level decision records (the registry, :data:`autopar.plan.decisions.DECISIONS`)
+a plan-level decision records (the registry, :data:`autopar.plans.decisions.DECISIONS`)
 and every parameter's placement agree."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import pytest
 from autopar import MeshSpec, Plan
 from autopar import plan as make_plan
 from autopar.cli.check import _read_plans
-from autopar.plan.decisions import DECISIONS, RESULT_FIELDS, GradCompression, Offload
+from autopar.plans.decisions import DECISIONS, RESULT_FIELDS
+from autopar.plans.kinds import GradCompression, Offload
 from autopar.verify import candidate_key, shortlist
 from tests.dist.harness import ROOT
 

@@ -14,7 +14,8 @@ from autopar import MeshSpec
 from autopar.capture.annotate import annotate
 from autopar.capture.batch import capture_any_batch
 from autopar.capture.trace import capture
-from autopar.search.op_placement import PlanOptions, make_plan
+from autopar.plans.decisions import PlanOptions
+from autopar.search.op_placement import make_plan
 from autopar.search.stages.layer_stats import layer_stats
 
 MESH = MeshSpec.preset("multinode-h100-ib", shape=(2, 4))

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from autopar import Plan
-from autopar.cli.main import main, parse_bytes
+from autopar.cli.args import parse_bytes
+from autopar.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 MLP = str(ROOT / "examples" / "mlp.py")
@@ -209,7 +210,8 @@ GPT_TWO = ["--factory-args", "layers=2", "dim=32", "heads=2", "vocab=64", "seq=8
 
 
 def test_decision_flags_map_onto_plan_options():
-    from autopar.cli.main import build_parser, decision_options
+    from autopar.cli.args import decision_options
+    from autopar.cli.main import build_parser
 
     args = build_parser().parse_args(
         ["plan", "m.py", "--zero-stage", "3", "--pipeline-stages", "2", "--micro-batches", "4",

@@ -12,9 +12,9 @@ import torch
 import autopar
 from autopar import MeshSpec
 from autopar.errors import ConfigError
+from autopar.plans.decisions import PlanOptions
 from autopar.runtime.compression import low_rank
 from autopar.search.compression import bucket_terms, kinds
-from autopar.search.op_placement import PlanOptions
 from autopar.search.stages.layer_stats import ParamStat
 from tests.dist.compression_cases import DATA_PARALLEL, Wide, _task
 

@@ -1,5 +1,5 @@
 """The joint search's :class:`~autopar.search.stages.priced.Config` against the decision
-registry (:data:`autopar.plan.decisions.DECISIONS`): every field a decision records has
+registry (:data:`autopar.plans.decisions.DECISIONS`): every field a decision records has
 the Config field that decides it (or is listed, with the reason, as set after the
 search), so a searched decision added to the registry without its Config field fails
 here; and the values the options force reach every config by the registry's keywords."""
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from autopar.plan.decisions import (
+from autopar.plans.decisions import (
     DECISIONS,
     Decision,
     Option,
@@ -19,7 +19,7 @@ from autopar.plan.decisions import (
     decision_fields,
     decision_options,
 )
-from autopar.plan.option_checks import flag
+from autopar.plans.option_checks import flag
 from autopar.search.stages import priced
 from autopar.search.stages.priced import (
     AFTER_SEARCH,

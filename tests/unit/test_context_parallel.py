@@ -15,14 +15,15 @@ import torch
 import torch.nn.functional as F
 from autopar.cost_models import all_to_all_time, send_recv_time
 from torch import nn
+from torch.distributed.tensor import Shard
 
 import autopar
 from autopar import MeshSpec
 from autopar.capture.annotate import annotate
 from autopar.capture.trace import capture
 from autopar.errors import ConfigError, PlanError
-from autopar.plan.placement import R, Shard
-from autopar.report.summary import axis_roles
+from autopar.plans.placement import R
+from autopar.plans.roles import axis_roles
 from autopar.search.node_prices import CostModel
 from autopar.sharding.rules import OpStrategy, RuleCtx, op_strategies
 from autopar.sharding.rules.attention import SDPA, CPImpl, context_layout

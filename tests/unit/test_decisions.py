@@ -1,4 +1,4 @@
-"""The decision registry (autopar/plan/decisions.py) against everything that must agree
+"""The decision registry (autopar/plans/decisions.py) against everything that must agree
 with it: the JSON fields of ``Decisions``, the fields of ``PlanOptions``, the keywords
 ``autopar.plan`` and ``auto_parallel`` take, the price and apply hooks registered for
 each entry (and the runtime's steps that call them) and the ``plan.explain`` texts the
@@ -22,7 +22,7 @@ from autopar.capture.trace import finish
 from autopar.errors import ConfigError
 from autopar.module.apply import apply_plan
 from autopar.module.parallel import ParallelModule
-from autopar.plan.decisions import (
+from autopar.plans.decisions import (
     DECISIONS,
     RESULT_FIELDS,
     SEARCH_KNOBS,

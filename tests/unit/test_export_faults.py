@@ -19,7 +19,7 @@ from autopar import MeshSpec, auto_parallel
 from autopar.errors import ExportError, LoadError
 from autopar.module import export_io as io
 from autopar.module.load import _build_inner, _read_export
-from autopar.plan.data import SCHEMA_VERSION, Plan
+from autopar.plans.data import SCHEMA_VERSION, Plan
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))

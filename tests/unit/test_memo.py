@@ -5,7 +5,7 @@ import math
 
 import pytest
 from autopar.cost_models import MeshSpec, collective_time
-from autopar.cost_models import collectives as C
+from autopar.cost_models import collective_costs as C
 from autopar.cost_models.memo import IdentityMemo
 
 from autopar.search.stages import split_search

@@ -19,7 +19,7 @@ import autopar
 from autopar import MeshSpec
 from autopar.cli.main import main as cli_main
 from autopar.errors import ConfigError
-from autopar.plan import Plan
+from autopar.plans import Plan
 from autopar.scaling import scaling_curve, scaling_table
 from autopar.search.mesh_shapes import _respects_nodes, shape_options
 

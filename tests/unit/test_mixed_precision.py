@@ -15,10 +15,11 @@ from torch import nn
 
 import autopar
 from autopar import MeshSpec
-from autopar.capture.mixed_precision import Precision, apply_mixed_precision
+from autopar.capture.mixed_precision import apply_mixed_precision
 from autopar.capture.trace import capture
 from autopar.errors import ConfigError
-from autopar.plan.data import Plan
+from autopar.plans.data import Plan
+from autopar.plans.kinds import Precision
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import gpt  # noqa: E402

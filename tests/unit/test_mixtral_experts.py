@@ -1,5 +1,5 @@
-"""Hugging Face experts modules as one op (autopar/capture/experts.py,
-autopar/runtime/experts.py, autopar/sharding/rules/experts.py): capture, the op against the
+"""Hugging Face experts modules as one op (autopar/capture/hf_experts.py,
+autopar/runtime/experts.py, autopar/sharding/rules/moe_experts.py): capture, the op against the
 module's own loop (values and gradients), FLOPs, the pinned expert-parallel plan's code
 and its price.  The rule itself is checked on simulated ranks in test_rules.py
 (samples ``moe_experts*``); real gloo ranks in tests/dist/test_mixtral_ep.py."""
@@ -17,13 +17,13 @@ transformers = pytest.importorskip("transformers")
 
 from autopar import MeshSpec, auto_parallel  # noqa: E402
 from autopar.capture.annotate import annotate  # noqa: E402
-from autopar.capture.experts import experts_act, experts_as_op  # noqa: E402
+from autopar.capture.hf_experts import experts_act, experts_as_op  # noqa: E402
 from autopar.capture.ir import info  # noqa: E402
 from autopar.capture.trace import capture  # noqa: E402
 from autopar.runtime.experts import MOE_EXPERTS, moe_experts  # noqa: E402
 from autopar.search.node_prices import CostModel  # noqa: E402
 from autopar.sharding.rules import RuleCtx, op_strategies  # noqa: E402
-from autopar.sharding.rules.experts import expert_axes  # noqa: E402
+from autopar.sharding.rules.moe_experts import expert_axes  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import hf_zoo  # noqa: E402
@@ -179,8 +179,10 @@ def test_golden_mixtral_8x7b_shape_gets_ep():
     predicted faster."""
     import time
 
-    from autopar.plan.placement import Shard, parse_placements
-    from autopar.report.summary import axis_roles
+    from torch.distributed.tensor import Shard
+
+    from autopar.plans.placement import parse_placements
+    from autopar.plans.roles import axis_roles
 
     t0 = time.perf_counter()
     p = _mixtral_8x7b_plan()

@@ -14,7 +14,7 @@ import torch
 from torch import fx
 
 from autopar import MeshSpec, auto_parallel, plan
-from autopar.report.summary import axis_roles
+from autopar.plans.roles import axis_roles
 from autopar.runtime import collectives as C
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))

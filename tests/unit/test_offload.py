@@ -10,8 +10,8 @@ from autopar.cost_models import optimizer_step_time
 import autopar
 from autopar import MeshSpec
 from autopar.errors import NoFitError, PlanError
+from autopar.plans.decisions import PlanOptions
 from autopar.search.offload import kinds, offload_price
-from autopar.search.op_placement import PlanOptions
 from autopar.search.stages.layer_stats import LayerStat, ParamStat, zero_price
 
 MESH = MeshSpec.preset("cpu-gloo", shape=(2,))

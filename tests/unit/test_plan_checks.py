@@ -11,8 +11,8 @@ import pytest
 from autopar import MeshSpec
 from autopar.errors import PlanError
 from autopar.module.plan_checks import check_plan, zero_axes_in_use
-from autopar.plan.data import NodePlan, Plan, SolverInfo
-from autopar.plan.decisions import Decisions
+from autopar.plans.data import NodePlan, Plan, SolverInfo
+from autopar.plans.decisions import Decisions
 
 # a 2 x 2 mesh: "w" replicated on both axes, "v" sharded on axis 1 (replicated on 0)
 MESH = MeshSpec.preset("cpu-gloo", shape=(2, 2))

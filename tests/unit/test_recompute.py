@@ -20,6 +20,7 @@ from torch import fx, nn
 
 from autopar.capture.annotate import annotate
 from autopar.capture.trace import capture
+from autopar.plans.decisions import PlanOptions
 from autopar.runtime.memstats import (
     MemoryTracker,
     module_state_bytes,
@@ -27,7 +28,7 @@ from autopar.runtime.memstats import (
     saved_activation_bytes,
     tensor_bytes,
 )
-from autopar.search.op_placement import PlanOptions, make_plan
+from autopar.search.op_placement import make_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import gpt  # noqa: E402

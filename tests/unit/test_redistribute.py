@@ -15,8 +15,9 @@ from collections.abc import Sequence
 import pytest
 import torch
 from rule_sim import Coord, assemble, scatter
+from torch.distributed.tensor import Shard
 
-from autopar.plan.placement import P, Placements, R, Shard, valid_for_shape
+from autopar.plans.placement import P, Placements, R, valid_for_shape
 from autopar.sharding.redistribute import RedistributionError, Step, StepKind, plan_redistribution
 
 F64 = torch.float64

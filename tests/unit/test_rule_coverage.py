@@ -10,12 +10,13 @@ import torch
 import torch.nn.functional as F
 from autopar.cost_models import blocking_time
 from torch import nn
+from torch.distributed.tensor import Shard
 
 import autopar
 from autopar import MeshSpec
 from autopar.capture.annotate import annotate
 from autopar.capture.trace import capture
-from autopar.plan.placement import R, Shard
+from autopar.plans.placement import R
 from autopar.report.summary import unsupported_ops
 from autopar.search.node_prices import CostModel
 from autopar.sharding.local_forms import describe

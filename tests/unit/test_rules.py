@@ -33,10 +33,11 @@ from rule_sim import (
     validate_node,
 )
 from torch import fx, nn
+from torch.distributed.tensor import Shard
 
 from autopar.capture.annotate import annotate
 from autopar.capture.ir import tensor_inputs
-from autopar.plan.placement import P, R, Shard
+from autopar.plans.placement import P, R
 from autopar.sharding.rules import OpStrategy, RuleCtx, has_rule, op_strategies, registered_ops
 from autopar.sharding.rules.views import reshape_dim_map
 

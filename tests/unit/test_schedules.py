@@ -1,4 +1,4 @@
-"""Pipeline schedules (autopar/plan/schedules.py): every shape runs to the end against the
+"""Pipeline schedules (autopar/plans/schedules.py): every shape runs to the end against the
 dependencies, each forward and backward runs exactly once, and the interleaved
 schedule's bubble and in-flight counts are those the search prices."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from autopar.cost_models import MeshSpec
 
-from autopar.plan.decisions import Schedule
-from autopar.plan.schedules import actions, check, in_flight, list_schedule
+from autopar.plans.kinds import Schedule
+from autopar.plans.schedules import actions, check, in_flight, list_schedule
 from autopar.search.stages.priced import Config
 from autopar.search.stages.step_terms import in_flight as priced_in_flight
 
@@ -55,7 +55,7 @@ def test_interleaving_divides_the_bubble(stages, micro, virtual) -> None:
     inter = max(t.end for t in list_schedule("interleaved-1f1b", stages, micro, virtual, chunked))
     work = 3.0 * micro
     # 1F1B idles (p - 1) micro-batch times; interleaving v chunks idles a v-th of that,
-    # which is the formula search/stages/dp.py prices
+    # which is the formula search/stages/pipeline_step.py prices
     assert plain - work == pytest.approx((stages - 1) * 3.0)
     assert inter - work == pytest.approx((stages - 1) * 3.0 / virtual)
 
@@ -85,10 +85,10 @@ def test_shapes_a_schedule_cannot_run(args, msg) -> None:
 
 
 def test_pricing_matches_the_schedule_for_equal_chunks() -> None:
-    """search/stages/dp.py's interleaved step (M times the slowest rank plus the fill and
+    """search/stages/pipeline_step.py's interleaved step (M times the slowest rank plus the fill and
     drain over v) is the list schedule's makespan when every layer costs the same."""
-    from autopar.search.stages.dp import price
     from autopar.search.stages.layer_stats import LayerStat
+    from autopar.search.stages.pipeline_step import price
 
     mesh = MeshSpec.preset("8xA100-nvlink", shape=(1,))
     stats = [LayerStat(key=f"blocks.{i}", seconds=3e-3, forward=1e-3, compute=3e-3,
@@ -114,8 +114,8 @@ def test_pricing_matches_the_schedule_for_equal_chunks() -> None:
 def test_zero_bubble_leaves_a_third_of_the_bubble(stages, micro) -> None:
     """With F = B = W (the backward twice the forward, half of it for weights), the
     schedule's step is 3M + (p - 1): a third of 1F1B's 3 (p - 1) bubble, which is what
-    search/stages/dp.py prices (ZERO_BUBBLE_SHARE); its memory is priced from the order."""
-    from autopar.plan.schedules import waiting_w
+    search/stages/pipeline_step.py prices (ZERO_BUBBLE_SHARE); its memory is priced from the order."""
+    from autopar.plans.schedules import waiting_w
     from autopar.search.stages.step_terms import ZERO_BUBBLE_SHARE
 
     zb = max(t.end for t in list_schedule("zero-bubble", stages, micro, 1, lambda s, a: 1.0))
@@ -131,7 +131,7 @@ def test_zero_bubble_leaves_a_third_of_the_bubble(stages, micro) -> None:
 
 def _simulated(schedule: str, stages: int, micro: int, virtual: int) -> tuple:
     """The in-flight peaks per rank and chunk counted from the schedule's actions."""
-    from autopar.plan.schedules import actions
+    from autopar.plans.schedules import actions
 
     frees = "W" if schedule == Schedule.ZERO_BUBBLE.value else "B"
     out = []
@@ -148,7 +148,7 @@ def _simulated(schedule: str, stages: int, micro: int, virtual: int) -> tuple:
 def test_in_flight_counts_settle_so_many_micro_batches_are_not_simulated(stages: int) -> None:
     """From 2 p v micro-batches on the tables are taken at 2 p v (Megatron 145.6B's
     search asks for 2,304): the schedules' own actions give the same counts."""
-    from autopar.plan.schedules import _zero_bubble, in_flight_table, waiting_w
+    from autopar.plans.schedules import _zero_bubble, in_flight_table, waiting_w
 
     zb = Schedule.ZERO_BUBBLE.value
     for micro in range(2 * stages, 8 * stages + 1):

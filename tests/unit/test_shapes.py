@@ -181,7 +181,7 @@ def test_micro_batch_counts_divide_and_keep_the_planned_size() -> None:
     """A pipeline's other batches run as equal micro-batches: the planned count where it
     divides; else those no larger than planned, fewest first, then larger ones, smallest
     first; only counts the schedule runs (interleaved: multiples of its stages)."""
-    from autopar.plan.schedules import micro_batch_counts
+    from autopar.plans.schedules import micro_batch_counts
 
     assert micro_batch_counts(8, 2, "1f1b", 2) == [4, 8, 2, 1]  # 4 of 2 rows, as planned
     assert micro_batch_counts(3, 2, "1f1b", 2) == [3, 1]  # 3 of 1 row, else 1 of 3

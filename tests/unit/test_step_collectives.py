@@ -14,7 +14,7 @@ from torch import nn
 
 import autopar
 from autopar import MeshSpec
-from autopar.plan.data import Plan
+from autopar.plans.data import Plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import gpt  # noqa: E402

@@ -16,7 +16,8 @@ from torch import nn
 import autopar
 from autopar import MeshSpec, Plan
 from autopar.cli.main import main
-from autopar.report.summary import axis_roles, fold_keys, summary_numbers
+from autopar.plans.roles import axis_roles
+from autopar.report.summary import fold_keys, summary_numbers
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))

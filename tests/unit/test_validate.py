@@ -78,7 +78,7 @@ def test_timeout_is_validated():
 
 def test_meta_model_is_refused_before_running():
     from autopar.api import build_parallel_module
-    from autopar.search.op_placement import PlanOptions
+    from autopar.plans.decisions import PlanOptions
 
     with torch.device("meta"):
         model, _ = mlp.build()

@@ -81,7 +81,7 @@ def test_zero1_reduction_is_priced_as_the_all_reduce_it_runs():
     import dataclasses
 
     from autopar.cost_models import all_reduce_time, reduce_scatter_time
-    from autopar.cost_models.mesh import LinkSpec
+    from autopar.cost_models.link import LinkSpec
 
     from autopar.search.stages.layer_stats import LayerStat, ParamStat, zero_price
 

@@ -34,11 +34,12 @@ budgeted MIP gets the remaining time and the better plan wins.
 
 This module holds the solve (one weight, the Lagrangian driver); detection is in
 :mod:`autopar.search.solvers.cluster_detect` and the per-block transfers and reduced problem in
-:mod:`autopar.search.solvers.cluster_transfer`, both re-exported here.
+:mod:`autopar.search.solvers.cluster_transfer`.
 
 Example::
 
-    >>> from autopar.search.solvers.cluster import find_clusters, solve_clustered
+    >>> from autopar.search.solvers.cluster import solve_clustered
+    >>> from autopar.search.solvers.cluster_detect import find_clusters
     >>> # clusters = find_clusters(gm, nodes, strategies, problem)   # None: nothing repeats
     >>> # solution = solve_clustered(problem, clusters, time_limit=30.0)
 """
@@ -55,25 +56,15 @@ import numpy as np
 
 from autopar.search.solvers.bounds import gap as gap_to
 from autopar.search.solvers.bounds import star_bound
-
-# Detection and the per-block transfers live beside this driver (cluster_detect,
-# cluster_transfer); the ``x as x`` imports keep every name importable from here.
-from autopar.search.solvers.cluster_detect import MAX_SIDE_LAYOUTS as MAX_SIDE_LAYOUTS
-from autopar.search.solvers.cluster_detect import Block as Block
-from autopar.search.solvers.cluster_detect import Clustering as Clustering
-from autopar.search.solvers.cluster_detect import _node_fingerprint as _node_fingerprint
-from autopar.search.solvers.cluster_detect import _side_inputs as _side_inputs
-from autopar.search.solvers.cluster_detect import find_clusters as find_clusters
-from autopar.search.solvers.cluster_detect import shared_pricing as shared_pricing
-from autopar.search.solvers.cluster_transfer import _local_problem as _local_problem
-from autopar.search.solvers.cluster_transfer import _NotClusterable as _NotClusterable
-from autopar.search.solvers.cluster_transfer import _reduced_index as _reduced_index
-from autopar.search.solvers.cluster_transfer import _reduced_problem as _reduced_problem
-from autopar.search.solvers.cluster_transfer import _same as _same
-from autopar.search.solvers.cluster_transfer import _side_layouts as _side_layouts
-from autopar.search.solvers.cluster_transfer import _Transfer as _Transfer
-from autopar.search.solvers.cluster_transfer import _transfer as _transfer
-from autopar.search.solvers.cluster_transfer import _twins as _twins
+from autopar.search.solvers.cluster_detect import Clustering
+from autopar.search.solvers.cluster_transfer import (
+    _NotClusterable,
+    _reduced_index,
+    _reduced_problem,
+    _side_layouts,
+    _Transfer,
+    _twins,
+)
 from autopar.search.solvers.ilp import solve_ilp
 from autopar.search.solvers.incumbents import LAGRANGE_STEPS, polish_under_budget
 from autopar.search.solvers.presolve import NoPlanError, reduce_problem
@@ -86,16 +77,7 @@ from autopar.search.solvers.problem import (
     format_bytes,
 )
 
-__all__ = [
-    "FLAT_MIP_MAX_NODES",
-    "MAX_SIDE_LAYOUTS",
-    "STOP_GAP",
-    "Block",
-    "Clustering",
-    "find_clusters",
-    "shared_pricing",
-    "solve_clustered",
-]
+__all__ = ["FLAT_MIP_MAX_NODES", "STOP_GAP", "solve_clustered"]
 
 FLAT_MIP_MAX_NODES = 600
 """Largest flat problem that still gets the budgeted MIP after a Lagrangian gap: above it

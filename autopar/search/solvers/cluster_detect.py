@@ -3,8 +3,7 @@ fingerprints that group identical layers (:func:`find_clusters`, :func:`shared_p
 
 Detection only reads the graph and the problem's shape; it is separate from the solver
 (:mod:`autopar.search.solvers.cluster`) because :func:`shared_pricing` is used while the problem
-is still being built, before anything is solved.  :mod:`autopar.search.solvers.cluster`
-re-exports every name here.
+is still being built, before anything is solved.
 """
 
 from __future__ import annotations

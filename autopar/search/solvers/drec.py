@@ -80,7 +80,7 @@ from torch import fx
 from autopar.capture.ir import info
 from autopar.cost_models import MeshSpec
 from autopar.errors import PlanError
-from autopar.plan.placement import Placements, fmt_placements, valid_for_shape
+from autopar.plans.placement import Placements, fmt_placements, parse_placements, valid_for_shape
 from autopar.search.node_prices import CostModel
 
 # the search's parts live beside this driver: drec_types, drec_graph, drec_mindspore, drec_round
@@ -91,24 +91,13 @@ from autopar.search.solvers.drec_types import (
     CostMode,
     DRecOptions,
     DRecResult,
-    Order,
-    Refine,
     RoundInfo,
 )
 from autopar.search.solvers.problem import format_bytes
 from autopar.sharding.rules import OpStrategy
+from autopar.sharding.strategies import apply_pins
 
-__all__ = [
-    "CostMode",
-    "DRecOptions",
-    "DRecResult",
-    "Order",
-    "Refine",
-    "RoundInfo",
-    "axis_order",
-    "drec_search",
-    "resolve_pins",
-]
+__all__ = ["axis_order", "drec_search", "resolve_pins"]
 
 # Memory pricing: lam starts at (cost scale / memory scale) * this, and doubles.
 _LAMBDA_START = 1e-3
@@ -137,8 +126,6 @@ def resolve_pins(gm: fx.GraphModule, pins: Mapping, mesh_shape: tuple[int, ...],
     ``apply_pins`` filters candidate lists; here every node's list holds each pinned value
     plus a sentinel, so a node it pinned is the one whose sentinel is gone.
     """
-    from autopar.plan.placement import parse_placements
-    from autopar.sharding.strategies import apply_pins
 
     if not pins:
         return {}

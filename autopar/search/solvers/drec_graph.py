@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import fx
+from torch.distributed.tensor import Shard
 
 from autopar.capture.annotate import VIEW_OPS
 from autopar.capture.ir import info, tensor_inputs
-from autopar.plan.placement import R, Shard
+from autopar.plans.placement import R
 from autopar.sharding.rules import AxisStrategy, RuleCtx, axis_strategies
 from autopar.sharding.rules.pointwise import LINEAR_UNARY, NONLINEAR_BINARY, NONLINEAR_UNARY
 

@@ -13,9 +13,10 @@ from collections.abc import Callable
 
 import torch
 from torch import fx
+from torch.distributed.tensor import Shard
 
 from autopar.capture.ir import info, tensor_inputs
-from autopar.plan.placement import Placements, R, Shard, is_partial, is_shard, local_shape
+from autopar.plans.placement import Placements, R, is_partial, is_shard, local_shape
 from autopar.search.solvers.drec_graph import _Graph, _Group
 from autopar.sharding.rules import OpStrategy
 

@@ -20,7 +20,7 @@ from autopar.capture.grad_flow import dual
 from autopar.capture.ir import info
 from autopar.cost_models import MeshSpec
 from autopar.errors import PlanError
-from autopar.plan.placement import Placements, R, fmt_placements, is_partial
+from autopar.plans.placement import Placements, R, fmt_placements, is_partial
 from autopar.search.node_prices import CostModel
 from autopar.search.solvers.drec_graph import _Graph, _Group
 from autopar.search.solvers.drec_mindspore import (
@@ -30,6 +30,8 @@ from autopar.search.solvers.drec_mindspore import (
     _mm_kind,
 )
 from autopar.search.solvers.drec_types import CostMode, DRecOptions, Order, Refine, RoundInfo
+from autopar.search.solvers.ilp import solve_ilp
+from autopar.search.solvers.problem import StrategyProblem
 from autopar.sharding.rules import (
     AxisStrategy,
     OpStrategy,
@@ -304,8 +306,6 @@ class _Search(_MindSporePrices):
     def exact_round(self) -> int:
         """Solve this axis' 1-D problem exactly; adopt it when cheaper than the greedy
         choice.  Returns how many nodes changed."""
-        from autopar.search.solvers.ilp import solve_ilp
-        from autopar.search.solvers.problem import StrategyProblem
 
         nodes = self.g.nodes
         greedy = {n: self.cur[n][self.axis] for n in nodes}

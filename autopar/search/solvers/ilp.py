@@ -68,7 +68,7 @@ from autopar.search.solvers.problem import (
     format_bytes,
 )
 
-__all__ = ["Backend", "solve_ilp"]
+__all__ = ["solve_ilp"]
 
 def _resolve_backend(backend: str) -> Backend:
     """Parse ``backend`` and pick a concrete one for ``auto``."""

@@ -153,6 +153,7 @@ def solve_model_builder(
     problem: StrategyProblem, backend: Backend, hint: list[int] | None, deadline: float
 ) -> MipResult:
     """Build the MIP from arrays in OR-Tools' model builder and solve with HiGHS or SCIP."""
+    # start-up: ortools' model builder costs ~0.1-0.3 s to import
     from ortools.linear_solver.python import model_builder_helper as mbh
 
     lay = _layout(problem)
@@ -209,7 +210,7 @@ def solve_model_builder(
 
 def solve_cpsat(problem: StrategyProblem, hint: list[int] | None, deadline: float) -> MipResult:
     """Same model in CP-SAT (booleans everywhere, memory scaled to integers conservatively)."""
-    from ortools.sat.python import cp_model
+    from ortools.sat.python import cp_model  # start-up: ortools' CP-SAT costs ~1.3 s to import
 
     lay = _layout(problem)
     model = cp_model.CpModel()
@@ -258,7 +259,7 @@ def solve_cpsat(problem: StrategyProblem, hint: list[int] | None, deadline: floa
 
 def _cpsat_memory(problem: StrategyProblem, model: cp_model.CpModel, x: list) -> None:
     """Integer memory row: ceil each footprint and floor the budget, so never over budget."""
-    from ortools.sat.python import cp_model
+    from ortools.sat.python import cp_model  # start-up: ortools' CP-SAT costs ~1.3 s to import
 
     budget = problem.memory_budget
     if budget is None:

@@ -1,5 +1,5 @@
 """Per-layer time and memory of an intra-op plan: the inputs of the joint search over
-pipeline stages, micro-batches, ZeRO and recomputation (:mod:`autopar.search.stages.dp`).
+pipeline stages, micro-batches, ZeRO and recomputation (:mod:`autopar.search.stages.pipeline_step`).
 
 The intra-op plan is made for one micro-batch on one stage's sub-mesh; this module
 reads it back per layer (:mod:`autopar.capture.layers`):
@@ -38,9 +38,9 @@ from autopar.cost_models import (
     optimizer_step_time,
     reduce_scatter_time,
 )
-from autopar.plan.data import NodePlan, Plan
-from autopar.plan.decisions import prices, zero_axes
-from autopar.plan.placement import is_replicate, local_shape, parse_placements
+from autopar.plans.data import NodePlan, Plan
+from autopar.plans.decisions import prices, zero_axes
+from autopar.plans.placement import is_replicate, local_shape, parse_placements
 from autopar.search.node_prices import compute_floor, kernel_terms
 from autopar.sharding.rules.losses import count_axes
 
@@ -105,7 +105,7 @@ class LayerStat:
     """Seconds of collectives the layer leaves in flight beside the forward: the
     cross-entropy's token count (:func:`autopar.sharding.rules.losses.count_axes`), which the
     intra-op plan prices hidden and the stage exposes as far as the forward cannot
-    hide it (:func:`autopar.search.stages.dp.price_stage`)."""
+    hide it (:func:`autopar.search.stages.price.price_stage`)."""
     checkpointed: Coverage = Coverage.NONE
     """How much of the layer the model's own activation checkpointing covers
     (:mod:`autopar.capture.user_checkpoint`): a covered layer is always recomputed."""

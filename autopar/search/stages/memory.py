@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from autopar.cost_models import MeshSpec
-from autopar.plan.decisions import prices, zero_axes
+from autopar.plans.decisions import prices, zero_axes
 from autopar.runtime.grad_sync import fill_buckets, fill_sums
 from autopar.search.stages.layer_stats import LayerStat, grad_bytes, on_zero
 from autopar.search.stages.priced import Config
@@ -82,13 +82,13 @@ def gradient_arrivals(layers: list[LayerStat], zp: list, cfg: Config, mesh: Mesh
     axes go in BUCKET_BYTES buckets, back to front, each allocated whole at its first
     gradient, in the last layer holding one (runtime/grad_sync.py makes ``.grad`` views
     of a bucket).  The plan's own data-parallel buckets (``buckets``: parameter names,
-    as :attr:`~autopar.plan.Decisions.grad_buckets`) do the same; they are chosen after
+    as :attr:`~autopar.plans.Decisions.grad_buckets`) do the same; they are chosen after
     the split, so the split search counts those gradients per layer, and the chosen
     split's price passes its buckets (one bucket for all: every gradient exists from
     the first, 1.18x the per-layer count measured on 4 ranks).  Also the largest gradient
     going into a bucket: autograd makes it in a tensor of its own, alive beside the
     bucket until it is copied in.  With ``kept`` (the buffers serve every step,
-    :attr:`~autopar.plan.Decisions.grad_buffers_kept`) every gradient GradSync reduces
+    :attr:`~autopar.plans.Decisions.grad_buffers_kept`) every gradient GradSync reduces
     exists from the start of the step, whole: returned third (0 without ``kept``) and
     left out of the arrivals.  ``views``: the layers' :func:`param_views` under ``cfg``
     when already computed."""

@@ -1,7 +1,7 @@
 """One pipeline stage's price under a :class:`~autopar.search.stages.priced.Config`: its time
 per micro-batch, its step extras and its memory, with the layers it recomputes and the
 ZeRO-3 layers it keeps gathered (:func:`price_stage`; the model is described in
-:mod:`autopar.search.stages.dp`).  The split search (:mod:`autopar.search.stages.split_search`)
+:mod:`autopar.search.stages.pipeline_step`).  The split search (:mod:`autopar.search.stages.split_search`)
 calls it for every stage range it considers."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 from autopar.capture.user_checkpoint import Coverage
 from autopar.cost_models import MeshSpec, drift_after
-from autopar.plan import schedules as sched
-from autopar.plan.decisions import prices, zero_axes
+from autopar.plans import schedules as sched
+from autopar.plans.decisions import prices, zero_axes
 from autopar.search.buckets import BucketPlan
 from autopar.search.compression import persistent_bytes
 from autopar.search.gathers import ChunkPlan, names_of, stage_chunks
@@ -158,7 +158,7 @@ class _Gathers:
 def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec, pipe_link,
                 budget: float, optimizer: str, zp: list | None = None,
                 sync: bool = True, views: list[ParamView] | None = None) -> StagePrice:
-    """Price stage ``index`` holding ``layers`` (see :mod:`autopar.search.stages.dp`);
+    """Price stage ``index`` holding ``layers`` (see :mod:`autopar.search.stages.pipeline_step`);
     ``pipe_link(bytes)`` is the time of one point-to-point message between stages;
     ``zp`` the layers' :func:`zero_price` when already computed; ``sync=False`` leaves
     the gradient buckets out (the split search needs only ``seconds`` and memory);

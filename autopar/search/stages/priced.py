@@ -1,10 +1,10 @@
-"""What the pipeline part of the joint search (:mod:`autopar.search.stages.dp`) prices and
+"""What the pipeline part of the joint search (:mod:`autopar.search.stages.pipeline_step`) prices and
 returns: a :class:`Config` of discrete choices, each stage's :class:`StagePrice`, and
 the :class:`Priced` whole with its step-time breakdown.
 
 A :class:`Config` holds one value per plan decision of the registry
-(:data:`autopar.plan.decisions.DECISIONS`): :data:`DECIDED_BY` maps each
-:class:`~autopar.plan.decisions.Decisions` field to the :class:`Config` field that
+(:data:`autopar.plans.decisions.DECISIONS`): :data:`DECIDED_BY` maps each
+:class:`~autopar.plans.decisions.Decisions` field to the :class:`Config` field that
 decides it, :data:`AFTER_SEARCH` lists the fields no config holds and why, and
 ``tests/unit/test_config_fields.py`` checks that every field of the registry is in one
 of them, so a searched decision cannot be added without its :class:`Config` field.  A
@@ -18,7 +18,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from autopar.plan.decisions import DECISIONS, PlanOptions, Schedule
+from autopar.plans.decisions import DECISIONS, PlanOptions
+from autopar.plans.kinds import Schedule
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,7 +105,7 @@ class Priced:
         return math.isfinite(self.step_seconds)
 
     def breakdown(self) -> dict[str, float]:
-        """``step_seconds`` split as :attr:`autopar.plan.Decisions.breakdown` says: the
+        """``step_seconds`` split as :attr:`autopar.plans.Decisions.breakdown` says: the
         slowest stage's micro-batches (compute + exposed communication), the step's
         exposed tail (gradient sync after the last backward, ZeRO-1/2 gathers, the
         optimizer's update) and the pipeline bubble (the other stages' share of fill and
@@ -138,7 +139,7 @@ DECIDED_BY: dict[str, str] = {
     "zero_reduce_once": "reduce_once", "grad_compression": "compression",
     "compression_rank": "rank", "offload": "offload", "copies": "copies",
 }
-"""Each :class:`~autopar.plan.decisions.Decisions` field a config decides (or forces,
+"""Each :class:`~autopar.plans.decisions.Decisions` field a config decides (or forces,
 for those its stages choose): the :class:`Config` field that does."""
 
 AFTER_SEARCH: dict[str, str] = {
@@ -149,7 +150,7 @@ AFTER_SEARCH: dict[str, str] = {
     **{d.fields[0]: f"forced only ({d.doc}): every config of a search shares the keyword's value"
        for d in DECISIONS if d.forced_only},
 }
-""":class:`~autopar.plan.decisions.Decisions` fields of the registry no :class:`Config`
+""":class:`~autopar.plans.decisions.Decisions` fields of the registry no :class:`Config`
 holds, each with the reason."""
 
 PASSED_THROUGH: tuple[str, ...] = (
@@ -172,7 +173,7 @@ def forced_fields(opts: PlanOptions) -> dict[str, Any]:
 
 def choice_fields(opts: PlanOptions) -> list[dict[str, Any]]:
     """The :class:`Config` fields of the decisions the registry lists choices for
-    (:attr:`~autopar.plan.decisions.Decision.choices`), one dict per combination: the
+    (:attr:`~autopar.plans.decisions.Decision.choices`), one dict per combination: the
     value the keyword forces, else each choice (``[{}]`` when no decision has choices)."""
     values = []
     for d in DECISIONS:
@@ -184,7 +185,7 @@ def choice_fields(opts: PlanOptions) -> list[dict[str, Any]]:
 
 
 def chosen_fields(cfg: Config) -> dict[str, Any]:
-    """The :class:`~autopar.plan.decisions.Decisions` fields of the decisions with
+    """The :class:`~autopar.plans.decisions.Decisions` fields of the decisions with
     choices, as ``cfg`` took them."""
     return {f: getattr(cfg, DECIDED_BY[f]) for d in DECISIONS if d.choices for f in d.fields}
 

@@ -1,6 +1,6 @@
 """The pipeline split search: the stage boundaries of one :class:`Config` that minimise
 the slowest stage (then the sum), every stage within the memory budget
-(:func:`split`, a dynamic program over layer ranges; :mod:`autopar.search.stages.dp`
+(:func:`split`, a dynamic program over layer ranges; :mod:`autopar.search.stages.pipeline_step`
 prices its answer).
 
 Two things keep it cheap without changing its answer:
@@ -175,7 +175,7 @@ def _step_floor(stats: list[LayerStat], zps: list, cfg: Config, mesh: MeshSpec, 
                 total: float, limit: float):
     """The least step any split of ``cfg`` whose slowest stage takes ``x`` can have, as a
     function of ``x`` (nondecreasing, so a partial split whose slowest stage is already
-    ``x`` bounds every split it extends).  :func:`autopar.search.stages.dp.price`'s step is
+    ``x`` bounds every split it extends).  :func:`autopar.search.stages.pipeline_step.price`'s step is
     ``(M - c) x slowest rank + c x sum of the stages + the largest tail`` with ``c`` the
     bubble's coefficient (at most 1, so at most ``M``): the stages sum to at least every
     layer's floor (``total``) plus two messages each way at each boundary, a rank takes
@@ -260,7 +260,7 @@ def split(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe_link, budget
     """The stage split (priced with its buckets) that minimises the slowest stage, then
     the sum, every stage within ``budget`` (see the module docstring); splits whose step
     must exceed ``cut`` are not searched.  ``step``: the step of a split's stages (as
-    :func:`autopar.search.stages.dp.price` takes it); the chosen split's step without
+    :func:`autopar.search.stages.pipeline_step.price` takes it); the chosen split's step without
     its gradient buckets, which only add exposed sync to a stage's tail, bounds it, so
     a split over the cut is bounded before its buckets are planned (planning them was
     half of pricing an interleaved config that then lost)."""

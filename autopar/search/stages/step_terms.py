@@ -10,8 +10,9 @@ import functools
 from collections.abc import Callable
 
 from autopar.cost_models import MeshSpec, send_recv_time
-from autopar.plan import schedules as sched
-from autopar.plan.decisions import GradCompression, Schedule, prices
+from autopar.plans import schedules as sched
+from autopar.plans.decisions import prices
+from autopar.plans.kinds import GradCompression, Schedule
 from autopar.search import buckets as bk
 from autopar.search.compression import bucket_terms
 from autopar.search.stages.layer_stats import LayerStat
@@ -128,7 +129,7 @@ def stage_buckets(layers: list[LayerStat], zp: list, rc: set[str], cfg: Config, 
 
 ZERO_BUBBLE_SHARE = 1.0 / 3.0
 """The zero-bubble schedule's bubble over 1F1B's: ``(F + B - W) / (F + B + W)`` with
-``B = W = F`` (:func:`autopar.plan.schedules.list_schedule` gives it for equal stages)."""
+``B = W = F`` (:func:`autopar.plans.schedules.list_schedule` gives it for equal stages)."""
 
 
 def bubble_share(cfg: Config) -> float:
@@ -144,7 +145,7 @@ def in_flight(cfg: Config, index: int) -> int:
     """Micro-batches whose activations stage ``index`` keeps at once: 1 without a
     pipeline, ``M`` under GPipe, ``min(p - s, M)`` under 1F1B; under zero-bubble and
     interleaved 1F1B (where ``index`` is a virtual stage, its chunk's) the count the
-    schedule's own order gives (:func:`autopar.plan.schedules.in_flight`)."""
+    schedule's own order gives (:func:`autopar.plans.schedules.in_flight`)."""
     if cfg.stages == 1:
         return 1
     if cfg.schedule == Schedule.GPIPE.value:
@@ -158,7 +159,7 @@ def in_flight(cfg: Config, index: int) -> int:
 
 def waiting_w(cfg: Config, index: int) -> int:
     """Zero-bubble: the most micro-batches stage ``index`` holds between their ``B`` and
-    ``W`` (:func:`autopar.plan.schedules.waiting_w`); 0 for the other schedules."""
+    ``W`` (:func:`autopar.plans.schedules.waiting_w`); 0 for the other schedules."""
     if cfg.schedule != Schedule.ZERO_BUBBLE.value or index == 0:
         # the first stage has no input gradients to split at: its B does nothing and
         # its W runs the whole backward (runtime/split_backward.py), holding no more

@@ -27,18 +27,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from autopar.capture.ir import info, tensor_inputs
 from autopar.errors import AutoparWarning
-from autopar.plan.placement import (
-    P,
-    Placement,
-    Placements,
-    R,
-    Shard,
-    fmt_placements,
-    valid_for_shape,
-)
+from autopar.plans.placement import P, Placements, R, fmt_placements, valid_for_shape
 
 aten = torch.ops.aten
 
@@ -149,16 +143,17 @@ def _load_families() -> None:
     if _LOADED:
         return
     _LOADED = True
+    # cycle: every rule family (e.g. autopar.sharding.rules.channel_norms) imports this one
     from autopar.sharding.rules import (  # noqa: F401  (imports register the rules)
         attention,
         channel_norms,
         conv,
         embedding,
-        experts,
         factories,
         losses,
         matmul,
         moe,
+        moe_experts,
         norms,
         pointwise,
         reductions,

@@ -26,10 +26,13 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from autopar.capture.ir import arg, tensor_inputs
-from autopar.plan.decisions import ContextParallel, prices
-from autopar.plan.placement import Placement, Placements, R, Shard, local_shape
+from autopar.plans.decisions import prices
+from autopar.plans.kinds import ContextParallel
+from autopar.plans.placement import Placements, R, local_shape
 from autopar.sharding.rules import AxisStrategy, OpStrategy, RuleCtx, assign, register, shape
 
 aten = torch.ops.aten

@@ -22,9 +22,10 @@ from collections.abc import Sequence
 
 import torch
 from torch import fx
+from torch.distributed.tensor import Shard
 
 from autopar.capture.ir import arg, info
-from autopar.plan.placement import P, Placements, R, Shard
+from autopar.plans.placement import P, Placements, R
 from autopar.sharding.rules import AxisStrategy, OpStrategy, RuleCtx, assign, ndim, register
 
 aten = torch.ops.aten

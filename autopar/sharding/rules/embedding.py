@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 from torch import fx
+from torch.distributed.tensor import Shard
 
 from autopar.capture.ir import arg
-from autopar.plan.placement import P, R, Shard
+from autopar.plans.placement import P, R
 from autopar.sharding.rules import AxisStrategy, RuleCtx, assign, ndim, register
 
 aten = torch.ops.aten

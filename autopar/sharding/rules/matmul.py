@@ -12,9 +12,11 @@ import string
 
 import torch
 from torch import fx
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from autopar.capture.ir import arg, info
-from autopar.plan.placement import P, Placement, R, Shard
+from autopar.plans.placement import P, R
 from autopar.sharding.rules import AxisStrategy, RuleCtx, assign, ndim, register
 
 aten = torch.ops.aten

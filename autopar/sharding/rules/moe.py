@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import torch
 from torch import fx
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from autopar.capture.ir import arg, info
-from autopar.plan.placement import P, Placement, R, Shard, normalize_dim
+from autopar.plans.placement import P, R, normalize_dim
 from autopar.sharding.rules import (
     AxisStrategy,
     RuleCtx,

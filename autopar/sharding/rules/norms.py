@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 from torch import fx
+from torch.distributed.tensor import Shard
 
 from autopar.capture.ir import arg
-from autopar.plan.placement import R, Shard, normalize_dim
+from autopar.plans.placement import R, normalize_dim
 from autopar.sharding.rules import AxisStrategy, RuleCtx, assign, ndim, register
 
 aten = torch.ops.aten

@@ -13,9 +13,9 @@ import operator
 
 import torch
 from torch import fx
+from torch.distributed.tensor import Shard
 
 from autopar.capture.ir import arg, info, is_tensor_node
-from autopar.plan.placement import Shard
 from autopar.sharding.rules import AxisStrategy, RuleCtx, linear_cast, pointwise_axis, register
 
 aten = torch.ops.aten

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import torch
 from torch import fx
+from torch.distributed.tensor import Shard
 
 from autopar.capture.ir import arg, info
-from autopar.plan.placement import P, Shard, normalize_dim
+from autopar.plans.placement import P, normalize_dim
 from autopar.sharding.rules import AxisStrategy, RuleCtx, assign, linear_cast, ndim, register
 
 aten = torch.ops.aten

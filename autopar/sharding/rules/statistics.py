@@ -16,9 +16,10 @@ import math
 
 import torch
 from torch import fx
+from torch.distributed.tensor import Shard
 
 from autopar.capture.ir import info
-from autopar.plan.placement import Placements, R, Shard, normalize_dim
+from autopar.plans.placement import Placements, R, normalize_dim
 from autopar.runtime.reductions import variance, vector_norm2
 from autopar.sharding.rules import AxisStrategy, RuleCtx, assign, ndim, register
 

@@ -12,9 +12,10 @@ import math
 
 import torch
 from torch import fx
+from torch.distributed.tensor import Shard
 
 from autopar.capture.ir import arg, info
-from autopar.plan.placement import P, R, Shard, normalize_dim
+from autopar.plans.placement import P, R, normalize_dim
 from autopar.sharding.rules import AxisStrategy, RuleCtx, assign, ndim, register, shape
 
 aten = torch.ops.aten

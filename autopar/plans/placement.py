@@ -23,24 +23,8 @@ Placements = tuple[Placement, ...]
 R = Replicate()
 P = Partial()
 
-__all__ = [
-    "P",
-    "R",
-    "Partial",
-    "Placement",
-    "Placements",
-    "Replicate",
-    "Shard",
-    "fmt_placements",
-    "is_partial",
-    "is_replicate",
-    "is_shard",
-    "local_shape",
-    "normalize_dim",
-    "parse_placements",
-    "shard_factor",
-    "valid_for_shape",
-]
+__all__ = ["P", "R", "Placements", "fmt_placements", "is_partial", "is_replicate", "is_shard",
+           "local_shape", "normalize_dim", "parse_placements", "shard_factor", "valid_for_shape"]
 
 
 # placement kinds by class: since torch 2.13 the placement classes check instances

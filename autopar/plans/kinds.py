@@ -1,5 +1,5 @@
-"""The values plan-level decisions take (:mod:`autopar.plan.decisions` declares the
-decisions themselves and re-exports these)."""
+"""The values plan-level decisions take (:mod:`autopar.plans.decisions` declares the
+decisions themselves)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class Schedule(StrEnum):
     """1F1B over ``v`` model chunks per rank (Megatron's virtual stages): rank ``s`` runs
     virtual stages ``s, s + p, .., s + (v - 1) p``, which divides the fill and drain by
     ``v`` at the price of ``v`` times the point-to-point messages and more micro-batches
-    in flight (:mod:`autopar.plan.schedules`)."""
+    in flight (:mod:`autopar.plans.schedules`)."""
 
 
 class Precision(StrEnum):

@@ -45,8 +45,9 @@ import numbers
 from collections.abc import Hashable, Sequence
 
 from ._compat import StrEnum
+from .link import LinkSpec
 from .memo import IdentityMemo
-from .mesh import LinkSpec, MeshSpec
+from .mesh import MeshSpec
 
 __all__ = [
     "CollectiveKind",

@@ -1,13 +1,13 @@
 """Reading a plan back from JSON: the bodies of :meth:`Plan.from_dict
-<autopar.plan.Plan.from_dict>`, :meth:`Plan.check_placements
-<autopar.plan.Plan.check_placements>` and :meth:`Plan.from_json
-<autopar.plan.Plan.from_json>`.
+<autopar.plans.Plan.from_dict>`, :meth:`Plan.check_placements
+<autopar.plans.Plan.check_placements>` and :meth:`Plan.from_json
+<autopar.plans.Plan.from_json>`.
 
 Loading is where every user-facing :class:`~autopar.errors.LoadError` of a plan file is
 raised (schema, unknown keys, placements that do not fit); it is separate from
-:mod:`autopar.plan` so the plan's records read without the validation.  The methods on
-:class:`~autopar.plan.Plan` delegate to these functions (imported lazily there, since
-this module imports :mod:`autopar.plan`).
+:mod:`autopar.plans` so the plan's records read without the validation.  The methods on
+:class:`~autopar.plans.Plan` delegate to these functions (imported lazily there, since
+this module imports :mod:`autopar.plans`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from autopar.cost_models import MeshSpec
 from autopar.errors import LoadError, user_stacklevel
-from autopar.plan.data import (
+from autopar.plans.data import (
     _VERSION_KEYS,
     SCHEMA_VERSION,
     Alternative,
@@ -30,16 +30,17 @@ from autopar.plan.data import (
     _known,
     versions,
 )
-from autopar.plan.decisions import Decisions
+from autopar.plans.decisions import Decisions
+from autopar.plans.placement import parse_placements, shard_factor
 
 if TYPE_CHECKING:
-    from autopar.plan.data import Plan
+    from autopar.plans.data import Plan
 
 __all__ = ["check_placements", "plan_from_dict", "plan_from_json"]
 
 
 def plan_from_dict(cls: type[Plan], d: dict, source: str = "the plan") -> Plan:
-    """What :meth:`Plan.from_dict <autopar.plan.Plan.from_dict>` returns (``cls`` is the
+    """What :meth:`Plan.from_dict <autopar.plans.Plan.from_dict>` returns (``cls`` is the
     class it was called on)."""
     if not isinstance(d, dict):
         raise LoadError(f"{source}: expected a JSON object, got {type(d).__name__}")
@@ -90,9 +91,7 @@ def plan_from_dict(cls: type[Plan], d: dict, source: str = "the plan") -> Plan:
 
 
 def check_placements(plan: Plan, source: str = "the plan") -> None:
-    """What :meth:`Plan.check_placements <autopar.plan.Plan.check_placements>` checks."""
-    from autopar.plan.placement import parse_placements, shard_factor
-
+    """What :meth:`Plan.check_placements <autopar.plans.Plan.check_placements>` checks."""
     mesh = tuple(plan.mesh.shape)
     shapes = {n.name: n.shape for n in plan.nodes.values()}
 
@@ -129,7 +128,7 @@ def check_placements(plan: Plan, source: str = "the plan") -> None:
 
 
 def plan_from_json(cls: type[Plan], path_or_text: str | Path) -> Plan:
-    """What :meth:`Plan.from_json <autopar.plan.Plan.from_json>` returns (``cls`` is the
+    """What :meth:`Plan.from_json <autopar.plans.Plan.from_json>` returns (``cls`` is the
     class it was called on)."""
     s = str(path_or_text)
     is_text = s.lstrip().startswith("{")

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from autopar.plan.collectives import Collective
+from autopar.cost_models import format_bytes
+from autopar.plans.collective_record import Collective
 
 
 def format_collectives(cols: list[Collective]) -> str:
     """``cols`` as a text table, one row per collective (what ``autopar plan
     --collectives`` prints), with per-step totals per pipeline rank."""
-    from autopar.cost_models import format_bytes
-
     rows = [("stage", "phase", "kind", "group", "bytes", "x/step", "what")]
     rows += [(str(c.stage), c.phase, c.kind, str(c.group), format_bytes(c.bytes), str(c.count),
               c.what) for c in cols]

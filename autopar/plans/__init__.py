@@ -7,7 +7,7 @@ It may import only :mod:`autopar.cost_models` (the mesh a plan is made for) and
 :mod:`autopar.errors`; everything else in autopar reads it.
 """
 
-from autopar.plan.data import (
+from autopar.plans.data import (
            SCHEMA_VERSION,
            Alternative,
            NodePlan,
@@ -18,7 +18,8 @@ from autopar.plan.data import (
            versions,
            zero_words,
 )
-from autopar.plan.decisions import Decisions, Schedule, zero_axes
+from autopar.plans.decisions import Decisions, zero_axes
+from autopar.plans.kinds import Schedule
 
 __all__ = ["SCHEMA_VERSION", "Alternative", "Decisions", "NodePlan", "Plan", "Redistribution",
            "Request", "Schedule", "SolverInfo", "versions", "zero_axes", "zero_words"]

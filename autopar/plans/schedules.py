@@ -2,7 +2,7 @@
 
 One place decides the order of forwards and backwards, so the runtime
 (:mod:`autopar.runtime.pipeline`), the predicted timeline (:mod:`autopar.report.timeline`)
-and the memory price (:mod:`autopar.search.stages.dp`) agree on it.  An :class:`Action`
+and the memory price (:mod:`autopar.search.stages.pipeline_step`) agree on it.  An :class:`Action`
 is a forward ``F`` or backward ``B`` of one micro-batch on one model chunk of the rank;
 the chunk is 0 except under the interleaved schedule, where rank ``s`` of ``p`` holds
 chunks ``c = 0 .. v-1``, virtual stage ``c * p + s`` (Megatron's layout).
@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from autopar.plan.decisions import Schedule
+from autopar.plans.kinds import Schedule
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ re-plan or re-export), rejects keys this autopar does not know (a plan from a ne
 autopar) and checks every placement against the mesh and the tensor's shape, naming the
 file, the node and the field (:class:`~autopar.errors.LoadError`).
 
-Reading JSON back and checking it is :mod:`autopar.plan.json`.  The methods that read
+Reading JSON back and checking it is :mod:`autopar.plans.json`.  The methods that read
 a plan in words (``summary``, ``table``, ``explain``, ``diff``) and ``verify`` hand on to
 functions :mod:`autopar.report` and :mod:`autopar.verify` register
 (:func:`register_reader`): the plan data imports nothing above it.
@@ -19,18 +19,20 @@ functions :mod:`autopar.report` and :mod:`autopar.verify` register
 
 from __future__ import annotations
 
+import difflib
+import importlib.metadata
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from autopar.cost_models import MeshSpec
 from autopar.errors import LoadError
-from autopar.plan.decisions import Decisions, explain_keys, zero_axes
-
-if TYPE_CHECKING:
-    from autopar.plan.collectives import Collective
+from autopar.plans.collective_record import Collective
+from autopar.plans.decisions import Decisions, explain_keys, zero_axes
 
 SCHEMA_VERSION = 1
 """Version of the plan JSON layout; bumped whenever a field changes meaning or goes away."""
@@ -41,10 +43,6 @@ _VERSION_KEYS = ("schema_version", "autopar_version", "torch_version")
 def versions() -> dict[str, Any]:
     """What the files autopar writes record about their writer: schema, autopar and
     torch versions (torch's decides the generated code's semantics)."""
-    import importlib.metadata
-
-    import torch
-
     try:
         mine = importlib.metadata.version("autopar")
     except importlib.metadata.PackageNotFoundError:  # running from a source tree
@@ -180,7 +178,7 @@ class Plan:
     def collectives(self, stage: int | None = None) -> list[Collective]:
         """Every collective one training step issues on a rank, forward, backward and
         once per step, with the bytes it puts in and how often it runs
-        (:class:`~autopar.plan.collectives.Collective`): the edges' redistributions and
+        (:class:`~autopar.plans.collective_record.Collective`): the edges' redistributions and
         their backward duals, the loss's sum, the distributed cross-entropy's, Ulysses'
         all-to-alls, the gradient buckets, ZeRO's gathers and reductions and a
         pipeline's messages, as the runtime issues them (compare with
@@ -188,9 +186,7 @@ class Plan:
         pipeline rank (they differ per stage).  Not listed yet: ring attention's shifts
         and the uneven expert dispatch of ``moe_experts``.  Empty for a plan made
         without a joint search (``make_plan``)."""
-        from autopar.plan.collectives import Collective as C
-
-        out = [C.from_dict(c) for c in self.decisions.collectives]
+        out = [Collective.from_dict(c) for c in self.decisions.collectives]
         return out if stage is None else [c for c in out if c.stage == stage]
 
     def redistributions(self) -> list[tuple[str, str]]:
@@ -220,8 +216,6 @@ class Plan:
         return names + list(self.nodes)
 
     def _unknown(self, name: str) -> str:
-        import difflib
-
         known = self.explainable()
         close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
         hint = f"did you mean {', '.join(close)}? " if close else ""
@@ -296,7 +290,7 @@ class Plan:
         naming ``source`` (the file) and the field for another schema version, unknown
         or missing keys, and placements that do not fit the mesh; warns when the plan
         was made with another torch version."""
-        from autopar.plan.json import plan_from_dict
+        from autopar.plans.json import plan_from_dict  # cycle: autopar.plans.json imports this one
 
         return plan_from_dict(cls, d, source)
 
@@ -304,7 +298,8 @@ class Plan:
         """Every placement string has one entry per mesh axis, shards a dim the tensor
         has, and the mesh axes sharding a dim divide it; raises
         :class:`~autopar.errors.LoadError` naming ``source``, the node and the field."""
-        from autopar.plan.json import check_placements
+        # cycle: autopar.plans.json imports this one
+        from autopar.plans.json import check_placements
 
         check_placements(self, source)
 
@@ -319,7 +314,7 @@ class Plan:
     def from_json(cls, path_or_text: str | Path) -> Plan:
         """Load a plan from a JSON file or text; a missing, unreadable or malformed file
         is a :class:`~autopar.errors.LoadError` naming it."""
-        from autopar.plan.json import plan_from_json
+        from autopar.plans.json import plan_from_json  # cycle: autopar.plans.json imports this one
 
         return plan_from_json(cls, path_or_text)
 
@@ -349,7 +344,7 @@ def _reader(name: str) -> Callable[..., Any]:
 
 
 # Kept here rather than in plan_load (its only user) so it stays importable from
-# autopar.plan without an import cycle.
+# autopar.plans without an import cycle.
 def _known(d: Any, kind: type, source: str, where: str, extra: set[str] = frozenset()) -> None:
     """Raise :class:`LoadError` for keys of ``d`` that ``kind`` has no field for."""
     if not isinstance(d, dict):

@@ -26,19 +26,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from autopar.plan.kinds import (  # re-exported: the values decisions take
+from autopar.plans.kinds import (
     CONTEXT_PARALLEL,
     GRAD_COMPRESSIONS,
     OFFLOADS,
     POWERSGD_RANK,
     SCHEDULES,
-    ContextParallel,
     GradCompression,
     Offload,
-    Precision,
     Schedule,
 )
-from autopar.plan.option_checks import (
+from autopar.plans.option_checks import (
     copies_check,
     flag,
     layer_names,
@@ -80,7 +78,7 @@ class Decisions:
     pipeline_axis: int = 0
     """The axis of the requested mesh (``Plan.request.mesh_shape``) the stages were
     carved from: 0, the outermost (across nodes), or a later one (inside a node); each
-    stage is a contiguous block of that axis (:func:`autopar.plan.splits.stage_ranks`)."""
+    stage is a contiguous block of that axis (:func:`autopar.plans.splits.stage_ranks`)."""
     schedule: str = Schedule.NONE.value
     virtual_stages: int = 1
     """Model chunks per pipeline rank (> 1 only under ``Schedule.INTERLEAVED``)."""
@@ -113,7 +111,7 @@ class Decisions:
     batch: str = "global"
     """``"global"``: every rank passes the whole batch and gets outputs replicated;
     ``"local"``: each data-parallel rank passes its part and gets its rows of every
-    batch-shaped output (:func:`autopar.plan.placement.returned_placement`)."""
+    batch-shaped output (:func:`autopar.plans.placement.returned_placement`)."""
     local_axes: list[int] | None = None
     """Under ``batch="local"``: the mesh axes that split the returned rows (the first
     batch-shaped output's ``Shard(0)`` axes), which are then the data-parallel axes the
@@ -166,7 +164,7 @@ class Decisions:
     was ``estimated`` from the shallow copy and a ``note`` (:mod:`autopar.search.mesh_shapes`).
     Empty for a mesh given whole."""
     collectives: list[dict[str, Any]] = field(default_factory=list)
-    """What :meth:`Plan.collectives` lists (:class:`autopar.plan.collectives.Collective`
+    """What :meth:`Plan.collectives` lists (:class:`autopar.plans.collective_record.Collective`
     in JSON form), computed from the captured graph when the plan is made."""
 
     @property
@@ -240,7 +238,7 @@ class PlanOptions:
     # ZeRO-1/2's gathers after the step in forward-order chunks (Decisions.gather_chunks):
     # True, False (one blocking gather) or None = where the cost model prices them faster
     split_gathers: bool | None = None
-    # the sequence split attention may use (autopar.sharding.rules.attention.ContextParallel:
+    # the sequence split attention may use (autopar.plans.kinds.ContextParallel:
     # "off", "gather-kv", "exchange"); None = searched
     context_parallel: str | None = None
     # "native" (the model's dtypes), "bf16-mixed" or "fp16-mixed" (autopar/capture/mixed_precision.py): never
@@ -486,7 +484,6 @@ def check_options(given: dict[str, Any]) -> None:
             positive_int(name, given[name])
 
 
-__all__ = ["CONTEXT_PARALLEL", "DECISIONS", "GRAD_COMPRESSIONS", "OFFLOADS", "POWERSGD_RANK", "GradCompression", "Offload", "RESULT_FIELDS", "SCHEDULES", "SEARCH_KNOBS", "EXPLAIN_SYNONYMS", "explain_aliases", "explain_keys",
-           "ContextParallel", "Decision", "Decisions", "Option", "PlanOptions", "Precision",
-           "Schedule", "applies", "check_options", "decision_fields", "decision_key", "decision_options",
-           "forced_values", "prices", "zero_axes"]
+__all__ = ["DECISIONS", "RESULT_FIELDS", "SEARCH_KNOBS", "EXPLAIN_SYNONYMS", "explain_aliases",
+           "explain_keys", "Decision", "Decisions", "Option", "PlanOptions", "applies", "check_options",
+           "decision_fields", "decision_key", "decision_options", "forced_values", "prices", "zero_axes"]

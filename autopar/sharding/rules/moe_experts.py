@@ -21,9 +21,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from torch import fx
+from torch.distributed.tensor import Shard
 
 from autopar.capture.ir import arg
-from autopar.plan.placement import P, Placements, Shard, fmt_placements
+from autopar.plans.placement import P, Placements, fmt_placements
 from autopar.runtime.experts import MOE_EXPERTS, expert_parallel, partial_experts
 from autopar.sharding.rules import AxisStrategy, OpStrategy, RuleCtx, assign, register
 

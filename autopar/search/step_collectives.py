@@ -40,16 +40,19 @@ from collections.abc import Iterable
 
 import torch
 from torch import fx
+from torch.distributed.tensor import Shard
 
 from autopar.capture.grad_flow import dual, loss_output, requires_grad
 from autopar.capture.ir import info
-from autopar.plan.collectives import Collective
-from autopar.plan.placement import R, Shard, graph_batch, local_shape, parse_placements
+from autopar.plans.collective_record import Collective
+from autopar.plans.placement import R, graph_batch, local_shape, parse_placements
 from autopar.runtime.compression import low_rank
 from autopar.runtime.grad_sync import fill_buckets, folded_axes, runs_by_axes
 from autopar.runtime.token_weights import LossTargets, targets_of
 from autopar.runtime.zero_layout import first_rows, padded_size
+from autopar.search.messages import pipeline_messages
 from autopar.sharding.redistribute import StepKind, plan_redistribution, step_shapes, sum_axes
+from autopar.sharding.rules.attention import SDPA, CPImpl, context_layout
 from autopar.sharding.rules.losses import count_axes
 
 _DUAL = {StepKind.ALL_REDUCE: "all_reduce", StepKind.ALL_GATHER: "reduce_scatter",
@@ -130,7 +133,6 @@ class _Lister:
         self._ulysses()
         self._grad_sync()
         if self.ranks > 1:
-            from autopar.search.messages import pipeline_messages
             pipeline_messages(self)
         return self.out
 
@@ -220,8 +222,6 @@ class _Lister:
         """``runtime/context.py``: per context-parallel axis one all-to-all each of q,
         k, v and the output (the same again in backward); the all-to-all keeps a
         tensor's size, so each moves the rank's whole local tensor."""
-        from autopar.sharding.rules.attention import SDPA, CPImpl, context_layout
-
         for n in self.gm.graph.nodes:
             if n.op != "call_function" or n.target is not SDPA or n.name not in self.plan.nodes:
                 continue

@@ -22,10 +22,11 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from autopar.plan.placement import is_shard, parse_placements
+from autopar.plans.placement import is_shard, parse_placements
+from autopar.plans.splits import pipeline_mesh
 
 if TYPE_CHECKING:
-    from autopar.plan.data import Plan
+    from autopar.plans.data import Plan
 
 __all__ = ["AxisRole", "axis_roles", "layout"]
 
@@ -79,7 +80,6 @@ def axis_roles(plan: Plan) -> list[AxisRole]:
     mesh = plan.mesh
     roles: list[AxisRole] = []
     if d.pipeline_stages > 1:
-        from autopar.plan.splits import pipeline_mesh  # splits imports the plan module
         full = pipeline_mesh(plan)
         roles.append(AxisRole("pp", d.pipeline_stages, "PP", _link_words(full, 0)))
     params = [n for n in plan.nodes.values() if n.kind == "param" and n.shape and len(n.shape[0]) >= 2]

@@ -1,6 +1,6 @@
 """What a (pipeline stages, micro-batches) split means outside the search: the global
 batch and its first micro-batch (positional and keyword inputs alike), the stage
-sub-mesh carved out of a mesh axis and the ranks that run each stage, and the plan's :class:`~autopar.plan.Request`
+sub-mesh carved out of a mesh axis and the ranks that run each stage, and the plan's :class:`~autopar.plans.Request`
 read from the graph captured at the micro-batch size."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.cost_models import MeshSpec
 from autopar.errors import PlanError
-from autopar.plan.data import Plan
+from autopar.plans.data import Plan
 
 
 def batch_size(example_inputs) -> int:

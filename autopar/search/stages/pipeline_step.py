@@ -28,7 +28,7 @@ import math
 
 from autopar.cost_models import MeshSpec
 from autopar.cost_models.memo import IdentityMemo
-from autopar.plan.decisions import prices
+from autopar.plans.decisions import prices
 from autopar.search.stages.layer_stats import LayerStat
 from autopar.search.stages.priced import Config, Priced, StagePrice
 from autopar.search.stages.split_search import (
@@ -145,7 +145,7 @@ def _price_interleaved(stats: list[LayerStat], cfg: Config, mesh: MeshSpec, pipe
     necessary); rank ``r`` runs virtual stages ``r, r + p, ..`` and costs their sum per
     micro-batch.  The step is ``M`` times the slowest rank plus the other ranks' fill
     and drain divided by ``v`` (each micro-batch passes a rank in ``v`` shorter
-    pieces; :func:`autopar.plan.schedules.list_schedule` gives the same for equal chunks).
+    pieces; :func:`autopar.plans.schedules.list_schedule` gives the same for equal chunks).
     A rank's time is at least its slowest chunk's, so ``cut`` prunes chunks as stages."""
     p, v = cfg.stages, cfg.virtual
     res = split(stats, dataclasses.replace(cfg, stages=p * v), mesh, pipe_link, budget / v,

@@ -5,7 +5,7 @@ copies made by ``use_experts_implementation``) loop over the experts that receiv
 tokens, with data-dependent ``nonzero``/``where``: exported, every routing op falls back
 to replication.  :func:`experts_as_op` gives each such module, for the duration of the
 capture, an instance ``forward`` that calls :data:`autopar.runtime.experts.MOE_EXPERTS`
-(one node per layer, with its own sharding rule: autopar/sharding/rules/experts.py); the
+(one node per layer, with its own sharding rule: autopar/sharding/rules/moe_experts.py); the
 instance attribute is removed afterwards, so the user's model is unchanged.
 
 A module is taken when its class name ends in ``Experts``, it holds 3-D parameters
@@ -42,7 +42,7 @@ def experts_act(m: nn.Module) -> str | None:
         return None
     apply_gate = getattr(type(m), "_apply_gate", None)
     if apply_gate is not None:
-        from transformers.integrations import moe as hf_moe
+        from transformers.integrations import moe as hf_moe  # optional: transformers is an extra
 
         if apply_gate is not getattr(hf_moe, "_default_apply_gate", None):
             return None

@@ -1,5 +1,5 @@
 """One collective of a training step as the plan predicts it (``plan.collectives()``;
-the search lists them: :mod:`autopar.search.collectives`)."""
+the search lists them: :mod:`autopar.search.step_collectives`)."""
 
 from __future__ import annotations
 

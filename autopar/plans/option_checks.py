@@ -1,5 +1,5 @@
 """The checks of the values a user forces a plan decision to (each registry
-:class:`~autopar.plan.decisions.Option` names one): a bad value raises
+:class:`~autopar.plans.decisions.Option` names one): a bad value raises
 :class:`~autopar.errors.ConfigError` naming the keyword."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from autopar.errors import ConfigError
-from autopar.plan.kinds import Precision
+from autopar.plans.kinds import Precision
 
 
 def positive_int(name: str, v: Any) -> None:
