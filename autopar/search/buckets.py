@@ -43,7 +43,8 @@ import numpy as np
 from autopar.cost_models import MeshSpec, all_reduce_time
 from autopar.plans.decisions import prices
 from autopar.search.compression import LATENCIES
-from autopar.search.stages.layer_stats import LayerStat, ParamStat, ZeroPrice, on_zero
+from autopar.search.stages.layer_stats import LayerStat, ParamStat
+from autopar.search.stages.zero_price import ZeroPrice, on_zero
 
 
 @dataclass(frozen=True)

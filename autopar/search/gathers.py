@@ -39,7 +39,8 @@ from dataclasses import dataclass
 from autopar.cost_models import MeshSpec, all_gather_time
 from autopar.plans.decisions import prices, zero_axes
 from autopar.search.buckets import _end, affine_fit
-from autopar.search.stages.layer_stats import LayerStat, on_zero
+from autopar.search.stages.layer_stats import LayerStat
+from autopar.search.stages.zero_price import on_zero
 
 
 @dataclass(frozen=True)

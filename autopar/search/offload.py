@@ -1,7 +1,7 @@
 """What keeping state in host memory costs and saves (decision ``offload``,
 :class:`~autopar.plans.kinds.Offload`), for one pipeline stage under one config.
 
-Per layer, :class:`~autopar.search.stages.layer_stats.ZeroPrice` says what a device holds
+Per layer, :class:`~autopar.search.stages.zero_price.ZeroPrice` says what a device holds
 (``params``, ``grads``, ``optimizer``) and what the optimizer updates.  A rank *owns*
 the parameters its optimizer steps: a ZeRO parameter's shard, any other whole.
 
@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from autopar.cost_models import MeshSpec, optimizer_state_bytes, optimizer_step_time
 from autopar.plans.decisions import PlanOptions, prices, zero_axes
 from autopar.plans.kinds import Offload
-from autopar.search.stages.layer_stats import LayerStat, ZeroPrice, on_zero
+from autopar.search.stages.layer_stats import LayerStat
+from autopar.search.stages.zero_price import ZeroPrice, on_zero
 
 
 @dataclass(frozen=True)

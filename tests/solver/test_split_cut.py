@@ -21,10 +21,11 @@ from autopar.plans.decisions import zero_axes
 from autopar.plans.kinds import Schedule
 from autopar.runtime.grad_sync import fill_buckets
 from autopar.search.stages import split_search
-from autopar.search.stages.layer_stats import LayerStat, ParamStat, grad_bytes, on_zero, zero_price
+from autopar.search.stages.layer_stats import LayerStat, ParamStat
 from autopar.search.stages.memory import gradient_arrivals, param_views
 from autopar.search.stages.pipeline_step import price
 from autopar.search.stages.priced import Config
+from autopar.search.stages.zero_price import grad_bytes, on_zero, zero_price
 
 MESH = MeshSpec.preset("multinode-a100-ib", shape=(2, 8))
 GIB = 2.0**30

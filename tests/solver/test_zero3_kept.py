@@ -9,10 +9,11 @@ from __future__ import annotations
 import pytest
 
 from autopar import MeshSpec
-from autopar.search.stages.layer_stats import LayerStat, ParamStat, zero_price
+from autopar.search.stages.layer_stats import LayerStat, ParamStat
 from autopar.search.stages.memory import kept_layers
 from autopar.search.stages.price import price_stage
 from autopar.search.stages.priced import Config
+from autopar.search.stages.zero_price import zero_price
 
 MESH = MeshSpec.preset("cpu-gloo", shape=(4,))
 MIB = 2.0**20

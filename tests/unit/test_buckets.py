@@ -174,7 +174,8 @@ def test_zero_bubble_reduces_every_gradient_after_the_backward() -> None:
     reduces every bucket after the last ``W`` (runtime/pipeline.py): priced so, no
     reduction hides under the backward, where one launched as its gradients were ready
     does on a link that runs beside compute."""
-    from autopar.search.stages.layer_stats import LayerStat, ParamStat, ZeroPrice
+    from autopar.search.stages.layer_stats import LayerStat, ParamStat
+    from autopar.search.stages.zero_price import ZeroPrice
 
     layers = [LayerStat(key=f"l{k}", seconds=0.01, forward=0.003, compute=0.01, activations=1.0,
                         out_bytes=1.0, params=[ParamStat(2.0**20, (0,), f"w{k}")]) for k in range(4)]

@@ -9,8 +9,9 @@ from autopar.cost_models import collective_costs as C
 from autopar.cost_models.memo import IdentityMemo
 
 from autopar.search.stages import split_search
-from autopar.search.stages.layer_stats import LayerStat, ParamStat, zero_price
+from autopar.search.stages.layer_stats import LayerStat, ParamStat
 from autopar.search.stages.priced import Config
+from autopar.search.stages.zero_price import zero_price
 
 
 def test_a_hit_is_the_same_object_and_the_rest_of_the_key_by_value():

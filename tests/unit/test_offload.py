@@ -12,7 +12,8 @@ from autopar import MeshSpec
 from autopar.errors import NoFitError, PlanError
 from autopar.plans.decisions import PlanOptions
 from autopar.search.offload import kinds, offload_price
-from autopar.search.stages.layer_stats import LayerStat, ParamStat, zero_price
+from autopar.search.stages.layer_stats import LayerStat, ParamStat
+from autopar.search.stages.zero_price import zero_price
 
 MESH = MeshSpec.preset("cpu-gloo", shape=(2,))
 DP = {"*": "R", "input:0": "S(0)", "input:1": "S(0)"}

@@ -12,7 +12,8 @@ approx = pytest.approx
 def test_optimizer_step_is_memory_bound_and_sharded_by_zero():
     from autopar.cost_models import optimizer_step_time
 
-    from autopar.search.stages.layer_stats import LayerStat, ParamStat, zero_price
+    from autopar.search.stages.layer_stats import LayerStat, ParamStat
+    from autopar.search.stages.zero_price import zero_price
 
     mesh = MeshSpec.preset("8xA100-nvlink", shape=(4,))
     # AdamW: read params, grads, m, v; write params, m, v
@@ -33,7 +34,8 @@ def test_zero_priced_per_micro_batch_as_the_runtime_runs_it():
     (stage 2 then holds whole gradients, like stage 1), and stage 3 reduce-scatters in
     every micro-batch's backward (runtime/zero3.py): before, both were priced as if
     there were one micro-batch."""
-    from autopar.search.stages.layer_stats import LayerStat, ParamStat, zero_price
+    from autopar.search.stages.layer_stats import LayerStat, ParamStat
+    from autopar.search.stages.zero_price import zero_price
 
     mesh = MeshSpec.preset("8xA100-nvlink", shape=(4,))
     layer = LayerStat("blocks.0", params=[ParamStat(4e8, (0,)), ParamStat(1e8, (0,))])
@@ -57,7 +59,8 @@ def test_zero12_gather_after_the_step_pays_one_latency_per_layer():
     was over-priced against data parallel, docs/benchmarks.md)."""
     from autopar.cost_models import all_gather_time
 
-    from autopar.search.stages.layer_stats import LayerStat, ParamStat, zero_price
+    from autopar.search.stages.layer_stats import LayerStat, ParamStat
+    from autopar.search.stages.zero_price import zero_price
 
     mesh = MeshSpec.preset("cpu-gloo", shape=(4,))
     many = LayerStat("blocks.0", params=[ParamStat(1e4, (0,)) for _ in range(20)])
@@ -83,7 +86,8 @@ def test_zero1_reduction_is_priced_as_the_all_reduce_it_runs():
     from autopar.cost_models import all_reduce_time, reduce_scatter_time
     from autopar.cost_models.link import LinkSpec
 
-    from autopar.search.stages.layer_stats import LayerStat, ParamStat, zero_price
+    from autopar.search.stages.layer_stats import LayerStat, ParamStat
+    from autopar.search.stages.zero_price import zero_price
 
     base = MeshSpec.preset("cpu-gloo", shape=(2, 2))
     # a calibrated-like link: reduce-scatter at a ninth of the all-reduce's bandwidth
@@ -108,7 +112,8 @@ def test_zero_runtime_copies_are_priced():
     once a step; data parallel copies each gradient into its bucket."""
     from autopar.cost_models import compute_time
 
-    from autopar.search.stages.layer_stats import LayerStat, ParamStat, copied_bytes, zero_price
+    from autopar.search.stages.layer_stats import LayerStat, ParamStat
+    from autopar.search.stages.zero_price import copied_bytes, zero_price
 
     mesh = MeshSpec.preset("cpu-gloo", shape=(4,))
     assert copied_bytes(4e6, 4) == pytest.approx(6 * 4e6 + 4e6)
@@ -134,7 +139,8 @@ def test_zero3_per_micro_batch_charge_is_its_own_reduce_scatter_only():
     the ZeRO axis's reduce-scatter alone."""
     from autopar.cost_models import reduce_scatter_time
 
-    from autopar.search.stages.layer_stats import LayerStat, ParamStat, zero_price
+    from autopar.search.stages.layer_stats import LayerStat, ParamStat
+    from autopar.search.stages.zero_price import zero_price
 
     mesh = MeshSpec.preset("8xA100-nvlink", shape=(2, 4))
     layer = LayerStat("blocks.0", params=[ParamStat(4e8, (0, 1))])

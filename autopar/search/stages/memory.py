@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from autopar.cost_models import MeshSpec
 from autopar.plans.decisions import prices, zero_axes
 from autopar.runtime.grad_sync import fill_buckets, fill_sums
-from autopar.search.stages.layer_stats import LayerStat, grad_bytes, on_zero
+from autopar.search.stages.layer_stats import LayerStat
 from autopar.search.stages.priced import Config
+from autopar.search.stages.zero_price import grad_bytes, on_zero
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from autopar.search.buckets import BucketPlan
 from autopar.search.compression import persistent_bytes
 from autopar.search.gathers import ChunkPlan, names_of, stage_chunks
 from autopar.search.offload import OffloadPrice, offload_price
-from autopar.search.stages.layer_stats import LayerStat, zero_price
+from autopar.search.stages.layer_stats import LayerStat
 from autopar.search.stages.memory import (
     ParamView,
     gradient_arrivals,
@@ -37,6 +37,7 @@ from autopar.search.stages.step_terms import (
     stage_buckets,
     waiting_w,
 )
+from autopar.search.stages.zero_price import zero_price
 
 
 @dataclass(slots=True)

@@ -29,11 +29,12 @@ from dataclasses import dataclass, field
 
 from autopar.cost_models import MeshSpec
 from autopar.cost_models.memo import IdentityMemo
-from autopar.search.stages.layer_stats import LayerStat, zero_price
+from autopar.search.stages.layer_stats import LayerStat
 from autopar.search.stages.memory import param_views
 from autopar.search.stages.price import price_stage
 from autopar.search.stages.priced import Config, StagePrice
 from autopar.search.stages.step_terms import bubble_share, in_flight, waiting_w
+from autopar.search.stages.zero_price import zero_price
 
 # relative slack on the bound comparisons: a bound is summed in another order than the
 # value it bounds (as the joint search's own bounds compare)
