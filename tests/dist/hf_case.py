@@ -35,12 +35,10 @@ def _step(pm, batch: dict):
     return out.loss.detach(), out
 
 
-def run_hf_case(c: dict) -> dict:
-    """Every rank runs this; rank 0's dict goes back to the test."""
+def _case_model(c: dict):
+    """Case ``c``'s model, its single-process reference, batch, mesh, pins and forced
+    decisions."""
     import hf_zoo
-
-    from autopar import MeshSpec, auto_parallel
-    from autopar.runtime.mesh import reset
 
     if c["mode"] == "ep":
         # experts wide enough against the tokens that the dispatch is cheaper than
@@ -66,6 +64,16 @@ def run_hf_case(c: dict) -> dict:
             "pp2-interleaved": {**pp2, "schedule": "interleaved-1f1b", "virtual_stages": 2},
             "pp2-zero-bubble": {**pp2, "schedule": "zero-bubble"}}.get(c["mode"], {})
     opts = {**opts, **c.get("options", {})}  # a case's own forced decisions
+    return model, ref, batch, mesh, pins, opts
+
+
+def run_hf_case(c: dict) -> dict:
+    """Every rank runs this; rank 0's dict goes back to the test."""
+
+    from autopar import MeshSpec, auto_parallel
+    from autopar.runtime.mesh import reset
+
+    model, ref, batch, mesh, pins, opts = _case_model(c)
     reset()
     precision = c.get("precision", "native")
     pm = auto_parallel(model, example_kwargs=batch, mesh=MeshSpec.preset("cpu-gloo", shape=mesh),

@@ -146,7 +146,6 @@ def plan_and_lower(model: nn.Module, batch: tuple, case: PipeCase, broadcast: bo
 def run_pipeline_case(c: dict) -> dict:
     """Plan, shard, split and train case ``c`` on this rank; compare with the
     reference; rank 0 returns the worst errors over all ranks."""
-    import torch.distributed as dist
     from autopar.passes.split_stages import split_stages
 
     from autopar.module.runners import boundary_slices
@@ -218,6 +217,17 @@ def run_pipeline_case(c: dict) -> dict:
             "other_stage_grads": others, "stage": rt.stage, "send": stage.send,
             "recv": stage.recv, "sliced": sorted(runner.slices.axes),
             "grad_scale": max(p.grad.abs().max().item() for p in ref.parameters())}
+    out = _over_ranks(mine, sorted(refp))
+    out["plan_params"] = plan.params()
+    out["seconds"] = {"plan_and_lower": t1 - t0, "shard_and_split": t2 - t1,
+                      "three_steps_with_reference": t3 - t2}
+    return out
+
+
+def _over_ranks(mine: dict, all_names: list[str]) -> dict:
+    """Rank 0's results with the worst errors, names and links of every rank."""
+    import torch.distributed as dist
+
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     out = dict(every[0])
@@ -225,14 +235,11 @@ def run_pipeline_case(c: dict) -> dict:
         worst = max(every, key=lambda r, k=k: r[k])
         out[k], out[k.replace("err", "worst")] = worst[k], worst[k.replace("err", "worst")]
     out["names"] = sorted({n for r in every for n in r["names"]})
-    out["all_names"] = sorted(refp)
+    out["all_names"] = all_names
     out["missing"] = [m for r in every for m in r["missing"]]
     out["other_stage_grads"] = [m for r in every for m in r["other_stage_grads"]]
     out["all_losses"] = [r["loss"] for r in every]
     out["links"] = [(r["stage"], r["recv"], r["send"]) for r in every]
-    out["plan_params"] = plan.params()
-    out["seconds"] = {"plan_and_lower": t1 - t0, "shard_and_split": t2 - t1,
-                      "three_steps_with_reference": t3 - t2}
     return out
 
 
