@@ -53,12 +53,17 @@ def stage_runner(gm: torch.fx.GraphModule, plan: Plan, micro_batches: int, stage
 def boundary_slices(gm: torch.fx.GraphModule, plan: Plan, chunks: list) -> BoundarySlices:
     """The sub-mesh axes each value crossing a boundary of ``chunks`` is sliced over
     (:mod:`autopar.runtime.stage_wire`): those it is replicated over, of more than one
-    rank.  A value whose placement the lowering does not record is sent whole."""
+    rank, where the sending pipeline rank is in ``plan.decisions.sliced_sends``.  A
+    value whose placement the lowering does not record is sent whole."""
     shape = tuple(plan.mesh.shape)
+    d = plan.decisions
+    ranks = max(1, d.pipeline_stages)
     by_name = {n.name: n for n in gm.graph.nodes}
     out: dict[str, tuple[int, ...]] = {}
     for ch in chunks:
-        for name in (*ch.send, *ch.recv):
+        sent = ch.send if ch.stage % ranks in d.sliced_sends else []
+        got = ch.recv if (ch.stage - 1) % ranks in d.sliced_sends else []
+        for name in (*sent, *got):
             node = by_name.get(name)
             if name in plan.nodes:
                 pl = parse_placements(plan.nodes[name].out_placements[0])

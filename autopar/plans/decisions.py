@@ -82,6 +82,10 @@ class Decisions:
     schedule: str = Schedule.NONE.value
     virtual_stages: int = 1
     """Model chunks per pipeline rank (> 1 only under ``Schedule.INTERLEAVED``)."""
+    sliced_sends: list[int] = field(default_factory=list)
+    """The pipeline ranks whose stages send each value replicated over sub-mesh axes as
+    one slice per rank, all-gathered by the next stage (:mod:`autopar.runtime.stage_wire`),
+    where the search priced that faster than sending it whole from every rank."""
     micro_batches: int = 1
     stages: list[list[str]] = field(default_factory=list)
     zero_stage: int = 0
@@ -359,7 +363,8 @@ DECISIONS: tuple[Decision, ...] = (
               Option("pipeline_axis", mesh_axis, "the mesh axis the stages are carved from"),
               Option("schedule", one_of(SCHEDULES, fold_case=True), "gpipe, 1f1b, interleaved-1f1b, zero-bubble"),
               Option("virtual_stages", positive_int, "model chunks per rank (interleaved)")),
-             ("pipeline_stages", "pipeline_axis", "schedule", "virtual_stages", "stages"), "pipeline",
+             ("pipeline_stages", "pipeline_axis", "schedule", "virtual_stages", "stages", "sliced_sends"),
+             "pipeline",
              summary="pipeline"),
     Decision("micro_batches", "micro-batches per step: gradient accumulation, or a pipeline's",
              (Option("micro_batches", positive_int, "micro-batches per step"),),

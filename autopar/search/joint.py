@@ -477,6 +477,7 @@ class JointSearch:
             stage_seconds=[sp.seconds for sp in pr.stages],
             stage_memory=[sp.total_memory for sp in pr.stages], step_seconds=pr.step_seconds,
             stage_parts=[dict(sp.parts) for sp in pr.stages], breakdown=pr.breakdown(),
+            sliced_sends=[i for i, sp in enumerate(pr.stages) if sp.sliced_sends],
             grad_buckets=[b for sp in pr.stages for b in sp.buckets],
             gather_chunks=[c for sp in pr.stages for c in sp.gather_chunks],
             offload=cfg.offload, host_memory=max(sp.host_memory for sp in pr.stages), copies=cfg.copies,

@@ -14,8 +14,9 @@ crossing of a link ``s -> s + 1`` is one message per micro-batch from rank ``s``
 rank ``s + 1`` (virtual stages under the interleaved schedule map to ranks mod ``p``),
 and, when the value carries a gradient, one back in backward.  A value replicated over
 sub-mesh axes of several ranks crosses as one slice per rank and is all-gathered over
-those axes where it arrives; its gradient is reduce-scattered there and sent back as
-slices (:mod:`autopar.runtime.stage_wire`).  The step ends with the
+those axes where it arrives, where the plan chose so (``Decisions.sliced_sends``); its
+gradient is reduce-scattered there and sent back as slices
+(:mod:`autopar.runtime.stage_wire`).  The step ends with the
 last stage broadcasting the loss over the pipeline axis.  The shape header the runner
 sends before the first micro-batch of the first step is not part of a steady step.
 """
@@ -69,11 +70,12 @@ def pipeline_messages(lister) -> None:
         numel = math.prod(local_shape(plan.nodes[u].shape[0], pl, lister.mesh))
         # replicated over axes of several ranks: each sends its slice, the receivers
         # all-gather them (runtime/stage_wire.py)
-        axes = tuple(a for a, q in enumerate(pl) if is_replicate(q) and lister.mesh[a] > 1)
-        t = math.prod(lister.mesh[a] for a in axes)
-        nbytes = -(-numel // t) * (outs[0].dtype.itemsize if outs else 4)
+        replicated = tuple(a for a, q in enumerate(pl) if is_replicate(q) and lister.mesh[a] > 1)
         grad = lister.grad.get(u, False)
         for s in range(first, last):
+            axes = replicated if s % p in d.sliced_sends else ()
+            t = math.prod(lister.mesh[a] for a in axes)
+            nbytes = -(-numel // t) * (outs[0].dtype.itemsize if outs else 4)
             what = f"{u} ({placement}) stage {s} -> {s + 1}"
             lister.at = s % p
             lister.add("forward", "send", (), nbytes, what, m, group=2)

@@ -138,6 +138,9 @@ def plan_and_lower(model: nn.Module, batch: tuple, case: PipeCase, broadcast: bo
     plan.decisions = Decisions(
         pipeline_stages=max(1, len(case.stages)), micro_batches=m,
         schedule=case.schedule if case.stages else "none", stages=case.stages,
+        # every stage sends replicated values as slices (runtime/stage_wire.py), which
+        # the search chooses only where the link between stages is the slow one
+        sliced_sends=list(range(len(case.stages))),
         global_batch=batch[0].shape[0])
     return cap, plan, lower(copy.deepcopy(cap.gm), plan)
 

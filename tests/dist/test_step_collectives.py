@@ -94,6 +94,8 @@ PIPELINES = [
      "options": {"pipeline_stages": 4, "micro_batches": 4, "schedule": "gpipe"}},
     {"id": "pp2-x-tp2", "mesh": (4,), "pins": TP,
      "options": {"pipeline_stages": 2, "micro_batches": 2, "schedule": "1f1b"}},
+    {"id": "pp2-x-tp2-sliced", "mesh": (2, 2), "pins": TP, "slow_pipe": True,
+     "options": {"pipeline_stages": 2, "pipeline_axis": 0, "micro_batches": 2, "schedule": "1f1b"}},
     {"id": "pp2-interleaved2-x-dp2", "mesh": (4,), "pins": {}, "build": {"layers": 4},
      "options": {"pipeline_stages": 2, "micro_batches": 4, "schedule": "interleaved-1f1b",
                  "virtual_stages": 2}},
@@ -124,8 +126,12 @@ def step_case(c: dict) -> dict:
         model, ex = mod.build(batch=8)
     pins = mod.ep_pins(2, len(c["mesh"])) if c["pins"] == "ep" else c["pins"]
     reset()
-    pm = auto_parallel(model, example_inputs=ex, mesh=MeshSpec.preset("cpu-gloo", shape=tuple(c["mesh"])),
-                       pins=pins, **c["options"])
+    mesh = MeshSpec.preset("cpu-gloo", shape=tuple(c["mesh"]))
+    if c.get("slow_pipe"):  # a slow link between the stages: slices pay (stage_wire.py)
+        import dataclasses
+        slow = dataclasses.replace(mesh.links[0], beta=1e5, kinds=())
+        mesh = dataclasses.replace(mesh, intra=None, links=(slow, *mesh.links[1:]))
+    pm = auto_parallel(model, example_inputs=ex, mesh=mesh, pins=pins, **c["options"])
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     if c["options"].get("batch") == "local":  # (a data-parallel mesh over every rank only)
         n, idx = torch.distributed.get_world_size(), torch.distributed.get_rank()
@@ -222,6 +228,11 @@ def test_pipeline_plans_list_what_runs() -> None:
     results = run_fn_cases(4, "tests.dist.test_step_collectives:step_case", PIPELINES)
     for c in PIPELINES:
         _same(results.get(c["id"], {"error": f"{c['id']}: not run (an earlier case failed)"}))
+    # over the slow link the stages sent the replicated residual as slices, gathered
+    # where they arrived (and the gradient reduce-scattered), as listed and as run
+    sliced = results["pp2-x-tp2-sliced"]["ranks"]
+    assert all(any("all_gather" in line or "reduce_scatter" in line for line in r["listed"])
+               for r in sliced), [r["listed"] for r in sliced]
 
 
 @pytest.mark.slow

@@ -81,6 +81,8 @@ class MicroBatchTime:
     """Multi-copy: communication beside the other copy's compute."""
     sends: tuple[float, ...]
     """The pipeline's point-to-point messages, both directions."""
+    sliced: bool = False
+    """The stage sends its replicated boundary values as slices (``Decisions.sliced_sends``)."""
 
     seconds: float = field(init=False)
     """The stage's seconds per micro-batch: the terms summed in the order above, which
@@ -209,7 +211,7 @@ def price_stage(layers: list[LayerStat], index: int, cfg: Config, mesh: MeshSpec
     return StagePrice([st.key for st in layers], seconds, tail.seconds, memory, sorted(rc), parts,
                       grad_sync.names, [st.key for st in layers if st.key in kp], grad_sync.buffers_kept,
                       off.host,
-                      names_of(gathers.chunks))
+                      names_of(gathers.chunks), micro.sliced)
 
 
 def _stage_peak(s: _Stage, comp: float) -> StagePeak:
@@ -273,14 +275,18 @@ def _micro_time(s: _Stage, chosen: list[LayerStat], saves: list[float], kp: froz
     gathered (``saves``: each layer's re-gather that keeping it saves)."""
     layers, cfg, mesh = s.layers, s.cfg, s.mesh
     sends: list[float] = []
+    sliced = False
     if cfg.stages > 1:
         # receive the activations in and send them on in forward; the reverse in
-        # backward; a replicated value as a slice per rank, which the receiving stage
-        # all-gathers (and reduce-scatters its gradient)
+        # backward; a replicated value whole, or as a slice per rank which the receiving
+        # stage all-gathers (and reduce-scatters its gradient), whichever is faster
         if s.index > 0:
-            sends.append(2.0 * pipe_link(layers[0].wire_bytes) + layers[0].wire_gather)
+            sends.append(min(2.0 * pipe_link(layers[0].out_bytes),
+                             2.0 * pipe_link(layers[0].wire_bytes) + layers[0].wire_gather))
         if s.index < cfg.stages - 1:
-            sends.append(2.0 * pipe_link(layers[-1].wire_bytes))
+            st = layers[-1]
+            sliced = 2.0 * pipe_link(st.wire_bytes) + st.wire_gather < 2.0 * pipe_link(st.out_bytes)
+            sends.append(2.0 * pipe_link(st.wire_bytes if sliced else st.out_bytes))
     return MicroBatchTime(
         layers=sum(st.seconds for st in layers), compute=sum(st.compute for st in layers),
         recompute=sum(st.forward for st in chosen), split=split_seconds(layers, cfg, mesh, s.index),
@@ -288,7 +294,7 @@ def _micro_time(s: _Stage, chosen: list[LayerStat], saves: list[float], kp: froz
         kept_saves=sum(x for st, x in zip(layers, saves) if st.key in kp),  # nothing re-gathered
         accumulate=accumulation_seconds([z.grads for z in s.zp], cfg.micro_batches, mesh),
         exposed_count=count_exposed(layers, cfg, mesh), offload=s.off.per_micro,
-        hidden=copies_hidden(layers, cfg, mesh), sends=tuple(sends))
+        hidden=copies_hidden(layers, cfg, mesh), sends=tuple(sends), sliced=sliced)
 
 
 def _buckets(s: _Stage, pk: StagePeak, rc: set[str], chosen: list[LayerStat],

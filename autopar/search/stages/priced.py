@@ -77,6 +77,8 @@ class StagePrice:
     gather_chunks: list[list[str]] = field(default_factory=list)
     """ZeRO-1/2's gathers after the step, parameter names per chunk in forward order
     (``Decisions.gather_chunks``; empty: one blocking gather)."""
+    sliced_sends: bool = False
+    """The stage sends its replicated boundary values as slices (``Decisions.sliced_sends``)."""
 
     @property
     def total_memory(self) -> float:
