@@ -288,8 +288,9 @@ def section(rows: list[dict], wall: float, workers: int, machine: str, command: 
         "",
         "Caveats: predictions of our cost model, not measurements. A stage sends each "
         "tensor-parallel rank's part of its boundary activations: sequence-parallel slices "
-        "here, and a replicated value as one slice per rank all-gathered inside the "
-        "receiving node (runtime/stage_wire.py, as Alpa's cross-mesh resharding). Our "
+        "here, and a replicated value, where that is faster, as one slice per rank "
+        "all-gathered inside the receiving node (runtime/stage_wire.py, as Alpa's "
+        "cross-mesh resharding). Our "
         "residual stream stays fp32 under bf16-mixed, twice the bytes of Alpa's fp16 (for "
         "the 39B record plan, 16.7 MB per micro-batch and rank at 0.39 GB/s: ~43 ms per "
         "send, 31 s of exposed communication a step). Alpa measured ~57 TFLOP/s per "
