@@ -149,6 +149,8 @@ AFTER_SEARCH: dict[str, str] = {
     "batch": "the caller's contract (whole batch or each rank's part), never searched: "
              "every config shares the options' value",
     "local_axes": "read off the chosen placement under batch='local'",
+    "sliced_sends": "each stage's price takes the faster way to send its boundary "
+                    "values, whole or as slices (StagePrice.sliced_sends)",
     **{d.fields[0]: f"forced only ({d.doc}): every config of a search shares the keyword's value"
        for d in DECISIONS if d.forced_only},
 }
