@@ -49,10 +49,14 @@ def _all_gather(x: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def _reduce_scatter_flat(out: torch.Tensor, flat: torch.Tensor, g: dist.ProcessGroup) -> None:
-    # torch 2.13 renamed reduce_scatter_tensor (now deprecated) to reduce_scatter_single
+def reduce_scatter_flat(out: torch.Tensor, flat: torch.Tensor, g: dist.ProcessGroup,
+                        async_op: bool = False):
+    """Reduce-scatter ``flat`` over group ``g`` into ``out`` (one chunk per group rank, in
+    group-rank order); the work handle where ``async_op``."""
+    # torch 2.13 renamed reduce_scatter_tensor (now deprecated) to reduce_scatter_single;
+    # looked up per call, so runtime.trace's wrapper of it is seen
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    issue(fn, out, flat, group=g)
+    return issue(fn, out, flat, group=g, async_op=async_op)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
@@ -60,7 +64,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
     chunks = [c.contiguous() for c in x.chunk(n, dim=dim)]
     flat = torch.cat([c.reshape(-1) for c in chunks])
     out = torch.empty(chunks[0].numel(), dtype=x.dtype, device=x.device)
-    _reduce_scatter_flat(out, flat, g)
+    reduce_scatter_flat(out, flat, g)
     return out.view(chunks[0].shape)
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from autopar.runtime.collectives import _group
+from autopar.runtime.collectives import _group, reduce_scatter_flat
 from autopar.runtime.tls import issue
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -57,8 +57,7 @@ def _launch(kind: str, x: torch.Tensor, args: tuple) -> Callable[[], torch.Tenso
         chunks = [c.contiguous() for c in x.chunk(n, dim=dim)]
         flat = torch.cat([c.reshape(-1) for c in chunks])
         out = torch.empty(chunks[0].numel(), dtype=x.dtype, device=x.device)
-        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        work = issue(fn, out, flat, group=g, async_op=True)
+        work = reduce_scatter_flat(out, flat, g, async_op=True)
         return lambda: (work.wait(), out.view(chunks[0].shape))[1]
     gather_dim, scatter_dim = args[0], args[1]
     chunks = [c.contiguous() for c in x.chunk(n, dim=scatter_dim)]

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from autopar.runtime.collectives import reduce_scatter_flat
 from autopar.runtime.mesh import current
 from autopar.runtime.tls import issue
 
@@ -116,9 +117,7 @@ class BoundarySlices:
         for coord, g in enumerate(order):
             by_rank[g] = flat[coord * c:(coord + 1) * c]
         out = torch.empty(c, dtype=flat.dtype, device=flat.device)
-        # torch 2.13 renamed reduce_scatter_tensor (now deprecated) to reduce_scatter_single
-        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        issue(fn, out, torch.cat(by_rank), group=group)
+        reduce_scatter_flat(out, torch.cat(by_rank), group)
         return out
 
     @staticmethod

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from autopar.runtime.collectives import reduce_scatter_flat
 from autopar.runtime.grad_sync import (
     BUCKET_BYTES,
     OrderedBuckets,
@@ -316,8 +317,7 @@ class Zero(OrderedBuckets):
         else:
             out = torch.empty(b.flat.numel() // current().size_of(self.axes), dtype=b.flat.dtype,
                               device=b.flat.device)
-            fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-            b.work = issue(fn, out, b.flat, group=g, async_op=True)
+            b.work = reduce_scatter_flat(out, b.flat, g, async_op=True)
             b.flat = out
 
     def _complete_one(self, b: _Bucket) -> None:

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
+from autopar.runtime.collectives import reduce_scatter_flat
 from autopar.runtime.mesh import current
 from autopar.runtime.tls import issue
 from autopar.runtime.zero_layout import Cut, pack, unpack
@@ -180,8 +181,7 @@ class _GatherGroup(Function):
             torch.empty(0, dtype=g.shards[0].dtype, device=m.device)
         send = pack(list(grads), g.cuts, d, like)
         out = torch.empty(send.numel() // d, dtype=send.dtype, device=send.device)
-        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        issue(fn, out, send, group=m.group_of(g.axes))
+        reduce_scatter_flat(out, send, m.group_of(g.axes))
         if g.shards[0].device != out.device:  # host shards: their gradients go down
             out = out.to(g.shards[0].device)
         # each parameter's gradient: its real rows, in its shape (a view of ``out``)
