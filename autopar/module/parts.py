@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from autopar.plans.data import Plan
-from autopar.plans.placement import is_replicate
+from autopar.plans.placement import replicated_axes
 
 if TYPE_CHECKING:
     from autopar.module.shapes import ShapeRoutes
@@ -65,7 +65,7 @@ class Parts:
     def replicated_axes(self, t: str) -> tuple[int, ...]:
         """The mesh axes of more than one device that parameter ``t`` is replicated on."""
         pl = self.placements[t]
-        return tuple(a for a, x in enumerate(pl) if is_replicate(x) and self.plan.mesh.shape[a] > 1)
+        return replicated_axes(pl, self.plan.mesh.shape)
 
     def mine(self, t: str) -> bool:
         """True when this rank's pipeline stage holds target ``t``."""

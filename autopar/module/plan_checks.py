@@ -13,7 +13,7 @@ from collections.abc import Collection
 
 from autopar.errors import PlanError
 from autopar.plans.data import Plan
-from autopar.plans.placement import is_replicate, parse_placements
+from autopar.plans.placement import parse_placements, replicated_axes
 from autopar.plans.schedules import conflict
 
 
@@ -58,8 +58,7 @@ def _hsdp(plan: Plan, z: tuple[int, ...], frozen: Collection[str]) -> bool:
     for n in plan.nodes.values():
         if n.kind != "param" or not n.param or n.param in frozen or not n.shape[0]:
             continue
-        rep = {a for a, p in enumerate(parse_placements(n.out_placements[0]))
-               if is_replicate(p) and plan.mesh.shape[a] > 1}
+        rep = set(replicated_axes(parse_placements(n.out_placements[0]), plan.mesh.shape))
         if set(z) <= rep and rep - set(z):
             return True
     return False

@@ -13,7 +13,7 @@ from autopar.errors import PlanError
 from autopar.passes.lower import PLACEMENT_KEY
 from autopar.passes.split_stages import split_stages
 from autopar.plans.data import Plan
-from autopar.plans.placement import is_replicate, parse_placements
+from autopar.plans.placement import parse_placements, replicated_axes
 from autopar.runtime.pipeline import PipelineRunner
 from autopar.runtime.stage_wire import BoundarySlices
 from autopar.runtime.zero3 import defer
@@ -71,7 +71,7 @@ def boundary_slices(gm: torch.fx.GraphModule, plan: Plan, chunks: list) -> Bound
                 pl = node.meta[PLACEMENT_KEY]
             else:
                 continue
-            axes = tuple(a for a, p in enumerate(pl) if is_replicate(p) and shape[a] > 1)
+            axes = replicated_axes(pl, shape)
             if axes:
                 out[name] = axes
     return BoundarySlices(out)

@@ -24,7 +24,8 @@ R = Replicate()
 P = Partial()
 
 __all__ = ["P", "R", "Placements", "fmt_placements", "is_partial", "is_replicate", "is_shard",
-           "local_shape", "normalize_dim", "parse_placements", "shard_factor", "valid_for_shape"]
+           "local_shape", "normalize_dim", "parse_placements", "replicated_axes", "shard_factor",
+           "valid_for_shape"]
 
 
 # placement kinds by class: since torch 2.13 the placement classes check instances
@@ -57,6 +58,12 @@ def is_replicate(p: Placement) -> bool:
 def is_partial(p: Placement) -> bool:
     """True when ``p`` is ``Partial`` (a pending sum)."""
     return _kind(p) is Partial
+
+
+def replicated_axes(placements: Placements, mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """The mesh axes of more than one rank that ``placements`` replicate on (where a
+    gradient is all-reduced, or a boundary value can be sent as slices)."""
+    return tuple(a for a, p in enumerate(placements) if is_replicate(p) and mesh_shape[a] > 1)
 
 
 def normalize_dim(dim: int, ndim: int) -> int:

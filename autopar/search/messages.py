@@ -27,7 +27,7 @@ import math
 
 from autopar.capture.ir import info
 from autopar.passes.split_stages import input_only
-from autopar.plans.placement import is_replicate, local_shape, parse_placements
+from autopar.plans.placement import local_shape, parse_placements, replicated_axes
 
 
 def pipeline_messages(lister) -> None:
@@ -70,7 +70,7 @@ def pipeline_messages(lister) -> None:
         numel = math.prod(local_shape(plan.nodes[u].shape[0], pl, lister.mesh))
         # replicated over axes of several ranks: each sends its slice, the receivers
         # all-gather them (runtime/stage_wire.py)
-        replicated = tuple(a for a, q in enumerate(pl) if is_replicate(q) and lister.mesh[a] > 1)
+        replicated = replicated_axes(pl, lister.mesh)
         grad = lister.grad.get(u, False)
         for s in range(first, last):
             axes = replicated if s % p in d.sliced_sends else ()

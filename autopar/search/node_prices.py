@@ -29,9 +29,9 @@ from autopar.cost_models import (
 from autopar.plans.decisions import prices
 from autopar.plans.placement import (
     Placements,
-    is_replicate,
     is_shard,
     local_shape,
+    replicated_axes,
     returned_placement,
 )
 from autopar.runtime.experts import MOE_EXPERTS
@@ -406,7 +406,7 @@ class CostModel(EdgePrices):
 
     def grad_sync(self, p: Placements, t: TensorInfo) -> float:
         """All-reduce of a parameter's gradient over the axes it is replicated on."""
-        axes = tuple(a for a, pa in enumerate(p) if is_replicate(pa) and self.mesh.shape[a] > 1)
+        axes = replicated_axes(p, self.mesh.shape)
         if not axes:
             return 0.0
         b = math.prod(local_shape(t.shape, p, self.mesh.shape)) * (t.nbytes / max(t.numel, 1))

@@ -34,7 +34,7 @@ from autopar.cost_models import (
     blocking_time,
 )
 from autopar.plans.data import NodePlan, Plan
-from autopar.plans.placement import is_replicate, local_shape, parse_placements
+from autopar.plans.placement import local_shape, parse_placements, replicated_axes
 from autopar.search.node_prices import compute_floor, kernel_terms
 from autopar.sharding.rules.losses import count_axes
 
@@ -166,8 +166,7 @@ def _add_out(st: LayerStat, n: fx.Node, placement: str, mesh: MeshSpec) -> None:
     replicated on, as :mod:`autopar.runtime.stage_wire` sends it)."""
     nbytes = _local_bytes(n, placement, mesh)
     st.out_bytes += nbytes
-    axes = tuple(a for a, p in enumerate(parse_placements(placement))
-                 if is_replicate(p) and mesh.shape[a] > 1)
+    axes = replicated_axes(parse_placements(placement), mesh.shape)
     st.wire_bytes += nbytes / math.prod(mesh.shape[a] for a in axes)
     if axes:  # the receiving stage gathers it in forward, reduce-scatters its gradient
         st.wire_gather += blocking_time("all_gather", mesh, axes, nbytes) \
@@ -181,7 +180,7 @@ def _add_node(st: LayerStat, n: fx.Node, np_: NodePlan, mesh: MeshSpec, blocking
     what one blocking collective each way waits for the drift and pays in latency."""
     if np_.kind == "param":
         pl = parse_placements(np_.out_placements[0])
-        rep = tuple(a for a, p in enumerate(pl) if is_replicate(p) and mesh.shape[a] > 1)
+        rep = replicated_axes(pl, mesh.shape)
         nbytes = _local_bytes(n, np_.out_placements[0], mesh)
         shape = tuple(local_shape(info(n).out.shape, pl, mesh.shape))
         st.params.append(ParamStat(nbytes, rep, np_.param or n.name, shape))

@@ -281,11 +281,12 @@ def _micro_time(s: _Stage, chosen: list[LayerStat], saves: list[float], kp: froz
         # backward; a replicated value whole, or as a slice per rank which the receiving
         # stage all-gathers (and reduce-scatters its gradient), whichever is faster
         if s.index > 0:
-            sends.append(min(2.0 * pipe_link(layers[0].out_bytes),
-                             2.0 * pipe_link(layers[0].wire_bytes) + layers[0].wire_gather))
+            st = layers[0]
+            sends.append(2.0 * pipe_link(st.wire_bytes) + st.wire_gather if _sliced(st, pipe_link)
+                         else 2.0 * pipe_link(st.out_bytes))
         if s.index < cfg.stages - 1:
             st = layers[-1]
-            sliced = 2.0 * pipe_link(st.wire_bytes) + st.wire_gather < 2.0 * pipe_link(st.out_bytes)
+            sliced = _sliced(st, pipe_link)
             sends.append(2.0 * pipe_link(st.wire_bytes if sliced else st.out_bytes))
     return MicroBatchTime(
         layers=sum(st.seconds for st in layers), compute=sum(st.compute for st in layers),
@@ -295,6 +296,13 @@ def _micro_time(s: _Stage, chosen: list[LayerStat], saves: list[float], kp: froz
         accumulate=accumulation_seconds([z.grads for z in s.zp], cfg.micro_batches, mesh),
         exposed_count=count_exposed(layers, cfg, mesh), offload=s.off.per_micro,
         hidden=copies_hidden(layers, cfg, mesh), sends=tuple(sends), sliced=sliced)
+
+
+def _sliced(st: LayerStat, pipe_link: Callable[[float], float]) -> bool:
+    """Whether the values leaving ``st`` cross a stage boundary faster as one slice per
+    rank, gathered (and their gradient reduce-scattered) by the receiving stage, than
+    whole from every rank (``Decisions.sliced_sends``)."""
+    return 2.0 * pipe_link(st.wire_bytes) + st.wire_gather < 2.0 * pipe_link(st.out_bytes)
 
 
 def _buckets(s: _Stage, pk: StagePeak, rc: set[str], chosen: list[LayerStat],
