@@ -382,8 +382,7 @@ class PipelineRunner:
     def step(self, inputs: Sequence) -> torch.Tensor:
         """One training step on the global batch ``inputs`` (flat, as the captured
         model takes them); returns the mean micro-batch loss on every rank."""
-        per = [self.split_inputs(inputs, c) for c in range(self.virtual)]
-        self._weights = self._count_targets(per)
+        per = self._begin(inputs)
         kept: dict[tuple[int, int], _MicroBatch] = {}
         losses: list[torch.Tensor] = []
         sync_was = self.grad_sync.enabled if self.grad_sync is not None else None
@@ -391,7 +390,6 @@ class PipelineRunner:
         # gradients are reduced during the last backward (its hooks); under the
         # zero-bubble schedule W bypasses hooks, so after the last W (flush)
         last_b = -1 if zb else max(j for j, a in enumerate(self.actions) if a.op == "B")
-        self._expect.clear()
         try:
             if self.grad_sync is not None:
                 self.grad_sync.enabled = False
@@ -401,7 +399,7 @@ class PipelineRunner:
                     mb = kept[(a.chunk, a.micro)] = self._forward(graph, per[a.chunk][a.micro],
                                                                    a.micro)
                     if mb.loss is not None:
-                        losses.append(mb.loss.detach() * (self._weight(a.micro) * self.micro_batches))
+                        losses.append(self._weighted(mb.loss.detach(), a.micro))
                 elif a.op == "B":
                     if self.grad_sync is not None:
                         self.grad_sync.enabled = j == last_b
@@ -418,20 +416,16 @@ class PipelineRunner:
             self._pending.clear()
             if self.grad_sync is not None:
                 self.grad_sync.enabled = bool(sync_was)
-        if self._posted or any(self._expect.values()):
-            raise RuntimeError(f"pipeline messages left unreceived: {sorted(self._posted)}")
-        return self._loss(losses)
+        return self._end(losses)
 
     def evaluate(self, inputs: Sequence) -> torch.Tensor:
         """The loss of the global batch ``inputs`` without a backward (an evaluation):
         every micro-batch's forward in the schedule's order, weighted as :meth:`step`
         weighs them; the same value on every rank."""
-        per = [self.split_inputs(inputs, c) for c in range(self.virtual)]
-        self._weights = self._count_targets(per)
+        per = self._begin(inputs)
         train = (self._recv_meta, self._send_meta)
         self._recv_meta, self._send_meta = self._eval_meta
         self._forward_only = True
-        self._expect.clear()
         losses: list[torch.Tensor] = []
         try:
             with torch.no_grad():
@@ -439,13 +433,30 @@ class PipelineRunner:
                     if a.op == "F":
                         mb = self._forward(self.chunks[a.chunk], per[a.chunk][a.micro], a.micro)
                         if mb.loss is not None:
-                            losses.append(mb.loss * (self._weight(a.micro) * self.micro_batches))
+                            losses.append(self._weighted(mb.loss, a.micro))
                 for w, _ in self._pending:
                     w.wait()
         finally:
             self._pending.clear()
             self._forward_only = False
             self._recv_meta, self._send_meta = train
+        return self._end(losses)
+
+    def _begin(self, inputs: Sequence) -> list[list[list]]:
+        """A step's (or an evaluation's) start: ``inputs`` split per model chunk and
+        micro-batch, the micro-batches' weights counted, no message expected yet."""
+        per = [self.split_inputs(inputs, c) for c in range(self.virtual)]
+        self._weights = self._count_targets(per)
+        self._expect.clear()
+        return per
+
+    def _weighted(self, loss: torch.Tensor, micro: int) -> torch.Tensor:
+        """Micro-batch ``micro``'s loss scaled so that the mean of the scaled losses is
+        the batch's (:meth:`_weight` times the count)."""
+        return loss * (self._weight(micro) * self.micro_batches)
+
+    def _end(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The batch's loss on every rank, once every message of the step was received."""
         if self._posted or any(self._expect.values()):
             raise RuntimeError(f"pipeline messages left unreceived: {sorted(self._posted)}")
         return self._loss(losses)
