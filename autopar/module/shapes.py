@@ -21,10 +21,11 @@ recent).  A shape seen before costs a dictionary lookup.
   the plan at its own shape (as if every data-parallel rank held rows like its own):
   the ranks then exchange only gradients and the loss's sums, so a plan that exchanges
   nothing else (data parallel, ZeRO) needs no agreement and issues no collective for it,
-  as DDP.  Where the plan moves activations between data-parallel ranks, or runs a
-  schedule, the ranks exchange their shapes every call (one all-gather of a few
-  integers) and all raise on a difference, so none waits in a collective another
-  refused.  Conventions: a
+  as DDP.  Where activations meet between ranks that must hold equal shapes (every rank
+  under ``batch="global"``; tensor-parallel peers; data-parallel ranks when activations
+  cross them or a schedule runs: :class:`Agree`), the ranks exchange their shapes every
+  call (one all-gather of a few integers) and all raise on a difference, so none waits
+  in (or, on gloo, aborts at) a collective of another size.  Conventions: a
   token-mean cross-entropy (Hugging Face's loss) divides by the count of real tokens
   over all ranks, as one process on the whole batch would; a ``mean`` over rows is the
   mean of the ranks' means, as DDP's gradient average is.
@@ -46,6 +47,7 @@ of shapes.
 from __future__ import annotations
 
 import copy
+import enum
 import math
 import time
 from collections import OrderedDict
@@ -112,7 +114,7 @@ class ShapeRoutes:
     """The runners of other shapes' routes (their graphs switch train/eval too)."""
     built: int = 0
     """Graphs built for new shapes (the log and the closing numbers read it)."""
-    _needs_agreement: bool | None = field(default=None, repr=False)
+    _needs_agreement: Agree | None = field(default=None, repr=False)
     batch: frozenset[int] = field(init=False, repr=False)
     """Flat inputs whose dim 0 is the batch (:func:`_batch_inputs` of the planned shapes)."""
     model: torch.nn.Module | None = field(default=None, repr=False)
@@ -146,40 +148,37 @@ class ShapeRoutes:
         local = b.mode is BatchMode.LOCAL and bool(b.dp_axes)
         want = self._global(pm, mine) if local else mine
         route, error = self._route_or_error(pm, want, flat)
-        # under batch="local" a schedule's ranks agree on the shape every call, also
-        # with no data-parallel axis (a pipeline's stages pass each other activations)
-        scheduled = pm.runner is not None and b.mode is BatchMode.LOCAL
-        if not ((local or scheduled) and self._agree(pm)):
+        agree = self._agree(pm)
+        if agree is Agree.NONE:
             if error is not None:
                 raise error
             return route
-        every = _exchange(mine, error is not None, self.planned.shapes, pm)
-        failed = [r for r, (_, bad) in enumerate(every) if bad]
+        every = _exchange(mine, error is not None, self.planned.shapes, pm,
+                          pm.data_parallel_rank if agree is Agree.SAME_DP else 0)
+        failed = [r for r, (_, bad, _) in enumerate(every) if bad]
         if failed:
             raise error if error is not None else InputMismatchError(
                 f"rank(s) {failed} cannot run the shape they were called with (their error "
                 "says why); no rank ran this step")
-        if len({s for s, _ in every}) > 1:
-            shapes = {r: s for r, (s, _) in enumerate(every)}
-            raise InputMismatchError(
-                f"the ranks passed different shapes ({shapes}) under batch={b.mode.value!r}, and "
-                "this plan exchanges activations between ranks (a batch input it gathers, "
-                "experts' all-to-all, pipeline stages): pass equal shapes on "
-                "every rank (pad to a common length, equal rows per rank)")
+        groups: dict[int, set] = {}
+        for s, _, key in every:
+            groups.setdefault(key, set()).add(s)
+        if any(len(g) > 1 for g in groups.values()):
+            shapes = {r: s for r, (s, _, _) in enumerate(every)}
+            raise InputMismatchError(_disagreement(b.mode, agree, shapes))
         return route
 
-    def _agree(self, pm: ParallelModule) -> bool:
-        """Whether the ranks must agree on their shapes before a call: the plan exchanges
-        activations between data-parallel ranks (so their shapes must be equal), or runs
-        a schedule built for its shape.  A plan that exchanges only gradients and the
-        loss's sums (data parallel, ZeRO) needs no agreement, as DDP: each rank runs its
-        own shape, and the call costs no collective."""
+    def _agree(self, pm: ParallelModule) -> Agree:
+        """Which ranks must call with equal shapes (:class:`Agree`), read once from the
+        plan: where a rank's activations reach another rank (a collective of values
+        computed from the inputs, a pipeline's transfers, a schedule built for its shape),
+        ranks calling with different shapes would meet in collectives of different sizes
+        (gloo aborts the process; NCCL waits), so they compare their shapes first.  A
+        plan that exchanges only gradients and the loss's sums (data parallel, ZeRO)
+        needs no agreement, as DDP: each rank runs its own shape, and the call costs no
+        collective."""
         if self._needs_agreement is None:
-            d = pm.plan.decisions
-            self._needs_agreement = (
-                pm.runner is not None or d.copies > 1
-                or not self.batch <= self.planned.passthrough
-                or _cross_dp(pm.inner, pm.binder.dp_axes))
+            self._needs_agreement = _agreement(pm, self.batch <= self.planned.passthrough)
         return self._needs_agreement
 
     def _global(self, pm: ParallelModule, mine: Shapes) -> Shapes:
@@ -379,51 +378,93 @@ def _batch_inputs(shapes: list) -> frozenset[int]:
 
 
 
-def _cross_dp(gm: fx.GraphModule, dp_axes: tuple[int, ...]) -> bool:
-    """Whether ``gm`` moves activations (values computed from its inputs) over a
-    data-parallel axis.  A sum of a scalar (the loss, a token count) does not count, nor
+class Agree(enum.Enum):
+    """Which ranks compare their shapes before a call (:meth:`ShapeRoutes._agree`)."""
+
+    NONE = "none"  # each rank runs its own shape: only gradients and the loss's sums meet
+    SAME_DP = "same-dp"  # ranks of one data-parallel index (their activations meet)
+    ALL = "all"  # every rank (activations cross data-parallel ranks, or a schedule runs)
+
+
+def _agreement(pm: ParallelModule, batch_passed_through: bool) -> Agree:
+    """:meth:`ShapeRoutes._agree` for ``pm``.  Under ``batch="global"`` every rank holds
+    the same batch, so any activation that crosses ranks, a schedule or copies ask every
+    rank to agree; under ``batch="local"`` ranks of different data-parallel indices hold
+    their own rows and agree only where activations cross those indices (a batch input
+    the plan gathers, experts' all-to-all), a schedule runs or copies interleave."""
+    d = pm.plan.decisions
+    dp = set(pm.binder.dp_axes)
+    axes = _activation_axes(pm.inner)
+    if pm.runner is not None or d.copies > 1:
+        return Agree.ALL
+    if pm.binder.mode is BatchMode.LOCAL and dp:
+        if axes & dp or not batch_passed_through:
+            return Agree.ALL
+        return Agree.SAME_DP if axes else Agree.NONE
+    return Agree.ALL if axes else Agree.NONE
+
+
+def _activation_axes(gm: fx.GraphModule) -> set[int]:
+    """The mesh axes over which ``gm`` moves activations (values computed from its
+    inputs): every axis (-1 stands for them) at an expert dispatch, whose token counts
+    follow the routing.  A sum of a scalar (the loss, a token count) does not count, nor
     a gathered parameter (its shape is the same at every batch)."""
 
     moving = {C.all_gather: 2, C.reduce_scatter: 2, C.all_to_all: 3, C.all_reduce: 1}
     data: set[fx.Node] = set()
+    out: set[int] = set()
     for n in gm.graph.nodes:
         if n.op == "placeholder" or any(u in data for u in n.all_input_nodes):
             data.add(n)
         if n.op != "call_function" or n not in data:
             continue
         if getattr(n.target, "__module__", "") == E.__name__:
-            return True
+            out.add(-1)
+            continue
         k = moving.get(n.target)
         if k is None or len(n.args) <= k:
             continue
         axis = n.args[k]
-        axes = set(axis) if isinstance(axis, (tuple, list)) else {axis}
         val = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
-        scalar = isinstance(val, torch.Tensor) and val.dim() == 0
-        if axes & set(dp_axes) and not scalar:
-            return True
-    return False
-
-
-def _exchange(mine: Shapes, failed: bool, planned: list, pm: ParallelModule
-              ) -> list[tuple[Shapes | None, bool]]:
-    """Every rank's (shapes as passed, whether it cannot run them): one all-gather of
-    a few integers, laid out like the planned shapes (a rank whose tensors have other
-    ranks is marked as failing: its own error says why)."""
-    dims = [len(s) if s is not None else -1 for s in planned]
-    fits = [len(s) if s is not None else -1 for s in mine] == dims
-    row = [int(failed or not fits)] + [v for s in mine if s is not None for v in s] if fits \
-        else [1] + [0] * sum(max(0, k) for k in dims)
-    out = []
-    for vals in gather_rows(row, pm._mesh_rt.device).tolist():
-        shapes, i = [], 1
-        for k in dims:
-            shapes.append(None if k < 0 else tuple(vals[i:i + k]))
-            i += max(0, k)
-        out.append((tuple(shapes), bool(vals[0])))
+        if not (isinstance(val, torch.Tensor) and val.dim() == 0):
+            out |= set(axis) if isinstance(axis, (tuple, list)) else {axis}
     return out
 
 
+def _disagreement(mode: BatchMode, agree: Agree, shapes: dict) -> str:
+    """The error when ranks that must agree (:class:`Agree`) passed different shapes."""
+    if mode is BatchMode.LOCAL and agree is Agree.SAME_DP:
+        return (f"the ranks passed different shapes ({shapes}) under batch='local', and ranks that "
+                "share pm.data_parallel_rank (tensor-parallel peers) exchange activations: pass "
+                "them the same rows (DistributedSampler(ds, num_replicas=pm.data_parallel_size, "
+                "rank=pm.data_parallel_rank))")
+    if mode is BatchMode.LOCAL:
+        return (f"the ranks passed different shapes ({shapes}) under batch='local', and this plan "
+                "exchanges activations between ranks (a batch input it gathers, experts' "
+                "all-to-all, pipeline stages): pass equal shapes on every rank (pad to a common "
+                "length, equal rows per rank)")
+    return (f"the ranks passed different shapes ({shapes}) under batch='global', where every "
+            "rank passes the same, whole global batch: pass the same batch on every rank, or "
+            "plan with batch='local' if each rank loads its own rows")
+
+
+def _exchange(mine: Shapes, failed: bool, planned: list, pm: ParallelModule, key: int
+              ) -> list[tuple[Shapes | None, bool, int]]:
+    """Every rank's (shapes as passed, whether it cannot run them, ``key``: ranks of one
+    key must agree): one all-gather of a few integers, laid out like the planned shapes
+    (a rank whose tensors have other ranks is marked as failing: its own error says why)."""
+    dims = [len(s) if s is not None else -1 for s in planned]
+    fits = [len(s) if s is not None else -1 for s in mine] == dims
+    row = [int(failed or not fits), key] + [v for s in mine if s is not None for v in s] if fits \
+        else [1, key] + [0] * sum(max(0, k) for k in dims)
+    out = []
+    for vals in gather_rows(row, pm._mesh_rt.device).tolist():
+        shapes, i = [], 2
+        for k in dims:
+            shapes.append(None if k < 0 else tuple(vals[i:i + k]))
+            i += max(0, k)
+        out.append((tuple(shapes), bool(vals[0]), int(vals[1])))
+    return out
 
 
 __all__ = ["MAX_SHAPES", "Route", "ShapeRoutes", "structure_copy"]

@@ -142,6 +142,30 @@ def test_pipeline_local_ranks_disagreeing_refused_on_every_rank(two):
     assert any("different shapes" in e for e in errs), errs
 
 
+# ranks that agree on the first batch and pass different shapes later (rank 1 one row
+# short), under batch="global" (every rank must pass the whole batch) and under
+# batch="local" on a tensor-parallel plan (the two ranks share data-parallel index 0)
+DIVERGE = [{"id": f"tp-{mode}", "plan": "tp", "mesh": [2], "batch": mode, "steps": [[16] * 4, [12] * 4],
+            "rank_rows": [[4, 4], [4, 3]]} for mode in ("global", "local")]
+
+
+@pytest.fixture(scope="module")
+def diverge():
+    return run_fn_cases(2, FN, DIVERGE)
+
+
+@pytest.mark.parametrize("mode", ["global", "local"])
+def test_tensor_parallel_ranks_diverging_refused_on_every_rank(diverge, mode):
+    """A tensor-parallel plan's ranks exchange activations, so ranks calling it with
+    different shapes would meet in all-reduces of different sizes: both ranks raise
+    InputMismatchError naming the shapes instead (before, gloo aborted both processes:
+    ``op.preamble.length <= op.nbytes``; the first-call check passes, the first batches
+    being equal)."""
+    errs = [r.get("error", "") for r in diverge[f"tp-{mode}"]["ranks"]]
+    assert all(e.startswith("InputMismatchError") and "different shapes" in e for e in errs), errs
+    assert all(f"batch='{mode}'" in e for e in errs), errs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [c["id"] for c in FOUR])
 def test_any_shape_four_ranks(four, case):
