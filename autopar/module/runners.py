@@ -57,12 +57,11 @@ def boundary_slices(gm: torch.fx.GraphModule, plan: Plan, chunks: list) -> Bound
     value whose placement the lowering does not record is sent whole."""
     shape = tuple(plan.mesh.shape)
     d = plan.decisions
-    ranks = max(1, d.pipeline_stages)
     by_name = {n.name: n for n in gm.graph.nodes}
     out: dict[str, tuple[int, ...]] = {}
     for ch in chunks:
-        sent = ch.send if ch.stage % ranks in d.sliced_sends else []
-        got = ch.recv if (ch.stage - 1) % ranks in d.sliced_sends else []
+        sent = ch.send if d.sends_sliced(ch.stage) else []
+        got = ch.recv if d.sends_sliced(ch.stage - 1) else []
         for name in (*sent, *got):
             node = by_name.get(name)
             if name in plan.nodes:

@@ -73,7 +73,7 @@ def pipeline_messages(lister) -> None:
         replicated = replicated_axes(pl, lister.mesh)
         grad = lister.grad.get(u, False)
         for s in range(first, last):
-            axes = replicated if s % p in d.sliced_sends else ()
+            axes = replicated if d.sends_sliced(s) else ()
             t = math.prod(lister.mesh[a] for a in axes)
             nbytes = -(-numel // t) * (outs[0].dtype.itemsize if outs else 4)
             what = f"{u} ({placement}) stage {s} -> {s + 1}"
