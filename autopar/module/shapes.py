@@ -47,7 +47,6 @@ of shapes.
 from __future__ import annotations
 
 import copy
-import enum
 import math
 import time
 from collections import OrderedDict
@@ -74,7 +73,7 @@ from autopar.plans.schedules import micro_batch_counts
 from autopar.plans.splits import micro_inputs
 from autopar.runtime import collectives as C
 from autopar.runtime import experts as E
-from autopar.runtime.call_check import gather_rows
+from autopar.runtime.call_check import Agree, agreement, agreement_row, gather_rows
 from autopar.runtime.inputs import BatchMode, InputMismatchError, passthrough_inputs
 
 if TYPE_CHECKING:
@@ -378,30 +377,17 @@ def _batch_inputs(shapes: list) -> frozenset[int]:
 
 
 
-class Agree(enum.Enum):
-    """Which ranks compare their shapes before a call (:meth:`ShapeRoutes._agree`)."""
-
-    NONE = "none"  # each rank runs its own shape: only gradients and the loss's sums meet
-    SAME_DP = "same-dp"  # ranks of one data-parallel index (their activations meet)
-    ALL = "all"  # every rank (activations cross data-parallel ranks, or a schedule runs)
-
-
 def _agreement(pm: ParallelModule, batch_passed_through: bool) -> Agree:
-    """:meth:`ShapeRoutes._agree` for ``pm``.  Under ``batch="global"`` every rank holds
-    the same batch, so any activation that crosses ranks, a schedule or copies ask every
-    rank to agree; under ``batch="local"`` ranks of different data-parallel indices hold
-    their own rows and agree only where activations cross those indices (a batch input
-    the plan gathers, experts' all-to-all), a schedule runs or copies interleave."""
+    """:func:`~autopar.runtime.call_check.agreement` for ``pm``: the axes its lowered
+    graph moves activations over; a batch input the plan gathers under
+    ``batch="local"`` crosses the data-parallel ranks too."""
     d = pm.plan.decisions
     dp = set(pm.binder.dp_axes)
-    axes = _activation_axes(pm.inner)
-    if pm.runner is not None or d.copies > 1:
-        return Agree.ALL
-    if pm.binder.mode is BatchMode.LOCAL and dp:
-        if axes & dp or not batch_passed_through:
-            return Agree.ALL
-        return Agree.SAME_DP if axes else Agree.NONE
-    return Agree.ALL if axes else Agree.NONE
+    moving = _activation_axes(pm.inner)
+    local = pm.binder.mode is BatchMode.LOCAL
+    if local and not batch_passed_through:
+        moving |= dp
+    return agreement(pm.runner is not None or d.copies > 1, local, dp, moving)
 
 
 def _activation_axes(gm: fx.GraphModule) -> set[int]:
@@ -456,7 +442,7 @@ def _exchange(mine: Shapes, failed: bool, planned: list, pm: ParallelModule, key
     dims = [len(s) if s is not None else -1 for s in planned]
     fits = [len(s) if s is not None else -1 for s in mine] == dims
     row = [int(failed or not fits), key] + [v for s in mine if s is not None for v in s] if fits \
-        else [1, key] + [0] * sum(max(0, k) for k in dims)
+        else [1, key] + [0] * (agreement_row(dims) - 2)
     out = []
     for vals in gather_rows(row, pm._mesh_rt.device).tolist():
         shapes, i = [], 2

@@ -26,6 +26,7 @@ same :class:`CallMismatchError`, before any collective of the step could hang.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -85,6 +86,42 @@ def generator_fingerprint(g: torch.Generator | None) -> int:
     """48 bits of a hash of ``g``'s state (agreed across ranks when the states are
     equal); 0 without a generator."""
     return 0 if g is None else _digest(g.get_state().numpy().tobytes())
+
+
+class Agree(enum.Enum):
+    """Which ranks compare their call's shapes before it runs (:func:`agreement`)."""
+
+    NONE = "none"  # each rank runs its own shape: only gradients and the loss's sums meet
+    SAME_DP = "same-dp"  # ranks of one data-parallel index (their activations meet)
+    ALL = "all"  # every rank (activations cross data-parallel ranks, or a schedule runs)
+
+
+def agreement(scheduled: bool, local: bool, dp_axes: set[int], moving: set[int]) -> Agree:
+    """Which ranks must call with equal shapes, so that none meets another in a
+    collective of another size (gloo aborts the process; NCCL waits): ``moving``, the
+    mesh axes over which activations (values computed from the inputs, not a scalar
+    sum) cross ranks (-1: every axis); ``scheduled``: a pipeline, micro-batches or
+    copies, whose schedule is built for one shape.  Under ``batch="global"`` (``local``
+    False) every rank holds the same batch, so any such exchange asks every rank to
+    agree; under ``batch="local"`` ranks of different data-parallel indices hold their
+    own rows and agree only where activations cross those indices.  A plan that
+    exchanges only gradients and the loss's sums (data parallel, ZeRO) needs no
+    agreement, as DDP.  The module's shape routes (:mod:`autopar.module.shapes`) and
+    ``plan.collectives()`` both read this."""
+    if scheduled or -1 in moving:
+        return Agree.ALL
+    if local and dp_axes:
+        if moving & dp_axes:
+            return Agree.ALL
+        return Agree.SAME_DP if moving else Agree.NONE
+    return Agree.ALL if moving else Agree.NONE
+
+
+def agreement_row(dims: Sequence[int]) -> int:
+    """Integers each rank contributes to the shape exchange: whether it fails, its key
+    and every dim of its flat inputs (``dims``: each input's number of dims, -1 for a
+    non-tensor)."""
+    return 2 + sum(max(0, k) for k in dims)
 
 
 @dataclass
@@ -178,5 +215,5 @@ class CallCheck:
             "inputs stay the global batch")
 
 
-__all__ = ["CHECKED_CALLS", "CallCheck", "generator_fingerprint", "leaf_fingerprint",
+__all__ = ["CHECKED_CALLS", "Agree", "CallCheck", "agreement", "agreement_row", "generator_fingerprint", "leaf_fingerprint",
            "tensor_fingerprint"]

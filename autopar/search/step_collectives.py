@@ -26,6 +26,9 @@ rules the lowering and the runtime follow, in the same order of concerns:
 * **pipelines**: every item above on the pipeline rank whose stage issues it
   (``Collective.stage``), and the point-to-point messages between stages
   (:mod:`autopar.search.messages`).
+* **the call's shapes**: where ranks whose activations meet must call with equal shapes
+  (:func:`autopar.runtime.call_check.agreement`), one all-gather of each rank's input
+  dims over every rank before the call (``module/shapes.py``).
 
 Forward and backward collectives repeat per micro-batch (``count``).  Not listed yet: ring attention's shifts and the uneven expert
 dispatch of ``moe_experts`` (token counts depend on the routing); ``tests/dist/test_step_collectives.py`` compares the list with
@@ -46,8 +49,10 @@ from autopar.capture.grad_flow import dual, loss_output, requires_grad
 from autopar.capture.ir import info
 from autopar.plans.collective_record import Collective
 from autopar.plans.placement import R, graph_batch, local_shape, parse_placements
+from autopar.runtime.call_check import Agree, agreement, agreement_row
 from autopar.runtime.compression import low_rank
 from autopar.runtime.grad_sync import fill_buckets, folded_axes, runs_by_axes
+from autopar.runtime.inputs import data_parallel_axes
 from autopar.runtime.token_weights import LossTargets, targets_of
 from autopar.runtime.zero_layout import first_rows, padded_size
 from autopar.search.messages import pipeline_messages
@@ -72,6 +77,11 @@ class _Lister:
         self.ranks = max(1, self.d.pipeline_stages)
         self.at = 0  # the pipeline rank the collectives being listed run on
         self._shapes: dict[str, tuple[int, ...]] = {}  # parameter target -> local shape
+        self.moving: set[int] = set()  # axes activations cross ranks over (call_check.agreement)
+        self.data: set[fx.Node] = set()  # values computed from the call's inputs
+        for n in gm.graph.nodes:
+            if n.op == "placeholder" or any(u in self.data for u in n.all_input_nodes):
+                self.data.add(n)
         self._items: dict[str, int] = {}  # parameter target -> bytes per element
 
     # ------------------------------------------------------------ helpers
@@ -116,9 +126,12 @@ class _Lister:
         item = self._itemsize(name)
         m = self.d.micro_batches
         back = []
+        data = self.by_name[name] in self.data and bool(shape)
         for k, st in enumerate(steps):
             if st.kind not in _FORWARD:
                 continue
+            if data:
+                self.moving.add(st.axis)
             self.add("forward", _FORWARD[st.kind], (st.axis,), math.prod(shapes[k]) * item, what, m)
             if grad:
                 back.append(Collective("backward", _DUAL[st.kind], (st.axis,), self.mesh[st.axis],
@@ -134,6 +147,7 @@ class _Lister:
         self._grad_sync()
         if self.ranks > 1:
             pipeline_messages(self)
+        self._agreement()
         return self.out
 
     def _edges(self) -> None:
@@ -237,12 +251,30 @@ class _Lister:
             sizes.append(sizes[0] // q_dim * v_dim)  # the output: q's rows of v's width
             grads = [self.grad.get(u, False) for u in np_.inputs[:3]]
             for a in layout.cp_axes:
+                self.moving.add(a)
                 for what, b in zip(("q", "k", "v", "output"), sizes):
                     self.add("forward", "all_to_all", (a,), b, f"{n.name} Ulysses {what}",
                              self.d.micro_batches)
                     if any(grads):
                         self.add("backward", "all_to_all", (a,), b, f"{n.name} Ulysses {what}",
                                  self.d.micro_batches)
+
+    def _agreement(self) -> None:
+        """The ranks' shape exchange before a call (``module/shapes.py``), where
+        :func:`~autopar.runtime.call_check.agreement` asks for one: an all-gather over
+        every rank, on every pipeline rank, of each rank's flat input dims."""
+        d = self.d
+        local = d.batch == "local"
+        dp = set(data_parallel_axes(self.plan))
+        scheduled = self.ranks > 1 or d.micro_batches > 1 or d.copies > 1
+        if agreement(scheduled, local, dp, self.moving) is Agree.NONE:
+            return
+        dims = [len(info(n).outputs[0].shape) if info(n).outputs else -1
+                for n in self.gm.graph.nodes if n.op == "placeholder"]
+        world = math.prod(self.mesh) * self.ranks  # the stages' sub-meshes tile the mesh
+        for r in range(self.ranks):
+            self.at = r
+            self.add("forward", "all_gather", (), 8 * agreement_row(dims), "the call's shapes", group=world)
 
     # ------------------------------------------------------------ gradients
     def _params(self, rank: int) -> list[tuple[str, int, int, tuple[int, ...]]]:

@@ -19,6 +19,8 @@ from autopar.plans.data import Plan
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import gpt  # noqa: E402
 
+from tests.dist.test_equivalence import MEGATRON  # noqa: E402
+
 DP = {"*": "R", "input:0": "S(0)", "input:1": "S(0)"}
 
 
@@ -102,8 +104,23 @@ def test_zero_over_one_axis_reduces_each_bucket_once_over_the_other(model, stage
 def test_micro_batches_repeat_forward_and_backward_collectives(model) -> None:
     one, two = _plan(model, pins=DP), _plan(model, pins=DP, micro_batches=2)
     fwd = {c.what: c.count for c in two.collectives() if c.phase == "forward"}
+    # the ranks agree on the call's shapes once a call, before its micro-batches are cut
+    assert fwd.pop("the call's shapes") == 1
     assert fwd and set(fwd.values()) == {2}
     assert {c.count for c in one.collectives()} == {1}
+    assert "the call's shapes" not in {c.what for c in one.collectives()}  # data parallel: none
+
+
+def test_shape_agreement_listed_where_activations_cross_ranks(model) -> None:
+    """Tensor parallelism under batch="global" exchanges activations, so its ranks
+    compare the call's shapes (an all-gather of each rank's input dims over every rank,
+    module/shapes.py); data parallel exchanges only gradients and lists none."""
+    m, ex = model
+    tp = autopar.plan(m, ex, mesh=MeshSpec.preset("cpu-gloo", shape=(2,)),
+                      pins=MEGATRON["gpt"], pipeline_stages=1, micro_batches=1)
+    shapes = [c for c in tp.collectives() if c.what == "the call's shapes"]
+    dims = sum(t.dim() for t in ex)
+    assert [(c.kind, c.group, c.bytes, c.count) for c in shapes] == [("all_gather", 2, 8 * (2 + dims), 1)]
 
 
 def test_round_trips_through_json(model) -> None:
