@@ -177,7 +177,8 @@ def local_batch(c: dict) -> dict:
               if p.grad is not None) if same else None
     gathers = sum(e.name == "gloo:all_gather" for e in prof.events())
     return {"dp": _all((pm.data_parallel_rank, pm.data_parallel_size)), "losses": _all(losses),
-            "refs": refs, "grad_err": err, "gathers": gathers}
+            "refs": refs, "grad_err": err, "gathers": gathers,
+            "shape_checks": sum(c.what == "the call's shapes" for c in pm.plan.collectives())}
 
 
 def local_outputs(c: dict) -> dict:
