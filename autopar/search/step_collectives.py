@@ -51,6 +51,7 @@ from autopar.plans.collective_record import Collective
 from autopar.plans.placement import R, graph_batch, local_shape, parse_placements
 from autopar.runtime.call_check import Agree, agreement, agreement_row
 from autopar.runtime.compression import low_rank
+from autopar.runtime.experts import MOE_EXPERTS
 from autopar.runtime.grad_sync import fill_buckets, folded_axes, runs_by_axes
 from autopar.runtime.inputs import data_parallel_axes
 from autopar.runtime.token_weights import LossTargets, targets_of
@@ -59,6 +60,7 @@ from autopar.search.messages import pipeline_messages
 from autopar.sharding.redistribute import StepKind, plan_redistribution, step_shapes, sum_axes
 from autopar.sharding.rules.attention import SDPA, CPImpl, context_layout
 from autopar.sharding.rules.losses import count_axes
+from autopar.sharding.rules.moe_experts import expert_axes
 
 _DUAL = {StepKind.ALL_REDUCE: "all_reduce", StepKind.ALL_GATHER: "reduce_scatter",
          StepKind.REDUCE_SCATTER: "all_gather", StepKind.ALL_TO_ALL: "all_to_all"}
@@ -147,6 +149,7 @@ class _Lister:
         self._grad_sync()
         if self.ranks > 1:
             pipeline_messages(self)
+        self._experts()
         self._agreement()
         return self.out
 
@@ -258,6 +261,15 @@ class _Lister:
                     if any(grads):
                         self.add("backward", "all_to_all", (a,), b, f"{n.name} Ulysses {what}",
                                  self.d.micro_batches)
+
+    def _experts(self) -> None:
+        """Routed experts split over an axis (``moe_experts.localize_experts``) exchange
+        tokens by the routing: every rank compares the call's shapes then (-1)."""
+        for n in self.gm.graph.nodes:
+            if n.op == "call_function" and n.target is MOE_EXPERTS and n.name in self.plan.nodes:
+                ins = [parse_placements(p) for p in self.plan.nodes[n.name].in_placements]
+                if any(expert_axes(ins)):
+                    self.moving.add(-1)
 
     def _agreement(self) -> None:
         """The ranks' shape exchange before a call (``module/shapes.py``), where

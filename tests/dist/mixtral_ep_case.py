@@ -92,7 +92,11 @@ def run_case(c: dict) -> dict:
                          if "moe_experts" in str(n.op)],
                  "params": pm.plan.params(),
                  "calls": sorted({getattr(n.target, "__name__", str(n.target))
-                                  for n in pm.inner.graph.nodes if n.op == "call_function"})}
+                                  for n in pm.inner.graph.nodes if n.op == "call_function"}),
+                 # the ranks compare the call's shapes where tokens cross them: the
+                 # module's rule and the plan's listing
+                 "agree": pm.routes._agree(pm).value,
+                 "listed_agree": sum(c.what == "the call's shapes" for c in pm.plan.collectives())}
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     names = [n for n, _ in ref.named_parameters()]

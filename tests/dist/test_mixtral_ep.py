@@ -58,6 +58,9 @@ def _check(r: dict, case: dict) -> None:
         assert r["aux"] is not None and r["aux"] > 0
     if case["axis"] is not None:
         assert "expert_parallel" in r["calls"], r["calls"]
+        # the dispatch's token counts follow the routing: every rank compares the call's
+        # shapes first, and plan.collectives() lists that all-gather
+        assert (r["agree"], r["listed_agree"]) == ("all", 1), (r["agree"], r["listed_agree"])
         ax = case["axis"]
         assert all(parse_placements(ins[3])[ax] == Shard(0) for ins, _ in r["moe"]), r["moe"]
     if case.get("tp"):  # the attention projections really are split over the TP axis
