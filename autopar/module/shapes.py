@@ -382,6 +382,8 @@ def _agreement(pm: ParallelModule, batch_passed_through: bool) -> Agree:
     graph moves activations over; a batch input the plan gathers under
     ``batch="local"`` crosses the data-parallel ranks too."""
     d = pm.plan.decisions
+    if math.prod(pm.plan.mesh.shape) * max(1, d.pipeline_stages) == 1:
+        return Agree.NONE  # one rank: nobody to disagree with
     dp = set(pm.binder.dp_axes)
     moving = _activation_axes(pm.inner)
     local = pm.binder.mode is BatchMode.LOCAL

@@ -279,11 +279,11 @@ class _Lister:
         local = d.batch == "local"
         dp = set(data_parallel_axes(self.plan))
         scheduled = self.ranks > 1 or d.micro_batches > 1 or d.copies > 1
-        if agreement(scheduled, local, dp, self.moving) is Agree.NONE:
+        world = math.prod(self.mesh) * self.ranks  # the stages' sub-meshes tile the mesh
+        if world == 1 or agreement(scheduled, local, dp, self.moving) is Agree.NONE:
             return
         dims = [len(info(n).outputs[0].shape) if info(n).outputs else -1
                 for n in self.gm.graph.nodes if n.op == "placeholder"]
-        world = math.prod(self.mesh) * self.ranks  # the stages' sub-meshes tile the mesh
         for r in range(self.ranks):
             self.at = r
             self.add("forward", "all_gather", (), 8 * agreement_row(dims), "the call's shapes", group=world)
