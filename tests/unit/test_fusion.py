@@ -121,7 +121,7 @@ def gpt_plans() -> dict[bool, tuple]:
 
 
 def test_a_compiled_gpt_is_priced_faster_with_fewer_launches(gpt_plans) -> None:
-    (cap_e, eager), (cap_c, compiled) = gpt_plans[False], gpt_plans[True]
+    (_, eager), (cap_c, compiled) = gpt_plans[False], gpt_plans[True]
     assert (eager.decisions.compile, compiled.decisions.compile) == (False, True)
     assert compiled.decisions.step_seconds < eager.decisions.step_seconds
     assert compiled.decisions.breakdown["compute_seconds"] < eager.decisions.breakdown["compute_seconds"]
