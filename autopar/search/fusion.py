@@ -126,31 +126,14 @@ def _escapes(n: fx.Node, members: set[fx.Node]) -> bool:
 @prices("compile")
 def fuse(gm: fx.GraphModule) -> Fusion:
     """The fused groups inductor forms from ``gm``'s ops (see the module docstring)."""
-    kinds = {n: k for n in gm.graph.nodes if (k := _kind(n)) is not None}
-    layer = layer_keys(gm)
-    parent: dict[fx.Node, fx.Node] = {n: n for n in kinds}
-
-    def root(n: fx.Node) -> fx.Node:
-        while parent[n] is not n:
-            parent[n] = parent[parent[n]]
-            n = parent[n]
-        return n
-
-    for n in kinds:  # graph order: producers first
-        for u in tensor_inputs(n):
-            src = _source(u)
-            if src in kinds and kinds[src] != "reduce" and layer.get(src) == layer.get(n):
-                parent[root(src)] = root(n)
-    groups: dict[fx.Node, list[fx.Node]] = {}
-    for n in kinds:
-        groups.setdefault(root(n), []).append(n)
+    members = _groups(gm)
     ops: dict[fx.Node, Fused] = {}
     count = 0
-    for members in groups.values():
-        if len(members) < 2:
+    for group in members:
+        if len(group) < 2:
             continue
-        inside, read = set(members), set()
-        for i, n in enumerate(members):
+        inside, read = set(group), set()
+        for i, n in enumerate(group):
             ins = []
             for u in tensor_inputs(n):
                 src = _source(u)
@@ -160,6 +143,38 @@ def fuse(gm: fx.GraphModule) -> Fusion:
             ops[n] = Fused(count, tuple(ins), tuple(escapes for _ in info(n).outputs), i == 0)
         count += 1
     return Fusion(ops, count)
+
+
+def _groups(gm: fx.GraphModule) -> list[list[fx.Node]]:
+    """The ops of ``gm`` that fuse, in groups (graph order), each op joining the group of
+    a producer in its layer unless another of its inputs depends on that group through
+    an op outside it (a residual add after the MLP its norm feeds: one kernel cannot
+    both feed the MLP and wait for it); a group ends at a reduction to fewer dims."""
+    layer = layer_keys(gm)
+    group_of: dict[fx.Node, int] = {}
+    groups: list[list[fx.Node]] = []
+    closed: set[int] = set()
+    after: dict[fx.Node, frozenset[int]] = {}  # the same-layer groups a value depends on
+    for n in gm.graph.nodes:
+        srcs = [_source(u) for u in tensor_inputs(n)] if n.op == "call_function" else []
+        upstream = set().union(*(after.get(s, frozenset()) for s in srcs))
+        upstream |= {group_of[s] for s in srcs if s in group_of}
+        upstream = {g for g in upstream if layer.get(groups[g][0]) == layer.get(n)}
+        kind = _kind(n)
+        if kind is not None:
+            legal = [group_of[s] for s in srcs if s in group_of and group_of[s] not in closed
+                     and layer.get(s) == layer.get(n)
+                     and not any(group_of.get(o) != group_of[s] and group_of[s] in after.get(o, ())
+                                 for o in srcs)]
+            g = legal[0] if legal else len(groups)
+            if g == len(groups):
+                groups.append([])
+            groups[g].append(n)
+            group_of[n] = g
+            if kind == "reduce":
+                closed.add(g)
+        after[n] = frozenset(upstream)
+    return groups
 
 
 __all__ = ["Fused", "Fusion", "POINTWISE_EXTRA", "ROW_OPS", "fuse"]

@@ -75,6 +75,36 @@ def test_pointwise_chains_fuse_and_a_matmul_splits_them(chain) -> None:
     assert f.of(ops["sum_1"]).outputs == (True,)  # the loss is returned
 
 
+def _descendants(n: torch.fx.Node) -> set[torch.fx.Node]:
+    out, stack = set(), list(n.users)
+    while stack:
+        u = stack.pop()
+        if u not in out:
+            out.add(u)
+            stack.extend(u.users)
+    return out
+
+
+def test_a_group_never_waits_on_an_op_outside_it() -> None:
+    """A GPT block: the attention's residual add fuses with the norm after it, but not
+    with the MLP's residual add, which reads the MLP the norm feeds (one kernel cannot
+    both feed the MLP and wait for it): no op outside a group lies between two of its
+    members."""
+    model, ex = gpt.build(layers=2)
+    cap = capture(model, tuple(ex), {})
+    annotate(cap.gm)
+    f = fuse(cap.gm)
+    groups: dict[int, set] = {}
+    for n, fused in f.ops.items():
+        groups.setdefault(fused.group, set()).add(n)
+    assert len(groups) == 2  # one per block
+    for members in groups.values():
+        assert sorted(str(n.target) for n in members) == ["aten.add.Tensor", "aten.layer_norm.default"]
+        below = set().union(*(_descendants(m) for m in members)) - members
+        for m in members:
+            assert not any(s in below for s in m.all_input_nodes), m
+
+
 def _priced(gm, fusion) -> tuple[CostModel, dict[torch.fx.Node, OpStrategy]]:
     """A cost model on one CPU device, and each op's first strategy (whole tensors)."""
     mesh = MeshSpec.preset("cpu-gloo", shape=(1,))
