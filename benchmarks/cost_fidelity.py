@@ -358,8 +358,13 @@ def reprice(keep: Path, presets: list[str] | None = None) -> tuple[list[dict], s
             rows.append(r)
             continue
         model, _, _, call = case_call(r["model"], r["case"], meshes[r["preset"]], world)
-        plan = autopar.plan(model, **call)
+        plan = autopar.plan(model, **call, compile=bool(r.get("compiled")))
         d = plan.decisions
+        if r.get("compiled"):  # --compile's run: the eager price of the same case beside
+            again, _, _, call = case_call(r["model"], r["case"], meshes[r["preset"]], world)
+            eager = autopar.plan(again, **call, compile=False)
+            r = {**r, "eager_predicted_ms": eager.decisions.step_seconds * 1e3,
+                 "eager_same_plan": signature(eager) == signature(plan)}
         if r.get("plan") != signature(plan):
             rows.append({k: v for k, v in r.items() if k != "predicted_ms"}
                         | {"error": "planned differently now: not the plan measured"})
@@ -412,7 +417,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                        warmup=stored.get("warmup", 0), resident=stored.get("resident", 0),
                        command=command)
         print(text)
-        if a.write:
+        if any(r.get("compiled") for r in rows):
+            print(eager_price(rows))
+        elif a.write:
             write_table(text)
         return rows
 
