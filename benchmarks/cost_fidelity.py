@@ -250,7 +250,8 @@ def summary(rows: list[dict]) -> dict[str, dict]:
     from autopar.verify import spearman
     out = {}
     for preset in dict.fromkeys(r["preset"] for r in rows):
-        ok = [r for r in rows if r["preset"] == preset and "error" not in r]
+        # a compile that fell back ran eagerly: not the compiled run its price is for
+        ok = [r for r in rows if r["preset"] == preset and "error" not in r and not r.get("fell_back")]
         p = [r["predicted_ms"] for r in ok]
         m = [r["measured_ms"] for r in ok]
         rho = spearman(p, m)  # autopar.verify's: None when undefined (one side constant)
@@ -459,14 +460,15 @@ def eager_price(rows: list[dict]) -> str:
     """Compiled runs against the eager price of the same case (what plans predicted before
     they knew they run compiled): per preset, Spearman and median relative error, and
     each case's two predictions."""
-    eager = [{**r, "predicted_ms": r["eager_predicted_ms"]} for r in rows if "eager_predicted_ms" in r]
+    rows = [r for r in rows if "eager_predicted_ms" in r and "error" not in r]
+    eager = [{**r, "predicted_ms": r["eager_predicted_ms"]} for r in rows]
     lines = ["Compiled runs against the eager price (same case planned compile=False):", "",
              "| preset | cases | Spearman | median relative error |", "|---|---:|---:|---:|"]
     lines += [f"| {p} | {s['cases']} | {s['spearman']:.2f} | {100 * s['median_error']:.0f}% |"
               for p, s in summary(eager).items()] if eager else []
     lines += ["", "| case | compiled price ms | eager price ms | same plan | measured ms |", "|---|---:|---:|---|---:|"]
     lines += [f"| {r['model']}:{r['case']} | {r['predicted_ms']:.1f} | {r['eager_predicted_ms']:.1f} | "
-              f"{r['eager_same_plan']} | {r['measured_ms']:.1f} |" for r in rows if "eager_predicted_ms" in r]
+              f"{r['eager_same_plan']} | {r['measured_ms']:.1f} |" for r in rows]
     return "\n".join(lines)
 
 
