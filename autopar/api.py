@@ -118,7 +118,9 @@ def plan(model: nn.Module, example_inputs: tuple | None = None,
     steps, as DDP does; unset, they are kept where the memory budget allows),
     ``context_parallel="exchange"`` (attention on sequence chunks of q, k and v: Ulysses or
     ring attention), ``"gather-kv"`` (query rows, keys and values gathered) or ``"off"``;
-    unset ones are searched.  ``batch="local"`` plans for each data-parallel rank passing its part of the
+    unset ones are searched.  ``compile=True`` prices the graph as ``torch.compile`` runs it
+    (pointwise chains fused, :mod:`autopar.search.fusion`; default: eager).
+    ``batch="local"`` plans for each data-parallel rank passing its part of the
     batch and getting its rows of batch-shaped outputs back, as :func:`auto_parallel`'s."""
     opts = _options(memory_budget, optimizer, time_limit, pins, decisions, search, batch)
     if example_inputs is None and example_kwargs is None:
