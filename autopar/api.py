@@ -79,6 +79,8 @@ def _options(memory_budget, optimizer, time_limit, pins, decisions: Mapping,
         d["zero_axes"] = zero_axes(d["zero_axes"])
     if "precision" in d:
         d["precision"] = Precision.parse(d["precision"]).value
+    if d.get("compile", False) is None:  # plan(): eager unless asked (no device to go by)
+        del d["compile"]
     return PlanOptions(memory_budget=memory_budget, optimizer=optimizer, time_limit=time_limit,
                        pins=dict(pins or {}), search=search, batch=batch, **d)
 
@@ -116,7 +118,9 @@ def plan(model: nn.Module, example_inputs: tuple | None = None,
     steps, as DDP does; unset, they are kept where the memory budget allows),
     ``context_parallel="exchange"`` (attention on sequence chunks of q, k and v: Ulysses or
     ring attention), ``"gather-kv"`` (query rows, keys and values gathered) or ``"off"``;
-    unset ones are searched.  ``batch="local"`` plans for each data-parallel rank passing its part of the
+    unset ones are searched.  ``compile=True`` prices the graph as ``torch.compile`` runs it
+    (pointwise chains fused, :mod:`autopar.search.fusion`; default: eager).
+    ``batch="local"`` plans for each data-parallel rank passing its part of the
     batch and getting its rows of batch-shaped outputs back, as :func:`auto_parallel`'s."""
     opts = _options(memory_budget, optimizer, time_limit, pins, decisions, search, batch)
     if example_inputs is None and example_kwargs is None:
@@ -218,6 +222,12 @@ def _build(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOp
             init_mesh(tuple(mesh.shape), timeout=timeout)
             if calibrate is not None:
                 mesh = live_mesh(mesh.shape, base=calibrate.base)
+    # priced as it runs: compiled or not, as compile= resolves on this rank's device
+    opts = dataclasses.replace(opts, compile=compiles(compile))
+    if plan is not None and plan.decisions.compile != opts.compile:
+        log.info(f"the given plan was priced {'compiled' if plan.decisions.compile else 'eager'}; "
+                 f"it runs {'compiled' if opts.compile else 'eagerly'} as compile= asks")
+        plan = dataclasses.replace(plan, decisions=dataclasses.replace(plan.decisions, compile=opts.compile))
     cap, p = _shared_plan(model, example_inputs, mesh, opts, example_kwargs, plan, timeout)
     try:
         if cap is None:
@@ -249,10 +259,6 @@ def _build(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOp
         # a shape whose graph is not the planned one: planned again, parameters kept
         pm.routes.replan = functools.partial(_replan, mesh=p.mesh, opts=opts, aliases=cap.aliases,
                                              timeout=timeout)
-    if runtime and compiles(compile):
-        pm.compile()
-        if not pm.compiled:
-            log.info("compiled: the zero-bubble schedule's stages run eagerly")
     return pm
 
 
@@ -384,7 +390,8 @@ def auto_parallel(model: nn.Module | Callable | None = None, *, example_inputs: 
     (:meth:`ParallelModule.compile`).  The default (None) compiles where the module
     computes on a GPU and not on a CPU (:func:`compiles`); a compile that fails runs
     eagerly with one :class:`~autopar.runtime.compile_fallback.CompileFallbackWarning`.
-    The plan is priced for the eager graph.
+    The plan is priced as the module runs: compiled, its pointwise chains as inductor's
+    fused kernels (decision ``compile``, :mod:`autopar.search.fusion`).
 
     In a process group, with no mesh description named (``mesh`` is None or a shape),
     the plan is priced on the running job: a quick calibration of its collectives,

@@ -3,6 +3,7 @@
     python benchmarks/cost_fidelity.py [--steps 3] [--rounds 5] [--warmup 1] [--world 4]
                                        [--resident 5] [--write] [--save DIR]
     python benchmarks/cost_fidelity.py --reprice DIR [--write]
+    python benchmarks/cost_fidelity.py --compile --presets "cpu-gloo preset" --cases gpt:dp,...
 
 On ``--world`` gloo ranks of this machine (one thread each), each case plans and builds
 an autopar module (``auto_parallel``) for one model under one set of decisions and
@@ -23,6 +24,11 @@ the even rounds' medians with the odd rounds' (how well the measurement agrees w
 itself: plans a few percent apart swap between halves too).  It prints its section of
 ``docs/benchmarks.md``, with the machine's load; ``--write`` also rewrites the
 section's table there.
+
+``--compile`` builds every module with ``compile=True``, planned compiled (its pointwise
+chains priced fused, :mod:`autopar.search.fusion`), and also reports the same runs
+against the eager price of the same plan (the price before plans knew they run
+compiled); its table is printed, not written.
 
 ``--save DIR`` keeps the run: the measured rows (``rows.json``), the calibrated mesh
 (``calibrated-mesh.json``) and the calibration's table.  ``--reprice DIR`` measures
@@ -129,14 +135,15 @@ def case_call(model_name: str, case: str, mesh_spec, world: int) -> tuple:
     return model, inputs, kw, call
 
 
-def _build(model_name: str, case: str, world: int, mesh_spec) -> dict:
-    """Plan and build one case; a dict with its ``step`` (AdamW step of the whole batch)
-    and plan, or its ``error`` (raised alike on every rank: a table entry)."""
+def _build(model_name: str, case: str, world: int, mesh_spec, compile: bool = False) -> dict:
+    """Plan and build one case (compiled: planned and run so); a dict with its ``step``
+    (AdamW step of the whole batch) and plan, or its ``error`` (raised alike on every
+    rank: a table entry)."""
     import autopar
 
     model, inputs, kw, call = case_call(model_name, case, mesh_spec, world)
     try:
-        pm = autopar.auto_parallel(model, **call)
+        pm = autopar.auto_parallel(model, **call, compile=compile)
     except Exception as e:  # noqa: BLE001 - raised alike on every rank: a table entry
         return {"model": model_name, "case": case, "error": f"{type(e).__name__}: {str(e)[:100]}"}
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=True)
@@ -151,10 +158,14 @@ def _build(model_name: str, case: str, world: int, mesh_spec) -> dict:
             pm.train_step(*inputs)
         opt.step()
 
-    for _ in range(2):  # warm-up
+    for _ in range(2):  # warm-up (compiled: the compile)
         step()
-    return {"model": model_name, "case": case, "step": step, "plan": pm.plan, "module": pm,
-            "times": []}
+    out = {"model": model_name, "case": case, "step": step, "plan": pm.plan, "module": pm, "times": [],
+           "fell_back": getattr(pm._compiled, "failure", None)}  # a compile that failed runs eagerly
+    if compile and torch.distributed.get_rank() == 0:  # the same case planned eagerly: its price
+        again, _, _, kwargs = case_call(model_name, case, mesh_spec, world)
+        out["eager"] = autopar.plan(again, **kwargs, compile=False)
+    return out
 
 
 def _measure(built: list[dict], rounds: int, steps: int, warmup: int = 1) -> list[dict]:
@@ -188,7 +199,11 @@ def _measure(built: list[dict], rounds: int, steps: int, warmup: int = 1) -> lis
         rows.append({"model": b["model"], "case": b["case"], "predicted_ms": d.step_seconds * 1e3,
                      "breakdown_ms": {k: round(v * 1e3, 1) for k, v in d.breakdown.items()},
                      "measured_ms": med * 1e3, "spread": iqr(times) / med, "plan": signature(b["plan"]),
-                     "halves_ms": [half(times, 0) * 1e3, half(times, 1) * 1e3] if rounds > 1 else None})
+                     "halves_ms": [half(times, 0) * 1e3, half(times, 1) * 1e3] if rounds > 1 else None,
+                     "compiled": d.compile, "fell_back": b.get("fell_back")}
+                    | ({"eager_predicted_ms": b["eager"].decisions.step_seconds * 1e3,
+                        "eager_same_plan": signature(b["eager"]) == signature(b["plan"])}
+                       if "eager" in b else {}))
     return rows
 
 
@@ -218,7 +233,8 @@ def _worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
         # training process holds one model, and with all 30 resident the steps ran
         # 4-13% slower than with 4-5, more the more micro-batches a case runs (idle and
         # with one more busy process; docs/benchmarks.md, Cost-model fidelity)
-        built = [{**_build(m, c, world, spec), "preset": p} for p, spec, m, c in todo[i:i + size]]
+        built = [{**_build(m, c, world, spec, args.get("compile", False)), "preset": p}
+                 for p, spec, m, c in todo[i:i + size]]
         rows += [{**r, "preset": b["preset"]}
                  for b, r in zip(built, _measure(built, args["rounds"], args["steps"], args["warmup"]))]
         del built
@@ -234,7 +250,8 @@ def summary(rows: list[dict]) -> dict[str, dict]:
     from autopar.verify import spearman
     out = {}
     for preset in dict.fromkeys(r["preset"] for r in rows):
-        ok = [r for r in rows if r["preset"] == preset and "error" not in r]
+        # a compile that fell back ran eagerly: not the compiled run its price is for
+        ok = [r for r in rows if r["preset"] == preset and "error" not in r and not r.get("fell_back")]
         p = [r["predicted_ms"] for r in ok]
         m = [r["measured_ms"] for r in ok]
         rho = spearman(p, m)  # autopar.verify's: None when undefined (one side constant)
@@ -342,8 +359,13 @@ def reprice(keep: Path, presets: list[str] | None = None) -> tuple[list[dict], s
             rows.append(r)
             continue
         model, _, _, call = case_call(r["model"], r["case"], meshes[r["preset"]], world)
-        plan = autopar.plan(model, **call)
+        plan = autopar.plan(model, **call, compile=bool(r.get("compiled")))
         d = plan.decisions
+        if r.get("compiled"):  # --compile's run: the eager price of the same case beside
+            again, _, _, call = case_call(r["model"], r["case"], meshes[r["preset"]], world)
+            eager = autopar.plan(again, **call, compile=False)
+            r = {**r, "eager_predicted_ms": eager.decisions.step_seconds * 1e3,
+                 "eager_same_plan": signature(eager) == signature(plan)}
         if r.get("plan") != signature(plan):
             rows.append({k: v for k, v in r.items() if k != "predicted_ms"}
                         | {"error": "planned differently now: not the plan measured"})
@@ -379,6 +401,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--quick", action="store_true",
                     help="calibrate as auto_parallel does by default (measure_cluster(quick=True), "
                          "about 10 s), not the full `autopar calibrate` (about 30 s)")
+    ap.add_argument("--compile", action="store_true",
+                    help="build each module with compile=True (planned compiled); also report the "
+                         "eager price of the same cases; print only")
     ap.add_argument("--save", metavar="DIR", help="keep the rows, the calibrated mesh and its table in DIR")
     ap.add_argument("--reprice", metavar="DIR",
                     help="measure nothing: price DIR's stored cases again with the current cost model")
@@ -393,7 +418,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                        warmup=stored.get("warmup", 0), resident=stored.get("resident", 0),
                        command=command)
         print(text)
-        if a.write:
+        if any(r.get("compiled") for r in rows):
+            print(eager_price(rows))
+        elif a.write:
             write_table(text)
         return rows
 
@@ -404,7 +431,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         mp.spawn(_worker, args=(a.world, free_port(), {"steps": a.steps, "rounds": a.rounds, "warmup": a.warmup,
                                                   "resident": a.resident, "cases": [c for c in a.cases.split(",") if c],
                                                   "presets": [p for p in a.presets.split(",") if p],
-                                                  "verbose": a.verbose, "quick": a.quick}, out),
+                                                  "verbose": a.verbose, "quick": a.quick,
+                                                  "compile": a.compile}, out),
                  nprocs=a.world, join=True)
         rows = json.loads(Path(out).read_text())
         calibration = Path(out + ".calibration").read_text()
@@ -421,9 +449,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
     text = section(rows, a.world, a.steps * a.rounds, load, calibration, warmup=a.warmup,
                    resident=a.resident, command=command, quick=a.quick)
     print(text)
-    if a.write:
+    if a.compile:
+        print(eager_price(rows))
+    elif a.write:
         write_table(text)
     return rows
+
+
+def eager_price(rows: list[dict]) -> str:
+    """Compiled runs against the eager price of the same case (what plans predicted before
+    they knew they run compiled): per preset, Spearman and median relative error, and
+    each case's two predictions."""
+    rows = [r for r in rows if "eager_predicted_ms" in r and "error" not in r]
+    eager = [{**r, "predicted_ms": r["eager_predicted_ms"]} for r in rows]
+    lines = ["Compiled runs against the eager price (same case planned compile=False):", "",
+             "| preset | cases | Spearman | median relative error |", "|---|---:|---:|---:|"]
+    lines += [f"| {p} | {s['cases']} | {s['spearman']:.2f} | {100 * s['median_error']:.0f}% |"
+              for p, s in summary(eager).items()] if eager else []
+    lines += ["", "| case | compiled price ms | eager price ms | same plan | measured ms |", "|---|---:|---:|---|---:|"]
+    lines += [f"| {r['model']}:{r['case']} | {r['predicted_ms']:.1f} | {r['eager_predicted_ms']:.1f} | "
+              f"{r['eager_same_plan']} | {r['measured_ms']:.1f} |" for r in rows]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -25,14 +25,15 @@ def _check_amount(name: str, value: float) -> None:
 
 
 def compute_time(mesh: MeshSpec, flops: float, bytes_moved: float,
-                 dtype: torch.dtype | None = None) -> float:
+                 dtype: torch.dtype | None = None, launch: bool = True) -> float:
     """Seconds one device of ``mesh`` needs for a kernel doing ``flops`` in ``dtype`` and
     moving ``bytes_moved``.
 
     The max of the compute-bound time (at ``flops_efficiency`` of the dtype's peak,
     :meth:`MeshSpec.peak_for`), the memory-bound time, and the per-kernel launch floor,
     times ``mesh.straggler`` (the slowest rank paces the step); 0.0 when both amounts are
-    zero, since views launch nothing.
+    zero, since views launch nothing.  ``launch=False``: an op fused into a kernel
+    another op launches (a compiled graph's pointwise chain), no floor of its own.
     """
     _check_amount("flops", flops)
     _check_amount("bytes_moved", bytes_moved)
@@ -41,7 +42,7 @@ def compute_time(mesh: MeshSpec, flops: float, bytes_moved: float,
     return mesh.straggler * max(
         flops / kernel_rate(mesh, flops, dtype),
         bytes_moved / mesh.mem_bandwidth,
-        mesh.kernel_floor,
+        mesh.kernel_floor if launch else 0.0,
     )
 
 

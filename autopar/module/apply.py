@@ -18,7 +18,8 @@ it reads and makes in the call:
 6. :func:`apply_grad_sync`: gradient buckets (decisions ``grad_buckets``, ``grad_buffers``);
 7. :func:`apply_dparams`: parameters as DTensors under the original names, and
    :func:`apply_unused`: the tensors the forward never reads;
-8. :func:`apply_checks`: the dropout generator and the first call's agreement check.
+8. :func:`apply_checks`: the dropout generator and the first call's agreement check;
+9. :func:`apply_compile`: the graph through ``torch.compile`` (decision ``compile``).
 
 Decisions that shape the graph itself are applied before the module exists: precision
 at capture (:func:`autopar.capture.mixed_precision.apply_mixed_precision`), placements and
@@ -38,6 +39,7 @@ import torch
 from torch import fx, nn
 from torch.distributed.tensor import Replicate
 
+from autopar.log import log
 from autopar.module.loop import LoopHabits, move_to_device
 from autopar.module.plan_checks import check_plan, zero_axes_in_use
 from autopar.module.runners import Switches, keep_loss_only, stage_runner
@@ -128,6 +130,17 @@ def apply_plan(pm: ParallelModule, full_state: Mapping[str, torch.Tensor] | None
     pm._entry = {e.target: e for e in pm._dparams.entries}
     pm._extra = apply_unused(pm, full_state, ctx)
     apply_checks(pm._habits)
+    if d.compile:
+        apply_compile(pm)
+
+
+@applies("compile")
+def apply_compile(pm: ParallelModule) -> None:
+    """Run the generated graph through ``torch.compile`` (decision ``compile``:
+    :meth:`ParallelModule.compile`; a compile that fails runs eagerly, with a warning)."""
+    pm.compile()
+    if not pm.compiled:
+        log.info("compiled: the zero-bubble schedule's stages run eagerly")
 
 
 @applies("batch")

@@ -112,6 +112,8 @@ class Decisions:
     precision: str = "native"
     """``"native"`` (the model's own dtypes), ``"bf16-mixed"`` or ``"fp16-mixed"``: the graph was captured
     with :mod:`autopar.capture.mixed_precision`'s casts, which every rank re-applies."""
+    compile: bool = False
+    """Runs through ``torch.compile``, priced with inductor's fusion (:mod:`autopar.search.fusion`)."""
     batch: str = "global"
     """``"global"``: every rank passes the whole batch and gets outputs replicated;
     ``"local"``: each data-parallel rank passes its part and gets its rows of every
@@ -254,6 +256,7 @@ class PlanOptions:
     # "native" (the model's dtypes), "bf16-mixed" or "fp16-mixed" (autopar/capture/mixed_precision.py): never
     # searched, since it changes the numbers the model computes
     precision: str = "native"
+    compile: bool = False  # priced and run compiled; auto_parallel resolves None (api.compiles)
     # "global": outputs returned replicated; "local": each data-parallel rank passes its
     # part of the batch and gets its rows of batch-shaped outputs back (as with DDP)
     batch: str = "global"
@@ -418,6 +421,8 @@ DECISIONS: tuple[Decision, ...] = (
     Decision("context_parallel", "attention on sequence chunks (its placements are the nodes')",
              (Option("context_parallel", one_of(CONTEXT_PARALLEL, none=True), "off, gather-kv or exchange"),),
              ()),
+    Decision("compile", "runs through torch.compile, its pointwise chains priced as inductor fuses them",
+             (Option("compile", flag, "True: priced and run compiled"),), ("compile",), forced_only=True),
     Decision("batch", "who passes which samples: the whole batch everywhere, or each rank its part",
              (), ("batch", "local_axes")),
 )

@@ -34,6 +34,7 @@ from autopar.search.assemble import complete
 from autopar.search.budget import Phase, TimeBudget
 from autopar.search.captures import Captures, request
 from autopar.search.forced import check_forced
+from autopar.search.fusion import fuse
 from autopar.search.op_placement import local_axes, make_weighted_plans
 from autopar.search.shallow import (
     KEEP,
@@ -109,9 +110,10 @@ class JointSearch:
         # without per-node details: only the chosen plan is shown and lowered (_decorate)
         plans = make_weighted_plans(cap.gm, sub, cap.aliases, intra_opts, sync_variants=True,
                                     weights=weights, detail=False)
+        fusion = fuse(cap.gm) if self.opts.compile else None  # the kernels compiled, as priced
         self.timings["intra_op"] = self.timings.get("intra_op", 0.0) + time.perf_counter() - t0
         out = []
-        if estimate and plans and not steady(layer_stats(cap.gm, plans[0][1])):
+        if estimate and plans and not steady(layer_stats(cap.gm, plans[0][1], fusion=fusion)):
             # this split's copy placed its middle layers differently: nothing to
             # extrapolate from, so this split is planned at full depth; the others keep
             # their estimates, each checked the same way (a full-depth capture of a large
@@ -120,7 +122,7 @@ class JointSearch:
                       f"{micro} micro-batch(es): planning this split at full depth")
             return self._intra(stages, micro, budget, False, weights, axis)
         for w, p in plans:
-            stats = layer_stats(cap.gm, p)
+            stats = layer_stats(cap.gm, p, fusion=fusion)
             if self.opts.blocks is not None:
                 stats = extrapolate_blocks(stats, self.opts.blocks)
             elif estimate:

@@ -37,6 +37,7 @@ from autopar.plans.placement import (
 from autopar.runtime.experts import MOE_EXPERTS
 from autopar.runtime.ring_attention import ring_attention_cost_factors, ring_balanced
 from autopar.search.edge_prices import EdgePrices, MeshTables, mesh_tables
+from autopar.search.fusion import Fusion
 from autopar.sharding.redistribute import sum_axes
 from autopar.sharding.rules import OpStrategy
 from autopar.sharding.rules.attention import (
@@ -120,8 +121,8 @@ def compute_floor(node: fx.Node, mesh: MeshSpec, backward_factor: float = 2.0) -
     return flops / (mesh.peak_for(op_dtype(node)) * mesh.flops_efficiency) * (1.0 + backward_factor)
 
 
-def kernel_terms(node: fx.Node, mesh: MeshSpec, backward_factor: float = 2.0
-                 ) -> tuple[float, list[float]] | None:
+def kernel_terms(node: fx.Node, mesh: MeshSpec, backward_factor: float = 2.0,
+                 fusion: Fusion | None = None) -> tuple[float, list[float]] | None:
     """What :meth:`CostModel.op_time` prices ``node`` from, on one device with whole
     tensors: (its FLOPs at the dtype's peak times ``flops_efficiency``, in seconds, and
     the bytes of each tensor input, then of its outputs), forward + backward; ``None``
@@ -129,17 +130,29 @@ def kernel_terms(node: fx.Node, mesh: MeshSpec, backward_factor: float = 2.0
     placement over ``d`` devices divides each at most by ``d`` and
     :func:`~autopar.cost_models.compute_time` takes the max of the two and the launch
     floor, so the sum of those maxima over a layer bounds its time below
-    (:func:`autopar.search.stages.layer_stats.kernel_floor`)."""
+    (:func:`autopar.search.stages.layer_stats.kernel_floor`).  Under ``fusion`` (a
+    compiled graph) a fused op's tensors that never reach memory count 0 bytes."""
     if node.op != "call_function" or node.target in VIEW_OPS or node.target is operator.getitem \
             or is_noop_cast(node):
         return None
     ni = info(node)
-    sizes = [float(info(u).out.nbytes) for u in tensor_inputs(node)] + [float(o.nbytes) for o in ni.outputs]
+    tensors = [info(u).out for u in tensor_inputs(node)] + list(ni.outputs)
+    sizes = [float(t.nbytes) if keep else 0.0 for t, keep in zip(tensors, in_memory(node, fusion))]
     if not ni.flops and not any(sizes):
         return None
     scale = 1.0 + backward_factor
     flops = ni.flops / (mesh.peak_for(op_dtype(node)) * mesh.flops_efficiency) * scale if ni.flops else 0.0
     return flops, [b * scale / mesh.mem_bandwidth for b in sizes]
+
+
+def in_memory(node: fx.Node, fusion: Fusion | None) -> list[bool]:
+    """Per tensor input of ``node``, then per output: whether its kernel moves it
+    through memory (always, unless ``fusion`` fuses ``node``: then its group's external
+    inputs and outputs only, :class:`~autopar.search.fusion.Fused`)."""
+    f = fusion.of(node) if fusion is not None else None
+    if f is None:
+        return [True] * (len(tensor_inputs(node)) + len(info(node).outputs))
+    return [*f.inputs, *f.outputs]
 
 
 def precision_warning(gm, mesh: MeshSpec, precision: str) -> str | None:
@@ -181,6 +194,10 @@ class CostModel(EdgePrices):
     arrival_tie: bool = True
     """Break ties toward batch inputs taken as they arrive (:meth:`arrival_cost`); off
     where the user pinned an input (a layout the user chose for the batch)."""
+    fusion: Fusion | None = None
+    """The compiled graph's fused groups (decision ``compile``, :func:`autopar.search.fusion.fuse`):
+    each fused op priced by the bytes its kernel moves, the launch once per group, a
+    fused intermediate kept for no backward; None: the eager graph, op by op."""
     _tables: MeshTables = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -249,10 +266,13 @@ class CostModel(EdgePrices):
                 div *= n
         local_bytes = sum(
             math.prod(local_shape(x.shape, p, self.mesh.shape)) * (x.nbytes / max(x.numel, 1))
-            for x, p in zip([info(u).out for u in tensor_inputs(node)] + list(ni.outputs),
-                            list(s.inputs) + list(s.outputs))
+            for x, p, keep in zip([info(u).out for u in tensor_inputs(node)] + list(ni.outputs),
+                                  list(s.inputs) + list(s.outputs), in_memory(node, self.fusion))
+            if keep
         )
-        t = compute_time(self.mesh, ni.flops / div, local_bytes, op_dtype(node))
+        fused = self.fusion.of(node) if self.fusion is not None else None
+        t = compute_time(self.mesh, ni.flops / div, local_bytes, op_dtype(node),
+                         launch=fused is None or fused.launches)
         if node.target is SDPA:
             t *= self.attention_compute_factor(node, s)
         return t * (1.0 + self.backward_factor), self.own_comm(node, s)
@@ -430,6 +450,9 @@ class CostModel(EdgePrices):
             return 0.0  # a view or a no-op cast: its input's bytes, counted there
         if not ni.tuple_output and not kept_for_backward(node):
             return 0.0  # backward reads nothing of it: freed once its readers ran
+        fused = self.fusion.of(node) if self.fusion is not None else None
+        if fused is not None and fused.internal:
+            return 0.0  # never in memory: the compiled backward recomputes it from the group's inputs
         total = 0.0
         for t, p in zip(ni.outputs, s.outputs):
             total += math.prod(local_shape(t.shape, p, self.mesh.shape)) * (t.nbytes / max(t.numel, 1))
@@ -448,5 +471,5 @@ def param_state_split(node: fx.Node, p: Placements, mesh: MeshSpec, optimizer: s
     return b, b, optimizer_state_bytes(b, optimizer)
 
 
-__all__ = ["SAVES_NO_INPUT", "CostModel", "kept_for_backward", "param_state_split",
+__all__ = ["SAVES_NO_INPUT", "CostModel", "in_memory", "kept_for_backward", "param_state_split",
            "precision_warning"]

@@ -32,6 +32,7 @@ from autopar.plans.data import Plan
 from autopar.plans.decisions import PlanOptions, prices
 from autopar.plans.placement import graph_batch, parse_placements, returned_placement
 from autopar.search.assemble import assemble
+from autopar.search.fusion import fuse
 from autopar.search.node_prices import CostModel
 from autopar.search.solvers import bounds
 from autopar.search.solvers.cluster import solve_clustered
@@ -288,10 +289,12 @@ def choose_searcher(gm: fx.GraphModule, mesh: MeshSpec, opts: PlanOptions) -> tu
 
 @prices("batch")
 def cost_model(gm: fx.GraphModule, mesh: MeshSpec, opts: PlanOptions) -> CostModel:
-    """The cost model of one planning call: outputs priced as ``opts.batch`` returns them."""
+    """The cost model of one planning call: outputs priced as ``opts.batch`` returns them,
+    the graph as it runs (fused where ``opts.compile``)."""
     local = graph_batch(gm) if opts.batch == "local" else None
     pinned = any(str(k).startswith("input:") for k in opts.pins)
-    return CostModel(mesh, optimizer=opts.optimizer, local_rows=local, arrival_tie=not pinned)
+    return CostModel(mesh, optimizer=opts.optimizer, local_rows=local, arrival_tie=not pinned,
+                     fusion=fuse(gm) if opts.compile else None)
 
 
 def local_axes(gm: fx.GraphModule, plan: Plan) -> list[int] | None:

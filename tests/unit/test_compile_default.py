@@ -92,3 +92,19 @@ def test_the_users_error_is_raised_as_it_is() -> None:
     ok = CompiledOrEager(torch.sin, "sin", backend=_boom)
     with pytest.warns(CompileFallbackWarning):
         assert torch.equal(ok(torch.ones(2)), torch.sin(torch.ones(2)))
+
+
+def test_the_plan_is_priced_as_compile_resolves(one_rank) -> None:
+    """The plan records what runs (decision ``compile``): eager by default on a CPU,
+    compiled under ``compile=True``, and a given plan runs as ``compile=`` says."""
+    model, (x, y) = mlp.build()
+    eager = autopar.auto_parallel(model, example_inputs=(x, y), mesh=(1,))
+    assert not eager.plan.decisions.compile and not eager.compiled
+    model, (x, y) = mlp.build()
+    pm = autopar.auto_parallel(model, example_inputs=(x, y), mesh=(1,), compile=True)
+    assert pm.plan.decisions.compile and pm.compiled
+    model, (x, y) = mlp.build()
+    given = autopar.auto_parallel(model, example_inputs=(x, y), plan=eager.plan, compile=True)
+    assert given.plan.decisions.compile and given.compiled
+    assert not eager.plan.decisions.compile  # the caller's plan is left as it was
+    given.shutdown()  # the process group, which the three share

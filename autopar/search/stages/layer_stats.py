@@ -35,6 +35,7 @@ from autopar.cost_models import (
 )
 from autopar.plans.data import NodePlan, Plan
 from autopar.plans.placement import local_shape, parse_placements, replicated_axes
+from autopar.search.fusion import Fusion
 from autopar.search.node_prices import compute_floor, kernel_terms
 from autopar.sharding.rules.losses import count_axes
 
@@ -126,8 +127,10 @@ def _latency(mesh: MeshSpec) -> float:
                default=0.0)
 
 
-def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) -> list[LayerStat]:
-    """Per-layer statistics of ``plan`` (made for ``gm``), in layer order."""
+def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0,
+                fusion: Fusion | None = None) -> list[LayerStat]:
+    """Per-layer statistics of ``plan`` (made for ``gm``, compiled as ``fusion`` fuses
+    it, :func:`autopar.search.fusion.fuse`; None: eager), in layer order."""
     mesh = plan.mesh
     # what one blocking collective each way waits for the drift and pays in latency
     # (the same for every node: priced once, not per node of every candidate plan)
@@ -145,7 +148,7 @@ def layer_stats(gm: fx.GraphModule, plan: Plan, backward_factor: float = 2.0) ->
             stats[key] = LayerStat(key)
             order.append(key)
         _add_node(stats[key], n, np_, mesh, blocking, backward_factor)
-    _add_weight_reads(stats, layer_of, plan, backward_factor)
+    _add_weight_reads(stats, layer_of, plan, backward_factor, fusion)
     _mark_checkpointed_and_stateful(stats, layer_of, plan)
     # bytes leaving each layer: values used by a later layer (each value once)
     for n, key in layer_of.items():
@@ -210,12 +213,14 @@ def _add_node(st: LayerStat, n: fx.Node, np_: NodePlan, mesh: MeshSpec, blocking
 
 
 def _add_weight_reads(stats: dict[str, LayerStat], layer_of: dict[fx.Node, str], plan: Plan,
-                      backward_factor: float) -> None:
+                      backward_factor: float, fusion: Fusion | None = None) -> None:
     """Each layer's ``weight_grad_inputs`` and ``kernels``: the ops that read a weight
-    (through single-input views and casts of it) and each kernel's weight bytes."""
+    (through single-input views and casts of it) and each kernel's weight bytes; the
+    ops of one fused group (a layer's, under ``fusion``) as one kernel."""
     mesh = plan.mesh
     from_weight: set[fx.Node] = set()
     kernels: dict[str, list[tuple[float, float, float]]] = {}
+    group_at: dict[tuple[str, int], int] = {}  # (layer, fused group) -> its kernel's index
     for n in layer_of:
         np_ = plan.nodes[n.name]
         ins = n.all_input_nodes
@@ -224,14 +229,23 @@ def _add_weight_reads(stats: dict[str, LayerStat], layer_of: dict[fx.Node, str],
         elif np_.kind == "op" and any(a in from_weight for a in ins) and info(n).outputs \
                 and not info(n).tuple_output:
             stats[layer_of[n]].weight_grad_inputs += _local_bytes(n, np_.out_placements[0], mesh)
-        terms = kernel_terms(n, mesh, backward_factor) if np_.kind == "op" else None
+        terms = kernel_terms(n, mesh, backward_factor, fusion) if np_.kind == "op" else None
         if terms is not None:
             flops, sizes = terms
             if n in from_weight:  # a cast or view of a weight: all of it is the weight's
                 weight = sum(sizes)
             else:
                 weight = sum(b for u, b in zip(tensor_inputs(n), sizes) if u in from_weight)
-            kernels.setdefault(layer_of[n], []).append((flops, weight, sum(sizes) - weight))
+            ks = kernels.setdefault(layer_of[n], [])
+            fused = fusion.of(n) if fusion is not None else None
+            at = (layer_of[n], fused.group) if fused is not None else None
+            if at in group_at:  # one launch for the group
+                f0, w0, a0 = ks[group_at[at]]
+                ks[group_at[at]] = (f0 + flops, w0 + weight, a0 + sum(sizes) - weight)
+                continue
+            if at is not None:
+                group_at[at] = len(ks)
+            ks.append((flops, weight, sum(sizes) - weight))
     for key, ks in kernels.items():
         stats[key].kernels = tuple(ks)
 
