@@ -14,6 +14,7 @@ from autopar.passes.lower import PLACEMENT_KEY
 from autopar.passes.split_stages import split_stages
 from autopar.plans.data import Plan
 from autopar.plans.placement import parse_placements, replicated_axes
+from autopar.plans.splits import sends_sliced
 from autopar.runtime.pipeline import PipelineRunner
 from autopar.runtime.stage_wire import BoundarySlices
 from autopar.runtime.zero3 import defer
@@ -60,8 +61,8 @@ def boundary_slices(gm: torch.fx.GraphModule, plan: Plan, chunks: list) -> Bound
     by_name = {n.name: n for n in gm.graph.nodes}
     out: dict[str, tuple[int, ...]] = {}
     for ch in chunks:
-        sent = ch.send if d.sends_sliced(ch.stage) else []
-        got = ch.recv if d.sends_sliced(ch.stage - 1) else []
+        sent = ch.send if sends_sliced(d, ch.stage) else []
+        got = ch.recv if sends_sliced(d, ch.stage - 1) else []
         for name in (*sent, *got):
             node = by_name.get(name)
             if name in plan.nodes:

@@ -178,12 +178,6 @@ class Decisions:
         """The ZeRO axes as a sorted tuple (empty without ZeRO)."""
         return zero_axes(self.zero_axis) if self.zero_stage else ()
 
-    def sends_sliced(self, stage: int) -> bool:
-        """Whether (virtual) stage ``stage`` sends its replicated boundary values to the
-        next as slices: its pipeline rank is in :attr:`sliced_sends` (the runner and
-        ``plan.collectives()`` both read this)."""
-        return stage % max(1, self.pipeline_stages) in self.sliced_sends
-
     def rank_of(self, layer: str) -> int:
         """Pipeline rank (stage of the mesh's pipeline axis) running ``layer``: its
         virtual stage modulo the pipeline stages."""

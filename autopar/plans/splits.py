@@ -14,6 +14,7 @@ from torch.utils import _pytree as pytree
 from autopar.cost_models import MeshSpec
 from autopar.errors import PlanError
 from autopar.plans.data import Plan
+from autopar.plans.decisions import Decisions
 
 
 def batch_size(example_inputs) -> int:
@@ -169,5 +170,12 @@ def unsplit_axes(size: int, axes: list[int] | tuple[int, ...], mesh_shape) -> li
     return out
 
 
-__all__ = ["batch_rows", "batch_size", "micro_counts", "micro_inputs", "pipeline_mesh", "pipeline_splits", "plan_ranks", "split_mesh",
-           "split_words", "stage_ranks", "unsplit_axes"]
+def sends_sliced(d: Decisions, stage: int) -> bool:
+    """Whether (virtual) stage ``stage`` of a plan with decisions ``d`` sends its
+    replicated boundary values to the next as slices: its pipeline rank is in
+    ``d.sliced_sends`` (the runner and ``plan.collectives()`` both read this)."""
+    return stage % max(1, d.pipeline_stages) in d.sliced_sends
+
+
+__all__ = ["batch_rows", "batch_size", "micro_counts", "micro_inputs", "pipeline_mesh", "pipeline_splits", "plan_ranks",
+           "sends_sliced", "split_mesh", "split_words", "stage_ranks", "unsplit_axes"]

@@ -28,6 +28,7 @@ import math
 from autopar.capture.ir import info
 from autopar.passes.split_stages import input_only
 from autopar.plans.placement import local_shape, parse_placements, replicated_axes
+from autopar.plans.splits import sends_sliced
 
 
 def pipeline_messages(lister) -> None:
@@ -73,7 +74,7 @@ def pipeline_messages(lister) -> None:
         replicated = replicated_axes(pl, lister.mesh)
         grad = lister.grad.get(u, False)
         for s in range(first, last):
-            axes = replicated if d.sends_sliced(s) else ()
+            axes = replicated if sends_sliced(d, s) else ()
             t = math.prod(lister.mesh[a] for a in axes)
             nbytes = -(-numel // t) * (outs[0].dtype.itemsize if outs else 4)
             what = f"{u} ({placement}) stage {s} -> {s + 1}"
