@@ -169,8 +169,8 @@ def test_a_shape_whose_pipeline_wins_is_widened():
     A 4-block GPT of width 4,096 on 16 V100s (two nodes, 25 Gbit/s between them): every
     plain candidate pays for tensor or data parallelism across the slow link, and a
     pipeline of one stage per node does not.  8x2's plain candidate (TP8 across nodes) is
-    1.17x 4x4's, so a rule on plain candidates alone (within 15%) kept it, while 8x2's own
-    search finds the fastest plan: a two-stage pipeline of TP+SP4 x TP+SP2 in each node."""
+    1.17x 4x4's, so a rule on plain candidates alone (within 15%) never searched its
+    pipelines, while 8x2's own search finds the fastest plan: a two-stage pipeline of TP+SP4 x TP+SP2 in each node."""
     with torch.device("meta"):
         model = gpt.GPT(gpt.GPTConfig(vocab=1024, seq=256, dim=4096, heads=32, layers=2))
     tokens = torch.zeros(16, 256, dtype=torch.long, device="meta")
