@@ -123,7 +123,7 @@ def plan_one(case: str, kind: str, shape: tuple[int, ...] | None, rev: str) -> d
     model, ex, kw, preset, n = _BUILT[case]
     use_shape_search(rev if kind == "before" else None)
     mesh = MeshSpec.preset(preset, shape=shape) if kind == "named" else MeshSpec.preset(preset, devices=n)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     row = dict(case=case, kind=kind, shape=list(shape) if shape else None)
     try:
         with warnings.catch_warnings():
@@ -133,7 +133,7 @@ def plan_one(case: str, kind: str, shape: tuple[int, ...] | None, rev: str) -> d
                    why=p.decisions.why.get("mesh", ""))
     except Exception as e:  # noqa: BLE001 - a failure is a row of the table
         row.update(step=None, error=f"{type(e).__name__}: {e}"[:200])
-    row["seconds"] = time.perf_counter() - t0
+    row["seconds"], row["cpu"] = time.perf_counter() - t0, time.process_time() - c0
     return row
 
 
@@ -143,8 +143,8 @@ def table(rows: list[dict]) -> str:
     last: dict[tuple, dict] = {}
     for r in rows:
         last[(r["case"], r["kind"], tuple(r["shape"] or ()))] = r
-    lines = ["| case | devices | searched shape: step s | best named shape: step s | ratio | "
-             "before: shape, step s | plan s before | plan s after | after / before |",
+    lines = ["| case | devices | searched: shape, step s | best named: shape, step s | ratio | "
+             "before: shape, step s | CPU s before | CPU s after | after / before |",
              "|---|---:|---|---|---:|---|---:|---:|---:|"]
     for case in case_names():
         named = [r for (c, k, _), r in last.items() if c == case and k == "named" and r["step"]]
@@ -153,14 +153,27 @@ def table(rows: list[dict]) -> str:
             continue
         best = min(named, key=lambda r: r["step"]) if named else None
         n = math.prod(after["chosen"])
-        cell = f"{'x'.join(map(str, after['chosen']))}: {after['step']:.3f}"
         ratio = f"{after['step'] / best['step']:.3f}" if best else "-"
-        bcell = f"{'x'.join(map(str, best['shape']))}: {best['step']:.3f}" if best else "-"
-        bef = f"{'x'.join(map(str, before['chosen']))}: {before['step']:.3f}" if before and before["step"] else "-"
-        sb = f"{before['seconds']:.1f}" if before else "-"
-        tr = f"{after['seconds'] / before['seconds']:.2f}" if before else "-"
-        lines.append(f"| {case} | {n} | {cell} | {bcell} | {ratio} | {bef} | {sb} | {after['seconds']:.1f} | {tr} |")
+        lines.append(f"| {case} | {n} | {_cell(after['chosen'], after)} | "
+                     f"{_cell(best['shape'], best) if best else '-'} | {ratio} | "
+                     f"{_cell(before['chosen'], before) if before and before['step'] else '-'} | "
+                     f"{_cpu(before)} | {_cpu(after)} | "
+                     + (f"{_cpu_of(after) / _cpu_of(before):.2f} |" if before else "- |"))
     return "\n".join(lines)
+
+
+def _cell(shape: list[int], row: dict) -> str:
+    return f"{'x'.join(map(str, shape))}: {row['step']:.3f}"
+
+
+def _cpu_of(row: dict) -> float:
+    """CPU seconds of a planning call (the work, whatever else the machine runs); wall
+    seconds for rows measured without them."""
+    return row.get("cpu", row["seconds"])
+
+
+def _cpu(row: dict | None) -> str:
+    return f"{_cpu_of(row):.1f}" if row else "-"
 
 
 def main(argv: list[str] | None = None) -> int:
