@@ -263,7 +263,9 @@ class ShapeSearch:
         words = layout(sketch) + (f", {recompute} layer(s) recomputed" if recompute else "")
         if cfg.micro_batches > 1 and cfg.stages == 1:
             words += f", {cfg.micro_batches} micro-batches"
-        note = self._unwidened_note(shape)
+        bounded = sum(1 for _, p in js.priced if p.bound is not None)
+        note = self._unwidened_note(shape) or (
+            f"{bounded} more config(s) bounded above the best step" if bounded else "")
         return ShapeResult(shape, pr.step_seconds, max(sp.total_memory for sp in pr.stages), words,
                            cand.estimate, note)
 
