@@ -263,8 +263,7 @@ class JointSearch:
         self.captures.share(other.captures)
 
     def _with_stats(self) -> _Candidate | None:
-        """The first priced candidate with layer statistics (any: what they share is the
-        model's layers and their compute)."""
+        """The first priced candidate with layer statistics (any: they share the layers)."""
         return next((c for c, _ in self.priced if c.stats), None)
 
     def _stage_options(self) -> list[tuple[int, int]]:
@@ -303,24 +302,27 @@ class JointSearch:
                 self._try(p, first[1], math.inf, estimate=self.captures.shallow is not None, axis=a)
         return first
 
-    def widen(self, first: tuple[int, int, int], seconds: float | None = None) -> None:
-        """The other splits, when memory pressure or ``explore`` asks for them;
-        ``seconds``: all of them within that share of another search's budget (a mesh
-        shape's, :mod:`autopar.search.mesh_shapes`), captures charged."""
-        if seconds is not None:
-            self._clock = TimeBudget(seconds, explore_share=1.0)
+    def widens(self) -> bool:
+        """Whether :meth:`widen` searches the other splits: ``explore``, or memory pressure (ZeRO
+        needed to fit, recomputation, no fit; not ZeRO chosen for speed, nor forced options)."""
         forced = self.opts.pipeline_stages is not None or self.opts.micro_batches is not None
         best = self.best()
-        # memory pressure already costs time (ZeRO where the split without it does not
-        # fit, recomputation, or nothing fits): pipelines and micro-batches may then be the
-        # cheaper way to fit.  ZeRO chosen for speed (ZeRO-3 keeping its layers gathered
-        # saves a data-parallel bucket's copies; ZeRO-1 shards the optimizer's update)
-        # is no pressure, nor is what the user forced (zero_stage=, recompute=): no plain
-        # config is priced to fit then, and every split costs a capture and an ILP
         pressed = best is None or (not self.opts.recompute and best[0].recomputes_more(best[1])) or (
             self.opts.zero_stage is None and best[1].config.zero_stage > 0
             and not self._fits_plainly(best[0]))
-        if self.opts.explore or (pressed and not forced):
+        return bool(self.opts.explore) or (pressed and not forced)
+
+    def rest_floor(self, first: tuple[int, int, int]) -> float:
+        """:meth:`PlanSpace.rest_floor` of the splits :meth:`widen` searches beyond ``first``."""
+        return self.space.rest_floor(tied_across_layers(self.captures.first()), self._with_stats(),
+                                     first) if self.widens() else math.inf
+
+    def widen(self, first: tuple[int, int, int], seconds: float | None = None) -> None:
+        """The other splits, when :meth:`widens`; ``seconds``: within that share of a mesh
+        shape's budget (:mod:`autopar.search.mesh_shapes`), captures charged."""
+        if seconds is not None:
+            self._clock = TimeBudget(seconds, explore_share=1.0)
+        if self.widens():
             est = self.captures.shallow is not None or self.captures.start_shallow(
                 self.priced[0][0].stats if self.priced else None)
             # breadth first, each stage count's most promising micro-batch count first:

@@ -13,10 +13,17 @@ The shapes are searched in two rounds, so the time goes where it can change the 
    step found so far as its bound, so a split that cannot beat another shape's plan is
    priced no further.
 2. **the rest of each shape's search** (pipelines, micro-batches, ZeRO and
-   recomputation where memory presses) for the shapes whose first candidate is within
-   :data:`WIDEN_WITHIN` of the best one's, fastest first, each given an equal share of
-   what is left of the explore budget, with the bound carried from shape to shape.  The
-   others keep their first candidate, and ``explain("mesh")`` says so.
+   recomputation where memory presses or ``explore`` asks), shapes with the fastest first
+   candidate first, the best step found so far carried from shape to shape as the bound.
+   A shape is widened when its bound can beat that step: the least
+   :meth:`~autopar.search.space.PlanSpace.split_floor` of the splits its widening would
+   search (compute and kernel launches alone, in each split's pipeline), the bound its
+   own search skips a split by.  So a shape whose plain candidate is slow but whose
+   pipeline may win (8x8 for GPT-39B on 64 V100s: 611 s plain, 128 s pipelined) is
+   searched, and a shape skipped here could not have won in its own search either.  Each
+   widened shape gets an equal share of what is left of the explore budget among the
+   shapes still able to beat the best step.  ``explain("mesh")`` gives a skipped shape's
+   bound.
 
 The best shape's best split is then planned at full depth, as a fixed shape's search
 does.  The budget: the explore rounds get :data:`EXPLORE_SHARE` times ``time_limit``
@@ -44,13 +51,6 @@ from autopar.search.budget import SHARES, Phase
 from autopar.search.joint import JointSearch
 
 __all__ = ["EXPLORE_SHARE", "ShapeSearch", "shape_options"]
-
-WIDEN_WITHIN = 1.15
-"""Round 2 widens a shape only when its first candidate is within this factor of the
-best shape's: exploring pipelines and micro-batches relieves memory pressure, and a shape
-whose plain plan is 15% slower needs them to win back more than that, where in
-benchmarks/mesh_search.py's Llama-3 cells a shape's own search improved on its first
-candidate by at most 10.7%; widening every shape would cost several fixed-shape searches."""
 
 EXPLORE_SHARE = 1.5
 """The explore rounds' budget over all shapes, in units of ``time_limit``: twice a fixed
@@ -126,6 +126,8 @@ class ShapeSearch:
         self.errors: dict[tuple[int, ...], Exception] = {}
         self.firsts: dict[tuple[int, ...], tuple[int, int, int]] = {}
         self.first_steps: dict[tuple[int, ...], float] = {}  # each shape's first candidate
+        # shapes not widened: (the least floor of their other splits, the best step then)
+        self.unwidened: dict[tuple[int, ...], tuple[float, float]] = {}
 
     def _bound(self) -> float:
         return min((self._step(s) for s in self.searches), default=math.inf)
@@ -173,21 +175,26 @@ class ShapeSearch:
             self._start(shape)
         if not self.searches:
             raise next(iter(self.errors.values()))
-        # round 2: the fastest shapes first, each an equal share of what is left.  Its
+        # round 2: the fastest first candidates first, so the bound falls early.  Its
         # captures are charged: a split whose shallow estimate fails is captured at full
         # depth (13 s for Llama-3 70B), and uncharged they tripled this round's time
         total = self.explore_share * self.opts.time_limit
         first_captures = self._captured()
         self.first_steps = {s: self._step(s) for s in self.searches}
-        bar = min(self.first_steps.values(), default=math.inf) * WIDEN_WITHIN
-        order = sorted((s for s in self.searches if self.first_steps[s] <= bar or math.isinf(bar)),
-                       key=lambda s: (self._step(s), self.shapes.index(s)))
+        floors = {s: js.rest_floor(self.firsts[s]) for s, js in self.searches.items()}
+        order = sorted(self.searches, key=lambda s: (self.first_steps[s], self.shapes.index(s)))
         for k, shape in enumerate(order):
+            bar = self._bound()
+            # the best step only falls: a shape whose floor is over it now stays over it
+            live = [s for s in order[k:] if floors[s] <= bar * (1.0 + 1e-9)]
+            if shape not in live:
+                if math.isfinite(floors[shape]):  # (infinite: nothing to widen, as alone)
+                    self.unwidened[shape] = (floors[shape], bar)
+                continue
             js = self.searches[shape]
             spent = time.perf_counter() - t0 - first_captures
-            share = max(0.0, total - spent) / (len(order) - k)
-            js.incumbent = self._bound()
-            js.widen(self.firsts[shape], share)
+            js.incumbent = bar
+            js.widen(self.firsts[shape], max(0.0, total - spent) / len(live))
 
     def _captured(self) -> float:
         return sum(js.uncharged() for js in self.searches.values())
@@ -241,6 +248,7 @@ class ShapeSearch:
             note = "no split can beat the best shape" if bounded and not any(
                 math.isfinite(p.min_memory) for _, p in js.priced) else \
                 f"no plan fits: the leanest needs {format_bytes(self._need(shape))}"
+            note = self._unwidened_note(shape) or note
             return ShapeResult(shape, math.inf, self._need(shape), "", False, note)
         cand, pr = best
         cfg = pr.config
@@ -255,12 +263,19 @@ class ShapeSearch:
         words = layout(sketch) + (f", {recompute} layer(s) recomputed" if recompute else "")
         if cfg.micro_batches > 1 and cfg.stages == 1:
             words += f", {cfg.micro_batches} micro-batches"
-        first = self.first_steps.get(shape, math.inf)
-        best_first = min(self.first_steps.values(), default=math.inf)
-        note = "" if first <= best_first * WIDEN_WITHIN else \
-            f"first candidate only: {first / best_first:.2f}x the best shape's"
+        bounded = sum(1 for _, p in js.priced if p.bound is not None)
+        note = self._unwidened_note(shape) or (
+            f"{bounded} more config(s) bounded above the best step" if bounded else "")
         return ShapeResult(shape, pr.step_seconds, max(sp.total_memory for sp in pr.stages), words,
                            cand.estimate, note)
+
+    def _unwidened_note(self, shape: tuple[int, ...]) -> str:
+        """Why ``shape`` kept its first candidate, or "" when it was widened."""
+        if shape not in self.unwidened:
+            return ""
+        floor, bar = self.unwidened[shape]
+        return (f"first candidate only: its other splits take at least {_ms(floor)} "
+                f"(compute and kernel launches), over the best step then, {_ms(bar)}")
 
     def _record(self, plan: Plan, shape: tuple[int, ...], seconds: float) -> None:
         """Every shape's best on the plan, and the reason in ``why["mesh"]``."""

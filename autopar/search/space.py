@@ -294,6 +294,16 @@ class PlanSpace:
         return split_lower_bound(floors, stages, micro, self.mesh.idle_reuse,
                                  self._schedule_shapes(stages, micro, len(floors)))
 
+    def rest_floor(self, tied: list[str], known: _Candidate | None, first: tuple[int, int, int]) -> float:
+        """The least :meth:`split_floor` of every (stages, micro-batches, axis) split the
+        search widens to (:meth:`stage_options` x :meth:`micro_order`) but ``first``:
+        no split of them can be faster (``math.inf`` when there is none; 0 before there
+        are layer statistics).  The floor does not depend on the axis: once per count."""
+        splits = {(p, m) for p, a in self.stage_options(tied, known)[0]
+                  for m in self.micro_order(p, a) if (p, m, a) != first}
+        floors = [self.split_floor(known, p, m) for p, m in sorted(splits)]
+        return min((0.0 if f is None else f for f in floors), default=math.inf)
+
     def _schedule_shapes(self, stages: int, micro: int, layers: int) -> list[tuple[float, int]]:
         """(bubble share, model chunks per rank) of every schedule :meth:`configs` may
         price on a split of ``stages`` stages and ``micro`` micro-batches over ``layers``

@@ -161,3 +161,24 @@ def test_every_shape_of_a_cluster_is_weighed(devices):
     finite = [r["step_seconds"] for r in rows if r["step_seconds"] is not None]
     assert min(finite) == p.decisions.step_seconds
     assert all(r["layout"] or r["note"] for r in rows)
+
+
+@pytest.mark.slow
+def test_a_shape_whose_pipeline_wins_is_widened():
+    """A shape is widened by a bound on its pipelined splits, not by its plain candidate.
+    A 4-block GPT of width 4,096 on 16 V100s (two nodes, 25 Gbit/s between them): every
+    plain candidate pays for tensor or data parallelism across the slow link, and a
+    pipeline of one stage per node does not.  8x2's plain candidate (TP8 across nodes) is
+    1.17x 4x4's, so a rule on plain candidates alone (within 15%) never searched its
+    pipelines, while 8x2's own search finds the fastest plan: a two-stage pipeline of TP+SP4 x TP+SP2 in each node."""
+    with torch.device("meta"):
+        model = gpt.GPT(gpt.GPTConfig(vocab=1024, seq=256, dim=4096, heads=32, layers=2))
+    tokens = torch.zeros(16, 256, dtype=torch.long, device="meta")
+    kw = dict(blocks=4, precision="bf16-mixed", time_limit=60, explore=True)
+    named = autopar.plan(model, (tokens, tokens.clone()), MeshSpec.preset("p3.16xlarge", shape=(8, 2)), **kw)
+    p = autopar.plan(model, (tokens, tokens.clone()), MeshSpec.preset("p3.16xlarge", devices=16), **kw)
+    assert named.decisions.pipeline_stages > 1
+    assert p.decisions.step_seconds <= named.decisions.step_seconds * (1 + 1e-9)
+    rows = {tuple(r["shape"]): r for r in p.decisions.mesh_shapes}
+    assert "first candidate only" not in rows[(8, 2)]["note"]
+    assert rows[(8, 2)]["step_seconds"] == pytest.approx(named.decisions.step_seconds, rel=1e-9)
