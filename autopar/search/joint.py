@@ -27,15 +27,15 @@ from autopar.cost_models import MeshSpec, format_bytes
 from autopar.errors import NoFitError, PlanError
 from autopar.log import report, show
 from autopar.plans.data import Plan, zero_words
-from autopar.plans.decisions import Decisions, PlanOptions, forced_values
+from autopar.plans.decisions import PlanOptions
 from autopar.plans.kinds import Schedule
-from autopar.plans.splits import batch_size, split_mesh, split_words
-from autopar.search.assemble import complete
+from autopar.plans.splits import split_mesh, split_words
 from autopar.search.budget import Phase, TimeBudget
-from autopar.search.captures import Captures, request
+from autopar.search.captures import Captures
 from autopar.search.forced import check_forced
 from autopar.search.fusion import fuse
-from autopar.search.op_placement import local_axes, make_weighted_plans
+from autopar.search.op_placement import make_weighted_plans
+from autopar.search.plan_record import recorded
 from autopar.search.shallow import (
     KEEP,
     deepen,
@@ -45,10 +45,8 @@ from autopar.search.shallow import (
 from autopar.search.space import PlanSpace, _Candidate, tied_across_layers
 from autopar.search.stages.layer_stats import layer_stats
 from autopar.search.stages.pipeline_step import price, step_lower_bound
-from autopar.search.stages.priced import Config, Priced, chosen_fields
+from autopar.search.stages.priced import Config, Priced
 from autopar.search.stages.step_terms import stage_link
-from autopar.search.step_collectives import list_collectives
-from autopar.search.why import Context, decisions_why
 
 
 class JointSearch:
@@ -107,7 +105,7 @@ class JointSearch:
                f"{'x'.join(map(str, sub.shape))}")
         intra_opts = dataclasses.replace(self.opts, memory_budget=budget, time_limit=max(1.0, left),
                                          choose_limit=self.opts.time_limit)
-        # without per-node details: only the chosen plan is shown and lowered (_decorate)
+        # without per-node details: only the chosen plan is shown and lowered (plan_record.recorded)
         plans = make_weighted_plans(cap.gm, sub, cap.aliases, intra_opts, sync_variants=True,
                                     weights=weights, detail=False)
         fusion = fuse(cap.gm) if self.opts.compile else None  # the kernels compiled, as priced
@@ -307,6 +305,12 @@ class JointSearch:
         needed to fit, recomputation, no fit; not ZeRO chosen for speed, nor forced options)."""
         forced = self.opts.pipeline_stages is not None or self.opts.micro_batches is not None
         best = self.best()
+        # memory pressure already costs time (ZeRO where the split without it does not
+        # fit, recomputation, or nothing fits): pipelines and micro-batches may then be the
+        # cheaper way to fit.  ZeRO chosen for speed (ZeRO-3 keeping its layers gathered
+        # saves a data-parallel bucket's copies; ZeRO-1 shards the optimizer's update)
+        # is no pressure, nor is what the user forced (zero_stage=, recompute=): no plain
+        # config is priced to fit then, and every split costs a capture and an ILP
         pressed = best is None or (not self.opts.recompute and best[0].recomputes_more(best[1])) or (
             self.opts.zero_stage is None and best[1].config.zero_stage > 0
             and not self._fits_plainly(best[0]))
@@ -373,7 +377,7 @@ class JointSearch:
                 f"leanest plan found (ZeRO-3, recomputation, pipelining and micro-batches "
                 f"considered) needs {format_bytes(need)} per device")
         cand, pr = best
-        plan = self._decorate(cand, pr)
+        plan = recorded(cand, pr, self.priced, self.budget, self._call, self.opts, self.mesh)
         n_est = sum(1 for c, _ in self.priced if c.estimate)
         if n_est:
             msg = (f"{n_est} configurations estimated from a {KEEP}-layer copy of the model "
@@ -456,47 +460,6 @@ class JointSearch:
             if not any(p.feasible for _, p in self.priced[n:]):
                 # memory-lean placements, as for any split
                 self._try(split[0], split[1], self.budget, force=first, axis=split[2])
-
-    # ------------------------------------------------------------ the plan
-    def _decorate(self, cand: _Candidate, pr: Priced) -> Plan:
-        cfg = pr.config
-        plan = complete(cand.plan)
-        recompute = sorted({k for sp in pr.stages for k in sp.recompute})
-        order = {st.key: i for i, st in enumerate(cand.stats)}
-        kept = sorted({k for sp in pr.stages for k in sp.kept}, key=order.__getitem__)
-        d = Decisions(
-            pipeline_stages=cfg.stages, pipeline_axis=cand.axis if cfg.stages > 1 else 0,
-            schedule=cfg.schedule, micro_batches=cfg.micro_batches,
-            virtual_stages=cfg.virtual,
-            stages=(pr.virtual or [sp.layers for sp in pr.stages]) if cfg.stages > 1 else [],
-            zero_stage=cfg.zero_stage, recompute=recompute, zero_kept=kept, zero_reduce_once=cfg.reduce_once,
-            grad_buffers_kept=all(sp.grad_buffers_kept for sp in pr.stages),
-            # one axis as an int (as plans always said), several as a list
-            zero_axis=list(cfg.zero_axis) if isinstance(cfg.zero_axis, tuple) else cfg.zero_axis,
-            batch=self.opts.batch, **forced_values(self.opts), **chosen_fields(cfg),
-            # a micro-batched or pipelined step returns the loss alone: no rows to return
-            local_axes=local_axes(cand.cap.gm, plan)
-            if self.opts.batch == "local" and cfg.micro_batches == 1 and cfg.stages == 1 else None,
-            global_batch=batch_size(self._call),
-            stage_seconds=[sp.seconds for sp in pr.stages],
-            stage_memory=[sp.total_memory for sp in pr.stages], step_seconds=pr.step_seconds,
-            stage_parts=[dict(sp.parts) for sp in pr.stages], breakdown=pr.breakdown(),
-            sliced_sends=[i for i, sp in enumerate(pr.stages) if sp.sliced_sends],
-            grad_buckets=[b for sp in pr.stages for b in sp.buckets],
-            gather_chunks=[c for sp in pr.stages for c in sp.gather_chunks],
-            offload=cfg.offload, host_memory=max(sp.host_memory for sp in pr.stages), copies=cfg.copies,
-            # compression only where GradSync all-reduces something
-            **(dict(grad_compression=cfg.compression, compression_rank=cfg.rank)
-               if any(sp.buckets for sp in pr.stages) else {}))
-        d.why = decisions_why(Context(self.priced, {id(p) for c, p in self.priced if c.estimate},
-                                      self.budget, batch_size(self._call), self.opts.optimizer), pr)
-        plan.decisions = d
-        d.collectives = [c.to_dict() for c in list_collectives(cand.cap.gm, plan)]
-        plan.request = request(cand.cap.gm, cfg.micro_batches, list(self.mesh.shape), self.budget)
-        worst = max(pr.stages, key=lambda sp: sp.total_memory)
-        plan.memory = dict(worst.memory)
-        plan.memory["total"] = worst.total_memory
-        return plan
 
 
 __all__ = ["JointSearch"]
