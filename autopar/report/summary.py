@@ -122,6 +122,8 @@ def summary(plan: Plan) -> str:
     if d.precision != "native":
         lines.append(f"  precision      {d.precision}: bf16 matmuls and attention, fp32 norms, "
                      "losses and master weights")
+    if d.compile:
+        lines.append("  compiled       torch.compile: priced with each pointwise chain one fused kernel")
     if d.batch == "local":
         axes = ", ".join(plan.mesh.axis_names[a] for a in d.local_axes or [])
         lines.append("  batch          local: each data-parallel rank passes its part"

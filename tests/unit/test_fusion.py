@@ -169,6 +169,9 @@ def test_compiled_and_eager_plans_differ_by_key_and_round_trip(gpt_plans) -> Non
     again = Plan.from_json(compiled.to_json())
     assert again.decisions.compile is True and decision_key(again.decisions) == decision_key(compiled.decisions)
     assert Plan.from_json(eager.to_json()).decisions.compile is False
+    # the summary says how the step was priced (it said nothing of compiling before)
+    assert "compiled       torch.compile" in compiled.summary()
+    assert "compiled" not in eager.summary()
 
 
 def test_plan_takes_compile_and_refuses_a_non_bool() -> None:
