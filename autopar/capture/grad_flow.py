@@ -65,6 +65,16 @@ def loss_output(gm: fx.GraphModule, spec: object) -> tuple[list, int | None]:
     return flat, 0 if len(flat) == 1 else named_loss(len(flat), spec)
 
 
+def from_inputs(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes whose values are computed from the call's inputs (its placeholders):
+    what changes shape with the batch, where a parameter's value does not."""
+    out: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" or any(u in out for u in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
 def requires_grad(gm: fx.GraphModule) -> dict[fx.Node, bool]:
     """Node -> whether its value depends on a trainable parameter and is floating point
     (autograd records it), whatever is differentiated."""
@@ -109,4 +119,4 @@ def dual(u: fx.Node, v: fx.Node) -> bool:
     return info(u).backward and info(v).backward
 
 
-__all__ = ["differentiated", "dual", "loss_output", "mark_gradients", "named_loss", "requires_grad"]
+__all__ = ["differentiated", "dual", "from_inputs", "loss_output", "mark_gradients", "named_loss", "requires_grad"]

@@ -60,6 +60,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from autopar.capture.annotate import annotate
+from autopar.capture.grad_flow import from_inputs
 from autopar.capture.trace import capture
 from autopar.log import log
 from autopar.module.habits import building
@@ -381,15 +382,10 @@ def _agreement(pm: ParallelModule, batch_passed_through: bool) -> Agree:
     """:func:`~autopar.runtime.call_check.agreement` for ``pm``: the axes its lowered
     graph moves activations over; a batch input the plan gathers under
     ``batch="local"`` crosses the data-parallel ranks too."""
-    d = pm.plan.decisions
-    if math.prod(pm.plan.mesh.shape) * max(1, d.pipeline_stages) == 1:
-        return Agree.NONE  # one rank: nobody to disagree with
-    dp = set(pm.binder.dp_axes)
     moving = _activation_axes(pm.inner)
-    local = pm.binder.mode is BatchMode.LOCAL
-    if local and not batch_passed_through:
-        moving |= dp
-    return agreement(pm.runner is not None or d.copies > 1, local, dp, moving)
+    if pm.binder.mode is BatchMode.LOCAL and not batch_passed_through:
+        moving |= set(pm.binder.dp_axes)
+    return agreement(pm.plan, moving)
 
 
 def _activation_axes(gm: fx.GraphModule) -> set[int]:
@@ -399,11 +395,9 @@ def _activation_axes(gm: fx.GraphModule) -> set[int]:
     a gathered parameter (its shape is the same at every batch)."""
 
     moving = {C.all_gather: 2, C.reduce_scatter: 2, C.all_to_all: 3, C.all_reduce: 1}
-    data: set[fx.Node] = set()
+    data = from_inputs(gm)
     out: set[int] = set()
     for n in gm.graph.nodes:
-        if n.op == "placeholder" or any(u in data for u in n.all_input_nodes):
-            data.add(n)
         if n.op != "call_function" or n not in data:
             continue
         if getattr(n.target, "__module__", "") == E.__name__:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,6 +36,8 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import CallMismatchError
+from autopar.plans.data import Plan
+from autopar.runtime.inputs import BatchMode, data_parallel_axes
 
 CHECKED_CALLS = 1
 """Calls checked after construction, a train()/eval() switch or a new seed."""
@@ -96,22 +99,26 @@ class Agree(enum.Enum):
     ALL = "all"  # every rank (activations cross data-parallel ranks, or a schedule runs)
 
 
-def agreement(scheduled: bool, local: bool, dp_axes: set[int], moving: set[int]) -> Agree:
-    """Which ranks must call with equal shapes, so that none meets another in a
-    collective of another size (gloo aborts the process; NCCL waits): ``moving``, the
-    mesh axes over which activations (values computed from the inputs, not a scalar
-    sum) cross ranks (-1: every axis); ``scheduled``: a pipeline, micro-batches or
-    copies, whose schedule is built for one shape.  Under ``batch="global"`` (``local``
-    False) every rank holds the same batch, so any such exchange asks every rank to
+def agreement(plan: Plan, moving: set[int]) -> Agree:
+    """Which ranks of ``plan``'s mesh must call with equal shapes, so that none meets
+    another in a collective of another size (gloo aborts the process; NCCL waits):
+    ``moving``, the mesh axes over which activations (values computed from the inputs,
+    not a scalar sum) cross ranks (-1: every axis).  A pipeline, micro-batches or copies
+    run a schedule built for one shape: every rank agrees.  Under ``batch="global"``
+    every rank holds the same batch, so any exchange of activations asks every rank to
     agree; under ``batch="local"`` ranks of different data-parallel indices hold their
     own rows and agree only where activations cross those indices.  A plan that
-    exchanges only gradients and the loss's sums (data parallel, ZeRO) needs no
-    agreement, as DDP.  The module's shape routes (:mod:`autopar.module.shapes`) and
-    ``plan.collectives()`` both read this."""
-    if scheduled or -1 in moving:
+    exchanges only gradients and the loss's sums (data parallel, ZeRO), or runs on one
+    rank, needs no agreement, as DDP.  The module's shape routes
+    (:mod:`autopar.module.shapes`) and ``plan.collectives()`` both read this."""
+    d = plan.decisions
+    if math.prod(plan.mesh.shape) * max(1, d.pipeline_stages) == 1:
+        return Agree.NONE  # one rank: nobody to disagree with
+    if d.pipeline_stages > 1 or d.micro_batches > 1 or d.copies > 1 or -1 in moving:
         return Agree.ALL
-    if local and dp_axes:
-        if moving & dp_axes:
+    dp = set(data_parallel_axes(plan))
+    if d.batch == BatchMode.LOCAL.value and dp:
+        if moving & dp:
             return Agree.ALL
         return Agree.SAME_DP if moving else Agree.NONE
     return Agree.ALL if moving else Agree.NONE

@@ -45,7 +45,7 @@ import torch
 from torch import fx
 from torch.distributed.tensor import Shard
 
-from autopar.capture.grad_flow import dual, loss_output, requires_grad
+from autopar.capture.grad_flow import dual, from_inputs, loss_output, requires_grad
 from autopar.capture.ir import info
 from autopar.plans.collective_record import Collective
 from autopar.plans.placement import R, graph_batch, local_shape, parse_placements
@@ -53,7 +53,6 @@ from autopar.runtime.call_check import Agree, agreement, agreement_row
 from autopar.runtime.compression import low_rank
 from autopar.runtime.experts import MOE_EXPERTS
 from autopar.runtime.grad_sync import fill_buckets, folded_axes, runs_by_axes
-from autopar.runtime.inputs import data_parallel_axes
 from autopar.runtime.token_weights import LossTargets, targets_of
 from autopar.runtime.zero_layout import first_rows, padded_size
 from autopar.search.messages import pipeline_messages
@@ -80,10 +79,7 @@ class _Lister:
         self.at = 0  # the pipeline rank the collectives being listed run on
         self._shapes: dict[str, tuple[int, ...]] = {}  # parameter target -> local shape
         self.moving: set[int] = set()  # axes activations cross ranks over (call_check.agreement)
-        self.data: set[fx.Node] = set()  # values computed from the call's inputs
-        for n in gm.graph.nodes:
-            if n.op == "placeholder" or any(u in self.data for u in n.all_input_nodes):
-                self.data.add(n)
+        self.data = from_inputs(gm)  # values computed from the call's inputs
         self._items: dict[str, int] = {}  # parameter target -> bytes per element
 
     # ------------------------------------------------------------ helpers
@@ -275,13 +271,9 @@ class _Lister:
         """The ranks' shape exchange before a call (``module/shapes.py``), where
         :func:`~autopar.runtime.call_check.agreement` asks for one: an all-gather over
         every rank, on every pipeline rank, of each rank's flat input dims."""
-        d = self.d
-        local = d.batch == "local"
-        dp = set(data_parallel_axes(self.plan))
-        scheduled = self.ranks > 1 or d.micro_batches > 1 or d.copies > 1
-        world = math.prod(self.mesh) * self.ranks  # the stages' sub-meshes tile the mesh
-        if world == 1 or agreement(scheduled, local, dp, self.moving) is Agree.NONE:
+        if agreement(self.plan, self.moving) is Agree.NONE:
             return
+        world = math.prod(self.mesh) * self.ranks  # the stages' sub-meshes tile the mesh
         dims = [len(info(n).outputs[0].shape) if info(n).outputs else -1
                 for n in self.gm.graph.nodes if n.op == "placeholder"]
         for r in range(self.ranks):
