@@ -162,10 +162,20 @@ def _build(model_name: str, case: str, world: int, mesh_spec, compile: bool = Fa
         step()
     out = {"model": model_name, "case": case, "step": step, "plan": pm.plan, "module": pm, "times": [],
            "fell_back": getattr(pm._compiled, "failure", None)}  # a compile that failed runs eagerly
-    if compile and torch.distributed.get_rank() == 0:  # the same case planned eagerly: its price
-        again, _, _, kwargs = case_call(model_name, case, mesh_spec, world)
-        out["eager"] = autopar.plan(again, **kwargs, compile=False)
+    if compile and torch.distributed.get_rank() == 0:
+        out["eager"] = _eager_price(model_name, case, mesh_spec, world, pm.plan)
     return out
+
+
+def _eager_price(model_name: str, case: str, mesh_spec, world: int, plan) -> dict:
+    """The eager price of a compiled case: the same case planned ``compile=False``
+    (``autopar.plan``, no process group), and whether it is the same plan."""
+    import autopar
+
+    model, _, _, call = case_call(model_name, case, mesh_spec, world)
+    eager = autopar.plan(model, **call, compile=False)
+    return {"eager_predicted_ms": eager.decisions.step_seconds * 1e3,
+            "eager_same_plan": signature(eager) == signature(plan)}
 
 
 def _measure(built: list[dict], rounds: int, steps: int, warmup: int = 1) -> list[dict]:
@@ -200,10 +210,7 @@ def _measure(built: list[dict], rounds: int, steps: int, warmup: int = 1) -> lis
                      "breakdown_ms": {k: round(v * 1e3, 1) for k, v in d.breakdown.items()},
                      "measured_ms": med * 1e3, "spread": iqr(times) / med, "plan": signature(b["plan"]),
                      "halves_ms": [half(times, 0) * 1e3, half(times, 1) * 1e3] if rounds > 1 else None,
-                     "compiled": d.compile, "fell_back": b.get("fell_back")}
-                    | ({"eager_predicted_ms": b["eager"].decisions.step_seconds * 1e3,
-                        "eager_same_plan": signature(b["eager"]) == signature(b["plan"])}
-                       if "eager" in b else {}))
+                     "compiled": d.compile, "fell_back": b.get("fell_back")} | b.get("eager", {}))
     return rows
 
 
@@ -362,10 +369,7 @@ def reprice(keep: Path, presets: list[str] | None = None) -> tuple[list[dict], s
         plan = autopar.plan(model, **call, compile=bool(r.get("compiled")))
         d = plan.decisions
         if r.get("compiled"):  # --compile's run: the eager price of the same case beside
-            again, _, _, call = case_call(r["model"], r["case"], meshes[r["preset"]], world)
-            eager = autopar.plan(again, **call, compile=False)
-            r = {**r, "eager_predicted_ms": eager.decisions.step_seconds * 1e3,
-                 "eager_same_plan": signature(eager) == signature(plan)}
+            r = {**r, **_eager_price(r["model"], r["case"], meshes[r["preset"]], world, plan)}
         if r.get("plan") != signature(plan):
             rows.append({k: v for k, v in r.items() if k != "predicted_ms"}
                         | {"error": "planned differently now: not the plan measured"})
