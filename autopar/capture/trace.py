@@ -273,12 +273,23 @@ def finish(gm: fx.GraphModule, precision: Precision | str) -> None:
     """Capture's passes over an exported module, in place: grad regions inlined, guards
     dropped, autocast's casts for ``precision``, side views copied per layer, and a flat
     calling convention (``gm._in_spec``/``_out_spec`` keep the pytree specs)."""
+    finish_shapeless(gm)
+    finish_shaped(gm, precision)
+
+
+def finish_shapeless(gm: fx.GraphModule) -> None:
+    """The passes of :func:`finish` that read no shape (a graph exported with symbolic
+    dims takes them before it is given numbers: :mod:`autopar.capture.any_shape`)."""
     # no_grad regions (HF rotary embeddings) as plain ops: plannable and exportable
     inline_grad_regions(gm, recompile=False)
     mark_tables(gm)
     # .item() reads the whole value on every rank, not its own shard or partial sum
     replicate_scalar_reads(gm)
     _strip_guards(gm)
+
+
+def finish_shaped(gm: fx.GraphModule, precision: Precision | str) -> None:
+    """The rest of :func:`finish`: the passes that evaluate masks or read shapes."""
     # a mask built from shapes alone that is only causal: SDPA's is_causal, as in eager
     fold_causal_masks(gm)
     # a padding mask's rows picked by their own numbers: a slice that splits like the batch

@@ -22,61 +22,9 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
+from autopar.capture.graph_numbers import NUMBER, numbers, signature
 from autopar.passes.train_mode import set_train_mode
 from autopar.runtime.compile_fallback import CompiledOrEager
-
-_Number = (int, float)
-
-
-def _walk(a: object, out: list) -> None:
-    """The numbers in ``a`` (an argument: nested tuples, lists and dicts), in order."""
-    if isinstance(a, bool) or a is None:
-        return
-    if isinstance(a, _Number):
-        out.append(a)
-    elif isinstance(a, (tuple, list)):
-        for x in a:
-            _walk(x, out)
-    elif isinstance(a, dict):
-        for x in a.values():
-            _walk(x, out)
-
-
-def _skeleton(a: object) -> object:
-    """``a`` with its numbers replaced by their type: what graphs of one family share."""
-    if isinstance(a, bool) or a is None:
-        return a
-    if isinstance(a, _Number):
-        return type(a).__name__
-    if isinstance(a, fx.Node):
-        return "node"
-    if isinstance(a, (tuple, list)):
-        return tuple(_skeleton(x) for x in a)
-    if isinstance(a, dict):
-        return tuple((k, _skeleton(v)) for k, v in a.items())
-    return repr(a)
-
-
-def signature(gm: fx.GraphModule) -> tuple:
-    """The graph's ops, their inputs (by position) and the shape of their arguments:
-    equal for two lowerings of a plan at different shapes."""
-    index = {n: i for i, n in enumerate(gm.graph.nodes)}
-    sig = []
-    for n in gm.graph.nodes:
-        ins = tuple(index[u] for u in n.all_input_nodes)
-        target = n.target if n.op != "call_function" else getattr(n.target, "__qualname__", str(n.target))
-        sig.append((n.op, str(target), ins, _skeleton(n.args), _skeleton(n.kwargs)))
-    return tuple(sig)
-
-
-def numbers(gm: fx.GraphModule) -> list:
-    """Every number the graph's ops take, in graph order."""
-    out: list = []
-    for n in gm.graph.nodes:
-        if n.op in ("call_function", "call_method", "call_module"):
-            _walk(n.args, out)
-            _walk(n.kwargs, out)
-    return out
 
 
 def template(gm: fx.GraphModule, varying: set[int]) -> fx.GraphModule:
@@ -101,7 +49,7 @@ def template(gm: fx.GraphModule, varying: set[int]) -> fx.GraphModule:
     def sub(a: object) -> object:
         if isinstance(a, bool) or a is None:
             return a
-        if isinstance(a, _Number):
+        if isinstance(a, NUMBER):
             i = count[0]
             count[0] += 1
             return slots.get(i, a)

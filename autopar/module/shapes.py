@@ -36,11 +36,14 @@ recent).  A shape seen before costs a dictionary lookup.
   agree on the shape every call.  Micro-batched copies serve the planned shape
   only: another raises :class:`InputMismatchError` on every rank.
 
-A new shape costs one capture (an export: ~0.8 s for benchmarks/variable_length.py's
-Llama on the 2-core VM) and a lowering, paid once per shape.  A graph that differs at a
-shape (export drops no-op ops at a batch of 1) is planned again with every parameter
-where it is (:attr:`ShapeRoutes.replan`).  Under ``compile=True`` the lowerings share compiled
-templates (:mod:`autopar.module.shape_template`): a few compilations for any number
+A new shape costs a capture and a lowering, paid once per shape.  The first two shapes
+of a kind (the same dims differing from the planned shape: the length, say) are exported
+(~0.4-0.8 s for benchmarks/variable_length.py's Llama on the 2-core VM), the second also
+with those dims symbolic; every later shape of the kind is that symbolic graph given its
+numbers (:mod:`autopar.module.shape_capture`, ~0.15 s), the graph an export would give.
+A graph that differs at a shape (export drops no-op ops at a batch of 1) is planned
+again with every parameter where it is (:attr:`ShapeRoutes.replan`).  Under
+``compile=True`` the lowerings share compiled templates (:mod:`autopar.module.shape_template`): a few compilations for any number
 of shapes.
 """
 
@@ -61,10 +64,10 @@ from torch.utils import _pytree as pytree
 
 from autopar.capture.annotate import annotate
 from autopar.capture.grad_flow import from_inputs
-from autopar.capture.trace import capture
 from autopar.log import log
 from autopar.module.habits import building
 from autopar.module.runners import Switches, keep_loss_only, stage_runner
+from autopar.module.shape_capture import ShapeCaptures
 from autopar.module.shape_lowering import Shapes, adopt, fit_plan, same_graph, shapes_text
 from autopar.module.shape_template import Shape, Templates
 from autopar.passes.lower import lower
@@ -117,6 +120,8 @@ class ShapeRoutes:
     _needs_agreement: Agree | None = field(default=None, repr=False)
     batch: frozenset[int] = field(init=False, repr=False)
     """Flat inputs whose dim 0 is the batch (:func:`_batch_inputs` of the planned shapes)."""
+    captures: ShapeCaptures = field(init=False, repr=False)
+    """How new shapes are captured (exported, or given by a symbolic export)."""
     model: torch.nn.Module | None = field(default=None, repr=False)
     """The model passed to ``auto_parallel`` with fake tensors (:func:`structure_copy`):
     what a new shape is captured from, at no memory."""
@@ -128,6 +133,7 @@ class ShapeRoutes:
 
     def __post_init__(self) -> None:
         self.batch = _batch_inputs(self.planned.shapes)
+        self.captures = ShapeCaptures(list(self.planned.shapes))
 
     def __deepcopy__(self, memo: dict) -> ShapeRoutes:
         # a copy of the module (an EMA) builds its own graphs on its own parameters
@@ -219,7 +225,7 @@ class ShapeRoutes:
                 "to auto_parallel at that shape, and a module loaded from an export has none: "
                 f"call it with the planned shapes ({shapes_text(pm.binder, self.planned.shapes, '')}), "
                 "or build it with auto_parallel(model, plan=...)")
-        t0 = time.perf_counter()
+        t0, given = time.perf_counter(), self.captures.instantiated
         cap, plan, micro = self._captured(pm, model, want, flat)
         plan, dropped = fit_plan(plan, cap.gm, pm.binder, want)
         gm = lower(cap.gm, plan)
@@ -231,7 +237,8 @@ class ShapeRoutes:
         else:
             route = Route(None, list(want), passthrough, self._runner(pm, gm, plan, micro))
         self.built += 1
-        log.info("shape %s: captured and lowered with the plan in %.2f s%s%s", list(want),
+        log.info("shape %s: %s and lowered with the plan in %.2f s%s%s", list(want),
+                 "captured" if given == self.captures.instantiated else "given by the symbolic graph",
                  time.perf_counter() - t0,
                  f", {micro} micro-batches" if micro != d.micro_batches else "",
                  f" (axes {sorted(dropped)} compute the whole of the dims they would split)"
@@ -312,8 +319,8 @@ class ShapeRoutes:
 
     def _capture(self, pm: ParallelModule, model, args: tuple, kwargs: dict):
         """The model captured for this call (in the planned graph's mode), annotated."""
-        cap = self._in_mode(model, lambda: capture(model, args, kwargs,
-                                                   precision=pm.plan.decisions.precision))
+        cap = self._in_mode(model, lambda: self.captures.capture(
+            model, args, kwargs, pm.plan.decisions.precision, self.fake))
         annotate(cap.gm)
         return cap
 

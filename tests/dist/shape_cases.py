@@ -139,6 +139,7 @@ def train_shapes(c: dict) -> dict:
             res["eval"] = abs(float(out.loss) - float(ref(**four).loss)) / float(ref(**four).loss)
             res["eval_logits"] = out.logits is None
     res["built"] = pm.routes.built
+    res["exported"], res["given"] = pm.routes.captures.exported, pm.routes.captures.instantiated
     res["micro"] = [r.runner.micro_batches for r in pm.routes.cache.values() if r.runner is not None]
     res["families"] = len(pm.routes.templates.families)
     res["rank"] = dist.get_rank()
@@ -200,4 +201,5 @@ def compile_lengths(c: dict) -> dict:
     res["templates"] = pm.routes.templates.compilations
     res["compiled"] = pm.compiled
     res["built"] = pm.routes.built
+    res["exported"], res["given"] = pm.routes.captures.exported, pm.routes.captures.instantiated
     return res

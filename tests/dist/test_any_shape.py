@@ -25,10 +25,15 @@ TRAIN = [[16] * 4, [10, 7, 10, 3], [16, 16, 12], [20, 5]]  # planned; padded; 3 
 # batch="local": each data-parallel rank's rows of every global batch (uneven), each
 # trimmed to its own longest sequence (a collator per rank)
 LOCAL = {"batch": "local", "trim": True, "steps": [[16] * 4, [10, 7, 10, 3], [16, 16, 12], [20, 5, 9, 9, 9]]}
+LENGTHS = [[16] * 4, [10, 7, 10, 3], [12, 5, 12, 12], [9, 9, 2, 4], [20, 3, 3, 3], [7] * 4, [10, 2, 2, 2]]
 TWO = [
     {"id": "dp", "plan": "dp", "mesh": [2], "steps": TRAIN},
     {"id": "tp", "plan": "tp", "mesh": [2], "steps": TRAIN},
     {"id": "zero3", "plan": "zero3", "mesh": [2], "steps": TRAIN},
+    # six lengths at 4 rows: the first two exported, the four after given by the symbolic
+    # export the second one made (autopar/capture/any_shape.py)
+    {"id": "tp-lengths", "plan": "tp", "mesh": [2], "steps": LENGTHS},
+    {"id": "zero3-lengths", "plan": "zero3", "mesh": [2], "steps": LENGTHS},
     {"id": "local", "plan": "ddp", "mesh": [2], "split": [[2, 2], [2, 2], [2, 1], [1, 4]], **LOCAL},
     # context parallel over 2, a length of 17 and of 9 (no split that divides)
     {"id": "cp", "plan": "cp", "mesh": [2], "steps": [[16] * 4, [17] * 4, [9] * 2]},
@@ -98,6 +103,18 @@ def four():
 @pytest.mark.parametrize("case", ["dp", "tp", "zero3", "local", "cp"])
 def test_any_shape_two_ranks(two, case):
     _check(two[case], 2)
+
+
+@pytest.mark.parametrize("case", ["tp-lengths", "zero3-lengths"])
+def test_new_lengths_are_not_exported_again(two, case):
+    """Seven batches of 4 rows, five new lengths besides the planned 16 (10 twice): the
+    first two new lengths are exported (the second also with the length symbolic), the
+    other three are that symbolic graph given their numbers, each step still the single
+    process's loss (_check); the evaluation at batch 1 after them, another kind of shape,
+    is exported.  Before, every new length was exported."""
+    _check(two[case], 2)
+    for r in two[case]["ranks"]:
+        assert (r["built"], r["exported"], r["given"]) == (6, 3, 3), r
 
 
 def test_pipeline_any_shape(two):
@@ -191,6 +208,7 @@ def test_compile_twenty_lengths(compiled):
         assert r["ok"], r.get("error")
         assert max(_rel(a, b) for a, b in zip(r["loss"], r["ref"])) < 1e-5, (r["loss"], r["ref"])
         assert len(set(r["lengths"])) == 20 and r["built"] == 20  # 20 new shapes
+        assert (r["exported"], r["given"]) == (2, 18)  # two exports, then the symbolic graph
         assert r["templates"] == 2, r["templates"]  # the first shape, then widened by the second
         assert r["graphs"][-1] == r["graphs"][2] and r["graphs"][2] > r["graphs"][0], r["graphs"]
 

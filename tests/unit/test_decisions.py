@@ -18,7 +18,7 @@ import autopar
 import autopar.search.entry  # noqa: F401  (what autopar.plan imports to search: its price hooks)
 from autopar import MeshSpec
 from autopar.api import _DECISION_KEYS
-from autopar.capture.trace import finish
+from autopar.capture.trace import finish_shaped
 from autopar.errors import ConfigError
 from autopar.module.apply import apply_plan
 from autopar.module.parallel import ParallelModule
@@ -61,7 +61,7 @@ def test_every_forcing_option_is_a_plan_option_and_a_keyword() -> None:
         assert REQUEST - {"choose_limit"} <= named | {"search", "time_limit"}
 
 
-APPLIERS = (apply_plan, ParallelModule.__init__, finish, lower)
+APPLIERS = (apply_plan, ParallelModule.__init__, finish_shaped, lower)
 """Where a plan is applied: the module's steps (:func:`apply_plan`, and the inputs as the
 module is built), capture (precision) and lowering (placements, context parallelism)."""
 
