@@ -47,6 +47,20 @@ def _batch(rows: int, length: int, padded: bool, seed: int) -> dict[str, torch.T
     return out
 
 
+def _val(n) -> object:
+    """A node's value as planning reads it: shape, strides, dtype, grad."""
+    v = n.meta.get("val")
+    if isinstance(v, (tuple, list)):
+        return tuple(_val_of(x) for x in v)
+    return _val_of(v)
+
+
+def _val_of(v: object) -> object:
+    if isinstance(v, torch.Tensor):
+        return tuple(v.shape), v.stride(), v.dtype, v.requires_grad
+    return v if isinstance(v, (int, float, bool)) or v is None else type(v).__name__
+
+
 def _flat_shapes(kw: dict) -> list:
     return [tuple(x.shape) for x in pytree.tree_leaves(((), kw))]
 
@@ -70,6 +84,7 @@ def test_symbolic_graph_is_the_export_at_every_length(make, padded):
             assert signature(got.gm) == signature(ref.gm), length
             assert numbers(got.gm) == numbers(ref.gm), length  # the lengths' numbers
             assert [n.name for n in got.gm.graph.nodes] == [n.name for n in ref.gm.graph.nodes]
+            assert [_val(n) for n in got.gm.graph.nodes] == [_val(n) for n in ref.gm.graph.nodes]
             with torch.no_grad():
                 want = model(**kw).loss
                 out = pytree.tree_unflatten(got.gm(*pytree.tree_leaves(((), kw))), got.out_spec)
