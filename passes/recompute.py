@@ -78,9 +78,16 @@ class RecomputeError(ValueError):
 def checkpoint(fn, *inputs):
     """``torch.utils.checkpoint.checkpoint`` (non-reentrant, no early stop, so every rank
     re-issues the same collectives) whose recomputation replays the dropout generator's
-    state (:mod:`autopar.runtime.rng`), so a recomputed mask is the forward's."""
+    state (:mod:`autopar.runtime.rng`), so a recomputed mask is the forward's.  Under
+    ``torch.compile`` dynamo takes no ``context_fn`` but its own selective ones (it would
+    give up on the whole graph): there the checkpoint is dynamo's, whose partitioner
+    replays or keeps random ops itself, as for a user's ``torch.compile`` of a
+    checkpointed model."""
+    if torch.compiler.is_compiling():
+        return torch.utils.checkpoint.checkpoint(fn, *inputs, use_reentrant=False)
     return torch.utils.checkpoint.checkpoint(fn, *inputs, use_reentrant=False, early_stop=False,
                                              context_fn=replay_contexts)
+
 
 def _tags(gm: fx.GraphModule) -> dict[fx.Node, str]:
     """Layer key per node: the lowering's tags, else read from ``nn_module_stack``."""
