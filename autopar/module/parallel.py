@@ -208,10 +208,11 @@ class ParallelModule(nn.Module):
     @property
     def compiled(self) -> bool:
         """Whether the graph runs through ``torch.compile`` (:meth:`forward`'s, or the
-        pipeline stages' under :meth:`train_step`)."""
+        pipeline stages' under :meth:`train_step`); ``False`` once compiling it failed
+        and it runs eagerly (:class:`~autopar.runtime.compile_fallback.CompiledOrEager`)."""
         if self.runner is not None:
             return self.runner.compiled
-        return self._compiled is not None
+        return self._compiled is not None and self._compiled.compiled is not None
 
     def train_step(self, *args, **kwargs) -> torch.Tensor:
         """Forward and backward of one global batch (all micro-batches, every pipeline

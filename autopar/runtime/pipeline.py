@@ -178,8 +178,9 @@ class PipelineRunner:
 
     @property
     def compiled(self) -> bool:
-        """Whether the chunks' graphs run through ``torch.compile`` (:meth:`compile`)."""
-        return bool(self._compiled)
+        """Whether the chunks' graphs run through ``torch.compile`` (:meth:`compile`);
+        ``False`` once compiling one of them failed and it runs eagerly."""
+        return bool(self._compiled) and all(c.compiled is not None for c in self._compiled.values())
 
     # ------------------------------------------------------------ inputs
     def split_inputs(self, inputs: Sequence, chunk: int = 0) -> list[list]:

@@ -126,6 +126,7 @@ def run_case(case: Case) -> dict:
     # graphs dynamo made after the first step (a recompile per step would add some)
     res["dynamo_recompiled"] = _dynamo_graphs() - graphs
     res["graph_breaks"], res["dynamo_graphs"] = _graph_breaks() - breaks, _dynamo_graphs() - made
+    res["compiled"] = pm.compiled  # after the steps: False where a compile fell back to eager
     if case.measure_memory:
         res["memory"] = _measure_memory(pm, opt, ex)
     return res

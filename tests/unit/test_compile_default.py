@@ -76,6 +76,7 @@ def test_a_failing_compile_runs_eagerly_with_one_warning(one_rank) -> None:
         warnings.simplefilter("error")  # said once: the next call runs eagerly, quietly
         pm(x, y)
     assert pm._compiled.failure and "no compiler here" in pm._compiled.failure
+    assert not pm.compiled  # it says what runs now: the eager graph
     pm.shutdown()
 
 
