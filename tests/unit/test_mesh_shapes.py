@@ -58,7 +58,8 @@ def test_three_axis_shapes_keep_stages_of_several_nodes():
     assert three(32) == [(4, 4, 2)] and three(1024) == [(128, 4, 2)]
     assert three_axis_splits((4, 4, 2)) == {(2, 0)}
     assert three_axis_splits((8, 4, 2)) == {(2, 0), (4, 0)}
-    assert three(16) == [] and not [s for s in shape_options(MeshSpec.preset("cpu-gloo", devices=8)) if len(s) == 3]
+    # one host (cpu-gloo) has no nodes to carve a pipeline across
+    assert not [s for s in shape_options(MeshSpec.preset("cpu-gloo", devices=8)) if len(s) == 3]
 
 
 def test_preset_devices_flag_round_trips():
