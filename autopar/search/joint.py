@@ -289,8 +289,12 @@ class JointSearch:
         and the first candidate, the plain one or the forced split; returns its split."""
         self._clock = TimeBudget(self.opts.time_limit, self.uncharged)
         self._stopped = set()
-        stages, axis = self.space.forced_splits()[0]
-        first = (stages, self.space.micro_options(stages)[0], axis)
+        if self.space.only is None:
+            stages, axis = self.space.forced_splits()[0]
+            first = (stages, self.space.micro_options(stages)[0], axis)
+        else:
+            first = self._first_kept()
+            stages, axis = first[0], first[2]
         self._try(stages, first[1], math.inf, strict=True, estimate=self.captures.start_early(), axis=axis)
         if self.space.copies_split(first):
             self._try(1, 2, math.inf, estimate=self.captures.shallow is not None)
@@ -299,6 +303,17 @@ class JointSearch:
             for p, a in self.space.forced_splits()[1:]:  # the forced count from the other axes
                 self._try(p, first[1], math.inf, estimate=self.captures.shallow is not None, axis=a)
         return first
+
+    def _first_kept(self) -> tuple[int, int, int]:
+        """The first split when :attr:`PlanSpace.only` restricts them: the first kept
+        one, its most promising micro-batch count; PlanError when none is kept (tied
+        weights across layers rule pipelines out)."""
+        kept = self._stage_options()
+        if not kept:
+            raise PlanError(f"none of the splits {sorted(self.space.only or ())} searched on mesh "
+                            f"{tuple(self.mesh.shape)} can run this model")
+        stages, axis = kept[0]
+        return stages, self.space.micro_order(stages, axis)[0], axis
 
     def widens(self) -> bool:
         """Whether :meth:`widen` searches the other splits: ``explore``, or memory pressure (ZeRO

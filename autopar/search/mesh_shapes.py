@@ -4,12 +4,44 @@ Every factorisation of the count into one or two axes whose node boundaries fall
 between groups of an axis (:func:`shape_options`) is a joint search of its own
 (:class:`~autopar.search.joint.JointSearch`), all of them sharing one capture of the
 model and one shallow copy.  A third level comes from the pipeline split, which the
-joint search carves out of either axis, so three-axis shapes are not enumerated.
+joint search carves out of either axis.
+
+What a pipeline carved from two axes cannot give is a stage with three axes of its own
+(Mist's GPT-22B on 4 nodes of 8: PP2 x DP2 across nodes x FSDP4 x TP2 inside one).  So
+three-axis shapes are searched too, for those splits alone (:func:`three_axis_splits`):
+``(nodes, b, c)`` with the outer axis the node count and ``b x c`` a node, ``b >= c > 1``,
+searched only for pipelines carved from the outer axis that leave more than one node to a
+stage (``1 < stages < nodes``).  Nothing else of such a shape can beat the two-axis shapes:
+
+* ``nodes`` stages leave each a ``b x c`` node: exactly the split of the same count from
+  the outer axis of the two-axis shape ``(nodes x b, c)``, searched anyway;
+* ``(nodes, c, b)`` is ``(nodes, b, c)`` with its two inner axes swapped: both have the
+  node's link, so each plan of one is a plan of the other, priced alike but for the order
+  of collectives over both axes (GPT-22B's layer: 4x2x4's best PP2 split 7e-6 slower
+  than 4x4x2's);
+* the plain plan (one stage) and stages carved inside a node are measured, not proven,
+  not to win: with them left out the searched plan is still no slower than any named
+  shape's full fixed search on the published suites and the Llama cells, the three-axis
+  named shapes (2x2x4, 4x2x4, 4x4x2) included (``benchmarks/shape_search_check.py``,
+  docs/benchmarks.md).  They are what makes a three-axis shape dear: for Mist's GPT-22B
+  they took 33 of the 56 CPU seconds of 4x4x2's full search, its winning split 18.
+
+They are searched after the others (a third round, as round 2 below), and only when the
+best plan of the others is a pipeline across nodes (stages from the outer axis): a
+three-axis shape refines such a pipeline's stages.  Measured, not proven: with this rule
+the searched plan stays no slower than every named shape's own search on the suites and
+the Llama cells (docs/benchmarks.md), and skipping them where the others' best has no
+pipeline keeps a cheap search cheap (Llama-3 8B on 64 devices: 8.9 CPU seconds, 24.7 with
+8x4x2 searched).
+
+Three-axis shapes are left out when the user forces ``pipeline_stages`` or
+``pipeline_axis`` (the forced split is the one a fixed shape of the user's would take).
 
 The shapes are searched in two rounds, so the time goes where it can change the answer:
 
-1. **first candidates**: every shape's plain candidate (one stage, one micro-batch),
-   estimated from the shallow copy like a fixed shape's.  Each shape starts with the best
+1. **first candidates**: every shape's plain candidate (one stage, one micro-batch; a
+   three-axis shape's first split, its most promising micro-batch count), estimated from
+   the shallow copy like a fixed shape's.  Each shape starts with the best
    step found so far as its bound, so a split that cannot beat another shape's plan is
    priced no further.
 2. **the rest of each shape's search** (pipelines, micro-batches, ZeRO and
@@ -50,7 +82,7 @@ from autopar.plans.roles import layout
 from autopar.search.budget import SHARES, Phase
 from autopar.search.joint import JointSearch
 
-__all__ = ["EXPLORE_SHARE", "ShapeSearch", "shape_options"]
+__all__ = ["EXPLORE_SHARE", "ShapeSearch", "shape_options", "three_axis_splits"]
 
 EXPLORE_SHARE = 1.5
 """The explore rounds' budget over all shapes, in units of ``time_limit``: twice a fixed
@@ -76,15 +108,25 @@ def _respects_nodes(shape: tuple[int, ...], per_node: int | None) -> bool:
 def shape_options(mesh: MeshSpec) -> list[tuple[int, ...]]:
     """The shapes of ``mesh.size`` devices the search considers: the count as one axis
     and every ``(n // k, k)``, outer axis across nodes first when it covers whole nodes,
-    that respects the nodes (:func:`_respects_nodes`); ConfigError when none does."""
-    n = mesh.size
+    that respects the nodes (:func:`_respects_nodes`), then the three-axis shapes whose
+    stages can keep three axes (module docstring); ConfigError when none does."""
+    n, g = mesh.size, mesh.gpus_per_node
     shapes = [(n,)] + [(n // k, k) for k in range(2, n) if n % k == 0]
+    if g is not None and n % g == 0:
+        shapes += [(n // g, g // c, c) for c in range(g - 1, 1, -1)
+                   if g % c == 0 and g // c >= c and three_axis_splits((n // g, g // c, c))]
     ok = [s for s in shapes if _respects_nodes(s, mesh.gpus_per_node)]
     if not ok:
         raise ConfigError(f"{n} devices on nodes of {mesh.gpus_per_node} ({mesh.name}) form no mesh "
                           "whose axes lie inside nodes or cover whole ones: use a multiple of a "
                           "node's devices, or a divisor of it")
     return ok
+
+
+def three_axis_splits(shape: tuple[int, ...]) -> frozenset[tuple[int, int]]:
+    """The (stages, axis) splits searched on a three-axis shape: stages carved from its
+    outer axis, more than one and fewer than its size (module docstring)."""
+    return frozenset((p, 0) for p in range(2, shape[0]) if shape[0] % p == 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +163,8 @@ class ShapeSearch:
         self.model, self.inputs, self.opts, self.kwargs = model, example_inputs, opts, example_kwargs
         self.base = base
         self.mesh = mesh
-        self.shapes = shape_options(mesh)
+        forced = opts.pipeline_stages is not None or opts.pipeline_axis is not None
+        self.shapes = [s for s in shape_options(mesh) if len(s) < 3 or not forced]
         self.searches: dict[tuple[int, ...], JointSearch] = {}
         self.errors: dict[tuple[int, ...], Exception] = {}
         self.firsts: dict[tuple[int, ...], tuple[int, int, int]] = {}
@@ -140,6 +183,8 @@ class ShapeSearch:
         """Round 1 for one shape: its search, sharing the first one's captures."""
         try:
             js = JointSearch(self.model, self.inputs, self.mesh.with_shape(shape), self.opts, self.kwargs)
+            if len(shape) == 3:
+                js.space.only = three_axis_splits(shape)
             if self.searches or self.base is not None:
                 js.share(next(iter(self.searches.values())) if self.searches else self.base)
             js.incumbent = self._bound()
@@ -172,17 +217,33 @@ class ShapeSearch:
 
     def _explore(self, t0: float) -> None:
         for shape in self.shapes:
-            self._start(shape)
+            if len(shape) < 3:
+                self._start(shape)
         if not self.searches:
             raise next(iter(self.errors.values()))
-        # round 2: the fastest first candidates first, so the bound falls early.  Its
-        # captures are charged: a split whose shallow estimate fails is captured at full
-        # depth (13 s for Llama-3 70B), and uncharged they tripled this round's time
+        # round 2's captures are charged: a split whose shallow estimate fails is captured
+        # at full depth (13 s for Llama-3 70B), and uncharged they tripled this round's time
         total = self.explore_share * self.opts.time_limit
         first_captures = self._captured()
-        self.first_steps = {s: self._step(s) for s in self.searches}
-        floors = {s: js.rest_floor(self.firsts[s]) for s, js in self.searches.items()}
-        order = sorted(self.searches, key=lambda s: (self.first_steps[s], self.shapes.index(s)))
+        self._widen(list(self.searches), t0, total - first_captures)
+        # round 3: the three-axis shapes refine a pipeline across nodes (module docstring)
+        best = min((js.best() for js in self.searches.values() if js.best() is not None),
+                   key=lambda b: b[1].step_seconds, default=None)
+        across = best is not None and best[0].stages > 1 and best[0].axis == 0
+        three = [s for s in self.shapes if len(s) == 3]
+        for shape in three:
+            if across:
+                self._start(shape)
+            else:
+                self.errors[shape] = PlanError("the best plan of the other shapes has no pipeline across nodes")
+        self._widen([s for s in three if s in self.searches], t0, total - first_captures)
+
+    def _widen(self, shapes: list[tuple[int, ...]], t0: float, total: float) -> None:
+        """Round 2 over ``shapes``: the fastest first candidates first, so the bound falls
+        early; ``total``: the explore rounds' budget from ``t0``."""
+        self.first_steps.update({s: self._step(s) for s in shapes})
+        floors = {s: self.searches[s].rest_floor(self.firsts[s]) for s in shapes}
+        order = sorted(shapes, key=lambda s: (self.first_steps[s], self.shapes.index(s)))
         for k, shape in enumerate(order):
             bar = self._bound()
             # the best step only falls: a shape whose floor is over it now stays over it
@@ -192,9 +253,8 @@ class ShapeSearch:
                     self.unwidened[shape] = (floors[shape], bar)
                 continue
             js = self.searches[shape]
-            spent = time.perf_counter() - t0 - first_captures
             js.incumbent = bar
-            js.widen(self.firsts[shape], max(0.0, total - spent) / len(live))
+            js.widen(self.firsts[shape], max(0.0, total - (time.perf_counter() - t0)) / len(live))
 
     def _captured(self) -> float:
         return sum(js.uncharged() for js in self.searches.values())
@@ -249,7 +309,8 @@ class ShapeSearch:
                 math.isfinite(p.min_memory) for _, p in js.priced) else \
                 f"no plan fits: the leanest needs {format_bytes(self._need(shape))}"
             note = self._unwidened_note(shape) or note
-            return ShapeResult(shape, math.inf, self._need(shape), "", False, note)
+            need = self._need(shape)  # infinite when every split was bounded before pricing
+            return ShapeResult(shape, math.inf, need if math.isfinite(need) else 0.0, "", False, note)
         cand, pr = best
         cfg = pr.config
         sketch = dataclasses.replace(

@@ -77,6 +77,9 @@ class PlanSpace:
 
     def __init__(self, mesh: MeshSpec, opts: PlanOptions, call: tuple) -> None:
         self.mesh, self.opts, self.call = mesh, opts, call
+        # the only (stages, axis) splits searched, when a shape search searches this
+        # mesh for some of its splits alone (autopar/search/mesh_shapes.py); None: all
+        self.only: frozenset[tuple[int, int]] | None = None
         # configs()' lists by what they depend on
         self._config_lists: dict[tuple, list[Config]] = {}
 
@@ -107,8 +110,12 @@ class PlanSpace:
             self._enough_layers(known, p)
             return self.forced_splits(), None
         if tied:
-            return [(1, 0)], f"no pipelining: tied weights {', '.join(tied)} span several layers"
-        return [(1, 0)] + self._splits(), None
+            return self._kept([(1, 0)]), f"no pipelining: tied weights {', '.join(tied)} span several layers"
+        return self._kept([(1, 0)] + self._splits()), None
+
+    def _kept(self, splits: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """``splits`` restricted to :attr:`only` when it is set."""
+        return splits if self.only is None else [s for s in splits if s in self.only]
 
     def _splits(self, stages: int | None = None) -> list[tuple[int, int]]:
         """The pipeline splits of the mesh (of ``stages`` stages only, when given), on the
@@ -246,7 +253,7 @@ class PlanSpace:
         """Under ``copies="auto"``: whether to price the one-stage split of two
         micro-batches, where two copies can run, whatever memory asks for (widening
         alone may skip it); ``first``: the split priced first."""
-        return self.opts.copies == "auto" and first[:2] != (1, 2) \
+        return self.opts.copies == "auto" and first[:2] != (1, 2) and bool(self._kept([(1, 0)])) \
             and self.opts.pipeline_stages in (None, 1) and self.opts.micro_batches in (None, 2) \
             and 2 in self.micro_options(1)
 

@@ -21,7 +21,7 @@ from autopar.cli.main import main as cli_main
 from autopar.errors import ConfigError
 from autopar.plans import Plan
 from autopar.scaling import scaling_curve, scaling_table
-from autopar.search.mesh_shapes import _respects_nodes, shape_options
+from autopar.search.mesh_shapes import _respects_nodes, shape_options, three_axis_splits
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -37,7 +37,7 @@ def _gpt(batch: int = 16):
 def test_shapes_respect_nodes():
     m = MeshSpec.preset(H100, devices=64)
     assert m.search_shape and m.shape == (64,)
-    assert shape_options(m) == [(64,), (32, 2), (16, 4), (8, 8), (4, 16), (2, 32)]
+    assert shape_options(m) == [(64,), (32, 2), (16, 4), (8, 8), (4, 16), (2, 32), (8, 4, 2)]
     # a node of 8 cuts through a group of 3 (4x3) or of 12: not shapes of this cluster
     assert not _respects_nodes((4, 3), 8) and not _respects_nodes((12,), 8)
     assert _respects_nodes((4, 16), 8) and _respects_nodes((2, 4), 8)
@@ -45,6 +45,21 @@ def test_shapes_respect_nodes():
         shape_options(MeshSpec.preset(H100, devices=12))
     # one host (cpu-gloo): no node boundary, every factorisation
     assert shape_options(MeshSpec.preset("cpu-gloo", devices=6)) == [(6,), (3, 2), (2, 3)]
+
+
+def test_three_axis_shapes_keep_stages_of_several_nodes():
+    """A three-axis shape is the node count by a node's two axes (the larger outer), and
+    is searched only for pipelines from its outer axis with more than one node a stage:
+    none on two nodes (two stages of one node each are (16, 2)'s split)."""
+    def three(n):
+        return [s for s in shape_options(MeshSpec.preset(H100, devices=n)) if len(s) == 3]
+
+    assert three(8) == [] and three(16) == [] and three(24) == []  # 3 nodes: no stage of several
+    assert three(32) == [(4, 4, 2)] and three(1024) == [(128, 4, 2)]
+    assert three_axis_splits((4, 4, 2)) == {(2, 0)}
+    assert three_axis_splits((8, 4, 2)) == {(2, 0), (4, 0)}
+    # one host (cpu-gloo) has no nodes to carve a pipeline across
+    assert not [s for s in shape_options(MeshSpec.preset("cpu-gloo", devices=8)) if len(s) == 3]
 
 
 def test_preset_devices_flag_round_trips():
@@ -182,3 +197,26 @@ def test_a_shape_whose_pipeline_wins_is_widened():
     rows = {tuple(r["shape"]): r for r in p.decisions.mesh_shapes}
     assert "first candidate only" not in rows[(8, 2)]["note"]
     assert rows[(8, 2)]["step_seconds"] == pytest.approx(named.decisions.step_seconds, rel=1e-9)
+
+
+@pytest.mark.slow
+def test_a_stage_of_three_axes_is_searched():
+    """Mist's GPT-22B layer (width 6,144, 64 heads, 4,096 tokens; 2 blocks standing for 48)
+    on 4 nodes of 8 A100-40GB, batch 256: the fastest plan is PP2 across nodes with each
+    stage DP2 x FSDP4 x TP2 (three axes in a stage, which no pipeline carved from a one- or
+    two-axis shape gives).  The shape search must find it: no slower than the named 4x4x2
+    shape's own search of that split.  A search of one- and two-axis shapes alone picks a
+    slower plan."""
+    with torch.device("meta"):
+        model = gpt.GPT(gpt.GPTConfig(vocab=50304, seq=4096, dim=6144, heads=64, layers=2))
+    tokens = torch.zeros(256, 4096, dtype=torch.long, device="meta")
+    kw = dict(blocks=48, precision="bf16-mixed", time_limit=120, explore=True)
+    preset = "multinode-a100-40gb"
+    named = autopar.plan(model, (tokens, tokens.clone()), MeshSpec.preset(preset, shape=(4, 4, 2)),
+                         pipeline_stages=2, pipeline_axis=0, **kw)
+    p = autopar.plan(model, (tokens, tokens.clone()), MeshSpec.preset(preset, devices=32), **kw)
+    assert p.decisions.step_seconds <= named.decisions.step_seconds * (1 + 1e-9)
+    assert tuple(p.request.mesh_shape) == (4, 4, 2) and p.decisions.pipeline_stages == 2
+    two_axis = [r["step_seconds"] for r in p.decisions.mesh_shapes
+                if len(r["shape"]) < 3 and r["step_seconds"] is not None]
+    assert min(two_axis) > p.decisions.step_seconds
