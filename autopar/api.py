@@ -25,7 +25,7 @@ from autopar.module.parallel import ParallelModule
 from autopar.module.shapes import structure_copy
 from autopar.module.state import TensorInfo
 from autopar.passes.lower import lower
-from autopar.plans.data import Plan
+from autopar.plans.data import Plan, compile_words
 from autopar.plans.decisions import SEARCH_KNOBS, PlanOptions, decision_options, zero_axes
 from autopar.plans.kinds import Precision
 from autopar.plans.splits import micro_inputs
@@ -227,7 +227,9 @@ def _build(model: nn.Module, example_inputs: tuple, mesh: MeshSpec, opts: PlanOp
     if plan is not None and plan.decisions.compile != opts.compile:
         log.info(f"the given plan was priced {'compiled' if plan.decisions.compile else 'eager'}; "
                  f"it runs {'compiled' if opts.compile else 'eagerly'} as compile= asks")
-        plan = dataclasses.replace(plan, decisions=dataclasses.replace(plan.decisions, compile=opts.compile))
+        why = {**plan.decisions.why, "compile": compile_words(opts.compile)}
+        plan = dataclasses.replace(plan, decisions=dataclasses.replace(
+            plan.decisions, compile=opts.compile, why=why))
     cap, p = _shared_plan(model, example_inputs, mesh, opts, example_kwargs, plan, timeout)
     try:
         if cap is None:

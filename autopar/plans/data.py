@@ -143,6 +143,17 @@ def zero_words(axis: int | list[int] | tuple[int, ...] | None) -> str:
     return "mesh axes " + ", ".join(map(str, axes[:-1])) + f" and {axes[-1]}"
 
 
+def compile_words(compiled: bool) -> str:
+    """``plan.explain("compile")``: whether the graph runs compiled, and how it was priced."""
+    if compiled:
+        return ("compiled: the generated graph runs through torch.compile (compile=True, the "
+                "default under NCCL) and is priced so: each chain of pointwise ops in a layer one "
+                "fused kernel, its launches and memory traffic counted once")
+    return ("eager: the generated graph runs op by op, as priced (compile=False, the default on a "
+            "CPU, where the compiled step measured 0.93-1.09x the eager one on 4 gloo ranks for "
+            "minutes of compiling; compile=True compiles)")
+
+
 @dataclass
 class Plan:
     """A complete parallel plan for one model on one mesh."""

@@ -416,7 +416,8 @@ DECISIONS: tuple[Decision, ...] = (
              (Option("context_parallel", one_of(CONTEXT_PARALLEL, none=True), "off, gather-kv or exchange"),),
              ()),
     Decision("compile", "runs through torch.compile, its pointwise chains priced as inductor fuses them",
-             (Option("compile", flag, "True: priced and run compiled"),), ("compile",), forced_only=True),
+             (Option("compile", flag, "True: priced and run compiled"),), ("compile",), forced_only=True,
+             explain="compile"),
     Decision("batch", "who passes which samples: the whole batch everywhere, or each rank its part",
              (), ("batch", "local_axes")),
 )

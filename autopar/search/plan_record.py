@@ -7,7 +7,7 @@ chosen split)."""
 from __future__ import annotations
 
 from autopar.cost_models import MeshSpec
-from autopar.plans.data import Plan
+from autopar.plans.data import Plan, compile_words
 from autopar.plans.decisions import Decisions, PlanOptions, forced_values
 from autopar.plans.splits import batch_size
 from autopar.search.assemble import complete
@@ -55,6 +55,7 @@ def recorded(cand: _Candidate, pr: Priced, priced: list, budget: float, call: tu
            if any(sp.buckets for sp in pr.stages) else {}))
     d.why = decisions_why(Context(priced, {id(p) for c, p in priced if c.estimate},
                                   budget, batch_size(call), opts.optimizer), pr)
+    d.why["compile"] = compile_words(d.compile)
     plan.decisions = d
     d.collectives = [c.to_dict() for c in list_collectives(cand.cap.gm, plan)]
     plan.request = request(cand.cap.gm, cfg.micro_batches, list(mesh.shape), budget)

@@ -108,4 +108,9 @@ def test_the_plan_is_priced_as_compile_resolves(one_rank) -> None:
     given = autopar.auto_parallel(model, example_inputs=(x, y), plan=eager.plan, compile=True)
     assert given.plan.decisions.compile and given.compiled
     assert not eager.plan.decisions.compile  # the caller's plan is left as it was
+    # plan.explain("compile") says what runs: the searched plans and the re-marked one
+    assert eager.plan.explain("compile").startswith("eager")
+    assert pm.plan.explain("compile").startswith("compiled")
+    assert given.plan.explain("compile").startswith("compiled")
+    assert eager.plan.explain("compile").startswith("eager")
     given.shutdown()  # the process group, which the three share

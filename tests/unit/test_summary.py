@@ -169,7 +169,7 @@ def test_explain_deltas_are_against_the_chosen_strategy():
         assert a.seconds >= n.local_seconds - 1e-12
     with pytest.raises(KeyError, match="did you mean"):
         p.explain(n.name + "9")
-    with pytest.raises(KeyError, match="decisions: buckets, compression, copies, gathers, "
+    with pytest.raises(KeyError, match="decisions: buckets, compile, compression, copies, gathers, "
                                        "micro_batches, offload, pipeline, recompute, zero, shapes"):
         p.explain("nothing_like_it")
 
