@@ -16,7 +16,7 @@ up to node names, which are then taken from that export's graph by position.
 :meth:`AnyShape.at` returns ``None`` where the copy cannot stand for an export (another
 dim changed, a number outside the range export proved the graph for, a graph with other
 ops); its caller then exports at that shape.  Its caller also checks the copy against a
-real export at one shape before trusting it (:func:`validated`): the same ops on the same
+real export at one shape before trusting it (:func:`capture_any_shape`): the same ops on the same
 inputs and the same numbers.
 """
 
@@ -32,12 +32,11 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
-from autopar.capture.graph_numbers import numbers, signature
+from autopar.capture.graph_numbers import SYMBOLIC, inline, numbers, signature, value_at
 from autopar.capture.trace import Captured, captured, export_module, finish_shaped, finish_shapeless
 from autopar.log import log
 from autopar.plans.kinds import Precision
 
-_SYM = (torch.SymInt, torch.SymBool, torch.SymFloat)
 _SLICE = torch.ops.aten.slice.Tensor
 _ALIAS = torch.ops.aten.alias.default
 
@@ -58,12 +57,12 @@ class AnyShape:
         """The capture for a call with ``(args, kwargs)`` (fake tensors of ``mode``), or
         ``None`` when this graph cannot give it (then export at that shape)."""
         t0 = time.perf_counter()
-        env = self._symbols(args, kwargs)
+        leaves = pytree.tree_leaves((args, kwargs))
+        env = self._symbols(leaves)
         if env is None:
             return None
         try:
-            gm = _renamed(_instantiate(self.gm, env, pytree.tree_leaves((args, kwargs)), mode),
-                          self.names)
+            gm = _renamed(_instantiate(self.gm, env, leaves, mode), self.names)
             if gm is not None:
                 finish_shaped(gm, self.precision)
         except Exception as e:  # noqa: BLE001 - a shape this graph cannot give: export instead
@@ -77,10 +76,10 @@ class AnyShape:
     def __post_init__(self) -> None:
         self._signature = signature(self.base.gm)
 
-    def _symbols(self, args: tuple, kwargs: dict) -> dict[sympy.Symbol, int] | None:
-        """Each symbol's number for this call; ``None`` when a dim the graph fixes
-        differs, one symbol would take two numbers, or a number is out of its range."""
-        leaves = pytree.tree_leaves((args, kwargs))
+    def _symbols(self, leaves: list) -> dict[sympy.Symbol, int] | None:
+        """Each symbol's number for a call with flat inputs ``leaves``; ``None`` when a
+        dim the graph fixes differs, one symbol would take two numbers, or a number is
+        out of its range."""
         phs = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         if len(leaves) != len(phs):
             return None
@@ -122,8 +121,8 @@ def _instantiate(base: fx.GraphModule, env: dict, leaves: list, mode: FakeTensor
             x = leaves[k]
             k += 1
             n.meta["val"] = mode.from_tensor(x) if isinstance(x, torch.Tensor) else x
-        elif isinstance(val, _SYM):
-            _inline(n, _number(val, env))
+        elif isinstance(val, SYMBOLIC):
+            inline(n, value_at(val, env))
         elif val is not None:
             n.meta["val"] = _concrete(val, env, mode)
     g.eliminate_dead_code()
@@ -133,32 +132,14 @@ def _instantiate(base: fx.GraphModule, env: dict, leaves: list, mode: FakeTensor
 def _concrete(val: object, env: dict, mode: FakeTensorMode) -> object:
     """A node's fake value with its symbolic sizes and strides at ``env``."""
     if isinstance(val, torch.Tensor):
-        size = [_number(d, env) if isinstance(d, torch.SymInt) else d for d in val.shape]
-        stride = [_number(d, env) if isinstance(d, torch.SymInt) else d for d in val.stride()]
+        size = [value_at(d, env) if isinstance(d, torch.SymInt) else d for d in val.shape]
+        stride = [value_at(d, env) if isinstance(d, torch.SymInt) else d for d in val.stride()]
         with mode:
             out = torch.empty_strided(size, stride, dtype=val.dtype, device=val.device)
         return out.requires_grad_(val.requires_grad) if val.requires_grad else out
     if isinstance(val, (tuple, list)):
         return type(val)(_concrete(v, env, mode) for v in val)
-    return _number(val, env) if isinstance(val, _SYM) else val
-
-
-def _number(val: object, env: dict) -> object:
-    """The value of a symbolic int/bool/float at ``env``."""
-    expr = sympy.sympify(val.node.expr).xreplace({s: sympy.Integer(k) for s, k in env.items()})  # type: ignore[union-attr]
-    if expr.free_symbols:
-        raise ValueError(f"{expr} depends on more than the call's dims")
-    if isinstance(val, torch.SymBool):
-        return bool(expr)
-    return int(expr) if isinstance(val, torch.SymInt) else float(expr)
-
-
-def _inline(node: fx.Node, value: object) -> None:
-    """Replace every use of ``node`` by the constant ``value`` and remove it."""
-    for user in list(node.users):
-        user.args = fx.map_arg(user.args, lambda a: value if a is node else a)
-        user.kwargs = fx.map_arg(user.kwargs, lambda a: value if a is node else a)
-    node.graph.erase_node(node)
+    return value_at(val, env) if isinstance(val, SYMBOLIC) else val
 
 
 def _whole_slice(n: fx.Node) -> bool:

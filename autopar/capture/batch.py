@@ -33,11 +33,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
+from autopar.capture.graph_numbers import SYMBOLIC, inline, value_at
 from autopar.capture.trace import Captured, captured, export_module, finish
 from autopar.log import log
 from autopar.plans.kinds import Precision
-
-_SYM = (torch.SymInt, torch.SymBool, torch.SymFloat)
 
 
 @dataclass
@@ -65,8 +64,8 @@ class AnyBatch:
                 val = n.meta.get("val")
                 if n.op == "placeholder":
                     inputs.append(self._input(val, size, mode))
-                elif isinstance(val, _SYM):
-                    _inline(n, self._number(val, size))
+                elif isinstance(val, SYMBOLIC):
+                    inline(n, self._number(val, size))
             g.eliminate_dead_code()
             FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
         except Exception as e:  # noqa: BLE001 - a shape this graph cannot give: export instead
@@ -79,29 +78,16 @@ class AnyBatch:
 
     def _number(self, val: object, size: int) -> object:
         """The value of a symbolic int/bool/float of the graph at batch ``size``."""
-        expr = sympy.sympify(val.node.expr).xreplace({self.symbol: sympy.Integer(size)})  # type: ignore[union-attr]
-        if expr.free_symbols:
-            raise ValueError(f"{expr} depends on more than the batch")
-        if isinstance(val, torch.SymBool):
-            return bool(expr)
-        return int(expr) if isinstance(val, torch.SymInt) else float(expr)
+        return value_at(val, {self.symbol: size})
 
     def _input(self, val: object, size: int, mode: FakeTensorMode) -> object:
-        if isinstance(val, _SYM):
+        if isinstance(val, SYMBOLIC):
             return self._number(val, size)
         if not isinstance(val, torch.Tensor):
             return val
         shape = [self._number(s, size) if isinstance(s, torch.SymInt) else int(s) for s in val.shape]
         with mode:
             return torch.empty(shape, dtype=val.dtype, device=val.device)
-
-
-def _inline(node: fx.Node, value: object) -> None:
-    """Replace every use of ``node`` by the constant ``value`` and remove it."""
-    for user in list(node.users):
-        user.args = fx.map_arg(user.args, lambda a: value if a is node else a)
-        user.kwargs = fx.map_arg(user.kwargs, lambda a: value if a is node else a)
-    node.graph.erase_node(node)
 
 
 def capture_any_batch(model: nn.Module, call: tuple, precision: Precision | str) -> AnyBatch | None:

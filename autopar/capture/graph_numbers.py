@@ -1,10 +1,16 @@
 """A graph's ops and wiring apart from its numbers, and its numbers: what two captures
 or lowerings of one model at different shapes share, and where they differ
-(:mod:`autopar.module.shape_template`, :mod:`autopar.capture.any_shape`)."""
+(:mod:`autopar.module.shape_template`, :mod:`autopar.capture.any_shape`), and a symbolic
+graph's values given numbers (:mod:`autopar.capture.batch`, :mod:`autopar.capture.any_shape`)."""
 
 from __future__ import annotations
 
+import sympy
+import torch
 from torch import fx
+
+SYMBOLIC = (torch.SymInt, torch.SymBool, torch.SymFloat)
+"""A symbolic export's values that stand for numbers."""
 
 NUMBER = (int, float)
 """What counts as a number in an op's arguments (``bool`` is excluded where read)."""
@@ -61,4 +67,24 @@ def numbers(gm: fx.GraphModule) -> list:
     return out
 
 
-__all__ = ["NUMBER", "numbers", "signature"]
+
+def value_at(val: object, env: dict[sympy.Symbol, int]) -> object:
+    """The value of a symbolic int/bool/float with its symbols at ``env``'s numbers
+    (ValueError when it depends on another symbol)."""
+    expr = sympy.sympify(val.node.expr).xreplace({s: sympy.Integer(k) for s, k in env.items()})  # type: ignore[union-attr]
+    if expr.free_symbols:
+        raise ValueError(f"{expr} depends on more than {sorted(map(str, env))}")
+    if isinstance(val, torch.SymBool):
+        return bool(expr)
+    return int(expr) if isinstance(val, torch.SymInt) else float(expr)
+
+
+def inline(node: fx.Node, value: object) -> None:
+    """Replace every use of ``node`` by the constant ``value`` and remove it."""
+    for user in list(node.users):
+        user.args = fx.map_arg(user.args, lambda a: value if a is node else a)
+        user.kwargs = fx.map_arg(user.kwargs, lambda a: value if a is node else a)
+    node.graph.erase_node(node)
+
+
+__all__ = ["NUMBER", "SYMBOLIC", "inline", "numbers", "signature", "value_at"]

@@ -5,7 +5,7 @@ the batch, both) is exported as the plan was (:func:`~autopar.capture.trace.capt
 The second is exported twice, once fixed and once with those dims symbolic
 (:func:`~autopar.capture.any_shape.capture_any_shape`), and the symbolic graph is kept
 when it gives the fixed export's graph at that shape: every later shape of that kind is
-that graph given its numbers (:meth:`~autopar.capture.any_shape.AnyShape.at`: ~0.15 s
+that graph given its numbers (:meth:`~autopar.capture.any_shape.AnyShape.at`: ~0.1 s
 for benchmarks/variable_length.py's Llama against ~0.35 s for an export), the same graph
 an export would give.  A kind met once (a short last batch, an evaluation at batch 1)
 costs no symbolic export; a kind whose symbolic graph is not the export's (a model that

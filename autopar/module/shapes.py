@@ -40,11 +40,11 @@ A new shape costs a capture and a lowering, paid once per shape.  The first two 
 of a kind (the same dims differing from the planned shape: the length, say) are exported
 (~0.4-0.8 s for benchmarks/variable_length.py's Llama on the 2-core VM), the second also
 with those dims symbolic; every later shape of the kind is that symbolic graph given its
-numbers (:mod:`autopar.module.shape_capture`, ~0.15 s), the graph an export would give.
+numbers (:mod:`autopar.module.shape_capture`, ~0.1 s), the graph an export would give.
 A graph that differs at a shape (export drops no-op ops at a batch of 1) is planned
 again with every parameter where it is (:attr:`ShapeRoutes.replan`).  Under
-``compile=True`` the lowerings share compiled templates (:mod:`autopar.module.shape_template`): a few compilations for any number
-of shapes.
+``compile=True`` the lowerings share compiled templates
+(:mod:`autopar.module.shape_template`): a few compilations for any number of shapes.
 """
 
 from __future__ import annotations
