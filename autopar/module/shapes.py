@@ -212,6 +212,13 @@ class ShapeRoutes:
     # ------------------------------------------------------------ building
     def _build(self, pm: ParallelModule, want: Shapes, flat: list) -> Route:
         d = pm.plan.decisions
+        if any(want[i] and want[i][0] == 0 for i in self.batch):
+            # refused before capture, whose error (a reshape of 0 elements) says nothing
+            raise InputMismatchError(
+                f"{shapes_text(pm.binder, want)}: a batch of no rows"
+                + (" (this rank passed none under batch='local'; every data-parallel rank passes "
+                   "at least one row a step, as DistributedSampler gives them)"
+                   if pm.binder.mode is BatchMode.LOCAL else ""))
         if d.copies > 1:
             raise InputMismatchError(
                 f"{shapes_text(pm.binder, want)}, but this plan runs {d.copies} copies of each "

@@ -146,6 +146,72 @@ def train_shapes(c: dict) -> dict:
     return res
 
 
+def pack(batch: dict) -> dict:
+    """The right-padded rows of ``batch`` packed into one row by Hugging Face's
+    ``DataCollatorWithFlattening``, padding dropped: the sequences back to back,
+    ``position_ids`` restarting at each, the first label of each -100 (nothing is
+    predicted across a boundary), no ``attention_mask`` (the model then keeps each
+    sequence from attending to the others by its positions)."""
+    from transformers import DataCollatorWithFlattening
+
+    rows = [{"input_ids": ids[:k].tolist(), "labels": ids[:k].tolist()}
+            for ids, k in zip(batch["input_ids"], batch["attention_mask"].sum(1).tolist())]
+    return dict(DataCollatorWithFlattening()(rows))
+
+
+def _dp_rows(pm, batch: dict) -> dict:
+    """This data-parallel rank's rows of ``batch`` (split as evenly as they go)."""
+    n, dp, r = batch["input_ids"].shape[0], pm.data_parallel_size, pm.data_parallel_rank
+    lo, hi = r * n // dp, (r + 1) * n // dp
+    return _rows(batch, lo, hi)
+
+
+def train_packed(c: dict) -> dict:
+    """Under ``batch="local"`` each data-parallel rank packs its rows of every global
+    batch of ``c["steps"]`` into one row (:func:`pack`: no padding, a length of its own
+    every step); the single process trains on the padded global batch, the same
+    sequences.  Losses, weights and an evaluation of one packed row against it."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    world = 1
+    for k in c["mesh"]:
+        world *= k
+    example = {k: torch.cat([v] * world) for k, v in pack(padded([16, 16], seed=0)).items()}
+    pm = build(c, model, example)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    res: dict = {"loss": [], "ref": [], "lengths": []}
+    for i, lengths in enumerate(c["steps"]):
+        batch = padded(lengths, seed=10 + i)
+        mine = pack(_dp_rows(pm, batch))
+        opt.zero_grad()
+        loss = pm(**mine).loss
+        loss.backward()
+        opt.step()
+        ropt.zero_grad()
+        rout = ref(**batch)
+        rout.loss.backward()
+        ropt.step()
+        res["loss"].append(float(loss))
+        res["ref"].append(float(rout.loss))
+        res["lengths"].append(mine["input_ids"].shape[1])
+    full = pm.full_state_dict()
+    rstate = ref.state_dict()
+    res["weights"] = max((full[k].float() - rstate[k].float()).abs().max().item() for k in full
+                         if k in rstate)
+    pm.eval()
+    ref.eval()
+    with torch.no_grad():
+        one = padded([9, 4], seed=99)
+        out = pm(**pack(one)).logits[0]
+        want = ref(**one).logits[one["attention_mask"].bool()]
+        res["eval"] = (out - want).abs().max().item()
+    res["built"] = pm.routes.built
+    res["exported"], res["given"] = pm.routes.captures.exported, pm.routes.captures.instantiated
+    res["families"] = len(pm.routes.templates.families)
+    return res
+
+
 def run(c: dict) -> dict:
     """Every rank runs case ``c``; rank 0's dict goes back (with every rank's losses)."""
     import sys
@@ -153,7 +219,8 @@ def run(c: dict) -> dict:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
     try:
-        res = {"ok": True, **(compile_lengths(c) if c.get("compile") else train_shapes(c))}
+        fn = compile_lengths if c.get("compile") else train_packed if c.get("pack") else train_shapes
+        res = {"ok": True, **fn(c)}
     except Exception as e:  # noqa: BLE001 - the test asserts on the error every rank saw
         res = {"ok": False, "error": f"{type(e).__name__}: {e}"}
     every: list = [None] * dist.get_world_size()

@@ -56,6 +56,14 @@ TWO = [
     {"id": "pp-local", "plan": "pp", "mesh": [2], "batch": "local", "steps": [[16] * 4, [16] * 4],
      "rank_rows": [[4, 4], [4, 3]]},
 ]
+# batch="local", each data-parallel rank's rows of every global batch packed into one
+# row (shape_cases.pack: no padding, position_ids restarting; uneven row counts)
+PACKED = [[16] * 4, [10, 7, 10, 3], [16, 16, 12, 4, 4], [20, 5, 9, 9, 9], [30, 2, 6, 11], [7] * 4]
+# rank 0 passes no rows (a sampler that splits unevenly): refused with the reason
+TWO.append({"id": "local-empty", "plan": "ddp", "mesh": [2], "batch": "local", "split": [[0, 2]],
+            "steps": [[12, 9]]})
+TWO += [{"id": f"{p}-packed", "plan": p, "mesh": [2], "batch": "local", "pack": True, "steps": PACKED}
+        for p in ("ddp", "zero3")]
 FOUR = [
     {"id": "dp-tp", "plan": "tp", "mesh": [2, 2], "steps": TRAIN},
     {"id": "zero3", "plan": "zero3", "mesh": [4], "steps": [[16] * 4, [9, 9, 4], [30, 12, 12, 12, 12]]},
@@ -66,6 +74,8 @@ FOUR = [
     # 2 stages of 2 data-parallel ranks: 3 rows run as 3 micro-batches of one row, which
     # the stage's 2 ranks then both compute whole (the data-parallel axis dropped)
     {"id": "pp-dp", "plan": "pp", "mesh": [4], "steps": [[16] * 4, [12] * 4, [16] * 3, [16] * 6]},
+    {"id": "ddp-packed", "plan": "ddp", "mesh": [4], "batch": "local", "pack": True, "steps": PACKED},
+    {"id": "zero3-packed", "plan": "zero3", "mesh": [4], "batch": "local", "pack": True, "steps": PACKED},
 ]
 
 
@@ -115,6 +125,32 @@ def test_new_lengths_are_not_exported_again(two, case):
     _check(two[case], 2)
     for r in two[case]["ranks"]:
         assert (r["built"], r["exported"], r["given"]) == (6, 3, 3), r
+
+
+@pytest.mark.parametrize("case", ["ddp-packed", "zero3-packed"])
+def test_packed_rows_any_length(two, case):
+    """Padding-free fine-tuning: each rank's rows packed into one row of its own length
+    every step (DataCollatorWithFlattening's layout; ranks of 1 and 2 rows) train as the
+    single process does on the padded global batch, the same sequences (_check's
+    tolerances; the evaluation compares one packed row's logits with the padded batch's
+    at its real tokens).  The lengths after the second are given by the symbolic
+    export, not exported."""
+    res = two[case]
+    _check(res, 2)
+    ranks = res["ranks"]
+    # the data-parallel ranks packed different rows: lengths of their own
+    assert any(a != b for a, b in zip(ranks[0]["lengths"], ranks[1]["lengths"])), ranks
+    for r in ranks:
+        assert r["given"] >= 2 and r["exported"] <= 3, r
+
+
+def test_a_rank_with_no_rows_is_told_why(two):
+    """A rank passing no rows under batch="local" raises InputMismatchError saying so
+    (before, capture failed on it with "cannot reshape tensor of 0 elements"), and on the
+    first call the other rank raises with that reason too rather than wait."""
+    errs = [r.get("error", "") for r in two["local-empty"]["ranks"]]
+    assert errs[0].startswith("InputMismatchError") and "no rows" in errs[0], errs
+    assert "no rows" in errs[1], errs
 
 
 def test_pipeline_any_shape(two):
