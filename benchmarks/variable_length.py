@@ -23,11 +23,17 @@ turned every step), each step timed as the slowest rank's:
   so all the arms optimise the same loss;
 * ``ddp-padded``: the same fed every batch padded to 512: what padding costs where
   nothing but the padding differs, the most the ``padded`` / ``autopar`` ratio can be on
-  this host while autopar's step is DDP's.
+  this host while autopar's step is DDP's;
+* ``packed``: padding-free, what an FSDP2 user fine-tunes with: each rank's rows of every
+  batch packed into one row by Hugging Face's ``DataCollatorWithFlattening`` (the
+  sequences back to back, ``position_ids`` restarting at each: the same sequences and the
+  same loss, no padding), ``auto_parallel(model, batch="local")`` planned at one pack of
+  median sequences;
+* ``ddp-packed``: DDP fed the same packs.
 
 autopar builds each new length's graph once (its first epoch: two lengths exported, the
 rest given by the symbolic export the second one makes); a first pass over the batches,
-untimed, pays that, and is reported on its own.  Prints tokens per second
+untimed, pays that (the ``packed`` arm's too), and is reported on its own.  Prints tokens per second
 (real tokens, not padding) per arm, the ratios, the first pass's seconds, and the
 largest difference between the arms' losses.
 """
@@ -90,6 +96,16 @@ def pad_to(batch: dict, s: int) -> dict:
     return {k: torch.nn.functional.pad(v, (0, extra), value=fill[k]) for k, v in batch.items()}
 
 
+def pack(batch: dict) -> dict:
+    """The right-padded rows of ``batch`` packed into one row, padding dropped, by Hugging
+    Face's ``DataCollatorWithFlattening``."""
+    from transformers import DataCollatorWithFlattening
+
+    rows = [{"input_ids": ids[:k].tolist(), "labels": ids[:k].tolist()}
+            for ids, k in zip(batch["input_ids"], batch["attention_mask"].sum(1).tolist())]
+    return dict(DataCollatorWithFlattening()(rows))
+
+
 def model():
     import transformers as tf
     from transformers.utils import logging
@@ -134,21 +150,29 @@ def _arms(rank: int, world: int, rows: int, pins: dict):
                          pins=pins)
     padded = auto_parallel(copy.deepcopy(base), example_kwargs=pad_to(median, MAX), mesh=mesh,
                            batch="local", pins=pins)
-    ddp = DDP(copy.deepcopy(base))
-    ddp_padded = DDP(copy.deepcopy(base))
+    # one pack of this rank's share of median sequences per rank
+    packs = {k: torch.cat([v] * world) for k, v in pack(_rows(median, 0, world)).items()}
+    packed = auto_parallel(copy.deepcopy(base), example_kwargs=packs, mesh=mesh, batch="local",
+                           pins=pins)
     return {name: (m, torch.optim.AdamW(m.parameters(), lr=1e-4))
-            for name, m in (("autopar", auto), ("padded", padded), ("ddp", ddp),
-                            ("ddp-padded", ddp_padded))}
+            for name, m in (("autopar", auto), ("padded", padded), ("ddp", DDP(copy.deepcopy(base))),
+                            ("ddp-padded", DDP(copy.deepcopy(base))), ("packed", packed),
+                            ("ddp-packed", DDP(copy.deepcopy(base))))}
 
 
 def _step(name: str, m, opt, batch: dict, rank: int, world: int) -> float:
     mine = _rows(batch, rank, world)
     if name.endswith("padded"):
         mine = pad_to(mine, MAX)
+    elif name.endswith("packed"):
+        mine = pack(mine)
     opt.zero_grad()
     if name.startswith("ddp"):  # sum over this rank's tokens / all ranks' tokens, times world (DDP averages)
         n = _tokens(batch)
-        loss = m(**mine, num_items_in_batch=torch.tensor(n / world)).loss
+        # use_cache=False: in training Hugging Face otherwise builds a cache and then skips
+        # the packed-sequence mask (the packs' sequences would see each other); autopar
+        # captures without a cache
+        loss = m(**mine, num_items_in_batch=torch.tensor(n / world), use_cache=False).loss
         loss.backward()
         shown = loss.detach() / world
         dist.all_reduce(shown)
@@ -170,7 +194,11 @@ def _worker(rank: int, world: int, port: int, params: dict, out: str) -> None:
         m, opt = arms["autopar"]
         _step("autopar", m, opt, b, rank, world)
     first = time.perf_counter() - t0
-    for name in ("padded", "ddp", "ddp-padded"):  # the same updates, so the arms stay in step
+    t0 = time.perf_counter()
+    for b in data:  # and the packed arm's: a length of its own every step
+        _step("packed", *arms["packed"], b, rank, world)
+    first_packed = time.perf_counter() - t0
+    for name in ("padded", "ddp", "ddp-padded", "ddp-packed"):  # the same updates: the arms stay in step
         for b in data:
             _step(name, *arms[name], b, rank, world)
     names = list(arms)
@@ -184,9 +212,9 @@ def _worker(rank: int, world: int, port: int, params: dict, out: str) -> None:
             losses[n].append(loss[0])
     tokens = sum(_tokens(b) for b in data)
     rows = [{"arm": n, "tokens_per_s": tokens / sum(times[n]), "median_step": statistics.median(times[n]),
-             "first_pass_s": first if n == "autopar" else None,
-             "built": arms["autopar"][0].routes.built if n == "autopar" else None,
-             "exported": arms["autopar"][0].routes.captures.exported if n == "autopar" else None,
+             "first_pass_s": {"autopar": first, "packed": first_packed}.get(n),
+             "built": arms[n][0].routes.built if n in ("autopar", "packed") else None,
+             "exported": arms[n][0].routes.captures.exported if n in ("autopar", "packed") else None,
              "layout": next((line.split(None, 1)[1] for line in arms["autopar"][0].plan.summary().splitlines()
                              if line.strip().startswith("layout")), ""),
              "ratio": statistics.median(a / b for a, b in zip(times[n], times["autopar"])),
@@ -224,9 +252,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"| {r['arm']} | {r['tokens_per_s']:.0f} | {r['median_step']:.3f} | "
               f"{r['ratio']:.2f} | {r['loss_gap']:.1e} |")
     print(f"layout: {by['autopar']['layout']}")
-    a = by["autopar"]
-    print(f"autopar's first pass: {a['first_pass_s']:.1f} s, {a['built']} new lengths lowered, "
-          f"{a['exported']} of them exported (the rest given by the symbolic export)")
+    for n in ("autopar", "packed"):
+        a = by[n]
+        print(f"{n}'s first pass: {a['first_pass_s']:.1f} s, {a['built']} new lengths lowered, "
+              f"{a['exported']} of them exported (the rest given by the symbolic export)")
+    pk = {n: by[n]["tokens_per_s"] / by["padded"]["tokens_per_s"] for n in ("autopar", "packed")}
+    print(f"tokens/s over the padded run's: autopar {pk['autopar']:.2f}x, packed {pk['packed']:.2f}x")
     return rows
 
 
