@@ -85,6 +85,31 @@ def _items(c: dict, batch: dict) -> dict:
     return {**batch, "num_items_in_batch": (batch["labels"][:, 1:] != -100).sum()}
 
 
+def _step(pm, opt, mine: dict, ref, ropt, batch: dict, res: dict) -> None:
+    """One AdamW step of ``pm`` on this rank's ``mine`` and of ``ref`` on the global
+    ``batch``; their losses appended to ``res``."""
+    opt.zero_grad()
+    if pm.runner is not None or pm.plan.decisions.copies > 1:  # the loss alone
+        loss = pm.train_step(**mine)
+    else:
+        loss = pm(**mine).loss
+        loss.backward()
+    opt.step()
+    ropt.zero_grad()
+    rout = ref(**batch)
+    rout.loss.backward()
+    ropt.step()
+    res["loss"].append(float(loss))
+    res["ref"].append(float(rout.loss))
+
+
+def _weights_gap(pm, ref) -> float:
+    """The largest difference between ``pm``'s whole weights and ``ref``'s."""
+    full = pm.full_state_dict()
+    rstate = ref.state_dict()
+    return max((full[k].float() - rstate[k].float()).abs().max().item() for k in full if k in rstate)
+
+
 def train_shapes(c: dict) -> dict:
     """Train on batches of every shape in ``c["steps"]`` (lists of lengths, global
     batches) and evaluate at batch 1; losses, weights and eval logits against the
@@ -108,23 +133,8 @@ def train_shapes(c: dict) -> dict:
             mine = _rows(batch, lo, lo + cuts[r])
             mine = {k: v[:, :max(1, int(mine["attention_mask"].sum(1).max()))] if c.get("trim") else v
                     for k, v in mine.items()}
-        opt.zero_grad()
-        if pm.runner is not None or pm.plan.decisions.copies > 1:  # the loss alone
-            loss = pm.train_step(**mine)
-        else:
-            loss = pm(**mine).loss
-            loss.backward()
-        opt.step()
-        ropt.zero_grad()
-        rout = ref(**batch)
-        rout.loss.backward()
-        ropt.step()
-        res["loss"].append(float(loss))
-        res["ref"].append(float(rout.loss))
-    full = pm.full_state_dict()
-    rstate = ref.state_dict()
-    res["weights"] = max((full[k].float() - rstate[k].float()).abs().max().item() for k in full
-                         if k in rstate)
+        _step(pm, opt, mine, ref, ropt, batch, res)
+    res["weights"] = _weights_gap(pm, ref)
     pm.eval()
     ref.eval()
     with torch.no_grad():
@@ -184,21 +194,9 @@ def train_packed(c: dict) -> dict:
     for i, lengths in enumerate(c["steps"]):
         batch = padded(lengths, seed=10 + i)
         mine = pack(_dp_rows(pm, batch))
-        opt.zero_grad()
-        loss = pm(**mine).loss
-        loss.backward()
-        opt.step()
-        ropt.zero_grad()
-        rout = ref(**batch)
-        rout.loss.backward()
-        ropt.step()
-        res["loss"].append(float(loss))
-        res["ref"].append(float(rout.loss))
+        _step(pm, opt, mine, ref, ropt, batch, res)
         res["lengths"].append(mine["input_ids"].shape[1])
-    full = pm.full_state_dict()
-    rstate = ref.state_dict()
-    res["weights"] = max((full[k].float() - rstate[k].float()).abs().max().item() for k in full
-                         if k in rstate)
+    res["weights"] = _weights_gap(pm, ref)
     pm.eval()
     ref.eval()
     with torch.no_grad():
