@@ -10,7 +10,7 @@ clipped to 8..512); ``--rows`` of them
 make a global batch, batches in random order, each padded on the right to its own
 longest sequence (``attention_mask`` 0 and labels -100 on the padding: what
 ``DataCollatorWithPadding`` gives).  Every data-parallel rank passes its rows of each
-batch (``batch="local"``, as a ``DistributedSampler`` gives them).  Four arms train
+batch (``batch="local"``, as a ``DistributedSampler`` gives them).  Six arms train
 copies of the same weights on the same batches, their steps interleaved (the order
 turned every step), each step timed as the slowest rank's:
 
@@ -134,7 +134,7 @@ DP = {"*": "R", "input:0": "S(0)", "input:1": "S(0)", "input:2": "S(0)"}
 
 
 def _arms(rank: int, world: int, rows: int, pins: dict):
-    """The four modules and their optimizers, from the same weights."""
+    """The six modules and their optimizers, from the same weights."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from autopar import MeshSpec, auto_parallel
