@@ -55,7 +55,10 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT))
+
+from hf_zoo import pack  # noqa: E402 - examples/ is on the path from here
 
 MAX = 512
 VOCAB = 1024
@@ -94,16 +97,6 @@ def pad_to(batch: dict, s: int) -> dict:
     extra = s - batch["input_ids"].shape[1]
     fill = {"input_ids": 0, "attention_mask": 0, "labels": -100}
     return {k: torch.nn.functional.pad(v, (0, extra), value=fill[k]) for k, v in batch.items()}
-
-
-def pack(batch: dict) -> dict:
-    """The right-padded rows of ``batch`` packed into one row, padding dropped, by Hugging
-    Face's ``DataCollatorWithFlattening``."""
-    from transformers import DataCollatorWithFlattening
-
-    rows = [{"input_ids": ids[:k].tolist(), "labels": ids[:k].tolist()}
-            for ids, k in zip(batch["input_ids"], batch["attention_mask"].sum(1).tolist())]
-    return dict(DataCollatorWithFlattening()(rows))
 
 
 def model():

@@ -59,6 +59,19 @@ def _quiet() -> None:
     logging.set_verbosity_error()
 
 
+def pack(batch: dict) -> dict:
+    """The right-padded rows of ``batch`` (``input_ids`` and ``attention_mask``) packed into
+    one row by Hugging Face's ``DataCollatorWithFlattening``, padding dropped: the
+    sequences back to back, ``position_ids`` restarting at each, the first label of each
+    -100 (nothing is predicted across a boundary), no ``attention_mask`` (the model then
+    keeps each sequence from attending to the others by its positions)."""
+    from transformers import DataCollatorWithFlattening
+
+    rows = [{"input_ids": ids[:k].tolist(), "labels": ids[:k].tolist()}
+            for ids, k in zip(batch["input_ids"], batch["attention_mask"].sum(1).tolist())]
+    return dict(DataCollatorWithFlattening()(rows))
+
+
 def build(name: str = "llama", batch: int = 4, seq: int = 16) -> tuple[nn.Module, dict]:
     """The tiny model ``name`` (one of :data:`NAMES`) and a batch of keyword arguments."""
     import transformers as tf

@@ -12,6 +12,7 @@ it saw; the test compares.
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 import torch.distributed as dist
@@ -110,6 +111,13 @@ def _weights_gap(pm, ref) -> float:
     return max((full[k].float() - rstate[k].float()).abs().max().item() for k in full if k in rstate)
 
 
+def _built(pm) -> dict:
+    """How ``pm`` served its new shapes: graphs built, captures exported and given by
+    the symbolic export, and the template families they run as."""
+    return {"built": pm.routes.built, "exported": pm.routes.captures.exported,
+            "given": pm.routes.captures.instantiated, "families": len(pm.routes.templates.families)}
+
+
 def train_shapes(c: dict) -> dict:
     """Train on batches of every shape in ``c["steps"]`` (lists of lengths, global
     batches) and evaluate at batch 1; losses, weights and eval logits against the
@@ -148,25 +156,9 @@ def train_shapes(c: dict) -> dict:
             out = pm(**four)
             res["eval"] = abs(float(out.loss) - float(ref(**four).loss)) / float(ref(**four).loss)
             res["eval_logits"] = out.logits is None
-    res["built"] = pm.routes.built
-    res["exported"], res["given"] = pm.routes.captures.exported, pm.routes.captures.instantiated
     res["micro"] = [r.runner.micro_batches for r in pm.routes.cache.values() if r.runner is not None]
-    res["families"] = len(pm.routes.templates.families)
     res["rank"] = dist.get_rank()
-    return res
-
-
-def pack(batch: dict) -> dict:
-    """The right-padded rows of ``batch`` packed into one row by Hugging Face's
-    ``DataCollatorWithFlattening``, padding dropped: the sequences back to back,
-    ``position_ids`` restarting at each, the first label of each -100 (nothing is
-    predicted across a boundary), no ``attention_mask`` (the model then keeps each
-    sequence from attending to the others by its positions)."""
-    from transformers import DataCollatorWithFlattening
-
-    rows = [{"input_ids": ids[:k].tolist(), "labels": ids[:k].tolist()}
-            for ids, k in zip(batch["input_ids"], batch["attention_mask"].sum(1).tolist())]
-    return dict(DataCollatorWithFlattening()(rows))
+    return {**res, **_built(pm)}
 
 
 def _dp_rows(pm, batch: dict) -> dict:
@@ -178,15 +170,14 @@ def _dp_rows(pm, batch: dict) -> dict:
 
 def train_packed(c: dict) -> dict:
     """Under ``batch="local"`` each data-parallel rank packs its rows of every global
-    batch of ``c["steps"]`` into one row (:func:`pack`: no padding, a length of its own
+    batch of ``c["steps"]`` into one row (``hf_zoo.pack``: no padding, a length of its own
     every step); the single process trains on the padded global batch, the same
     sequences.  Losses, weights and an evaluation of one packed row against it."""
+    from hf_zoo import pack
+
     model = _model()
     ref = copy.deepcopy(model)
-    world = 1
-    for k in c["mesh"]:
-        world *= k
-    example = {k: torch.cat([v] * world) for k, v in pack(padded([16, 16], seed=0)).items()}
+    example = {k: torch.cat([v] * math.prod(c["mesh"])) for k, v in pack(padded([16, 16], seed=0)).items()}
     pm = build(c, model, example)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
@@ -204,10 +195,7 @@ def train_packed(c: dict) -> dict:
         out = pm(**pack(one)).logits[0]
         want = ref(**one).logits[one["attention_mask"].bool()]
         res["eval"] = (out - want).abs().max().item()
-    res["built"] = pm.routes.built
-    res["exported"], res["given"] = pm.routes.captures.exported, pm.routes.captures.instantiated
-    res["families"] = len(pm.routes.templates.families)
-    return res
+    return {**res, **_built(pm)}
 
 
 def run(c: dict) -> dict:
@@ -265,6 +253,4 @@ def compile_lengths(c: dict) -> dict:
         res.setdefault("graphs", []).append(int(torch._dynamo.utils.counters["stats"]["unique_graphs"]))
     res["templates"] = pm.routes.templates.compilations
     res["compiled"] = pm.compiled
-    res["built"] = pm.routes.built
-    res["exported"], res["given"] = pm.routes.captures.exported, pm.routes.captures.instantiated
-    return res
+    return {**res, **_built(pm)}
