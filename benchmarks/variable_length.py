@@ -10,12 +10,15 @@ clipped to 8..512); ``--rows`` of them
 make a global batch, batches in random order, each padded on the right to its own
 longest sequence (``attention_mask`` 0 and labels -100 on the padding: what
 ``DataCollatorWithPadding`` gives).  Every data-parallel rank passes its rows of each
-batch (``batch="local"``, as a ``DistributedSampler`` gives them).  Six arms train
+batch (``batch="local"``, as a ``DistributedSampler`` gives them).  Seven arms train
 copies of the same weights on the same batches, their steps interleaved (the order
 turned every step), each step timed as the slowest rank's:
 
 * ``autopar``: ``auto_parallel(model, batch="local")`` planned at one batch of the
   median length, fed every batch as it is;
+* ``autopar-pack``: the same with ``pack=True``, fed the same batches: autopar drops
+  the padding itself and runs each rank's sequences packed into one row
+  (:mod:`autopar.runtime.packing`);
 * ``padded``: the same planned at 512 tokens, fed every batch padded to 512 (what a
   plan for one shape asked of its user);
 * ``ddp``: ``DistributedDataParallel``, its loss over the global batch's real tokens
@@ -122,12 +125,15 @@ def _tokens(batch: dict) -> int:
     return int((batch["labels"][:, 1:] != -100).sum())
 
 
+FIRST = ("autopar", "autopar-pack", "packed")
+"""The arms that build a graph per new length (their first pass is reported)."""
+
 DP = {"*": "R", "input:0": "S(0)", "input:1": "S(0)", "input:2": "S(0)"}
 """``--dp``: data parallel pinned, DDP's layout (weights whole, rows split)."""
 
 
 def _arms(rank: int, world: int, rows: int, pins: dict):
-    """The six modules and their optimizers, from the same weights."""
+    """The seven modules and their optimizers, from the same weights."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from autopar import MeshSpec, auto_parallel
@@ -147,8 +153,10 @@ def _arms(rank: int, world: int, rows: int, pins: dict):
     packs = {k: torch.cat([v] * world) for k, v in pack(_rows(median, 0, world)).items()}
     packed = auto_parallel(copy.deepcopy(base), example_kwargs=packs, mesh=mesh, batch="local",
                            pins=pins)
+    autopack = auto_parallel(copy.deepcopy(base), example_kwargs=median, mesh=mesh, batch="local",
+                             pins=pins, pack=True)
     return {name: (m, torch.optim.AdamW(m.parameters(), lr=1e-4))
-            for name, m in (("autopar", auto), ("padded", padded), ("ddp", DDP(copy.deepcopy(base))),
+            for name, m in (("autopar", auto), ("autopar-pack", autopack), ("padded", padded), ("ddp", DDP(copy.deepcopy(base))),
                             ("ddp-padded", DDP(copy.deepcopy(base))), ("packed", packed),
                             ("ddp-packed", DDP(copy.deepcopy(base))))}
 
@@ -188,9 +196,13 @@ def _worker(rank: int, world: int, port: int, params: dict, out: str) -> None:
         _step("autopar", m, opt, b, rank, world)
     first = time.perf_counter() - t0
     t0 = time.perf_counter()
-    for b in data:  # and the packed arm's: a length of its own every step
+    for b in data:  # and the packed arms': a length of its own every step
         _step("packed", *arms["packed"], b, rank, world)
     first_packed = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for b in data:
+        _step("autopar-pack", *arms["autopar-pack"], b, rank, world)
+    first_pack = time.perf_counter() - t0
     for name in ("padded", "ddp", "ddp-padded", "ddp-packed"):  # the same updates: the arms stay in step
         for b in data:
             _step(name, *arms[name], b, rank, world)
@@ -205,9 +217,9 @@ def _worker(rank: int, world: int, port: int, params: dict, out: str) -> None:
             losses[n].append(loss[0])
     tokens = sum(_tokens(b) for b in data)
     rows = [{"arm": n, "tokens_per_s": tokens / sum(times[n]), "median_step": statistics.median(times[n]),
-             "first_pass_s": {"autopar": first, "packed": first_packed}.get(n),
-             "built": arms[n][0].routes.built if n in ("autopar", "packed") else None,
-             "exported": arms[n][0].routes.captures.exported if n in ("autopar", "packed") else None,
+             "first_pass_s": {"autopar": first, "packed": first_packed, "autopar-pack": first_pack}.get(n),
+             "built": arms[n][0].routes.built if n in FIRST else None,
+             "exported": arms[n][0].routes.captures.exported if n in FIRST else None,
              "layout": next((line.split(None, 1)[1] for line in arms["autopar"][0].plan.summary().splitlines()
                              if line.strip().startswith("layout")), ""),
              "ratio": statistics.median(a / b for a, b in zip(times[n], times["autopar"])),
@@ -245,12 +257,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"| {r['arm']} | {r['tokens_per_s']:.0f} | {r['median_step']:.3f} | "
               f"{r['ratio']:.2f} | {r['loss_gap']:.1e} |")
     print(f"layout: {by['autopar']['layout']}")
-    for n in ("autopar", "packed"):
+    for n in FIRST:
         a = by[n]
         print(f"{n}'s first pass: {a['first_pass_s']:.1f} s, {a['built']} new lengths lowered, "
               f"{a['exported']} of them exported (the rest given by the symbolic export)")
-    pk = {n: by[n]["tokens_per_s"] / by["padded"]["tokens_per_s"] for n in ("autopar", "packed")}
-    print(f"tokens/s over the padded run's: autopar {pk['autopar']:.2f}x, packed {pk['packed']:.2f}x")
+    pk = {n: by[n]["tokens_per_s"] / by["padded"]["tokens_per_s"] for n in FIRST}
+    print("tokens/s over the padded run's: " + ", ".join(f"{n} {v:.2f}x" for n, v in pk.items())
+          + f"; autopar-pack over ddp's: {by['autopar-pack']['tokens_per_s'] / by['ddp']['tokens_per_s']:.2f}x")
     return rows
 
 

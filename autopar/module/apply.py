@@ -2,8 +2,9 @@
 its decision asks for it, in this fixed order (torchtitan's ``apply_*`` habit), with what
 it reads and makes in the call:
 
-1. :func:`apply_inputs`: who passes which samples (decision ``batch``), as the module is
-   built (a planning-only one too); then :func:`apply_plan`, under a process group,
+1. :func:`apply_inputs`: who passes which samples (decision ``batch``), and
+   :func:`apply_packing`: the rows a padded call is packed into (decision ``pack``), as
+   the module is built (a planning-only one too); then :func:`apply_plan`, under a process group,
    checks the plan (:func:`~autopar.module.plan_checks.check_plan`: decisions that cannot
    run together) and applies the rest:
 2. :func:`apply_device`: weights, buffers and the graph's constants on the rank's device;
@@ -31,6 +32,7 @@ checks that every decision's is a step called here (or at capture or lowering).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -163,6 +165,17 @@ def apply_inputs(pm: ParallelModule, binder: InputBinder, batch: BatchMode | str
     pm.routes = ShapeRoutes(Route(None, list(binder.shapes), binder.passthrough))
     pm._route = pm.routes.planned
     binder.select = pm._select_route if pm._mesh_rt is not None else None
+
+
+@applies("pack")
+def apply_packing(plan: Plan) -> int | None:
+    """Under ``pack=True`` (:mod:`autopar.runtime.packing`) the rows a call's right-padded
+    batch is packed into: the whole batch into one per device, or under
+    ``batch="local"`` a rank's own part into one; ``None``: calls run as given."""
+    d = plan.decisions
+    if not d.pack:
+        return None
+    return 1 if d.batch == BatchMode.LOCAL else math.prod(plan.mesh.shape)
 
 
 def apply_device(gm: nn.Module, tensors: Tensors, ctx: StepContext) -> None:

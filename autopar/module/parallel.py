@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from autopar.capture.grad_flow import named_loss
-from autopar.module.apply import apply_inputs, apply_plan
+from autopar.module.apply import apply_inputs, apply_packing, apply_plan
 from autopar.module.clone import clone_module
 from autopar.module.export import export_module, snapshot
 from autopar.module.generate import generate
@@ -26,6 +26,7 @@ from autopar.runtime.compile_fallback import CompiledOrEager
 from autopar.runtime.compiled_cache import cache_safe_views
 from autopar.runtime.inputs import BatchMode, InputBinder
 from autopar.runtime.mesh import activate, init_plan_mesh, release_groups, reset
+from autopar.runtime.packing import pack
 from autopar.runtime.zero3 import free_gathered_params
 
 
@@ -86,6 +87,7 @@ class ParallelModule(nn.Module):
             self._mesh_rt = init_plan_mesh(plan)
             self.rank = dist.get_rank()
         apply_inputs(self, binder or InputBinder(in_spec), batch)
+        self.pack_rows = apply_packing(plan)
         # planning-only: keep the whole weights so export() can write every rank's shards
         self._full_state = dict(full_state) if (full_state is not None and not runtime) else None
         # the lowered graph before the runtime rewrites below (ZeRO-3 gathers, recompute,
@@ -143,6 +145,12 @@ class ParallelModule(nn.Module):
         goes to :meth:`_forward_compiled`."""
         if torch.compiler.is_compiling():
             return self._forward_compiled(*args, **kwargs)
+        if self.pack_rows:  # pack=True: the real tokens only (module/apply.py apply_packing)
+            kwargs, packed = pack(kwargs, self.pack_rows)
+            return packed.unpack(self._call(args, kwargs))
+        return self._call(args, kwargs)
+
+    def _call(self, args: tuple, kwargs: dict):
         flat = self._bind(args, kwargs)
         if self.runner is not None:
             if self.training and torch.is_grad_enabled():
@@ -227,6 +235,8 @@ class ParallelModule(nn.Module):
             loss = out if isinstance(out, torch.Tensor) else out["loss"]
             (loss * scale if scale != 1.0 else loss).backward()
             return loss.detach()
+        if self.pack_rows:
+            kwargs = pack(kwargs, self.pack_rows)[0]
         flat = self._bind(args, kwargs)
         self._route_runner().loss_scale = scale
         self.grad_sync.restart()  # the step's backwards add to what is there

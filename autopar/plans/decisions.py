@@ -105,15 +105,15 @@ class Decisions:
     bucket each backward, freed with the gradients at ``zero_grad()``; plans made
     before this choice load so)."""
     zero_reduce_once: bool = False
-    """Under ZeRO-3 with micro-batches and no pipeline: each rank accumulates the whole
-    gradients over the micro-batches and reduce-scatters them once, in the last
-    micro-batch's backward, instead of in every one (chosen where memory allows and it
-    is faster)."""
+    """Under ZeRO-3 with micro-batches and no pipeline: each rank accumulates whole gradients
+    and reduce-scatters them once, in the last micro-batch's backward (where it fits and pays)."""
     precision: str = "native"
     """``"native"`` (the model's own dtypes), ``"bf16-mixed"`` or ``"fp16-mixed"``: the graph was captured
     with :mod:`autopar.capture.mixed_precision`'s casts, which every rank re-applies."""
     compile: bool = False
     """Runs through ``torch.compile``, priced with inductor's fusion (:mod:`autopar.search.fusion`)."""
+    pack: bool = False
+    """Right-padded batches run packed, padding dropped (:mod:`autopar.runtime.packing`)."""
     batch: str = "global"
     """``"global"``: every rank passes the whole batch and gets outputs replicated;
     ``"local"``: each data-parallel rank passes its part and gets its rows of every
@@ -147,17 +147,13 @@ class Decisions:
     grad_compression: str = GradCompression.NONE.value
     """How the data-parallel gradient buckets are sent (:class:`GradCompression`); ZeRO's
     own reduce-scatters are never compressed."""
-    compression_rank: int = 0
-    """PowerSGD's rank (0 without PowerSGD)."""
-    offload: str = Offload.NONE.value
-    """What lives in host memory between steps (:class:`Offload`)."""
+    compression_rank: int = 0  # PowerSGD's rank (0 without PowerSGD)
+    offload: str = Offload.NONE.value  # what lives in host memory between steps (Offload)
     copies: int = 1
     """Multi-copy overlap: the step's ``micro_batches`` (then 2) halves of the batch run
     as copies interleaved in one forward and backward, one copy's collectives running
     while the other computes (:mod:`autopar.passes.multi_copy`); 1: none."""
-    host_memory: float = 0.0
-    """Host bytes per device the offloaded state takes (the fullest stage's; 0 without
-    offload)."""
+    host_memory: float = 0.0  # host bytes per device of offloaded state (the fullest stage's)
     gather_chunks: list[list[str]] = field(default_factory=list)
     """ZeRO-1/2's gathers of the updated parameters, in chunks of parameter targets in
     forward order, one in flight at a time, each waited for where its first parameter
@@ -251,6 +247,7 @@ class PlanOptions:
     # searched, since it changes the numbers the model computes
     precision: str = "native"
     compile: bool = False  # priced and run compiled; auto_parallel resolves None (api.compiles)
+    pack: bool = False  # right-padded batches packed (captured and priced packed)
     # "global": outputs returned replicated; "local": each data-parallel rank passes its
     # part of the batch and gets its rows of batch-shaped outputs back (as with DDP)
     batch: str = "global"
@@ -418,6 +415,8 @@ DECISIONS: tuple[Decision, ...] = (
     Decision("compile", "runs through torch.compile, its pointwise chains priced as inductor fuses them",
              (Option("compile", flag, "True: priced and run compiled"),), ("compile",), forced_only=True,
              explain="compile"),
+    Decision("pack", "right-padded batches run packed: their padding dropped, sequences back to back",
+             (Option("pack", flag, "True: packed"),), ("pack",), forced_only=True),
     Decision("batch", "who passes which samples: the whole batch everywhere, or each rank its part",
              (), ("batch", "local_axes")),
 )

@@ -363,6 +363,9 @@ def explain_shapes(plan: Plan) -> str:
                          "along those compute the same rows for that call")
         if d.batch == "local":
             lines.append("  batch=\"local\": ranks may pass different row counts and lengths")
+        if d.pack:
+            lines.append("  pack=True: a right-padded batch runs packed, its padding dropped, so its "
+                         "shape is the packed one (rows x the real tokens a row holds), as priced")
         lines.append(f"predicted at other shapes (plan.predict(batch={', seq=' if shape.seq else ''}), "
                      "no new search):")
         for b, s in _examples(shape):

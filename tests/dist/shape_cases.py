@@ -68,7 +68,7 @@ def build(c: dict, model, example: dict):
     if c["plan"] == "cp":  # the sequence split over the last axis, the batch over the others
         data = "".join("S(1)" if a == len(mesh) - 1 else "S(0)" for a in range(len(mesh)))
         pins = {"*": "R" * len(mesh), **{f"input:{i}": data for i in range(3)}}
-    opts = PLANS.get(c["plan"], {})
+    opts = {**PLANS.get(c["plan"], {}), **({"pack": True} if c.get("autopack") else {})}
     reset()
     return auto_parallel(model, example_kwargs=example, mesh=MeshSpec.preset("cpu-gloo", shape=mesh),
                          pins=pins, search="ilp", batch=c.get("batch", "global"), **opts)
@@ -146,7 +146,13 @@ def train_shapes(c: dict) -> dict:
     pm.eval()
     ref.eval()
     with torch.no_grad():
-        if pm.runner is None and pm.plan.decisions.copies == 1:
+        if c.get("autopack"):  # a padded batch: its real tokens' logits, zeros at padding
+            one = padded([9, 4, 6], seed=99)
+            real = one["attention_mask"].bool()
+            out = pm(**one).logits
+            res["eval"] = (out - ref(**one).logits)[real].abs().max().item()
+            res["padding"] = out[~real].abs().max().item()
+        elif pm.runner is None and pm.plan.decisions.copies == 1:
             one = padded([9], seed=99)
             res["eval"] = (pm(**one).logits - ref(**one).logits).abs().max().item()
         elif pm.runner is not None and c.get("batch") != "local":

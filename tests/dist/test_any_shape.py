@@ -64,18 +64,28 @@ TWO.append({"id": "local-empty", "plan": "ddp", "mesh": [2], "batch": "local", "
             "steps": [[12, 9]]})
 TWO += [{"id": f"{p}-packed", "plan": p, "mesh": [2], "batch": "local", "pack": True, "steps": PACKED}
         for p in ("ddp", "zero3")]
+# pack=True: every batch passed padded, as in TRAIN; autopar packs the real tokens into
+# one row per rank (batch="local") or the whole batch into one row per device
+FOUR_LOCAL = [[16] * 4, [10, 7, 10, 3, 8], [16, 16, 12, 5], [20, 5, 9, 9, 9, 3]]
+FOUR_SPLIT = [[1, 1, 1, 1], [1, 1, 2, 1], [1, 1, 1, 1], [2, 1, 1, 2]]
+AUTOPACK = [{"id": f"{p}-autopack", "plan": p, "mesh": [2], "autopack": True, "steps": TRAIN}
+            for p in ("dp", "zero3", "tp")]
+AUTOPACK.append({"id": "local-autopack", "plan": "ddp", "mesh": [2], "autopack": True,
+                 "split": [[2, 2], [2, 2], [2, 1], [1, 4]], **LOCAL})
+TWO += AUTOPACK
 FOUR = [
     {"id": "dp-tp", "plan": "tp", "mesh": [2, 2], "steps": TRAIN},
     {"id": "zero3", "plan": "zero3", "mesh": [4], "steps": [[16] * 4, [9, 9, 4], [30, 12, 12, 12, 12]]},
-    {"id": "local", "plan": "ddp", "mesh": [4], **LOCAL,
-     "steps": [[16] * 4, [10, 7, 10, 3, 8], [16, 16, 12, 5], [20, 5, 9, 9, 9, 3]],
-     "split": [[1, 1, 1, 1], [1, 1, 2, 1], [1, 1, 1, 1], [2, 1, 1, 2]]},
+    {"id": "local", "plan": "ddp", "mesh": [4], **LOCAL, "steps": FOUR_LOCAL, "split": FOUR_SPLIT},
     {"id": "dp-cp", "plan": "cp", "mesh": [2, 2], "steps": [[16] * 4, [17] * 4, [11] * 2]},
     # 2 stages of 2 data-parallel ranks: 3 rows run as 3 micro-batches of one row, which
     # the stage's 2 ranks then both compute whole (the data-parallel axis dropped)
     {"id": "pp-dp", "plan": "pp", "mesh": [4], "steps": [[16] * 4, [12] * 4, [16] * 3, [16] * 6]},
     {"id": "ddp-packed", "plan": "ddp", "mesh": [4], "batch": "local", "pack": True, "steps": PACKED},
     {"id": "zero3-packed", "plan": "zero3", "mesh": [4], "batch": "local", "pack": True, "steps": PACKED},
+    {"id": "zero3-local-autopack", "plan": "zero3", "mesh": [4], "autopack": True, **LOCAL,
+     "steps": FOUR_LOCAL, "split": FOUR_SPLIT},
+    {"id": "dp-tp-autopack", "plan": "tp", "mesh": [2, 2], "autopack": True, "steps": TRAIN},
 ]
 
 
@@ -142,6 +152,18 @@ def test_packed_rows_any_length(two, case):
     assert any(a != b for a, b in zip(ranks[0]["lengths"], ranks[1]["lengths"])), ranks
     for r in ranks:
         assert r["given"] >= 2 and r["exported"] <= 3, r
+
+
+@pytest.mark.parametrize("case", [c["id"] for c in AUTOPACK])
+def test_autopar_packs_padded_batches(two, case):
+    """``pack=True``: the loop feeds every batch padded (to 16, to its own longest, 3 rows
+    on 2 ranks; under ``batch="local"`` uneven rows a rank) and autopar runs only the
+    real tokens, packed.  Losses, weights and a padded evaluation's logits at its real
+    tokens as the single process's (_check's tolerances); the logits at padding are
+    exactly 0, which only a packed run returns (the padded one computes them).  On
+    638b146 ``pack=`` was an unknown option (TypeError)."""
+    _check(two[case], 2)
+    assert all(r["padding"] == 0.0 for r in two[case]["ranks"])
 
 
 def test_a_rank_with_no_rows_is_told_why(two):
@@ -223,6 +245,8 @@ def test_tensor_parallel_ranks_diverging_refused_on_every_rank(diverge, mode):
 @pytest.mark.parametrize("case", [c["id"] for c in FOUR])
 def test_any_shape_four_ranks(four, case):
     _check(four[case], 4)
+    if "autopack" in case:  # packed by autopar (test_autopar_packs_padded_batches)
+        assert all(r["padding"] == 0.0 for r in four[case]["ranks"])
 
 
 @pytest.fixture(scope="module")
