@@ -30,8 +30,8 @@ turned every step), each step timed as the slowest rank's:
 * ``packed``: padding-free, what an FSDP2 user fine-tunes with: each rank's rows of every
   batch packed into one row by Hugging Face's ``DataCollatorWithFlattening`` (the
   sequences back to back, ``position_ids`` restarting at each: the same sequences and the
-  same loss, no padding), ``auto_parallel(model, batch="local")`` planned at one pack of
-  median sequences;
+  same loss, no padding), ``auto_parallel(model, batch="local")`` planned data parallel
+  (the packs' lengths differ across ranks) at one pack of median sequences;
 * ``ddp-packed``: DDP fed the same packs.
 
 autopar builds each new length's graph once (its first epoch: two lengths exported, the
@@ -151,8 +151,10 @@ def _arms(rank: int, world: int, rows: int, pins: dict):
                            batch="local", pins=pins)
     # one pack of this rank's share of median sequences per rank
     packs = {k: torch.cat([v] * world) for k, v in pack(_rows(median, 0, world)).items()}
+    # data parallel: the ranks' packs differ in length, which a plan whose activations
+    # meet across ranks would refuse (autopar-pack pads to the widest there itself)
     packed = auto_parallel(copy.deepcopy(base), example_kwargs=packs, mesh=mesh, batch="local",
-                           pins=pins)
+                           pins=DP)
     autopack = auto_parallel(copy.deepcopy(base), example_kwargs=median, mesh=mesh, batch="local",
                              pins=pins, pack=True)
     return {name: (m, torch.optim.AdamW(m.parameters(), lr=1e-4))

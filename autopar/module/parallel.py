@@ -146,7 +146,7 @@ class ParallelModule(nn.Module):
         if torch.compiler.is_compiling():
             return self._forward_compiled(*args, **kwargs)
         if self.pack_rows:  # pack=True: the real tokens only (module/apply.py apply_packing)
-            kwargs, packed = pack(kwargs, self.pack_rows)
+            kwargs, packed = pack(kwargs, self.pack_rows, self.routes.pack_agree(self))
             return packed.unpack(self._call(args, kwargs))
         return self._call(args, kwargs)
 
@@ -236,7 +236,7 @@ class ParallelModule(nn.Module):
             (loss * scale if scale != 1.0 else loss).backward()
             return loss.detach()
         if self.pack_rows:
-            kwargs = pack(kwargs, self.pack_rows)[0]
+            kwargs = pack(kwargs, self.pack_rows, self.routes.pack_agree(self))[0]
         flat = self._bind(args, kwargs)
         self._route_runner().loss_scale = scale
         self.grad_sync.restart()  # the step's backwards add to what is there

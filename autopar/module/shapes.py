@@ -79,6 +79,7 @@ from autopar.runtime import collectives as C
 from autopar.runtime import experts as E
 from autopar.runtime.call_check import Agree, agreement, agreement_row, gather_rows
 from autopar.runtime.inputs import BatchMode, InputMismatchError, passthrough_inputs
+from autopar.runtime.packing import widest
 
 if TYPE_CHECKING:
     from autopar.module.parallel import ParallelModule
@@ -173,6 +174,14 @@ class ShapeRoutes:
             shapes = {r: s for r, (s, _, _) in enumerate(every)}
             raise InputMismatchError(_disagreement(b.mode, agree, shapes))
         return route
+
+    def pack_agree(self, pm: ParallelModule) -> Callable[[int], int] | None:
+        """Under ``pack=True`` and ``batch="local"`` where every rank must call with equal
+        shapes (:attr:`Agree.ALL`), the ranks pad their packs to the widest
+        (:func:`~autopar.runtime.packing.widest`); None: each packs to its own width."""
+        if pm.binder.mode is not BatchMode.LOCAL or self._agree(pm) is not Agree.ALL:
+            return None
+        return widest(pm._mesh_rt.device)
 
     def _agree(self, pm: ParallelModule) -> Agree:
         """Which ranks must call with equal shapes (:class:`Agree`), read once from the

@@ -21,17 +21,21 @@ planning, a model whose packed sequences see each other.
 Rows: the whole batch (``batch="global"``) is packed into as many rows as the job has
 ranks, sequences dealt longest first to the row with the fewest tokens, so every rank
 holds a row of nearly equal length; under ``batch="local"`` each rank packs its own
-part into one row, of its own length, as a data-parallel rank runs it.
+part into one row, of its own length, as a data-parallel rank runs it, unless the plan
+has the ranks' activations meet (a gathered input, a pipeline): then the ranks agree on
+the widest row (one all-gather of an integer, :func:`widest`) and pad to it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch.utils import _pytree as pytree
 
 from autopar.errors import ConfigError
+from autopar.runtime.call_check import gather_rows
 from autopar.runtime.inputs import InputMismatchError
 
 MASK, POSITIONS, LABELS, IDS = "attention_mask", "position_ids", "labels", "input_ids"
@@ -63,10 +67,51 @@ class Packed:
         return pytree.tree_map(back, out)
 
 
-def pack(kwargs: dict, rows: int) -> tuple[dict, Packed]:
+def pack(kwargs: dict, rows: int, agree: Callable[[int], int] | None = None
+         ) -> tuple[dict, Packed]:
     """``kwargs`` (a padded batch: ``input_ids``, maybe ``attention_mask`` and
     ``labels``) packed into at most ``rows`` rows, and where each token went; raises
-    :class:`InputMismatchError` on what packing would not run exactly."""
+    :class:`InputMismatchError` on what packing would not run exactly.  ``agree`` (ranks
+    that must call with equal shapes: :func:`widest`) maps this rank's row width to the
+    one every rank pads its rows to, or is told -1 when this rank cannot pack."""
+    try:
+        lengths = _checked(kwargs)
+    except InputMismatchError:
+        if agree is not None:
+            agree(-1)  # the other ranks raise too, rather than wait for this one
+        raise
+    order, width = _deal(lengths, rows)
+    if agree is not None:
+        width = agree(width)
+    ids = kwargs[IDS]
+    b, n = ids.shape
+    source, target, positions = _layout(lengths, order, n, width, ids.device)
+    out = {k: v for k, v in kwargs.items() if k != MASK}
+    for k, v in kwargs.items():
+        if k != MASK and isinstance(v, torch.Tensor) and tuple(v.shape[:2]) == (b, n):
+            out[k] = _packed(k, v, source, target, positions)
+    out[POSITIONS] = positions
+    return out, Packed(b, n, len(order), width, source, target)
+
+
+def widest(device: torch.device) -> Callable[[int], int]:
+    """``pack``'s ``agree`` for ranks that must call with equal shapes: every rank's
+    width by one all-gather of an integer, the largest returned (the others pad their
+    rows' tails); a rank that sent -1 could not pack, and every rank raises."""
+    def agree(width: int) -> int:
+        every = gather_rows([width], device)[:, 0].tolist()
+        failed = [r for r, w in enumerate(every) if w < 0]
+        if failed and width >= 0:
+            raise InputMismatchError(f"rank(s) {failed} could not pack their batch under "
+                                     "pack=True (their error says why); no rank ran this step")
+        return max(every)
+    return agree
+
+
+def _checked(kwargs: dict) -> list[int]:
+    """Each row's count of real tokens (all of them without ``attention_mask``), once the
+    call is seen to be packable: token ids, no ``position_ids``, right-padded, labels
+    -100 at padding."""
     if POSITIONS in kwargs:
         raise InputMismatchError("pack=True makes position_ids itself (restarting at each "
                                  "sequence): pass the padded batch without position_ids")
@@ -74,18 +119,16 @@ def pack(kwargs: dict, rows: int) -> tuple[dict, Packed]:
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         raise InputMismatchError("pack=True packs a batch of token ids: pass input_ids of "
                                  "shape [batch, length]")
-    b, n = ids.shape
     mask = kwargs.get(MASK)
     mask = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.to(ids.device).bool()
     lengths = _right_padded(mask)
-    order, width = _deal(lengths, rows)
-    source, target, positions = _layout(lengths, order, n, width, ids.device)
-    out = {k: v for k, v in kwargs.items() if k != MASK}
-    for k, v in kwargs.items():
-        if k != MASK and isinstance(v, torch.Tensor) and tuple(v.shape[:2]) == (b, n):
-            out[k] = _packed(k, v, mask, source, target, positions)
-    out[POSITIONS] = positions
-    return out, Packed(b, n, len(order), width, source, target)
+    labels = kwargs.get(LABELS)
+    if isinstance(labels, torch.Tensor) and labels.shape == ids.shape and bool((labels[~mask] != IGNORE).any()):
+        raise InputMismatchError(
+            "pack=True needs labels of -100 at padding (as Hugging Face's collators give "
+            "them): a padding label here is predicted in the padded batch and not in the "
+            "packed one, so the loss would differ")
+    return lengths
 
 
 def _right_padded(mask: torch.Tensor) -> list[int]:
@@ -135,18 +178,11 @@ def _layout(lengths: list[int], order: list[list[int]], n: int, width: int,
     return (torch.cat(source).to(device), torch.cat(target).to(device), positions.to(device))
 
 
-def _packed(key: str, x: torch.Tensor, mask: torch.Tensor, source: torch.Tensor,
+def _packed(key: str, x: torch.Tensor, source: torch.Tensor,
             target: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Input ``key`` packed; ``labels`` also ``-100`` at each sequence's first token
     (where ``positions`` restart), so no sequence's last token predicts the next's."""
-    fill = 0
-    if key == LABELS:
-        if bool((x[~mask] != IGNORE).any()):
-            raise InputMismatchError(
-                "pack=True needs labels of -100 at padding (as Hugging Face's collators give "
-                "them): a padding label here is predicted in the padded batch and not in the "
-                "packed one, so the loss would differ")
-        fill = IGNORE
+    fill = IGNORE if key == LABELS else 0
     out = x.new_full((positions.numel(), *x.shape[2:]), fill)
     out[target] = x.reshape(-1, *x.shape[2:])[source]
     out = out.view(*positions.shape, *x.shape[2:])
@@ -199,4 +235,4 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor) 
     return (out.logits if hasattr(out, "logits") else out[0]).float()
 
 
-__all__ = ["IGNORE", "Packed", "check_model", "pack", "packed_example"]
+__all__ = ["IGNORE", "Packed", "check_model", "pack", "packed_example", "widest"]

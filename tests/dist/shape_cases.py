@@ -65,6 +65,9 @@ def build(c: dict, model, example: dict):
     pins = hf_zoo.tp_pins("llama", mesh) if c["plan"] == "tp" else {}
     if c["plan"] in ("ddp", "copies"):  # data parallel as DDP runs it: weights whole, rows split
         pins = {"*": "R" * len(mesh), **{f"input:{i}": "S(0)" * len(mesh) for i in range(3)}}
+    if c["plan"] == "gathered":  # data parallel, one batch input gathered: the ranks' shapes must agree
+        pins = {"*": "R" * len(mesh), "input:0": "S(0)" * len(mesh), "input:1": "S(0)" * len(mesh),
+                "input:2": "R" * len(mesh)}
     if c["plan"] == "cp":  # the sequence split over the last axis, the batch over the others
         data = "".join("S(1)" if a == len(mesh) - 1 else "S(0)" for a in range(len(mesh)))
         pins = {"*": "R" * len(mesh), **{f"input:{i}": data for i in range(3)}}
@@ -141,6 +144,8 @@ def train_shapes(c: dict) -> dict:
             mine = _rows(batch, lo, lo + cuts[r])
             mine = {k: v[:, :max(1, int(mine["attention_mask"].sum(1).max()))] if c.get("trim") else v
                     for k, v in mine.items()}
+        if i == 1 and c.get("left") == dist.get_rank():  # this rank's collator pads on the left
+            mine = {**mine, "attention_mask": mine["attention_mask"].flip(1)}
         _step(pm, opt, mine, ref, ropt, batch, res)
     res["weights"] = _weights_gap(pm, ref)
     pm.eval()

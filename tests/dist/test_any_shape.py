@@ -72,7 +72,14 @@ AUTOPACK = [{"id": f"{p}-autopack", "plan": p, "mesh": [2], "autopack": True, "s
             for p in ("dp", "zero3", "tp")]
 AUTOPACK.append({"id": "local-autopack", "plan": "ddp", "mesh": [2], "autopack": True,
                  "split": [[2, 2], [2, 2], [2, 1], [1, 4]], **LOCAL})
+# a batch input gathered (pinned replicated): the ranks' shapes must agree every call, so
+# their packs are padded to the widest
+AUTOPACK.append({"id": "gathered-autopack", "plan": "gathered", "mesh": [2], "autopack": True,
+                 "split": [[2, 2], [2, 2], [2, 1], [1, 4]], **LOCAL})
 TWO += AUTOPACK
+# rank 1 pads its second batch on the left, which packing refuses: both ranks raise
+TWO.append({"id": "gathered-autopack-left", "plan": "gathered", "mesh": [2], "autopack": True,
+            "split": [[2, 2], [2, 2]], "left": 1, **LOCAL, "steps": LOCAL["steps"][:2]})
 FOUR = [
     {"id": "dp-tp", "plan": "tp", "mesh": [2, 2], "steps": TRAIN},
     {"id": "zero3", "plan": "zero3", "mesh": [4], "steps": [[16] * 4, [9, 9, 4], [30, 12, 12, 12, 12]]},
@@ -164,6 +171,16 @@ def test_autopar_packs_padded_batches(two, case):
     638b146 ``pack=`` was an unknown option (TypeError)."""
     _check(two[case], 2)
     assert all(r["padding"] == 0.0 for r in two[case]["ranks"])
+
+
+def test_a_rank_that_cannot_pack_is_refused_on_every_rank(two):
+    """Under a plan whose ranks must call with equal shapes (an input gathered), a rank
+    whose batch cannot be packed (left padding) raises its reason, and its peer, which
+    waits for its width, raises naming it instead of hanging in the step."""
+    r0, r1 = two["gathered-autopack-left"]["ranks"]
+    assert not r0["ok"] and not r1["ok"]
+    assert "right-padded" in r1["error"], r1["error"]
+    assert "rank(s) [1] could not pack" in r0["error"], r0["error"]
 
 
 def test_a_rank_with_no_rows_is_told_why(two):
