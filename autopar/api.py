@@ -33,7 +33,7 @@ from autopar.plans.splits import micro_inputs
 from autopar.runtime import agree
 from autopar.runtime.inputs import BatchMode, InputBinder
 from autopar.runtime.mesh import init_mesh, init_plan_mesh, local_device
-from autopar.runtime.packing import packed_example
+from autopar.runtime.packing import example_rows, packed_example
 from autopar.search.entry import joint_plan
 
 DEFAULT_TIMEOUT = 600.0  # seconds; gloo's own default is 30 minutes
@@ -131,7 +131,7 @@ def plan(model: nn.Module, example_inputs: tuple | None = None,
                           "example_kwargs=batch)")
     m = _mesh(mesh)
     if opts.pack:  # captured and priced packed (runtime/packing.py)
-        example_kwargs = packed_example(model, example_kwargs, math.prod(m.shape))
+        example_kwargs = packed_example(model, example_kwargs, example_rows(m.shape, opts))
     return _capture_and_plan(model, tuple(example_inputs or ()), m, example_kwargs, opts)[1]
 
 
@@ -206,9 +206,11 @@ def build_parallel_module(model: nn.Module, example_inputs: tuple, mesh: MeshSpe
     (:func:`autopar.module.habits.adopt`)."""
     if runtime is None:
         runtime = dist.is_initialized() or "RANK" in os.environ
-    if plan.decisions.pack if plan is not None else opts.pack:
-        shape = (plan.mesh if plan is not None else mesh).shape
-        example_kwargs = packed_example(model, example_kwargs, math.prod(shape))
+    if plan is not None and plan.decisions.pack:
+        rows = math.prod(plan.mesh.shape) * plan.decisions.micro_batches
+        example_kwargs = packed_example(model, example_kwargs, rows)
+    elif plan is None and opts.pack:
+        example_kwargs = packed_example(model, example_kwargs, example_rows(mesh.shape, opts))
     with habits.building():
         pm = _build(model, example_inputs, mesh, opts, example_kwargs, runtime, plan, batch,
                     timeout, compile, calibrate)

@@ -170,12 +170,13 @@ def apply_inputs(pm: ParallelModule, binder: InputBinder, batch: BatchMode | str
 @applies("pack")
 def apply_packing(plan: Plan) -> int | None:
     """Under ``pack=True`` (:mod:`autopar.runtime.packing`) the rows a call's right-padded
-    batch is packed into: the whole batch into one per device, or under
-    ``batch="local"`` a rank's own part into one; ``None``: calls run as given."""
+    batch is packed into: the whole batch into one per device and micro-batch, or under
+    ``batch="local"`` a rank's own part into one per micro-batch; ``None``: calls run
+    as given."""
     d = plan.decisions
     if not d.pack:
         return None
-    return 1 if d.batch == BatchMode.LOCAL else math.prod(plan.mesh.shape)
+    return d.micro_batches * (1 if d.batch == BatchMode.LOCAL else math.prod(plan.mesh.shape))
 
 
 def apply_device(gm: nn.Module, tensors: Tensors, ctx: StepContext) -> None:

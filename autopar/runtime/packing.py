@@ -19,15 +19,17 @@ at the packed example (:func:`packed_example`), and :func:`check_model` refuses,
 planning, a model whose packed sequences see each other.
 
 Rows: the whole batch (``batch="global"``) is packed into as many rows as the job has
-ranks, sequences dealt longest first to the row with the fewest tokens, so every rank
-holds a row of nearly equal length; under ``batch="local"`` each rank packs its own
-part into one row, of its own length, as a data-parallel rank runs it, unless the plan
+ranks times the plan's micro-batches (forced ones when planning: the search sees the
+packed batch), sequences dealt longest first to the row with the fewest tokens, so the
+rows are of nearly equal length; under ``batch="local"`` each rank packs its own part
+into one row per micro-batch, of its own length, as a data-parallel rank runs it, unless the plan
 has the ranks' activations meet (a gathered input, a pipeline): then the ranks agree on
 the widest row (one all-gather of an integer, :func:`widest`) and pad to it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,6 +37,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autopar.errors import ConfigError
+from autopar.plans.decisions import PlanOptions
 from autopar.runtime.call_check import gather_rows
 from autopar.runtime.inputs import InputMismatchError
 
@@ -191,6 +194,16 @@ def _packed(key: str, x: torch.Tensor, source: torch.Tensor,
     return out
 
 
+def example_rows(mesh_shape: tuple[int, ...], opts: PlanOptions) -> int:
+    """The rows a ``pack=True`` example is packed into before the search: one per device
+    and forced micro-batch.  Copies (which serve the planned shape only) are refused:
+    a packed call's width is its own."""
+    if opts.copies not in (None, 1):
+        raise ConfigError("pack=True gives every call a shape of its own, and copies= runs "
+                          "the planned shape only: plan without copies")
+    return math.prod(mesh_shape) * (opts.micro_batches or 1)
+
+
 def packed_example(model: torch.nn.Module, kwargs: dict | None, rows: int) -> dict:
     """The example a ``pack=True`` plan is captured and priced at: ``kwargs`` packed
     into ``rows`` rows (one per device), once :func:`check_model` passed."""
@@ -235,4 +248,4 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor) 
     return (out.logits if hasattr(out, "logits") else out[0]).float()
 
 
-__all__ = ["IGNORE", "Packed", "check_model", "pack", "packed_example", "widest"]
+__all__ = ["IGNORE", "Packed", "check_model", "example_rows", "pack", "packed_example", "widest"]

@@ -151,7 +151,7 @@ def train_shapes(c: dict) -> dict:
     pm.eval()
     ref.eval()
     with torch.no_grad():
-        if c.get("autopack"):  # a padded batch: its real tokens' logits, zeros at padding
+        if c.get("autopack") and pm.runner is None and pm.plan.decisions.copies == 1:  # padded: its real tokens' logits, zeros at padding
             one = padded([9, 4, 6], seed=99)
             real = one["attention_mask"].bool()
             out = pm(**one).logits

@@ -69,7 +69,7 @@ TWO += [{"id": f"{p}-packed", "plan": p, "mesh": [2], "batch": "local", "pack": 
 FOUR_LOCAL = [[16] * 4, [10, 7, 10, 3, 8], [16, 16, 12, 5], [20, 5, 9, 9, 9, 3]]
 FOUR_SPLIT = [[1, 1, 1, 1], [1, 1, 2, 1], [1, 1, 1, 1], [2, 1, 1, 2]]
 AUTOPACK = [{"id": f"{p}-autopack", "plan": p, "mesh": [2], "autopack": True, "steps": TRAIN}
-            for p in ("dp", "zero3", "tp")]
+            for p in ("dp", "zero3", "tp", "cp", "pp")]
 AUTOPACK.append({"id": "local-autopack", "plan": "ddp", "mesh": [2], "autopack": True,
                  "split": [[2, 2], [2, 2], [2, 1], [1, 4]], **LOCAL})
 # a batch input gathered (pinned replicated): the ranks' shapes must agree every call, so
@@ -170,7 +170,8 @@ def test_autopar_packs_padded_batches(two, case):
     exactly 0, which only a packed run returns (the padded one computes them).  On
     638b146 ``pack=`` was an unknown option (TypeError)."""
     _check(two[case], 2)
-    assert all(r["padding"] == 0.0 for r in two[case]["ranks"])
+    if case != "pp-autopack":  # a schedule's evaluation gives the loss (its logits stay on the last stage)
+        assert all(r["padding"] == 0.0 for r in two[case]["ranks"])
 
 
 def test_a_rank_that_cannot_pack_is_refused_on_every_rank(two):

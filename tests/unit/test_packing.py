@@ -140,3 +140,13 @@ def test_plan_is_priced_packed(llama):
     assert p.decisions.pack and p.decisions.global_batch == 2
     assert "priced at batch 2 x seq 21 (42 tokens)" in p.explain("shapes"), p.explain("shapes")
     assert "pack=True" in p.explain("shapes")
+
+
+def test_copies_are_refused_with_pack(llama):
+    """Copies run the planned shape only; a packed call's width is its own."""
+    import autopar
+    from autopar import MeshSpec
+
+    with pytest.raises(ConfigError, match="plan without copies"):
+        autopar.plan(llama, example_kwargs=padded([16, 8]), pack=True, copies=2,
+                     mesh=MeshSpec.preset("cpu-gloo", shape=(2,)))
