@@ -209,6 +209,26 @@ def train_packed(c: dict) -> dict:
     return {**res, **_built(pm)}
 
 
+def export_packed(c: dict) -> dict:
+    """A ``pack=True`` module exported and loaded (``autopar.load``): the loaded one
+    packs too, its loss and logits the live module's on a batch that packs to the
+    planned shape (a loaded export serves that shape only: it has no model to capture)."""
+    import autopar
+
+    model = _model()
+    pm = build(c, model, padded([16] * 4, seed=0))
+    pm.export(c["dir"])
+    loaded = autopar.load(c["dir"])
+    batch = padded([16, 16, 16, 9], seed=5)  # packs to 2 rows of 32 (16 + 16; 16 + 9 + a tail)
+    pm.eval()
+    loaded.eval()
+    with torch.no_grad():
+        a, b = pm(**batch), loaded(**batch)
+    real = batch["attention_mask"].bool()
+    return {"loss": abs(float(a.loss) - float(b.loss)), "logits": (a.logits - b.logits).abs().max().item(),
+            "padding": b.logits[~real].abs().max().item(), "pack_rows": loaded.pack_rows}
+
+
 def run(c: dict) -> dict:
     """Every rank runs case ``c``; rank 0's dict goes back (with every rank's losses)."""
     import sys
@@ -216,7 +236,8 @@ def run(c: dict) -> dict:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
     try:
-        fn = compile_lengths if c.get("compile") else train_packed if c.get("pack") else train_shapes
+        fn = (compile_lengths if c.get("compile") else train_packed if c.get("pack")
+              else export_packed if c.get("dir") else train_shapes)
         res = {"ok": True, **fn(c)}
     except Exception as e:  # noqa: BLE001 - the test asserts on the error every rank saw
         res = {"ok": False, "error": f"{type(e).__name__}: {e}"}

@@ -174,6 +174,17 @@ def test_autopar_packs_padded_batches(two, case):
         assert all(r["padding"] == 0.0 for r in two[case]["ranks"])
 
 
+def test_a_packing_export_loads_packing(tmp_path):
+    """``pm.export`` of a ``pack=True`` module and ``autopar.load``: the plan carries the
+    decision, so the loaded module packs the padded batch as the live one does (the same
+    graph: equal loss and logits; zeros at padding)."""
+    res = run_fn_cases(2, FN, [{"id": "export", "plan": "zero3", "mesh": [2], "autopack": True,
+                                "dir": str(tmp_path / "export")}])
+    for r in res["export"]["ranks"]:
+        assert r["ok"], r.get("error")
+        assert (r["loss"], r["logits"], r["padding"], r["pack_rows"]) == (0.0, 0.0, 0.0, 2), r
+
+
 def test_a_rank_that_cannot_pack_is_refused_on_every_rank(two):
     """Under a plan whose ranks must call with equal shapes (an input gathered), a rank
     whose batch cannot be packed (left padding) raises its reason, and its peer, which
