@@ -263,7 +263,7 @@ def compile_lengths(c: dict) -> dict:
     pm = auto_parallel(model, example_kwargs=padded([16] * 4, seed=0),
                        mesh=MeshSpec.preset("cpu-gloo", shape=mesh), search="ilp", compile=True,
                        pins=hf_zoo.tp_pins("llama", mesh) if c["plan"] == "tp" else {},
-                       **PLANS.get(c["plan"], {}))
+                       **PLANS.get(c["plan"], {}), **({"pack": True} if c.get("autopack") else {}))
     opt = torch.optim.SGD(pm.parameters(), lr=1e-2)
     ropt = torch.optim.SGD(ref.parameters(), lr=1e-2)
     rng = random.Random(5)
