@@ -6,8 +6,10 @@ batch as it comes and runs only its real tokens: each call's sequences are laid 
 back in a few rows (as Hugging Face's ``DataCollatorWithFlattening`` lays them), with
 ``position_ids`` restarting at 0 at each sequence and no ``attention_mask``, which a
 Hugging Face causal LM reads as "these are separate sequences" (its packed-sequence
-mask).  The outputs come back in the caller's layout: a ``[rows, length, ...]`` output
-(the logits) is scattered back to ``[batch, length, ...]``, zeros at padding.
+mask).  The outputs come back in the caller's layout: a ``[rows, width, ...]`` output
+(the logits) is scattered back to ``[batch, length, ...]``, zeros at padding.  Opt-in,
+not the default: a loop whose batches are left-padded or whose labels are not -100 at
+padding runs as it is without it, and would be refused with it.
 
 Exact where padding was ignored anyway: each real token sees the same tokens at the same
 positions, and a label is predicted by the same logit.  So the call must be right-padded
@@ -22,9 +24,9 @@ Rows: the whole batch (``batch="global"``) is packed into as many rows as the jo
 ranks times the plan's micro-batches (forced ones when planning: the search sees the
 packed batch), sequences dealt longest first to the row with the fewest tokens, so the
 rows are of nearly equal length; under ``batch="local"`` each rank packs its own part
-into one row per micro-batch, of its own length, as a data-parallel rank runs it, unless the plan
-has the ranks' activations meet (a gathered input, a pipeline): then the ranks agree on
-the widest row (one all-gather of an integer, :func:`widest`) and pad to it.
+into one row per micro-batch, of its own length, as a data-parallel rank runs it, unless
+the plan has the ranks' activations meet (a gathered input, a pipeline): then the ranks
+agree on the widest row (one all-gather of an integer, :func:`widest`) and pad to it.
 """
 
 from __future__ import annotations
