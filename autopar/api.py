@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -33,7 +32,7 @@ from autopar.plans.splits import micro_inputs
 from autopar.runtime import agree
 from autopar.runtime.inputs import BatchMode, InputBinder
 from autopar.runtime.mesh import init_mesh, init_plan_mesh, local_device
-from autopar.runtime.packing import example_rows, packed_example
+from autopar.runtime.packing import example_rows, global_rows, packed_example
 from autopar.search.entry import joint_plan
 
 DEFAULT_TIMEOUT = 600.0  # seconds; gloo's own default is 30 minutes
@@ -207,7 +206,7 @@ def build_parallel_module(model: nn.Module, example_inputs: tuple, mesh: MeshSpe
     if runtime is None:
         runtime = dist.is_initialized() or "RANK" in os.environ
     if plan is not None and plan.decisions.pack:
-        rows = math.prod(plan.mesh.shape) * plan.decisions.micro_batches
+        rows = global_rows(plan.mesh.shape, plan.decisions.micro_batches)
         example_kwargs = packed_example(model, example_kwargs, rows)
     elif plan is None and opts.pack:
         example_kwargs = packed_example(model, example_kwargs, example_rows(mesh.shape, opts))

@@ -32,7 +32,6 @@ checks that every decision's is a step called here (or at capture or lowering).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -57,6 +56,7 @@ from autopar.runtime.dparams import DParams, Entry, as_dtensor, register_tree
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.inputs import BatchMode, InputBinder, data_parallel_axes, passthrough_inputs
 from autopar.runtime.mesh import RuntimeMesh
+from autopar.runtime.packing import global_rows
 from autopar.runtime.pipeline import PipelineRunner
 from autopar.runtime.zero import Zero
 from autopar.runtime.zero_layout import check as check_layout
@@ -176,7 +176,7 @@ def apply_packing(plan: Plan) -> int | None:
     d = plan.decisions
     if not d.pack:
         return None
-    return d.micro_batches * (1 if d.batch == BatchMode.LOCAL else math.prod(plan.mesh.shape))
+    return d.micro_batches if d.batch == BatchMode.LOCAL else global_rows(plan.mesh.shape, d.micro_batches)
 
 
 def apply_device(gm: nn.Module, tensors: Tensors, ctx: StepContext) -> None:

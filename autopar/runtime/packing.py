@@ -196,6 +196,11 @@ def _packed(key: str, x: torch.Tensor, source: torch.Tensor,
     return out
 
 
+def global_rows(mesh_shape: tuple[int, ...], micro_batches: int) -> int:
+    """The rows a whole (global) batch is packed into: one per device and micro-batch."""
+    return math.prod(mesh_shape) * micro_batches
+
+
 def example_rows(mesh_shape: tuple[int, ...], opts: PlanOptions) -> int:
     """The rows a ``pack=True`` example is packed into before the search: one per device
     and forced micro-batch.  Copies (which serve the planned shape only) are refused:
@@ -203,7 +208,7 @@ def example_rows(mesh_shape: tuple[int, ...], opts: PlanOptions) -> int:
     if opts.copies not in (None, 1):
         raise ConfigError("pack=True gives every call a shape of its own, and copies= runs "
                           "the planned shape only: plan without copies")
-    return math.prod(mesh_shape) * (opts.micro_batches or 1)
+    return global_rows(mesh_shape, opts.micro_batches or 1)
 
 
 def packed_example(model: torch.nn.Module, kwargs: dict | None, rows: int) -> dict:
@@ -250,4 +255,4 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor) 
     return (out.logits if hasattr(out, "logits") else out[0]).float()
 
 
-__all__ = ["IGNORE", "Packed", "check_model", "example_rows", "pack", "packed_example", "widest"]
+__all__ = ["IGNORE", "Packed", "check_model", "example_rows", "global_rows", "pack", "packed_example", "widest"]
